@@ -1,0 +1,27 @@
+# make test  : create .venv, install MPI + the engine, run the whole suite (what .ci/run calls)
+# make demo  : the main job: a 2-rank allreduce demo that prints its measured time
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NRANKS ?= 2
+# Open MPI refuses root without these; more ranks than cores need yielding while polling.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_mpi_yield_when_idle := 1
+
+.PHONY: setup test demo clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements-dev.txt pyproject.toml setup.py $(wildcard pyx/*)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+test: setup
+	$(PY) -m pytest tests
+
+demo: setup
+	$(VENV)/bin/mpiexec -n $(NRANKS) $(PY) examples/allreduce_demo.py
+
+clean:
+	rm -rf build engine/*.so pyx/_core.c *.egg-info

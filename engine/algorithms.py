@@ -1,0 +1,39 @@
+"""Which allreduce algorithm runs: an ordered registry of (name, predicate); the first match wins.
+
+ENGINE_ALLREDUCE_ALGO forces one (native | ring | rdouble); `auto` (the default) walks the rules.
+Thresholds were chosen by measurement on 2-4 ranks (see BENCHMARKS.md) and can be overridden:
+ENGINE_RDOUBLE_MAX_BYTES (largest message for recursive doubling) and ENGINE_RING_MIN_BYTES
+(smallest message for the ring; between the two the native MPI collective runs).
+"""
+
+from .config import env_choice, env_int
+
+ALGORITHMS = ("native", "ring", "rdouble")
+INT_MAX = 2**31 - 1
+
+
+class AllreduceSelector:
+    """Picks an algorithm per call from (message bytes, element count, group size)."""
+
+    def __init__(self):
+        self.forced = env_choice("ENGINE_ALLREDUCE_ALGO", ALGORITHMS + ("auto",), "auto")
+        self.rdouble_max = env_int("ENGINE_RDOUBLE_MAX_BYTES", 16 << 10)
+        self.ring_min = env_int("ENGINE_RING_MIN_BYTES", 32 << 10)
+        # Ordered rules; the first whose predicate holds names the algorithm.
+        self.rules = (
+            ("native", lambda nbytes, count, size: size == 1),
+            ("ring", lambda nbytes, count, size: count > INT_MAX),  # MPI's int counts can't hold it
+            ("rdouble", lambda nbytes, count, size: nbytes <= self.rdouble_max),
+            ("ring", lambda nbytes, count, size: nbytes >= self.ring_min),
+            ("native", lambda nbytes, count, size: True),
+        )
+
+    def choose(self, nbytes, count, size, requested=None):
+        name = requested or self.forced
+        if name == "auto":
+            for name, applies in self.rules:
+                if applies(nbytes, count, size):
+                    return name
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown allreduce algorithm {name!r}; expected one of {', '.join(ALGORITHMS)} or 'auto'")
+        return name

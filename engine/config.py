@@ -1,0 +1,20 @@
+"""Environment variables that tune the engine, read in one place. Documented in README.md."""
+
+import os
+
+
+def env_int(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(float(raw.rstrip("kKmMgG")) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number (sizes accept K/M/G suffixes)") from None
+
+
+def env_choice(name, choices, default):
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw

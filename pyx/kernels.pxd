@@ -1,0 +1,19 @@
+# C declarations of kernels.h (the kernels themselves are plain C so they vectorise).
+
+cdef extern from "kernels.h" nogil:
+    enum:
+        ENG_BOOL, ENG_INT8, ENG_UINT8, ENG_INT16, ENG_UINT16, ENG_INT32, ENG_UINT32,
+        ENG_INT64, ENG_UINT64, ENG_FLOAT16, ENG_BFLOAT16, ENG_FLOAT32, ENG_FLOAT64,
+        ENG_COMPLEX64, ENG_COMPLEX128, ENG_NDTYPES
+    enum:
+        ENG_SUM, ENG_PRODUCT, ENG_MIN, ENG_MAX, ENG_BAND, ENG_BOR, ENG_BXOR, ENG_NOPS
+
+    ctypedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n) noexcept nogil
+
+    eng_reduce_fn eng_reduce_lookup(int dtype, int op)
+    int eng_scale(void *data, size_t n, int dtype, double factor, int divide)
+    int eng_convertible(int d, int s, double scale)
+    int eng_pack(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
+                 size_t nparts, int s, size_t s_itemsize, double scale)
+    int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
+                   size_t nparts, int d, size_t d_itemsize, double scale)

@@ -1,0 +1,207 @@
+# One layer turns any buffer into (pointer, element count, dtype): torch CPU tensors (read through
+# their own accessors, no copy, bfloat16 included), the buffer protocol (numpy, bytearray, ...) and
+# DLPack. Every collective and kernel takes its buffers through as_message().
+
+from cpython.buffer cimport (PyObject_CheckBuffer, PyObject_GetBuffer, PyBuffer_Release,
+                             PyBUF_FORMAT, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE,
+                             PyBUF_STRIDES)
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_SetName
+
+cdef extern from "dlpack.h":
+    ctypedef struct DLDevice:
+        int device_type
+    ctypedef struct DLDataType:
+        unsigned char code
+        unsigned char bits
+        unsigned short lanes
+    ctypedef struct DLTensor:
+        void *data
+        DLDevice device
+        int ndim
+        DLDataType dtype
+        long long *shape
+        long long *strides
+        unsigned long long byte_offset
+    ctypedef struct DLManagedTensor:
+        DLTensor dl_tensor
+        void (*deleter)(DLManagedTensor *)
+    enum: kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLComplex, kDLBool, kDLCPU, kDLCUDAHost
+
+
+cdef class Message:
+    """A contiguous CPU buffer seen as (ptr, count, dtype); keeps its owner alive while in use."""
+    cdef void *ptr
+    cdef size_t count
+    cdef int dtype
+    cdef size_t itemsize
+    cdef object owner
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef DLManagedTensor *managed
+
+    def __dealloc__(self):
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+        if self.managed != NULL and self.managed.deleter != NULL:
+            self.managed.deleter(self.managed)
+
+    @property
+    def count(self):
+        return self.count
+
+    @property
+    def dtype(self):
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def address(self):
+        return <size_t>self.ptr
+
+
+cdef dict _TORCH_DTYPES = None   # torch.dtype -> engine dtype code, filled on first torch tensor
+cdef object _TorchTensor = None
+
+
+cdef bint _is_torch_tensor(object obj):
+    global _TorchTensor, _TORCH_DTYPES
+    if _TorchTensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:   # torch not imported: obj can't be a tensor
+            return False
+        _TorchTensor = torch.Tensor
+        _TORCH_DTYPES = {getattr(torch, name): code for code, name in enumerate(DTYPE_NAMES)
+                         if hasattr(torch, name)}
+    return isinstance(obj, _TorchTensor)
+
+
+cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
+    """The engine dtype of a buffer-protocol (struct module) format string, or -1."""
+    cdef bytes f = fmt if fmt != NULL else b"B"
+    if f[:1] in (b"<", b"=", b"@"):
+        f = f[1:]
+    elif f[:1] in (b">", b"!"):
+        return -1
+    if f == b"?":
+        return ENG_BOOL
+    if f == b"e":
+        return ENG_FLOAT16
+    if f == b"f":
+        return ENG_FLOAT32
+    if f == b"d":
+        return ENG_FLOAT64
+    if f == b"Zf":
+        return ENG_COMPLEX64
+    if f == b"Zd":
+        return ENG_COMPLEX128
+    if len(f) == 1 and f in b"bhilq":
+        return {1: ENG_INT8, 2: ENG_INT16, 4: ENG_INT32, 8: ENG_INT64}.get(itemsize, -1)
+    if len(f) == 1 and f in b"BHILQc":
+        return {1: ENG_UINT8, 2: ENG_UINT16, 4: ENG_UINT32, 8: ENG_UINT64}.get(itemsize, -1)
+    return -1
+
+
+cdef int _dlpack_dtype(DLDataType t) noexcept:
+    if t.lanes != 1:
+        return -1
+    if t.code == kDLBool and t.bits == 8:
+        return ENG_BOOL
+    if t.code == kDLInt:
+        return {8: ENG_INT8, 16: ENG_INT16, 32: ENG_INT32, 64: ENG_INT64}.get(t.bits, -1)
+    if t.code == kDLUInt:
+        return {8: ENG_UINT8, 16: ENG_UINT16, 32: ENG_UINT32, 64: ENG_UINT64}.get(t.bits, -1)
+    if t.code == kDLFloat:
+        return {16: ENG_FLOAT16, 32: ENG_FLOAT32, 64: ENG_FLOAT64}.get(t.bits, -1)
+    if t.code == kDLBfloat and t.bits == 16:
+        return ENG_BFLOAT16
+    if t.code == kDLComplex:
+        return {64: ENG_COMPLEX64, 128: ENG_COMPLEX128}.get(t.bits, -1)
+    return -1
+
+
+cdef str _describe(object obj):
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+cdef Message as_message(object obj, bint writable, str role):
+    """Reads obj as a contiguous CPU buffer; raises TypeError/ValueError naming `role` and the fix."""
+    cdef Message m = Message.__new__(Message)
+    cdef int flags, code
+    cdef DLManagedTensor *mt
+    cdef DLTensor *t
+    cdef long long expect
+    cdef Py_ssize_t i
+    m.owner = obj
+    if _is_torch_tensor(obj):
+        if not obj.is_cpu:
+            raise ValueError(
+                f"{role} is a {obj.device} tensor: the MPI path moves CPU tensors only; "
+                "move it with .cpu() (CUDA tensors go through the NCCL path)")
+        code = _TORCH_DTYPES.get(obj.dtype, -1)
+        if code < 0:
+            raise TypeError(f"{role} has dtype {obj.dtype}, which the engine does not support; "
+                            f"supported: {', '.join(DTYPE_NAMES)}")
+        if not obj.is_contiguous():
+            raise ValueError(f"{role} is not contiguous; pass tensor.contiguous() "
+                             "(and copy the result back if it is an output)")
+        m.ptr = <void*><size_t>obj.data_ptr()
+        m.count = obj.numel()
+        m.dtype = code
+        m.itemsize = ITEMSIZE[code]
+        return m
+    if PyObject_CheckBuffer(obj):
+        flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+        try:
+            PyObject_GetBuffer(obj, &m.view, flags)
+        except BufferError as exc:
+            if writable and PyObject_GetBuffer(obj, &m.view, PyBUF_FORMAT | PyBUF_STRIDES) == 0:
+                ro = "read-only" if m.view.readonly else "not C-contiguous"
+                PyBuffer_Release(&m.view)
+                raise ValueError(f"{role} ({_describe(obj)}) is {ro}; the engine writes into it, so pass "
+                                 "a writable C-contiguous array (e.g. numpy.ascontiguousarray(x).copy())") from exc
+            raise ValueError(f"{role} ({_describe(obj)}) is not C-contiguous; "
+                             "pass a C-contiguous copy (numpy.ascontiguousarray(x))") from exc
+        m.has_view = True
+        code = _format_dtype(m.view.format, m.view.itemsize)
+        if code < 0:
+            raise TypeError(f"{role} has buffer format {m.view.format!r}, which the engine does not support; "
+                            f"supported dtypes: {', '.join(DTYPE_NAMES)} (native byte order)")
+        m.ptr = m.view.buf
+        m.count = <size_t>(m.view.len // m.view.itemsize)
+        m.dtype = code
+        m.itemsize = ITEMSIZE[code]
+        return m
+    if hasattr(obj, "__dlpack__"):
+        capsule = obj.__dlpack__()
+        if not PyCapsule_IsValid(capsule, b"dltensor"):
+            raise TypeError(f"{role}: __dlpack__ returned an unexpected capsule")
+        mt = <DLManagedTensor*>PyCapsule_GetPointer(capsule, b"dltensor")
+        PyCapsule_SetName(capsule, b"used_dltensor")
+        m.managed = mt
+        t = &mt.dl_tensor
+        if t.device.device_type != kDLCPU and t.device.device_type != kDLCUDAHost:
+            raise ValueError(f"{role} lives on DLPack device type {t.device.device_type}; "
+                             "the MPI path moves host memory only")
+        code = _dlpack_dtype(t.dtype)
+        if code < 0:
+            raise TypeError(f"{role} has an unsupported DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits)")
+        m.count = 1
+        for i in range(t.ndim):
+            m.count *= <size_t>t.shape[i]
+        if t.strides != NULL and m.count > 1:
+            expect = 1
+            for i in range(t.ndim - 1, -1, -1):
+                if t.shape[i] != 1 and t.strides[i] != expect:
+                    raise ValueError(f"{role} is not C-contiguous; pass a contiguous copy")
+                expect *= t.shape[i]
+        m.ptr = <char*>t.data + t.byte_offset
+        m.dtype = code
+        m.itemsize = ITEMSIZE[code]
+        return m
+    raise TypeError(f"{role} must be a buffer (numpy array, torch CPU tensor, bytearray or a DLPack "
+                    f"object), got {_describe(obj)}")
+
+
+def message_info(obj, bint writable=False):
+    """(address, count, dtype name) of obj as the engine sees it; for tests and debugging."""
+    cdef Message m = as_message(obj, writable, "buffer")
+    return (<size_t>m.ptr, m.count, DTYPE_NAMES[m.dtype])

@@ -1,0 +1,236 @@
+# The engine's allreduce algorithms, each a small class whose constructor allocates and whose run()
+# only moves data (Gloo's pattern). run() is a nogil C function: no Python per step or segment.
+
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcpy
+
+cdef enum:
+    RING_SLOTS = 4   # receive segments in flight per rank (temporary buffers of the ring)
+
+
+cdef inline void block_range(size_t count, size_t nblocks, size_t b, size_t *off, size_t *length) noexcept nogil:
+    """Block b of count elements split in nblocks near-equal blocks; the first count % nblocks get one more."""
+    cdef size_t base = count // nblocks, extra = count % nblocks
+    length[0] = base + (1 if b < extra else 0)
+    off[0] = b * base + (b if b < extra else extra)
+
+
+def ring_block(size_t count, size_t nblocks, size_t b):
+    """(offset, length) of block b: the chunk arithmetic of the ring, exposed for tests."""
+    cdef size_t off, length
+    if nblocks == 0 or b >= nblocks:
+        raise ValueError(f"block {b} out of range for {nblocks} blocks")
+    block_range(count, nblocks, b, &off, &length)
+    return off, length
+
+
+def ring_segments(size_t length, size_t segment_elems):
+    """[(offset, length)] of the pipeline segments of one block."""
+    if segment_elems == 0:
+        raise ValueError("segment_elems must be positive")
+    return [(o, min(segment_elems, length - o)) for o in range(0, length, segment_elems)]
+
+
+cdef inline int mod(int a, int n) noexcept nogil:
+    return ((a % n) + n) % n
+
+
+cdef class RingAllreduce:
+    """Segmented, pipelined ring: reduce-scatter then allgather over 2(P-1) steps.
+
+    Step j receives block (r-j-1) from the left neighbour and sends block (r-j) to the right one; a
+    block is cut in segments of seg_bytes. The first P-1 steps reduce a received segment into the
+    output (dst = tmp op src); the last P-1 receive final segments in place. Each segment is sent on
+    to the right as soon as it is ready, so the reduction of one segment overlaps the transfer of the
+    next ones (up to RING_SLOTS receives in flight).
+    """
+    cdef MPI_Comm comm
+    cdef int rank, size
+    cdef readonly size_t seg_bytes
+    cdef char *tmp                # RING_SLOTS segments, written only by the left neighbour
+    cdef MPI_Request rreqs[RING_SLOTS]
+    cdef MPI_Request *sreqs       # one per segment sent in a run; grows, never shrinks
+    cdef size_t sreq_cap
+    cdef size_t *rbase            # rbase[j]: index of step j's first received segment
+    cdef size_t *sbase            # sbase[j]: index of step j's first sent segment
+
+    def __cinit__(self, Comm comm, size_t seg_bytes):
+        self.comm = comm.ob_mpi
+        check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
+        check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+        if seg_bytes < 16:
+            raise ValueError(f"ring segment size must be at least 16 bytes, got {seg_bytes}")
+        self.seg_bytes = seg_bytes
+        self.tmp = <char*>malloc(RING_SLOTS * seg_bytes)
+        self.rbase = <size_t*>malloc((2 * self.size) * sizeof(size_t))
+        self.sbase = <size_t*>malloc((2 * self.size) * sizeof(size_t))
+        if self.tmp == NULL or self.rbase == NULL or self.sbase == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.tmp)
+        free(self.sreqs)
+        free(self.rbase)
+        free(self.sbase)
+
+    cdef inline size_t nseg(self, size_t length, size_t segc) noexcept nogil:
+        return (length + segc - 1) // segc
+
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn) noexcept nogil:
+        """Returns 0, an MPI error code, or -1 when out of memory."""
+        cdef int P = self.size, r = self.rank, ierr = 0
+        cdef int left = mod(r - 1, P), right = mod(r + 1, P)
+        cdef int steps = 2 * (P - 1), j, t, pj = 0, cj = 0
+        cdef size_t segc = self.seg_bytes // isz, total_r = 0, total_s = 0
+        cdef size_t off, blen, soff, slen, pk = 0, ck = 0, posted = 0, processed = 0, k
+        cdef size_t i
+        cdef char *buf
+        if P == 1 or count == 0:
+            if src != dst and count:
+                memcpy(dst, src, count * isz)
+            return 0
+        if segc == 0:
+            segc = 1
+        for j in range(steps):
+            self.rbase[j] = total_r
+            block_range(count, P, mod(r - j - 1, P), &off, &blen)
+            total_r += self.nseg(blen, segc)
+            self.sbase[j] = total_s
+            block_range(count, P, mod(r - j, P), &off, &blen)
+            total_s += self.nseg(blen, segc)
+        self.rbase[steps] = total_r
+        if total_s > self.sreq_cap:
+            buf = <char*>realloc(self.sreqs, total_s * sizeof(MPI_Request))
+            if buf == NULL:
+                return -1
+            self.sreqs = <MPI_Request*>buf
+            self.sreq_cap = total_s
+        for i in range(total_s):
+            self.sreqs[i] = MPI_REQUEST_NULL
+        for i in range(RING_SLOTS):
+            self.rreqs[i] = MPI_REQUEST_NULL
+
+        # Step 0 sends this rank's own block, straight from the input.
+        block_range(count, P, r, &off, &blen)
+        for k in range(self.nseg(blen, segc)):
+            slen = min(segc, blen - k * segc)
+            ierr = MPI_Isend(src + (off + k * segc) * isz, <int>(slen * isz), MPI_BYTE, right, 0,
+                             self.comm, &self.sreqs[k])
+            if ierr:
+                return ierr
+
+        while processed < total_r:
+            # Post receives ahead, in the order the left neighbour sends.
+            while posted < total_r and posted < processed + RING_SLOTS:
+                while self.rbase[pj + 1] <= posted:
+                    pj += 1
+                pk = posted - self.rbase[pj]
+                block_range(count, P, mod(r - pj - 1, P), &off, &blen)
+                slen = min(segc, blen - pk * segc)
+                if pj < P - 1:
+                    buf = self.tmp + (posted % RING_SLOTS) * self.seg_bytes
+                else:
+                    # Allgather receives in place: the segment's reduce-scatter send (step t) must
+                    # have been posted (it is, once step t-1's segment pk was processed) and be done.
+                    t = pj - (P - 1)
+                    if t > 0 and self.rbase[t - 1] + pk >= processed:
+                        break
+                    ierr = MPI_Wait(&self.sreqs[self.sbase[t] + pk], MPI_STATUS_IGNORE)
+                    if ierr:
+                        return ierr
+                    buf = dst + (off + pk * segc) * isz
+                ierr = MPI_Irecv(buf, <int>(slen * isz), MPI_BYTE, left, 0, self.comm,
+                                 &self.rreqs[posted % RING_SLOTS])
+                if ierr:
+                    return ierr
+                posted += 1
+
+            while self.rbase[cj + 1] <= processed:
+                cj += 1
+            ck = processed - self.rbase[cj]
+            block_range(count, P, mod(r - cj - 1, P), &off, &blen)
+            soff = off + ck * segc
+            slen = min(segc, blen - ck * segc)
+            ierr = MPI_Wait(&self.rreqs[processed % RING_SLOTS], MPI_STATUS_IGNORE)
+            if ierr:
+                return ierr
+            if cj < P - 1:
+                fn(dst + soff * isz, self.tmp + (processed % RING_SLOTS) * self.seg_bytes,
+                   src + soff * isz, slen)
+            if cj + 1 < steps:
+                ierr = MPI_Isend(dst + soff * isz, <int>(slen * isz), MPI_BYTE, right, 0, self.comm,
+                                 &self.sreqs[self.sbase[cj + 1] + ck])
+                if ierr:
+                    return ierr
+            processed += 1
+        return MPI_Waitall(<int>total_s, self.sreqs, MPI_STATUSES_IGNORE)
+
+
+cdef class RecursiveDoubling:
+    """Latency-optimal allreduce: log2(P) exchanges of the whole vector with partners at distance
+    1, 2, 4, ...; for P not a power of two the first 2*(P - p2) ranks pair up first (Rabenseifner's
+    fold). Each pair reduces lower-rank data first, so every rank ends with the same bits."""
+    cdef MPI_Comm comm
+    cdef int rank, size
+    cdef char *tmp
+    cdef size_t tmp_cap
+
+    def __cinit__(self, Comm comm):
+        self.comm = comm.ob_mpi
+        check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
+        check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+
+    def __dealloc__(self):
+        free(self.tmp)
+
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn) noexcept nogil:
+        cdef int P = self.size, r = self.rank, ierr = 0
+        cdef int p2 = 1, rem, newrank, mask, newpeer, peer
+        cdef size_t nbytes = count * isz
+        cdef int n = <int>nbytes
+        cdef char *grown
+        if src != dst and nbytes:
+            memcpy(dst, src, nbytes)
+        if P == 1 or count == 0:
+            return 0
+        if nbytes > self.tmp_cap:
+            grown = <char*>realloc(self.tmp, nbytes)
+            if grown == NULL:
+                return -1
+            self.tmp = grown
+            self.tmp_cap = nbytes
+        while p2 * 2 <= P:
+            p2 *= 2
+        rem = P - p2
+        if r < 2 * rem:
+            if r % 2 == 0:
+                ierr = MPI_Send(dst, n, MPI_BYTE, r + 1, 1, self.comm)
+                newrank = -1
+            else:
+                ierr = MPI_Recv(self.tmp, n, MPI_BYTE, r - 1, 1, self.comm, MPI_STATUS_IGNORE)
+                fn(dst, self.tmp, dst, count)
+                newrank = r // 2
+            if ierr:
+                return ierr
+        else:
+            newrank = r - rem
+        if newrank >= 0:
+            mask = 1
+            while mask < p2:
+                newpeer = newrank ^ mask
+                peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
+                ierr = MPI_Sendrecv(dst, n, MPI_BYTE, peer, 2, self.tmp, n, MPI_BYTE, peer, 2,
+                                    self.comm, MPI_STATUS_IGNORE)
+                if ierr:
+                    return ierr
+                if peer < r:
+                    fn(dst, self.tmp, dst, count)
+                else:
+                    fn(dst, dst, self.tmp, count)
+                mask <<= 1
+        if r < 2 * rem:
+            if r % 2:
+                ierr = MPI_Send(dst, n, MPI_BYTE, r - 1, 3, self.comm)
+            else:
+                ierr = MPI_Recv(dst, n, MPI_BYTE, r + 1, 3, self.comm, MPI_STATUS_IGNORE)
+        return ierr

@@ -1,0 +1,268 @@
+"""Every collective against references each rank computes from every rank's deterministic data."""
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+from refdata import FLOAT_DTYPES, NUMPY_DTYPES, OPS, bf16, op_supported, rank_data, reference
+
+WORLD = engine.world()
+R, P = WORLD.rank, WORLD.size
+# Tiny ring segments reach the multi-segment pipeline with small data (the default is 512 KB).
+TINY = engine.Communicator(ring_segment_bytes=64)
+COUNTS = [0, 1, P - 1 if P > 1 else 2, 5, 17, 1031]
+ALGOS = ["native", "ring", "rdouble"]
+
+
+def everyone(n, dtype, salt=0):
+    return [rank_data(r, n, dtype, salt) for r in range(P)]
+
+
+@pytest.mark.parametrize("comm", [WORLD, TINY], ids=["default-seg", "64B-seg"])
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+def test_allreduce_every_op_count_algorithm(comm, algo, dtype):
+    for op in OPS:
+        if not op_supported(op, dtype):
+            continue
+        for n in COUNTS:
+            ref = reference(op, everyone(n, dtype))
+            out = np.full(n, 99, dtype=dtype)
+            comm.allreduce(rank_data(R, n, dtype), out, op=op, algorithm=algo)
+            np.testing.assert_array_equal(out, ref, err_msg=f"{algo} {op} {dtype} n={n} out-of-place")
+            buf = rank_data(R, n, dtype)
+            comm.allreduce(buf, op=op, algorithm=algo)
+            np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} n={n} in place")
+
+
+@pytest.mark.parametrize("algo", ALGOS + [None])
+def test_allreduce_bfloat16_torch_tensors(algo):
+    for op in ["sum", "product", "min", "max", "avg"]:
+        for n in COUNTS:
+            arrays = everyone(n, "float32")
+            ref = reference(op, arrays) if op != "avg" else np.add.reduce(np.stack(arrays), axis=0) / P
+            t = bf16(rank_data(R, n, "float32"))
+            TINY.allreduce(t, op=op, algorithm=algo)
+            assert torch.equal(t, bf16(ref)), (algo, op, n, t[:8], ref[:8])
+
+
+def test_allreduce_torch_tensors_without_copies():
+    t = torch.arange(10, dtype=torch.float32) * (R + 1)
+    ptr = t.data_ptr()
+    WORLD.allreduce(t)
+    assert t.data_ptr() == ptr
+    assert torch.equal(t, torch.arange(10, dtype=torch.float32) * (P * (P + 1) / 2))
+
+
+def test_allreduce_results_bitwise_identical_on_all_ranks():
+    # Non-integer floats: rounding depends on the reduction order, but every rank must get the same bits.
+    rng = np.random.default_rng(R)
+    for algo in ALGOS:
+        x = rng.standard_normal(10007).astype(np.float32)
+        WORLD.allreduce(x, algorithm=algo)
+        allx = np.empty(10007 * P, np.float32)
+        WORLD.allgather(x, allx)
+        for r in range(P):
+            np.testing.assert_array_equal(allx[r * 10007:(r + 1) * 10007], x, err_msg=algo)
+
+
+def test_auto_selection_uses_every_algorithm_correctly():
+    for nbytes in [4, 4096, 16 << 10, 24 << 10, 32 << 10, 1 << 20]:
+        n = nbytes // 4
+        x = rank_data(R, n, "float32")
+        WORLD.allreduce(x)
+        np.testing.assert_array_equal(x, reference("sum", everyone(n, "float32")), err_msg=WORLD.algorithm_for(nbytes))
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES + ["complex64"])
+def test_broadcast(dtype):
+    for root in range(P):
+        for n in COUNTS:
+            buf = rank_data(R, n, dtype if dtype != "complex64" else "float32").astype(dtype)
+            WORLD.broadcast(buf, root=root)
+            np.testing.assert_array_equal(buf, rank_data(root, n, dtype if dtype != "complex64" else "float32"))
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float16", "float32", "uint8", "bool"])
+def test_reduce(dtype):
+    for root in range(P):
+        for op in OPS:
+            if not op_supported(op, dtype):
+                continue
+            for n in COUNTS:
+                ref = reference(op, everyone(n, dtype))
+                out = np.zeros(n, dtype) if R == root else None
+                WORLD.reduce(rank_data(R, n, dtype), out, op=op, root=root)
+                buf = rank_data(R, n, dtype)
+                WORLD.reduce(buf, op=op, root=root)
+                if R == root:
+                    np.testing.assert_array_equal(out, ref)
+                    np.testing.assert_array_equal(buf, ref)
+                else:
+                    np.testing.assert_array_equal(buf, rank_data(R, n, dtype))  # untouched off the root
+
+
+def test_reduce_bfloat16():
+    t = bf16(rank_data(R, 33, "float32"))
+    WORLD.reduce(t, op="sum", root=P - 1)
+    if R == P - 1:
+        assert torch.equal(t, bf16(reference("sum", everyone(33, "float32"))))
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32", "bool"])
+def test_allgather_equal_and_in_place(dtype):
+    for n in COUNTS:
+        out = np.zeros(n * P, dtype)
+        WORLD.allgather(rank_data(R, n, dtype), out)
+        np.testing.assert_array_equal(out, np.concatenate(everyone(n, dtype)))
+        inplace = np.zeros(n * P, dtype)
+        inplace[R * n:(R + 1) * n] = rank_data(R, n, dtype)
+        WORLD.allgather(inplace[R * n:(R + 1) * n], inplace)
+        np.testing.assert_array_equal(inplace, np.concatenate(everyone(n, dtype)))
+
+
+def test_allgather_uneven():
+    counts = [(r * 5 + 3) % 7 for r in range(P)]  # includes zeros for some sizes
+    out = np.zeros(sum(counts), np.float64)
+    WORLD.allgather(rank_data(R, counts[R], "float64"), out, counts=counts)
+    np.testing.assert_array_equal(out, np.concatenate([rank_data(r, counts[r], "float64") for r in range(P)]))
+
+
+def test_gather_equal_and_uneven():
+    for root in range(P):
+        out = np.zeros(7 * P, np.int16) if R == root else None
+        WORLD.gather(rank_data(R, 7, "int16"), out, root=root)
+        counts = [r + 1 for r in range(P)]
+        outv = np.zeros(sum(counts), np.int16) if R == root else None
+        WORLD.gather(rank_data(R, R + 1, "int16"), outv, root=root, counts=counts)
+        if R == root:
+            np.testing.assert_array_equal(out, np.concatenate(everyone(7, "int16")))
+            np.testing.assert_array_equal(outv, np.concatenate([rank_data(r, r + 1, "int16") for r in range(P)]))
+
+
+def test_scatter_equal_and_uneven():
+    for root in range(P):
+        src = np.arange(5 * P, dtype=np.float32) + 100 * root if R == root else None
+        out = np.zeros(5, np.float32)
+        WORLD.scatter(src, out, root=root)
+        np.testing.assert_array_equal(out, np.arange(5 * R, 5 * R + 5, dtype=np.float32) + 100 * root)
+        counts = [(r * 3 + 1) % 4 for r in range(P)]
+        srcv = np.arange(sum(counts), dtype=np.int32) if R == root else None
+        outv = np.zeros(counts[R], np.int32)
+        WORLD.scatter(srcv, outv, root=root, counts=counts)
+        start = sum(counts[:R])
+        np.testing.assert_array_equal(outv, np.arange(start, start + counts[R], dtype=np.int32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "bool"])
+def test_reduce_scatter_equal_and_uneven(dtype):
+    for op in OPS:
+        if not op_supported(op, dtype):
+            continue
+        for n in [0, 1, 6]:
+            full = reference(op, everyone(n * P, dtype))
+            out = np.zeros(n, dtype)
+            WORLD.reduce_scatter(rank_data(R, n * P, dtype), out, op=op)
+            np.testing.assert_array_equal(out, full[R * n:(R + 1) * n], err_msg=f"{op} {n}")
+        counts = [(r * 2 + 1) % 5 for r in range(P)]  # not divisible, some zero
+        total = sum(counts)
+        full = reference(op, everyone(total, dtype))
+        out = np.zeros(counts[R], dtype)
+        WORLD.reduce_scatter(rank_data(R, total, dtype), out, op=op, counts=counts)
+        start = sum(counts[:R])
+        np.testing.assert_array_equal(out, full[start:start + counts[R]], err_msg=f"{op} uneven")
+
+
+def test_alltoall_equal_and_uneven():
+    for n in [0, 1, 4]:
+        src = np.array([R * 1000 + j * 10 + k for j in range(P) for k in range(n)], np.int64)
+        out = np.zeros(n * P, np.int64)
+        WORLD.alltoall(src, out)
+        np.testing.assert_array_equal(out, [r * 1000 + R * 10 + k for r in range(P) for k in range(n)])
+    # rank r sends (r + j) % 3 elements to rank j
+    send_counts = [(R + j) % 3 for j in range(P)]
+    recv_counts = [(r + R) % 3 for r in range(P)]
+    src = np.concatenate([np.full(send_counts[j], R * 100 + j, np.float32) for j in range(P)])
+    out = np.zeros(sum(recv_counts), np.float32)
+    WORLD.alltoall(src, out, send_counts=send_counts, recv_counts=recv_counts)
+    np.testing.assert_array_equal(out, np.concatenate([np.full(recv_counts[r], r * 100 + R, np.float32) for r in range(P)]))
+
+
+def test_barrier():
+    for _ in range(10):
+        WORLD.barrier()
+
+
+def test_send_recv_tags_and_any_source():
+    if P == 1:
+        req = WORLD.isend(np.arange(3, dtype=np.int32), 0, tag=5)
+        got = np.zeros(3, np.int32)
+        assert WORLD.recv(got, source=0, tag=5) == (0, 5, 3)
+        req.wait()
+        np.testing.assert_array_equal(got, [0, 1, 2])
+        return
+    # Ring exchange with isend/irecv and explicit tags.
+    right, left = (R + 1) % P, (R - 1) % P
+    out = np.full(4, R, np.float64)
+    inb = np.zeros(4, np.float64)
+    rr = WORLD.irecv(inb, source=left, tag=7)
+    sr = WORLD.isend(out, right, tag=7)
+    assert rr.wait() == (left, 7, 4)
+    sr.wait()
+    assert rr.test()
+    np.testing.assert_array_equal(inb, np.full(4, left, np.float64))
+    # Everyone sends to rank 0, which receives from any source and learns who sent.
+    if R == 0:
+        seen = set()
+        for _ in range(P - 1):
+            buf = np.zeros(2, np.int64)
+            src, tag, count = WORLD.recv(buf, source=None, tag=None)
+            assert tag == 10 + src and count == 2 and buf.tolist() == [src, src]
+            seen.add(src)
+        assert seen == set(range(1, P))
+    else:
+        WORLD.send(np.array([R, R], np.int64), 0, tag=10 + R)
+
+
+def test_user_p2p_does_not_see_engine_ring_traffic():
+    if P == 1:
+        return
+    buf = np.zeros(1, np.int32)
+    req = WORLD.irecv(buf, source=None, tag=None)  # posted before the ring runs, must not match it
+    x = rank_data(R, 100000, "float32")
+    WORLD.allreduce(x, algorithm="ring")
+    np.testing.assert_array_equal(x, reference("sum", everyone(100000, "float32")))
+    WORLD.send(np.array([R], np.int32), (R + 1) % P, tag=3)
+    assert req.wait() == ((R - 1) % P, 3, 1)
+
+
+def test_subgroup_collective_over_members_only():
+    members = list(range(0, P, 2))  # even ranks
+    if R in members:
+        sub = WORLD.subgroup(members)
+        assert sub.size == len(members) and sub.rank == members.index(R)
+        for algo in ALGOS:
+            x = rank_data(R, 1001, "int32")
+            sub.allreduce(x, algorithm=algo)
+            np.testing.assert_array_equal(x, reference("sum", [rank_data(r, 1001, "int32") for r in members]))
+        sub.free()
+    WORLD.barrier()
+
+
+def test_subgroups_interleaved_with_world():
+    if P < 2:
+        return
+    a_members, b_members = [0, 1], list(range(1, P))
+    a = WORLD.subgroup(a_members) if R in a_members else None
+    b = WORLD.subgroup(b_members) if R in b_members else None
+    for step in range(3):
+        for comm, members in ((a, a_members), (b, b_members), (WORLD, list(range(P)))):
+            if comm is None:
+                continue
+            x = rank_data(R, 50, "float32", salt=step)
+            comm.allreduce(x, algorithm="ring")
+            np.testing.assert_array_equal(x, reference("sum", [rank_data(r, 50, "float32", step) for r in members]))
+    for c in (a, b):
+        if c is not None:
+            c.free()

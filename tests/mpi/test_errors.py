@@ -1,0 +1,147 @@
+"""Bad input raises a clear exception before any communication (so no rank is left waiting)."""
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+
+WORLD = engine.world()
+R, P = WORLD.rank, WORLD.size
+
+
+def check_still_usable():
+    x = np.ones(3, np.float32)
+    WORLD.allreduce(x)
+    assert np.all(x == P)
+
+
+@pytest.mark.parametrize("algo", ["native", "ring", "rdouble"])
+def test_bitwise_op_on_float_names_the_pair(algo):
+    with pytest.raises(ValueError, match="BAND is not supported for dtype float32"):
+        WORLD.allreduce(np.ones(4, np.float32), op="band", algorithm=algo)
+    check_still_usable()
+
+
+def test_avg_on_integers_and_unknown_ops():
+    with pytest.raises(ValueError, match="AVG .* int32.*floating"):
+        WORLD.allreduce(np.ones(4, np.int32), op=engine.ReduceOp.AVG)
+    with pytest.raises(ValueError, match="unknown reduce op 'mean'"):
+        WORLD.allreduce(np.ones(4, np.float32), op="mean")
+    with pytest.raises(TypeError, match="op must be"):
+        WORLD.allreduce(np.ones(4, np.float32), op=3.5)
+    with pytest.raises(ValueError, match="SUM is not supported for dtype complex64"):
+        WORLD.allreduce(np.ones(4, np.complex64))
+    check_still_usable()
+
+
+def test_unsupported_dtypes():
+    with pytest.raises(TypeError, match="buffer format"):
+        WORLD.allreduce(np.ones(4, np.longdouble))
+    with pytest.raises(TypeError, match="dtype torch.float8"):
+        WORLD.allreduce(torch.zeros(4, dtype=torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="must be a buffer"):
+        WORLD.allreduce([1.0, 2.0])
+    big_endian = np.ones(4, dtype=">f4")
+    with pytest.raises(TypeError, match="native byte order"):
+        WORLD.allreduce(big_endian)
+
+
+def test_non_contiguous_and_read_only_buffers():
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        WORLD.allreduce(np.ones((4, 4), np.float32)[:, 0])
+    with pytest.raises(ValueError, match=r"not contiguous; pass tensor.contiguous\(\)"):
+        WORLD.allreduce(torch.ones(4, 4).t())
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        WORLD.allreduce(ro)
+    with pytest.raises(ValueError, match="read-only"):
+        WORLD.allreduce(np.ones(4, np.float32), ro)
+    with pytest.raises(ValueError, match="read-only"):
+        WORLD.broadcast(bytes(8))
+    WORLD.allreduce(ro, np.empty(4, np.float32))  # a read-only *input* is fine
+    check_still_usable()
+
+
+def test_size_and_dtype_mismatches_between_send_and_recv():
+    with pytest.raises(ValueError, match="sendbuf has 4 elements but recvbuf 5"):
+        WORLD.allreduce(np.ones(4, np.float32), np.ones(5, np.float32))
+    with pytest.raises(TypeError, match="float32 but receive buffer is float64"):
+        WORLD.allreduce(np.ones(4, np.float32), np.ones(4, np.float64))
+    with pytest.raises(ValueError, match=f"needs sendbuf's 3 x {P} ranks"):
+        WORLD.allgather(np.ones(3, np.float32), np.ones(3 * P + 1, np.float32))
+    with pytest.raises(ValueError, match="one per rank"):
+        WORLD.allgather(np.ones(3, np.float32), np.ones(3 * P, np.float32), counts=[3] * (P + 1))
+    with pytest.raises(ValueError, match=r"counts\[%d\] is 2 but this rank's sendbuf has 3" % R):
+        WORLD.allgather(np.ones(3, np.float32), np.ones(2 * P, np.float32), counts=[2] * P)
+    with pytest.raises(ValueError, match="negative"):
+        WORLD.reduce_scatter(np.ones(3, np.float32), np.ones(1, np.float32), counts=[-1] + [1] * (P - 1))
+    with pytest.raises(ValueError, match="needs recvbuf's 2"):
+        WORLD.reduce_scatter(np.ones(2 * P + 1, np.float32), np.ones(2, np.float32))
+    check_still_usable()
+
+
+def test_alltoall_split_sizes_that_do_not_add_up():
+    with pytest.raises(ValueError, match="send_counts add up to"):
+        WORLD.alltoall(np.ones(5, np.float32), np.ones(P, np.float32), send_counts=[1] * P, recv_counts=[1] * P)
+    with pytest.raises(ValueError, match="recv_counts add up to"):
+        WORLD.alltoall(np.ones(P, np.float32), np.ones(P + 2, np.float32), send_counts=[1] * P, recv_counts=[1] * P)
+    with pytest.raises(ValueError, match="need both send_counts and recv_counts"):
+        WORLD.alltoall(np.ones(P, np.float32), np.ones(P, np.float32), send_counts=[1] * P)
+    with pytest.raises(ValueError, match="divisible by the group size"):
+        WORLD.alltoall(np.ones(P + 1, np.float32), np.ones(P + 1, np.float32)) if P > 1 else (_ for _ in ()).throw(
+            ValueError("divisible by the group size"))
+    check_still_usable()
+
+
+def test_root_and_peer_out_of_range():
+    for bad in (-1, P, P + 5):
+        with pytest.raises(ValueError, match=f"root {bad} is out of range for a group of size {P}"):
+            WORLD.broadcast(np.ones(2, np.float32), root=bad)
+        with pytest.raises(ValueError, match="out of range"):
+            WORLD.reduce(np.ones(2, np.float32), root=bad)
+        with pytest.raises(ValueError, match=f"destination rank {bad} is out of range"):
+            WORLD.send(np.ones(2, np.float32), bad)
+    with pytest.raises(ValueError, match="source rank -5 is out of range"):
+        WORLD.recv(np.ones(2, np.float32), source=-5)
+    with pytest.raises(ValueError, match="tag 40000 is out of range"):
+        WORLD.send(np.ones(2, np.float32), 0, tag=40000)
+    check_still_usable()
+
+
+def test_receive_smaller_than_message_is_an_error_not_truncation():
+    if P == 1:
+        req = WORLD.isend(np.ones(8, np.float32), 0, tag=1)
+        with pytest.raises(engine.EngineError, match="truncated"):
+            WORLD.recv(np.zeros(4, np.float32), source=0, tag=1)
+        req.wait()
+        return
+    if R == 0:
+        WORLD.send(np.ones(8, np.float32), 1, tag=1)
+    elif R == 1:
+        with pytest.raises(engine.EngineError, match="truncated"):
+            WORLD.recv(np.zeros(4, np.float32), source=0, tag=1)
+    WORLD.barrier()
+
+
+def test_subgroup_arguments():
+    with pytest.raises(ValueError, match="duplicates"):
+        WORLD.subgroup([0, 0])
+    with pytest.raises(ValueError, match="out of range"):
+        WORLD.subgroup([0, P])
+    if P > 1 and R == 1:
+        with pytest.raises(ValueError, match="is not in subgroup"):
+            WORLD.subgroup([0])
+
+
+def test_unknown_algorithm_and_bad_environment(monkeypatch):
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
+        WORLD.allreduce(np.ones(2, np.float32), algorithm="tree")
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "fast")
+    with pytest.raises(ValueError, match="ENGINE_ALLREDUCE_ALGO='fast'"):
+        engine.Communicator()
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "auto")
+    monkeypatch.setenv("ENGINE_RING_SEGMENT_BYTES", "lots")
+    with pytest.raises(ValueError, match="ENGINE_RING_SEGMENT_BYTES='lots' is not a number"):
+        engine.Communicator()

@@ -1,0 +1,30 @@
+"""The issue's acceptance case: allreduce of 10,000,003 float32 values gives the exact SUM through
+every algorithm (exact because the values are small integers)."""
+
+import numpy as np
+import pytest
+
+import engine
+
+WORLD = engine.world()
+R, P = WORLD.rank, WORLD.size
+N = 10_000_003
+
+
+@pytest.mark.parametrize("algo", ["ring", "native", "rdouble"])
+def test_allreduce_10M_float32_exact(algo):
+    i = np.arange(N, dtype=np.int64)
+    x = ((i + R) % 1000).astype(np.float32)
+    WORLD.allreduce(x, algorithm=algo)
+    ref = sum(((i + r) % 1000) for r in range(P)).astype(np.float32)
+    assert np.array_equal(x, ref)
+
+
+def test_forced_by_environment_variable(monkeypatch):
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "ring")
+    comm = engine.Communicator()
+    assert comm.algorithm_for(4) == "ring" or P == 1
+    x = np.full(N, R + 1, np.float32)
+    comm.allreduce(x)
+    assert np.all(x == P * (P + 1) / 2)
+    comm.free()

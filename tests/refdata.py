@@ -1,0 +1,49 @@
+"""Deterministic per-rank data and the reductions every rank computes locally as references."""
+
+import numpy as np
+import torch
+
+NUMPY_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                "float16", "float32", "float64"]
+INT_DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+FLOAT_DTYPES = ["float16", "float32", "float64"]
+OPS = ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]
+
+
+def rank_data(rank, n, dtype, salt=0):
+    """Small integers (-3..3, 0..6 unsigned), so float sums, products and averages stay exact."""
+    i = np.arange(n, dtype=np.int64)
+    v = (i * 7 + rank * 13 + salt * 5) % 7
+    if dtype == "bool":
+        return (v % 3 == 0)
+    if dtype.startswith("uint"):
+        return v.astype(dtype)
+    return (v - 3).astype(dtype)
+
+
+def op_supported(op, dtype):
+    if op in ("band", "bor", "bxor"):
+        return dtype == "bool" or dtype in INT_DTYPES
+    if op == "avg":
+        return dtype in FLOAT_DTYPES or dtype == "bfloat16"
+    return True
+
+
+def reference(op, arrays):
+    """op over a list of same-shape numpy arrays, in their dtype (integers wrap, like the engine)."""
+    stack = np.stack(arrays)
+    dt = stack.dtype
+    if dt == np.bool_:
+        return {"sum": np.any, "max": np.any, "bor": np.any, "product": np.all, "min": np.all,
+                "band": np.all}.get(op, lambda s, axis: np.logical_xor.reduce(s, axis=axis))(stack, axis=0)
+    if op == "avg":
+        return (np.add.reduce(stack.astype(np.float64), axis=0).astype(np.float32 if dt == np.float16 else dt)
+                / (np.float32 if dt == np.float16 else dt.type)(len(arrays))).astype(dt)
+    ufunc = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+    return ufunc.reduce(stack, axis=0, dtype=dt)
+
+
+def bf16(a):
+    """A torch bfloat16 tensor holding a (exact for the small integers used here)."""
+    return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(torch.bfloat16)

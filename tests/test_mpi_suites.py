@@ -1,0 +1,20 @@
+"""Every file in tests/mpi/ under mpiexec with 1, 2, 3 and 4 ranks (3 and 4 oversubscribe 2 cores)."""
+
+import glob
+import os
+
+import pytest
+
+from mpirun import run_pytest
+
+HERE = os.path.dirname(__file__)
+SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("suite", SUITES, ids=[os.path.basename(s)[:-3] for s in SUITES])
+def test_suite_under_mpiexec(suite, nranks):
+    proc = run_pytest(nranks, suite, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(f"{os.path.basename(suite)} failed with {nranks} ranks (exit {proc.returncode}):\n"
+                    f"{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}", pytrace=False)
