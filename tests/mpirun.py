@@ -25,6 +25,7 @@ def mpi_env():
     env = dict(os.environ)
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["ENGINE_MPI_SUITE"] = "1"
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
