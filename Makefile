@@ -8,7 +8,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo ddp clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements-dev.txt pyproject.toml setup.py $(wildcard pyx/*)
@@ -22,6 +22,9 @@ test: setup
 
 demo: setup
 	$(VENV)/bin/mpiexec -n $(NRANKS) $(PY) examples/allreduce_demo.py
+
+ddp: setup
+	$(VENV)/bin/mpiexec -n $(NRANKS) $(PY) examples/ddp_train.py
 
 clean:
 	rm -rf build engine/*.so pyx/_core.c *.egg-info

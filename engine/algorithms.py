@@ -28,12 +28,18 @@ class AllreduceSelector:
             ("native", lambda nbytes, count, size: True),
         )
 
+        self._memo = {}  # (nbytes, count, size) -> name: the rules run once per message size
+
     def choose(self, nbytes, count, size, requested=None):
         name = requested or self.forced
         if name == "auto":
-            for name, applies in self.rules:
-                if applies(nbytes, count, size):
-                    return name
+            key = (nbytes, count, size)
+            name = self._memo.get(key)
+            if name is None:
+                if len(self._memo) > 4096:
+                    self._memo.clear()
+                name = self._memo[key] = next(n for n, applies in self.rules if applies(nbytes, count, size))
+            return name
         if name not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {name!r}; expected one of {', '.join(ALGORITHMS)} or 'auto'")
         return name

@@ -59,7 +59,7 @@ class Communicator:
             sub = coll.Create_group(group, tag=0)
         finally:
             group.Free()
-        return Communicator(sub, ring_segment_bytes=self._core.ring_segment_bytes, _owned=sub.Dup())
+        return Communicator(sub, ring_segment_bytes=self._core.ring_segment_bytes, _owned=sub)
 
     def free(self):
         """Releases the MPI communicators; the object is unusable afterwards."""
@@ -76,8 +76,8 @@ class Communicator:
 
         algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), 'auto', 'native', 'ring', 'rdouble'.
         """
-        info = _core.message_info(sendbuf)
-        name = self._selector.choose(info[1] * _ITEMSIZE[info[2]], info[1], self.size, algorithm)
+        count, itemsize = _core.message_shape(sendbuf)
+        name = self._selector.choose(count * itemsize, count, self.size, algorithm)
         self._core.allreduce(sendbuf, recvbuf, op_code(op), _core.ALGORITHM_CODES[name])
         return recvbuf if recvbuf is not None else sendbuf
 
@@ -139,7 +139,3 @@ class Communicator:
 
 def _any(x):
     return -1 if x is None else x
-
-
-_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
-             "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}

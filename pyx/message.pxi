@@ -205,3 +205,9 @@ def message_info(obj, bint writable=False):
     """(address, count, dtype name) of obj as the engine sees it; for tests and debugging."""
     cdef Message m = as_message(obj, writable, "buffer")
     return (<size_t>m.ptr, m.count, DTYPE_NAMES[m.dtype])
+
+
+def message_shape(obj):
+    """(element count, item size) of obj: what the allreduce algorithm choice needs."""
+    cdef Message m = as_message(obj, False, "buffer")
+    return m.count, m.itemsize

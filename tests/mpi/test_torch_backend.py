@@ -1,0 +1,333 @@
+"""torch.distributed on backend "engine": every dist.* collective compared with a Gloo group created in
+the same job on the same data (differential) and with local references; async, sub-groups, objects,
+point-to-point and DDP. Launched by mpiexec with no RANK/WORLD_SIZE/MASTER_* set."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from refdata import rank_data, reference
+
+dist.init_process_group(backend="engine")  # no torchbridge import: the entry point registered it
+R, P = dist.get_rank(), dist.get_world_size()
+GLOO = dist.new_group(backend="gloo")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool]
+OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+       "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
+       "avg": dist.ReduceOp.AVG}
+
+
+def data(rank, n, dtype, salt=0):
+    if dtype == torch.bool:
+        return torch.from_numpy(rank_data(rank, n, "bool", salt))
+    return torch.from_numpy(rank_data(rank, n, "int64", salt)).to(dtype)
+
+
+def supported(op, dtype):
+    if op in ("band", "bor", "bxor"):
+        return not dtype.is_floating_point
+    if op == "avg":
+        return dtype.is_floating_point
+    return True
+
+
+def local_reference(op, n, dtype, ranks=None):
+    ranks = range(P) if ranks is None else ranks
+    arrays = [data(r, n, dtype) for r in ranks]
+    if dtype == torch.bool:
+        return torch.from_numpy(reference(op, [a.numpy() for a in arrays]))
+    acc = torch.stack(arrays).to(torch.float64)
+    if op == "avg":
+        return (acc.sum(0).to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype) / len(ranks)).to(dtype)
+    out = {"sum": lambda: acc.sum(0), "product": lambda: acc.prod(0), "min": lambda: acc.min(0).values,
+           "max": lambda: acc.max(0).values}.get(op)
+    if out is not None:
+        return out().to(dtype) if dtype.is_floating_point else _wrap(out(), dtype)
+    ints = torch.stack(arrays)
+    fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+    res = ints[0]
+    for x in ints[1:]:
+        res = fn(res, x)
+    return res
+
+
+def _wrap(x, dtype):
+    return torch.from_numpy(x.to(torch.int64).numpy().astype(str(dtype).split(".")[1]))
+
+
+def gloo_result(fn):
+    """fn run on the Gloo group, or None where Gloo itself does not support the call."""
+    try:
+        return fn(GLOO)
+    except RuntimeError:
+        return None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_every_op_vs_gloo_and_reference(dtype):
+    for op, red in OPS.items():
+        if not supported(op, dtype):
+            continue
+        for n in (1, 7, 1000):
+            t = data(R, n, dtype)
+            dist.all_reduce(t, op=red)
+            assert torch.equal(t, local_reference(op, n, dtype)), (op, dtype, n, t[:6])
+            g = gloo_result(lambda grp: dist.all_reduce(x := data(R, n, dtype), op=red, group=grp) or x)
+            if g is not None:
+                assert torch.equal(t, g), (op, dtype, n)
+
+
+def test_all_reduce_async_overlaps_and_reports_completion():
+    ts = [data(R, 5000, torch.float32, salt=i) for i in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    futs = [w.get_future() for w in works]
+    for i, (w, f, t) in enumerate(zip(works, futs, ts)):
+        w.wait()
+        assert w.is_completed() and w.is_success() and w.exception() is None
+        assert f.wait()[0] is t
+        ref = sum(data(r, 5000, torch.float32, salt=i) for r in range(P))
+        assert torch.equal(t, ref)
+
+
+def test_future_then_chain_does_not_block():
+    t = torch.full((100,), float(R + 1))
+    fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.equal(fut.wait(), torch.full((100,), float(P * (P + 1))))
+
+
+def test_premul_sum():
+    t = torch.full((10,), float(R + 1))
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    assert torch.equal(t, torch.full((10,), P * (P + 1) / 4))
+
+
+def test_all_reduce_non_contiguous_tensor_is_correct():
+    base = torch.arange(20, dtype=torch.float32).reshape(4, 5) * (R + 1)
+    view = base.t()  # non-contiguous
+    dist.all_reduce(view)
+    assert torch.equal(base, torch.arange(20, dtype=torch.float32).reshape(4, 5) * (P * (P + 1) / 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_all_reduce_coalesced(dtype):
+    sizes = (3, 5, 0, 7, 1000)
+    ts = [data(R, n, dtype, salt=i) for i, n in enumerate(sizes)]
+    dist.all_reduce_coalesced(ts)
+    for i, (t, n) in enumerate(zip(ts, sizes)):
+        assert torch.equal(t, sum(data(r, n, dtype, salt=i) for r in range(P)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.bool], ids=str)
+def test_broadcast_reduce_vs_gloo(dtype):
+    for root in range(P):
+        t = data(R, 33, dtype)
+        dist.broadcast(t, src=root)
+        assert torch.equal(t, data(root, 33, dtype))
+        for op, red in OPS.items():
+            if not supported(op, dtype) or op == "avg":
+                continue
+            t = data(R, 33, dtype)
+            dist.reduce(t, dst=root, op=red)
+            g = gloo_result(lambda grp: dist.reduce(x := data(R, 33, dtype), dst=root, op=red, group=grp) or x)
+            if R == root:
+                assert torch.equal(t, local_reference(op, 33, dtype)), (op, dtype)
+                if g is not None:
+                    assert torch.equal(t, g)
+
+
+def test_all_gather_variants():
+    outs = [torch.empty(6) for _ in range(P)]
+    dist.all_gather(outs, data(R, 6, torch.float32))
+    for r in range(P):
+        assert torch.equal(outs[r], data(r, 6, torch.float32))
+    flat = torch.empty(6 * P, dtype=torch.int32)
+    dist.all_gather_into_tensor(flat, data(R, 6, torch.int32))
+    assert torch.equal(flat, torch.cat([data(r, 6, torch.int32) for r in range(P)]))
+    gflat = torch.empty(6 * P, dtype=torch.int32)
+    dist.all_gather_into_tensor(gflat, data(R, 6, torch.int32), group=GLOO)
+    assert torch.equal(flat, gflat)
+    uneven = [torch.empty(r + 1) for r in range(P)]  # all_gather with different sizes per rank
+    dist.all_gather(uneven, torch.full((R + 1,), float(R)))
+    for r in range(P):
+        assert torch.equal(uneven[r], torch.full((r + 1,), float(r)))
+
+
+def test_gather_and_scatter():
+    for root in range(P):
+        outs = [torch.empty(4) for _ in range(P)] if R == root else None
+        dist.gather(data(R, 4, torch.float32), outs, dst=root)
+        if R == root:
+            for r in range(P):
+                assert torch.equal(outs[r], data(r, 4, torch.float32))
+        out = torch.empty(3, dtype=torch.int64)
+        ins = [torch.full((3,), r * 10 + root, dtype=torch.int64) for r in range(P)] if R == root else None
+        dist.scatter(out, ins, src=root)
+        assert torch.equal(out, torch.full((3,), R * 10 + root, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "avg"])
+def test_reduce_scatter_variants_vs_gloo(op):
+    red = OPS[op]
+    full = local_reference(op, 4 * P, torch.float32)
+    out = torch.empty(4)
+    dist.reduce_scatter(out, list(data(R, 4 * P, torch.float32).chunk(P)), op=red)
+    assert torch.equal(out, full[4 * R:4 * R + 4])
+    out2 = torch.empty(4)
+    dist.reduce_scatter_tensor(out2, data(R, 4 * P, torch.float32), op=red)
+    assert torch.equal(out2, out)
+    if op != "avg":  # Gloo has no AVG
+        gout = torch.empty(4)
+        dist.reduce_scatter_tensor(gout, data(R, 4 * P, torch.float32), op=red, group=GLOO)
+        assert torch.equal(gout, out)
+
+
+def test_all_to_all_equal_and_uneven_splits():
+    inp = torch.arange(2 * P, dtype=torch.float32) + 100 * R
+    out = torch.empty(2 * P)
+    dist.all_to_all_single(out, inp)
+    assert torch.equal(out, torch.cat([torch.arange(2 * R, 2 * R + 2, dtype=torch.float32) + 100 * r for r in range(P)]))
+    # rank r sends r + j + 1 rows of width 3 to rank j
+    in_splits = [R + j + 1 for j in range(P)]
+    out_splits = [r + R + 1 for r in range(P)]
+    inp = torch.cat([torch.full((s, 3), float(R * 10 + j)) for j, s in enumerate(in_splits)])
+    out = torch.empty(sum(out_splits), 3)
+    dist.all_to_all_single(out, inp, out_splits, in_splits)
+    assert torch.equal(out, torch.cat([torch.full((s, 3), float(r * 10 + R)) for r, s in enumerate(out_splits)]))
+    outs = [torch.empty(r + 1, dtype=torch.int64) for r in range(P)]
+    dist.all_to_all(outs, [torch.full((R + 1,), R * 10 + j, dtype=torch.int64) for j in range(P)])
+    for r in range(P):
+        assert torch.equal(outs[r], torch.full((r + 1,), r * 10 + R, dtype=torch.int64))
+
+
+def test_barrier_and_object_helpers():
+    dist.barrier()
+    objs = [{"rank": R}] if R == 0 else [None]
+    dist.broadcast_object_list(objs, src=0)
+    assert objs == [{"rank": 0}]
+    gathered = [None] * P
+    dist.all_gather_object(gathered, ("r", R))
+    assert gathered == [("r", r) for r in range(P)]
+    got = [None] * P if R == 0 else None
+    dist.gather_object(R * 2, got, dst=0)
+    if R == 0:
+        assert got == [r * 2 for r in range(P)]
+    out = [None]
+    dist.scatter_object_list(out, [f"to{r}" for r in range(P)] if R == 0 else None, src=0)
+    assert out == [f"to{R}"]
+
+
+def test_point_to_point_and_batch():
+    if P == 1:
+        pytest.skip("point-to-point needs two ranks")
+    right, left = (R + 1) % P, (R - 1) % P
+    # isend + irecv to neighbours: posted at once, so large messages can't deadlock
+    send = torch.full((300000,), float(R))
+    recv = torch.empty(300000)
+    works = [dist.isend(send, right), dist.irecv(recv, left)]
+    for w in works:
+        w.wait()
+    assert torch.equal(recv, torch.full((300000,), float(left)))
+    ops = [dist.P2POp(dist.isend, torch.full((5,), float(R)), right),
+           dist.P2POp(dist.irecv, recv5 := torch.empty(5), left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert torch.equal(recv5, torch.full((5,), float(left)))
+    if R == 0:
+        srcs = set()
+        for _ in range(P - 1):
+            t = torch.empty(2)
+            src = dist.recv(t)  # any source
+            assert torch.equal(t, torch.full((2,), float(src)))
+            srcs.add(src)
+        assert srcs == set(range(1, P))
+    else:
+        dist.send(torch.full((2,), float(R)), 0)
+    nc = torch.empty(4, 2).t()  # non-contiguous receive
+    if R == 0:
+        dist.send(torch.arange(8, dtype=torch.float32).reshape(2, 4), 1)
+    elif R == 1:
+        dist.recv(nc, 0)
+        assert torch.equal(nc, torch.arange(8, dtype=torch.float32).reshape(2, 4))
+
+
+def test_new_group_and_subgroups_interleaved():
+    members = list(range(0, P, 2))
+    even = dist.new_group(members)
+    last = dist.new_group([P - 1])
+    for step in range(3):
+        if R in members:
+            t = data(R, 10, torch.int32, salt=step)
+            dist.all_reduce(t, group=even)
+            assert torch.equal(t, local_reference_salted(members, step))
+        if R == P - 1:
+            t = torch.ones(3)
+            dist.all_reduce(t, group=last)
+            assert torch.equal(t, torch.ones(3))
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((3,), float(P)))
+    if R in members and len(members) > 1:
+        t = torch.full((4,), float(R))
+        dist.broadcast(t, src=members[-1], group=even)  # global rank as src
+        assert torch.equal(t, torch.full((4,), float(members[-1])))
+    sub, subs = dist.new_subgroups(group_size=1 if P % 2 else 2)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=sub)
+    assert torch.equal(t, torch.full((2,), float(1 if P % 2 else 2)))
+    dist.destroy_process_group(sub)
+    for g in (even, last):
+        if R in dist.get_process_group_ranks(g):
+            dist.destroy_process_group(g)
+
+
+def local_reference_salted(members, salt):
+    return sum(data(r, 10, torch.int64, salt=salt) for r in members).to(torch.int32)
+
+
+def test_unsupported_and_bad_input_raise_clear_errors():
+    with pytest.raises(ValueError, match="BAND is not supported for dtype float32"):
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="AVG is not defined for int64"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    with pytest.raises(RuntimeError, match="PREMUL_SUM needs a floating dtype"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0))
+    with pytest.raises((TypeError, ValueError), match="dtype"):  # torch's own check, or ours
+        dist.all_gather([torch.empty(2, dtype=torch.float64) for _ in range(P)], torch.ones(2))
+    with pytest.raises(ValueError, match="one output tensor per rank"):
+        dist.all_gather([torch.empty(2) for _ in range(P + 1)], torch.ones(2))
+    with pytest.raises(ValueError, match="only implemented for GLOO"):  # torch's own refusal
+        dist.monitored_barrier()
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the group still works after refused calls
+    assert torch.equal(t, torch.full((3,), float(P)))
+
+
+def test_ddp_matches_gloo_to_1e6():
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + R)
+        losses = []
+        for _ in range(20):
+            x = torch.randn(8, 16, generator=gen)
+            y = torch.randn(8, 4, generator=gen)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return [p.detach().clone() for p in model.parameters()], losses
+
+    eng_params, eng_losses = train(None)  # the default group: engine
+    gloo_params, gloo_losses = train(GLOO)
+    for a, b in zip(eng_params, gloo_params):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+    assert np.allclose(eng_losses, gloo_losses, atol=1e-6, rtol=0)
+    assert os.environ["MASTER_ADDR"] and os.environ["WORLD_SIZE"] == str(P)

@@ -1,0 +1,119 @@
+"""Work objects: what every call of the process group returns (torch's c10d Work contract)."""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from engine.progress import DONE
+
+
+class CollectiveWork(dist._Work):
+    """A queued collective. wait() runs it inline when it is next in line (no thread hand-off), or
+    blocks until the group's progress thread has run it; get_future() completes when it is done,
+    with the output tensors as value (as Gloo's and NCCL's futures do)."""
+
+    def __init__(self, progress, task, outputs):
+        super().__init__()
+        self._progress = progress
+        self._task = task
+        self._outputs = outputs
+        self._future = None
+
+    def wait(self, timeout=None):
+        self._progress.wait(self._task)
+        if self._task.error is not None:
+            raise self._task.error
+        return True
+
+    def is_completed(self):
+        return self._task.state == DONE
+
+    def is_success(self):
+        return self._task.state == DONE and self._task.error is None
+
+    def exception(self):
+        return self._task.error
+
+    def result(self):
+        return list(self._outputs)
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._progress.add_done_callback(self._task, self._complete_future)
+        return self._future
+
+    def _complete_future(self, task):
+        if task.error is not None:
+            self._future.set_exception(task.error)
+        else:
+            self._future.set_result(list(self._outputs))
+
+
+class PointToPointWork(dist._Work):
+    """A posted MPI isend/irecv. It never occupies the progress thread, so an isend and an irecv to
+    the same peer can't block each other; `finish` copies a staged receive into its tensor."""
+
+    def __init__(self, request, outputs, finish=None):
+        super().__init__()
+        self._request = request
+        self._outputs = outputs
+        self._finish = finish
+        self._status = None
+        self._error = None
+        self._lock = threading.Lock()
+        self._future = None
+
+    def wait(self, timeout=None):
+        with self._lock:
+            if self._status is None and self._error is None:
+                try:
+                    self._status = self._request.wait() or ()
+                    if self._finish is not None:
+                        self._finish()
+                except Exception as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._status is not None or self._error is not None or (self._request.test() and self.wait())
+
+    def is_success(self):
+        return self.is_completed() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def source_rank(self):
+        self.wait()
+        if not self._status:
+            raise ValueError("source_rank() is defined for receives only")
+        return self._status[0]
+
+    _source_rank = source_rank
+
+    def result(self):
+        return list(self._outputs)
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        if self._future is None:
+            fut = self._future = torch.futures.Future()
+
+            def complete():
+                try:
+                    self.wait()
+                    fut.set_result(list(self._outputs))
+                except Exception as exc:
+                    fut.set_exception(exc)
+
+            threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
+        return self._future
