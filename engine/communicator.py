@@ -76,7 +76,7 @@ class Communicator:
 
         algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), 'auto', 'native', 'ring', 'rdouble'.
         """
-        count, itemsize = _core.message_shape(sendbuf)
+        count, itemsize, _ = _core.message_shape(sendbuf)
         name = self._selector.choose(count * itemsize, count, self.size, algorithm)
         self._core.allreduce(sendbuf, recvbuf, op_code(op), _core.ALGORITHM_CODES[name])
         return recvbuf if recvbuf is not None else sendbuf

@@ -24,6 +24,8 @@ def op_code(op):
     """An int code for a built-in op (ReduceOp, or its name in any case), or a user op unchanged."""
     if isinstance(op, ReduceOp):
         return int(op)
+    if type(op) is int and 0 <= op < len(ReduceOp):
+        return op
     if isinstance(op, str):
         try:
             return int(ReduceOp[op.upper()])

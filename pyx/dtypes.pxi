@@ -2,8 +2,9 @@
 
 DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+DTYPE_ITEMSIZES = (1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8, 8, 16)
 cdef size_t ITEMSIZE[15]  # ENG_NDTYPES
-ITEMSIZE[:] = [1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8, 8, 16]
+ITEMSIZE[:] = DTYPE_ITEMSIZES
 
 # Reduce ops as the Python layer names them; AVG is SUM followed by one division pass.
 OP_NAMES = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg")

@@ -208,6 +208,6 @@ def message_info(obj, bint writable=False):
 
 
 def message_shape(obj):
-    """(element count, item size) of obj: what the allreduce algorithm choice needs."""
+    """(element count, item size, dtype name) of obj: what algorithm choice and bucket planning need."""
     cdef Message m = as_message(obj, False, "buffer")
-    return m.count, m.itemsize
+    return m.count, m.itemsize, DTYPE_NAMES[m.dtype]

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, ReduceOp
+from engine.fusion import FusedAllreduce
 from engine.progress import Progress
 
 from .launch import MPIRUN_HINT
@@ -107,6 +108,7 @@ class EngineProcessGroup(dist.ProcessGroup):
     def __init__(self, mpi_comm, rank, size, timeout=None):
         super().__init__(rank, size)
         self._comm = Communicator(mpi_comm, _owned=mpi_comm)
+        self._fusion = FusedAllreduce(self._comm)
         self._progress = Progress(name=f"engine-progress-{size}r")
         self._timeout = timeout
 
@@ -145,19 +147,21 @@ class EngineProcessGroup(dist.ProcessGroup):
                             tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """Fused: tensors packed into buckets (engine.fusion), one allreduce per bucket."""
         op, factor = _reduce_op(opts)
-        comm = self._comm
-
-        def run():
-            by_dtype = {}
+        if factor is not None:
             for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for dtype, group in by_dtype.items():
-                flat = _flat([_premul(t, factor) if factor is not None else t for t in group])
-                comm.allreduce(flat, op=op)
-                _scatter_back(flat, group)
+                _premul(t[:0], factor)  # checks the dtype only
+        return self._submit("allreduce_coalesced", lambda: self.fused_allreduce(tensors, op, prescale=factor or 1.0),
+                            tensors, opts)
 
-        return self._submit("allreduce_coalesced", run, tensors, opts)
+    def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
+        """Runs now, in the calling thread: engine.fusion on contiguous views (copies written back)."""
+        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        self._fusion.run(work, op, compression=compression, prescale=prescale)
+        for t, w in zip(tensors, work):
+            if w is not t:
+                t.copy_(w)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
@@ -357,6 +361,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+            self._fusion.close()
             self._comm.free()
 
     def abort(self):

@@ -1,0 +1,175 @@
+"""Tensor fusion: many small allreduces as a few large ones (Horovod's Tensor Fusion, DDP's buckets).
+
+plan_buckets() is pure planning (which tensors share a bucket); FusedAllreduce owns the flat buffers
+(allocated once per dtype and grown, never per call) and moves data: pack (one GIL-free kernel call per
+bucket, with the dtype cast of compression and the AVG/PREMUL scale fused in), one allreduce per bucket,
+unpack. With several buckets a helper thread packs bucket k+1 and unpacks bucket k-1 while bucket k is
+being reduced.
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import _core
+from .config import env_int
+from .ops import ReduceOp, op_code
+
+DEFAULT_BUCKET_BYTES = 32 << 20  # measured best of 1, 4, 32 MB on 2 ranks x 2 cores: BENCHMARKS.md
+COMPRESSIONS = (None, "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors (by index into the caller's list) that travel in one flat buffer."""
+
+    dtype: str
+    device: str
+    indices: tuple
+    count: int  # elements
+
+
+def plan_buckets(specs, cap_bytes):
+    """Groups tensors into buckets. specs: one (element count, dtype name, item size, device) per
+    tensor, in the order they should travel. Tensors of one (dtype, device) fill a bucket in order
+    until the next would pass cap_bytes; a tensor larger than the cap travels alone. Empty tensors
+    need no communication and get no bucket. Pure and deterministic: every rank plans the same."""
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    open_buckets = {}  # (dtype, device) -> [indices, count, nbytes]
+    done = []
+    for i, (count, dtype, itemsize, device) in enumerate(specs):
+        if count == 0:
+            continue
+        key = (dtype, device)
+        nbytes = count * itemsize
+        cur = open_buckets.get(key)
+        if cur is not None and cur[2] + nbytes > cap_bytes:
+            done.append((key, cur))
+            cur = None
+        if cur is None:
+            cur = open_buckets[key] = [[], 0, 0]
+        cur[0].append(i)
+        cur[1] += count
+        cur[2] += nbytes
+    done.extend(open_buckets.items())
+    # Order buckets by their first tensor, so communication follows the caller's order.
+    done.sort(key=lambda kv: kv[1][0][0])
+    return [Bucket(dtype, device, tuple(idx), count) for (dtype, device), (idx, count, _) in done]
+
+
+def _spec(t):
+    # The MPI path takes host memory only (the buffer layer refuses device tensors), so every
+    # bucket here is a "cpu" one; the device field keeps plans ready for device-side fusion.
+    count, itemsize, dtype = _core.message_shape(t)
+    return count, dtype, itemsize, "cpu"
+
+
+class FusedAllreduce:
+    """Allreduce of a list of tensors/arrays through fused buckets, in place."""
+
+    def __init__(self, comm, bucket_bytes=None):
+        self.comm = comm
+        self.bucket_bytes = bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+        self._buffers = {}  # (wire dtype, slot) -> flat buffer, grown on demand
+        self._worker = None
+        self._lock = threading.Lock()
+
+    def run(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
+        """tensors[i] = op over ranks of tensors[i], for every i. compression: None, 'float16' or
+        'bfloat16' (float32 tensors travel in that dtype). prescale multiplies inputs first (PREMUL_SUM)."""
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        code = op_code(op)
+        specs = [_spec(t) for t in tensors]
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        if not buckets:
+            return tensors
+        with self._lock:  # the flat buffers are shared by the calls of this object
+            if len(buckets) == 1:
+                self._finish(self._start(tensors, buckets[0], 0, code, compression, prescale), tensors, buckets[0])
+            else:
+                self._pipelined(tensors, buckets, code, compression, prescale)
+        return tensors
+
+    def _pipelined(self, tensors, buckets, code, compression, prescale):
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="engine-fusion")
+        pending = [None] * len(buckets)
+        pending[0] = self._worker.submit(self._pack, tensors, buckets[0], 0, code, compression, prescale)
+        unpacked = []
+        for k, bucket in enumerate(buckets):
+            flat, scale_after = pending[k].result()
+            if k + 1 < len(buckets):  # packs into the other slot, after that slot's unpack (same worker)
+                pending[k + 1] = self._worker.submit(self._pack, tensors, buckets[k + 1], (k + 1) % 2, code,
+                                                     compression, prescale)
+            self._reduce(flat, code)
+            unpacked.append(self._worker.submit(self._unpack, flat, scale_after, tensors, bucket))
+        for f in unpacked:
+            f.result()
+
+    def _start(self, tensors, bucket, slot, code, compression, prescale):
+        flat, scale_after = self._pack(tensors, bucket, slot, code, compression, prescale)
+        self._reduce(flat, code)
+        return flat, scale_after
+
+    def _finish(self, packed, tensors, bucket):
+        self._unpack(packed[0], packed[1], tensors, bucket)
+
+    def _wire_dtype(self, bucket, compression):
+        if compression and bucket.dtype == "float32":
+            return compression
+        return bucket.dtype
+
+    def _pack(self, tensors, bucket, slot, code, compression, prescale):
+        """(flat buffer holding the bucket, scale to apply on unpack)."""
+        wire = self._wire_dtype(bucket, compression)
+        avg = code == ReduceOp.AVG
+        # Compressed AVG divides before the sum (as torch's fp16 hook does) so half precision can't
+        # overflow; otherwise the division is fused into unpack.
+        before = prescale * (1.0 / self.comm.size if avg and wire != bucket.dtype else 1.0)
+        after = 1.0 / self.comm.size if avg and wire == bucket.dtype else 1.0
+        parts = [tensors[i] for i in bucket.indices]
+        if len(parts) == 1 and wire == bucket.dtype and before == 1.0:
+            return parts[0], after  # nothing to fuse: reduce the tensor itself, in place
+        flat = self._buffer(parts[0], wire, slot, bucket.count)
+        _core.pack(parts, flat, before)
+        return flat, after
+
+    def _reduce(self, flat, code):
+        self.comm.allreduce(flat, op=ReduceOp.SUM if code == ReduceOp.AVG else code)
+
+    def _unpack(self, flat, scale_after, tensors, bucket):
+        parts = [tensors[i] for i in bucket.indices]
+        if len(parts) == 1 and flat is parts[0]:
+            if scale_after != 1.0:
+                _core.scale(flat, scale_after)
+            return
+        _core.unpack(flat, parts, scale_after)
+
+    def _buffer(self, like, dtype, slot, count):
+        key = (dtype, slot, type(like))
+        buf = self._buffers.get(key)
+        if buf is None or len(buf) < count:
+            buf = self._buffers[key] = _empty_like(like, dtype, max(count, self.bucket_bytes // _ITEMSIZE[dtype]))
+        return buf[:count]
+
+    def close(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+
+_ITEMSIZE = dict(zip(_core.DTYPE_NAMES, _core.DTYPE_ITEMSIZES))
+
+
+def _empty_like(like, dtype, count):
+    """A flat buffer of the same kind as `like` (torch tensor or numpy array)."""
+    mod = type(like).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+        return torch.empty(count, dtype=getattr(torch, dtype))
+    import numpy as np
+    if dtype == "bfloat16":
+        raise TypeError("bfloat16 compression needs torch tensors (numpy has no bfloat16)")
+    return np.empty(count, dtype=dtype)
