@@ -1,5 +1,6 @@
-"""dist.all_reduce on backend engine vs a Gloo group vs raw mpi4py Allreduce, same job, rounds
-interleaved so machine noise hits all three alike. Median over rounds, max over ranks.
+"""dist.all_reduce on backend engine vs a Gloo group vs raw mpi4py Allreduce (out of place, and in place
+like dist.all_reduce), same job, rounds interleaved so machine noise hits all alike. Median over rounds
+of the per-round time, max over ranks.
 
     mpirun -n 2 python -m bench.torch_allreduce
 """
@@ -30,8 +31,9 @@ def main(sizes=SIZES, rounds=5):
     rank = dist.get_rank()
     if rank == 0:
         print(f"# dist.all_reduce, float32, {dist.get_world_size()} ranks, torch {torch.__version__}, "
-              f"{MPI.Get_library_version().splitlines()[0]}")
-        print(f"{'bytes':>10} {'engine us':>11} {'gloo us':>11} {'mpi4py us':>11} {'gloo/engine':>12} {'engine/mpi4py':>14}")
+              f"{MPI.Get_library_version().replace(chr(0), '').splitlines()[0]}")
+        print(f"{'bytes':>10} {'engine us':>11} {'gloo us':>11} {'mpi4py us':>11} {'mpi4py-ip us':>13} "
+              f"{'gloo/engine':>12} {'engine/mpi4py':>14} {'engine/mpi4py-ip':>17}")
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
         a = t.numpy()
@@ -42,6 +44,7 @@ def main(sizes=SIZES, rounds=5):
             "engine": (lambda: dist.all_reduce(t), iters),
             "gloo": (lambda: dist.all_reduce(t, group=gloo), gloo_iters),
             "mpi4py": (lambda: world.Allreduce(a, b, op=MPI.SUM), iters),
+            "mpi4py-ip": (lambda: world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM), iters),  # in place, as dist's
         }
         samples = {k: [] for k in cases}
         for fn, n in cases.values():
@@ -53,7 +56,8 @@ def main(sizes=SIZES, rounds=5):
         med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
         if rank == 0:
             print(f"{nbytes:>10} {med['engine']:>11.1f} {med['gloo']:>11.1f} {med['mpi4py']:>11.1f} "
-                  f"{med['gloo'] / med['engine']:>12.1f} {med['engine'] / med['mpi4py']:>14.2f}", flush=True)
+                  f"{med['mpi4py-ip']:>13.1f} {med['gloo'] / med['engine']:>12.1f} "
+                  f"{med['engine'] / med['mpi4py']:>14.2f} {med['engine'] / med['mpi4py-ip']:>17.2f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -51,7 +51,7 @@ class Progress:
         return task
 
     def run(self, fn, name="op"):
-        """Runs fn now, in this thread, after everything queued before it; returns its done Task."""
+        """Runs fn now, in this thread, after everything queued before it; raises what fn raises."""
         with self._cv:
             idle = not self._running and not self._queue and not self._closed
             if idle:
@@ -59,11 +59,16 @@ class Progress:
         if not idle:
             task = self.submit(fn, name)
             self.wait(task)
-            return task
-        task = Task(fn, name)
-        task.state = RUNNING
-        self._run(task)
-        return task
+            if task.error is not None:
+                raise task.error
+            return
+        try:
+            fn()
+        finally:
+            with self._cv:
+                self._running = False
+                if self._queue or self._closed:
+                    self._work.notify()
 
     def add_done_callback(self, task, callback):
         """callback(task) runs once the task is done (at once if it already is)."""

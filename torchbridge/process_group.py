@@ -11,7 +11,7 @@ from engine.fusion import FusedAllreduce
 from engine.progress import Progress
 
 from .launch import MPIRUN_HINT
-from .work import CollectiveWork, PointToPointWork
+from .work import CollectiveWork, CompletedWork, PointToPointWork
 
 _RED = dist.ReduceOp.RedOpType
 # Keyed by int: hashing torch's pybind enum costs more than the 1 KB allreduce itself.
@@ -102,6 +102,9 @@ def _uneven(counts):
     return None if len(set(counts)) <= 1 else counts
 
 
+_COMPLETED = CompletedWork()
+
+
 class EngineProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup over one MPI communicator (a Dup of COMM_WORLD, or a sub-communicator)."""
 
@@ -130,9 +133,11 @@ class EngineProcessGroup(dist.ProcessGroup):
         return self._comm
 
     def _submit(self, what, fn, outputs, opts=None):
-        # torch says async_op=False when it will wait at once: run in place, no thread hand-off.
+        # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
+        # raise here on failure; the returned Work is already complete.
         if opts is not None and not getattr(opts, "asyncOp", True):
-            return CollectiveWork(self._progress, self._progress.run(fn, what), outputs)
+            self._progress.run(fn, what)
+            return _COMPLETED
         return CollectiveWork(self._progress, self._progress.submit(fn, what), outputs)
 
     # -- reductions --
@@ -142,6 +147,8 @@ class EngineProcessGroup(dist.ProcessGroup):
         op, factor = _reduce_op(opts)
         comm = self._comm
         if factor is None:
+            if t.is_contiguous():  # the common case, kept short: it is the latency path
+                return self._submit("allreduce", lambda: comm.allreduce(t, None, op), tensors, opts)
             return self._submit("allreduce", lambda: _write(t, lambda buf: comm.allreduce(buf, op=op)), tensors, opts)
         return self._submit("allreduce", lambda: _write(t, lambda buf: comm.allreduce(_premul(t, factor), buf, op)),
                             tensors, opts)

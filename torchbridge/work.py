@@ -54,6 +54,34 @@ class CollectiveWork(dist._Work):
             self._future.set_result(list(self._outputs))
 
 
+class CompletedWork(dist._Work):
+    """What a synchronous call (async_op=False) returns: it already ran, in the caller's thread, and
+    raised there if it failed. torch waits on it once and drops it, so one shared instance serves."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return []
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result([])
+        return fut
+
+
 class PointToPointWork(dist._Work):
     """A posted MPI isend/irecv. It never occupies the progress thread, so an isend and an irecv to
     the same peer can't block each other; `finish` copies a staged receive into its tensor."""

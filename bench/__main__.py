@@ -1,0 +1,75 @@
+"""Microbenchmarks in nccl-tests' and OSU's conventions.
+
+    mpirun -n 2 python -m bench all_reduce -b 8 -e 64M -f 4 --backends engine,gloo,mpi4py -c 1 --json out.json
+    python -m bench plot out.json -o out.png
+"""
+
+import argparse
+import sys
+
+from .backends import BACKENDS, DTYPES, OPS
+from .busbw import COLLECTIVES, parse_size
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("collective", choices=COLLECTIVES + ("all",))
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size (K/M/G)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"), help="largest size (K/M/G)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier between rows")
+    p.add_argument("-n", "--iters", type=int, default=None, help="iterations (default: OSU's 1000 up to 8 KB, 100 above)")
+    p.add_argument("-w", "--warmup", type=int, default=None, help="warm-up iterations (default: 100 / 10)")
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float")
+    p.add_argument("-o", "--op", choices=OPS, default="sum")
+    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("-c", "--check", type=int, default=0, help="1: verify results at every size, count wrong elements")
+    p.add_argument("--backends", default="engine,gloo,mpi4py",
+                   help=f"comma-separated, from {', '.join(BACKENDS)}; the first is compared with the others")
+    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble"), help="force the engine's allreduce algorithm")
+    p.add_argument("--json", default=None, help="write every row and the run's metadata here")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (the median is reported)")
+    p.add_argument("--budget", type=float, default=0.3,
+                   help="seconds one measurement may take: fewer iterations for slow backends")
+    args = p.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        p.error(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
+
+
+def parse_plot_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench plot")
+    p.add_argument("files", nargs="+")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--collective", default=None, choices=COLLECTIVES)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        from .plot import plot
+        a = parse_plot_args(argv[1:])
+        print(plot(a.files, a.output, a.collective))
+        return
+    args = parse_args(argv)
+    from . import report, run  # imports torch and MPI only when a sweep runs
+    collectives = [c for c in COLLECTIVES] if args.collective == "all" else [args.collective]
+    rows = run.sweep(args, collectives)
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        meta = run.metadata(args)
+        report.print_report(rows, meta, sys.stdout)
+        if args.json:
+            report.write_json(args.json, rows, meta)
+            print(f"# wrote {args.json}")
+        if any(r["wrong"] > 0 for r in rows):
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""What each backend runs for one (collective, mode, count): a Case with run() (timed) and check()
+(fresh data, one run, wrong elements against a reference every rank computes itself).
+
+Backends: "engine" (torch.distributed on backend engine), "engine-direct" (engine.Communicator, no
+torch layer), "gloo" (torch.distributed on a Gloo group in the same job), "mpi4py" (raw mpi4py on
+numpy arrays), "nccl" (torch's nccl backend, CUDA machines only). None means "not applicable".
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("engine", "engine-direct", "gloo", "mpi4py", "nccl")
+DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
+          "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
+OPS = ("sum", "prod", "min", "max", "avg")
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+              "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def data(rank, count, dtype):
+    """Small positive integers: sums, products (of few ranks) and averages stay exact or near it."""
+    return ((torch.arange(count, dtype=torch.int64) + rank) % 4 + 1).to(dtype)
+
+
+def reduce_ref(op, arrays, dtype):
+    acc = torch.stack([a.to(torch.float64) for a in arrays])
+    out = {"sum": lambda: acc.sum(0), "prod": lambda: acc.prod(0), "min": lambda: acc.min(0).values,
+           "max": lambda: acc.max(0).values, "avg": lambda: acc.sum(0) / len(arrays)}[op]()
+    return out.to(dtype)
+
+
+def count_wrong(got, want):
+    got, want = got.reshape(-1).cpu(), want.reshape(-1).cpu()
+    if got.dtype.is_floating_point:
+        tol = _TOL[got.dtype]
+        bad = (got.double() - want.double()).abs() > tol * want.double().abs().clamp(min=1) * 4
+    else:
+        bad = got != want
+    return int(bad.sum())
+
+
+class Case:
+    def __init__(self, run, reset, result, expected):
+        self.run, self._reset, self._result, self._expected = run, reset, result, expected
+
+    def check(self):
+        self._reset()
+        self.run()
+        got = self._result()
+        return 0 if got is None else count_wrong(got, self._expected)
+
+
+class Problem:
+    """The buffers' contents and reference result for one collective on this rank."""
+
+    def __init__(self, coll, count, dtype, op, root, rank, size):
+        self.coll, self.count, self.dtype, self.op, self.root, self.rank, self.size = \
+            coll, count, dtype, op, root, rank, size
+        n, r = size, rank
+        if coll == "all_reduce":
+            self.input = data(r, count, dtype)
+            self.expected = reduce_ref(op, [data(q, count, dtype) for q in range(n)], dtype)
+        elif coll == "broadcast":
+            self.input = data(r, count, dtype)
+            self.expected = data(root, count, dtype)
+        elif coll == "reduce":
+            self.input = data(r, count, dtype)
+            self.expected = reduce_ref(op, [data(q, count, dtype) for q in range(n)], dtype) if r == root else None
+        elif coll == "all_gather":
+            self.input = data(r, count, dtype)
+            self.expected = torch.cat([data(q, count, dtype) for q in range(n)])
+        elif coll == "reduce_scatter":
+            block = count // n
+            self.input = data(r, count, dtype)
+            self.expected = reduce_ref(op, [data(q, count, dtype) for q in range(n)], dtype)[r * block:(r + 1) * block]
+        elif coll == "alltoall":
+            block = count // n
+            self.input = data(r * 7, count, dtype)
+            self.expected = torch.cat([data(q * 7, count, dtype)[r * block:(r + 1) * block] for q in range(n)])
+        elif coll == "sendrecv":
+            self.input = data(r, count, dtype)
+            self.expected = data((r - 1) % n, count, dtype)
+        else:  # barrier
+            self.input, self.expected = torch.empty(0, dtype=dtype), None
+
+    def out_count(self):
+        return {"all_gather": self.count * self.size, "reduce_scatter": self.count // self.size}.get(
+            self.coll, self.count)
+
+
+class TorchDistBackend:
+    """torch.distributed on one group: engine (default group), Gloo, or NCCL (CUDA tensors)."""
+
+    def __init__(self, name, group=None, device="cpu"):
+        self.name, self.group, self.device = name, group, device
+
+    def case(self, p, mode):
+        g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
+        inp = p.input.to(dev, copy=True)  # .to() of a CPU tensor to "cpu" would alias it
+        src = p.input.to(dev, copy=True)
+        out = torch.empty(p.out_count(), dtype=p.dtype, device=dev)
+
+        def reset():
+            inp.copy_(src)
+
+        c = p.coll
+        if c == "barrier":
+            return None if mode == "in-place" else Case(lambda: dist.barrier(group=g), lambda: None, lambda: None, None)
+        if mode == "out-of-place":
+            if c == "all_gather":
+                return Case(lambda: dist.all_gather_into_tensor(out, inp, group=g), reset, lambda: out, p.expected)
+            if c == "reduce_scatter":
+                return Case(lambda: dist.reduce_scatter_tensor(out, inp, op=op, group=g), reset, lambda: out, p.expected)
+            if c == "alltoall":
+                return Case(lambda: dist.all_to_all_single(out, inp, group=g), reset, lambda: out, p.expected)
+            if c == "sendrecv":
+                return Case(lambda: self._sendrecv(out, inp), reset, lambda: out, p.expected)
+            return None  # all_reduce, broadcast, reduce exist in place only in torch
+        if c == "all_reduce":
+            return Case(lambda: dist.all_reduce(inp, op=op, group=g), reset, lambda: inp, p.expected)
+        if c == "broadcast":
+            return Case(lambda: dist.broadcast(inp, self._global(p.root), group=g), reset, lambda: inp, p.expected)
+        if c == "reduce":
+            return Case(lambda: dist.reduce(inp, self._global(p.root), op=op, group=g), reset,
+                        lambda: inp if p.expected is not None else None, p.expected)
+        return None
+
+    def _global(self, rank):
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _sendrecv(self, out, inp):
+        n, r = dist.get_world_size(), dist.get_rank()
+        if n == 1:
+            out.copy_(inp)
+            return
+        ops = [dist.P2POp(dist.isend, inp, (r + 1) % n, self.group), dist.P2POp(dist.irecv, out, (r - 1) % n, self.group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+
+class EngineDirectBackend:
+    """engine.Communicator driven directly on torch CPU tensors: the engine without the torch layer."""
+
+    name = "engine-direct"
+
+    def __init__(self, algorithm=None):
+        import engine
+        self.comm = engine.world()
+        self.algorithm = algorithm
+
+    def case(self, p, mode):
+        comm, c, op = self.comm, p.coll, p.op.replace("prod", "product")
+        inp, src = p.input.clone(), p.input
+        out = torch.empty(p.out_count(), dtype=p.dtype)
+        inplace = mode == "in-place"
+        n, r = p.size, p.rank
+
+        def reset():
+            inp.copy_(src)
+
+        if c == "barrier":
+            return None if inplace else Case(comm.barrier, lambda: None, lambda: None, None)
+        if c == "all_reduce":
+            if inplace:
+                return Case(lambda: comm.allreduce(inp, op=op, algorithm=self.algorithm), reset, lambda: inp, p.expected)
+            return Case(lambda: comm.allreduce(inp, out, op, algorithm=self.algorithm), reset, lambda: out, p.expected)
+        if c == "broadcast":
+            return Case(lambda: comm.broadcast(inp, p.root), reset, lambda: inp, p.expected) if inplace else None
+        if c == "reduce":
+            res = (lambda: (inp if inplace else out) if r == p.root else None)
+            return Case(lambda: comm.reduce(inp, None if inplace or r != p.root else out, op, p.root), reset, res,
+                        p.expected)
+        if c == "all_gather":
+            if inplace:
+                whole = torch.empty(p.count * n, dtype=p.dtype)
+                mine = whole[r * p.count:(r + 1) * p.count]
+                return Case(lambda: comm.allgather(mine, whole), lambda: mine.copy_(src), lambda: whole, p.expected)
+            return Case(lambda: comm.allgather(inp, out), reset, lambda: out, p.expected)
+        if c == "reduce_scatter":
+            return None if inplace else Case(lambda: comm.reduce_scatter(inp, out, op), reset, lambda: out, p.expected)
+        if c == "alltoall":
+            return None if inplace else Case(lambda: comm.alltoall(inp, out), reset, lambda: out, p.expected)
+        if c == "sendrecv":
+            if inplace:
+                return None
+
+            def sendrecv():
+                if n == 1:
+                    out.copy_(inp)
+                    return
+                req = comm.irecv(out, (r - 1) % n, 0)
+                comm.send(inp, (r + 1) % n, 0)
+                req.wait()
+            return Case(sendrecv, reset, lambda: out, p.expected)
+        return None
+
+
+class Mpi4pyBackend:
+    """Raw mpi4py (Comm.Allreduce and friends) on numpy views of the same data."""
+
+    name = "mpi4py"
+
+    def __init__(self):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+
+    def case(self, p, mode):
+        MPI, comm, c = self.MPI, self.comm, p.coll
+        if p.dtype == torch.bfloat16 or (p.dtype == torch.float16 and c in ("all_reduce", "reduce", "reduce_scatter")):
+            return None  # MPI has no (b)float16 arithmetic
+        mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "avg": None}.get(p.op)
+        if c in ("all_reduce", "reduce", "reduce_scatter") and mop is None:
+            return None  # MPI has no AVG
+        inp_t, out_t = p.input.clone(), torch.empty(p.out_count(), dtype=p.dtype)
+        inp, out, src = inp_t.numpy(), out_t.numpy(), p.input.numpy()
+        inplace = mode == "in-place"
+        n, r = p.size, p.rank
+
+        def reset():
+            inp[...] = src
+
+        if c == "barrier":
+            return None if inplace else Case(comm.Barrier, lambda: None, lambda: None, None)
+        if c == "all_reduce":
+            if inplace:
+                return Case(lambda: comm.Allreduce(MPI.IN_PLACE, inp, mop), reset, lambda: inp_t, p.expected)
+            return Case(lambda: comm.Allreduce(inp, out, mop), reset, lambda: out_t, p.expected)
+        if c == "broadcast":
+            return Case(lambda: comm.Bcast(inp, p.root), reset, lambda: inp_t, p.expected) if inplace else None
+        if c == "reduce":
+            if inplace:
+                run = lambda: comm.Reduce(MPI.IN_PLACE if r == p.root else inp, inp if r == p.root else None, mop, p.root)
+                return Case(run, reset, lambda: inp_t if r == p.root else None, p.expected)
+            return Case(lambda: comm.Reduce(inp, out, mop, p.root), reset, lambda: out_t if r == p.root else None,
+                        p.expected)
+        if c == "all_gather":
+            return None if inplace else Case(lambda: comm.Allgather(inp, out), reset, lambda: out_t, p.expected)
+        if c == "reduce_scatter":
+            return None if inplace else Case(lambda: comm.Reduce_scatter_block(inp, out, mop), reset, lambda: out_t,
+                                             p.expected)
+        if c == "alltoall":
+            return None if inplace else Case(lambda: comm.Alltoall(inp, out), reset, lambda: out_t, p.expected)
+        if c == "sendrecv":
+            if inplace:
+                return None
+            return Case(lambda: comm.Sendrecv(inp, (r + 1) % n, 0, out, (r - 1) % n, 0), reset, lambda: out_t,
+                        p.expected)
+        return None
+
+
+def make_backends(names, algorithm=None):
+    """Backend objects for names, in order; creates the groups they need (collective over all ranks)."""
+    made = []
+    for name in names:
+        if name == "engine":
+            made.append(TorchDistBackend("engine"))
+        elif name == "engine-direct":
+            made.append(EngineDirectBackend(algorithm))
+        elif name == "gloo":
+            made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo")))
+        elif name == "mpi4py":
+            made.append(Mpi4pyBackend())
+        elif name == "nccl":
+            if not torch.cuda.is_available():
+                raise SystemExit("--backends nccl needs a CUDA machine (torch.cuda.is_available() is False)")
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+            made.append(TorchDistBackend("nccl", dist.new_group(backend="nccl"), device="cuda"))
+        else:
+            raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    return made

@@ -1,0 +1,108 @@
+"""nccl-tests-style tables per backend, the side-by-side ratio table, and the JSON file."""
+
+import json
+import statistics
+
+from .busbw import COLLECTIVES
+
+SCHEMA_VERSION = 1
+ROW_KEYS = ("backend", "collective", "mode", "size", "count", "type", "redop", "root", "time_us", "algbw", "busbw",
+            "wrong", "samples_us")
+DESCRIPTIONS = {
+    "engine": "torch.distributed, backend engine",
+    "engine-direct": "engine.Communicator, no torch layer",
+    "gloo": "torch.distributed, Gloo group in the same job",
+    "mpi4py": "raw mpi4py on numpy arrays",
+    "nccl": "torch.distributed, backend nccl (CUDA)",
+}
+
+
+def _cols(row):
+    if row is None:
+        return f"{'N/A':>10} {'':>7} {'':>7} {'':>6}"
+    wrong = "N/A" if row["wrong"] < 0 else str(row["wrong"])
+    return f"{row['time_us']:>10.2f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {wrong:>6}"
+
+
+def backend_table(rows, backend, collective, meta):
+    mine = [r for r in rows if r["backend"] == backend and r["collective"] == collective]
+    if not mine:
+        return ""
+    lines = [f"# {collective} on {backend}: {DESCRIPTIONS.get(backend, backend)}, {meta['world_size']} ranks"
+             + (" (oversubscribed)" if meta.get("oversubscribed") else ""),
+             f"# {'':>51} {'out-of-place':>32} {'in-place':>32}",
+             f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
+             f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
+             f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>5} "
+             f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"]
+    for size in sorted({r["size"] for r in mine}):
+        by_mode = {r["mode"]: r for r in mine if r["size"] == size}
+        any_row = next(iter(by_mode.values()))
+        lines.append(f"  {size:>10} {any_row['count']:>12} {any_row['type']:>8} {any_row['redop']:>6} "
+                     f"{any_row['root']:>5} {_cols(by_mode.get('out-of-place'))} {_cols(by_mode.get('in-place'))}")
+    wrong = sum(max(r["wrong"], 0) for r in mine)
+    checked = any(r["wrong"] >= 0 for r in mine)
+    lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+                 + ("" if checked else " (not checked: pass -c 1)"))
+    lines.append(f"# Avg bus bandwidth    : {statistics.mean(r['busbw'] for r in mine):.4f}")
+    return "\n".join(lines)
+
+
+def ratio_table(rows, collective, base):
+    """The base backend's time (the first of --backends) over each other backend's, same size and mode,
+    from the same run."""
+    mine = [r for r in rows if r["collective"] == collective]
+    others = [b for b in dict.fromkeys(r["backend"] for r in mine) if b != base]
+    if not others or not any(r["backend"] == base for r in mine):
+        return ""
+    index = {(r["backend"], r["size"], r["mode"]): r["time_us"] for r in mine}
+    head = f"# {'size':>10} {'mode':>13} {base + ' us':>14}" + "".join(f" {b + ' us':>14}" for b in others) + \
+        "".join(f" {base + '/' + b:>20}" for b in others)
+    lines = [f"# {collective}: {base} time / other time, same run (< 1: {base} is faster)", head]
+    for size in sorted({r["size"] for r in mine}):
+        for mode in ("out-of-place", "in-place"):
+            t = index.get((base, size, mode))
+            if t is None:
+                continue
+            ts = [index.get((b, size, mode)) for b in others]
+            lines.append(f"  {size:>10} {mode:>13} {t:>14.2f}"
+                         + "".join(f" {x:>14.2f}" if x else f" {'N/A':>14}" for x in ts)
+                         + "".join(f" {t / x:>20.3f}" if x else f" {'N/A':>20}" for x in ts))
+    return "\n".join(lines)
+
+
+def print_report(rows, meta, out):
+    print(f"# engine bench: {meta['command']}", file=out)
+    print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), torch {meta['torch']}, "
+          f"mpi4py {meta['mpi4py']}, {meta['mpi_library']}", file=out)
+    print("# times: mean per call on each rank, averaged over ranks; median of "
+          f"{meta['rounds']} interleaved rounds", file=out)
+    for coll in COLLECTIVES:
+        for backend in dict.fromkeys(r["backend"] for r in rows):
+            table = backend_table(rows, backend, coll, meta)
+            if table:
+                print(table + "\n", file=out)
+        ratios = ratio_table(rows, coll, meta["backends"][0])
+        if ratios:
+            print(ratios + "\n", file=out)
+
+
+def write_json(path, rows, meta):
+    with open(path, "w") as f:
+        json.dump({"schema": SCHEMA_VERSION, "meta": meta, "rows": rows}, f, indent=1)
+
+
+def read_json(path):
+    with open(path) as f:
+        doc = json.load(f)
+    validate(doc, path)
+    return doc
+
+
+def validate(doc, where="document"):
+    if doc.get("schema") != SCHEMA_VERSION or "meta" not in doc or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"{where}: not an engine bench JSON file (schema {SCHEMA_VERSION})")
+    for i, row in enumerate(doc["rows"]):
+        missing = [k for k in ROW_KEYS if k not in row]
+        if missing:
+            raise ValueError(f"{where}: row {i} lacks {', '.join(missing)}")

@@ -1,0 +1,89 @@
+"""The benchmark suite itself: nccl-tests' busbw formulas, size parsing, the JSON schema, the plot,
+and a tiny end-to-end run under mpiexec."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.busbw import bandwidths, busbw_factor, bytes_moved, parse_size, per_rank_count, size_sweep
+from bench.report import ROW_KEYS, read_json, validate
+from mpirun import mpi_env, mpiexec_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("coll,n,factor", [
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 1, 0.0), ("all_gather", 4, 0.75),
+    ("reduce_scatter", 3, 2 / 3), ("alltoall", 2, 0.5), ("broadcast", 8, 1.0), ("reduce", 8, 1.0),
+    ("sendrecv", 2, 1.0)])
+def test_busbw_factors_are_nccl_tests(coll, n, factor):
+    assert busbw_factor(coll, n) == pytest.approx(factor)
+
+
+def test_bandwidths_and_bytes():
+    assert bandwidths("all_reduce", 1e9, 1.0, 4) == pytest.approx((1.0, 1.5))
+    assert bandwidths("barrier", 0, 1e-5, 2) == (0.0, 0.0)
+    # all_gather: -b/-e name the whole array; each rank sends 1/n of it
+    assert per_rank_count("all_gather", 4096, 4, 4) == 256
+    assert bytes_moved("all_gather", 256, 4, 4) == 4096
+    assert per_rank_count("reduce_scatter", 4100, 4, 3) == 1023  # divisible in 3 blocks
+    assert per_rank_count("all_reduce", 6, 4, 2) == 1
+
+
+@pytest.mark.parametrize("text,value", [("8", 8), ("1K", 1024), ("1k", 1024), ("64M", 64 << 20), ("1G", 1 << 30),
+                                        ("1.5K", 1536), ("0", 0)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "12Q", "-4K", "K"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="bad size"):
+        parse_size(bad)
+
+
+def test_size_sweep():
+    assert size_sweep(8, 64 << 20, 4)[:3] == [8, 32, 128]
+    assert size_sweep(8, 64 << 20, 4)[-1] == 32 << 20
+    assert size_sweep(1, 3, 1.5) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        size_sweep(8, 4, 2)
+
+
+def test_json_schema_validation():
+    row = {k: 0 for k in ROW_KEYS}
+    validate({"schema": 1, "meta": {}, "rows": [row]})
+    with pytest.raises(ValueError, match="lacks busbw"):
+        validate({"schema": 1, "meta": {}, "rows": [{k: 0 for k in ROW_KEYS if k != "busbw"}]})
+    with pytest.raises(ValueError, match="not an engine bench JSON"):
+        validate({"rows": []})
+
+
+def test_end_to_end_under_mpiexec_and_plot(tmp_path):
+    out = tmp_path / "out.json"
+    cmd = mpiexec_command(2) + [sys.executable, "-m", "bench", "all", "-b", "1K", "-e", "16K", "-f", "16",
+                                "--backends", "engine,engine-direct,gloo,mpi4py", "-c", "1", "-n", "20", "-w", "2",
+                                "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    assert "FAILED" not in proc.stdout
+    assert "# Avg bus bandwidth" in proc.stdout and "engine/gloo" in proc.stdout
+    doc = read_json(out)
+    meta = doc["meta"]
+    assert meta["world_size"] == 2 and meta["cores"] >= 1
+    assert any(name in meta["mpi_library"] for name in ("Open MPI", "MPICH", "Intel"))
+    collectives = {r["collective"] for r in doc["rows"]}
+    assert collectives == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall",
+                           "sendrecv", "barrier"}
+    assert all(r["wrong"] == 0 for r in doc["rows"])
+    assert {r["backend"] for r in doc["rows"]} == {"engine", "engine-direct", "gloo", "mpi4py"}
+    png = tmp_path / "out.png"
+    plot = subprocess.run([sys.executable, "-m", "bench", "plot", str(out), "-o", str(png)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert png.stat().st_size > 10000
+    json.loads(out.read_text())  # plain JSON for other tools
