@@ -11,6 +11,7 @@ include "errors.pxi"
 include "dtypes.pxi"
 include "message.pxi"
 include "kernels_api.pxi"
+include "wait.pxi"
 include "ring.pxi"
 include "collectives.pxi"
 

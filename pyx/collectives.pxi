@@ -13,8 +13,8 @@ ALGORITHM_CODES = {"native": ALGO_NATIVE, "ring": ALGO_RING, "rdouble": ALGO_RDO
 
 cdef int as_int_count(size_t n, str what) except -1:
     if n > <size_t>INT_MAX:
-        raise ValueError(f"{what}: {n} elements exceed MPI's int count limit (2**31 - 1); "
-                         "split the buffer (allreduce: use algorithm='ring', which has no such limit)")
+        raise ValueError(f"{what}: {n} elements exceed MPI's int count limit (2**31 - 1) for this collective; "
+                         "allreduce, broadcast and reduce take any size; split this buffer into smaller calls")
     return <int>n
 
 
@@ -25,6 +25,8 @@ cdef class Request:
     cdef MPI_Status status
     cdef bint done
     cdef str what
+    cdef object hook        # the communicator's watch, called while wait() polls
+    cdef WaitCtx ctx
 
     def __dealloc__(self):
         if self.req != MPI_REQUEST_NULL:  # never completed: cancel rather than leak the request
@@ -33,10 +35,10 @@ cdef class Request:
 
     def wait(self):
         """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
-        cdef int ierr = 0
+        cdef int ierr = 0, flag = 0
         if not self.done:
             with nogil:
-                ierr = MPI_Wait(&self.req, &self.status)
+                ierr = wait_req_status(&self.req, &self.status, &self.ctx)
             check(ierr, self.what)
             self.done = True
         return self._result()
@@ -66,6 +68,9 @@ cdef class CoreComm:
     cdef RingAllreduce ring
     cdef RecursiveDoubling rdouble
     cdef int *ibuf     # 4 * size ints: counts and displacements of the v-collectives
+    cdef object hook   # watch(elapsed) called while engine-owned waits poll; None: plain MPI_Wait
+    cdef double interval
+    cdef readonly size_t chunk  # element-wise native collectives go in pieces of at most this many elements
 
     def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes):
         self.coll = coll.ob_mpi
@@ -77,6 +82,13 @@ cdef class CoreComm:
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()
+        self.chunk = 1 << 30  # MPI counts are ints: larger messages are cut (no large-count MPI-4 calls here)
+
+    def set_chunk(self, size_t elements):
+        """Largest piece of an element-wise native collective (tests make it tiny to reach the loop)."""
+        if elements == 0 or elements > <size_t>INT_MAX:
+            raise ValueError(f"chunk must be in 1..{INT_MAX} elements")
+        self.chunk = elements
 
     def __dealloc__(self):
         free(self.ibuf)
@@ -84,6 +96,22 @@ cdef class CoreComm:
     @property
     def ring_segment_bytes(self):
         return self.ring.seg_bytes
+
+    def set_watch(self, hook, double interval=1.0):
+        """hook(elapsed_seconds) runs every `interval` s while an engine-owned wait polls; it may raise
+        (a timeout) to abandon the operation. None restores plain blocking waits."""
+        if interval <= 0:
+            raise ValueError("watch interval must be positive")
+        self.hook = hook
+        self.interval = interval
+
+    cdef inline void start_ctx(self, WaitCtx *ctx, object hook=None) noexcept:
+        if hook is None:
+            hook = self.hook
+        ctx.hook = <void*>hook if hook is not None else NULL
+        ctx.start = monotonic()
+        ctx.interval = self.interval
+        ctx.next_check = ctx.start + self.interval
 
     cdef int _root(self, int root) except -1:
         if root < 0 or root >= self.size:
@@ -117,7 +145,10 @@ cdef class CoreComm:
         cdef Message mr = ms if recvbuf is None else as_message(recvbuf, True, "recvbuf")
         cdef Reduction red
         cdef int ierr = 0, n
+        cdef size_t off
         cdef void *sptr
+        cdef WaitCtx ctx
+        self.start_ctx(&ctx)
         if mr is not ms:
             CoreComm._same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
@@ -125,17 +156,24 @@ cdef class CoreComm:
         red = resolve_op(op, ms.dtype)
         sptr = MPI_IN_PLACE if ms.ptr == mr.ptr else ms.ptr
         if algorithm == ALGO_NATIVE:
-            n = as_int_count(ms.count, "allreduce")
             with nogil:
                 red.arm()
-                ierr = MPI_Allreduce(sptr, mr.ptr, n, MPI_TYPES[ms.dtype], red.mpi_op, self.coll)
+                off = 0
+                while off < ms.count:
+                    n = <int>min(self.chunk, ms.count - off)
+                    ierr = MPI_Allreduce(MPI_IN_PLACE if sptr == MPI_IN_PLACE else <char*>sptr + off * ms.itemsize,
+                                         <char*>mr.ptr + off * ms.itemsize, n, MPI_TYPES[ms.dtype], red.mpi_op,
+                                         self.coll)
+                    if ierr:
+                        break
+                    off += n
         elif algorithm == ALGO_RING:
             with nogil:
-                ierr = self.ring.run(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.itemsize, red.fn)
+                ierr = self.ring.run(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.itemsize, red.fn, &ctx)
         elif algorithm == ALGO_RDOUBLE:
             as_int_count(ms.count * ms.itemsize, "allreduce (recursive doubling, in bytes)")
             with nogil:
-                ierr = self.rdouble.run(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.itemsize, red.fn)
+                ierr = self.rdouble.run(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.itemsize, red.fn, &ctx)
         else:
             raise ValueError(f"unknown allreduce algorithm code {algorithm}")
         check(ierr, "allreduce")
@@ -146,9 +184,15 @@ cdef class CoreComm:
     def broadcast(self, buf, int root):
         self._root(root)
         cdef Message m = as_message(buf, True, "buffer")
-        cdef int n = as_int_count(m.count, "broadcast"), ierr
+        cdef int n, ierr = 0
+        cdef size_t off = 0
         with nogil:
-            ierr = MPI_Bcast(m.ptr, n, MPI_TYPES[m.dtype], root, self.coll)
+            while off < m.count:
+                n = <int>min(self.chunk, m.count - off)
+                ierr = MPI_Bcast(<char*>m.ptr + off * m.itemsize, n, MPI_TYPES[m.dtype], root, self.coll)
+                if ierr:
+                    break
+                off += n
         check(ierr, "broadcast")
 
     def reduce(self, sendbuf, recvbuf, op, int root):
@@ -158,7 +202,8 @@ cdef class CoreComm:
         cdef Message ms = as_message(sendbuf, is_root and inplace, "sendbuf")
         cdef Message mr = ms
         cdef Reduction red = resolve_op(op, ms.dtype)
-        cdef int n = as_int_count(ms.count, "reduce"), ierr
+        cdef int n, ierr = 0
+        cdef size_t off = 0
         cdef void *sptr = ms.ptr
         cdef void *rptr = NULL
         if is_root:
@@ -172,7 +217,14 @@ cdef class CoreComm:
                 sptr = MPI_IN_PLACE
         with nogil:
             red.arm()
-            ierr = MPI_Reduce(sptr, rptr, n, MPI_TYPES[ms.dtype], red.mpi_op, root, self.coll)
+            while off < ms.count:
+                n = <int>min(self.chunk, ms.count - off)
+                ierr = MPI_Reduce(MPI_IN_PLACE if sptr == MPI_IN_PLACE else <char*>sptr + off * ms.itemsize,
+                                  NULL if rptr == NULL else <char*>rptr + off * ms.itemsize, n,
+                                  MPI_TYPES[ms.dtype], red.mpi_op, root, self.coll)
+                if ierr:
+                    break
+                off += n
         check(ierr, "reduce")
         if red.avg and is_root:
             with nogil:
@@ -192,7 +244,6 @@ cdef class CoreComm:
             if mr.count != ms.count * self.size:
                 raise ValueError(f"allgather: recvbuf has {mr.count} elements; it needs sendbuf's {ms.count} "
                                  f"x {self.size} ranks = {ms.count * self.size} (pass counts= for uneven sizes)")
-            as_int_count(mr.count, "allgather")
             if sptr == <char*>mr.ptr + self.rank * ms.count * ms.itemsize:
                 sptr = MPI_IN_PLACE
             with nogil:
@@ -341,6 +392,23 @@ cdef class CoreComm:
                 ierr = MPI_Alltoallv(ms.ptr, sc, sd, MPI_TYPES[ms.dtype], mr.ptr, rc, rd, MPI_TYPES[mr.dtype], self.coll)
         check(ierr, "alltoall")
 
+    def allgather_watched(self, sendbuf, recvbuf):
+        """MPI_Iallgather waited on through the watch: the debug-mode signature exchange, which must
+        end in an exception (not a hang) when a rank never arrives."""
+        cdef Message ms = as_message(sendbuf, False, "sendbuf")
+        cdef Message mr = as_message(recvbuf, True, "recvbuf")
+        cdef int n = as_int_count(ms.count, "allgather"), ierr
+        cdef MPI_Request req
+        cdef WaitCtx ctx
+        if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
+            raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
+        self.start_ctx(&ctx)
+        with nogil:
+            ierr = MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype], self.coll, &req)
+            if not ierr:
+                ierr = wait_req(&req, &ctx)
+        check(ierr, "allgather")
+
     def barrier(self):
         cdef int ierr
         with nogil:
@@ -362,44 +430,58 @@ cdef class CoreComm:
             raise ValueError(f"tag {tag} is out of range; use 0..32767")
         return tag
 
-    def send(self, buf, int dest, int tag):
+    def send(self, buf, int dest, int tag, hook=None):
         cdef int peer = self._peer(dest, False, "send: destination")
         cdef int t = self._tag(tag, False)
         cdef Message m = as_message(buf, False, "buffer")
         cdef int n = as_int_count(m.count, "send"), ierr
+        cdef MPI_Request req
+        cdef WaitCtx ctx
+        self.start_ctx(&ctx, hook)
         with nogil:
-            ierr = MPI_Send(m.ptr, n, MPI_TYPES[m.dtype], peer, t, self.p2p)
+            ierr = MPI_Isend(m.ptr, n, MPI_TYPES[m.dtype], peer, t, self.p2p, &req)
+            if not ierr:
+                ierr = wait_req(&req, &ctx)
         check(ierr, "send")
 
-    def recv(self, buf, int source, int tag):
+    def recv(self, buf, int source, int tag, hook=None):
         """Returns (source, tag, count) of the message received."""
         cdef int peer = self._peer(source, True, "recv: source")
         cdef int t = self._tag(tag, True)
         cdef Message m = as_message(buf, True, "buffer")
         cdef int n = as_int_count(m.count, "recv"), ierr, got = 0
         cdef MPI_Status st
+        cdef MPI_Request req
+        cdef WaitCtx ctx
+        self.start_ctx(&ctx, hook)
         with nogil:
-            ierr = MPI_Recv(m.ptr, n, MPI_TYPES[m.dtype], peer, t, self.p2p, &st)
+            ierr = MPI_Irecv(m.ptr, n, MPI_TYPES[m.dtype], peer, t, self.p2p, &req)
+            if not ierr:
+                ierr = wait_req_status(&req, &st, &ctx)
         check(ierr, "recv")
         MPI_Get_count(&st, MPI_TYPES[m.dtype], &got)
         return (st.MPI_SOURCE, st.MPI_TAG, got)
 
-    def isend(self, buf, int dest, int tag):
+    def isend(self, buf, int dest, int tag, hook=None):
         cdef int peer = self._peer(dest, False, "isend: destination")
         cdef int t = self._tag(tag, False)
         cdef Request r = Request.__new__(Request)
         r.msg = as_message(buf, False, "buffer")
         r.what = "MPI_Isend"
+        r.hook = hook if hook is not None else self.hook
+        self.start_ctx(&r.ctx, r.hook)
         cdef int n = as_int_count(r.msg.count, "isend")
         check(MPI_Isend(r.msg.ptr, n, MPI_TYPES[r.msg.dtype], peer, t, self.p2p, &r.req), "isend")
         return r
 
-    def irecv(self, buf, int source, int tag):
+    def irecv(self, buf, int source, int tag, hook=None):
         cdef int peer = self._peer(source, True, "irecv: source")
         cdef int t = self._tag(tag, True)
         cdef Request r = Request.__new__(Request)
         r.msg = as_message(buf, True, "buffer")
         r.what = "MPI_Irecv"
+        r.hook = hook if hook is not None else self.hook
+        self.start_ctx(&r.ctx, r.hook)
         cdef int n = as_int_count(r.msg.count, "irecv")
         check(MPI_Irecv(r.msg.ptr, n, MPI_TYPES[r.msg.dtype], peer, t, self.p2p, &r.req), "irecv")
         return r

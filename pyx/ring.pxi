@@ -76,8 +76,9 @@ cdef class RingAllreduce:
     cdef inline size_t nseg(self, size_t length, size_t segc) noexcept nogil:
         return (length + segc - 1) // segc
 
-    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn) noexcept nogil:
-        """Returns 0, an MPI error code, or -1 when out of memory."""
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                 WaitCtx *ctx) except -1 nogil:
+        """Returns 0 or an MPI error code; raises (returns -1) when out of memory or the watch raises."""
         cdef int P = self.size, r = self.rank, ierr = 0
         cdef int left = mod(r - 1, P), right = mod(r + 1, P)
         cdef int steps = 2 * (P - 1), j, t, pj = 0, cj = 0
@@ -102,7 +103,8 @@ cdef class RingAllreduce:
         if total_s > self.sreq_cap:
             buf = <char*>realloc(self.sreqs, total_s * sizeof(MPI_Request))
             if buf == NULL:
-                return -1
+                with gil:
+                    raise MemoryError("ring allreduce: out of memory for send requests")
             self.sreqs = <MPI_Request*>buf
             self.sreq_cap = total_s
         for i in range(total_s):
@@ -135,7 +137,7 @@ cdef class RingAllreduce:
                     t = pj - (P - 1)
                     if t > 0 and self.rbase[t - 1] + pk >= processed:
                         break
-                    ierr = MPI_Wait(&self.sreqs[self.sbase[t] + pk], MPI_STATUS_IGNORE)
+                    ierr = wait_req(&self.sreqs[self.sbase[t] + pk], ctx)
                     if ierr:
                         return ierr
                     buf = dst + (off + pk * segc) * isz
@@ -151,7 +153,7 @@ cdef class RingAllreduce:
             block_range(count, P, mod(r - cj - 1, P), &off, &blen)
             soff = off + ck * segc
             slen = min(segc, blen - ck * segc)
-            ierr = MPI_Wait(&self.rreqs[processed % RING_SLOTS], MPI_STATUS_IGNORE)
+            ierr = wait_req(&self.rreqs[processed % RING_SLOTS], ctx)
             if ierr:
                 return ierr
             if cj < P - 1:
@@ -163,7 +165,7 @@ cdef class RingAllreduce:
                 if ierr:
                     return ierr
             processed += 1
-        return MPI_Waitall(<int>total_s, self.sreqs, MPI_STATUSES_IGNORE)
+        return wait_all(self.sreqs, total_s, ctx)
 
 
 cdef class RecursiveDoubling:
@@ -183,7 +185,23 @@ cdef class RecursiveDoubling:
     def __dealloc__(self):
         free(self.tmp)
 
-    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn) noexcept nogil:
+    cdef int exchange(self, void *sbuf, int sn, int speer, void *rbuf, int rn, int rpeer, int tag,
+                      WaitCtx *ctx) except -1 nogil:
+        """Send and/or receive (peer -1: skip that side), waiting through the watch."""
+        cdef MPI_Request reqs[2]
+        cdef int ierr = 0
+        reqs[0] = MPI_REQUEST_NULL
+        reqs[1] = MPI_REQUEST_NULL
+        if rpeer >= 0:
+            ierr = MPI_Irecv(rbuf, rn, MPI_BYTE, rpeer, tag, self.comm, &reqs[0])
+        if not ierr and speer >= 0:
+            ierr = MPI_Isend(sbuf, sn, MPI_BYTE, speer, tag, self.comm, &reqs[1])
+        if ierr:
+            return ierr
+        return wait_all(reqs, 2, ctx)
+
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                 WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, ierr = 0
         cdef int p2 = 1, rem, newrank, mask, newpeer, peer
         cdef size_t nbytes = count * isz
@@ -196,7 +214,8 @@ cdef class RecursiveDoubling:
         if nbytes > self.tmp_cap:
             grown = <char*>realloc(self.tmp, nbytes)
             if grown == NULL:
-                return -1
+                with gil:
+                    raise MemoryError("recursive doubling: out of memory")
             self.tmp = grown
             self.tmp_cap = nbytes
         while p2 * 2 <= P:
@@ -204,10 +223,10 @@ cdef class RecursiveDoubling:
         rem = P - p2
         if r < 2 * rem:
             if r % 2 == 0:
-                ierr = MPI_Send(dst, n, MPI_BYTE, r + 1, 1, self.comm)
+                ierr = self.exchange(dst, n, r + 1, NULL, 0, -1, 1, ctx)
                 newrank = -1
             else:
-                ierr = MPI_Recv(self.tmp, n, MPI_BYTE, r - 1, 1, self.comm, MPI_STATUS_IGNORE)
+                ierr = self.exchange(NULL, 0, -1, self.tmp, n, r - 1, 1, ctx)
                 fn(dst, self.tmp, dst, count)
                 newrank = r // 2
             if ierr:
@@ -219,8 +238,7 @@ cdef class RecursiveDoubling:
             while mask < p2:
                 newpeer = newrank ^ mask
                 peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
-                ierr = MPI_Sendrecv(dst, n, MPI_BYTE, peer, 2, self.tmp, n, MPI_BYTE, peer, 2,
-                                    self.comm, MPI_STATUS_IGNORE)
+                ierr = self.exchange(dst, n, peer, self.tmp, n, peer, 2, ctx)
                 if ierr:
                     return ierr
                 if peer < r:
@@ -230,7 +248,7 @@ cdef class RecursiveDoubling:
                 mask <<= 1
         if r < 2 * rem:
             if r % 2:
-                ierr = MPI_Send(dst, n, MPI_BYTE, r - 1, 3, self.comm)
+                ierr = self.exchange(dst, n, r - 1, NULL, 0, -1, 3, ctx)
             else:
-                ierr = MPI_Recv(dst, n, MPI_BYTE, r + 1, 3, self.comm, MPI_STATUS_IGNORE)
+                ierr = self.exchange(NULL, 0, -1, dst, n, r + 1, 3, ctx)
         return ierr

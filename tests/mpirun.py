@@ -32,10 +32,10 @@ def mpi_env():
     return env
 
 
-def run_pytest(nranks, path, timeout, extra=()):
+def run_pytest(nranks, path, timeout, extra=(), env=None):
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, path]
-    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env={**mpi_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 if __name__ == "__main__":

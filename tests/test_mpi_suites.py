@@ -22,3 +22,12 @@ def test_suite_under_mpiexec(suite, nranks):
     if proc.returncode != 0:
         pytest.fail(f"{os.path.basename(suite)} failed with {nranks} ranks (exit {proc.returncode}):\n"
                     f"{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}", pytrace=False)
+
+
+def test_collectives_with_tiny_mpi_chunks():
+    """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
+    (the path of messages over 2**31 elements), on 3 ranks."""
+    suite = os.path.join(HERE, "mpi", "test_collectives.py")
+    proc = run_pytest(3, suite, timeout=300, env={"ENGINE_MPI_CHUNK_ELEMENTS": "7"})
+    if proc.returncode != 0:
+        pytest.fail(f"chunked collectives failed:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}", pytrace=False)

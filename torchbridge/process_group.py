@@ -45,7 +45,8 @@ def create_process_group(opts, backend_options=None):
             comm = world.Create_group(group, tag=_GROUP_TAG)
         finally:
             group.Free()
-    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout)
+    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, opts.store,
+                              opts.group_id or "default")
 
 
 def _one(tensors, what):
@@ -108,9 +109,10 @@ _COMPLETED = CompletedWork()
 class EngineProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup over one MPI communicator (a Dup of COMM_WORLD, or a sub-communicator)."""
 
-    def __init__(self, mpi_comm, rank, size, timeout=None):
+    def __init__(self, mpi_comm, rank, size, timeout=None, store=None, name="default"):
         super().__init__(rank, size)
-        self._comm = Communicator(mpi_comm, _owned=mpi_comm)
+        seconds = timeout.total_seconds() if timeout is not None else None
+        self._comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
         self._fusion = FusedAllreduce(self._comm)
         self._progress = Progress(name=f"engine-progress-{size}r")
         self._timeout = timeout

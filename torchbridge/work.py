@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from engine.progress import DONE
+from engine.watch import EngineTimeout
 
 
 class CollectiveWork(dist._Work):
@@ -21,7 +22,9 @@ class CollectiveWork(dist._Work):
         self._future = None
 
     def wait(self, timeout=None):
-        self._progress.wait(self._task)
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
+        if not self._progress.wait(self._task, seconds if seconds > 0 else None):
+            raise EngineTimeout(f"Work.wait: {self._task.name} did not complete within {seconds:g} s")
         if self._task.error is not None:
             raise self._task.error
         return True

@@ -1,0 +1,47 @@
+"""The bad inputs of docs/errors.md, each on a fresh group (a mismatch leaves its group unusable).
+Run with ENGINE_DEBUG=1 on 2 ranks; prints one 'CASE name: ExceptionType: message' line per case."""
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group(backend="engine")
+rank = dist.get_rank()
+
+
+def case(name, fn):
+    try:
+        fn()
+        print(f"CASE {name}: no error", flush=True)
+    except Exception as exc:
+        print(f"CASE {name}: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+
+
+def fresh():
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+g = fresh()
+case("dtype mismatch", lambda: dist.all_reduce(torch.ones(8, dtype=torch.float32 if rank == 0 else torch.float64),
+                                               group=g))
+g = fresh()
+case("shape mismatch", lambda: dist.all_reduce(torch.ones(2, 4) if rank == 0 else torch.ones(4, 2), group=g))
+g = fresh()
+case("root mismatch", lambda: dist.broadcast(torch.ones(4), src=rank, group=g))
+g = fresh()
+case("op mismatch", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX,
+                                            group=g))
+case("wrong device", lambda: dist.all_reduce(torch.ones(4, device="meta")))
+case("invalid rank", lambda: dist.send(torch.ones(2), dst=99))
+case("unsupported op", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND))
+case("second init", lambda: dist.init_process_group(backend="engine"))
+outside = dist.new_group([0])
+case("outside group", lambda: dist.all_reduce(torch.ones(4), group=outside) if rank != 0 else print("CASE outside group: member"))
+t = torch.ones(4)
+dist.all_reduce(t)
+print(f"CASE default group still works: {t.tolist()}", flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)  # dumps the flight recorders to stderr
+dist.destroy_process_group()
+case("use after destroy", lambda: dist.all_reduce(torch.ones(4)))

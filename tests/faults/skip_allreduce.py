@@ -1,0 +1,27 @@
+"""Rank SKIP never calls the second all_reduce (it sleeps instead); the others must raise within the
+group timeout (5 s) plus a few seconds, naming the missing rank."""
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SKIP = int(os.environ.get("SKIP_RANK", "1"))
+dist.init_process_group(backend="engine", timeout=timedelta(seconds=5))
+rank = dist.get_rank()
+t = torch.ones(4)
+dist.all_reduce(t)  # everyone: #1
+if rank == SKIP:
+    time.sleep(float(os.environ.get("SKIP_SLEEP", "12")))
+    print(f"rank {rank}: skipped the all_reduce", flush=True)
+    sys.exit(0)
+start = time.monotonic()
+try:
+    dist.all_reduce(t)
+    print(f"rank {rank}: all_reduce returned (unexpected)", flush=True)
+    sys.exit(2)
+except Exception as exc:
+    print(f"rank {rank}: raised after {time.monotonic() - start:.1f} s: {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(1)

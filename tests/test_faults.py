@@ -1,0 +1,116 @@
+"""Fail loudly, never hang: each scenario of tests/faults/ under mpiexec, timed from outside."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpirun import mpi_env, mpiexec_command
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def launch(script, nranks, timeout, **env):
+    start = time.monotonic()
+    proc = subprocess.run(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)],
+                          env={**mpi_env(), **env}, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start, proc.stdout + proc.stderr
+
+
+def shm_files():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def test_skipped_all_reduce_raises_within_timeout_naming_the_missing_rank():
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", SKIP_SLEEP="12")
+    raised = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineTimeout: (.*)", out)
+    assert sorted(r for r, _, _ in raised) == ["0", "2"], out[-3000:]
+    for _, seconds, msg in raised:
+        assert float(seconds) < 15, out[-3000:]  # group timeout 5 s
+        assert "allreduce #2 of group '0'" in msg and "rank 1 did not arrive" in msg
+    assert "engine: flight recorder of group '0'" in out  # dumped on the timeout
+    assert proc.returncode != 0
+
+
+def test_debug_mode_mismatch_raises_on_every_rank():
+    proc, elapsed, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1")
+    lines = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineMismatch: (.*)", out)
+    assert sorted(r for r, _, _ in lines) == ["0", "1"], out[-3000:]
+    for _, seconds, msg in lines:
+        assert float(seconds) < 5
+        assert "rank 0: allreduce #1 with 100 float32 elements" in msg
+        assert "rank 1: allreduce #1 with 200 float32 elements" in msg
+
+
+def test_native_collective_that_never_completes_aborts_the_job():
+    before = shm_files()
+    proc, elapsed, out = launch("skip_broadcast.py", 3, 90)
+    assert proc.returncode != 0 and elapsed < 40, out[-3000:]
+    assert re.search(r"broadcast #2 of group '0' \(rank 2 of 3\) timed out .*rank 1 did not arrive", out), out[-3000:]
+    assert "aborting the job" in out
+    assert shm_files() <= before  # no shared-memory segment left behind
+
+
+def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing():
+    before = shm_files()
+    proc, elapsed, out = launch("killed_rank.py", 3, 120, KILL_RANK="1")
+    assert proc.returncode != 0, out[-3000:]
+    assert elapsed < 40, f"mpirun took {elapsed:.1f} s"
+    assert "SIGKILL at step 5" in out
+    leftover = subprocess.run(["pgrep", "-f", "faults/killed_rank.py"], capture_output=True, text=True).stdout
+    assert leftover.strip() == "", leftover
+    assert shm_files() <= before
+
+
+def test_point_to_point_recv_times_out_naming_the_peer():
+    code = ("import engine, numpy as np\n"
+            "c = engine.Communicator(timeout=2)\n"
+            "if c.rank == 0:\n"
+            "    try:\n"
+            "        c.recv(np.zeros(4, np.float32), source=1, tag=9)\n"
+            "    except engine.EngineError as e:\n"
+            "        print('RAISED', e, flush=True)\n"
+            "c.barrier()\n")
+    script = os.path.join(HERE, "_recv_timeout.py")
+    with open(script, "w") as f:
+        f.write(code)
+    try:
+        proc, elapsed, out = launch("_recv_timeout.py", 2, 60)
+    finally:
+        os.remove(script)
+    assert "RAISED recv from rank 1 (tag 9)" in out and "rank 1 never sent it" in out, out[-2000:]
+    assert proc.returncode == 0 and elapsed < 20
+
+
+def test_stall_warning_names_the_missing_rank_before_the_timeout():
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", SKIP_SLEEP="8", ENGINE_STALL_WARNING_SECONDS="1")
+    assert re.search(r"WARNING rank 0 has waited 1 s in allreduce #2 of group '0'; rank 2 did not arrive", out), out[-3000:]
+
+
+def test_bad_inputs_get_clear_errors(tmp_path):
+    trace = tmp_path / "t.json"
+    proc, _, out = launch("bad_input.py", 2, 90, ENGINE_DEBUG="1", ENGINE_TRACE=str(trace))
+    cases = dict(re.findall(r"CASE ([^:]+): (.*)", out))
+    assert "EngineMismatch" in cases["dtype mismatch"] and "float32" in cases["dtype mismatch"] \
+        and "float64" in cases["dtype mismatch"], cases
+    assert "shape (2, 4)" in cases["shape mismatch"] and "shape (4, 2)" in cases["shape mismatch"]
+    assert "root 0" in cases["root mismatch"] and "root 1" in cases["root mismatch"]
+    assert "op SUM" in cases["op mismatch"] and "op MAX" in cases["op mismatch"]
+    assert "meta" in cases["wrong device"] and "CPU tensors only" in cases["wrong device"]
+    assert "out of range" in cases["invalid rank"] or "Invalid" in cases["invalid rank"] or "99" in cases["invalid rank"]
+    assert "BAND is not supported for dtype float32" in cases["unsupported op"]
+    assert "twice" in cases["second init"]
+    assert "initialized" in cases["use after destroy"] or "init_process_group" in cases["use after destroy"]
+    assert cases["default group still works"] == "[2.0, 2.0, 2.0, 2.0]"
+    assert "flight recorder of group '0', rank 0 of 2: SIGUSR1" in out
+    for r in (0, 1):
+        events = json.load(open(tmp_path / f"t.rank{r}.json"))["traceEvents"]
+        names = {e["name"] for e in events if e.get("ph") == "X"}
+        assert "allreduce" in names and "broadcast signature check" in names

@@ -1,0 +1,19 @@
+"""Tensors over 2**31 elements: correct through the ring and the chunked native collectives (2 ranks,
+about 2 GiB per buffer per rank)."""
+
+import os
+import subprocess
+import sys
+
+from mpirun import mpi_env, mpiexec_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_over_two_billion_elements():
+    proc = subprocess.run(mpiexec_command(2) + [sys.executable, os.path.join(HERE, "mpi", "large_counts.py")],
+                          env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for what in ("allreduce", "broadcast"):
+        assert proc.stdout.count(f": {what} ok") == 2, proc.stdout
+    assert "rank 0: reduce ok" in proc.stdout

@@ -1,0 +1,22 @@
+"""The short soak: 3,000 mixed operations on 3 ranks, every result checked, memory and fds steady.
+The long one (20,000) is scripts/soak.py; its result is in docs/robustness.md."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mpirun import mpi_env, mpiexec_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_short_soak_three_ranks():
+    cmd = mpiexec_command(3) + [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "soak.py"),
+                                "--ops", "3000", "--seed", "7"]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if "SOAK " in l)
+    summary = json.loads(line.split("SOAK ", 1)[1])
+    assert summary["wrong"] == 0 and summary["checked_results_all_ranks"] > 3000
+    assert summary["max_rss_growth_mb"] < 50 and summary["max_fd_delta"] == 0
