@@ -54,6 +54,15 @@ def main():
     rss0 = fds0 = None
     start = time.monotonic()
 
+    def drain():
+        nonlocal done
+        for work, verify in pending:
+            if work is not None:
+                work.wait()
+            verify()
+            done += 1
+        pending.clear()
+
     def check(got, want, what):
         nonlocal wrong
         if not torch.equal(got, want):
@@ -114,17 +123,8 @@ def main():
                 w.wait()
             check(inbox, want, f"op {i} sendrecv")
         if not asynchronous or len(pending) > 16:
-            for work, verify in pending:
-                if work is not None:
-                    work.wait()
-                verify()
-                done += 1
-            pending.clear()
-    for work, verify in pending:
-        if work is not None:
-            work.wait()
-        verify()
-        done += 1
+            drain()
+    drain()
     dist.barrier()
     elapsed = time.monotonic() - start
     growth = rss_mb() - (rss0 or rss_mb())

@@ -9,7 +9,17 @@ from engine.progress import DONE
 from engine.watch import EngineTimeout
 
 
-class CollectiveWork(dist._Work):
+class _OutputsWork(dist._Work):
+    """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU."""
+
+    def result(self):
+        return list(self._outputs)
+
+    def synchronize(self):
+        pass
+
+
+class CollectiveWork(_OutputsWork):
     """A queued collective. wait() runs it inline when it is next in line (no thread hand-off), or
     blocks until the group's progress thread has run it; get_future() completes when it is done,
     with the output tensors as value (as Gloo's and NCCL's futures do)."""
@@ -37,12 +47,6 @@ class CollectiveWork(dist._Work):
 
     def exception(self):
         return self._task.error
-
-    def result(self):
-        return list(self._outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         if self._future is None:
@@ -85,7 +89,7 @@ class CompletedWork(dist._Work):
         return fut
 
 
-class PointToPointWork(dist._Work):
+class PointToPointWork(_OutputsWork):
     """A posted MPI isend/irecv. It never occupies the progress thread, so an isend and an irecv to
     the same peer can't block each other; `finish` copies a staged receive into its tensor."""
 
@@ -128,12 +132,6 @@ class PointToPointWork(dist._Work):
         return self._status[0]
 
     _source_rank = source_rank
-
-    def result(self):
-        return list(self._outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         if self._future is None:
