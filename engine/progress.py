@@ -12,6 +12,8 @@ nothing is queued, without waking the thread at all.
 import collections
 import threading
 
+from . import _core
+
 PENDING, RUNNING, DONE = 0, 1, 2
 
 
@@ -105,6 +107,7 @@ class Progress:
             self._thread.join()
 
     def _loop(self):
+        _core.set_thread_polite(True)  # leave the core to the computation this thread overlaps with
         while True:
             with self._cv:
                 while not self._queue or self._running:

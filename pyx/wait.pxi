@@ -3,7 +3,22 @@
 # Engine-owned schedules (the ring, recursive doubling, point-to-point) wait only through here, so a
 # peer that never arrives ends in an exception instead of a hang.
 
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
+
+cdef extern from *:
+    """
+    /* Set on threads whose waits should leave the core to others (a progress thread overlapping
+       communication with the caller's computation): they sleep between polls after a short spin. */
+    static __thread int eng_polite_waits;
+    """
+    int eng_polite_waits
+
+
+def set_thread_polite(bint polite):
+    """Waits on the calling thread sleep between MPI polls (after ~50 us of spinning) when polite:
+    a progress thread then leaves the core to the computation it overlaps with."""
+    global eng_polite_waits
+    eng_polite_waits = polite
 
 
 cdef inline double monotonic() noexcept nogil:
@@ -31,7 +46,10 @@ cdef int wait_req(MPI_Request *req, WaitCtx *ctx) except -1 nogil:
 
 cdef int wait_req_status(MPI_Request *req, MPI_Status *status, WaitCtx *ctx) except -1 nogil:
     cdef int flag = 0, ierr
-    cdef double t
+    cdef double t, spin_until = 0
+    cdef timespec nap
+    nap.tv_sec = 0
+    nap.tv_nsec = 20000
     if ctx == NULL or ctx.hook == NULL:
         return MPI_Wait(req, status)
     while True:
@@ -39,6 +57,11 @@ cdef int wait_req_status(MPI_Request *req, MPI_Status *status, WaitCtx *ctx) exc
         if ierr or flag:
             return ierr
         t = monotonic()
+        if eng_polite_waits:
+            if spin_until == 0:
+                spin_until = t + 50e-6
+            elif t > spin_until:
+                nanosleep(&nap, NULL)
         if t >= ctx.next_check:
             ctx.next_check = t + ctx.interval
             call_hook(ctx, t)

@@ -12,7 +12,7 @@ SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
 
 
 # The torch suite (Gloo beside the engine, DDP) runs at the 2 and 3 ranks, and alone.
-RANKS = {"test_torch_backend": [1, 2, 3]}
+RANKS = {"test_torch_backend": [1, 2, 3], "test_torch_training": [2, 3]}
 CASES = [(s, n) for s in SUITES for n in RANKS.get(os.path.basename(s)[:-3], [1, 2, 3, 4])]
 
 

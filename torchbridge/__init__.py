@@ -10,4 +10,14 @@ from ._autoload import register
 
 register()
 
-__all__ = ["register"]
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "hooks", "register"]
+
+
+def __getattr__(name):
+    # Lazy: torch imports this package at `import torch` (for _autoload), which must not load MPI.
+    import importlib
+    if name in ("DistributedOptimizer", "broadcast_parameters"):
+        return getattr(importlib.import_module(".optimizer", __name__), name)
+    if name == "hooks":
+        return importlib.import_module(".hooks", __name__)
+    raise AttributeError(f"module 'torchbridge' has no attribute {name!r}")

@@ -164,6 +164,11 @@ class EngineProcessGroup(dist.ProcessGroup):
         return self._submit("allreduce_coalesced", lambda: self.fused_allreduce(tensors, op, prescale=factor or 1.0),
                             tensors, opts)
 
+    def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
+        """Queues a fused allreduce of tensors (in place) on this group's progress thread; returns its
+        Work at once. Used by DistributedOptimizer's buckets and the DDP comm hooks."""
+        return self._submit(name, lambda: self.fused_allreduce(tensors, op, compression=compression), tensors)
+
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
         """Runs now, in the calling thread: engine.fusion on contiguous views (copies written back)."""
         work = [t if t.is_contiguous() else t.contiguous() for t in tensors]

@@ -1,0 +1,125 @@
+"""Training without DDP, Horovod-style: DistributedOptimizer averages gradients across ranks during
+backward.
+
+    opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    torchbridge.broadcast_parameters(model, opt)      # everyone starts from rank 0's state
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()               # buckets are reduced while backward runs
+        opt.step()                                    # waits for the last buckets, then steps
+
+Parameters are planned into buckets once (engine.fusion.plan_buckets, in reverse registration order,
+which is roughly the order gradients become ready). A post-accumulate-grad hook counts ready gradients;
+a full bucket is launched asynchronously (fused pack, one allreduce, unpack, on the group's progress
+thread) as soon as it and every bucket before it are complete, so all ranks launch the same buckets in
+the same order. With backward_passes_per_step=N nothing is communicated until the N-th backward.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.fusion import DEFAULT_BUCKET_BYTES, plan_buckets
+from engine.ops import ReduceOp
+
+
+class DistributedOptimizer:
+    """Wraps an optimizer: gradients are averaged over `group` (default: the world) before step()."""
+
+    def __init__(self, optimizer, model=None, *, params=None, group=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 compression=None, backward_passes_per_step=1, overlap=True):
+        self.optimizer = optimizer
+        self.group = group or dist.group.WORLD
+        if not hasattr(self.group, "fused_allreduce_async"):
+            raise TypeError("DistributedOptimizer needs a process group on backend 'engine' "
+                            f"(got {dist.get_backend(self.group)!r})")
+        if params is None:
+            params = model.parameters() if model is not None else \
+                [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = [p for p in params if p.requires_grad]
+        self.compression = compression
+        self.passes = backward_passes_per_step
+        self.overlap = overlap
+        order = list(reversed(self.params))  # gradients of late layers are ready first
+        specs = [(p.numel(), str(p.dtype), p.element_size(), str(p.device)) for p in order]
+        self.buckets = [[order[i] for i in b.indices] for b in plan_buckets(specs, bucket_bytes)]
+        self.bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self.launch_times = []  # (bucket index, time.perf_counter()) of the last step, for overlap reports
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    def _reset(self):
+        self._ready = [0] * len(self.buckets)
+        self._counts = {}
+        self._works = [None] * len(self.buckets)
+        self._next = 0
+
+    def _grad_ready(self, p):
+        n = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
+        if n != self.passes:
+            return  # accumulating micro-batches: communicate after the last one only
+        k = self.bucket_of[id(p)]
+        self._ready[k] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self, force=False):
+        while self._next < len(self.buckets) and (force or self._ready[self._next] == len(self.buckets[self._next])):
+            k = self._next
+            grads = [p.grad if p.grad is not None else _zero_grad(p) for p in self.buckets[k]]
+            self.launch_times.append((k, time.perf_counter()))
+            self._works[k] = self.group.fused_allreduce_async(grads, ReduceOp.AVG, compression=self.compression,
+                                                              name=f"gradient bucket {k}")
+            self._next += 1
+
+    def synchronize(self):
+        """Launches what is left (parameters without gradients get zeros) and waits for every bucket."""
+        self._launch_ready(force=True)
+        for w in self._works:
+            w.wait()
+
+    def step(self, closure=None):
+        done = sum(self._ready) + sum(1 for n in self._counts.values() if n < self.passes)
+        if done == 0 and not self._counts:
+            raise RuntimeError("DistributedOptimizer.step() before any backward(): nothing to reduce")
+        if any(n < self.passes for n in self._counts.values()):
+            raise RuntimeError(f"DistributedOptimizer.step() after {min(self._counts.values())} of "
+                               f"{self.passes} backward passes (backward_passes_per_step)")
+        self.synchronize()
+        self._reset()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def _zero_grad(p):
+    p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def broadcast_parameters(model, optimizer=None, root=0, group=None):
+    """Every rank takes rank `root`'s parameters and buffers (and optimizer state, if given)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=root, group=group)
+    if optimizer is not None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state = [inner.state_dict() if dist.get_rank() == root else None]
+        dist.broadcast_object_list(state, src=root, group=group)
+        inner.load_state_dict(state[0])
