@@ -16,6 +16,9 @@ from .config import env_int
 from .ops import ReduceOp, op_code
 
 DEFAULT_BUCKET_BYTES = 32 << 20  # measured best of 1, 4, 32 MB on 2 ranks x 2 cores: BENCHMARKS.md
+# Tensors this large travel alone, in place: one call's overhead (~9 us) is under 5% of their
+# allreduce, while packing would copy them twice (BENCHMARKS.md, "Fusion").
+DEFAULT_DIRECT_BYTES = 256 << 10
 COMPRESSIONS = (None, "float16", "bfloat16")
 
 
@@ -29,13 +32,15 @@ class Bucket:
     count: int  # elements
 
 
-def plan_buckets(specs, cap_bytes):
+def plan_buckets(specs, cap_bytes, direct_bytes=None):
     """Groups tensors into buckets. specs: one (element count, dtype name, item size, device) per
     tensor, in the order they should travel. Tensors of one (dtype, device) fill a bucket in order
-    until the next would pass cap_bytes; a tensor larger than the cap travels alone. Empty tensors
-    need no communication and get no bucket. Pure and deterministic: every rank plans the same."""
+    until the next would pass cap_bytes; a tensor larger than the cap, or of direct_bytes or more,
+    travels alone (reduced in place, no copy). Empty tensors need no communication and get no bucket.
+    Pure and deterministic: every rank plans the same."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    direct_bytes = cap_bytes if direct_bytes is None else min(direct_bytes, cap_bytes)
     open_buckets = {}  # (dtype, device) -> [indices, count, nbytes]
     done = []
     for i, (count, dtype, itemsize, device) in enumerate(specs):
@@ -43,6 +48,13 @@ def plan_buckets(specs, cap_bytes):
             continue
         key = (dtype, device)
         nbytes = count * itemsize
+        if nbytes >= direct_bytes:
+            # Travels alone; it also closes the open bucket, so buckets keep the order tensors arrive
+            # in (gradients ready early travel early instead of waiting for a late small tensor).
+            if key in open_buckets:
+                done.append((key, open_buckets.pop(key)))
+            done.append((key, [[i], count, nbytes]))
+            continue
         cur = open_buckets.get(key)
         if cur is not None and cur[2] + nbytes > cap_bytes:
             done.append((key, cur))
@@ -68,9 +80,10 @@ def _spec(t):
 class FusedAllreduce:
     """Allreduce of a list of tensors/arrays through fused buckets, in place."""
 
-    def __init__(self, comm, bucket_bytes=None):
+    def __init__(self, comm, bucket_bytes=None, direct_bytes=None):
         self.comm = comm
         self.bucket_bytes = bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+        self.direct_bytes = direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
         self._buffers = {}  # (wire dtype, slot) -> flat buffer, grown on demand
         self._worker = None
         self._lock = threading.Lock()
@@ -82,7 +95,7 @@ class FusedAllreduce:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
         specs = [_spec(t) for t in tensors]
-        buckets = plan_buckets(specs, self.bucket_bytes)
+        buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
         if not buckets:
             return tensors
         with self._lock:  # the flat buffers are shared by the calls of this object
