@@ -28,6 +28,16 @@ def batches(steps, micro=1):
             for _ in range(steps)]
 
 
+def train(model, opt, data):
+    """Steps of micro-batches with a DistributedOptimizer, then its hooks removed."""
+    for step in data:
+        opt.zero_grad()
+        for x, y in step:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.remove_hooks()
+
+
 def gloo_ddp_reference(data, micro=1, hook=None):
     model = make_model()
     for p in model.parameters():  # DDP broadcasts rank 0's parameters
@@ -56,12 +66,7 @@ def test_distributed_optimizer_matches_ddp_on_gloo(micro):
                                            bucket_bytes=512, backward_passes_per_step=micro)
     torchbridge.broadcast_parameters(model, opt)
     assert len(opt.buckets) > 2
-    for step in data:
-        opt.zero_grad()
-        for x, y in step:
-            torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    opt.remove_hooks()
+    train(model, opt, data)
     for a, b in zip(model.parameters(), gloo_ddp_reference(data, micro)):
         assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
 
@@ -98,12 +103,7 @@ def test_compressed_training_stays_close(compression):
         opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
                                                bucket_bytes=1024, compression=comp)
         torchbridge.broadcast_parameters(model, opt)
-        for step in data:
-            opt.zero_grad()
-            for x, y in step:
-                torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        opt.remove_hooks()
+        train(model, opt, data)
         results.append([p.detach() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=2e-2, rtol=0)
