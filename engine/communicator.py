@@ -99,8 +99,9 @@ class Communicator:
 
     # -- bracketing --
 
-    def _run(self, op, buf, native, fn, *args, algorithm=None, root=-1, redop=-1):
-        info = _core.message_shape(buf) if buf is not None else (0, 0, None)
+    def _run(self, op, buf, native, fn, *args, algorithm=None, root=-1, redop=-1, info=None):
+        if info is None:
+            info = _core.message_shape(buf) if buf is not None else (0, 0, None)
         if self._debug:
             self._check_signature(op, buf, info, root, redop)
         rec = self.watch.begin(op, info[0], info[2], algorithm, native)
@@ -153,11 +154,11 @@ class Communicator:
 
         algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), 'auto', 'native', 'ring', 'rdouble'.
         """
-        count, itemsize, _ = _core.message_shape(sendbuf)
-        name = self._selector.choose(count * itemsize, count, self.size, algorithm)
+        info = _core.message_shape(sendbuf)
+        name = self._selector.choose(info[0] * info[1], info[0], self.size, algorithm)
         code = op_code(op)
         self._run("allreduce", sendbuf, name == "native", self._core.allreduce, sendbuf, recvbuf, code,
-                  _core.ALGORITHM_CODES[name], algorithm=name, redop=code)
+                  _core.ALGORITHM_CODES[name], algorithm=name, redop=code, info=info)
         return recvbuf if recvbuf is not None else sendbuf
 
     def algorithm_for(self, nbytes, count=None):
