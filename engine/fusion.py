@@ -99,8 +99,10 @@ class FusedAllreduce:
         if not buckets:
             return tensors
         with self._lock:  # the flat buffers are shared by the calls of this object
-            if len(buckets) == 1:
-                self._finish(self._start(tensors, buckets[0], 0, code, compression, prescale), tensors, buckets[0])
+            if len(buckets) == 1:  # nothing to pipeline: no helper thread
+                flat, scale_after = self._pack(tensors, buckets[0], 0, code, compression, prescale)
+                self._reduce(flat, code)
+                self._unpack(flat, scale_after, tensors, buckets[0])
             else:
                 self._pipelined(tensors, buckets, code, compression, prescale)
         return tensors
@@ -120,14 +122,6 @@ class FusedAllreduce:
             unpacked.append(self._worker.submit(self._unpack, flat, scale_after, tensors, bucket))
         for f in unpacked:
             f.result()
-
-    def _start(self, tensors, bucket, slot, code, compression, prescale):
-        flat, scale_after = self._pack(tensors, bucket, slot, code, compression, prescale)
-        self._reduce(flat, code)
-        return flat, scale_after
-
-    def _finish(self, packed, tensors, bucket):
-        self._unpack(packed[0], packed[1], tensors, bucket)
 
     def _wire_dtype(self, bucket, compression):
         if compression and bucket.dtype == "float32":

@@ -88,6 +88,13 @@ def _flat(tensors):
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
+def _check_per_rank(tensors, size, dtype, what, kind, where=""):
+    """A list argument with one tensor per rank, all of one dtype."""
+    if len(tensors) != size:
+        raise ValueError(f"{what} needs one {kind} tensor per rank ({size}){where}, got {len(tensors)}")
+    _check_dtypes(tensors, dtype, what)
+
+
 def _check_dtypes(tensors, dtype, what):
     for t in tensors:
         if t.dtype != dtype:
@@ -195,9 +202,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         out = _one(output_tensors, "reduce_scatter")
         inputs = _one(input_lists, "reduce_scatter")
         op, factor = _reduce_op(opts)
-        if len(inputs) != self.size():
-            raise ValueError(f"reduce_scatter needs one input tensor per rank ({self.size()}), got {len(inputs)}")
-        _check_dtypes(inputs, out.dtype, "reduce_scatter")
+        _check_per_rank(inputs, self.size(), out.dtype, "reduce_scatter", "input")
         comm = self._comm
 
         def run():
@@ -236,9 +241,7 @@ class EngineProcessGroup(dist.ProcessGroup):
     def allgather(self, output_lists, input_tensors, opts=None):
         outs = _one(output_lists, "allgather")
         inp = _one(input_tensors, "allgather")
-        if len(outs) != self.size():
-            raise ValueError(f"all_gather needs one output tensor per rank ({self.size()}), got {len(outs)}")
-        _check_dtypes(outs, inp.dtype, "all_gather")
+        _check_per_rank(outs, self.size(), inp.dtype, "all_gather", "output")
         comm = self._comm
 
         def run():
@@ -272,9 +275,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         root, comm = opts.rootRank, self._comm
         outs = output_lists[0] if output_lists else []
         if comm.rank == root:
-            if len(outs) != self.size():
-                raise ValueError(f"gather needs one output tensor per rank ({self.size()}) on the root, got {len(outs)}")
-            _check_dtypes(outs, inp.dtype, "gather")
+            _check_per_rank(outs, self.size(), inp.dtype, "gather", "output", " on the root")
 
         def run():
             if comm.rank != root:
@@ -292,9 +293,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         root, comm = opts.rootRank, self._comm
         inputs = input_lists[0] if input_lists else []
         if comm.rank == root:
-            if len(inputs) != self.size():
-                raise ValueError(f"scatter needs one input tensor per rank ({self.size()}) on the root, got {len(inputs)}")
-            _check_dtypes(inputs, out.dtype, "scatter")
+            _check_per_rank(inputs, self.size(), out.dtype, "scatter", "input", " on the root")
 
         def run():
             if comm.rank == root:
