@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from .backends import BACKENDS, DTYPES, OPS
+from .backends import BACKENDS, CUDA_BACKENDS, DTYPES, OPS
 from .busbw import COLLECTIVES, parse_size
 
 
@@ -24,18 +24,30 @@ def parse_args(argv):
     p.add_argument("-o", "--op", choices=OPS, default="sum")
     p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("-c", "--check", type=int, default=0, help="1: verify results at every size, count wrong elements")
-    p.add_argument("--backends", default="engine,gloo,mpi4py",
-                   help=f"comma-separated, from {', '.join(BACKENDS)}; the first is compared with the others")
-    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble"), help="force the engine's allreduce algorithm")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated, from {', '.join(BACKENDS)}; the first is compared with the others "
+                        f"(default: engine,gloo,mpi4py on cpu, engine,nccl on cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors live: cuda compares the engine (NCCL) with torch's nccl backend")
+    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble", "nccl"),
+                   help="force the engine's allreduce algorithm (cpu: native, ring, rdouble; cuda: nccl, ring)")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (the median is reported)")
     p.add_argument("--budget", type=float, default=0.3,
                    help="seconds one measurement may take: fewer iterations for slow backends")
     args = p.parse_args(argv)
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    default = "engine,nccl" if args.device == "cuda" else "engine,gloo,mpi4py"
+    args.backends = [b.strip() for b in (args.backends or default).split(",") if b.strip()]
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    allowed = CUDA_BACKENDS if args.device == "cuda" else tuple(b for b in BACKENDS if b != "nccl")
+    wrong = [b for b in args.backends if b not in allowed]
+    if wrong:
+        p.error(f"backend(s) {', '.join(wrong)} do not run with --device {args.device}; choose from {', '.join(allowed)}")
+    cuda_algo = args.algo in ("nccl",) or (args.device == "cuda" and args.algo == "ring")
+    if args.algo and (args.device == "cuda") != cuda_algo:
+        p.error(f"--algo {args.algo} is not an algorithm of --device {args.device}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     return args

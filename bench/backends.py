@@ -6,11 +6,11 @@ torch layer), "gloo" (torch.distributed on a Gloo group in the same job), "mpi4p
 numpy arrays), "nccl" (torch's nccl backend, CUDA machines only). None means "not applicable".
 """
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("engine", "engine-direct", "gloo", "mpi4py", "nccl")
+CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
           "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
@@ -252,22 +252,25 @@ class Mpi4pyBackend:
         return None
 
 
-def make_backends(names, algorithm=None):
+def make_backends(names, algorithm=None, device="cpu"):
     """Backend objects for names, in order; creates the groups they need (collective over all ranks)."""
     made = []
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs a CUDA machine (torch.cuda.is_available() is False)")
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     for name in names:
         if name == "engine":
-            made.append(TorchDistBackend("engine"))
+            made.append(TorchDistBackend("engine", device=device))
         elif name == "engine-direct":
             made.append(EngineDirectBackend(algorithm))
         elif name == "gloo":
-            made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo")))
+            made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo"), device=device))
         elif name == "mpi4py":
             made.append(Mpi4pyBackend())
         elif name == "nccl":
             if not torch.cuda.is_available():
                 raise SystemExit("--backends nccl needs a CUDA machine (torch.cuda.is_available() is False)")
-            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
             made.append(TorchDistBackend("nccl", dist.new_group(backend="nccl"), device="cuda"))
         else:
             raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

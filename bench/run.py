@@ -25,10 +25,13 @@ def default_iters(nbytes):
     return (1000, 100) if nbytes <= 8192 else (100, 10)
 
 
-def timed(run, iters):
+def timed(run, iters, sync=None):
+    """Mean seconds per call; sync (CUDA) waits for the device, whose work the calls only enqueue."""
     t0 = time.perf_counter()
     for _ in range(iters):
         run()
+    if sync is not None:
+        sync()
     return (time.perf_counter() - t0) / iters
 
 
@@ -36,14 +39,14 @@ def agreed(value, op):
     return MPI.COMM_WORLD.allreduce(value, op=op)
 
 
-def measure(case, iters, warmup, budget):
+def measure(case, iters, warmup, budget, sync=None):
     """Mean seconds per call, averaged over ranks; iterations capped so one measurement takes about
     `budget` seconds (the cap is agreed across ranks)."""
-    timed(case.run, max(1, warmup))
-    estimate = agreed(timed(case.run, 1), MPI.MAX)
+    timed(case.run, max(1, warmup), sync)
+    estimate = agreed(timed(case.run, 1, sync), MPI.MAX)
     n = max(3, min(iters, int(budget / max(estimate, 1e-9))))
     MPI.COMM_WORLD.Barrier()
-    return agreed(timed(case.run, n), MPI.SUM) / MPI.COMM_WORLD.Get_size()
+    return agreed(timed(case.run, n, sync), MPI.SUM) / MPI.COMM_WORLD.Get_size()
 
 
 def metadata(args):
@@ -54,6 +57,7 @@ def metadata(args):
         "python": platform.python_version(), "torch": torch.__version__, "mpi4py": __import__("mpi4py").__version__,
         "numpy": __import__("numpy").__version__, "engine": getattr(engine, "__version__", "0.1.0"),
         "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "dtype": args.dtype, "op": args.op, "root": args.root, "rounds": args.rounds, "algorithm": args.algo,
         "backends": args.backends,
         "oversubscribed": MPI.COMM_WORLD.Get_size() > (os.cpu_count() or 1),
@@ -62,10 +66,11 @@ def metadata(args):
 
 def sweep(args, collectives):
     if args.algo:
-        os.environ["ENGINE_ALLREDUCE_ALGO"] = args.algo
+        os.environ["ENGINE_CUDA_ALLREDUCE_ALGO" if args.device == "cuda" else "ENGINE_ALLREDUCE_ALGO"] = args.algo
     dist.init_process_group(backend="engine")
     rank, size = dist.get_rank(), dist.get_world_size()
-    backends = make_backends(args.backends, args.algo)
+    backends = make_backends(args.backends, args.algo, args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
@@ -93,7 +98,7 @@ def sweep(args, collectives):
         samples = {key: [] for key in cases}
         for _ in range(args.rounds):
             for key, case in cases.items():
-                samples[key].append(measure(case, iters, warmup, args.budget))
+                samples[key].append(measure(case, iters, warmup, args.budget, sync))
         moved = bytes_moved(coll, count, itemsize, size)
         for (name, mode), case in cases.items():
             wrong = agreed(case.check(), MPI.SUM) if args.check else -1

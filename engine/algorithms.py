@@ -1,6 +1,8 @@
 """Which allreduce algorithm runs: an ordered registry of (name, predicate); the first match wins.
 
 ENGINE_ALLREDUCE_ALGO forces one (native | ring | rdouble); `auto` (the default) walks the rules.
+CUDA tensors have their own registry of the same form (CudaAllreduceSelector): NCCL's allreduce or the
+engine's ring over NCCL send/recv, forced with ENGINE_CUDA_ALLREDUCE_ALGO (nccl | ring).
 Thresholds were chosen by measurement on 2-4 ranks (see BENCHMARKS.md) and can be overridden:
 ENGINE_RDOUBLE_MAX_BYTES (largest message for recursive doubling) and ENGINE_RING_MIN_BYTES
 (smallest message for the ring; between the two the native MPI collective runs).
@@ -9,6 +11,7 @@ ENGINE_RDOUBLE_MAX_BYTES (largest message for recursive doubling) and ENGINE_RIN
 from .config import env_choice, env_int
 
 ALGORITHMS = ("native", "ring", "rdouble")
+CUDA_ALGORITHMS = ("nccl", "ring")
 INT_MAX = 2**31 - 1
 
 
@@ -43,3 +46,18 @@ class AllreduceSelector:
         if name not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {name!r}; expected one of {', '.join(ALGORITHMS)} or 'auto'")
         return name
+
+
+class CudaAllreduceSelector:
+    """Picks the GPU allreduce from (NCCL reduces this dtype and op itself, message bytes, group size)."""
+
+    def __init__(self):
+        self.forced = env_choice("ENGINE_CUDA_ALLREDUCE_ALGO", CUDA_ALGORITHMS + ("auto",), "auto")
+        self.rules = (
+            ("ring", lambda nccl_reduces, nbytes, size: not nccl_reduces),  # BAND/BOR/BXOR, int16: our kernels
+            ("ring", lambda nccl_reduces, nbytes, size: self.forced == "ring"),
+            ("nccl", lambda nccl_reduces, nbytes, size: True),
+        )
+
+    def choose(self, nccl_reduces, nbytes, size):
+        return next(n for n, applies in self.rules if applies(nccl_reduces, nbytes, size))

@@ -70,6 +70,21 @@ def plan_buckets(specs, cap_bytes, direct_bytes=None):
     return [Bucket(dtype, device, tuple(idx), count) for (dtype, device), (idx, count, _) in done]
 
 
+def wire_dtype(dtype, compression):
+    """The dtype a bucket travels in: float32 buckets take the compression dtype."""
+    return compression if compression and dtype == "float32" else dtype
+
+
+def bucket_scales(code, wire, dtype, size, prescale):
+    """(factor applied on pack, factor applied on unpack) of one bucket. Compressed AVG divides
+    before the sum (as torch's fp16 hook does) so half precision can't overflow; otherwise the
+    division is fused into unpack. Pure: shared by the CPU and GPU fusion."""
+    avg = code == ReduceOp.AVG
+    before = prescale * (1.0 / size if avg and wire != dtype else 1.0)
+    after = 1.0 / size if avg and wire == dtype else 1.0
+    return before, after
+
+
 def _spec(t):
     # The MPI path takes host memory only (the buffer layer refuses device tensors), so every
     # bucket here is a "cpu" one; the device field keeps plans ready for device-side fusion.
@@ -123,19 +138,10 @@ class FusedAllreduce:
         for f in unpacked:
             f.result()
 
-    def _wire_dtype(self, bucket, compression):
-        if compression and bucket.dtype == "float32":
-            return compression
-        return bucket.dtype
-
     def _pack(self, tensors, bucket, slot, code, compression, prescale):
         """(flat buffer holding the bucket, scale to apply on unpack)."""
-        wire = self._wire_dtype(bucket, compression)
-        avg = code == ReduceOp.AVG
-        # Compressed AVG divides before the sum (as torch's fp16 hook does) so half precision can't
-        # overflow; otherwise the division is fused into unpack.
-        before = prescale * (1.0 / self.comm.size if avg and wire != bucket.dtype else 1.0)
-        after = 1.0 / self.comm.size if avg and wire == bucket.dtype else 1.0
+        wire = wire_dtype(bucket.dtype, compression)
+        before, after = bucket_scales(code, wire, bucket.dtype, self.comm.size, prescale)
         parts = [tensors[i] for i in bucket.indices]
         if len(parts) == 1 and wire == bucket.dtype and before == 1.0:
             return parts[0], after  # nothing to fuse: reduce the tensor itself, in place

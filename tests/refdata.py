@@ -47,3 +47,44 @@ def reference(op, arrays):
 def bf16(a):
     """A torch bfloat16 tensor holding a (exact for the small integers used here)."""
     return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(torch.bfloat16)
+
+
+# torch tensors, for the torch.distributed suites (CPU in tests/mpi, CUDA in tests/gpu).
+
+def torch_data(rank, n, dtype, salt=0):
+    """rank_data as a torch tensor of dtype (bfloat16 included)."""
+    if dtype == torch.bool:
+        return torch.from_numpy(rank_data(rank, n, "bool", salt))
+    return torch.from_numpy(rank_data(rank, n, "int64", salt)).to(dtype)
+
+
+def torch_op_supported(op, dtype):
+    if op in ("band", "bor", "bxor"):
+        return not dtype.is_floating_point
+    if op == "avg":
+        return dtype.is_floating_point
+    return True
+
+
+def torch_reference(op, n, dtype, ranks):
+    """op over torch_data of `ranks`, as torch computes it (integers wrap)."""
+    arrays = [torch_data(r, n, dtype) for r in ranks]
+    if dtype == torch.bool:
+        return torch.from_numpy(reference(op, [a.numpy() for a in arrays]))
+    acc = torch.stack(arrays).to(torch.float64)
+    if op == "avg":
+        return (acc.sum(0).to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype) / len(ranks)).to(dtype)
+    out = {"sum": lambda: acc.sum(0), "product": lambda: acc.prod(0), "min": lambda: acc.min(0).values,
+           "max": lambda: acc.max(0).values}.get(op)
+    if out is not None:
+        return out().to(dtype) if dtype.is_floating_point else _wrap(out(), dtype)
+    ints = torch.stack(arrays)
+    fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+    res = ints[0]
+    for x in ints[1:]:
+        res = fn(res, x)
+    return res
+
+
+def _wrap(x, dtype):
+    return torch.from_numpy(x.to(torch.int64).numpy().astype(str(dtype).split(".")[1]))

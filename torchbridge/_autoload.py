@@ -18,7 +18,7 @@ def _register():
     import torch.distributed as dist
     if not dist.is_available() or BACKEND in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu", "cuda"])
     _wrap_init_process_group(dist)
 
 

@@ -31,6 +31,8 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     launcher = detect_launcher(env)
     if launcher is None:
         size = world_size if world_size not in (None, -1) else int(env.get("WORLD_SIZE", "1"))
+        if size != 1 and env.get("MASTER_ADDR") and _cuda_available():
+            return  # torchrun set env:// itself; CUDA tensors go over NCCL, no MPI needed
         if size != 1:
             raise RuntimeError(
                 f"backend 'engine' moves CPU tensors over MPI, but this process was not started by an MPI "
@@ -63,6 +65,11 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     addr, port = comm.bcast((addr, port), root=0)
     env.setdefault("MASTER_ADDR", addr)
     env.setdefault("MASTER_PORT", port)
+
+
+def _cuda_available():
+    import torch
+    return torch.cuda.is_available()
 
 
 def free_port():

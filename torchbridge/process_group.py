@@ -30,6 +30,10 @@ def create_process_group(opts, backend_options=None):
                            "'multiple' and use an MPI built with thread support")
     world = MPI.COMM_WORLD
     ranks = list(opts.global_ranks_in_group)
+    if world.Get_size() == 1 and opts.group_size > 1 and torch.cuda.is_available():
+        # No MPI launch (torchrun): CUDA tensors go over NCCL, whose id travels through torch's store.
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, opts.store,
+                                  opts.group_id or "default")
     if not ranks:  # the default group: everyone
         if world.Get_size() != opts.group_size or world.Get_rank() != opts.group_rank:
             raise RuntimeError(
@@ -110,7 +114,48 @@ def _uneven(counts):
     return None if len(set(counts)) <= 1 else counts
 
 
+def all_to_all_counts(output, input, output_split_sizes, input_split_sizes, size):
+    """(send counts, receive counts) in elements for all_to_all_single, or (None, None) when even."""
+
+    def counts(t, splits, side):
+        if not splits:
+            if t.numel() % size:
+                raise ValueError(f"all_to_all_single: {side} has {t.numel()} elements, not divisible by the "
+                                 f"group size {size}; pass {side}_split_sizes")
+            return None
+        if len(splits) != size:
+            raise ValueError(f"all_to_all_single: {side}_split_sizes has {len(splits)} entries, needs {size}")
+        row = t[0].numel() if t.dim() and t.shape[0] else 1
+        if sum(splits) != (t.shape[0] if t.dim() else t.numel()):
+            raise ValueError(f"all_to_all_single: {side}_split_sizes add up to {sum(splits)} but the {side} "
+                             f"tensor has {t.shape[0] if t.dim() else t.numel()} rows")
+        return [s * row for s in splits]
+
+    send_counts = counts(input, input_split_sizes, "input")
+    recv_counts = counts(output, output_split_sizes, "output")
+    if (send_counts is None) != (recv_counts is None):
+        send_counts = send_counts or [input.numel() // size] * size
+        recv_counts = recv_counts or [output.numel() // size] * size
+    return send_counts, recv_counts
+
+
 _COMPLETED = CompletedWork()
+# The c10d methods that take tensors: with CUDA present, each routes CUDA calls (see _route_cuda).
+_CUDA_METHODS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
+                 "broadcast", "allgather", "all_gather_single", "gather", "scatter", "alltoall", "alltoall_base",
+                 "send", "recv", "recv_anysource")
+
+
+class _NoMPI:
+    """Where the MPI communicator would be in a job with no MPI launch (torchrun with CUDA tensors):
+    every CPU collective raises, naming what would make it work."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"backend 'engine' moves CPU tensors over MPI, but this job was not started by an MPI "
+                           f"launcher: CUDA tensors work here (NCCL), CPU tensors need one; {MPIRUN_HINT}")
 
 
 class EngineProcessGroup(dist.ProcessGroup):
@@ -119,10 +164,41 @@ class EngineProcessGroup(dist.ProcessGroup):
     def __init__(self, mpi_comm, rank, size, timeout=None, store=None, name="default"):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if timeout is not None else None
-        self._comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
+        cuda_mpi = mpi_comm.Dup() if mpi_comm is not None and torch.cuda.is_available() else None
+        if mpi_comm is None:
+            self._comm = _NoMPI(rank, size)
+        else:
+            self._comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
         self._fusion = FusedAllreduce(self._comm)
         self._progress = Progress(name=f"engine-progress-{size}r")
         self._timeout = timeout
+        self._cuda = None
+        if torch.cuda.is_available():  # CPU-only machines never pay for the CUDA routing
+            self._route_cuda(cuda_mpi, store, name, seconds)
+
+    def _route_cuda(self, cuda_mpi, store, name, seconds):
+        """Each c10d method, on this instance, first sends calls on CUDA tensors to a CudaCollectives
+        (torchbridge.cuda_group), created at the first such call. torch looks methods up on the
+        instance, so the class's CPU methods stay as they are."""
+        from .cuda_group import CudaCollectives, is_cuda_call
+
+        def cuda_side():
+            if self._cuda is None:
+                self._cuda = CudaCollectives(self, cuda_mpi, store, name, seconds)
+            return self._cuda
+
+        self._cuda_side = cuda_side
+        for method in _CUDA_METHODS:
+            cpu = getattr(self, method)
+
+            def route(*args, _cpu=cpu, _method=method):
+                if is_cuda_call(args):
+                    return cuda_side().call(_method, args)
+                return _cpu(*args)
+
+            setattr(self, method, route)
+        self._reduce_scatter_base = self.reduce_scatter_single
+        self._allgather_base = self.all_gather_single
 
     def getBackendName(self):
         return "engine"
@@ -173,11 +249,18 @@ class EngineProcessGroup(dist.ProcessGroup):
 
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
         """Queues a fused allreduce of tensors (in place) on this group's progress thread; returns its
-        Work at once. Used by DistributedOptimizer's buckets and the DDP comm hooks."""
+        Work at once. Used by DistributedOptimizer's buckets and the DDP comm hooks. CUDA tensors are
+        enqueued on the current stream instead."""
+        if tensors and tensors[0].is_cuda:
+            return self._cuda_side().fused_allreduce(tensors, op, compression=compression, name=name)
         return self._submit(name, lambda: self.fused_allreduce(tensors, op, compression=compression), tensors)
 
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
-        """Runs now, in the calling thread: engine.fusion on contiguous views (copies written back)."""
+        """Runs now, in the calling thread: engine.fusion on contiguous views (copies written back).
+        CUDA tensors: enqueued on the current stream (what follows on that stream sees the result)."""
+        if tensors and tensors[0].is_cuda:
+            self._cuda_side().fused_allreduce(tensors, op, compression=compression, prescale=prescale)
+            return
         work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         self._fusion.run(work, op, compression=compression, prescale=prescale)
         for t, w in zip(tensors, work):
@@ -319,27 +402,9 @@ class EngineProcessGroup(dist.ProcessGroup):
         return self._submit("alltoall", run, output_tensors, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        size, comm = self.size(), self._comm
-
-        def counts(t, splits, side):
-            if not splits:
-                if t.numel() % size:
-                    raise ValueError(f"all_to_all_single: {side} has {t.numel()} elements, not divisible by the "
-                                     f"group size {size}; pass {side}_split_sizes")
-                return None
-            if len(splits) != size:
-                raise ValueError(f"all_to_all_single: {side}_split_sizes has {len(splits)} entries, needs {size}")
-            row = t[0].numel() if t.dim() and t.shape[0] else 1
-            if sum(splits) != (t.shape[0] if t.dim() else t.numel()):
-                raise ValueError(f"all_to_all_single: {side}_split_sizes add up to {sum(splits)} but the {side} "
-                                 f"tensor has {t.shape[0] if t.dim() else t.numel()} rows")
-            return [s * row for s in splits]
-
-        send_counts = counts(input, input_split_sizes, "input")
-        recv_counts = counts(output, output_split_sizes, "output")
-        if (send_counts is None) != (recv_counts is None):
-            send_counts = send_counts or [input.numel() // size] * size
-            recv_counts = recv_counts or [output.numel() // size] * size
+        send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
+                                                     self.size())
+        comm = self._comm
 
         def run():
             _write(output, lambda buf: comm.alltoall(input.contiguous(), buf, send_counts, recv_counts))
@@ -347,6 +412,8 @@ class EngineProcessGroup(dist.ProcessGroup):
         return self._submit("alltoall_base", run, [output], opts)
 
     def barrier(self, opts=None):
+        if isinstance(self._comm, _NoMPI):  # torchrun: the ranks meet on the GPU, over NCCL
+            return self._cuda_side().barrier(torch.cuda.current_device())
         return self._submit("barrier", self._comm.barrier, [], opts)
 
     # -- point to point: posted now, never queued behind collectives --
@@ -361,10 +428,10 @@ class EngineProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag):
         return self._post_recv(tensors, None, tag)
 
-    def _post_recv(self, tensors, src, tag):
+    def _post_recv(self, tensors, src, tag, finish=None):
         t = _one(tensors, "recv")
         if t.is_contiguous():
-            return PointToPointWork(self._comm.irecv(t, src, tag), tensors)
+            return PointToPointWork(self._comm.irecv(t, src, tag), tensors, finish=finish)
         tmp = t.contiguous()
         return PointToPointWork(self._comm.irecv(tmp, src, tag), tensors, finish=lambda: t.copy_(tmp))
 
@@ -375,7 +442,10 @@ class EngineProcessGroup(dist.ProcessGroup):
             self._progress.close()
             self._progress = None
             self._fusion.close()
-            self._comm.free()
+            if self._cuda is not None:
+                self._cuda.shutdown()
+            if not isinstance(self._comm, _NoMPI):
+                self._comm.free()
 
     def abort(self):
         self.shutdown()

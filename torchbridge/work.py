@@ -146,3 +146,55 @@ class PointToPointWork(_OutputsWork):
 
             threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
         return self._future
+
+
+class CudaWork(_OutputsWork):
+    """A collective enqueued on a CUDA stream, done when `event` (recorded after it) is. As with torch's
+    NCCL backend, wait() makes the current stream wait for the event and returns without blocking the
+    host; the future is CUDA-aware (its value is ready for work on the stream that awaits it). The
+    group's watchdog turns a collective that never completes into an error raised here."""
+
+    def __init__(self, event, outputs, device, watchdog):
+        super().__init__()
+        self._event = event
+        self._outputs = outputs
+        self._device = device
+        self._watchdog = watchdog
+        self._future = None
+
+    def _raise_failure(self):
+        if self._watchdog.error is not None:
+            raise self._watchdog.error
+
+    def wait(self, timeout=None):
+        self._raise_failure()
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def synchronize(self):
+        self.wait()
+
+    def synchronize_host(self):
+        """Blocks the host until the GPU finished the collective (barrier), polling for failure."""
+        while not self._event.query():
+            self._raise_failure()
+            threading.Event().wait(0.0005)
+        self._raise_failure()
+
+    def is_completed(self):
+        return bool(self._event.query())
+
+    def is_success(self):
+        return self.is_completed() and self._watchdog.error is None
+
+    def exception(self):
+        return self._watchdog.error
+
+    def get_future(self):
+        if self._future is None:
+            self._raise_failure()
+            fut = self._future = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+            with torch.cuda.device(self._device):
+                torch.cuda.current_stream().wait_event(self._event)
+                fut.set_result(list(self._outputs))
+        return self._future

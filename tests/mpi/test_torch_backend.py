@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refdata import rank_data, reference
+from refdata import rank_data, reference, torch_data as data, torch_op_supported as supported
+from refdata import torch_reference
 
 dist.init_process_group(backend="engine")  # no torchbridge import: the entry point registered it
 R, P = dist.get_rank(), dist.get_world_size()
@@ -22,42 +23,8 @@ OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "min": dist.R
        "avg": dist.ReduceOp.AVG}
 
 
-def data(rank, n, dtype, salt=0):
-    if dtype == torch.bool:
-        return torch.from_numpy(rank_data(rank, n, "bool", salt))
-    return torch.from_numpy(rank_data(rank, n, "int64", salt)).to(dtype)
-
-
-def supported(op, dtype):
-    if op in ("band", "bor", "bxor"):
-        return not dtype.is_floating_point
-    if op == "avg":
-        return dtype.is_floating_point
-    return True
-
-
 def local_reference(op, n, dtype, ranks=None):
-    ranks = range(P) if ranks is None else ranks
-    arrays = [data(r, n, dtype) for r in ranks]
-    if dtype == torch.bool:
-        return torch.from_numpy(reference(op, [a.numpy() for a in arrays]))
-    acc = torch.stack(arrays).to(torch.float64)
-    if op == "avg":
-        return (acc.sum(0).to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype) / len(ranks)).to(dtype)
-    out = {"sum": lambda: acc.sum(0), "product": lambda: acc.prod(0), "min": lambda: acc.min(0).values,
-           "max": lambda: acc.max(0).values}.get(op)
-    if out is not None:
-        return out().to(dtype) if dtype.is_floating_point else _wrap(out(), dtype)
-    ints = torch.stack(arrays)
-    fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
-    res = ints[0]
-    for x in ints[1:]:
-        res = fn(res, x)
-    return res
-
-
-def _wrap(x, dtype):
-    return torch.from_numpy(x.to(torch.int64).numpy().astype(str(dtype).split(".")[1]))
+    return torch_reference(op, n, dtype, range(P) if ranks is None else ranks)
 
 
 def gloo_result(fn):

@@ -1,0 +1,218 @@
+"""CudaCommunicator: the engine's collectives on CUDA buffers over one NCCL communicator.
+
+Every call enqueues on the CUDA stream it is given and returns at once: it never blocks the host
+(the torch bridge passes torch's current stream and ties its Work to a CUDA event). Allreduce goes
+through the GPU algorithm registry (engine.algorithms.CudaAllreduceSelector): ncclAllReduce, or the
+engine's ring (ring.py) for what NCCL does not reduce, or when forced. Scratch memory comes from
+cupy's stream-ordered pool: reused across calls, never freed while the stream still needs it.
+"""
+
+from ..algorithms import CudaAllreduceSelector
+from ..ops import ReduceOp, op_code
+from .buffers import device_message
+from .kernels import GpuKernels
+from .nccl import NcclComm
+from .ring import CudaRingAllreduce
+from .tables import check_reduction, nccl_reduction
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing works out the direction
+
+
+class CudaCommunicator:
+    def __init__(self, unique_id, rank, size, device):
+        self.comm = NcclComm(unique_id, rank, size, device)
+        self.rank, self.size, self.device = rank, size, device
+        self.kernels = GpuKernels.on(device)
+        self._cupy = self.kernels._cupy
+        self._ring = CudaRingAllreduce(self.comm, self.kernels)
+        self._selector = CudaAllreduceSelector()
+
+    # -- helpers --
+
+    def _message(self, buf):
+        msg = device_message(buf)
+        if msg[4] is not None and msg[4] != self.device:
+            raise ValueError(f"this group's NCCL communicator is on cuda:{self.device}, the tensor on cuda:{msg[4]}: "
+                             f"one process drives one GPU (torch.cuda.set_device(local_rank) before the first "
+                             f"collective)")
+        return msg
+
+    def _scratch(self, nbytes, stream):
+        cp = self._cupy
+        with cp.cuda.Device(self.device), self.kernels._stream(stream):
+            return cp.empty(max(nbytes, 1), dtype=cp.uint8)
+
+    def _copy(self, dst, src, nbytes, stream):
+        if nbytes and dst != src:
+            self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
+
+    # -- reductions --
+
+    def allreduce(self, buf, op=ReduceOp.SUM, *, stream, algorithm=None):
+        """In place. algorithm: None (the registry decides), "nccl" or "ring"."""
+        ptr, count, itemsize, dtype, _ = self._message(buf)
+        self._allreduce(ptr, count, itemsize, dtype, op_code(op), stream, algorithm)
+        return buf
+
+    def algorithm_for(self, dtype, op, nbytes):
+        return self._selector.choose(nccl_reduction(dtype, op_code(op)) is not None, nbytes, self.size)
+
+    def _allreduce(self, ptr, count, itemsize, dtype, op, stream, algorithm=None):
+        check_reduction(dtype, op)
+        native = nccl_reduction(dtype, op)
+        name = algorithm or self._selector.choose(native is not None, count * itemsize, self.size)
+        if name == "nccl":
+            if native is None:
+                raise TypeError(f"NCCL cannot reduce {dtype} with {ReduceOp(op).name}; use the ring")
+            self.comm.allreduce(ptr, ptr, count, *native, stream)
+            return
+        scratch = self._scratch(-(-count // self.size) * itemsize, stream)
+        self._ring.run(ptr, count, itemsize, dtype, ReduceOp.SUM if op == ReduceOp.AVG else op,
+                       scratch.data.ptr, stream)
+        if op == ReduceOp.AVG and self.size > 1:
+            self.kernels.scale(ptr, count, dtype, self.size, stream, divide=True)
+
+    def scale(self, buf, factor, *, stream):
+        """buf *= factor, in place (PREMUL_SUM's premultiplication)."""
+        ptr, count, _, dtype, _ = self._message(buf)
+        self.kernels.scale(ptr, count, dtype, factor, stream)
+        return buf
+
+    def reduce(self, sendbuf, recvbuf, op, root, *, stream):
+        """recvbuf on root = op over ranks of sendbuf (recvbuf may be sendbuf; ignored off the root)."""
+        sptr, count, itemsize, dtype, _ = self._message(sendbuf)
+        rptr = self._message(recvbuf)[0] if recvbuf is not None and self.rank == root else sptr
+        code = op_code(op)
+        check_reduction(dtype, code)
+        native = nccl_reduction(dtype, code)
+        if native is not None:
+            self.comm.reduce(sptr, rptr, count, *native, root, stream)
+            return
+        tmp = self._scratch(count * itemsize, stream)  # our ring reduces everywhere; the root keeps it
+        self._copy(tmp.data.ptr, sptr, count * itemsize, stream)
+        self._allreduce(tmp.data.ptr, count, itemsize, dtype, code, stream, "ring")
+        if self.rank == root:
+            self._copy(rptr, tmp.data.ptr, count * itemsize, stream)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None, *, stream):
+        """recvbuf = this rank's block of op over ranks of sendbuf; blocks even, or `counts` elements each."""
+        sptr, total, itemsize, dtype, _ = self._message(sendbuf)
+        rptr, rcount = self._message(recvbuf)[:2]
+        code = op_code(op)
+        check_reduction(dtype, code)
+        counts = counts or [total // self.size] * self.size
+        if sum(counts) != total or counts[self.rank] != rcount:
+            raise ValueError(f"reduce_scatter: input of {total} elements and output of {rcount} do not match "
+                             f"blocks {counts} over {self.size} ranks")
+        native = nccl_reduction(dtype, code)
+        if native is not None and len(set(counts)) == 1:
+            self.comm.reduce_scatter(sptr, rptr, rcount, *native, stream)
+            return
+        tmp = self._scratch(total * itemsize, stream)  # uneven or NCCL-less op: allreduce, keep our block
+        self._copy(tmp.data.ptr, sptr, total * itemsize, stream)
+        self._allreduce(tmp.data.ptr, total, itemsize, dtype, code, stream)
+        self._copy(rptr, tmp.data.ptr + sum(counts[:self.rank]) * itemsize, rcount * itemsize, stream)
+
+    # -- data movement --
+
+    def broadcast(self, buf, root, *, stream):
+        ptr, count, itemsize, _, _ = self._message(buf)
+        self.comm.broadcast(ptr, ptr, count * itemsize, root, stream)
+        return buf
+
+    def allgather(self, sendbuf, recvbuf, counts=None, *, stream):
+        """recvbuf = concat over ranks of sendbuf; `counts` elements per rank when uneven."""
+        sptr, scount, itemsize, _, _ = self._message(sendbuf)
+        rptr, rcount = self._message(recvbuf)[:2]
+        counts = counts or [scount] * self.size
+        if sum(counts) != rcount or counts[self.rank] != scount:
+            raise ValueError(f"all_gather: output of {rcount} elements does not hold the inputs {counts}")
+        if len(set(counts)) == 1:
+            self.comm.allgather(sptr, rptr, scount * itemsize, stream)
+            return
+        offs = _offsets(counts, itemsize)
+        self._exchange_with_self(sptr, rptr + offs[self.rank], scount * itemsize,
+                                 [(sptr, scount * itemsize, p) for p in self._peers()],
+                                 [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
+
+    def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None, *, stream):
+        sptr, scount, itemsize, _, _ = self._message(sendbuf)
+        rptr, rcount = self._message(recvbuf)[:2]
+        send_counts = send_counts or [scount // self.size] * self.size
+        recv_counts = recv_counts or [rcount // self.size] * self.size
+        if sum(send_counts) != scount or sum(recv_counts) != rcount:
+            raise ValueError(f"all_to_all: counts {send_counts} / {recv_counts} do not add up to the buffers' "
+                             f"{scount} / {rcount} elements")
+        so, ro = _offsets(send_counts, itemsize), _offsets(recv_counts, itemsize)
+        me = self.rank
+        if send_counts[me] != recv_counts[me]:
+            raise ValueError(f"all_to_all: rank {me} sends itself {send_counts[me]} elements but expects "
+                             f"{recv_counts[me]}")
+        self._exchange_with_self(sptr + so[me], rptr + ro[me], send_counts[me] * itemsize,
+                                 [(sptr + so[p], send_counts[p] * itemsize, p) for p in self._peers()],
+                                 [(rptr + ro[p], recv_counts[p] * itemsize, p) for p in self._peers()], stream)
+
+    def gather(self, sendbuf, recvbuf, root, counts=None, *, stream):
+        sptr, scount, itemsize, _, _ = self._message(sendbuf)
+        if self.rank != root:
+            self.comm.exchange([(sptr, scount * itemsize, root)], [], stream)
+            return
+        rptr, rcount = self._message(recvbuf)[:2]
+        counts = counts or [scount] * self.size
+        if sum(counts) != rcount:
+            raise ValueError(f"gather: output of {rcount} elements does not hold the inputs {counts}")
+        offs = _offsets(counts, itemsize)
+        self._exchange_with_self(sptr, rptr + offs[root], scount * itemsize, [],
+                                 [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
+
+    def scatter(self, sendbuf, recvbuf, root, counts=None, *, stream):
+        rptr, rcount, itemsize, _, _ = self._message(recvbuf)
+        if self.rank != root:
+            self.comm.exchange([], [(rptr, rcount * itemsize, root)], stream)
+            return
+        sptr, scount = self._message(sendbuf)[:2]
+        counts = counts or [rcount] * self.size
+        if sum(counts) != scount:
+            raise ValueError(f"scatter: input of {scount} elements does not split into {counts}")
+        offs = _offsets(counts, itemsize)
+        self._exchange_with_self(sptr + offs[root], rptr, rcount * itemsize,
+                                 [(sptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], [], stream)
+
+    def send(self, buf, peer, *, stream):
+        ptr, count, itemsize, _, _ = self._message(buf)
+        self.comm.exchange([(ptr, count * itemsize, peer)], [], stream)
+
+    def recv(self, buf, peer, *, stream):
+        ptr, count, itemsize, _, _ = self._message(buf)
+        self.comm.exchange([], [(ptr, count * itemsize, peer)], stream)
+
+    def barrier(self, *, stream):
+        """An allreduce of one element: every rank's stream passes it only when all have enqueued it."""
+        tmp = self._scratch(4, stream)
+        self.comm.allreduce(tmp.data.ptr, tmp.data.ptr, 1, 7, 0, stream)  # float32 SUM
+
+    def _peers(self):
+        return [p for p in range(self.size) if p != self.rank]
+
+    def _exchange_with_self(self, own_src, own_dst, own_bytes, sends, recvs, stream):
+        self._copy(own_dst, own_src, own_bytes, stream)
+        self.comm.exchange(sends, recvs, stream)
+
+    # -- failure and lifetime --
+
+    def abort(self, error):
+        self.comm.abort(error)
+
+    def check_async_error(self):
+        self.comm.check_async_error()
+
+    def free(self):
+        self.comm.destroy()
+
+
+def _offsets(counts, itemsize):
+    offs, total = [], 0
+    for c in counts:
+        offs.append(total * itemsize)
+        total += c
+    return offs

@@ -1,0 +1,49 @@
+"""Fused allreduce on the GPU: engine.fusion's pure planner, the GPU pack/unpack kernels (one launch
+per bucket whatever its tensor count, with the compression cast and the AVG/PREMUL scale fused in),
+one allreduce per bucket, all enqueued on one stream."""
+
+from ..config import env_int
+from ..fusion import (COMPRESSIONS, DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, bucket_scales, plan_buckets,
+                      wire_dtype)
+from ..ops import ReduceOp, op_code
+from .tables import check_reduction
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class CudaFusedAllreduce:
+    def __init__(self, cuda_comm, bucket_bytes=None, direct_bytes=None):
+        self.comm = cuda_comm
+        self.bucket_bytes = bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+        self.direct_bytes = direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
+
+    def run(self, buffers, op=ReduceOp.SUM, *, stream, compression=None, prescale=1.0):
+        """buffers[i] = op over ranks of buffers[i], in place, for every i (contiguous CUDA buffers)."""
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        code = op_code(op)
+        messages = [self.comm._message(b) for b in buffers]
+        specs = [(count, dtype, itemsize, f"cuda:{dev}") for _, count, itemsize, dtype, dev in messages]
+        comm, kernels = self.comm, self.comm.kernels
+        reduce_op = ReduceOp.SUM if code == ReduceOp.AVG else code
+        for bucket in plan_buckets(specs, self.bucket_bytes, self.direct_bytes):
+            check_reduction(bucket.dtype, code)
+            wire = wire_dtype(bucket.dtype, compression)
+            before, after = bucket_scales(code, wire, bucket.dtype, comm.size, prescale)
+            itemsize = messages[bucket.indices[0]][2]
+            parts = [(messages[i][0], messages[i][1]) for i in bucket.indices]
+            if len(parts) == 1 and wire == bucket.dtype and before == 1.0:  # alone: reduced in place
+                flat = None
+                ptr = parts[0][0]
+            else:
+                wire_size = _ITEMSIZE.get(wire, itemsize)
+                flat = comm._scratch(bucket.count * wire_size, stream)
+                ptr = flat.data.ptr
+                kernels.pack(ptr, wire, parts, bucket.dtype, itemsize, stream, before)
+            comm._allreduce(ptr, bucket.count, _ITEMSIZE.get(wire, itemsize), wire, reduce_op, stream)
+            if flat is None:
+                if after != 1.0:
+                    kernels.scale(ptr, bucket.count, wire, after, stream)
+            else:
+                kernels.unpack(ptr, wire, parts, bucket.dtype, itemsize, stream, after)
+        return buffers

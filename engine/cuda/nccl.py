@@ -1,0 +1,117 @@
+"""One NCCL communicator (cupy.cuda.nccl.NcclCommunicator) for one group on one device, and how its
+unique id reaches every rank: over MPI under an MPI launch, through torch's store otherwise (torchrun).
+
+Calls take pointers, counts and NCCL codes (tables.py) and enqueue on the given CUDA stream; none
+blocks the host. Movement collectives send bytes (ncclInt8), so every dtype moves, complex included.
+"""
+
+import contextlib
+import threading
+
+from . import load_cupy
+from .tables import NCCL_INT8
+
+
+def unique_id_over_mpi(mpi_comm):
+    """Rank 0's ncclUniqueId, broadcast over an mpi4py communicator."""
+    _, nccl = load_cupy()
+    uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
+    return tuple(mpi_comm.bcast(uid, root=0))
+
+
+def unique_id_over_store(store, key, rank):
+    """Rank 0's ncclUniqueId through a torch Store (store.get blocks until it is set, up to the
+    store's timeout)."""
+    if rank == 0:
+        _, nccl = load_cupy()
+        uid = nccl.get_unique_id()
+        store.set(key, bytes(b & 0xFF for b in uid))
+        return uid
+    raw = store.get(key)
+    return tuple(b - 256 if b > 127 else b for b in raw)  # ncclUniqueId holds C chars
+
+
+class NcclComm:
+    """ncclCommInitRank over `size` ranks on CUDA device `device`. Calls from several threads are
+    serialised: NCCL needs the calls of one communicator issued in one order."""
+
+    def __init__(self, unique_id, rank, size, device):
+        cupy, nccl = load_cupy()
+        self._nccl = nccl
+        self.rank, self.size, self.device = rank, size, device
+        self.lock = threading.RLock()
+        with cupy.cuda.Device(device):
+            self._comm = nccl.NcclCommunicator(size, unique_id, rank)
+        self.error = None  # set when the comm was aborted (timeout); every later call raises it
+
+    def _check(self):
+        if self.error is not None:
+            raise self.error
+        if self._comm is None:
+            raise RuntimeError("the NCCL communicator was destroyed (process group shut down)")
+
+    @contextlib.contextmanager
+    def group(self):
+        """ncclGroupStart/End around the calls made inside: sends and receives posted together."""
+        with self.lock:
+            self._check()
+            self._nccl.groupStart()
+            try:
+                yield self._comm
+            finally:
+                self._nccl.groupEnd()
+
+    def allreduce(self, send, recv, count, nccl_dtype, nccl_op, stream):
+        with self.lock:
+            self._check()
+            self._comm.allReduce(send, recv, count, nccl_dtype, nccl_op, stream)
+
+    def reduce(self, send, recv, count, nccl_dtype, nccl_op, root, stream):
+        with self.lock:
+            self._check()
+            self._comm.reduce(send, recv, count, nccl_dtype, nccl_op, root, stream)
+
+    def reduce_scatter(self, send, recv, recv_count, nccl_dtype, nccl_op, stream):
+        with self.lock:
+            self._check()
+            self._comm.reduceScatter(send, recv, recv_count, nccl_dtype, nccl_op, stream)
+
+    def broadcast(self, send, recv, nbytes, root, stream):
+        with self.lock:
+            self._check()
+            self._comm.broadcast(send, recv, nbytes, NCCL_INT8, root, stream)
+
+    def allgather(self, send, recv, nbytes, stream):
+        with self.lock:
+            self._check()
+            self._comm.allGather(send, recv, nbytes, NCCL_INT8, stream)
+
+    def exchange(self, sends, recvs, stream):
+        """Posts, in one group call, sends [(pointer, bytes, peer)] and receives [(pointer, bytes, peer)]:
+        the building block of all-to-all, gather, scatter and uneven all-gather."""
+        with self.group() as comm:
+            for ptr, nbytes, peer in sends:
+                if nbytes:
+                    comm.send(ptr, nbytes, NCCL_INT8, peer, stream)
+            for ptr, nbytes, peer in recvs:
+                if nbytes:
+                    comm.recv(ptr, nbytes, NCCL_INT8, peer, stream)
+
+    def check_async_error(self):
+        """Raises NcclError when NCCL hit an asynchronous error (a peer vanished, a network failure)."""
+        with self.lock:
+            if self._comm is not None:
+                self._comm.check_async_error()
+
+    def abort(self, error):
+        """ncclCommAbort: frees the GPU kernels waiting on peers that will never come."""
+        self.error = error
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+
+    def destroy(self):
+        with self.lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.destroy()

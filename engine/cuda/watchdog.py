@@ -1,0 +1,78 @@
+"""The GPU path's answer to "never hang silently": NCCL kernels wait on the device, not the host, so
+a missing rank shows up as a CUDA event that never completes. A watchdog thread polls the events of
+enqueued collectives (and NCCL's asynchronous error state); past the group's timeout it aborts the
+NCCL communicator (ncclCommAbort frees the stuck kernels), and every later call or wait on that group
+raises EngineTimeout naming the collective, as torch's NCCL watchdog does."""
+
+import sys
+import threading
+import time
+
+from ..watch import EngineTimeout
+
+POLL_SECONDS = 0.05
+
+
+class Watchdog:
+    def __init__(self, name, rank, size, timeout):
+        self.name, self.rank, self.size, self.timeout = name, rank, size, timeout
+        self._pending = []  # (event with .query(), deadline, what, communicator)
+        self._cond = threading.Condition()
+        self._thread = None
+        self._closed = False
+        self.error = None
+
+    def watch(self, event, what, comm):
+        """Called after enqueueing `what` on comm and recording `event` after it."""
+        if self.error is not None:
+            raise self.error
+        with self._cond:
+            self._pending.append((event, time.monotonic() + self.timeout, what, comm))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"engine-cuda-watchdog-{self.name}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                pending = list(self._pending)
+            done = set()
+            now = time.monotonic()
+            for item in pending:
+                event, deadline, what, comm = item
+                if event.query():
+                    done.add(id(item))
+                    continue
+                try:
+                    comm.check_async_error()
+                except Exception as exc:  # a peer died or the network failed: NCCL knows already
+                    self._fail(comm, EngineTimeout(f"{what} of group '{self.name}' (rank {self.rank} of "
+                                                   f"{self.size}) failed in NCCL: {exc}"))
+                    return
+                if now > deadline:
+                    self._fail(comm, EngineTimeout(
+                        f"{what} of group '{self.name}' (rank {self.rank} of {self.size}) did not complete on "
+                        f"the GPU within {self.timeout:g} s: a rank did not join it, or joined a different "
+                        f"collective; the NCCL communicator was aborted"))
+                    return
+            with self._cond:
+                self._pending = [p for p in self._pending if id(p) not in done]
+            time.sleep(POLL_SECONDS)
+
+    def _fail(self, comm, error):
+        self.error = error
+        print(f"engine: {error}", file=sys.stderr, flush=True)
+        comm.abort(error)
+        with self._cond:
+            self._pending.clear()
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            self._cond.notify()

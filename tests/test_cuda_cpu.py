@@ -1,0 +1,104 @@
+"""The GPU path's pure parts and its CPU-only guarantees, checked on any machine."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from engine.algorithms import CudaAllreduceSelector
+from engine.cuda import load_cupy
+from engine.cuda.buffers import device_message
+from engine.cuda.ring import ring_schedule
+from engine.cuda.tables import NCCL_DTYPES, check_reduction, nccl_reduction
+from engine.fusion import bucket_scales
+from engine.ops import ReduceOp
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_ring_schedule_reduces_every_block_and_spreads_it(size):
+    """Plays the schedule with every rank in lockstep (step k's sends land before step k+1)."""
+    for count in (0, 1, size - 1, 5, 17, 1031):
+        start = [np.arange(count, dtype=np.int64) * (r + 1) + r for r in range(size)]
+        bufs = [b.copy() for b in start]
+        plans = [ring_schedule(count, size, r) for r in range(size)]
+        assert all(len(p) == 2 * (size - 1) for p in plans)
+        for step in range(2 * (size - 1)):
+            sent = [bufs[r][off:off + n].copy() for r, (_, (off, n), _) in enumerate(p[step] for p in plans)]
+            for r in range(size):
+                phase, _, (off, n) = plans[r][step]
+                incoming = sent[(r - 1) % size]  # from the left neighbour
+                assert len(incoming) == n
+                bufs[r][off:off + n] = bufs[r][off:off + n] + incoming if phase == "reduce" else incoming
+        for b in bufs:
+            assert np.array_equal(b, sum(start)), (size, count)
+
+
+def test_nccl_codes_are_cupys():
+    try:
+        _, nccl = load_cupy()
+    except ImportError as exc:
+        pytest.skip(f"cupy not installed ({exc.__class__.__name__})")
+    for name, code in (("int8", nccl.NCCL_INT8), ("uint8", nccl.NCCL_UINT8), ("int32", nccl.NCCL_INT32),
+                       ("int64", nccl.NCCL_INT64), ("float16", nccl.NCCL_FLOAT16), ("float32", nccl.NCCL_FLOAT32),
+                       ("float64", nccl.NCCL_FLOAT64), ("bfloat16", nccl.NCCL_BFLOAT16)):
+        assert NCCL_DTYPES[name] == code
+    assert nccl_reduction("float32", ReduceOp.AVG) == (nccl.NCCL_FLOAT32, nccl.NCCL_AVG)
+
+
+def test_what_nccl_reduces_and_what_the_ring_does():
+    assert nccl_reduction("bfloat16", ReduceOp.MAX) == (9, 2)
+    assert nccl_reduction("bool", ReduceOp.SUM) == (1, 2)  # OR as max of 0/1
+    assert nccl_reduction("bool", ReduceOp.PRODUCT) == (1, 3)
+    assert nccl_reduction("int32", ReduceOp.BXOR) is None  # bitwise: the engine's ring
+    assert nccl_reduction("int16", ReduceOp.SUM) is None  # NCCL has no int16
+    assert nccl_reduction("int64", ReduceOp.AVG) is None
+    sel = CudaAllreduceSelector()
+    assert sel.choose(True, 1 << 20, 4) == "nccl"
+    assert sel.choose(False, 1 << 20, 4) == "ring"
+
+
+def test_bad_reductions_raise_clear_errors():
+    with pytest.raises(TypeError, match="AVG needs a floating dtype"):
+        check_reduction("int32", ReduceOp.AVG)
+    with pytest.raises(TypeError, match="BXOR needs an integer or bool dtype"):
+        check_reduction("float32", ReduceOp.BXOR)
+    with pytest.raises(TypeError, match="cannot reduce complex64"):
+        check_reduction("complex64", ReduceOp.SUM)
+
+
+def test_forced_gpu_algorithm(monkeypatch):
+    monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "ring")
+    assert CudaAllreduceSelector().choose(True, 1 << 20, 2) == "ring"
+    monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "tree")
+    with pytest.raises(ValueError, match="ENGINE_CUDA_ALLREDUCE_ALGO='tree'"):
+        CudaAllreduceSelector()
+
+
+def test_missing_cupy_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # what `import cupy` sees without the extra
+    with pytest.raises(ImportError, match=r"pip install engine\[cuda12\]"):
+        load_cupy()
+
+
+def test_buffer_layer_refuses_host_memory():
+    with pytest.raises(TypeError, match="expected a CUDA tensor"):
+        device_message(torch.ones(3))
+
+
+def test_bucket_scales_divide_once():
+    assert bucket_scales(ReduceOp.AVG, "float32", "float32", 4, 1.0) == (1.0, 0.25)
+    assert bucket_scales(ReduceOp.AVG, "float16", "float32", 4, 2.0) == (0.5, 1.0)
+    assert bucket_scales(ReduceOp.SUM, "float16", "float32", 4, 1.0) == (1.0, 1.0)
+
+
+def test_cpu_job_never_imports_cupy():
+    code = ("import sys, torch, torch.distributed as dist\n"
+            "dist.init_process_group('engine')\n"
+            "t = torch.ones(4); dist.all_reduce(t); assert t.sum() == 4\n"
+            "dist.destroy_process_group()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'numba') or m == 'engine.cuda'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
