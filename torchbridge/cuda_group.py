@@ -50,6 +50,7 @@ class CudaCollectives:
         self._comms = {}  # device index -> engine.cuda.CudaCommunicator
         self._fused = {}
         self._watchdog = None
+        self._pending_p2p = []  # deferred NCCL sends/receives, see send()
         self.transport = self._pick_transport(transport)
 
     def _pick_transport(self, forced=None):
@@ -137,6 +138,8 @@ class CudaCollectives:
     # -- the collectives --
 
     def call(self, method, args):
+        if self._pending_p2p and method not in ("send", "recv", "recv_anysource"):
+            self.flush_p2p()  # a collective after isend/irecv: the p2p goes first, as issued
         if self.transport == "staged" and method not in ("send", "recv", "recv_anysource"):
             return self._staged(method, args)
         return getattr(self, method)(*args)
@@ -157,6 +160,8 @@ class CudaCollectives:
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0, name="fused_allreduce"):
         if not tensors:
             return CompletedWork()
+        if self._pending_p2p:
+            self.flush_p2p()
         if self.transport == "staged":
             return self._staged_fused(tensors, op, compression, prescale)
         from engine.cuda.fusion import CudaFusedAllreduce
@@ -300,6 +305,8 @@ class CudaCollectives:
 
     def barrier(self, device):
         """Only without MPI (torchrun): an allreduce of one element, then the host waits for it."""
+        if self._pending_p2p:
+            self.flush_p2p()
         t = torch.empty(0, device=device)
         cc, stream = self._enter(t)
         cc.barrier(stream=stream)
@@ -307,13 +314,16 @@ class CudaCollectives:
         work.synchronize_host()
         return work
 
+    # Point-to-point over NCCL is deferred: isend/irecv are collected and posted together, in one NCCL
+    # group call, when one of their Works is waited on or the next collective is issued. NCCL's
+    # sends wait on the device for the matching receive, so a rank's isend and irecv posted one after
+    # the other on one stream would wait forever if the peer did the same (batch_isend_irecv does).
+
     def send(self, tensors, dst, tag):
         t = _one(tensors, "send").contiguous()
         if self.transport == "staged":
             return self._group.send([t.cpu()], dst, tag)
-        cc, stream = self._enter(t)
-        cc.send(t, dst, stream=stream)
-        return self._work("send", tensors, t.device.index, cc)
+        return self._defer("send", t, dst, tensors)
 
     def recv(self, tensors, src, tag):
         t = _one(tensors, "recv")
@@ -323,9 +333,33 @@ class CudaCollectives:
         if src is None:
             raise RuntimeError("recv without a source rank is not possible over NCCL (it matches sends by peer); "
                                "pass src=, or use ENGINE_CUDA_TRANSPORT=staged")
-        cc, stream = self._enter(t)
-        self._into(t, lambda buf: cc.recv(buf, src, stream=stream))
-        return self._work("recv", tensors, t.device.index, cc)
+        return self._defer("recv", t, src, tensors)
+
+    def _defer(self, kind, t, peer, outputs):
+        cc, _ = self._enter(t)
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        event = torch.cuda.Event()
+        self._pending_p2p.append((kind, t, buf, peer, event, cc))
+        return CudaWork(event, outputs, t.device.index, self._watchdog, flush=self.flush_p2p)
+
+    def flush_p2p(self):
+        """Posts the deferred sends and receives of each device in one group call, on the current stream."""
+        pending, self._pending_p2p = self._pending_p2p, []
+        by_comm = {}
+        for item in pending:
+            by_comm.setdefault(id(item[5]), []).append(item)
+        for items in by_comm.values():
+            cc = items[0][5]
+            device = items[0][1].device.index
+            stream = torch.cuda.current_stream(device)
+            cc.sendrecv([(buf, peer) for kind, _, buf, peer, _, _ in items if kind == "send"],
+                        [(buf, peer) for kind, _, buf, peer, _, _ in items if kind == "recv"],
+                        stream=stream.cuda_stream)
+            for kind, t, buf, _, event, _ in items:
+                if buf is not t:
+                    t.copy_(buf)
+                event.record(stream)
+                self._watchdog.watch(event, kind, cc)
 
     def recv_anysource(self, tensors, tag):
         return self.recv(tensors, None, tag)
@@ -341,6 +375,8 @@ class CudaCollectives:
             out.copy_(tmp)
 
     def shutdown(self):
+        if self._pending_p2p:
+            self.flush_p2p()
         if self._watchdog is not None:
             self._watchdog.close()
         for cc in self._comms.values():

@@ -1,6 +1,7 @@
 """Work objects: what every call of the process group returns (torch's c10d Work contract)."""
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -154,15 +155,22 @@ class CudaWork(_OutputsWork):
     host; the future is CUDA-aware (its value is ready for work on the stream that awaits it). The
     group's watchdog turns a collective that never completes into an error raised here."""
 
-    def __init__(self, event, outputs, device, watchdog):
+    def __init__(self, event, outputs, device, watchdog, flush=None):
         super().__init__()
         self._event = event
         self._outputs = outputs
         self._device = device
         self._watchdog = watchdog
+        self._flush = flush  # posts deferred point-to-point (its event is recorded then)
         self._future = None
 
+    def _post(self):
+        if self._flush is not None:
+            flush, self._flush = self._flush, None
+            flush()
+
     def _raise_failure(self):
+        self._post()
         if self._watchdog.error is not None:
             raise self._watchdog.error
 
@@ -178,14 +186,15 @@ class CudaWork(_OutputsWork):
         """Blocks the host until the GPU finished the collective (barrier), polling for failure."""
         while not self._event.query():
             self._raise_failure()
-            threading.Event().wait(0.0005)
+            time.sleep(0.0005)
         self._raise_failure()
 
     def is_completed(self):
+        self._post()
         return bool(self._event.query())
 
     def is_success(self):
-        return self.is_completed() and self._watchdog.error is None
+        return self._watchdog.error is None and self.is_completed()
 
     def exception(self):
         return self._watchdog.error

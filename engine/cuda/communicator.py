@@ -179,12 +179,21 @@ class CudaCommunicator:
                                  [(sptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], [], stream)
 
     def send(self, buf, peer, *, stream):
-        ptr, count, itemsize, _, _ = self._message(buf)
-        self.comm.exchange([(ptr, count * itemsize, peer)], [], stream)
+        self.sendrecv([(buf, peer)], [], stream=stream)
 
     def recv(self, buf, peer, *, stream):
-        ptr, count, itemsize, _, _ = self._message(buf)
-        self.comm.exchange([], [(ptr, count * itemsize, peer)], stream)
+        self.sendrecv([], [(buf, peer)], stream=stream)
+
+    def sendrecv(self, sends, recvs, *, stream):
+        """Sends [(buffer, peer)] and receives [(buffer, peer)] posted in one NCCL group call, so
+        that two ranks sending to each other first do not wait on each other."""
+        def wire(pairs):
+            out = []
+            for buf, peer in pairs:
+                ptr, count, itemsize, _, _ = self._message(buf)
+                out.append((ptr, count * itemsize, peer))
+            return out
+        self.comm.exchange(wire(sends), wire(recvs), stream)
 
     def barrier(self, *, stream):
         """An allreduce of one element: every rank's stream passes it only when all have enqueued it."""
