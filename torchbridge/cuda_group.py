@@ -133,7 +133,7 @@ class CudaCollectives:
         getattr(self._group, method)(outputs, *rest).wait()
         for dev, h in pairs[:n_out]:
             dev.copy_(h, non_blocking=True)
-        return CompletedWork()
+        return CompletedWork(args[0] if isinstance(args[0], list) else [args[0]])
 
     # -- the collectives --
 
@@ -182,7 +182,7 @@ class CudaCollectives:
         self._group.fused_allreduce(hosts, op, compression=compression, prescale=prescale)
         for t, h in zip(tensors, hosts):
             t.copy_(h, non_blocking=True)
-        return CompletedWork()
+        return CompletedWork(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op, factor = _reduce_op(opts)

@@ -64,7 +64,12 @@ class CollectiveWork(_OutputsWork):
 
 class CompletedWork(dist._Work):
     """What a synchronous call (async_op=False) returns: it already ran, in the caller's thread, and
-    raised there if it failed. torch waits on it once and drops it, so one shared instance serves."""
+    raised there if it failed. torch waits on it once and drops it, so one shared instance serves the
+    CPU path; the staged CUDA path gives its outputs, which the future then holds (DDP hooks read them)."""
+
+    def __init__(self, outputs=()):
+        super().__init__()
+        self._outputs = list(outputs)
 
     def wait(self, timeout=None):
         return True
@@ -79,14 +84,15 @@ class CompletedWork(dist._Work):
         return None
 
     def result(self):
-        return []
+        return list(self._outputs)
 
     def synchronize(self):
         pass
 
     def get_future(self):
-        fut = torch.futures.Future()
-        fut.set_result([])
+        cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
+        fut = torch.futures.Future(devices=sorted(cuda, key=str) or None)
+        fut.set_result(list(self._outputs))
         return fut
 
 
