@@ -102,3 +102,30 @@ def test_cpu_job_never_imports_cupy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_nccl_unique_id_round_trips_through_a_torch_store():
+    """What a torchrun job's ranks do: rank 0 stores NCCL's id, the others read the same 128 bytes,
+    handed to cupy in the form its version takes."""
+    try:
+        cupy, _ = load_cupy()
+    except ImportError as exc:
+        pytest.skip(f"cupy not installed ({exc.__class__.__name__})")
+    import torch.distributed as dist
+    from engine.cuda.nccl import _for_cupy, unique_id_over_store
+    store = dist.HashStore()
+    uid = unique_id_over_store(store, "engine/nccl/g/0", 0)
+    assert isinstance(uid, bytes) and len(uid) == 128
+    assert unique_id_over_store(store, "engine/nccl/g/0", 1) == uid
+    converted = _for_cupy(uid, cupy)
+    assert (converted == uid) if int(cupy.__version__.split(".")[0]) >= 14 else bytes(b & 0xFF for b in converted) == uid
+
+
+def test_unique_id_form_follows_cupys_version():
+    from types import SimpleNamespace
+
+    from engine.cuda.nccl import _for_cupy
+    uid = bytes(range(0, 256, 2))
+    assert _for_cupy(uid, SimpleNamespace(__version__="14.2.0")) == uid
+    old = _for_cupy(uid, SimpleNamespace(__version__="13.6.0"))  # a tuple of C chars
+    assert isinstance(old, tuple) and old[64] == -128 and bytes(b & 0xFF for b in old) == uid

@@ -12,23 +12,34 @@ from . import load_cupy
 from .tables import NCCL_INT8
 
 
+def new_unique_id():
+    """ncclGetUniqueId as 128 bytes (cupy 14 returns bytes, older cupy a tuple of C chars)."""
+    _, nccl = load_cupy()
+    uid = nccl.get_unique_id()
+    return uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+
+
+def _for_cupy(uid, cupy):
+    """The id in the form this cupy's NcclCommunicator takes: bytes from cupy 14, before that a tuple of
+    (signed) C chars."""
+    if int(cupy.__version__.split(".")[0]) >= 14:
+        return bytes(uid)
+    return tuple(b - 256 if b > 127 else b for b in uid)
+
+
 def unique_id_over_mpi(mpi_comm):
     """Rank 0's ncclUniqueId, broadcast over an mpi4py communicator."""
-    _, nccl = load_cupy()
-    uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
-    return tuple(mpi_comm.bcast(uid, root=0))
+    return mpi_comm.bcast(new_unique_id() if mpi_comm.Get_rank() == 0 else None, root=0)
 
 
 def unique_id_over_store(store, key, rank):
     """Rank 0's ncclUniqueId through a torch Store (store.get blocks until it is set, up to the
     store's timeout)."""
     if rank == 0:
-        _, nccl = load_cupy()
-        uid = nccl.get_unique_id()
-        store.set(key, bytes(b & 0xFF for b in uid))
+        uid = new_unique_id()
+        store.set(key, uid)
         return uid
-    raw = store.get(key)
-    return tuple(b - 256 if b > 127 else b for b in raw)  # ncclUniqueId holds C chars
+    return bytes(store.get(key))
 
 
 class NcclComm:
@@ -41,7 +52,7 @@ class NcclComm:
         self.rank, self.size, self.device = rank, size, device
         self.lock = threading.RLock()
         with cupy.cuda.Device(device):
-            self._comm = nccl.NcclCommunicator(size, unique_id, rank)
+            self._comm = nccl.NcclCommunicator(size, _for_cupy(unique_id, cupy), rank)
         self.error = None  # set when the comm was aborted (timeout); every later call raises it
 
     def _check(self):
