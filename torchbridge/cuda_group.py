@@ -112,7 +112,7 @@ class CudaCollectives:
 
     def _staged(self, method, args):
         """Runs the CPU method on pinned host copies of argument 0 (outputs, read too: in-place
-        collectives) and argument 1 (inputs), then copies argument 0 back on the current stream."""
+        collectives) and argument 1 (inputs), then copies argument 0 back before returning."""
         pairs = []
 
         def host(obj):
@@ -132,7 +132,7 @@ class CudaCollectives:
         rest = [host(a) if i == 0 else a for i, a in enumerate(args[1:])]
         getattr(self._group, method)(outputs, *rest).wait()
         for dev, h in pairs[:n_out]:
-            dev.copy_(h, non_blocking=True)
+            dev.copy_(h)  # blocking: any stream may read it once we return
         return CompletedWork(args[0] if isinstance(args[0], list) else [args[0]])
 
     # -- the collectives --
@@ -181,7 +181,7 @@ class CudaCollectives:
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors]
         self._group.fused_allreduce(hosts, op, compression=compression, prescale=prescale)
         for t, h in zip(tensors, hosts):
-            t.copy_(h, non_blocking=True)
+            t.copy_(h)
         return CompletedWork(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
