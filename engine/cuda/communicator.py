@@ -59,6 +59,8 @@ class CudaCommunicator:
 
     def _allreduce(self, ptr, count, itemsize, dtype, op, stream, algorithm=None):
         check_reduction(dtype, op)
+        if count == 0:  # nothing to move; NCCL would see a null pointer
+            return
         native = nccl_reduction(dtype, op)
         name = algorithm or self._selector.choose(native is not None, count * itemsize, self.size)
         if name == "nccl":
@@ -85,6 +87,8 @@ class CudaCommunicator:
         code = op_code(op)
         check_reduction(dtype, code)
         native = nccl_reduction(dtype, code)
+        if count == 0:
+            return
         if native is not None:
             self.comm.reduce(sptr, rptr, count, *native, root, stream)
             return
@@ -117,6 +121,8 @@ class CudaCommunicator:
 
     def broadcast(self, buf, root, *, stream):
         ptr, count, itemsize, _, _ = self._message(buf)
+        if count == 0:
+            return buf
         self.comm.broadcast(ptr, ptr, count * itemsize, root, stream)
         return buf
 
