@@ -109,6 +109,8 @@ class CudaCommunicator:
             raise ValueError(f"reduce_scatter: input of {total} elements and output of {rcount} do not match "
                              f"blocks {counts} over {self.size} ranks")
         native = nccl_reduction(dtype, code)
+        if total == 0:
+            return
         if native is not None and len(set(counts)) == 1:
             self.comm.reduce_scatter(sptr, rptr, rcount, *native, stream)
             return
@@ -133,6 +135,8 @@ class CudaCommunicator:
         counts = counts or [scount] * self.size
         if sum(counts) != rcount or counts[self.rank] != scount:
             raise ValueError(f"all_gather: output of {rcount} elements does not hold the inputs {counts}")
+        if rcount == 0:
+            return
         if len(set(counts)) == 1:
             self.comm.allgather(sptr, rptr, scount * itemsize, stream)
             return
