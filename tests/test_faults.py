@@ -91,7 +91,9 @@ def test_point_to_point_recv_times_out_naming_the_peer():
 
 def test_stall_warning_names_the_missing_rank_before_the_timeout():
     proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", SKIP_SLEEP="8", ENGINE_STALL_WARNING_SECONDS="1")
-    assert re.search(r"WARNING rank 0 has waited 1 s in allreduce #2 of group '0'; rank 2 did not arrive", out), out[-3000:]
+    # A rank that is itself late to the call (a loaded machine) is named too: "ranks 1, 2 did not arrive".
+    assert re.search(r"WARNING rank [01] has waited 1 s in allreduce #2 of group '0'; ranks? (\d, )*2 did not arrive "
+                     r"\(timeout in 4 s\)", out), out[-3000:]
 
 
 def test_bad_inputs_get_clear_errors(tmp_path):
