@@ -129,3 +129,19 @@ def test_unique_id_form_follows_cupys_version():
     assert _for_cupy(uid, SimpleNamespace(__version__="14.2.0")) == uid
     old = _for_cupy(uid, SimpleNamespace(__version__="13.6.0"))  # a tuple of C chars
     assert isinstance(old, tuple) and old[64] == -128 and bytes(b & 0xFF for b in old) == uid
+
+
+def test_cuda_routing_reads_outputs_then_inputs():
+    from torchbridge.cuda_group import is_cuda_call
+    cpu = torch.ones(2)
+    assert not is_cuda_call(([cpu], None))
+    assert not is_cuda_call(([], [cpu]))  # gather off the root: no outputs, CPU input
+    assert not is_cuda_call(([[cpu, cpu]], [cpu]))
+    assert not is_cuda_call(())
+
+
+def test_group_without_mpi_refuses_cpu_tensors_naming_mpirun():
+    """A torchrun job with CUDA gets a group with no MPI communicator: CPU collectives say why."""
+    from torchbridge.process_group import _NoMPI
+    with pytest.raises(RuntimeError, match="CUDA tensors work here .* mpirun"):
+        _NoMPI(0, 2).allreduce(torch.ones(2))
