@@ -143,5 +143,5 @@ def test_cuda_routing_reads_outputs_then_inputs():
 def test_group_without_mpi_refuses_cpu_tensors_naming_mpirun():
     """A torchrun job with CUDA gets a group with no MPI communicator: CPU collectives say why."""
     from torchbridge.process_group import _NoMPI
-    with pytest.raises(RuntimeError, match="CUDA tensors work here .* mpirun"):
+    with pytest.raises(RuntimeError, match="CUDA tensors work here.*mpirun"):
         _NoMPI(0, 2).allreduce(torch.ones(2))
