@@ -164,7 +164,7 @@ class FusedAllreduce:
         key = (dtype, slot, type(like))
         buf = self._buffers.get(key)
         if buf is None or len(buf) < count:
-            buf = self._buffers[key] = _empty_like(like, dtype, max(count, self.bucket_bytes // _ITEMSIZE[dtype]))
+            buf = self._buffers[key] = _empty_like(like, dtype, max(count, self.bucket_bytes // ITEMSIZE[dtype]))
         return buf[:count]
 
     def close(self):
@@ -173,7 +173,7 @@ class FusedAllreduce:
             self._worker = None
 
 
-_ITEMSIZE = dict(zip(_core.DTYPE_NAMES, _core.DTYPE_ITEMSIZES))
+ITEMSIZE = dict(zip(_core.DTYPE_NAMES, _core.DTYPE_ITEMSIZES))  # dtype name -> bytes
 
 
 def _empty_like(like, dtype, count):

@@ -17,21 +17,18 @@ import torch
 from cuda_kernel_cases import CpuCompiledRunner, GpuRunner, check_all, ops_for
 from engine.cuda import kernels as gk
 from engine.cuda.tables import FLOATING, KERNEL_DTYPES
-
-_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
-             "float32": 4, "float64": 8}
-
+from engine.fusion import ITEMSIZE
 
 def every_kernel_name():
     names = {gk.reduce_kernel_name(d, op) for d in KERNEL_DTYPES for op in ops_for(d)}
     names |= {f"scale_{d}" for d in FLOATING}
     for direction in ("pack", "unpack"):
         for d in KERNEL_DTYPES:
-            names.add(gk.move_kernel_name(direction, d, d, _ITEMSIZE[d], 1.0))
+            names.add(gk.move_kernel_name(direction, d, d, ITEMSIZE[d], 1.0))
         for d in FLOATING:
-            names.add(gk.move_kernel_name(direction, d, d, _ITEMSIZE[d], 0.5))
+            names.add(gk.move_kernel_name(direction, d, d, ITEMSIZE[d], 0.5))
         for s, d in (("float32", "float16"), ("float32", "bfloat16"), ("float16", "float32"), ("bfloat16", "float32")):
-            names.add(gk.move_kernel_name(direction, s, d, _ITEMSIZE[s], 1.0))
+            names.add(gk.move_kernel_name(direction, s, d, ITEMSIZE[s], 1.0))
     return names
 
 

@@ -17,7 +17,8 @@ import torch
 from engine.config import env_choice
 from engine.ops import ReduceOp
 
-from .process_group import _check_per_rank, _one, _reduce_op, _scatter_back, _uneven, all_to_all_counts
+from .process_group import (_check_per_rank, _check_premul, _flat, _one, _reduce_op, _scatter_back, _uneven,
+                            _write, all_to_all_counts)
 from .work import CompletedWork, CudaWork
 
 TRANSPORTS = ("auto", "nccl", "staged")
@@ -214,12 +215,12 @@ class CudaCollectives:
         op, factor = _reduce_op(opts)
         _check_per_rank(inputs, self._group.size(), out.dtype, "reduce_scatter", "input")
         cc, stream = self._enter(out)
-        flat = torch.cat([i.reshape(-1) for i in inputs])
+        flat = _flat(inputs)
         if factor is not None:
             _check_premul(out)
             cc.scale(flat, factor, stream=stream)
         counts = [i.numel() for i in inputs]
-        self._into(out, lambda buf: cc.reduce_scatter(flat, buf, op, _uneven(counts), stream=stream))
+        _write(out, lambda buf: cc.reduce_scatter(flat, buf, op, _uneven(counts), stream=stream))
         return self._work("reduce_scatter", output_tensors, out.device.index, cc)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -229,13 +230,13 @@ class CudaCollectives:
         if factor is not None:
             _check_premul(input)
             src = input * factor
-        self._into(output, lambda buf: cc.reduce_scatter(src, buf, op, stream=stream))
+        _write(output, lambda buf: cc.reduce_scatter(src, buf, op, stream=stream))
         return self._work("reduce_scatter_tensor", [output], output.device.index, cc)
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         cc, stream = self._enter(t)
-        self._into(t, lambda buf: cc.broadcast(buf, opts.rootRank, stream=stream), read=True)
+        _write(t, lambda buf: cc.broadcast(buf, opts.rootRank, stream=stream))
         return self._work("broadcast", tensors, t.device.index, cc)
 
     def allgather(self, output_lists, input_tensors, opts=None):
@@ -251,7 +252,7 @@ class CudaCollectives:
 
     def all_gather_single(self, output, input, opts=None):
         cc, stream = self._enter(input)
-        self._into(output, lambda buf: cc.allgather(input.contiguous(), buf, stream=stream))
+        _write(output, lambda buf: cc.allgather(input.contiguous(), buf, stream=stream))
         return self._work("all_gather_into_tensor", [output], input.device.index, cc)
 
     def gather(self, output_lists, input_tensors, opts):
@@ -276,11 +277,11 @@ class CudaCollectives:
         if cc.rank == root:
             inputs = input_lists[0] if input_lists else []
             _check_per_rank(inputs, self._group.size(), out.dtype, "scatter", "input", " on the root")
-            flat = torch.cat([i.reshape(-1) for i in inputs])
+            flat = _flat(inputs)
             counts = _uneven([i.numel() for i in inputs])
-            self._into(out, lambda buf: cc.scatter(flat, buf, root, counts, stream=stream))
+            _write(out, lambda buf: cc.scatter(flat, buf, root, counts, stream=stream))
         else:
-            self._into(out, lambda buf: cc.scatter(None, buf, root, stream=stream))
+            _write(out, lambda buf: cc.scatter(None, buf, root, stream=stream))
         return self._work("scatter", output_tensors, out.device.index, cc)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -291,7 +292,7 @@ class CudaCollectives:
         cc, stream = self._enter(input_tensors[0])
         recv_counts = [o.numel() for o in output_tensors]
         flat = torch.empty(sum(recv_counts), dtype=output_tensors[0].dtype, device=output_tensors[0].device)
-        cc.alltoall(torch.cat([i.reshape(-1) for i in input_tensors]), flat, [i.numel() for i in input_tensors],
+        cc.alltoall(_flat(input_tensors), flat, [i.numel() for i in input_tensors],
                     recv_counts, stream=stream)
         _scatter_back(flat, output_tensors)
         return self._work("alltoall", output_tensors, flat.device.index, cc)
@@ -300,7 +301,7 @@ class CudaCollectives:
         send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
                                                      self._group.size())
         cc, stream = self._enter(input)
-        self._into(output, lambda buf: cc.alltoall(input.contiguous(), buf, send_counts, recv_counts, stream=stream))
+        _write(output, lambda buf: cc.alltoall(input.contiguous(), buf, send_counts, recv_counts, stream=stream))
         return self._work("alltoall_base", [output], input.device.index, cc)
 
     def barrier(self, device):
@@ -364,16 +365,6 @@ class CudaCollectives:
     def recv_anysource(self, tensors, tag):
         return self.recv(tensors, None, tag)
 
-    @staticmethod
-    def _into(out, fn, read=False):
-        """fn on out, or on a contiguous copy written back (enqueued on the stream, like fn)."""
-        if out.is_contiguous():
-            fn(out)
-        else:
-            tmp = out.contiguous() if read else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            fn(tmp)
-            out.copy_(tmp)
-
     def shutdown(self):
         if self._pending_p2p:
             self.flush_p2p()
@@ -382,8 +373,3 @@ class CudaCollectives:
         for cc in self._comms.values():
             cc.free()
         self._comms.clear()
-
-
-def _check_premul(t):
-    if not t.is_floating_point():
-        raise RuntimeError(f"PREMUL_SUM needs a floating dtype, got {t.dtype}")

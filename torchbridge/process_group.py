@@ -71,10 +71,14 @@ def _reduce_op(opts):
     raise RuntimeError(f"backend 'engine' does not support reduce op {kind}")
 
 
-def _premul(t, factor):
-    """A scaled copy for PREMUL_SUM (the input itself is never modified)."""
+def _check_premul(t):
     if not t.is_floating_point():
         raise RuntimeError(f"PREMUL_SUM needs a floating dtype, got {t.dtype}")
+
+
+def _premul(t, factor):
+    """A scaled copy for PREMUL_SUM (the input itself is never modified)."""
+    _check_premul(t)
     return t * factor
 
 
@@ -243,7 +247,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         op, factor = _reduce_op(opts)
         if factor is not None:
             for t in tensors:
-                _premul(t[:0], factor)  # checks the dtype only
+                _check_premul(t)
         return self._submit("allreduce_coalesced", lambda: self.fused_allreduce(tensors, op, prescale=factor or 1.0),
                             tensors, opts)
 

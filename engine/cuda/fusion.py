@@ -3,12 +3,10 @@ per bucket whatever its tensor count, with the compression cast and the AVG/PREM
 one allreduce per bucket, all enqueued on one stream."""
 
 from ..config import env_int
-from ..fusion import (COMPRESSIONS, DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, bucket_scales, plan_buckets,
-                      wire_dtype)
+from ..fusion import (COMPRESSIONS, DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, ITEMSIZE, bucket_scales,
+                      plan_buckets, wire_dtype)
 from ..ops import ReduceOp, op_code
 from .tables import check_reduction
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 class CudaFusedAllreduce:
@@ -36,11 +34,10 @@ class CudaFusedAllreduce:
                 flat = None
                 ptr = parts[0][0]
             else:
-                wire_size = _ITEMSIZE.get(wire, itemsize)
-                flat = comm._scratch(bucket.count * wire_size, stream)
+                flat = comm._scratch(bucket.count * ITEMSIZE[wire], stream)
                 ptr = flat.data.ptr
                 kernels.pack(ptr, wire, parts, bucket.dtype, itemsize, stream, before)
-            comm._allreduce(ptr, bucket.count, _ITEMSIZE.get(wire, itemsize), wire, reduce_op, stream)
+            comm._allreduce(ptr, bucket.count, ITEMSIZE[wire], wire, reduce_op, stream)
             if flat is None:
                 if after != 1.0:
                     kernels.scale(ptr, bucket.count, wire, after, stream)

@@ -43,18 +43,21 @@ class Watchdog:
                     return
                 pending = list(self._pending)
             done = set()
+            checked = set()  # NCCL's error state is asked once per communicator per poll
             now = time.monotonic()
             for item in pending:
                 event, deadline, what, comm = item
                 if event.query():
                     done.add(id(item))
                     continue
-                try:
-                    comm.check_async_error()
-                except Exception as exc:  # a peer died or the network failed: NCCL knows already
-                    self._fail(comm, EngineTimeout(f"{what} of group '{self.name}' (rank {self.rank} of "
-                                                   f"{self.size}) failed in NCCL: {exc}"))
-                    return
+                if id(comm) not in checked:
+                    checked.add(id(comm))
+                    try:
+                        comm.check_async_error()
+                    except Exception as exc:  # a peer died or the network failed: NCCL knows already
+                        self._fail(comm, EngineTimeout(f"{what} of group '{self.name}' (rank {self.rank} of "
+                                                       f"{self.size}) failed in NCCL: {exc}"))
+                        return
                 if now > deadline:
                     self._fail(comm, EngineTimeout(
                         f"{what} of group '{self.name}' (rank {self.rank} of {self.size}) did not complete on "
