@@ -1,5 +1,6 @@
 # make test  : create .venv, install MPI + the engine, run the whole suite (what .ci/run calls)
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
+# make torch-suite : torch's own distributed test suite on the engine and on Gloo (about an hour)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NRANKS ?= 2
@@ -7,7 +8,7 @@ NRANKS ?= 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test demo ddp clean
+.PHONY: setup test demo ddp torch-suite clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements-dev.txt pyproject.toml setup.py $(wildcard pyx/*)
@@ -24,6 +25,12 @@ demo: setup
 
 ddp: setup
 	$(VENV)/bin/mpiexec -n $(NRANKS) $(PY) examples/ddp_train.py
+
+# torch's own distributed test suite through its spawn harness, on the engine then on Gloo (the
+# reference); WORLD_SIZE=3 as torch's CI. About an hour on 2 cores; docs/torch-suite.md has the results.
+torch-suite: setup
+	BACKEND=engine WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
+	BACKEND=gloo WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 
 clean:
 	rm -rf build engine/*.so pyx/_core.c *.egg-info

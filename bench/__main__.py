@@ -1,7 +1,9 @@
-"""Microbenchmarks in nccl-tests' and OSU's conventions.
+"""Microbenchmarks in nccl-tests' and OSU's conventions. Installed with the engine as engine.bench
+(`python -m engine.bench`, or the `engine-bench` command); `python -m bench` in the checkout.
 
-    mpirun -n 2 python -m bench all_reduce -b 8 -e 64M -f 4 --backends engine,gloo,mpi4py -c 1 --json out.json
-    python -m bench plot out.json -o out.png
+    mpirun -n 2 python -m engine.bench all_reduce -b 1K -e 64M -f 4 --backends engine,gloo,mpi4py -c 1 --json out.json
+    torchrun --nproc-per-node 2 -m engine.bench all -b 1K -e 64M -f 4
+    python -m engine.bench plot out.json -o out.png
 """
 
 import argparse
@@ -26,17 +28,21 @@ def parse_args(argv):
     p.add_argument("-c", "--check", type=int, default=0, help="1: verify results at every size, count wrong elements")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated, from {', '.join(BACKENDS)}; the first is compared with the others "
-                        f"(default: engine,gloo,mpi4py on cpu, engine,nccl on cuda)")
+                        f"(default: engine,gloo,mpi4py under mpirun, engine,gloo under torchrun; engine,nccl on "
+                        f"cuda)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the tensors live: cuda compares the engine (NCCL) with torch's nccl backend")
-    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble", "nccl"),
-                   help="force the engine's allreduce algorithm (cpu: native, ring, rdouble; cuda: nccl, ring)")
+    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble", "oneshot", "twoshot", "nccl"),
+                   help="force the engine's allreduce algorithm (mpi: native, ring, rdouble; shm: oneshot, twoshot, "
+                        "ring, rdouble; cuda: nccl, ring): on the CPU for the direct engine backends whose transport has it")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (the median is reported)")
     p.add_argument("--budget", type=float, default=0.3,
                    help="seconds one measurement may take: fewer iterations for slow backends")
     args = p.parse_args(argv)
-    default = "engine,nccl" if args.device == "cuda" else "engine,gloo,mpi4py"
+    from engine.launcher import detect_launcher
+    default = "engine,nccl" if args.device == "cuda" else \
+        ("engine,gloo,mpi4py" if detect_launcher() else "engine,gloo")  # mpi4py needs an MPI launch
     args.backends = [b.strip() for b in (args.backends or default).split(",") if b.strip()]
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
@@ -69,12 +75,14 @@ def main(argv=None):
         print(plot(a.files, a.output, a.collective))
         return
     args = parse_args(argv)
-    from . import report, run  # imports torch and MPI only when a sweep runs
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("the benchmark needs torch: pip install 'engine[bench]' (torch 2.1 to 2.13 and matplotlib)")
+    from . import report, run  # imports torch (and MPI, under mpirun) only when a sweep runs
     collectives = [c for c in COLLECTIVES] if args.collective == "all" else [args.collective]
-    rows = run.sweep(args, collectives)
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        meta = run.metadata(args)
+    rows, meta = run.sweep(args, collectives)
+    if meta.get("rank", 0) == 0:
         report.print_report(rows, meta, sys.stdout)
         if args.json:
             report.write_json(args.json, rows, meta)

@@ -1,15 +1,21 @@
 """What each backend runs for one (collective, mode, count): a Case with run() (timed) and check()
 (fresh data, one run, wrong elements against a reference every rank computes itself).
 
-Backends: "engine" (torch.distributed on backend engine), "engine-direct" (engine.Communicator, no
-torch layer), "gloo" (torch.distributed on a Gloo group in the same job), "mpi4py" (raw mpi4py on
-numpy arrays), "nccl" (torch's nccl backend, CUDA machines only). None means "not applicable".
+Backends (None from case() means "not applicable"):
+- engine: torch.distributed on backend engine (the transport the group chose: shm on one host);
+- engine-direct: the same group's engine.Communicator, driven directly: the engine without torch;
+- engine-shm, engine-mpi: an engine.Communicator forced onto shared memory / MPI, driven directly;
+- gloo: torch.distributed on a Gloo group in the same job;
+- mpi4py: raw mpi4py on numpy views of torch tensors (MPI launches only);
+- nop: torch.distributed on a do-nothing Python process group: torch's own share of each call;
+- nccl: torch's nccl backend (CUDA machines only).
+Every buffer comes from torch's allocator (numpy gives its own large arrays huge pages; torch doesn't).
 """
 
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("engine", "engine-direct", "gloo", "mpi4py", "nccl")
+BACKENDS = ("engine", "engine-direct", "engine-shm", "engine-mpi", "gloo", "mpi4py", "nop", "nccl")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -142,14 +148,24 @@ class TorchDistBackend:
 
 
 class EngineDirectBackend:
-    """engine.Communicator driven directly on torch CPU tensors: the engine without the torch layer."""
+    """engine.Communicator driven directly on torch CPU tensors: the engine without the torch layer.
+    transport None: the default group's own communicator; 'shm' / 'mpi': a new one on that transport."""
 
-    name = "engine-direct"
-
-    def __init__(self, algorithm=None):
+    def __init__(self, name, transport=None, algorithm=None):
         import engine
-        self.comm = engine.world()
-        self.algorithm = algorithm
+        self.name = name
+        if transport is None:
+            self.comm = dist.distributed_c10d._get_default_group().communicator
+        elif transport == "mpi":
+            from engine.launcher import detect_launcher
+            if detect_launcher() is None:
+                raise SystemExit("backend engine-mpi needs an MPI launch (mpirun); drop it from --backends")
+            self.comm = engine.Communicator(transport="mpi", name="bench-mpi")
+        else:
+            default = dist.distributed_c10d._get_default_group().communicator
+            self.comm = default if default.transport == "shm" else engine.Communicator(transport="shm",
+                                                                                      name="bench-shm")
+        self.algorithm = algorithm if algorithm in self.comm.core.algorithms else None
 
     def case(self, p, mode):
         comm, c, op = self.comm, p.coll, p.op.replace("prod", "product")
@@ -187,14 +203,8 @@ class EngineDirectBackend:
             if inplace:
                 return None
 
-            def sendrecv():
-                if n == 1:
-                    out.copy_(inp)
-                    return
-                req = comm.irecv(out, (r - 1) % n, 0)
-                comm.send(inp, (r + 1) % n, 0)
-                req.wait()
-            return Case(sendrecv, reset, lambda: out, p.expected)
+            return Case(lambda: comm.sendrecv(inp, (r + 1) % n, out, (r - 1) % n, 0, 0), reset, lambda: out,
+                        p.expected)
         return None
 
 
@@ -204,7 +214,11 @@ class Mpi4pyBackend:
     name = "mpi4py"
 
     def __init__(self):
-        from mpi4py import MPI
+        from engine.launcher import detect_launcher
+        if detect_launcher() is None:
+            raise SystemExit("backend mpi4py needs an MPI launch (mpirun); drop it from --backends")
+        from engine import mpi
+        MPI = mpi.load()
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
 
@@ -263,7 +277,12 @@ def make_backends(names, algorithm=None, device="cpu"):
         if name == "engine":
             made.append(TorchDistBackend("engine", device=device))
         elif name == "engine-direct":
-            made.append(EngineDirectBackend(algorithm))
+            made.append(EngineDirectBackend(name, None, algorithm))
+        elif name in ("engine-shm", "engine-mpi"):
+            made.append(EngineDirectBackend(name, name.split("-")[1], algorithm))
+        elif name == "nop":
+            from .nop import nop_group
+            made.append(TorchDistBackend("nop", nop_group()))
         elif name == "gloo":
             made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo"), device=device))
         elif name == "mpi4py":

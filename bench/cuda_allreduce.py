@@ -42,10 +42,10 @@ def main(argv=None):
     torch.cuda.set_device(dev)
     stream = torch.cuda.current_stream(dev)
     pg = dist.distributed_c10d._get_default_group()
-    from torchbridge.cuda_group import CudaCollectives
+    from torchbridge.devices import StagedDevice
     runners = {}
     if "nccl" in methods or "ring" in methods:
-        cc = pg._cuda_side()._comm(dev.index)
+        cc = pg._cuda_device(dev.index).cc
         for algo in ("nccl", "ring"):
             if algo in methods:
                 runners[algo] = lambda t, a=algo: cc.allreduce(t, "sum", stream=stream.cuda_stream, algorithm=a)
@@ -53,9 +53,8 @@ def main(argv=None):
         group = dist.new_group(backend="nccl")
         runners["torch-nccl"] = lambda t: dist.all_reduce(t, group=group)
     if "staged" in methods:
-        from mpi4py import MPI
-        staged = CudaCollectives(pg, MPI.COMM_WORLD, None, "bench-staged", 600, transport="staged")
-        runners["staged"] = lambda t: staged.call("allreduce", ([t],))
+        staged = StagedDevice(pg._cpu)
+        runners["staged"] = lambda t: staged.launch("allreduce", staged.comm.allreduce, t, None, "sum", 3, [t], None)
 
     if rank == 0:
         print(f"# allreduce float32 SUM, {size} rank(s), {torch.cuda.get_device_name(dev)}, us per call "

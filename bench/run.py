@@ -1,6 +1,7 @@
 """The sweep: for each size, rounds of every backend interleaved (machine noise hits all alike), each
 timed as nccl-tests does (mean time per iteration on each rank, averaged over ranks); the median over
-rounds is reported. Every rank runs the same iteration counts (agreed through MPI)."""
+rounds is reported. Every rank runs the same iteration counts (agreed through a Gloo control group, so
+the sweep runs under mpirun and under torchrun alike)."""
 
 import os
 import platform
@@ -11,7 +12,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from .backends import DTYPES, Problem, make_backends
 from .busbw import REDUCING, ROOTED, bandwidths, bytes_moved, per_rank_count, size_sweep
@@ -35,38 +35,58 @@ def timed(run, iters, sync=None):
     return (time.perf_counter() - t0) / iters
 
 
-def agreed(value, op):
-    return MPI.COMM_WORLD.allreduce(value, op=op)
+_CONTROL = []
+
+
+def control():
+    """A Gloo group for the sweep's own agreements, apart from every group it measures."""
+    if not _CONTROL:
+        _CONTROL.append(dist.new_group(backend="gloo"))
+    return _CONTROL[0]
+
+
+def agreed(value, op="sum"):
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=control())
+    return t.item()
 
 
 def measure(case, iters, warmup, budget, sync=None):
     """Mean seconds per call, averaged over ranks; iterations capped so one measurement takes about
     `budget` seconds (the cap is agreed across ranks)."""
     timed(case.run, max(1, warmup), sync)
-    estimate = agreed(timed(case.run, 1, sync), MPI.MAX)
+    estimate = agreed(timed(case.run, 1, sync), "max")
     n = max(3, min(iters, int(budget / max(estimate, 1e-9))))
-    MPI.COMM_WORLD.Barrier()
-    return agreed(timed(case.run, n, sync), MPI.SUM) / MPI.COMM_WORLD.Get_size()
+    dist.barrier()  # the engine's own barrier: the ranks start within microseconds (Gloo's leaves ~1 ms of skew)
+    return agreed(timed(case.run, n, sync)) / dist.get_world_size()
 
 
-def metadata(args):
+def metadata(args, world_size):
     import engine
+    from engine.launcher import detect_launcher
+    mpi_library = mpi4py_version = None
+    if "mpi4py.MPI" in sys.modules:
+        MPI = sys.modules["mpi4py.MPI"]
+        mpi_library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+        mpi4py_version = sys.modules["mpi4py"].__version__
+    launcher = detect_launcher()
     return {
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench"] + sys.argv[1:]),
-        "world_size": MPI.COMM_WORLD.Get_size(), "host": socket.gethostname(), "cores": os.cpu_count(),
-        "python": platform.python_version(), "torch": torch.__version__, "mpi4py": __import__("mpi4py").__version__,
-        "numpy": __import__("numpy").__version__, "engine": getattr(engine, "__version__", "0.1.0"),
-        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "world_size": world_size, "host": socket.gethostname(), "cores": os.cpu_count(),
+        "launcher": launcher[0] if launcher else ("torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "other"),
+        "python": platform.python_version(), "torch": torch.__version__, "mpi4py": mpi4py_version,
+        "numpy": __import__("numpy").__version__, "engine": getattr(engine, "__version__", "?"),
+        "mpi_library": mpi_library, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "dtype": args.dtype, "op": args.op, "root": args.root, "rounds": args.rounds, "algorithm": args.algo,
         "backends": args.backends,
-        "oversubscribed": MPI.COMM_WORLD.Get_size() > (os.cpu_count() or 1),
+        "oversubscribed": world_size > (os.cpu_count() or 1),
     }
 
 
 def sweep(args, collectives):
-    if args.algo:
-        os.environ["ENGINE_CUDA_ALLREDUCE_ALGO" if args.device == "cuda" else "ENGINE_ALLREDUCE_ALGO"] = args.algo
+    if args.algo and args.device == "cuda":
+        os.environ["ENGINE_CUDA_ALLREDUCE_ALGO"] = args.algo  # on the CPU the direct backends take it per call
     dist.init_process_group(backend="engine")
     rank, size = dist.get_rank(), dist.get_world_size()
     backends = make_backends(args.backends, args.algo, args.device)
@@ -101,7 +121,7 @@ def sweep(args, collectives):
                 samples[key].append(measure(case, iters, warmup, args.budget, sync))
         moved = bytes_moved(coll, count, itemsize, size)
         for (name, mode), case in cases.items():
-            wrong = agreed(case.check(), MPI.SUM) if args.check else -1
+            wrong = int(agreed(case.check())) if args.check else -1
             t = statistics.median(samples[(name, mode)])
             algbw, busbw = bandwidths(coll, moved, t, size)
             rows.append({"backend": name, "collective": coll, "mode": mode, "size": moved, "count": count,
@@ -110,5 +130,6 @@ def sweep(args, collectives):
                          "samples_us": [s * 1e6 for s in samples[(name, mode)]]})
         bar.step(f"{coll} {nbytes}")
     bar.close()
+    meta = dict(metadata(args, size), rank=rank)
     dist.destroy_process_group()
-    return rows
+    return rows, meta

@@ -1,51 +1,53 @@
-"""Which allreduce algorithm runs: an ordered registry of (name, predicate); the first match wins.
+"""Which allreduce algorithm runs: an ordered registry of rules; the first that matches wins.
 
-ENGINE_ALLREDUCE_ALGO forces one (native | ring | rdouble); `auto` (the default) walks the rules.
+Rules are data, (algorithm, smallest bytes, largest bytes, fewest ranks, most ranks), handed to the
+compiled core, which walks them on every call without Python. Each transport has its algorithms:
+
+- mpi: native (MPI_Allreduce), ring (the engine's ring over MPI point-to-point), rdouble (recursive
+  doubling);
+- shm: oneshot (every rank reduces every rank's slot), twoshot (reduce-scatter + allgather through
+  the segment), and ring / rdouble over the segment's point-to-point queues.
+
+ENGINE_ALLREDUCE_ALGO forces one (for the group's transport); `auto` (the default) uses the rules.
+Thresholds were chosen by measurement on this project's machines (docs/tuning.md) and can be
+overridden: ENGINE_RDOUBLE_MAX_BYTES, ENGINE_RING_MIN_BYTES (mpi); ENGINE_SHM_ONESHOT_MAX_BYTES (shm).
 CUDA tensors have their own registry of the same form (CudaAllreduceSelector): NCCL's allreduce or the
 engine's ring over NCCL send/recv, forced with ENGINE_CUDA_ALLREDUCE_ALGO (nccl | ring).
-Thresholds were chosen by measurement on 2-4 ranks (see BENCHMARKS.md) and can be overridden:
-ENGINE_RDOUBLE_MAX_BYTES (largest message for recursive doubling) and ENGINE_RING_MIN_BYTES
-(smallest message for the ring; between the two the native MPI collective runs).
 """
 
 from .config import env_choice, env_int
 
-ALGORITHMS = ("native", "ring", "rdouble")
+ALGORITHMS = {"mpi": ("native", "ring", "rdouble"), "shm": ("oneshot", "twoshot", "ring", "rdouble")}
 CUDA_ALGORITHMS = ("nccl", "ring")
-INT_MAX = 2**31 - 1
+EVERY = 1 << 62
 
 
 class AllreduceSelector:
-    """Picks an algorithm per call from (message bytes, element count, group size)."""
+    """The allreduce rules of one transport, given to a core (engine._core.CoreComm.set_rules)."""
 
-    def __init__(self):
-        self.forced = env_choice("ENGINE_ALLREDUCE_ALGO", ALGORITHMS + ("auto",), "auto")
-        self.rdouble_max = env_int("ENGINE_RDOUBLE_MAX_BYTES", 16 << 10)
-        self.ring_min = env_int("ENGINE_RING_MIN_BYTES", 32 << 10)
-        # Ordered rules; the first whose predicate holds names the algorithm.
-        self.rules = (
-            ("native", lambda nbytes, count, size: size == 1),
-            ("ring", lambda nbytes, count, size: count > INT_MAX),  # MPI's int counts can't hold it
-            ("rdouble", lambda nbytes, count, size: nbytes <= self.rdouble_max),
-            ("ring", lambda nbytes, count, size: nbytes >= self.ring_min),
-            ("native", lambda nbytes, count, size: True),
-        )
+    def __init__(self, transport="mpi"):
+        self.transport = transport
+        known = sorted({a for names in ALGORITHMS.values() for a in names})
+        self.forced = env_choice("ENGINE_ALLREDUCE_ALGO", tuple(known) + ("auto",), "auto")
+        if self.forced != "auto" and self.forced not in ALGORITHMS[transport]:
+            raise ValueError(f"ENGINE_ALLREDUCE_ALGO={self.forced} does not exist on the {transport} transport; "
+                             f"it runs {', '.join(ALGORITHMS[transport])}")
+        if transport == "mpi":
+            rdouble_max = env_int("ENGINE_RDOUBLE_MAX_BYTES", 16 << 10)
+            ring_min = env_int("ENGINE_RING_MIN_BYTES", 32 << 10)
+            self.rules = [("native", 0, EVERY, 1, 1),          # a group of one: nothing to exchange
+                          ("rdouble", 0, rdouble_max, 2, EVERY),
+                          ("ring", ring_min, EVERY, 2, EVERY)]
+            self.default = "native"
+        else:
+            self.rules = [("oneshot", 0, env_int("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10), 1, EVERY)]
+            self.default = "twoshot"
 
-        self._memo = {}  # (nbytes, count, size) -> name: the rules run once per message size
-
-    def choose(self, nbytes, count, size, requested=None):
-        name = requested or self.forced
-        if name == "auto":
-            key = (nbytes, count, size)
-            name = self._memo.get(key)
-            if name is None:
-                if len(self._memo) > 4096:
-                    self._memo.clear()
-                name = self._memo[key] = next(n for n, applies in self.rules if applies(nbytes, count, size))
-            return name
-        if name not in ALGORITHMS:
-            raise ValueError(f"unknown allreduce algorithm {name!r}; expected one of {', '.join(ALGORITHMS)} or 'auto'")
-        return name
+    def configure(self, core):
+        if self.forced != "auto":
+            core.set_rules([], self.forced)
+        else:
+            core.set_rules(self.rules, self.default)
 
 
 class CudaAllreduceSelector:

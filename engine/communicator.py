@@ -1,27 +1,31 @@
-"""Communicator: collectives and point-to-point on any CPU buffer, over one MPI group.
+"""Communicator: collectives and point-to-point on any CPU buffer, over one group of ranks.
 
 Buffers are numpy arrays, torch CPU tensors, bytearrays or DLPack objects, read without copies.
-Output arguments are written in place; a missing recvbuf means "in place on sendbuf" where MPI
-allows it. All MPI calls and kernels run without the GIL. Every operation is numbered and recorded
-by the communicator's Watch (engine/watch.py): timeouts, stall warnings, flight recorder, trace;
-with ENGINE_DEBUG=1 each collective's signature is compared across ranks before it runs.
+Output arguments are written in place; a missing recvbuf means "in place on sendbuf" where that is
+allowed. Every transfer and kernel runs without the GIL.
+
+The transport is chosen per group (ENGINE_TRANSPORT=auto|shm|mpi): ranks that all share one host
+talk through one shared-memory segment (engine._core.ShmComm); otherwise MPI carries the data
+(engine._mpi.MpiComm). Either way the same compiled core parses buffers, checks arguments and
+records every operation for the group's Watch (engine/watch.py): timeouts, stall warnings, flight
+recorder, trace. With ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
 """
 
 import os
 
 import numpy as np
-from mpi4py import MPI
 
 from . import _core
 from .algorithms import AllreduceSelector
+from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity,
+                        make_segment)
 from .config import env_int
 from .ops import ReduceOp, op_code
 from .watch import Watch
 
 ANY_SOURCE = -1
 ANY_TAG = -1
-_OP_IDS = {name: i for i, name in enumerate(
-    ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall", "barrier"))}
+_OP_IDS = {name: i for i, name in enumerate(_core.OP_KIND_NAMES)}
 _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 
 
@@ -31,47 +35,146 @@ def debug_enabled():
 
 
 class Communicator:
-    """A group of ranks. Wraps a Dup of `comm` (MPI.COMM_WORLD by default): the engine's traffic never
-    mixes with the caller's. Three private communicators keep native collectives, the engine's own
-    algorithms and user point-to-point apart, so a user's ANY_TAG receive never sees ring messages.
+    """A group of ranks.
 
-    timeout: seconds an operation may take (default ENGINE_TIMEOUT, else 1800). store: a key-value
-    store shared by the ranks (torch's Store API: set/check), used to name the ranks that did not
-    arrive when an operation times out. name: the group's name in messages and traces.
+    Communicator(comm=None): over an mpi4py communicator (a Dup of MPI.COMM_WORLD by default; the
+    engine's traffic never mixes with the caller's). Communicator.from_store(store, rank, size): over
+    torch's store, without MPI (ranks on one host). transport: 'auto' (default: ENGINE_TRANSPORT),
+    'shm' or 'mpi'. timeout: seconds an operation may take (default ENGINE_TIMEOUT, else 1800).
+    store: a key-value store shared by the ranks (torch's Store API), used to name the ranks that did
+    not arrive when an operation times out. name: the group's name in messages and traces.
     """
 
-    def __init__(self, comm=None, *, ring_segment_bytes=None, timeout=None, store=None, name="world",
-                 _owned=None):
-        base = comm if comm is not None else MPI.COMM_WORLD
-        self._comms = [base.Dup() if _owned is None else _owned, base.Dup(), base.Dup()]
-        for c in self._comms:
-            c.Set_errhandler(MPI.ERRORS_RETURN)
-        seg = ring_segment_bytes or env_int("ENGINE_RING_SEGMENT_BYTES", 512 << 10)
-        self._core = _core.CoreComm(*self._comms, seg)
-        chunk = env_int("ENGINE_MPI_CHUNK_ELEMENTS", 0)
-        if chunk:
-            self._core.set_chunk(chunk)
-        self._selector = AllreduceSelector()
+    def __init__(self, comm=None, *, transport=None, ring_segment_bytes=None, timeout=None, store=None,
+                 name="world", _owned=None, _boot=None):
+        self._mpi_comms = []
+        self._store_prefix = None
+        if _boot is None:
+            from . import mpi
+            MPI = mpi.load()
+            base = comm if comm is not None else MPI.COMM_WORLD
+            _boot = MpiBootstrap(base)
+            if _owned is not None:
+                self._mpi_comms.append(_owned)
+        seg_bytes = ring_segment_bytes or env_int("ENGINE_RING_SEGMENT_BYTES", 512 << 10)
+        everyone = _boot.allgather(host_identity()) if _boot.size > 1 else [host_identity()]
+        self.transport = choose_transport(transport, [h for h, _, _ in everyone])
+        if self.transport == "shm":
+            seg = make_segment(_boot, everyone)
+            self._core = _core.ShmComm(seg, seg_bytes, env_int("ENGINE_SHM_CHUNK_BYTES", 512 << 10),
+                                       env_int("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10))
+            if isinstance(_boot, MpiBootstrap) and not self._mpi_comms:
+                self._mpi_comms.append(_boot.comm.Dup())  # for subgroup() and mpi_comm
+        else:
+            if not isinstance(_boot, MpiBootstrap):
+                raise RuntimeError("the MPI transport needs an MPI launch (mpirun); this group was made "
+                                   "without one")
+            from . import mpi
+            MPI = mpi.load()
+            base = _boot.comm
+            comms = [base.Dup() if _owned is None else _owned, base.Dup(), base.Dup()]
+            self._mpi_comms = comms
+            for c in comms:
+                c.Set_errhandler(MPI.ERRORS_RETURN)
+            self._core = mpi.core().MpiComm(*comms, seg_bytes)
+            chunk = env_int("ENGINE_MPI_CHUNK_ELEMENTS", 0)
+            if chunk:
+                self._core.set_chunk(chunk)
+        self._selector = AllreduceSelector(self.transport)
+        self._selector.configure(self._core)
+        _polite_waits(self._core, self.transport, everyone, _boot.rank)
         self.rank = self._core.rank
         self.size = self._core.size
         self.name = name
-        self.watch = Watch(name, self.rank, self.size, timeout, store)
-        self._core.set_watch(self.watch, self.watch.interval)
+        self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
+        self._hier = self._hierarchy(_boot, [h for h, _, _ in everyone], seg_bytes, timeout)
+        core = self._core
+        if not self._debug and self._hier is None:
+            # The compiled core's methods, bound straight onto the instance: no Python frame per call.
+            self.allreduce, self.broadcast, self.reduce = core.allreduce, core.broadcast, core.reduce
+            self.allgather, self.gather, self.scatter = core.allgather, core.gather, core.scatter
+            self.reduce_scatter, self.alltoall, self.barrier = core.reduce_scatter, core.alltoall, core.barrier
+        # Point-to-point is never numbered or compared: always the core's methods.
+        self.send, self.recv, self.isend, self.irecv = core.send, core.recv, core.isend, core.irecv
+        self.sendrecv = core.sendrecv
+
+    def _hierarchy(self, boot, hosts, seg_bytes, timeout):
+        """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
+        engine.hierarchy (shared memory inside each host, MPI between them). ENGINE_HIER=off keeps
+        the group flat."""
+        from .config import env_choice
+        from .hierarchy import Hierarchy, topology
+        self._hier_mode = env_choice("ENGINE_HIER", ("auto", "slice", "leader", "off"), "auto")
+        if self.transport != "mpi" or len(set(hosts)) < 2 or self._hier_mode == "off":
+            return None
+        host_of, local_of, per_host = topology(hosts)
+        if not per_host or per_host < 2:
+            return None
+        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", 16 << 10),
+                          "broadcast": env_int("ENGINE_HIER_BROADCAST_MIN_BYTES", 16 << 10),
+                          "allgather": env_int("ENGINE_HIER_ALLGATHER_MIN_BYTES", 16 << 10),
+                          "reduce_scatter": env_int("ENGINE_HIER_REDUCE_SCATTER_MIN_BYTES", 16 << 10)}
+        base, me = boot.comm, self.rank
+        kwargs = dict(ring_segment_bytes=seg_bytes, timeout=timeout)
+        local = Communicator(base.Split(host_of[me], local_of[me]), transport="shm", name=f"{self.name}/host", **kwargs)
+        cross = Communicator(base.Split(local_of[me], host_of[me]), transport="mpi", name=f"{self.name}/cross",
+                             **kwargs)
+        from . import mpi
+        lead = base.Split(0 if local_of[me] == 0 else mpi.load().UNDEFINED, host_of[me])
+        leaders = Communicator(lead, transport="mpi", name=f"{self.name}/leaders", **kwargs) if local_of[me] == 0 \
+            else None
+        return Hierarchy(local, cross, host_of, local_of, leaders)
+
+    def _hier_for(self, op, buf, algorithm=None):
+        """(engine.hierarchy method, recorded algorithm name) when `op` of buf goes hierarchical, else None."""
+        if self._hier is None or algorithm not in (None, "auto", "hier", "leader"):
+            return None
+        count, itemsize, dtype = _core.message_shape(buf)
+        if algorithm is None or algorithm == "auto":
+            if count * itemsize < self._hier_min[op]:
+                return None
+            algorithm = "leader" if self._hier_mode == "leader" and op == "allreduce" else "hier"
+        fn = self._hier.allreduce_leader if algorithm == "leader" else getattr(self._hier, op)
+        return fn, algorithm, count, dtype
+
+    @classmethod
+    def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
+                   ring_segment_bytes=None):
+        """A group bootstrapped through a key-value store (torch's Store API) instead of MPI: the
+        ranks must share one host (shared memory carries the data; MPI is never imported)."""
+        if transport not in (None, "auto", "shm"):
+            raise ValueError(f"a group made through a store runs on shared memory; transport {transport!r} "
+                             "needs an MPI launch (mpirun)")
+        boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix)
+        self = cls(transport="shm", timeout=timeout, store=store, name=name, ring_segment_bytes=ring_segment_bytes,
+                   _boot=boot)
+        self._store_prefix = prefix
+        return self
+
+    @classmethod
+    def single(cls, *, name="world", timeout=None):
+        """A group of one rank, without MPI (plain `python script.py`)."""
+        return cls(transport="shm", timeout=timeout, name=name, _boot=SelfBootstrap())
 
     @property
     def mpi_comm(self):
-        """The MPI communicator of the native collectives (a Dup of the one given)."""
-        return self._comms[0]
+        """An MPI communicator of the group's ranks (None when the group was made without MPI)."""
+        return self._mpi_comms[0] if self._mpi_comms else None
+
+    @property
+    def core(self):
+        """The compiled core (engine._core.ShmComm or engine._mpi.MpiComm)."""
+        return self._core
 
     def __repr__(self):
-        return f"<engine.Communicator {self.name!r} rank {self.rank} of {self.size}>"
+        return f"<engine.Communicator {self.name!r} rank {self.rank} of {self.size} over {self.transport}>"
 
     # -- groups --
 
-    def subgroup(self, ranks, *, name=None, store=None):
+    def subgroup(self, ranks, *, name=None, store=None, transport=None):
         """A Communicator over `ranks` (ranks of this group, in the new group's order). Collective over
-        the members only (MPI_Comm_create_group): ranks outside must not call it."""
+        the members only: ranks outside must not call it."""
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"subgroup ranks must be a non-empty list without duplicates, got {ranks}")
@@ -80,54 +183,128 @@ class Communicator:
             raise ValueError(f"subgroup ranks {bad} are out of range for a group of size {self.size}")
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in subgroup {ranks}; only members call subgroup()")
-        coll = self._comms[0]
+        name = name or f"{self.name}/{'-'.join(map(str, ranks))}"
+        kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, timeout=self.watch.timeout, name=name)
+        if self.mpi_comm is None:   # made through a store: the members meet under a key of their own
+            return Communicator.from_store(self.watch.store, ranks.index(self.rank), len(ranks),
+                                           prefix=f"{self._store_prefix}/sub/{name}", **kwargs)
+        coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:
             sub = coll.Create_group(group, tag=0)
         finally:
             group.Free()
-        return Communicator(sub, ring_segment_bytes=self._core.ring_segment_bytes, timeout=self.watch.timeout,
-                            store=store, name=name or f"{self.name}/{'-'.join(map(str, ranks))}", _owned=sub)
+        return Communicator(sub, transport=transport, store=store, _owned=sub, **kwargs)
 
     def free(self):
-        """Releases the MPI communicators; the object is unusable afterwards."""
+        """Releases the group's resources; the object is unusable afterwards."""
+        if getattr(self, "_hier", None) is not None:
+            self._hier.free()
+            self._hier = None
+        from_mpi = self._mpi_comms
         self._core = None
-        for c in self._comms:
-            if c != MPI.COMM_NULL:
-                c.Free()
-        self._comms = []
+        for name in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
+                     "alltoall", "barrier", "send", "recv", "isend", "irecv", "sendrecv"):
+            self.__dict__.pop(name, None)
+        if from_mpi:
+            from . import mpi
+            MPI = mpi.load()
+            for c in from_mpi:
+                if c != MPI.COMM_NULL:
+                    c.Free()
+        self._mpi_comms = []
 
-    # -- bracketing --
+    # -- collectives (debug mode compares signatures first; otherwise the core's methods are bound
+    #    onto the instance in __init__ and these are not called) --
 
-    def _run(self, op, buf, native, fn, *args, algorithm=None, root=-1, redop=-1, info=None):
-        if info is None:
-            info = _core.message_shape(buf) if buf is not None else (0, 0, None)
-        if self._debug:
-            self._check_signature(op, buf, info, root, redop)
-        rec = self.watch.begin(op, info[0], info[2], algorithm, native)
-        try:
-            fn(*args)
-        except BaseException as exc:
-            self.watch.end(rec, exc)
-            raise
-        self.watch.end(rec)
+    def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, *, algorithm=None):
+        """recvbuf = op(sendbuf of all ranks); in place on sendbuf when recvbuf is None.
 
-    def _check_signature(self, op, buf, info, root, redop):
+        algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), or one of this transport's
+        algorithms: 'native', 'ring', 'rdouble' (MPI); 'oneshot', 'twoshot', 'ring', 'rdouble' (shm)."""
+        self._check_signature("allreduce", sendbuf, redop=op_code(op))
+        hier = self._hier_for("allreduce", sendbuf, algorithm)
+        if hier is not None:
+            fn, name, count, dtype = hier
+            return self._core.recorded("allreduce", count, dtype, name, fn, sendbuf, recvbuf, op_code(op))
+        return self._core.allreduce(sendbuf, recvbuf, op, algorithm)
+
+    def broadcast(self, buf, root=0):
+        self._check_signature("broadcast", buf, root=root)
+        hier = self._hier_for("broadcast", buf)
+        if hier is not None:
+            fn, name, count, dtype = hier
+            return self._core.recorded("broadcast", count, dtype, name, fn, buf, root)
+        return self._core.broadcast(buf, root)
+
+    def reduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, root=0):
+        """On root: recvbuf (or sendbuf, in place) = op(sendbuf of all ranks)."""
+        self._check_signature("reduce", sendbuf, root=root, redop=op_code(op))
+        return self._core.reduce(sendbuf, recvbuf, op, root)
+
+    def allgather(self, sendbuf, recvbuf, counts=None):
+        """recvbuf = concat(sendbuf of ranks 0..n-1); counts: elements per rank when they differ."""
+        self._check_signature("allgather", sendbuf)
+        hier = self._hier_for("allgather", sendbuf) if counts is None else None
+        if hier is not None:
+            fn, name, count, dtype = hier
+            return self._core.recorded("allgather", count, dtype, name, fn, sendbuf, recvbuf)
+        return self._core.allgather(sendbuf, recvbuf, counts)
+
+    def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
+        self._check_signature("gather", sendbuf, root=root)
+        return self._core.gather(sendbuf, recvbuf, root, counts)
+
+    def scatter(self, sendbuf, recvbuf, root=0, counts=None):
+        self._check_signature("scatter", recvbuf, root=root)
+        return self._core.scatter(sendbuf, recvbuf, root, counts)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
+        """recvbuf = this rank's block of op(sendbuf of all ranks); counts: block sizes when uneven."""
+        self._check_signature("reduce_scatter", sendbuf, redop=op_code(op))
+        hier = self._hier_for("reduce_scatter", sendbuf) if counts is None else None
+        if hier is not None:
+            fn, name, count, dtype = hier
+            return self._core.recorded("reduce_scatter", count, dtype, name, fn, sendbuf, recvbuf, op_code(op))
+        return self._core.reduce_scatter(sendbuf, recvbuf, op, counts)
+
+    def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
+        self._check_signature("alltoall", sendbuf)
+        return self._core.alltoall(sendbuf, recvbuf, send_counts, recv_counts)
+
+    def barrier(self):
+        self._check_signature("barrier", None)
+        self._core.barrier()
+
+    def algorithm_for(self, nbytes, count=None):
+        """The allreduce algorithm the rules pick for a message of nbytes (for benchmarks and tests)."""
+        if self._hier is not None and nbytes >= self._hier_min["allreduce"]:
+            return "leader" if self._hier_mode == "leader" else "hier"
+        return self._core.algorithm_for(nbytes)
+
+    def allreduce_parts(self, parts, op=ReduceOp.SUM, wire=None, before=1.0, after=1.0):
+        """Fused allreduce of same-dtype parts, packed straight into the shared segment (shm only)."""
+        return self._core.allreduce_parts(parts, op, wire, before, after)
+
+    @property
+    def packs_in_segment(self):
+        """Whether fused allreduces pack straight into the transport's memory (shared memory)."""
+        return hasattr(self._core, "allreduce_parts")
+
+    def _check_signature(self, op, buf, root=-1, redop=-1):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op."""
+        if not self._debug:
+            return
+        info = _core.message_shape(buf) if buf is not None else (0, 0, None)
         shape = tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
         sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root, redop if isinstance(redop, int) else 100,
-                   self.watch.seq + 1, len(shape))
+                   self._core.seq + 1, len(shape))
         sig[7:7 + len(shape)] = shape
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
-        rec = self.watch.begin(f"{op} signature check", _SIG_LEN, "int64", None, False, numbered=False)
-        try:
+        with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             self._core.allgather_watched(sig, everyone)
-        except BaseException as exc:
-            self.watch.end(rec, exc)
-            raise
-        self.watch.end(rec)
         rows = everyone.reshape(self.size, _SIG_LEN)
         if (rows == rows[0]).all():
             return
@@ -147,78 +324,41 @@ class Communicator:
         detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}" for d, rs in groups.items())
         raise self.watch.mismatch(f"collective mismatch in group {self.name!r}: {detail}")
 
-    # -- collectives --
-
-    def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, *, algorithm=None):
-        """recvbuf = op(sendbuf of all ranks); in place on sendbuf when recvbuf is None.
-
-        algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), 'auto', 'native', 'ring', 'rdouble'.
-        """
-        info = _core.message_shape(sendbuf)
-        name = self._selector.choose(info[0] * info[1], info[0], self.size, algorithm)
-        code = op_code(op)
-        self._run("allreduce", sendbuf, name == "native", self._core.allreduce, sendbuf, recvbuf, code,
-                  _core.ALGORITHM_CODES[name], algorithm=name, redop=code, info=info)
-        return recvbuf if recvbuf is not None else sendbuf
-
-    def algorithm_for(self, nbytes, count=None):
-        """The allreduce algorithm the rules pick for a message of nbytes (for benchmarks and tests)."""
-        return self._selector.choose(nbytes, nbytes if count is None else count, self.size)
-
-    def broadcast(self, buf, root=0):
-        self._run("broadcast", buf, True, self._core.broadcast, buf, root, root=root)
-        return buf
-
-    def reduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, root=0):
-        """On root: recvbuf (or sendbuf, in place) = op(sendbuf of all ranks)."""
-        code = op_code(op)
-        self._run("reduce", sendbuf, True, self._core.reduce, sendbuf, recvbuf, code, root, root=root, redop=code)
-        return recvbuf if recvbuf is not None else sendbuf
-
-    def allgather(self, sendbuf, recvbuf, counts=None):
-        """recvbuf = concat(sendbuf of ranks 0..n-1); counts: elements per rank when they differ."""
-        self._run("allgather", sendbuf, True, self._core.allgather, sendbuf, recvbuf, counts)
-        return recvbuf
-
-    def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
-        self._run("gather", sendbuf, True, self._core.gather, sendbuf, recvbuf, root, counts, root=root)
-        return recvbuf
-
-    def scatter(self, sendbuf, recvbuf, root=0, counts=None):
-        self._run("scatter", recvbuf, True, self._core.scatter, sendbuf, recvbuf, root, counts, root=root)
-        return recvbuf
-
-    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
-        """recvbuf = this rank's block of op(sendbuf of all ranks); counts: block sizes when uneven."""
-        code = op_code(op)
-        self._run("reduce_scatter", sendbuf, True, self._core.reduce_scatter, sendbuf, recvbuf, code, counts,
-                  redop=code)
-        return recvbuf
-
-    def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
-        self._run("alltoall", sendbuf, True, self._core.alltoall, sendbuf, recvbuf, send_counts, recv_counts)
-        return recvbuf
-
-    def barrier(self):
-        self._run("barrier", None, True, self._core.barrier)
-
-    # -- point to point (not numbered: they need not match across all ranks) --
+    # -- point to point (not numbered: they need not match across all ranks; bound to the core's
+    #    methods in __init__, these document them) --
 
     def send(self, buf, dest, tag=0):
-        self._core.send(buf, dest, tag, self.watch.peer_hook("send", dest, tag))
+        self._core.send(buf, dest, tag)
 
     def recv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
         """Returns (source, tag, count) of the message received; source/tag None or -1 mean any."""
-        return self._core.recv(buf, _any(source), _any(tag), self.watch.peer_hook("recv", source, tag))
+        return self._core.recv(buf, source, tag)
 
     def isend(self, buf, dest, tag=0):
         """Returns a Request: .wait(), .test()."""
-        return self._core.isend(buf, dest, tag, self.watch.peer_hook("isend", dest, tag))
+        return self._core.isend(buf, dest, tag)
 
     def irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
         """Returns a Request whose .wait() gives (source, tag, count)."""
-        return self._core.irecv(buf, _any(source), _any(tag), self.watch.peer_hook("irecv", source, tag))
+        return self._core.irecv(buf, source, tag)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source=ANY_SOURCE, sendtag=0, recvtag=ANY_TAG):
+        """Sends to dest and receives from source at once (MPI_Sendrecv); returns (source, tag, count)."""
+        return self._core.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
 
 
-def _any(x):
-    return -1 if x is None else x
+def _polite_waits(core, transport, everyone, rank):
+    """A group's waits spin (the lowest latency) only where that costs no peer its core. Over shared
+    memory, with more ranks on this host than the cores they may use between them, spinning would take
+    the core a peer needs: waits yield at once. Over MPI (TCP between hosts), from as many ranks as
+    cores: the kernel's network processing needs a core too (measured: 4 ms per message otherwise).
+    ENGINE_SPIN_US sets the budget for every group instead."""
+    spin = os.environ.get("ENGINE_SPIN_US")
+    if spin:
+        core.set_spin(float(spin))
+        return
+    host = everyone[rank][0]
+    local = [cores for h, _, cores in everyone if h == host]
+    cores = len(set().union(*local))
+    if len(local) > cores or (transport == "mpi" and len(local) >= cores):
+        core.set_spin(0)

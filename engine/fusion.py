@@ -4,7 +4,9 @@ plan_buckets() is pure planning (which tensors share a bucket); FusedAllreduce o
 (allocated once per dtype and grown, never per call) and moves data: pack (one GIL-free kernel call per
 bucket, with the dtype cast of compression and the AVG/PREMUL scale fused in), one allreduce per bucket,
 unpack. With several buckets a helper thread packs bucket k+1 and unpacks bucket k-1 while bucket k is
-being reduced.
+being reduced. Over shared memory the copy the transport needs anyway is the pack: each bucket is
+packed straight into the segment and unpacked straight out of it (Communicator.allreduce_parts), so a
+bucket costs two copies instead of four and needs no flat buffer.
 """
 
 import threading
@@ -112,6 +114,13 @@ class FusedAllreduce:
         specs = [_spec(t) for t in tensors]
         buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
         if not buckets:
+            return tensors
+        if getattr(self.comm, "packs_in_segment", False):
+            reduce_code = ReduceOp.SUM if code == ReduceOp.AVG else code
+            for bucket in buckets:
+                wire = wire_dtype(bucket.dtype, compression)
+                before, after = bucket_scales(code, wire, bucket.dtype, self.comm.size, prescale)
+                self.comm.allreduce_parts([tensors[i] for i in bucket.indices], reduce_code, wire, before, after)
             return tensors
         with self._lock:  # the flat buffers are shared by the calls of this object
             if len(buckets) == 1:  # nothing to pipeline: no helper thread

@@ -1,17 +1,18 @@
-"""Never hang silently. Each communicator has a Watch: operation sequence numbers, a flight recorder
-of the last operations, stall warnings, timeouts that name the ranks that did not arrive, and an
-optional Chrome-trace timeline.
+"""Never hang silently. Each communicator has a Watch: the policy around the flight recorder that its
+compiled core keeps (a preallocated C ring of the last operations, written without Python on every
+call): stall warnings, timeouts that name the ranks that did not arrive, dumps, and an optional
+Chrome-trace timeline.
 
-Engine-owned waits (the ring, recursive doubling, point-to-point) call the watch while they poll; at
-the timeout it raises EngineTimeout and the operation is abandoned. Native MPI collectives block
-inside MPI, where nothing can interrupt them: a watchdog thread watches those and, at the timeout,
-reports, dumps the flight recorder and aborts the job (as torch's NCCL watchdog tears a job down).
-Ranks name themselves as arrived in a key-value store (torch's, for torch groups) once they have
-waited a second; at the timeout the ranks without that note are the missing ones.
+Every wait of the engine's own (shared memory, the ring, recursive doubling, point-to-point) calls
+the watch while it polls; at the timeout it raises EngineTimeout and the operation is abandoned. MPI's
+native collectives block inside MPI, where nothing can interrupt them: a watchdog thread watches
+those and, at the timeout, reports, dumps the flight recorder and aborts the job (as torch's NCCL
+watchdog tears a job down). Ranks name themselves as arrived in a key-value store (torch's, for torch
+groups) once they have waited a second; at the timeout the ranks without that note are the missing ones.
 """
 
 import atexit
-import collections
+import contextlib
 import json
 import os
 import signal
@@ -20,37 +21,28 @@ import threading
 import time
 import weakref
 
-from ._core import EngineError
+from ._core import EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
 from .config import env_int
 
+__all__ = ["DEFAULT_TIMEOUT", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
+
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
+_FAILURE = []  # why a group of this process failed (a timeout, a lost peer, a mismatch), if one did
 
 
-class EngineTimeout(EngineError):
-    """An operation did not complete within the group's timeout; the communicator is unusable after it."""
+def failure():
+    """The first group failure of this process, or None (read at exit: see engine.mpi)."""
+    return _FAILURE[0] if _FAILURE else None
+
+# A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native).
+SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
 
 
-class EngineMismatch(EngineError):
-    """Ranks called different collectives (or with different arguments) at the same point."""
-
-
-class Record:
-    """One operation in the flight recorder."""
-
-    __slots__ = ("seq", "op", "count", "dtype", "algorithm", "start", "end", "state", "native", "noted")
-
-    def __init__(self, seq, op, count, dtype, algorithm, native):
-        self.seq, self.op, self.count, self.dtype, self.algorithm, self.native = seq, op, count, dtype, algorithm, native
-        self.start = time.monotonic()
-        self.end = None
-        self.state = "running"
-        self.noted = 0  # 1: arrival noted in the store, 2: stall warned
-
-    def line(self, t0):
-        dur = f"{(self.end - self.start) * 1e3:10.3f} ms" if self.end is not None else \
-            f"{'running':>10} {time.monotonic() - self.start:.1f}s"
-        return (f"#{self.seq:<6} {self.op:<16} {self.count!s:>12} {self.dtype!s:<9} {self.algorithm or '-':<8} "
-                f"start {self.start - t0:10.4f}s {dur} {self.state}")
+def record_line(rec, t0):
+    dur = f"{(rec[END] - rec[START]) * 1e3:10.3f} ms" if rec[END] is not None else \
+        f"{'running':>10} {time.monotonic() - rec[START]:.1f}s"
+    return (f"#{rec[SEQ]:<6} {rec[OP]:<16} {rec[COUNT]!s:>12} {rec[DTYPE]!s:<9} {rec[ALGO] or '-':<8} "
+            f"start {rec[START] - t0:10.4f}s {dur} {rec[STATE]}")
 
 
 def _env_seconds(name, default):
@@ -64,51 +56,38 @@ def _env_seconds(name, default):
 
 
 class Watch:
-    """The per-communicator state: sequence numbers, recorder, stall and timeout handling."""
+    """The per-communicator policy: timeouts, stall warnings, arrival notes, dumps, the trace."""
 
-    def __init__(self, group, rank, size, timeout=None, store=None):
+    def __init__(self, group, rank, size, timeout=None, store=None, core=None):
         self.group, self.rank, self.size = group, rank, size
         self.timeout = timeout if timeout is not None else _env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
         self.stall = _env_seconds("ENGINE_STALL_WARNING_SECONDS", 60.0)
         self.note_after = min(1.0, self.timeout / 4)
         self.interval = max(0.05, min(0.5, self.timeout / 10))
         self.store = store
-        self.seq = 0
-        self.current = None
-        self.broken = None
+        self.core = core
         self.t0 = time.monotonic()
-        self.recorder = collections.deque(maxlen=env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256))
-        self.trace = _Trace.get()
+        self.trace = _Trace.get(rank)
+        self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
+        core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256),
+                          tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
+                          on_failure=self._failed)
+        core.set_watch(self, self.interval, p2p=self)
         _registry.add(self)
 
-    # -- bracketing an operation --
+    @property
+    def seq(self):
+        return self.core.seq
 
-    def begin(self, op, count=None, dtype=None, algorithm=None, native=False, numbered=True):
-        """Records an operation; numbered ones advance the sequence (debug-mode checks share their op's)."""
-        if self.broken:
-            raise EngineError(f"{op}: group {self.group!r} is unusable after an earlier failure ({self.broken}); "
-                              "destroy it and create a new one, or exit")
-        if numbered:
-            self.seq += 1
-        rec = Record(self.seq if numbered else self.seq + 1, op, count, dtype, algorithm, native)
-        self.recorder.append(rec)
-        self.current = rec
-        return rec
-
-    def end(self, rec, error=None):
-        rec.end = time.monotonic()
-        rec.state = "done" if error is None else ("timed out" if isinstance(error, EngineTimeout) else "failed")
-        self.current = None
-        if self.trace is not None:
-            self.trace.add(self, rec)
-        if error is not None and not isinstance(error, (ValueError, TypeError, EngineTimeout, EngineMismatch)):
-            self.dump(f"{rec.op} #{rec.seq} failed: {error}")  # timeouts and mismatches dumped already
+    @property
+    def broken(self):
+        return self.core.broken
 
     # -- while waiting --
 
     def __call__(self, elapsed):
-        """Called by engine-owned waits every `interval` s; raises EngineTimeout at the timeout."""
-        rec = self.current
+        """Called by the core's waits every `interval` s; raises EngineTimeout at the timeout."""
+        rec = self.core.current()
         if rec is None:
             return
         self.check(rec, elapsed)
@@ -116,40 +95,65 @@ class Watch:
             raise self.timed_out(rec, elapsed)
 
     def check(self, rec, elapsed):
-        if rec.noted < 1 and elapsed >= self.note_after:
-            rec.noted = 1
+        seq, level = self._noted
+        if seq != rec[SEQ]:
+            level = 0
+        if level < 1 and elapsed >= self.note_after:
+            level = 1
             self.note_arrival(rec)
-        if rec.noted < 2 and elapsed >= self.stall:
-            rec.noted = 2
+        if level < 2 and elapsed >= self.stall:
+            level = 2
             missing = self.missing(rec)
-            print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec.op} #{rec.seq} of group "
+            print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec[OP]} #{rec[SEQ]} of group "
                   f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.timeout - elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
+        self._noted = (rec[SEQ], level)
 
     def timed_out(self, rec, elapsed):
         missing = self.missing(rec)
-        msg = (f"{rec.op} #{rec.seq} of group {self.group!r} (rank {self.rank} of {self.size}) timed out after "
+        msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}) timed out after "
                f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}")
-        self.broken = msg
+        self.core.set_broken(msg)
+        _FAILURE.append(msg)
         self.dump(msg)
         return EngineTimeout(msg)
 
     def mismatch(self, msg):
-        self.broken = msg
+        self.core.set_broken(msg)
+        _FAILURE.append(msg)
         self.dump(msg)
         return EngineMismatch(msg)
 
-    def peer_hook(self, what, peer, tag):
-        """The watch of one point-to-point wait: raises EngineTimeout naming the peer at the timeout."""
-        def hook(elapsed):
-            if elapsed >= self.timeout:
-                who = "any rank" if peer in (None, -1) else f"rank {peer}"
-                msg = (f"{what} {'from' if 'recv' in what else 'to'} {who} (tag {tag}) in group {self.group!r} "
-                       f"(rank {self.rank} of {self.size}) timed out after {elapsed:.1f} s (timeout "
-                       f"{self.timeout:g} s): {who} never {'sent' if 'recv' in what else 'received'} it")
-                self.dump(msg)
-                raise EngineTimeout(msg)
-        return hook
+    def _failed(self, rec, exc):
+        # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
+        if isinstance(exc, (EnginePeerLost, EngineMismatch)):
+            _FAILURE.append(str(exc))
+        if not isinstance(exc, (ValueError, TypeError, EngineTimeout)):
+            self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
+
+    def peer_timeout(self, what, peer, tag, elapsed):
+        """Called while a point-to-point wait polls: raises EngineTimeout naming the peer at the timeout."""
+        if elapsed >= self.timeout:
+            who = "any rank" if peer in (None, -1) else f"rank {peer}"
+            tag_text = "any tag" if tag == -1 else f"tag {tag}"
+            msg = (f"{what} {'from' if 'recv' in what else 'to'} {who} ({tag_text}) in group {self.group!r} "
+                   f"(rank {self.rank} of {self.size}) timed out after {elapsed:.1f} s (timeout "
+                   f"{self.timeout:g} s): {who} never {'sent' if 'recv' in what else 'received'} it")
+            self.dump(msg)  # the group stays usable: only this wait is abandoned
+            raise EngineTimeout(msg)
+
+    @contextlib.contextmanager
+    def traced(self, name, count=None, dtype=None):
+        """A Python-side step (the debug-mode signature check) on the trace, not numbered."""
+        start = time.monotonic()
+        state = "failed"
+        try:
+            yield
+            state = "done"
+        finally:
+            if self.trace is not None:
+                self.trace.add(self.group, (self.core.seq + 1, name, count, dtype, None, start, time.monotonic(),
+                                            state, False))
 
     # -- who arrived --
 
@@ -157,15 +161,15 @@ class Watch:
         return f"engine/{self.group}/waiting-at/{rank}"
 
     def note_arrival(self, rec):
-        """Notes in the store that this rank reached operation rec.seq (written only once a wait stalls)."""
+        """Notes in the store that this rank reached operation rec's seq (written only once a wait stalls)."""
         if self.store is not None:
             try:
-                self.store.set(self._key(self.rank), str(rec.seq))
+                self.store.set(self._key(self.rank), str(rec[SEQ]))
             except Exception:  # a store problem must not hide the real one
                 pass
 
     def missing(self, rec):
-        """Ranks with no note of reaching rec.seq; None without a store; a str when the store failed."""
+        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed."""
         if self.store is None:
             return None
         try:
@@ -175,7 +179,7 @@ class Watch:
                 if r == self.rank:
                     continue
                 key = self._key(r)
-                if not self.store.check([key]) or int(self.store.get(key)) < rec.seq:
+                if not self.store.check([key]) or int(self.store.get(key)) < rec[SEQ]:
                     late.append(r)
             return late
         except Exception as exc:
@@ -195,9 +199,10 @@ class Watch:
 
     def dump(self, reason, out=None):
         out = out or sys.stderr
+        recs = self.core.records() if self.core is not None else []
         lines = [f"engine: flight recorder of group {self.group!r}, rank {self.rank} of {self.size}: {reason}",
-                 f"engine:   last {len(self.recorder)} operations (seq, op, count, dtype, algorithm, start, duration, state)"]
-        lines += [f"engine:   {r.line(self.t0)}" for r in self.recorder]
+                 f"engine:   last {len(recs)} operations (seq, op, count, dtype, algorithm, start, duration, state)"]
+        lines += [f"engine:   {record_line(r, self.t0)}" for r in recs]
         print("\n".join(lines), file=out, flush=True)
         if self.trace is not None:
             self.trace.write()
@@ -220,21 +225,22 @@ class _Registry:
                 _install_dump_signal()
 
     def _watchdog(self):
-        # Native MPI collectives block in MPI: here they get their stall warning and, at the timeout, the end.
+        # MPI's native collectives block in MPI: here they get their stall warning and, at the timeout, the end.
         while True:
             time.sleep(0.25)
             for watch in list(self.watches):
-                rec = watch.current
-                if rec is None or not rec.native or rec.end is not None:
+                core = watch.core
+                rec = core.current() if core is not None else None
+                if rec is None or not rec[NATIVE]:
                     continue
-                elapsed = time.monotonic() - rec.start
+                elapsed = time.monotonic() - rec[START]
                 watch.check(rec, elapsed)
                 if elapsed >= watch.timeout:
                     err = watch.timed_out(rec, elapsed)
                     print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
                           "aborting the job", file=sys.stderr, flush=True)
-                    from mpi4py import MPI
-                    MPI.COMM_WORLD.Abort(3)
+                    from . import mpi
+                    mpi.abort(3)
 
     def dump_all(self, reason):
         for watch in list(self.watches):
@@ -263,17 +269,15 @@ class _Trace:
     _instance = None
 
     @classmethod
-    def get(cls):
+    def get(cls, rank):
         path = os.environ.get("ENGINE_TRACE")
         if not path:
             return None
         if cls._instance is None:
-            cls._instance = cls(path)
+            cls._instance = cls(path, rank)
         return cls._instance
 
-    def __init__(self, path):
-        from mpi4py import MPI
-        rank = MPI.COMM_WORLD.Get_rank()
+    def __init__(self, path, rank):
         if "{rank}" in path:
             path = path.replace("{rank}", str(rank))
         else:
@@ -284,11 +288,12 @@ class _Trace:
         self.epoch = time.monotonic()
         atexit.register(self.write)
 
-    def add(self, watch, rec):
-        self.events.append({"name": rec.op, "cat": watch.group, "ph": "X", "pid": self.rank, "tid": watch.group,
-                            "ts": (rec.start - self.epoch) * 1e6, "dur": (rec.end - rec.start) * 1e6,
-                            "args": {"seq": rec.seq, "count": rec.count, "dtype": rec.dtype,
-                                     "algorithm": rec.algorithm, "state": rec.state}})
+    def add(self, group, rec):
+        end = rec[END] if rec[END] is not None else time.monotonic()
+        self.events.append({"name": rec[OP], "cat": group, "ph": "X", "pid": self.rank, "tid": group,
+                            "ts": (rec[START] - self.epoch) * 1e6, "dur": (end - rec[START]) * 1e6,
+                            "args": {"seq": rec[SEQ], "count": rec[COUNT], "dtype": rec[DTYPE],
+                                     "algorithm": rec[ALGO], "state": rec[STATE]}})
 
     def write(self):
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]

@@ -1,18 +1,27 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""engine._core: the compiled core (kernels, buffer layer, ring, MPI collectives)."""
+"""engine._core: the compiled core without MPI: kernels, the buffer layer, the transport seam, the
+point-to-point algorithms, the communicator core and the shared-memory transport."""
 
+import errno
+import os
 import sys
 
-from mpi4py.libmpi cimport *
-from mpi4py.MPI cimport Comm
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset
+from libc.stdint cimport uint64_t
+
 from kernels cimport *
+from shm cimport *
 
 include "errors.pxi"
 include "dtypes.pxi"
 include "message.pxi"
 include "kernels_api.pxi"
 include "wait.pxi"
+include "transport.pxi"
 include "ring.pxi"
-include "collectives.pxi"
-
-_init_mpi_tables()
+include "comm.pxi"
+include "shm_segment.pxi"
+include "shm_transport.pxi"
+include "shm_collectives.pxi"
+include "progress.pxi"

@@ -1,25 +1,20 @@
-# MPI error codes become Python exceptions in one place.
+# The engine's exceptions, defined once here (engine.watch and engine.__init__ re-export them).
 
 class EngineError(RuntimeError):
-    """A communication failed inside MPI (or the engine's own schedule)."""
+    """A communication failed inside a transport (MPI or shared memory) or the engine's own schedule."""
 
 
-cdef str error_string(int ierr):
-    cdef char msg[512]
-    cdef int n = 0
-    if MPI_Error_string(ierr, msg, &n) != 0:
-        return f"MPI error {ierr}"
-    return msg[:n].decode(errors="replace")
+class EngineTimeout(EngineError):
+    """An operation did not complete within the group's timeout; the group is unusable after it."""
 
 
-cdef int check(int ierr, str what) except -1:
-    if ierr == 0:
-        return 0
-    if ierr == -1:
-        raise MemoryError(f"{what}: out of memory")
-    cdef int cls = ierr
-    MPI_Error_class(ierr, &cls)
-    if cls == MPI_ERR_TRUNCATE:
-        raise EngineError(f"{what} failed: message truncated: a peer sent more elements than the receive "
-                          "buffer holds; the buffer sizes on the ranks do not match")
-    raise EngineError(f"{what} failed: {error_string(ierr)}")
+class EngineMismatch(EngineError):
+    """Ranks called different collectives (or with different arguments) at the same point."""
+
+
+class EnginePeerLost(EngineError):
+    """A peer process of the group exited while this rank waited for it."""
+
+
+class NotContiguousError(ValueError):
+    """A torch tensor argument is not contiguous (callers with a fallback catch exactly this)."""

@@ -21,6 +21,9 @@ enum eng_op {
   ENG_SUM, ENG_PRODUCT, ENG_MIN, ENG_MAX, ENG_BAND, ENG_BOR, ENG_BXOR, ENG_NOPS
 };
 
+/* Bytes per element of each dtype. */
+static const size_t eng_itemsize[ENG_NDTYPES] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8, 8, 16};
+
 /* dst[i] = a[i] (op) b[i]; dst may alias a or b. */
 typedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n);
 
@@ -239,6 +242,83 @@ static int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *p
     in += counts[k] * s_itemsize;
   }
   return 0;
+}
+
+/* Packs elements [off, off + n) of concat(parts) into flat, as eng_pack does for the whole: the fused
+ * path packs a bucket chunk by chunk straight into the shared segment. */
+static int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
+                          size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n) {
+  char *out = (char *)flat;
+  size_t start = 0;
+  for (size_t k = 0; k < nparts && n; k++) {
+    const size_t end = start + counts[k];
+    if (end > off) {
+      const size_t skip = off > start ? off - start : 0;
+      const size_t m = counts[k] - skip < n ? counts[k] - skip : n;
+      const char *src = (const char *)parts[k] + skip * s_itemsize;
+      int rc = eng_convert(out, d, src, s, m, scale);
+      if (rc == -2) memcpy(out, src, m * s_itemsize);
+      else if (rc) return rc;
+      out += m * d_itemsize;
+      off += m;
+      n -= m;
+    }
+    start = end;
+  }
+  return 0;
+}
+
+/* Unpacks flat (elements [off, off + n) of the concatenation) into the matching ranges of parts. */
+static int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
+                            size_t nparts, int d, size_t d_itemsize, double scale, size_t off, size_t n) {
+  const char *in = (const char *)flat;
+  size_t start = 0;
+  for (size_t k = 0; k < nparts && n; k++) {
+    const size_t end = start + counts[k];
+    if (end > off) {
+      const size_t skip = off > start ? off - start : 0;
+      const size_t m = counts[k] - skip < n ? counts[k] - skip : n;
+      char *dst = (char *)parts[k] + skip * d_itemsize;
+      int rc = eng_convert(dst, d, in, s, m, scale);
+      if (rc == -2) memcpy(dst, in, m * d_itemsize);
+      else if (rc) return rc;
+      in += m * s_itemsize;
+      off += m;
+      n -= m;
+    }
+    start = end;
+  }
+  return 0;
+}
+
+/* ---- many-input reduction (the shared-memory collectives) ---- */
+
+#define ENG_REDUCE_BLOCK 8192 /* bytes: an L1-resident staging block */
+
+/* dst1 (and dst2 unless NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc - 1], in that order (so every
+ * rank that reduces the same inputs gets the same bits), divided by `divisor` when it is not 0 (AVG).
+ * Works through an L1-resident block, so a destination may alias any source. */
+static void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs, int nsrc,
+                            size_t n, size_t itemsize, int dtype, double divisor) {
+  _Alignas(64) char tmp[ENG_REDUCE_BLOCK];
+  const size_t per = ENG_REDUCE_BLOCK / itemsize;
+  if (nsrc == 2 && dst2 == NULL && divisor == 0.0) { /* one element-wise pass: dst may alias either source */
+    fn(dst1, srcs[0], srcs[1], n);
+    return;
+  }
+  for (size_t off = 0; off < n; off += per) {
+    const size_t m = n - off < per ? n - off : per;
+    const size_t b = off * itemsize;
+    if (nsrc == 1) {
+      memcpy(tmp, (const char *)srcs[0] + b, m * itemsize);
+    } else {
+      fn(tmp, (const char *)srcs[0] + b, (const char *)srcs[1] + b, m);
+      for (int k = 2; k < nsrc; k++) fn(tmp, tmp, (const char *)srcs[k] + b, m);
+    }
+    if (divisor != 0.0) eng_scale(tmp, m, dtype, divisor, 1);
+    memcpy((char *)dst1 + b, tmp, m * itemsize);
+    if (dst2 != NULL) memcpy((char *)dst2 + b, tmp, m * itemsize);
+  }
 }
 
 #endif

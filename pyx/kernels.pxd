@@ -8,6 +8,8 @@ cdef extern from "kernels.h" nogil:
     enum:
         ENG_SUM, ENG_PRODUCT, ENG_MIN, ENG_MAX, ENG_BAND, ENG_BOR, ENG_BXOR, ENG_NOPS
 
+    const size_t eng_itemsize[]
+
     ctypedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n) noexcept nogil
 
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
@@ -17,3 +19,9 @@ cdef extern from "kernels.h" nogil:
                  size_t nparts, int s, size_t s_itemsize, double scale)
     int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
                    size_t nparts, int d, size_t d_itemsize, double scale)
+    int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
+                       size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n)
+    int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
+                         size_t nparts, int d, size_t d_itemsize, double scale, size_t off, size_t n)
+    void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs, int nsrc,
+                         size_t n, size_t itemsize, int dtype, double divisor)

@@ -9,10 +9,10 @@ def reduce_into(dst, a, b, op):
         raise ValueError(f"dst, a and b must share dtype and length, got {DTYPE_NAMES[md.dtype]}[{md.count}], "
                          f"{DTYPE_NAMES[ma.dtype]}[{ma.count}], {DTYPE_NAMES[mb.dtype]}[{mb.count}]")
     cdef Reduction red = resolve_op(op, md.dtype)
-    if red.avg:
+    if red.c.avg:
         raise ValueError("AVG is SUM plus scale(); reduce_into takes SUM")
     with nogil:
-        red.fn(md.ptr, ma.ptr, mb.ptr, md.count)
+        red.c.fn(md.ptr, ma.ptr, mb.ptr, md.count)
 
 
 def scale(buf, double factor, bint divide=False):
@@ -80,7 +80,7 @@ def pack(parts, flat, double scale=1.0):
     if pl.n == 0:
         return 0
     with nogil:
-        rc = eng_pack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, ITEMSIZE[pl.dtype], scale)
+        rc = eng_pack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
     if rc:
         raise TypeError(f"pack: unsupported conversion {DTYPE_NAMES[pl.dtype]} -> {DTYPE_NAMES[mf.dtype]}")
     return pl.total
@@ -95,7 +95,7 @@ def unpack(flat, parts, double scale=1.0):
     if pl.n == 0:
         return 0
     with nogil:
-        rc = eng_unpack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, ITEMSIZE[pl.dtype], scale)
+        rc = eng_unpack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
     if rc:
         raise TypeError(f"unpack: unsupported conversion {DTYPE_NAMES[mf.dtype]} -> {DTYPE_NAMES[pl.dtype]}")
     return pl.total

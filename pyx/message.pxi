@@ -7,37 +7,8 @@ from cpython.buffer cimport (PyObject_CheckBuffer, PyObject_GetBuffer, PyBuffer_
                              PyBUF_STRIDES)
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_SetName
 
-cdef extern from "dlpack.h":
-    ctypedef struct DLDevice:
-        int device_type
-    ctypedef struct DLDataType:
-        unsigned char code
-        unsigned char bits
-        unsigned short lanes
-    ctypedef struct DLTensor:
-        void *data
-        DLDevice device
-        int ndim
-        DLDataType dtype
-        long long *shape
-        long long *strides
-        unsigned long long byte_offset
-    ctypedef struct DLManagedTensor:
-        DLTensor dl_tensor
-        void (*deleter)(DLManagedTensor *)
-    enum: kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLComplex, kDLBool, kDLCPU, kDLCUDAHost
-
-
 cdef class Message:
     """A contiguous CPU buffer seen as (ptr, count, dtype); keeps its owner alive while in use."""
-    cdef void *ptr
-    cdef size_t count
-    cdef int dtype
-    cdef size_t itemsize
-    cdef object owner
-    cdef Py_buffer view
-    cdef bint has_view
-    cdef DLManagedTensor *managed
 
     def __dealloc__(self):
         if self.has_view:
@@ -141,12 +112,12 @@ cdef Message as_message(object obj, bint writable, str role):
             raise TypeError(f"{role} has dtype {obj.dtype}, which the engine does not support; "
                             f"supported: {', '.join(DTYPE_NAMES)}")
         if not obj.is_contiguous():
-            raise ValueError(f"{role} is not contiguous; pass tensor.contiguous() "
+            raise NotContiguousError(f"{role} is not contiguous; pass tensor.contiguous() "
                              "(and copy the result back if it is an output)")
         m.ptr = <void*><size_t>obj.data_ptr()
         m.count = obj.numel()
         m.dtype = code
-        m.itemsize = ITEMSIZE[code]
+        m.itemsize = eng_itemsize[code]
         return m
     if PyObject_CheckBuffer(obj):
         flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
@@ -168,7 +139,7 @@ cdef Message as_message(object obj, bint writable, str role):
         m.ptr = m.view.buf
         m.count = <size_t>(m.view.len // m.view.itemsize)
         m.dtype = code
-        m.itemsize = ITEMSIZE[code]
+        m.itemsize = eng_itemsize[code]
         return m
     if hasattr(obj, "__dlpack__"):
         capsule = obj.__dlpack__()
@@ -195,7 +166,7 @@ cdef Message as_message(object obj, bint writable, str role):
                 expect *= t.shape[i]
         m.ptr = <char*>t.data + t.byte_offset
         m.dtype = code
-        m.itemsize = ITEMSIZE[code]
+        m.itemsize = eng_itemsize[code]
         return m
     raise TypeError(f"{role} must be a buffer (numpy array, torch CPU tensor, bytearray or a DLPack "
                     f"object), got {_describe(obj)}")

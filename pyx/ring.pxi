@@ -1,8 +1,7 @@
-# The engine's allreduce algorithms, each a small class whose constructor allocates and whose run()
-# only moves data (Gloo's pattern). run() is a nogil C function: no Python per step or segment.
+# The engine's point-to-point allreduce algorithms, each a small class over a Transport whose
+# constructor allocates and whose run() only moves data (Gloo's pattern). run() is a nogil C function:
+# no Python per step or segment. On an error or a timeout, run() cancels what it still has posted.
 
-from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memcpy
 
 cdef enum:
     RING_SLOTS = 4   # receive segments in flight per rank (temporary buffers of the ring)
@@ -44,47 +43,50 @@ cdef class RingAllreduce:
     to the right as soon as it is ready, so the reduction of one segment overlaps the transfer of the
     next ones (up to RING_SLOTS receives in flight).
     """
-    cdef MPI_Comm comm
-    cdef int rank, size
-    cdef readonly size_t seg_bytes
-    cdef char *tmp                # RING_SLOTS segments, written only by the left neighbour
-    cdef MPI_Request rreqs[RING_SLOTS]
-    cdef MPI_Request *sreqs       # one per segment sent in a run; grows, never shrinks
-    cdef size_t sreq_cap
-    cdef size_t *rbase            # rbase[j]: index of step j's first received segment
-    cdef size_t *sbase            # sbase[j]: index of step j's first sent segment
+    # tmp: RING_SLOTS segments, written only by the left neighbour; sreqs: one per segment sent in a
+    # run (grows, never shrinks); rbase[j] / sbase[j]: index of step j's first received / sent segment.
 
-    def __cinit__(self, Comm comm, size_t seg_bytes):
-        self.comm = comm.ob_mpi
-        check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
-        check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+    def __cinit__(self, Transport tp, size_t seg_bytes):
+        self.tp = tp
+        self.rank = tp.rank
+        self.size = tp.size
         if seg_bytes < 16:
             raise ValueError(f"ring segment size must be at least 16 bytes, got {seg_bytes}")
         self.seg_bytes = seg_bytes
         self.tmp = <char*>malloc(RING_SLOTS * seg_bytes)
+        self.rreqs = <Req*>calloc(RING_SLOTS, sizeof(Req))
         self.rbase = <size_t*>malloc((2 * self.size) * sizeof(size_t))
         self.sbase = <size_t*>malloc((2 * self.size) * sizeof(size_t))
-        if self.tmp == NULL or self.rbase == NULL or self.sbase == NULL:
+        if self.tmp == NULL or self.rreqs == NULL or self.rbase == NULL or self.sbase == NULL:
             raise MemoryError()
 
     def __dealloc__(self):
         free(self.tmp)
+        free(self.rreqs)
         free(self.sreqs)
         free(self.rbase)
         free(self.sbase)
 
-    cdef inline size_t nseg(self, size_t length, size_t segc) noexcept nogil:
+    cdef size_t nseg(self, size_t length, size_t segc) noexcept nogil:
         return (length + segc - 1) // segc
 
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil:
-        """Returns 0 or an MPI error code; raises (returns -1) when out of memory or the watch raises."""
+        """Returns 0 or a transport error code; raises (returns -1) when out of memory or the watch
+        raises. Whatever is still posted when it fails is cancelled first."""
+        cdef int ierr = self._run(src, dst, count, isz, fn, ctx)
+        if ierr:
+            self.tp.cancel_all(self.rreqs, RING_SLOTS)
+            self.tp.cancel_all(self.sreqs, self.sreq_cap)
+        return ierr
+
+    cdef int _run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                  WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, ierr = 0
         cdef int left = mod(r - 1, P), right = mod(r + 1, P)
         cdef int steps = 2 * (P - 1), j, t, pj = 0, cj = 0
         cdef size_t segc = self.seg_bytes // isz, total_r = 0, total_s = 0
         cdef size_t off, blen, soff, slen, pk = 0, ck = 0, posted = 0, processed = 0, k
-        cdef size_t i
         cdef char *buf
         if P == 1 or count == 0:
             if src != dst and count:
@@ -101,23 +103,20 @@ cdef class RingAllreduce:
             total_s += self.nseg(blen, segc)
         self.rbase[steps] = total_r
         if total_s > self.sreq_cap:
-            buf = <char*>realloc(self.sreqs, total_s * sizeof(MPI_Request))
+            buf = <char*>realloc(self.sreqs, total_s * sizeof(Req))
             if buf == NULL:
                 with gil:
                     raise MemoryError("ring allreduce: out of memory for send requests")
-            self.sreqs = <MPI_Request*>buf
+            self.sreqs = <Req*>buf
             self.sreq_cap = total_s
-        for i in range(total_s):
-            self.sreqs[i] = MPI_REQUEST_NULL
-        for i in range(RING_SLOTS):
-            self.rreqs[i] = MPI_REQUEST_NULL
+        memset(self.sreqs, 0, self.sreq_cap * sizeof(Req))
+        memset(self.rreqs, 0, RING_SLOTS * sizeof(Req))
 
         # Step 0 sends this rank's own block, straight from the input.
         block_range(count, P, r, &off, &blen)
         for k in range(self.nseg(blen, segc)):
             slen = min(segc, blen - k * segc)
-            ierr = MPI_Isend(src + (off + k * segc) * isz, <int>(slen * isz), MPI_BYTE, right, 0,
-                             self.comm, &self.sreqs[k])
+            ierr = self.tp.isend(src + (off + k * segc) * isz, slen * isz, right, 0, &self.sreqs[k])
             if ierr:
                 return ierr
 
@@ -137,12 +136,11 @@ cdef class RingAllreduce:
                     t = pj - (P - 1)
                     if t > 0 and self.rbase[t - 1] + pk >= processed:
                         break
-                    ierr = wait_req(&self.sreqs[self.sbase[t] + pk], ctx)
+                    ierr = self.tp.wait(&self.sreqs[self.sbase[t] + pk], NULL, ctx)
                     if ierr:
                         return ierr
                     buf = dst + (off + pk * segc) * isz
-                ierr = MPI_Irecv(buf, <int>(slen * isz), MPI_BYTE, left, 0, self.comm,
-                                 &self.rreqs[posted % RING_SLOTS])
+                ierr = self.tp.irecv(buf, slen * isz, left, 0, &self.rreqs[posted % RING_SLOTS])
                 if ierr:
                     return ierr
                 posted += 1
@@ -153,59 +151,56 @@ cdef class RingAllreduce:
             block_range(count, P, mod(r - cj - 1, P), &off, &blen)
             soff = off + ck * segc
             slen = min(segc, blen - ck * segc)
-            ierr = wait_req(&self.rreqs[processed % RING_SLOTS], ctx)
+            ierr = self.tp.wait(&self.rreqs[processed % RING_SLOTS], NULL, ctx)
             if ierr:
                 return ierr
             if cj < P - 1:
                 fn(dst + soff * isz, self.tmp + (processed % RING_SLOTS) * self.seg_bytes,
                    src + soff * isz, slen)
             if cj + 1 < steps:
-                ierr = MPI_Isend(dst + soff * isz, <int>(slen * isz), MPI_BYTE, right, 0, self.comm,
-                                 &self.sreqs[self.sbase[cj + 1] + ck])
+                ierr = self.tp.isend(dst + soff * isz, slen * isz, right, 0, &self.sreqs[self.sbase[cj + 1] + ck])
                 if ierr:
                     return ierr
             processed += 1
-        return wait_all(self.sreqs, total_s, ctx)
+        return self.tp.waitall(self.sreqs, total_s, ctx)
 
 
 cdef class RecursiveDoubling:
     """Latency-optimal allreduce: log2(P) exchanges of the whole vector with partners at distance
     1, 2, 4, ...; for P not a power of two the first 2*(P - p2) ranks pair up first (Rabenseifner's
     fold). Each pair reduces lower-rank data first, so every rank ends with the same bits."""
-    cdef MPI_Comm comm
-    cdef int rank, size
-    cdef char *tmp
-    cdef size_t tmp_cap
 
-    def __cinit__(self, Comm comm):
-        self.comm = comm.ob_mpi
-        check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
-        check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+    def __cinit__(self, Transport tp):
+        self.tp = tp
+        self.rank = tp.rank
+        self.size = tp.size
 
     def __dealloc__(self):
         free(self.tmp)
 
-    cdef int exchange(self, void *sbuf, int sn, int speer, void *rbuf, int rn, int rpeer, int tag,
+    cdef int exchange(self, void *sbuf, size_t sn, int speer, void *rbuf, size_t rn, int rpeer, int tag,
                       WaitCtx *ctx) except -1 nogil:
-        """Send and/or receive (peer -1: skip that side), waiting through the watch."""
-        cdef MPI_Request reqs[2]
+        """Send and/or receive (peer -1: skip that side), waiting through the watch; on failure
+        nothing stays posted."""
+        cdef Req reqs[2]
         cdef int ierr = 0
-        reqs[0] = MPI_REQUEST_NULL
-        reqs[1] = MPI_REQUEST_NULL
+        memset(reqs, 0, sizeof(reqs))
         if rpeer >= 0:
-            ierr = MPI_Irecv(rbuf, rn, MPI_BYTE, rpeer, tag, self.comm, &reqs[0])
+            ierr = self.tp.irecv(rbuf, rn, rpeer, tag, &reqs[0])
         if not ierr and speer >= 0:
-            ierr = MPI_Isend(sbuf, sn, MPI_BYTE, speer, tag, self.comm, &reqs[1])
+            ierr = self.tp.isend(sbuf, sn, speer, tag, &reqs[1])
+        if not ierr:
+            ierr = self.tp.waitall(reqs, 2, ctx)
         if ierr:
-            return ierr
-        return wait_all(reqs, 2, ctx)
+            self.tp.cancel_all(reqs, 2)
+        return ierr
 
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, ierr = 0
         cdef int p2 = 1, rem, newrank, mask, newpeer, peer
         cdef size_t nbytes = count * isz
-        cdef int n = <int>nbytes
+        cdef size_t n = nbytes
         cdef char *grown
         if src != dst and nbytes:
             memcpy(dst, src, nbytes)
@@ -227,6 +222,8 @@ cdef class RecursiveDoubling:
                 newrank = -1
             else:
                 ierr = self.exchange(NULL, 0, -1, self.tmp, n, r - 1, 1, ctx)
+                if ierr:
+                    return ierr
                 fn(dst, self.tmp, dst, count)
                 newrank = r // 2
             if ierr:

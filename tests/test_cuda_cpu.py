@@ -131,17 +131,9 @@ def test_unique_id_form_follows_cupys_version():
     assert isinstance(old, tuple) and old[64] == -128 and bytes(b & 0xFF for b in old) == uid
 
 
-def test_cuda_routing_reads_outputs_then_inputs():
-    from torchbridge.cuda_group import is_cuda_call
-    cpu = torch.ones(2)
-    assert not is_cuda_call(([cpu], None))
-    assert not is_cuda_call(([], [cpu]))  # gather off the root: no outputs, CPU input
-    assert not is_cuda_call(([[cpu, cpu]], [cpu]))
-    assert not is_cuda_call(())
-
-
-def test_group_without_mpi_refuses_cpu_tensors_naming_mpirun():
-    """A torchrun job with CUDA gets a group with no MPI communicator: CPU collectives say why."""
-    from torchbridge.process_group import _NoMPI
-    with pytest.raises(RuntimeError, match="CUDA tensors work here.*mpirun"):
-        _NoMPI(0, 2).allreduce(torch.ones(2))
+def test_cpu_only_machines_never_route_to_cuda():
+    """Without CUDA the adapter's one CUDA check is a boolean: no CUDA device is ever made."""
+    import torchbridge.process_group as pg
+    group = pg.EngineProcessGroup.__new__(pg.EngineProcessGroup)
+    group._cuda, group._cpu, group._devices = False, "cpu-device", {}
+    assert group._device(torch.ones(2)) == "cpu-device" and group._devices == {}

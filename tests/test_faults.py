@@ -1,4 +1,5 @@
-"""Fail loudly, never hang: each scenario of tests/faults/ under mpiexec, timed from outside."""
+"""Fail loudly, never hang: each scenario of tests/faults/ under mpiexec, timed from outside, on both
+transports (ENGINE_TRANSPORT=shm and mpi)."""
 
 import json
 import os
@@ -12,6 +13,9 @@ import pytest
 from mpirun import mpi_env, mpiexec_command
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "mpi"])
 
 
 def launch(script, nranks, timeout, **env):
@@ -28,8 +32,9 @@ def shm_files():
         return set()
 
 
-def test_skipped_all_reduce_raises_within_timeout_naming_the_missing_rank():
-    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", SKIP_SLEEP="12")
+@TRANSPORTS
+def test_skipped_all_reduce_raises_within_timeout_naming_the_missing_rank(transport):
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", SKIP_SLEEP="12", ENGINE_TRANSPORT=transport)
     raised = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineTimeout: (.*)", out)
     assert sorted(r for r, _, _ in raised) == ["0", "2"], out[-3000:]
     for _, seconds, msg in raised:
@@ -39,8 +44,9 @@ def test_skipped_all_reduce_raises_within_timeout_naming_the_missing_rank():
     assert proc.returncode != 0
 
 
-def test_debug_mode_mismatch_raises_on_every_rank():
-    proc, elapsed, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1")
+@TRANSPORTS
+def test_debug_mode_mismatch_raises_on_every_rank(transport):
+    proc, elapsed, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1", ENGINE_TRANSPORT=transport)
     lines = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineMismatch: (.*)", out)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], out[-3000:]
     for _, seconds, msg in lines:
@@ -51,16 +57,32 @@ def test_debug_mode_mismatch_raises_on_every_rank():
 
 def test_native_collective_that_never_completes_aborts_the_job():
     before = shm_files()
-    proc, elapsed, out = launch("skip_broadcast.py", 3, 90)
+    proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi")
     assert proc.returncode != 0 and elapsed < 40, out[-3000:]
-    assert re.search(r"broadcast #2 of group '0' \(rank 2 of 3\) timed out .*rank 1 did not arrive", out), out[-3000:]
+    # rank 2 waits in the broadcast or, where MPI's tree gave it the data straight from the root, in the barrier
+    assert re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\) timed out .*rank 1 did not arrive",
+                     out), out[-3000:]
     assert "aborting the job" in out
     assert shm_files() <= before  # no shared-memory segment left behind
 
 
-def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing():
+def test_shm_rank_that_never_arrives_ends_the_job():
+    """Over shared memory every wait is watched: the broadcast's root returns at once (its data is in the
+    segment), rank 2 gets it too; both then time out in the barrier rank 1 never reaches, name it, and
+    abort the job after a short grace (a rank that raised must not wait in MPI_Finalize for rank 1)."""
     before = shm_files()
-    proc, elapsed, out = launch("killed_rank.py", 3, 120, KILL_RANK="1")
+    proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
+    assert proc.returncode != 0 and elapsed < 40, out[-3000:]
+    assert re.search(r"barrier #3 of group '0' \(rank [02] of 3\) timed out .*rank 1 did not arrive", out), out[-3000:]
+    assert "aborting the job" in out
+    assert "returned (unexpected)" not in out
+    assert shm_files() <= before
+
+
+@TRANSPORTS
+def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing(transport):
+    before = shm_files()
+    proc, elapsed, out = launch("killed_rank.py", 3, 120, KILL_RANK="1", ENGINE_TRANSPORT=transport)
     assert proc.returncode != 0, out[-3000:]
     assert elapsed < 40, f"mpirun took {elapsed:.1f} s"
     assert "SIGKILL at step 5" in out
@@ -69,36 +91,41 @@ def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing():
     assert shm_files() <= before
 
 
-def test_point_to_point_recv_times_out_naming_the_peer():
-    code = ("import engine, numpy as np\n"
-            "c = engine.Communicator(timeout=2)\n"
+@TRANSPORTS
+def test_point_to_point_recv_times_out_naming_the_peer(transport):
+    # Rank 1 waits in the barrier while rank 0's receive times out: it gets a longer timeout.
+    code = ("import os, engine, numpy as np\n"
+            "c = engine.Communicator(timeout=2 if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else 30)\n"
             "if c.rank == 0:\n"
             "    try:\n"
             "        c.recv(np.zeros(4, np.float32), source=1, tag=9)\n"
             "    except engine.EngineError as e:\n"
             "        print('RAISED', e, flush=True)\n"
             "c.barrier()\n")
-    script = os.path.join(HERE, "_recv_timeout.py")
+    script = os.path.join(HERE, f"_recv_timeout_{transport}.py")
     with open(script, "w") as f:
         f.write(code)
     try:
-        proc, elapsed, out = launch("_recv_timeout.py", 2, 60)
+        proc, elapsed, out = launch(os.path.basename(script), 2, 60, ENGINE_TRANSPORT=transport)
     finally:
         os.remove(script)
     assert "RAISED recv from rank 1 (tag 9)" in out and "rank 1 never sent it" in out, out[-2000:]
     assert proc.returncode == 0 and elapsed < 20
 
 
-def test_stall_warning_names_the_missing_rank_before_the_timeout():
-    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", SKIP_SLEEP="8", ENGINE_STALL_WARNING_SECONDS="1")
+@TRANSPORTS
+def test_stall_warning_names_the_missing_rank_before_the_timeout(transport):
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", SKIP_SLEEP="8", ENGINE_STALL_WARNING_SECONDS="1",
+                          ENGINE_TRANSPORT=transport)
     # A rank that is itself late to the call (a loaded machine) is named too: "ranks 1, 2 did not arrive".
     assert re.search(r"WARNING rank [01] has waited 1 s in allreduce #2 of group '0'; ranks? (\d, )*2 did not arrive "
                      r"\(timeout in 4 s\)", out), out[-3000:]
 
 
-def test_bad_inputs_get_clear_errors(tmp_path):
+@TRANSPORTS
+def test_bad_inputs_get_clear_errors(tmp_path, transport):
     trace = tmp_path / "t.json"
-    proc, _, out = launch("bad_input.py", 2, 90, ENGINE_DEBUG="1", ENGINE_TRACE=str(trace))
+    proc, _, out = launch("bad_input.py", 2, 90, ENGINE_DEBUG="1", ENGINE_TRACE=str(trace), ENGINE_TRANSPORT=transport)
     cases = dict(re.findall(r"CASE ([^:]+): (.*)", out))
     assert "EngineMismatch" in cases["dtype mismatch"] and "float32" in cases["dtype mismatch"] \
         and "float64" in cases["dtype mismatch"], cases
@@ -106,7 +133,8 @@ def test_bad_inputs_get_clear_errors(tmp_path):
     assert "root 0" in cases["root mismatch"] and "root 1" in cases["root mismatch"]
     assert "op SUM" in cases["op mismatch"] and "op MAX" in cases["op mismatch"]
     assert "meta" in cases["wrong device"] and "CPU tensors only" in cases["wrong device"]
-    assert "out of range" in cases["invalid rank"] or "Invalid" in cases["invalid rank"] or "99" in cases["invalid rank"]
+    assert "out of range" in cases["invalid rank"] or "Invalid" in cases["invalid rank"], cases["invalid rank"]
+    assert cases["outside group"] == "no error" and cases["outside group result"] == "[1.0, 1.0, 1.0, 1.0] in_group=-1"
     assert "BAND is not supported for dtype float32" in cases["unsupported op"]
     assert "twice" in cases["second init"]
     assert "initialized" in cases["use after destroy"] or "init_process_group" in cases["use after destroy"]

@@ -1,5 +1,5 @@
-"""Zero-config launch: env:// variables from the MPI launcher, user values checked, and a clear error
-(never a hang) when the engine is started without an MPI launcher."""
+"""Zero-config launch: env:// variables from the MPI launcher, user values checked; without an MPI
+launcher (torchrun-style env://) the ranks meet through torch's store and MPI is never imported."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from mpirun import mpi_env
-from torchbridge.launch import detect_launcher, prepare_env
+from torchbridge.launch import detect_launcher, free_port, prepare_env
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group(backend="engine")
     t = torch.ones(3)
     dist.all_reduce(t)
-    print("world", dist.get_world_size(), dist.get_backend(), t.tolist())
+    print("world", dist.get_world_size(), dist.get_backend(), t.tolist(), "mpi4py" in sys.modules)
     dist.destroy_process_group()
 """)
 
@@ -53,22 +53,29 @@ def test_user_values_win_and_are_checked():
         prepare_env(world_size=4, environ={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
 
 
-def test_without_mpi_launcher_and_several_ranks_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"not started by an MPI launcher .*mpirun -n N python script.py"):
-        prepare_env(environ={"RANK": "0", "WORLD_SIZE": "2"})
+def test_without_mpi_launcher_env_is_left_to_torch():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    prepare_env(environ=dict(env))
+    assert prepare_env(environ=env) is None and env == {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                        "MASTER_PORT": "1234"}
 
 
-def test_torchrun_style_launch_fails_fast_naming_mpirun():
-    env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
-    assert "mpirun -n N python script.py" in proc.stderr
+def test_torchrun_style_env_launch_runs_without_mpi():
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port))
+             for r in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert "world 2 engine [2.0, 2.0, 2.0] False" in out, out + err[-2000:]
 
 
 def test_plain_python_is_a_world_of_one():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "world 1 engine [1.0, 1.0, 1.0]" in proc.stdout
+    assert "world 1 engine [1.0, 1.0, 1.0] False" in proc.stdout
 
 
 def test_registration_does_not_import_mpi_or_the_engine():

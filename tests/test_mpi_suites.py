@@ -1,7 +1,10 @@
-"""Every file in tests/mpi/ under mpiexec with 1, 2, 3 and 4 ranks (3 and 4 oversubscribe 2 cores)."""
+"""Every file in tests/mpi/ under mpiexec, on both transports (shared memory and MPI), with 1, 2, 3 and
+4 ranks (3 and 4 oversubscribe 2 cores). One launch per (transport, ranks) runs all the files; a short
+engine timeout makes a rank that falls out of step fail within seconds, showing the assertion."""
 
 import glob
 import os
+import time
 
 import pytest
 
@@ -9,25 +12,46 @@ from mpirun import run_pytest
 
 HERE = os.path.dirname(__file__)
 SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
+COLLECTIVES = os.path.join(HERE, "mpi", "test_collectives.py")
+SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (ENGINE_TIMEOUT)
+CASES = [(t, n) for t in ("shm", "mpi") for n in (1, 2, 3, 4)]
 
 
-# The torch suite (Gloo beside the engine, DDP) runs at the issue's 2 and 3 ranks, and alone.
-RANKS = {"test_torch_backend": [1, 2, 3], "test_torch_training": [2, 3]}
-CASES = [(s, n) for s in SUITES for n in RANKS.get(os.path.basename(s)[:-3], [1, 2, 3, 4])]
-
-
-@pytest.mark.parametrize("suite,nranks", CASES, ids=[f"{os.path.basename(s)[:-3]}-{n}" for s, n in CASES])
-def test_suite_under_mpiexec(suite, nranks):
-    proc = run_pytest(nranks, suite, timeout=300)
+def run(nranks, paths, **env):
+    proc = run_pytest(nranks, paths, timeout=420, env={"ENGINE_TIMEOUT": SUITE_TIMEOUT, **env})
     if proc.returncode != 0:
-        pytest.fail(f"{os.path.basename(suite)} failed with {nranks} ranks (exit {proc.returncode}):\n"
-                    f"{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}", pytrace=False)
+        pytest.fail(f"{nranks} ranks, {env}: exit {proc.returncode}:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}",
+                    pytrace=False)
+    return proc
+
+
+@pytest.mark.parametrize("transport,nranks", CASES, ids=[f"{t}-{n}" for t, n in CASES])
+def test_suites_under_mpiexec(transport, nranks):
+    run(nranks, SUITES, ENGINE_TRANSPORT=transport)
 
 
 def test_collectives_with_tiny_mpi_chunks():
     """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
     (the path of messages over 2**31 elements), on 3 ranks."""
-    suite = os.path.join(HERE, "mpi", "test_collectives.py")
-    proc = run_pytest(3, suite, timeout=300, env={"ENGINE_MPI_CHUNK_ELEMENTS": "7"})
-    if proc.returncode != 0:
-        pytest.fail(f"chunked collectives failed:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}", pytrace=False)
+    run(3, [COLLECTIVES], ENGINE_TRANSPORT="mpi", ENGINE_MPI_CHUNK_ELEMENTS="7")
+
+
+@pytest.mark.parametrize("single_copy", ["0", "auto"])
+def test_collectives_through_a_tiny_segment(single_copy):
+    """4 KiB slots and queues: every shared-memory collective and point-to-point message is larger
+    than the segment and goes in many steps and frames (ring wrap-around included), on 3 ranks; with
+    single copy on, every piece of 64 bytes and up moves by process_vm_readv instead."""
+    run(3, [COLLECTIVES], ENGINE_TRANSPORT="shm", ENGINE_SHM_SLOT_BYTES="4096", ENGINE_SHM_QUEUE_BYTES="4096",
+        ENGINE_SHM_CHUNK_BYTES="256", ENGINE_SHM_CMA=single_copy, ENGINE_SHM_CMA_MIN_BYTES="64")
+
+
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_a_rank_out_of_step_fails_its_suite_within_seconds(transport):
+    """A suite where one rank fails an assertion: the run ends within 30 s, showing the assertion."""
+    start = time.monotonic()
+    proc = run_pytest(3, [os.path.join(HERE, "faults", "desync_suite.py")], timeout=120,
+                      env={"ENGINE_TIMEOUT": SUITE_TIMEOUT, "ENGINE_TRANSPORT": transport})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stdout, proc.stdout[-3000:]
+    assert elapsed < 30, f"{elapsed:.1f} s"

@@ -6,15 +6,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mpirun import mpi_env, mpiexec_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_short_soak_three_ranks():
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_short_soak_three_ranks(transport):
     cmd = mpiexec_command(3) + [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "soak.py"),
                                 "--ops", "3000", "--seed", "7"]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if "SOAK " in l)
     summary = json.loads(line.split("SOAK ", 1)[1])

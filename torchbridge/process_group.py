@@ -1,56 +1,105 @@
-"""EngineProcessGroup: every collective torch.distributed dispatches to a Python process group,
-mapped onto the engine. Collectives run in issue order on a progress thread per group (see
-engine.progress); point-to-point is posted at once as nonblocking MPI. Inputs are never modified,
-outputs are written in place (non-contiguous ones through a contiguous copy)."""
+"""EngineProcessGroup: the one adapter between torch.distributed and the engine. Every c10d method
+is written once, over the device communicator of its tensors (torchbridge.devices): CPU tensors go
+to the group's engine.Communicator (shared memory on one host, MPI across hosts), CUDA tensors to
+NCCL or through host memory. Inputs are never modified; outputs are written in place
+(non-contiguous ones through a contiguous copy).
+
+The synchronous CPU call is the latency path: the op is read with one pybind access, no closure is
+made, and the collective runs in the calling thread (engine.progress.Progress.run) when the group is
+idle. On machines without CUDA, CUDA routing costs one attribute test.
+"""
 
 import torch
 import torch.distributed as dist
 
 from engine import Communicator, ReduceOp
-from engine.fusion import FusedAllreduce
+from engine._core import NotContiguousError
+from engine.launcher import MPIRUN_HINT, detect_launcher
 from engine.progress import Progress
 
-from .launch import MPIRUN_HINT
-from .work import CollectiveWork, CompletedWork, PointToPointWork
+from .devices import COMPLETED, CpuDevice, CudaDevice, StagedDevice
 
 _RED = dist.ReduceOp.RedOpType
-# Keyed by int: hashing torch's pybind enum costs more than the 1 KB allreduce itself.
-_OPS = {int(_RED.SUM): ReduceOp.SUM, int(_RED.PRODUCT): ReduceOp.PRODUCT, int(_RED.MIN): ReduceOp.MIN,
-        int(_RED.MAX): ReduceOp.MAX, int(_RED.BAND): ReduceOp.BAND, int(_RED.BOR): ReduceOp.BOR,
-        int(_RED.BXOR): ReduceOp.BXOR, int(_RED.AVG): ReduceOp.AVG}
+_PREMUL = int(_RED.PREMUL_SUM)
+# torch's reduce op -> the engine's, indexed by the op's code. torch's ReduceOp hashes to its code,
+# which reads it with one pybind access instead of two (opts.reduceOp.op costs twice that); checked
+# here, with the slow read as the fallback.
+_BY_CODE = [None] * (max(int(v) for v in _RED.__members__.values()) + 1)
+for _name, _op in (("SUM", ReduceOp.SUM), ("PRODUCT", ReduceOp.PRODUCT), ("MIN", ReduceOp.MIN),
+                   ("MAX", ReduceOp.MAX), ("BAND", ReduceOp.BAND), ("BOR", ReduceOp.BOR), ("BXOR", ReduceOp.BXOR),
+                   ("AVG", ReduceOp.AVG)):
+    _BY_CODE[int(getattr(_RED, _name))] = _op
+
+
+def _hash_is_code():
+    for name in _RED.__members__:
+        if name == "PREMUL_SUM":
+            continue
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        if hash(opts.reduceOp) != int(opts.reduceOp.op):
+            return False
+    return True
+
+
+_FAST_OP = _hash_is_code()
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
 
 
 def create_process_group(opts, backend_options=None):
-    """The creator torch calls (extended API) on each member of a new group."""
-    from mpi4py import MPI
+    """The creator torch calls (extended API) on each member of a new group. Under an MPI launcher the
+    group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store."""
+    seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
+    name = opts.group_id or "default"
+    ranks = list(opts.global_ranks_in_group)
+    if detect_launcher() is None:
+        if opts.group_size > 1:
+            _same_host_or_fail(opts)
+        comm = Communicator.from_store(opts.store, opts.group_rank, opts.group_size, prefix="engine/boot",
+                                       timeout=seconds, name=name)
+    else:
+        mpi_comm = _mpi_group(opts, ranks)
+        comm = Communicator(mpi_comm, timeout=seconds, store=opts.store, name=name, _owned=mpi_comm)
+    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, opts.store, name)
+
+
+def _mpi_group(opts, ranks):
+    """An MPI communicator of the group's members (collective over them only)."""
+    from engine import mpi
+    MPI = mpi.load()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError("backend 'engine' needs MPI_THREAD_MULTIPLE (its progress thread calls MPI); this MPI "
                            f"was initialised with level {MPI.Query_thread()}: leave mpi4py.rc.thread_level at "
                            "'multiple' and use an MPI built with thread support")
     world = MPI.COMM_WORLD
-    ranks = list(opts.global_ranks_in_group)
-    if world.Get_size() == 1 and opts.group_size > 1 and torch.cuda.is_available():
-        # No MPI launch (torchrun): CUDA tensors go over NCCL, whose id travels through torch's store.
-        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, opts.store,
-                                  opts.group_id or "default")
     if not ranks:  # the default group: everyone
         if world.Get_size() != opts.group_size or world.Get_rank() != opts.group_rank:
             raise RuntimeError(
                 f"torch.distributed says rank {opts.group_rank} of {opts.group_size}, but MPI says rank "
-                f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher "
-                f"(torchrun and mp.spawn start independent MPI singletons); {MPIRUN_HINT}")
-        comm = world.Dup()
-    else:
-        if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
-            raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
-        group = world.Get_group().Incl(ranks)
-        try:
-            comm = world.Create_group(group, tag=_GROUP_TAG)
-        finally:
-            group.Free()
-    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, opts.store,
-                              opts.group_id or "default")
+                f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher; "
+                f"{MPIRUN_HINT}")
+        return world.Dup()
+    if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
+        raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group, tag=_GROUP_TAG)
+    finally:
+        group.Free()
+
+
+def _same_host_or_fail(opts):
+    """Without an MPI launcher the ranks meet through torch's store and share memory: they must all be
+    on this host. Checked first, so a multi-host torchrun fails at once, saying what to do."""
+    from engine.bootstrap import StoreBootstrap, host_identity
+    hosts = [h for h, _, _ in StoreBootstrap(opts.store, opts.group_rank, opts.group_size,
+                                             "engine/hosts").allgather(host_identity())]
+    if len(set(hosts)) > 1:
+        names = sorted({h.split("/")[0] for h in hosts})
+        raise RuntimeError(f"backend 'engine' without an MPI launcher runs on one host (shared memory), but this "
+                           f"group's ranks are on {len(names)} hosts ({', '.join(names)}): multi-host jobs launch "
+                           f"with mpirun (or srun), which carries CPU tensors over MPI between hosts; "
+                           f"{MPIRUN_HINT}")
 
 
 def _one(tensors, what):
@@ -61,14 +110,20 @@ def _one(tensors, what):
 
 def _reduce_op(opts):
     """(engine op, premultiply factor or None) for the ReduceOp of torch's options."""
-    reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-    kind = reduce_op.op
-    op = _OPS.get(int(kind))
+    if opts is None:
+        return ReduceOp.SUM, None
+    red = opts.reduceOp
+    code = hash(red) if _FAST_OP else int(red.op)
+    op = _BY_CODE[code] if 0 <= code < len(_BY_CODE) else None
     if op is not None:
         return op, None
-    if kind == _RED.PREMUL_SUM:
-        return ReduceOp.SUM, reduce_op.factor
-    raise RuntimeError(f"backend 'engine' does not support reduce op {kind}")
+    if code == _PREMUL:
+        return ReduceOp.SUM, red.factor
+    raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
+
+
+def _nothing():
+    pass
 
 
 def _check_premul(t):
@@ -92,8 +147,8 @@ def _write(out, fn):
         out.copy_(tmp)
 
 
-def _flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+def _flat(tensors, like):
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else like.new_empty(0)
 
 
 def _check_per_rank(tensors, size, dtype, what, kind, where=""):
@@ -143,66 +198,20 @@ def all_to_all_counts(output, input, output_split_sizes, input_split_sizes, size
     return send_counts, recv_counts
 
 
-_COMPLETED = CompletedWork()
-# The c10d methods that take tensors: with CUDA present, each routes CUDA calls (see _route_cuda).
-_CUDA_METHODS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
-                 "broadcast", "allgather", "all_gather_single", "gather", "scatter", "alltoall", "alltoall_base",
-                 "send", "recv", "recv_anysource")
-
-
-class _NoMPI:
-    """Where the MPI communicator would be in a job with no MPI launch (torchrun with CUDA tensors):
-    every CPU collective raises, naming what would make it work."""
-
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
-
-    def __getattr__(self, name):
-        raise RuntimeError(f"backend 'engine' moves CPU tensors over MPI, but this job was not started by an MPI "
-                           f"launcher: CUDA tensors work here (NCCL), CPU tensors need one; {MPIRUN_HINT}")
-
-
 class EngineProcessGroup(dist.ProcessGroup):
-    """A torch ProcessGroup over one MPI communicator (a Dup of COMM_WORLD, or a sub-communicator)."""
+    """A torch ProcessGroup over one engine.Communicator (and, for CUDA tensors, NCCL)."""
 
-    def __init__(self, mpi_comm, rank, size, timeout=None, store=None, name="default"):
+    def __init__(self, comm, rank, size, timeout=None, store=None, name="default"):
         super().__init__(rank, size)
-        seconds = timeout.total_seconds() if timeout is not None else None
-        cuda_mpi = mpi_comm.Dup() if mpi_comm is not None and torch.cuda.is_available() else None
-        if mpi_comm is None:
-            self._comm = _NoMPI(rank, size)
-        else:
-            self._comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
-        self._fusion = FusedAllreduce(self._comm)
-        self._progress = Progress(name=f"engine-progress-{size}r")
-        self._timeout = timeout
-        self._cuda = None
-        if torch.cuda.is_available():  # CPU-only machines never pay for the CUDA routing
-            self._route_cuda(cuda_mpi, store, name, seconds)
-
-    def _route_cuda(self, cuda_mpi, store, name, seconds):
-        """Each c10d method, on this instance, first sends calls on CUDA tensors to a CudaCollectives
-        (torchbridge.cuda_group), created at the first such call. torch looks methods up on the
-        instance, so the class's CPU methods stay as they are."""
-        from .cuda_group import CudaCollectives, is_cuda_call
-
-        def cuda_side():
-            if self._cuda is None:
-                self._cuda = CudaCollectives(self, cuda_mpi, store, name, seconds)
-            return self._cuda
-
-        self._cuda_side = cuda_side
-        for method in _CUDA_METHODS:
-            cpu = getattr(self, method)
-
-            def route(*args, _cpu=cpu, _method=method):
-                if is_cuda_call(args):
-                    return cuda_side().call(_method, args)
-                return _cpu(*args)
-
-            setattr(self, method, route)
-        self._reduce_scatter_base = self.reduce_scatter_single
-        self._allgather_base = self.all_gather_single
+        self._comm = comm
+        self._progress = Progress(name=f"engine-progress-{name}")
+        self._cpu = CpuDevice(comm, self._progress)
+        self._allreduce_direct = comm.allreduce  # the compiled core's own method
+        self._cuda = torch.cuda.is_available()  # False: no CUDA routing at all
+        self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
+        self._store, self._name, self._timeout = store, name, timeout
+        self._watchdog = None
+        self._cuda_transport = None
 
     def getBackendName(self):
         return "engine"
@@ -218,29 +227,90 @@ class EngineProcessGroup(dist.ProcessGroup):
 
     @property
     def communicator(self):
-        """The engine Communicator behind this group."""
+        """The engine Communicator behind this group (CPU tensors)."""
         return self._comm
 
-    def _submit(self, what, fn, outputs, opts=None):
-        # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
-        # raise here on failure; the returned Work is already complete.
-        if opts is not None and not getattr(opts, "asyncOp", True):
-            self._progress.run(fn, what)
-            return _COMPLETED
-        return CollectiveWork(self._progress, self._progress.submit(fn, what), outputs)
+    # -- which device communicator --
+
+    def _device(self, t):
+        if self._cuda and t.is_cuda:
+            return self._cuda_device(t.device.index)
+        return self._cpu
+
+    def _cuda_device(self, index):
+        dev = self._devices.get(index)
+        if dev is None:
+            dev = self._devices[index] = self._make_cuda_device(index)
+        return dev
+
+    def _make_cuda_device(self, index):
+        from engine.config import env_choice
+        if self._cuda_transport is None:
+            forced = env_choice("ENGINE_CUDA_TRANSPORT", ("auto", "nccl", "staged"), "auto")
+            self._cuda_transport = "staged" if forced == "staged" else self._nccl_or_staged(forced)
+        if self._cuda_transport == "staged":
+            return StagedDevice(self._cpu)
+        from engine.cuda.communicator import CudaCommunicator
+        from engine.cuda.nccl import unique_id_over_store
+        from engine.cuda.watchdog import Watchdog
+        rank, size = self.rank(), self.size()
+        uid = unique_id_over_store(self._store, f"engine/nccl/{self._name}/{index}", rank)
+        with torch.cuda.device(index):
+            cc = CudaCommunicator(uid, rank, size, index)
+        if self._watchdog is None:
+            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+            self._watchdog = Watchdog(self._name, rank, size, seconds)
+        return CudaDevice(cc, index, self._watchdog)
+
+    def _nccl_or_staged(self, forced):
+        import warnings
+        from engine.bootstrap import StoreBootstrap, host_identity
+        from engine.cuda import load_cupy
+        load_cupy()  # without the extra: an ImportError naming it
+        if forced == "nccl":
+            return "nccl"
+        dev = torch.cuda.current_device()
+        mine = (host_identity()[0], str(torch.cuda.get_device_properties(dev).uuid))
+        everyone = StoreBootstrap(self._store, self.rank(), self.size(), "engine/gpus").allgather(mine)
+        if len(set(everyone)) < len(everyone):
+            warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "
+                          "the host-staged path (ENGINE_CUDA_TRANSPORT=staged)", RuntimeWarning, stacklevel=4)
+            return "staged"
+        return "nccl"
 
     # -- reductions --
 
     def allreduce(self, tensors, opts=None):
+        # The latency path, kept short: SUM..AVG on one CPU tensor, the op read with one pybind access;
+        # a synchronous call runs in place, an asynchronous one is queued. Anything else (and a
+        # non-contiguous tensor) takes the general path.
+        if _FAST_OP and opts is not None and len(tensors) == 1 and not self._cuda:
+            op = _BY_CODE[hash(opts.reduceOp)]
+            if op is not None:
+                if opts.asyncOp:
+                    if tensors[0].is_contiguous():
+                        return self._cpu.submit("allreduce", self._allreduce_direct, (tensors[0], None, op), tensors)
+                else:
+                    try:
+                        self._progress.run(self._allreduce_direct, tensors[0], None, op, 3, "allreduce")
+                        return COMPLETED
+                    except NotContiguousError:
+                        pass
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, opts):
         t = _one(tensors, "allreduce")
+        dev = self._device(t)
         op, factor = _reduce_op(opts)
-        comm = self._comm
         if factor is None:
-            if t.is_contiguous():  # the common case, kept short: it is the latency path
-                return self._submit("allreduce", lambda: comm.allreduce(t, None, op), tensors, opts)
-            return self._submit("allreduce", lambda: _write(t, lambda buf: comm.allreduce(buf, op=op)), tensors, opts)
-        return self._submit("allreduce", lambda: _write(t, lambda buf: comm.allreduce(_premul(t, factor), buf, op)),
-                            tensors, opts)
+            if t.is_contiguous():  # the latency path: no closure
+                return dev.launch("allreduce", dev.comm.allreduce, t, None, op, 3, tensors, opts)
+            comm = dev.comm
+            return dev.launch("allreduce", _write, t, lambda buf: comm.allreduce(buf, None, op), None, 2, tensors,
+                              opts)
+        comm = dev.comm
+        return dev.launch("allreduce", _write, t, lambda buf: comm.allreduce(_premul(t, factor), buf, op), None, 2,
+                          tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Fused: tensors packed into buckets (engine.fusion), one allreduce per bucket."""
@@ -248,67 +318,64 @@ class EngineProcessGroup(dist.ProcessGroup):
         if factor is not None:
             for t in tensors:
                 _check_premul(t)
-        return self._submit("allreduce_coalesced", lambda: self.fused_allreduce(tensors, op, prescale=factor or 1.0),
-                            tensors, opts)
+        if not tensors:
+            return self.barrier()
+        sync = opts is not None and not opts.asyncOp
+        return self._device(tensors[0]).fused(tensors, op, None, factor or 1.0, "allreduce_coalesced", sync)
 
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
-        """Queues a fused allreduce of tensors (in place) on this group's progress thread; returns its
-        Work at once. Used by DistributedOptimizer's buckets and the DDP comm hooks. CUDA tensors are
-        enqueued on the current stream instead."""
-        if tensors and tensors[0].is_cuda:
-            return self._cuda_side().fused_allreduce(tensors, op, compression=compression, name=name)
-        return self._submit(name, lambda: self.fused_allreduce(tensors, op, compression=compression), tensors)
+        """Queues a fused allreduce of tensors (in place) and returns its Work at once: the buckets of
+        DistributedOptimizer and the DDP comm hooks."""
+        if not tensors:
+            return self._cpu.launch(name, _nothing, None, None, None, 0, [], None)
+        return self._device(tensors[0]).fused(tensors, op, compression, 1.0, name)
 
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
-        """Runs now, in the calling thread: engine.fusion on contiguous views (copies written back).
-        CUDA tensors: enqueued on the current stream (what follows on that stream sees the result)."""
-        if tensors and tensors[0].is_cuda:
-            self._cuda_side().fused_allreduce(tensors, op, compression=compression, prescale=prescale)
-            return
-        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        self._fusion.run(work, op, compression=compression, prescale=prescale)
-        for t, w in zip(tensors, work):
-            if w is not t:
-                t.copy_(w)
+        """Runs now (CUDA: enqueued on the current stream, what follows on it sees the result)."""
+        if tensors:
+            self._device(tensors[0]).fused(tensors, op, compression, prescale, "fused_allreduce", sync=True)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
+        dev = self._device(t)
         op, factor = _reduce_op(opts)
-        root, comm = opts.rootRank, self._comm
+        root, comm = opts.rootRank, dev.comm
 
         def run():
             src = _premul(t, factor) if factor is not None else t.contiguous()
-            if comm.rank == root:
+            if self.rank() == root:
                 _write(t, lambda buf: comm.reduce(src, buf if src is not buf else None, op, root))
             else:
                 comm.reduce(src, None, op, root)
 
-        return self._submit("reduce", run, tensors, opts)
+        return dev.launch("reduce", run, None, None, None, 0, tensors, opts)
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         out = _one(output_tensors, "reduce_scatter")
         inputs = _one(input_lists, "reduce_scatter")
+        dev = self._device(out)
         op, factor = _reduce_op(opts)
         _check_per_rank(inputs, self.size(), out.dtype, "reduce_scatter", "input")
-        comm = self._comm
+        comm = dev.comm
 
         def run():
-            flat = _flat(inputs)
+            flat = _flat(inputs, out)
             if factor is not None:
                 flat = _premul(flat, factor)
             _write(out, lambda buf: comm.reduce_scatter(flat, buf, op, _uneven([i.numel() for i in inputs])))
 
-        return self._submit("reduce_scatter", run, output_tensors, opts)
+        return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
+        dev = self._device(output)
         op, factor = _reduce_op(opts)
-        comm = self._comm
+        comm = dev.comm
 
         def run():
             src = _premul(input, factor) if factor is not None else input.contiguous()
             _write(output, lambda buf: comm.reduce_scatter(src, buf, op))
 
-        return self._submit("reduce_scatter_tensor", run, [output], opts)
+        return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -322,28 +389,32 @@ class EngineProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
-        root, comm = opts.rootRank, self._comm
-        return self._submit("broadcast", lambda: _write(t, lambda buf: comm.broadcast(buf, root)), tensors, opts)
+        dev = self._device(t)
+        if t.is_contiguous():
+            return dev.launch("broadcast", dev.comm.broadcast, t, opts.rootRank, None, 2, tensors, opts)
+        comm, root = dev.comm, opts.rootRank
+        return dev.launch("broadcast", _write, t, lambda buf: comm.broadcast(buf, root), None, 2, tensors, opts)
 
     def allgather(self, output_lists, input_tensors, opts=None):
         outs = _one(output_lists, "allgather")
         inp = _one(input_tensors, "allgather")
         _check_per_rank(outs, self.size(), inp.dtype, "all_gather", "output")
-        comm = self._comm
+        dev = self._device(inp)
+        comm = dev.comm
 
         def run():
             counts = [o.numel() for o in outs]
-            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            flat = inp.new_empty(sum(counts))
             comm.allgather(inp.contiguous(), flat, _uneven(counts))
             _scatter_back(flat, outs)
 
-        return self._submit("allgather", run, output_lists, opts)
+        return dev.launch("allgather", run, None, None, None, 0, output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        comm = self._comm
-        return self._submit("all_gather_into_tensor",
-                            lambda: _write(output, lambda buf: comm.allgather(input.contiguous(), buf)), [output],
-                            opts)
+        dev = self._device(input)
+        comm = dev.comm
+        return dev.launch("all_gather_into_tensor", _write, output,
+                          lambda buf: comm.allgather(input.contiguous(), buf), None, 2, [output], opts)
 
     _allgather_base = all_gather_single
 
@@ -354,102 +425,101 @@ class EngineProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
+        """output_lists[r][j] receives rank r's input_list[j]: one allgather per input."""
+        works = [self.allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
         return works[-1] if works else self.barrier()
 
     def gather(self, output_lists, input_tensors, opts):
         inp = _one(input_tensors, "gather")
-        root, comm = opts.rootRank, self._comm
+        dev = self._device(inp)
+        root, comm = opts.rootRank, dev.comm
         outs = output_lists[0] if output_lists else []
-        if comm.rank == root:
+        if self.rank() == root:
             _check_per_rank(outs, self.size(), inp.dtype, "gather", "output", " on the root")
 
         def run():
-            if comm.rank != root:
+            if self.rank() != root:
                 comm.gather(inp.contiguous(), None, root)
                 return
             counts = [o.numel() for o in outs]
-            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            flat = inp.new_empty(sum(counts))
             comm.gather(inp.contiguous(), flat, root, _uneven(counts))
             _scatter_back(flat, outs)
 
-        return self._submit("gather", run, output_lists, opts)
+        return dev.launch("gather", run, None, None, None, 0, output_lists, opts)
 
     def scatter(self, output_tensors, input_lists, opts):
         out = _one(output_tensors, "scatter")
-        root, comm = opts.rootRank, self._comm
+        dev = self._device(out)
+        root, comm = opts.rootRank, dev.comm
         inputs = input_lists[0] if input_lists else []
-        if comm.rank == root:
+        if self.rank() == root:
             _check_per_rank(inputs, self.size(), out.dtype, "scatter", "input", " on the root")
 
         def run():
-            if comm.rank == root:
-                _write(out, lambda buf: comm.scatter(_flat(inputs), buf, root, _uneven([i.numel() for i in inputs])))
+            if self.rank() == root:
+                flat = _flat(inputs, out)
+                _write(out, lambda buf: comm.scatter(flat, buf, root, _uneven([i.numel() for i in inputs])))
             else:
                 _write(out, lambda buf: comm.scatter(None, buf, root))
 
-        return self._submit("scatter", run, output_tensors, opts)
+        return dev.launch("scatter", run, None, None, None, 0, output_tensors, opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(f"all_to_all needs {self.size()} input and output tensors, got "
                              f"{len(input_tensors)} and {len(output_tensors)}")
         _check_dtypes(list(output_tensors) + list(input_tensors), input_tensors[0].dtype, "all_to_all")
-        comm = self._comm
+        dev = self._device(input_tensors[0])
+        comm = dev.comm
 
         def run():
             recv_counts = [o.numel() for o in output_tensors]
-            flat = torch.empty(sum(recv_counts), dtype=output_tensors[0].dtype)
-            comm.alltoall(_flat(input_tensors), flat, [i.numel() for i in input_tensors], recv_counts)
+            flat = output_tensors[0].new_empty(sum(recv_counts))
+            comm.alltoall(_flat(input_tensors, flat), flat, [i.numel() for i in input_tensors], recv_counts)
             _scatter_back(flat, output_tensors)
 
-        return self._submit("alltoall", run, output_tensors, opts)
+        return dev.launch("alltoall", run, None, None, None, 0, output_tensors, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
                                                      self.size())
-        comm = self._comm
-
-        def run():
-            _write(output, lambda buf: comm.alltoall(input.contiguous(), buf, send_counts, recv_counts))
-
-        return self._submit("alltoall_base", run, [output], opts)
+        dev = self._device(input)
+        comm = dev.comm
+        return dev.launch("alltoall_base", _write, output,
+                          lambda buf: comm.alltoall(input.contiguous(), buf, send_counts, recv_counts), None, 2,
+                          [output], opts)
 
     def barrier(self, opts=None):
-        if isinstance(self._comm, _NoMPI):  # torchrun: the ranks meet on the GPU, over NCCL
-            return self._cuda_side().barrier(torch.cuda.current_device())
-        return self._submit("barrier", self._comm.barrier, [], opts)
+        # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
+        # on the GPU); CUDA work already enqueued keeps its own order.
+        return self._cpu.launch("barrier", self._comm.barrier, None, None, None, 0, [], opts)
 
     # -- point to point: posted now, never queued behind collectives --
 
     def send(self, tensors, dst, tag):
-        t = _one(tensors, "send").contiguous()
-        return PointToPointWork(self._comm.isend(t, dst, tag), tensors)
+        t = _one(tensors, "send")
+        return self._device(t).send(t, dst, tag, tensors)
 
     def recv(self, tensors, src, tag):
-        return self._post_recv(tensors, src, tag)
+        t = _one(tensors, "recv")
+        return self._device(t).recv(t, src, tag, tensors)
 
     def recv_anysource(self, tensors, tag):
-        return self._post_recv(tensors, None, tag)
-
-    def _post_recv(self, tensors, src, tag, finish=None):
         t = _one(tensors, "recv")
-        if t.is_contiguous():
-            return PointToPointWork(self._comm.irecv(t, src, tag), tensors, finish=finish)
-        tmp = t.contiguous()
-        return PointToPointWork(self._comm.irecv(tmp, src, tag), tensors, finish=lambda: t.copy_(tmp))
+        return self._device(t).recv(t, None, tag, tensors)
 
     # -- lifetime --
 
     def shutdown(self):
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-            self._fusion.close()
-            if self._cuda is not None:
-                self._cuda.shutdown()
-            if not isinstance(self._comm, _NoMPI):
-                self._comm.free()
+        if self._cpu is None:
+            return
+        for dev in self._devices.values():
+            dev.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._cpu.shutdown()
+        self._cpu = None
 
     def abort(self):
         self.shutdown()

@@ -20,24 +20,30 @@ class _OutputsWork(dist._Work):
         pass
 
 
-class CollectiveWork(_OutputsWork):
+class CollectiveWork(dist._Work):
     """A queued collective. wait() runs it inline when it is next in line (no thread hand-off), or
     blocks until the group's progress thread has run it; get_future() completes when it is done,
-    with the output tensors as value (as Gloo's and NCCL's futures do)."""
+    with the output tensors as value (as Gloo's and NCCL's futures do).
 
-    def __init__(self, progress, task, outputs):
-        super().__init__()
-        self._progress = progress
-        self._task = task
-        self._outputs = outputs
-        self._future = None
+    No __init__ of its own (pybind's takes less than half the time then): made by of(task), which
+    holds everything in the task (its progress engine and outputs)."""
+
+    @staticmethod
+    def of(task):
+        work = CollectiveWork()
+        work._task = task
+        return work
 
     def wait(self, timeout=None):
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
-        if not self._progress.wait(self._task, seconds if seconds > 0 else None):
-            raise EngineTimeout(f"Work.wait: {self._task.name} did not complete within {seconds:g} s")
-        if self._task.error is not None:
-            raise self._task.error
+        task = self._task
+        if timeout is None or not timeout:
+            task.progress.wait(task)
+        else:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            if not task.progress.wait(task, seconds if seconds > 0 else None):
+                raise EngineTimeout(f"Work.wait: {task.name} did not complete within {seconds:g} s")
+        if task.error is not None:
+            raise task.error
         return True
 
     def is_completed(self):
@@ -49,17 +55,24 @@ class CollectiveWork(_OutputsWork):
     def exception(self):
         return self._task.error
 
+    def result(self):
+        return list(self._task.outputs)
+
+    def synchronize(self):
+        pass
+
     def get_future(self):
-        if self._future is None:
-            self._future = torch.futures.Future()
-            self._progress.add_done_callback(self._task, self._complete_future)
-        return self._future
+        fut = getattr(self, "_future", None)
+        if fut is None:
+            fut = self._future = torch.futures.Future()
+            self._task.progress.add_done_callback(self._task, self._complete_future)
+        return fut
 
     def _complete_future(self, task):
         if task.error is not None:
             self._future.set_exception(task.error)
         else:
-            self._future.set_result(list(self._outputs))
+            self._future.set_result(list(task.outputs))
 
 
 class CompletedWork(dist._Work):

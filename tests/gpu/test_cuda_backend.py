@@ -41,15 +41,15 @@ def ref(op, n, dtype, ranks=None):
 
 def nccl_side():
     """This group's engine.cuda CudaCommunicator (nccl transport only)."""
-    side = PG._cuda_side()
-    if side.transport != "nccl":
-        pytest.skip(f"transport is {side.transport}")
-    return side._comm(DEV.index)
+    dev = PG._cuda_device(DEV.index)
+    if not hasattr(dev, "cc"):
+        pytest.skip("transport is staged")
+    return dev.cc
 
 
 def test_transport_is_the_expected_one():
-    side = PG._cuda_side()
-    assert side.transport == ("staged" if TRANSPORT == "staged" else "nccl")
+    dev = PG._cuda_device(DEV.index)
+    assert type(dev).__name__ == ("StagedDevice" if TRANSPORT == "staged" else "CudaDevice")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

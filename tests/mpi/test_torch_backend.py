@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_world
+
 from refdata import rank_data, reference, torch_data as data, torch_op_supported as supported
 from refdata import torch_reference
 
-dist.init_process_group(backend="engine")  # no torchbridge import: the entry point registered it
-R, P = dist.get_rank(), dist.get_world_size()
-GLOO = dist.new_group(backend="gloo")
+R, P, GLOO = torch_world.init()
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool]
@@ -122,6 +122,13 @@ def test_all_gather_variants():
     dist.all_gather(uneven, torch.full((R + 1,), float(R)))
     for r in range(P):
         assert torch.equal(uneven[r], torch.full((r + 1,), float(r)))
+    # all_gather_coalesced: outputs[r][j] gets rank r's inputs[j] (several inputs, different sizes)
+    inputs = [data(R, 3, torch.float32, salt=1), data(R, 5, torch.float32, salt=2)]
+    outputs = [[torch.empty(3), torch.empty(5)] for _ in range(P)]
+    dist.all_gather_coalesced(outputs, inputs)
+    for r in range(P):
+        assert torch.equal(outputs[r][0], data(r, 3, torch.float32, salt=1))
+        assert torch.equal(outputs[r][1], data(r, 5, torch.float32, salt=2))
 
 
 def test_gather_and_scatter():

@@ -6,14 +6,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
+import torch_world
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchbridge
 
-dist.init_process_group(backend="engine")
-R, P = dist.get_rank(), dist.get_world_size()
-GLOO = dist.new_group(backend="gloo")
+R, P, GLOO = torch_world.init()
 
 
 def make_model(seed=0):

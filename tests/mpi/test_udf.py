@@ -35,7 +35,7 @@ def data(rank, n, dtype):
     return (rank_data(rank, n, "int64") * (1 if rank % 2 else -1) * (rank + 1)).astype(dtype)
 
 
-@pytest.mark.parametrize("algo", ["native", "ring", "rdouble"])
+@pytest.mark.parametrize("algo", WORLD.core.algorithms)
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "uint8"])
 def test_user_op_allreduce(algo, dtype):
     for n in [0, 1, 5, 257]:

@@ -1,0 +1,128 @@
+"""How the ranks of a new group meet before they can communicate: they exchange small Python objects
+(host identities, the shared segment's descriptor) over MPI, or over torch's store when no MPI
+launcher started them. Then the group's transport is chosen and, for shared memory, its segment made."""
+
+import os
+import pickle
+import socket
+
+from .config import env_choice, env_int
+
+TRANSPORTS = ("auto", "shm", "mpi")
+
+
+class MpiBootstrap:
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+
+class StoreBootstrap:
+    """allgather over a key-value store (torch's Store API: set / get, where get waits for the key)."""
+
+    def __init__(self, store, rank, size, prefix="engine"):
+        self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
+        self._round = 0
+
+    def allgather(self, obj):
+        key = f"{self.prefix}/boot/{self._round}/"
+        self._round += 1
+        self.store.set(key + str(self.rank), pickle.dumps(obj))
+        return [pickle.loads(self.store.get(key + str(r))) for r in range(self.size)]
+
+
+class SelfBootstrap:
+    """A group of one."""
+    rank, size = 0, 1
+
+    def allgather(self, obj):
+        return [obj]
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_identity():
+    """(host, pid, cores this process may use): ranks with the same host share memory (same kernel and
+    UTS name)."""
+    from .launcher import usable_cores
+    return (f"{socket.gethostname()}/{_boot_id()}", os.getpid(), usable_cores())
+
+
+def choose_transport(requested, hosts):
+    """'shm' or 'mpi' for a group whose ranks run on `hosts` (one entry per rank)."""
+    want = requested or env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
+    if want not in TRANSPORTS:
+        raise ValueError(f"transport {want!r}: expected one of {', '.join(TRANSPORTS)}")
+    one_host = len(set(hosts)) == 1
+    if want == "shm" and not one_host:
+        names = sorted({h.split('/')[0] for h in hosts})
+        raise ValueError(f"ENGINE_TRANSPORT=shm needs every rank of the group on one host, but it spans "
+                         f"{', '.join(names)}: use ENGINE_TRANSPORT=auto or mpi")
+    if want == "auto":
+        return "shm" if one_host else "mpi"
+    return want
+
+
+def default_queue_bytes(size):
+    # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
+    # the pages are touched only by pairs that talk).
+    return max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+
+
+def make_segment(boot, everyone):
+    """The group's shared segment: rank 0 creates it, the others attach, every rank learns whether
+    all succeeded (so none is left waiting), then rank 0 drops its descriptor."""
+    from . import _core
+    size, rank = boot.size, boot.rank
+    half = env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20)
+    queue = env_int("ENGINE_SHM_QUEUE_BYTES", default_queue_bytes(size))
+    seg = desc = error = None
+    if rank == 0:
+        try:
+            seg = _core.ShmSegment.create(size, half, queue)
+            desc = seg.descriptor()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    desc, error0 = boot.allgather((desc, error))[0]
+    if error0 is not None:
+        raise RuntimeError(f"engine: rank 0 could not create the group's shared segment: {error0}")
+    if rank != 0:
+        try:
+            seg = _core.ShmSegment.attach(rank, size, desc)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    errors = [(r, e) for r, e in enumerate(boot.allgather(error)) if e]
+    if rank == 0:
+        seg.close_fd()
+    if errors:
+        raise RuntimeError("engine: the group's shared segment could not be attached: "
+                           + "; ".join(f"rank {r}: {e}" for r, e in errors))
+    seg.watch_peers([pid for _, pid, _ in everyone])
+    _enable_single_copy(boot, seg, [pid for _, pid, _ in everyone])
+    return seg
+
+
+def _enable_single_copy(boot, seg, pids):
+    """Pieces of ENGINE_SHM_CMA_MIN_BYTES..ENGINE_SHM_CMA_MAX_BYTES move by one process_vm_readv from
+    the owner's buffer instead of two copies through the segment, when every rank may read every
+    other's memory. Measured here (docs/tuning.md): from 32 KiB it matches MPI (which does the same)
+    whatever the machine's state, while two copies through the segment win by up to 2x at 2 MiB and up
+    only while the two cores share freshly written cache lines quickly, and lose 4x when they don't."""
+    from . import _core
+    mode = env_choice("ENGINE_SHM_CMA", ("auto", "1", "0"), "auto")
+    addrs = boot.allgather(_core.cma_probe_address()[0]) if boot.size > 1 else [0]
+    ok = mode != "0" and boot.size > 1 and seg.cma_probe(pids, addrs)
+    everyone_ok = all(boot.allgather(ok)) if boot.size > 1 else False
+    if mode == "1" and boot.size > 1 and not everyone_ok:
+        raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
+                           "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
+    seg.set_cma(everyone_ok, env_int("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10), env_int("ENGINE_SHM_CMA_MAX_BYTES", 1 << 62))

@@ -1,0 +1,153 @@
+"""Hierarchical collectives for groups spanning hosts with several ranks each: shared memory inside
+each host, MPI between hosts.
+
+Every rank carries a slice across hosts (measured better than one leader per host: docs/tuning.md), so
+all the ranks' links and cores work at once:
+
+    allreduce       local reduce_scatter (shm) -> cross allreduce of my slice (MPI, among the ranks of
+                    the same local index) -> local allgather (shm)
+    broadcast       cross broadcast among the root's local index -> local broadcast from it
+    allgather       cross allgather among my local index -> local allgather -> reorder to rank order
+    reduce_scatter  reorder -> local reduce_scatter -> cross reduce_scatter
+
+`leader` variants (local reduce to one rank per host, an allreduce among those, local broadcast) exist
+for the comparison and for ENGINE_HIER=leader. Workspaces are allocated once per group and grown.
+Needs the same number of ranks on every host (otherwise the group stays flat).
+"""
+
+import numpy as np
+
+from . import _core
+from .ops import ReduceOp
+
+
+def topology(hosts):
+    """(host index of each rank, local index of each rank, ranks per host or None when uneven)."""
+    order = list(dict.fromkeys(hosts))
+    host_of = [order.index(h) for h in hosts]
+    local_of, seen = [], {}
+    for h in host_of:
+        local_of.append(seen.get(h, 0))
+        seen[h] = seen.get(h, 0) + 1
+    sizes = set(seen.values())
+    return host_of, local_of, (sizes.pop() if len(sizes) == 1 else None)
+
+
+def _empty_like(buf, count):
+    if type(buf).__module__.split(".")[0] == "torch":
+        return buf.new_empty(count)
+    return np.empty(count, dtype=buf.dtype)
+
+
+def _copy(dst, src):
+    if hasattr(dst, "copy_"):
+        dst.copy_(src)
+    else:
+        dst[...] = src
+
+
+def _flat(buf):
+    return buf.reshape(-1)
+
+
+class Hierarchy:
+    """The two levels of one group: `local` (this host's ranks, shared memory) and `cross` (the ranks of
+    this local index on every host, MPI), with the rank maps to put blocks back in rank order."""
+
+    def __init__(self, local, cross, host_of, local_of, leaders=None):
+        self.local, self.cross, self.leaders = local, cross, leaders
+        self.host_of, self.local_of = host_of, local_of
+        self.hosts, self.per_host = cross.size, local.size
+        # place[h][i] = the global rank at host h, local index i
+        self.place = [[0] * self.per_host for _ in range(self.hosts)]
+        for g, (h, i) in enumerate(zip(host_of, local_of)):
+            self.place[h][i] = g
+        self._work = {}
+
+    def _buffer(self, like, count, slot):
+        key = (slot, str(getattr(like, "dtype", "")), type(like))
+        buf = self._work.get(key)
+        if buf is None or buf.shape[0] < count:
+            buf = self._work[key] = _empty_like(like, max(count, 1))
+        return buf[:count]
+
+    # -- allreduce --
+
+    def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
+        buf = sendbuf if recvbuf is None else recvbuf
+        if recvbuf is not None:
+            _copy(recvbuf, sendbuf)
+        flat = _flat(buf)
+        n, L = flat.shape[0], self.per_host
+        counts = [_core.ring_block(n, L, i)[1] for i in range(L)]
+        mine = self._buffer(flat, counts[self.local.rank], "slice")
+        avg = op == ReduceOp.AVG
+        red = ReduceOp.SUM if avg else op
+        self.local.reduce_scatter(flat, mine, red, counts)
+        self.cross.allreduce(mine, None, red)
+        if avg:
+            _core.scale(mine, self.hosts * L, True)
+        self.local.allgather(mine, flat, counts)
+        return buf
+
+    def allreduce_leader(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
+        buf = sendbuf if recvbuf is None else recvbuf
+        if recvbuf is not None:
+            _copy(recvbuf, sendbuf)
+        avg = op == ReduceOp.AVG
+        red = ReduceOp.SUM if avg else op
+        self.local.reduce(buf, None, red, 0)
+        if self.leaders is not None:
+            self.leaders.allreduce(buf, None, op)
+        elif avg:
+            _core.scale(buf, self.hosts * self.per_host, True)
+        self.local.broadcast(buf, 0)
+        return buf
+
+    # -- broadcast --
+
+    def broadcast(self, buf, root=0):
+        h, i = self.host_of[root], self.local_of[root]
+        if self.local.rank == i:
+            self.cross.broadcast(buf, h)
+        self.local.broadcast(buf, i)
+        return buf
+
+    # -- allgather / reduce_scatter (equal counts) --
+
+    def allgather(self, sendbuf, recvbuf):
+        n = _flat(sendbuf).shape[0]
+        H, L = self.hosts, self.per_host
+        across = self._buffer(_flat(sendbuf), H * n, "across")
+        self.cross.allgather(sendbuf, across)                 # [h] = rank (h, my local index)
+        both = self._buffer(_flat(sendbuf), L * H * n, "both")
+        self.local.allgather(across, both)                    # [i][h] = rank (h, i)
+        out = _flat(recvbuf)
+        for i in range(L):
+            for h in range(H):
+                g = self.place[h][i]
+                _copy(out[g * n:(g + 1) * n], both[(i * H + h) * n:(i * H + h + 1) * n])
+        return recvbuf
+
+    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM):
+        n = _flat(recvbuf).shape[0]
+        H, L = self.hosts, self.per_host
+        src = _flat(sendbuf)
+        both = self._buffer(src, L * H * n, "both")
+        for i in range(L):
+            for h in range(H):
+                g = self.place[h][i]
+                _copy(both[(i * H + h) * n:(i * H + h + 1) * n], src[g * n:(g + 1) * n])
+        avg = op == ReduceOp.AVG
+        red = ReduceOp.SUM if avg else op
+        across = self._buffer(src, H * n, "across")
+        self.local.reduce_scatter(both, across, red)         # my local index's H blocks, summed over the host
+        self.cross.reduce_scatter(across, recvbuf, red)      # my block, summed over the hosts
+        if avg:
+            _core.scale(recvbuf, H * L, True)
+        return recvbuf
+
+    def free(self):
+        for comm in (self.local, self.cross, self.leaders):
+            if comm is not None:
+                comm.free()

@@ -1,0 +1,38 @@
+"""Who started this process: an MPI launcher (mpirun / mpiexec / srun), or something MPI cannot
+join (torchrun, mp.spawn, plain python). Read from the environment only; nothing is imported."""
+
+import os
+
+# (name, rank, size, local rank, local size) variables of each launcher; the first whose rank is set wins.
+LAUNCHERS = (
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPICH/Hydra or Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("Slurm srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+MPIRUN_HINT = "launch the job with `mpirun -n N python script.py` (or srun with PMI/PMIx)"
+
+
+def detect_launcher(environ=None):
+    """(launcher name, rank, size, local rank, local size or None) from the environment, or None."""
+    env = os.environ if environ is None else environ
+    for name, rank, size, local, local_size in LAUNCHERS:
+        if rank in env and size in env:
+            ls = env.get(local_size, "")
+            return (name, int(env[rank]), int(env[size]), int(env.get(local, 0)),
+                    int(ls) if ls.isdigit() else None)
+    return None
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity: a launcher that binds ranks narrows it)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
+def host_cores():
+    """The cores of this host (before MPI starts, the affinity a launcher set says one rank's share)."""
+    return os.cpu_count() or 1

@@ -1,0 +1,26 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""engine._mpi: the MPI transport (point-to-point for the engine's algorithms and the user's
+send/recv) and MPI's native collectives, behind engine._core's seam."""
+
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memcpy, memset
+from libc.limits cimport INT_MAX
+from libc.stdint cimport SIZE_MAX
+
+from mpi4py.libmpi cimport *
+from mpi4py.MPI cimport Comm
+
+from kernels cimport *
+from shm cimport eng_now
+from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, Backoff, backoff_init,
+                           backoff_pause, start_wait, Req, Status, Transport, req_active, CoreComm,
+                           ALGO_NATIVE, ALGO_RING, ALGO_RDOUBLE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,
+                           OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE)
+
+from engine._core import EngineError
+
+include "mpi_tables.pxi"
+include "mpi_transport.pxi"
+include "mpi_collectives.pxi"
+
+_init_mpi_tables()

@@ -1,0 +1,279 @@
+# Declarations of engine._core shared with engine._mpi (which subclasses Transport and CoreComm).
+#
+# Layers, each calling only the one below:
+#   CoreComm (parse buffers, check, record, choose)  ->  algorithms (ring, recursive doubling, the
+#   shared-memory collectives)  ->  Transport (post / test / wait / cancel of byte messages)  ->  kernels.
+
+from libc.stdint cimport uint64_t
+from cpython.buffer cimport Py_buffer
+
+from kernels cimport eng_reduce_fn
+
+
+# ---- buffers ----
+
+cdef extern from "dlpack.h":
+    ctypedef struct DLDevice:
+        int device_type
+    ctypedef struct DLDataType:
+        unsigned char code
+        unsigned char bits
+        unsigned short lanes
+    ctypedef struct DLTensor:
+        void *data
+        DLDevice device
+        int ndim
+        DLDataType dtype
+        long long *shape
+        long long *strides
+        unsigned long long byte_offset
+    ctypedef struct DLManagedTensor:
+        DLTensor dl_tensor
+        void (*deleter)(DLManagedTensor *)
+    enum: kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLComplex, kDLBool, kDLCPU, kDLCUDAHost
+
+
+cdef class Message:
+    cdef void *ptr
+    cdef size_t count
+    cdef int dtype
+    cdef size_t itemsize
+    cdef object owner
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef DLManagedTensor *managed
+
+
+cdef Message as_message(object obj, bint writable, str role)
+
+
+# ---- reductions ----
+
+cdef struct RedC:
+    eng_reduce_fn fn    # the engine kernel for (op, dtype)
+    int code            # ENG_SUM..ENG_BXOR; -1 for a user op
+    int dtype
+    bint avg            # SUM, then divide by the group size
+
+
+cdef class Reduction:
+    cdef RedC c
+    cdef object keep    # a user op's compiled code, kept alive
+
+
+cdef Reduction resolve_op(object op, int dtype)
+
+
+# ---- waiting ----
+
+ctypedef int (*alive_fn)(void *arg) noexcept nogil
+
+
+cdef struct WaitCtx:
+    void *hook          # a Python callable hook(elapsed_seconds) (borrowed), or NULL
+    double start        # when the operation began
+    double interval     # seconds between hook calls
+    double next_check
+    alive_fn alive      # returns an engine error code once a peer is gone; NULL: no check
+    void *alive_arg
+    double spin         # seconds to spin before yielding; < 0: the process's policy
+
+
+cdef struct Backoff:
+    double spin_until   # spin (pause instruction) until then,
+    double yield_until  # then sched_yield() until then,
+    double nap          # then sleep, doubling up to a cap
+    double next_alive
+
+
+cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil
+cdef int backoff_pause(Backoff *b, WaitCtx *ctx) except -1 nogil
+cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil
+cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil
+cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept
+
+
+# ---- errors: transports return 0, -1 (a Python exception is set) or a positive code ----
+
+cdef enum:
+    ENG_ERR_BASE = 100000
+    ENG_ERR_PEER_DEAD = 100001   # a peer process exited
+    ENG_ERR_MISMATCH = 100002    # peers are in different collectives
+    ENG_ERR_CORRUPT = 100003     # a peer wrote something out of bounds into the segment
+    ENG_ERR_TRUNCATE = 100004    # a message longer than the receive buffer
+    ENG_ERR_NOMEM = 100005
+    ENG_ERR_CANCELLED = 100006
+    ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
+
+
+# ---- the transport seam ----
+
+cdef enum:
+    ANY_PEER = -1
+    ANY_TAG_ = -1
+
+
+ctypedef struct Req:
+    size_t w[4]         # transport-owned state of one posted send or receive (all zero: none)
+
+
+ctypedef struct Status:
+    int source
+    int tag
+    size_t nbytes
+
+
+cdef class Transport:
+    cdef readonly int rank, size
+    cdef int err_peer   # the rank an engine error code names, or -1
+    cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
+    cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
+    cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil
+    cdef int cancel(self, Req *req) noexcept nogil
+    cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil
+    cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil
+    cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
+    cdef object error_text(self, int code)
+
+
+cdef inline bint req_active(const Req *r) noexcept nogil:
+    return r.w[0] != 0
+
+
+# ---- algorithms over a transport ----
+
+cdef class RingAllreduce:
+    cdef Transport tp
+    cdef int rank, size
+    cdef readonly size_t seg_bytes
+    cdef char *tmp
+    cdef Req *rreqs
+    cdef Req *sreqs
+    cdef size_t sreq_cap
+    cdef size_t *rbase
+    cdef size_t *sbase
+    cdef size_t nseg(self, size_t length, size_t segc) noexcept nogil
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                 WaitCtx *ctx) except -1 nogil
+    cdef int _run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                  WaitCtx *ctx) except -1 nogil
+
+
+cdef class RecursiveDoubling:
+    cdef Transport tp
+    cdef int rank, size
+    cdef char *tmp
+    cdef size_t tmp_cap
+    cdef int exchange(self, void *sbuf, size_t sn, int speer, void *rbuf, size_t rn, int rpeer, int tag,
+                      WaitCtx *ctx) except -1 nogil
+    cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                 WaitCtx *ctx) except -1 nogil
+
+
+# ---- the communicator core ----
+
+cdef enum:
+    ALGO_NATIVE = 0     # the transport's own collective (MPI_Allreduce)
+    ALGO_RING = 1
+    ALGO_RDOUBLE = 2
+    ALGO_ONESHOT = 3    # shared memory: every rank reduces every slot
+    ALGO_TWOSHOT = 4    # shared memory: reduce-scatter + allgather through the segment
+    ALGO_CMA = 5        # shared memory, data movement: single copy from the peer's buffer
+    ALGO_HIER = 6       # across hosts: shared memory inside each, every rank carrying a slice over MPI
+    ALGO_LEADER = 7     # across hosts: one leader per host carries it over MPI
+    NALGOS = 8
+
+
+cdef enum:
+    OP_ALLREDUCE = 0
+    OP_BROADCAST = 1
+    OP_REDUCE = 2
+    OP_ALLGATHER = 3
+    OP_GATHER = 4
+    OP_SCATTER = 5
+    OP_REDUCE_SCATTER = 6
+    OP_ALLTOALL = 7
+    OP_BARRIER = 8
+    NOPKINDS = 9
+
+
+cdef struct OpRec:
+    uint64_t seq
+    int op
+    int dtype           # -1: none
+    size_t count
+    int algo            # -1: none
+    int state           # 0 running, 1 done, 2 failed, 3 timed out
+    bint native         # blocks inside the transport's own collective (no watch while it runs)
+    double start, end
+
+
+cdef struct Rule:
+    int algo
+    size_t lo, hi       # message bytes, inclusive
+    int min_ranks, max_ranks
+
+
+cdef class CoreComm:
+    cdef readonly int rank, size
+    cdef readonly str transport
+    cdef Transport algo_tp      # the engine's algorithms' point-to-point
+    cdef Transport user_tp      # the user's send / recv (kept apart: ANY_TAG never sees ring traffic)
+    cdef RingAllreduce ring
+    cdef RecursiveDoubling rdouble
+    cdef object hook
+    cdef double spin            # this group's spin budget (seconds; < 0: the process's policy)
+    cdef readonly object p2p_watch   # names the peer when a point-to-point wait times out
+    cdef double interval
+    cdef alive_fn alive
+    cdef void *alive_arg
+    cdef size_t *cnt            # 4 x size: counts and displacements of the v-collectives
+    cdef OpRec *recs
+    cdef size_t nrecs
+    cdef uint64_t seq
+    cdef OpRec *cur
+    cdef object broken          # why the group is unusable, or None
+    cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
+    cdef object on_failure      # called with (record, exception) when an operation fails
+    cdef Rule rules[16]
+    cdef int nrules
+    cdef unsigned algos         # bit mask of the allreduce algorithms this transport runs
+    cdef bint blocking          # its collectives block inside the transport (MPI's): the watchdog covers them
+    cdef int default_algo
+    cdef list limbo             # buffers of requests left posted by a failed operation
+
+    cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
+    cdef void start(self, WaitCtx *ctx) noexcept
+    cdef int _root(self, int root) except -1
+    cdef int _fits(self, int op, size_t n, str what) except -1
+    @staticmethod
+    cdef int _same_dtype(Message a, Message b, str what) except -1
+    cdef _keep_if_posted(self, int algo, Message ms, Message mr)
+    cdef int _peer(self, int peer, bint any_ok, str what) except? -9999
+    cdef int _tag(self, int tag, bint any_ok) except? -9999
+    cdef object _post(self, buf, int peer, int tag, bint recv, str what)
+    cdef int choose(self, size_t nbytes) noexcept
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int algo, bint native) except NULL
+    cdef int finish(self, OpRec *rec, int ierr, str what) except -1
+    cdef int fail(self, OpRec *rec, object exc) except -1
+    cdef object error(self, int ierr, str what)
+    cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
+    cdef size_t max_count(self, int op) noexcept
+
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+                           WaitCtx *ctx) except -1 nogil
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+                        WaitCtx *ctx) except -1 nogil
+    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                           const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
+                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
+                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                          bint even, WaitCtx *ctx) except -1 nogil
+    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil

@@ -1,0 +1,168 @@
+# MPI's native collectives behind the communicator core (engine._core.CoreComm parses and checks;
+# this only calls MPI). Element-wise collectives go in pieces of at most `chunk` elements, so counts
+# past MPI's int limit work; the others take int counts (max_count says so before anything starts).
+
+
+cdef class MpiComm(CoreComm):
+    """A group over MPI: native collectives on `coll`, the engine's algorithms over `algo`, the user's
+    send/recv over `p2p` (three communicators, so a user's ANY_TAG receive never sees ring traffic)."""
+    cdef MPI_Comm coll
+    cdef int *ibuf              # 4 x size ints: counts and displacements as MPI takes them
+    cdef readonly size_t chunk
+
+    def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes):
+        self.coll = coll.ob_mpi
+        self.transport = "mpi"
+        self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
+        self.algos = (1u << ALGO_NATIVE) | (1u << ALGO_RING) | (1u << ALGO_RDOUBLE)
+        self.default_algo = ALGO_NATIVE
+        self.blocking = True
+        self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
+        if self.ibuf == NULL:
+            raise MemoryError()
+        self.chunk = 1 << 30  # MPI counts are ints: larger messages are cut (no large-count MPI-4 calls here)
+
+    def __dealloc__(self):
+        free(self.ibuf)
+
+    def set_chunk(self, size_t elements):
+        """Largest piece of an element-wise native collective (tests make it tiny to reach the loop)."""
+        if elements == 0 or elements > <size_t>INT_MAX:
+            raise ValueError(f"chunk must be in 1..{INT_MAX} elements")
+        self.chunk = elements
+
+    cdef size_t max_count(self, int op) noexcept:
+        if op == OP_ALLGATHER or op == OP_GATHER or op == OP_SCATTER or op == OP_REDUCE_SCATTER or op == OP_ALLTOALL:
+            return INT_MAX
+        return SIZE_MAX
+
+    cdef int *ints(self, const size_t *counts, int k) noexcept nogil:
+        """counts as MPI's ints (in slot k of ibuf); the core checked that they fit."""
+        cdef int i
+        cdef int *out = self.ibuf + k * self.size
+        if counts == NULL:
+            return NULL
+        for i in range(self.size):
+            out[i] = <int>counts[i]
+        return out
+
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+                           WaitCtx *ctx) except -1 nogil:
+        cdef size_t isz = eng_itemsize[red.dtype], off = 0
+        cdef int n, ierr = 0
+        cdef MPI_Op op
+        if algo != ALGO_NATIVE:
+            return CoreComm.run_allreduce(self, src, dst, count, red, algo, ctx)
+        op = mpi_op(red)
+        while off < count:
+            n = <int>min(self.chunk, count - off)
+            ierr = MPI_Allreduce(MPI_IN_PLACE if src == dst else src + off * isz, dst + off * isz, n,
+                                 MPI_TYPES[red.dtype], op, self.coll)
+            if ierr:
+                return ierr
+            off += n
+        if red.avg:
+            eng_scale(dst, count, red.dtype, self.size, 1)
+        return 0
+
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil:
+        cdef size_t isz = eng_itemsize[dtype], off = 0
+        cdef int n, ierr
+        while off < count:
+            n = <int>min(self.chunk, count - off)
+            ierr = MPI_Bcast(buf + off * isz, n, MPI_TYPES[dtype], root, self.coll)
+            if ierr:
+                return ierr
+            off += n
+        return 0
+
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+                        WaitCtx *ctx) except -1 nogil:
+        cdef size_t isz = eng_itemsize[red.dtype], off = 0
+        cdef int n, ierr
+        cdef MPI_Op op = mpi_op(red)
+        while off < count:
+            n = <int>min(self.chunk, count - off)
+            ierr = MPI_Reduce(MPI_IN_PLACE if src == dst else src + off * isz,
+                              NULL if dst == NULL else dst + off * isz, n, MPI_TYPES[red.dtype], op, root, self.coll)
+            if ierr:
+                return ierr
+            off += n
+        if red.avg and dst != NULL:
+            eng_scale(dst, count, red.dtype, self.size, 1)
+        return 0
+
+    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        cdef size_t isz = eng_itemsize[dtype]
+        cdef MPI_Datatype t = MPI_TYPES[dtype]
+        if counts == NULL:
+            return MPI_Allgather(MPI_IN_PLACE if src == dst + self.rank * count * isz else src, <int>count, t,
+                                 dst, <int>count, t, self.coll)
+        return MPI_Allgatherv(MPI_IN_PLACE if src == dst + displs[self.rank] * isz else src, <int>count, t,
+                              dst, self.ints(counts, 0), self.ints(displs, 1), t, self.coll)
+
+    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        cdef MPI_Datatype t = MPI_TYPES[dtype]
+        if counts == NULL:
+            return MPI_Gather(src, <int>count, t, dst, <int>count, t, root, self.coll)
+        return MPI_Gatherv(src, <int>count, t, dst, self.ints(counts, 0), self.ints(displs, 1), t, root, self.coll)
+
+    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        cdef MPI_Datatype t = MPI_TYPES[dtype]
+        if counts == NULL:
+            return MPI_Scatter(src, <int>count, t, dst, <int>count, t, root, self.coll)
+        return MPI_Scatterv(src, self.ints(counts, 0), self.ints(displs, 1), t, dst, <int>count, t, root, self.coll)
+
+    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
+                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        cdef int ierr
+        cdef MPI_Op op = mpi_op(red)
+        if counts == NULL:
+            ierr = MPI_Reduce_scatter_block(src, dst, <int>count, MPI_TYPES[red.dtype], op, self.coll)
+        else:
+            ierr = MPI_Reduce_scatter(src, dst, self.ints(counts, 0), MPI_TYPES[red.dtype], op, self.coll)
+        if not ierr and red.avg:
+            eng_scale(dst, count, red.dtype, self.size, 1)
+        return ierr
+
+    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
+                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                          bint even, WaitCtx *ctx) except -1 nogil:
+        cdef MPI_Datatype t = MPI_TYPES[dtype]
+        if even:
+            return MPI_Alltoall(src, <int>scounts[0], t, dst, <int>rcounts[0], t, self.coll)
+        return MPI_Alltoallv(src, self.ints(scounts, 0), self.ints(sdispls, 1), t,
+                             dst, self.ints(rcounts, 2), self.ints(rdispls, 3), t, self.coll)
+
+    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
+        return MPI_Barrier(self.coll)
+
+    def allgather_watched(self, sendbuf, recvbuf):
+        """MPI_Iallgather waited on through the watch, not numbered: the debug-mode signature
+        exchange, which must end in an exception (not a hang) when a rank never arrives."""
+        cdef Message ms = as_message(sendbuf, False, "sendbuf")
+        cdef Message mr = as_message(recvbuf, True, "recvbuf")
+        cdef int n = <int>ms.count, ierr = 0, flag = 0
+        cdef MPI_Request req
+        cdef WaitCtx ctx
+        cdef Backoff b
+        if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
+            raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
+        start_wait(&ctx, self.hook, self.interval)
+        try:
+            with nogil:
+                ierr = MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype], self.coll, &req)
+                backoff_init(&b, eng_now(), &ctx)
+                while not ierr:
+                    ierr = MPI_Test(&req, &flag, MPI_STATUS_IGNORE)
+                    if ierr or flag:
+                        break
+                    ierr = backoff_pause(&b, &ctx)
+        except BaseException:
+            self.limbo.append((ms, mr))  # the request stays posted into them
+            raise
+        if ierr > 0:
+            raise EngineError(f"allgather failed: {mpi_error_text(ierr)}")

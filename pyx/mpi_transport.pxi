@@ -1,0 +1,107 @@
+# The MPI transport: byte messages posted as nonblocking MPI point-to-point on one communicator.
+# Messages over 2**31 - 1 bytes travel as one message of a derived type of bytes (MPI counts are ints).
+
+cdef inline MPI_Request *_mreq(Req *r) noexcept nogil:
+    return <MPI_Request*>&r.w[1]
+
+
+cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
+    """(count, datatype) for nbytes bytes; a committed derived type (to free after posting) past INT_MAX."""
+    cdef MPI_Datatype block, types[2]
+    cdef int lens[2]
+    cdef MPI_Aint displs[2]
+    cdef size_t unit = 1 << 20
+    cdef int ierr
+    if nbytes <= <size_t>INT_MAX:
+        count[0] = <int>nbytes
+        dt[0] = MPI_BYTE
+        return 0
+    ierr = MPI_Type_contiguous(<int>unit, MPI_BYTE, &block)
+    if ierr:
+        return ierr
+    lens[0] = <int>(nbytes // unit)
+    lens[1] = <int>(nbytes % unit)
+    displs[0] = 0
+    displs[1] = <MPI_Aint>(nbytes // unit * unit)
+    types[0] = block
+    types[1] = MPI_BYTE
+    ierr = MPI_Type_create_struct(2, lens, displs, types, dt)
+    MPI_Type_free(&block)
+    if not ierr:
+        ierr = MPI_Type_commit(dt)
+    count[0] = 1
+    return ierr
+
+
+cdef class MpiTransport(Transport):
+    cdef MPI_Comm comm
+
+    def __cinit__(self, Comm comm):
+        self.comm = comm.ob_mpi
+        self.err_peer = -1
+        check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
+        check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+
+    cdef int _post(self, void *buf, size_t nbytes, int peer, int tag, Req *req, bint recv) noexcept nogil:
+        cdef int count, ierr
+        cdef MPI_Datatype dt
+        ierr = _byte_type(nbytes, &count, &dt)
+        if ierr:
+            return ierr
+        if recv:
+            ierr = MPI_Irecv(buf, count, dt, MPI_ANY_SOURCE if peer == ANY_PEER else peer,
+                             MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, _mreq(req))
+        else:
+            ierr = MPI_Isend(buf, count, dt, peer, tag, self.comm, _mreq(req))
+        if dt != MPI_BYTE:
+            MPI_Type_free(&dt)
+        if not ierr:
+            req.w[0] = 2 if recv else 1
+        return ierr
+
+    cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        return self._post(<void*>buf, nbytes, peer, tag, req, False)
+
+    cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        return self._post(buf, nbytes, peer, tag, req, True)
+
+    cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil:
+        cdef int flag = 0, ierr
+        cdef MPI_Status status
+        cdef MPI_Count n = 0
+        if not req_active(req):
+            done[0] = True
+            return 0
+        ierr = MPI_Test(_mreq(req), &flag, &status)
+        done[0] = flag != 0
+        if ierr or not flag:
+            return ierr
+        if st != NULL and req.w[0] == 2:
+            MPI_Get_elements_x(&status, MPI_BYTE, &n)
+            st.source = status.MPI_SOURCE
+            st.tag = status.MPI_TAG
+            st.nbytes = <size_t>n
+        req.w[0] = 0
+        return 0
+
+    cdef int cancel(self, Req *req) noexcept nogil:
+        """A receive is cancelled and waited for (briefly); whatever MPI may still touch (a send, a
+        receive already under way) is freed and reported (1), so the caller keeps its buffer alive."""
+        cdef int flag = 0
+        cdef double until
+        if not req_active(req):
+            return 0
+        if req.w[0] == 2:
+            MPI_Cancel(_mreq(req))
+            until = eng_now() + 0.1
+            while not flag and eng_now() < until:
+                MPI_Test(_mreq(req), &flag, MPI_STATUS_IGNORE)
+            if flag:
+                req.w[0] = 0
+                return 0
+        MPI_Request_free(_mreq(req))
+        req.w[0] = 0
+        return 1
+
+    cdef object error_text(self, int code):
+        return mpi_error_text(code)

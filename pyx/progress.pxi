@@ -1,0 +1,250 @@
+# Progress: a background thread per process group that runs the group's operations in issue order
+# (Horovod's pattern: user-facing calls only enqueue). Compiled because a synchronous call goes through
+# it on every collective: its state changes happen in C while the GIL is held, so they are atomic with
+# respect to every other Python thread without a lock; the condition variable is touched only when a
+# thread must sleep or be woken.
+#
+# - run(fn, a, b, c): a caller that will wait at once (torch's async_op=False) runs fn(a, b, c) in
+#   place when nothing is queued or running: no thread hand-off, no lock, no allocation.
+# - submit(fn, args): returns a Task at once. The thread starts it after a short grace, so a caller that
+#   waits right away runs it itself (wait() takes a task that is first in line and not started) instead
+#   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
+# Order is kept either way: only the head of the queue runs, and never two at once.
+
+import collections
+import threading
+import time as _time
+
+cdef enum:
+    TASK_PENDING = 0
+    TASK_RUNNING = 1
+    TASK_DONE = 2
+
+PENDING, RUNNING, DONE = TASK_PENDING, TASK_RUNNING, TASK_DONE
+
+
+cdef class Task:
+    """One queued operation: fn(*args), its state, error, and the callbacks to run once it is done;
+    outputs and progress: what the Work that carries it gives back, and the engine that runs it."""
+    cdef public object fn, args, error, callbacks, outputs, progress
+    cdef public str name
+    cdef public int state
+    cdef double submitted
+
+    @property
+    def done(self):
+        return self.state == TASK_DONE
+
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_cond_init(pthread_cond_t *c, const void *attr)
+    int pthread_cond_destroy(pthread_cond_t *c)
+    int pthread_cond_signal(pthread_cond_t *c)
+    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+
+cdef double ACTIVE_WINDOW = 0.02   # after the last submit the idle thread polls (no wake-up needed) this long,
+cdef double POLL = 1e-3            # every this often, without the GIL; then it sleeps until submit signals it
+
+
+cdef class Progress:
+    cdef object queue
+    cdef bint running, closed
+    cdef int pending                # tasks in the queue: written under the GIL, read by the idle thread without it
+    cdef int deep                   # the thread sleeps on `cond` until signalled
+    cdef double last_submit
+    cdef pthread_mutex_t mtx
+    cdef pthread_cond_t cond
+    cdef int waiters
+    cdef object cv                  # callers waiting for a task the thread runs
+    cdef object thread
+    cdef public double grace
+
+    def __cinit__(self, *args, **kwargs):
+        pthread_mutex_init(&self.mtx, NULL)
+        pthread_cond_init(&self.cond, NULL)
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self.cond)
+        pthread_mutex_destroy(&self.mtx)
+
+    def __init__(self, name="engine-progress", double grace=50e-6):
+        self.queue = collections.deque()
+        self.cv = threading.Condition(threading.Lock())
+        self.grace = grace
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, fn, a=None, b=None, c=None, int nargs=3, str name="op"):
+        """fn(a, b, c) (its first nargs of them) now, in this thread, after everything queued before
+        it; raises what fn raises."""
+        cdef Task task
+        if not self.running and not self.queue and not self.closed:  # atomic: no GIL release in between
+            self.running = True
+            try:
+                if nargs == 3:
+                    fn(a, b, c)
+                elif nargs == 2:
+                    fn(a, b)
+                elif nargs == 1:
+                    fn(a)
+                else:
+                    fn()
+            finally:
+                self._finished()
+            return
+        task = self.submit(fn, (a, b, c)[:nargs], name)
+        self.wait(task)
+        if task.error is not None:
+            raise task.error
+
+    def submit(self, fn, tuple args=(), str name="op", outputs=None):
+        """Queues fn(*args); returns its Task at once."""
+        cdef Task task = Task.__new__(Task)
+        task.outputs = outputs
+        task.progress = self
+        if self.closed:
+            raise RuntimeError(f"{name}: this process group was shut down (destroy_process_group); "
+                               "create a new one with init_process_group / new_group")
+        task.fn = fn
+        task.args = args
+        task.name = name
+        task.submitted = self.last_submit = eng_now()
+        self.queue.append(task)
+        self.pending += 1
+        self._signal()
+        return task
+
+    cdef void _signal(self) noexcept:
+        # Under the mutex the idle thread checks `pending` before it sleeps, so this can't miss it;
+        # uncontended and without a sleeper this is two atomic operations, no system call.
+        pthread_mutex_lock(&self.mtx)
+        if self.deep:
+            pthread_cond_signal(&self.cond)
+        pthread_mutex_unlock(&self.mtx)
+
+    def wait(self, Task task, timeout=None):
+        """Blocks until task is done, running it here if it is first in line and nothing runs; False
+        on timeout."""
+        cdef double until
+        cdef bint mine = False
+        if task.state == TASK_DONE:
+            return True
+        if self._claim(task):
+            self._execute(task)
+            return True
+        until = -1 if timeout is None else eng_now() + timeout
+        with self.cv:
+            self.waiters += 1
+            try:
+                while task.state != TASK_DONE:
+                    if self._claim(task):  # its turn came while we slept: run it here
+                        mine = True
+                        break
+                    if until >= 0 and eng_now() >= until:
+                        return False
+                    self.cv.wait(None if until < 0 else max(until - eng_now(), 0))
+            finally:
+                self.waiters -= 1
+        if mine:
+            self._execute(task)
+        return True
+
+    cdef bint _claim(self, Task task):
+        """Takes task to run here if it is first in line and nothing runs (atomic under the GIL)."""
+        if task.state == TASK_PENDING and not self.running and self.queue and self.queue[0] is task:
+            self.queue.popleft()
+            self.pending -= 1
+            task.state = TASK_RUNNING
+            self.running = True
+            return True
+        return False
+
+    def add_done_callback(self, Task task, callback):
+        """callback(task) runs once the task is done (at once if it already is)."""
+        if task.state != TASK_DONE:
+            if task.callbacks is None:
+                task.callbacks = []
+            task.callbacks.append(callback)
+            return
+        callback(task)
+
+    def close(self):
+        """Runs what is queued, then stops the thread."""
+        self.closed = True
+        self._signal()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    cdef void _finished(self):
+        self.running = False
+        if self.waiters:
+            with self.cv:
+                self.cv.notify_all()
+        if self.queue:
+            self._signal()
+
+    cdef _execute(self, Task task):
+        callbacks = None
+        try:
+            task.fn(*task.args)
+        except BaseException as exc:  # delivered to whoever waits on the task
+            task.error = exc
+        task.state = TASK_DONE
+        task.fn = task.args = None
+        callbacks, task.callbacks = task.callbacks, None
+        self._finished()
+        if callbacks:
+            for cb in callbacks:
+                cb(task)
+
+    cdef Task _take(self):
+        """The head task if the thread may start it now: nothing runs, and its grace is over (a caller
+        that waits at once runs it itself)."""
+        cdef Task task
+        if self.running or not self.queue:
+            return None
+        task = self.queue[0]
+        if task.submitted + self.grace > eng_now() and not self.closed:
+            return None
+        self.queue.popleft()
+        self.pending -= 1
+        task.state = TASK_RUNNING
+        self.running = True
+        return task
+
+    cdef void _idle(self) noexcept nogil:
+        """Waits, without the GIL, until there is a task the thread may start: one queued, nothing
+        running, and the newest past its grace (a caller who waits at once has run it by then). Polls
+        while submits are recent, then sleeps until submit() signals. It takes the GIL only to start a
+        task: a thread that woke for a task its caller then ran would make that caller wait for the GIL."""
+        cdef double t
+        while True:
+            t = eng_now()
+            if self.closed:
+                return
+            if self.pending and not self.running and t - self.last_submit >= self.grace:
+                return
+            if self.pending or t - self.last_submit < ACTIVE_WINDOW:
+                eng_sleep(POLL)
+                continue
+            pthread_mutex_lock(&self.mtx)
+            self.deep = 1
+            if not (self.closed or self.pending):
+                pthread_cond_wait(&self.cond, &self.mtx)
+            self.deep = 0
+            pthread_mutex_unlock(&self.mtx)
+
+    def _loop(self):
+        cdef Task task
+        set_thread_polite(True)  # leave the core to the computation this thread overlaps with
+        while True:
+            task = self._take()
+            if task is not None:
+                self._execute(task)
+                continue
+            if self.closed and not self.queue and not self.running:
+                return
+            with nogil:
+                self._idle()

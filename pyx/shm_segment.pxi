@@ -1,0 +1,452 @@
+# The shared segment of one group on one host, and the step protocol of its collectives.
+#
+# The group's first rank creates it (an owner-only memfd: it has no name in /dev/shm or anywhere, so
+# nothing can outlive the job, even after SIGKILL); the others open it through /proc/<pid>/fd/<fd>
+# (possible only for processes of the same user), check its owner, mode, size and a random 128-bit
+# token, and map it. Layout, computed identically by every rank from (ranks, half_bytes, queue_bytes):
+#
+#   header (4 KiB)            magic, token, the layout (checked by every attaching rank)
+#   control, per rank         line 0: the step flag; lines 1-2: the step's signature (two parities);
+#                             line 3: the rank's doorbell (a futex word) and whether it sleeps on it
+#   queue index, per rank     one cache line per (channel, peer): the head of each queue it writes,
+#                             the tail of each queue it reads
+#   slots, per rank           two halves (step parity); each: a table of 2P + 1 words (piece lengths,
+#                             the addresses single-copy readers read from), then data
+#   queues                    one byte ring per (channel, sender, receiver) for point-to-point
+#
+# Steps: a collective is a sequence of steps numbered alike on every rank. In step s a rank writes only
+# into its half (s & 1), publishes progress by storing 4s + phase into its flag with release semantics
+# (POSTED: its data is in; REDUCED: its reduced block is in; FINISHED: it has read what it needed), and
+# reads a peer's half after loading the peer's flag with acquire semantics. Before writing half (s & 1)
+# it waits until every peer finished step s - 2, the last step that used that half: two halves, no
+# second barrier, no locks and no system calls on the fast path. Each step carries a signature (op,
+# dtype, count, root, sequence number); a peer whose signature differs is in another collective, which
+# raises EngineMismatch instead of mixing data. Sizes read from the segment are checked against its bounds.
+#
+# Sleeping: a rank that has spun and yielded for a while marks itself asleep, checks its condition once
+# more, and sleeps on its doorbell (a futex). Whoever publishes something (a flag, a frame, an ACK)
+# then rings the doorbells of the peers marked asleep. The mark and the publication are both ordered
+# by full fences, so one of them always sees the other: no wake-up is lost, and a rank that waits long
+# costs no CPU and still wakes at once.
+
+from libc.stdint cimport uint32_t, int32_t
+
+cdef enum:
+    LINE = 64
+    HEADER_BYTES = 4096
+    CTRL_BYTES = 4 * LINE
+    PAGE = 4096
+    SIGW = 6                    # signature words: op/dtype/redop/algo/root, count, counts hash, seq, aux, -
+    SIG_COMPARED = 4            # the first four must agree across ranks (aux carries per-rank data)
+    PHASE_POSTED = 1
+    PHASE_REDUCED = 2
+    PHASE_FINISHED = 3
+    NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
+
+cdef uint64_t SEG_MAGIC = 0x31304d4853474e45ULL   # "ENGSHM01"
+
+
+cdef struct SegHeader:
+    uint64_t magic
+    uint64_t token[2]
+    uint64_t nranks
+    uint64_t half_bytes
+    uint64_t queue_bytes
+    uint64_t nchannels
+    uint64_t total
+    uint64_t ctrl_off
+    uint64_t index_off
+    uint64_t slots_off
+    uint64_t queues_off
+
+
+cdef struct Peers:
+    int n
+    int self_rank
+    int *pids
+    int *pidfds
+    int dead            # the first rank found dead, or -1
+
+
+cdef int peers_alive(void *arg) noexcept nogil:
+    """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone."""
+    cdef Peers *p = <Peers*>arg
+    cdef int q
+    for q in range(p.n):
+        if q != p.self_rank and p.pids[q] > 0 and not eng_pid_alive(p.pidfds[q], p.pids[q]):
+            p.dead = q
+            return ENG_ERR_PEER_DEAD
+    return 0
+
+
+cdef inline size_t _align(size_t n, size_t a) noexcept nogil:
+    return (n + a - 1) // a * a
+
+
+cdef int _layout(SegHeader *h, int nranks, size_t half_bytes, size_t queue_bytes) noexcept nogil:
+    h.magic = SEG_MAGIC
+    h.nranks = nranks
+    h.half_bytes = half_bytes
+    h.queue_bytes = queue_bytes
+    h.nchannels = NCHANNELS
+    h.ctrl_off = HEADER_BYTES
+    h.index_off = h.ctrl_off + <size_t>nranks * CTRL_BYTES
+    h.slots_off = _align(h.index_off + <size_t>nranks * 2 * NCHANNELS * nranks * LINE, PAGE)
+    h.queues_off = h.slots_off + <size_t>nranks * _align(2 * half_bytes, PAGE)
+    h.total = h.queues_off + <size_t>NCHANNELS * nranks * nranks * queue_bytes
+    return 0
+
+
+cdef class ShmSegment:
+    """One group's segment: the slots and flags of its collectives and the queues of its
+    point-to-point. create() on the group's first rank, attach() on the others (same host)."""
+    cdef char *base
+    cdef size_t total
+    cdef readonly int rank, size
+    cdef int fd
+    cdef bint private       # a group of one: plain memory, nothing shared
+    cdef readonly size_t half_bytes, table_bytes, cap, queue_bytes
+    cdef size_t slot_stride
+    cdef char *ctrl
+    cdef char *index
+    cdef char *slots
+    cdef char *queues
+    cdef uint64_t step
+    cdef Peers peers
+    cdef uint64_t my_sig[SIGW]
+    cdef uint64_t err_sig[SIGW]
+    cdef int err_peer
+    cdef int err_errno
+    cdef readonly bytes token
+    cdef readonly bint cma          # process_vm_readv works between every pair of the group
+    cdef readonly size_t cma_min, cma_max
+
+    def __cinit__(self):
+        self.fd = -1
+        self.err_peer = -1
+        self.peers.dead = -1
+
+    def __dealloc__(self):
+        cdef int q
+        if self.private:
+            free(self.base)
+        else:
+            eng_seg_unmap(self.base, self.total)
+        eng_close(self.fd)
+        if self.peers.pidfds != NULL:
+            for q in range(self.peers.n):
+                eng_close(self.peers.pidfds[q])
+        free(self.peers.pidfds)
+        free(self.peers.pids)
+
+    cdef int _setup(self, int rank, int size) except -1:
+        cdef SegHeader *h = <SegHeader*>self.base
+        self.rank = rank
+        self.size = size
+        self.half_bytes = h.half_bytes
+        self.queue_bytes = h.queue_bytes
+        self.table_bytes = _align(8 * (2 * <size_t>size + 1), LINE)
+        self.cap = self.half_bytes - self.table_bytes
+        self.slot_stride = _align(2 * self.half_bytes, PAGE)
+        self.ctrl = self.base + h.ctrl_off
+        self.index = self.base + h.index_off
+        self.slots = self.base + h.slots_off
+        self.queues = self.base + h.queues_off
+        self.peers.n = size
+        self.peers.self_rank = rank
+        self.peers.pids = <int*>calloc(size, sizeof(int))
+        self.peers.pidfds = <int*>malloc(size * sizeof(int))
+        if self.peers.pids == NULL or self.peers.pidfds == NULL:
+            raise MemoryError()
+        for q in range(size):
+            self.peers.pidfds[q] = -1
+        return 0
+
+    @staticmethod
+    def create(int size, size_t half_bytes, size_t queue_bytes):
+        """The segment of a group of `size` ranks, made by its rank 0. A group of one gets private memory."""
+        cdef ShmSegment seg = ShmSegment.__new__(ShmSegment)
+        cdef SegHeader h
+        cdef void *base = NULL
+        cdef int err
+        half_bytes, queue_bytes = _check_sizes(size, half_bytes, queue_bytes)
+        _layout(&h, size, half_bytes, queue_bytes)
+        err = eng_random(h.token, sizeof(h.token))
+        if err:
+            raise OSError(err, f"engine shm: no random bytes for the segment token: {os.strerror(err)}")
+        if size == 1:
+            base = calloc(1, h.total)
+            if base == NULL:
+                raise MemoryError()
+            seg.private = True
+        else:
+            err = eng_seg_create(h.total, &seg.fd, &base)
+            if err:
+                raise OSError(err, f"engine shm: cannot create a {h.total}-byte shared segment: {os.strerror(err)}; "
+                                   "use ENGINE_TRANSPORT=mpi, or give the processes more memory")
+        seg.base = <char*>base
+        seg.total = h.total
+        memcpy(seg.base, &h, sizeof(h))
+        seg.token = (<char*>h.token)[:16]
+        seg._setup(0, size)
+        return seg
+
+    def descriptor(self):
+        """What the other ranks need to attach (sent through the group's bootstrap)."""
+        return {"pid": os.getpid(), "fd": self.fd, "total": self.total, "token": self.token.hex(),
+                "half_bytes": self.half_bytes, "queue_bytes": self.queue_bytes}
+
+    @staticmethod
+    def attach(int rank, int size, desc):
+        """Maps rank 0's segment after checking that it is what the descriptor says."""
+        cdef ShmSegment seg = ShmSegment.__new__(ShmSegment)
+        cdef SegHeader want
+        cdef SegHeader *got
+        cdef void *base = NULL
+        cdef int err
+        half_bytes, queue_bytes = _check_sizes(size, desc["half_bytes"], desc["queue_bytes"])
+        _layout(&want, size, half_bytes, queue_bytes)
+        if want.total != desc["total"]:
+            raise RuntimeError(f"engine shm: the segment descriptor says {desc['total']} bytes but its layout needs "
+                               f"{want.total}: the ranks disagree on the group (corrupt bootstrap?)")
+        err = eng_seg_attach(desc["pid"], desc["fd"], want.total, &base)
+        if err:
+            raise RuntimeError(f"engine shm: rank {rank} cannot open rank 0's segment (pid {desc['pid']}): "
+                               f"{_attach_error(err)}; ENGINE_TRANSPORT=mpi avoids shared memory")
+        seg.base = <char*>base
+        seg.total = want.total
+        got = <SegHeader*>base
+        token = bytes.fromhex(desc["token"])
+        if (got.magic != SEG_MAGIC or (<char*>got.token)[:16] != token or got.nranks != want.nranks
+                or got.half_bytes != want.half_bytes or got.queue_bytes != want.queue_bytes
+                or got.nchannels != want.nchannels or got.total != want.total or got.ctrl_off != want.ctrl_off
+                or got.index_off != want.index_off or got.slots_off != want.slots_off
+                or got.queues_off != want.queues_off):
+            raise RuntimeError(f"engine shm: rank {rank}: the segment of pid {desc['pid']} is not the group's "
+                               "(header or token differ); refusing to use it")
+        seg.token = token
+        seg._setup(rank, size)
+        return seg
+
+    def close_fd(self):
+        """Once every rank has attached: the segment now lives only in the mappings."""
+        eng_close(self.fd)
+        self.fd = -1
+
+    def watch_peers(self, pids):
+        """Starts watching the group's processes (pidfds): a wait on a dead peer fails at once."""
+        cdef int q
+        for q in range(self.size):
+            self.peers.pids[q] = pids[q]
+            if q != self.rank and self.peers.pidfds[q] < 0:
+                self.peers.pidfds[q] = eng_pidfd_open(pids[q])
+
+    @property
+    def total_bytes(self):
+        return self.total
+
+    def cma_probe(self, pids, addresses):
+        """Whether this rank can read every peer's memory with process_vm_readv (same user, and the
+        kernel's ptrace policy allows it): each peer's probe word is read and compared."""
+        cdef uint64_t word = 0
+        cdef int q
+        for q in range(self.size):
+            if q == self.rank:
+                continue
+            word = 0
+            if eng_cma_read(pids[q], &word, addresses[q], sizeof(word)) or word != eng_cma_probe_value():
+                return False
+        return True
+
+    def set_cma(self, bint enabled, size_t min_bytes, size_t max_bytes):
+        """Pieces of min_bytes..max_bytes move by a single copy from the owner's buffer (enabled only
+        when every rank's probe succeeded: every rank must choose alike)."""
+        self.cma = enabled
+        self.cma_min = min_bytes
+        self.cma_max = max_bytes
+
+    cdef inline bint use_cma(self, size_t nbytes) noexcept nogil:
+        return self.cma and self.cma_min <= nbytes <= self.cma_max
+
+    cdef int cma_read(self, int q, void *local, uint64_t remote, size_t n) noexcept nogil:
+        """n bytes at `remote` in rank q's memory; ENG_ERR_CMA (errno kept) on failure."""
+        cdef int err
+        if n == 0:
+            return 0
+        err = eng_cma_read(self.peers.pids[q], local, remote, n)
+        if err:
+            self.err_peer = q
+            self.err_errno = err
+            return ENG_ERR_CMA
+        return 0
+
+    # -- the step protocol --
+
+    cdef inline uint64_t *flag(self, int r) noexcept nogil:
+        return <uint64_t*>(self.ctrl + <size_t>r * CTRL_BYTES)
+
+    cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil:
+        return <uint64_t*>(self.ctrl + <size_t>r * CTRL_BYTES + LINE + (step & 1) * LINE)
+
+    cdef inline char *half(self, int r, uint64_t step) noexcept nogil:
+        """Rank r's data half of a step (after its table)."""
+        return self.slots + <size_t>r * self.slot_stride + (step & 1) * self.half_bytes + self.table_bytes
+
+    cdef inline uint64_t *table(self, int r, uint64_t step) noexcept nogil:
+        return <uint64_t*>(self.slots + <size_t>r * self.slot_stride + (step & 1) * self.half_bytes)
+
+    cdef int begin(self, uint64_t w0, uint64_t count, uint64_t chash, uint64_t seq, uint64_t aux,
+                   WaitCtx *ctx) except -1 nogil:
+        """Starts the next step: waits until every peer finished step - 2 (the last user of this
+        step's half), then writes this step's signature."""
+        cdef int ierr
+        cdef uint64_t *s
+        self.step += 1
+        if self.step > 2:
+            ierr = self.wait_all(self.step - 2, PHASE_FINISHED, ctx, False)
+            if ierr:
+                return ierr
+        self.my_sig[0] = w0
+        self.my_sig[1] = count
+        self.my_sig[2] = chash
+        self.my_sig[3] = seq
+        self.my_sig[4] = aux
+        s = self.sig(self.rank, self.step)
+        memcpy(s, self.my_sig, sizeof(self.my_sig))
+        return 0
+
+    cdef inline void post(self, int phase) noexcept nogil:
+        eng_store_release(self.flag(self.rank), 4 * self.step + phase)
+        self.ring_all()
+
+    # -- doorbells --
+
+    cdef inline uint32_t *bell(self, int r) noexcept nogil:
+        return <uint32_t*>(self.ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 8)
+
+    cdef inline uint32_t *asleep(self, int r) noexcept nogil:
+        return <uint32_t*>(self.ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 12)
+
+    cdef inline void ring(self, int q) noexcept nogil:
+        """After publishing something q may wait for: wake q if it sleeps."""
+        eng_fence()
+        if eng_load32(self.asleep(q)):
+            eng_add32(self.bell(q))
+            eng_futex_wake(self.bell(q))
+
+    cdef inline void ring_all(self) noexcept nogil:
+        cdef int q
+        eng_fence()
+        for q in range(self.size):
+            if q != self.rank and eng_load32(self.asleep(q)):
+                eng_add32(self.bell(q))
+                eng_futex_wake(self.bell(q))
+
+    cdef inline uint32_t doze_begin(self) noexcept nogil:
+        """Marks this rank asleep; the caller checks its condition once more, then doze_end()s."""
+        cdef uint32_t seq = eng_load32(self.bell(self.rank))
+        eng_store32(self.asleep(self.rank), 1)
+        return seq
+
+    cdef inline void doze_end(self, uint32_t seq, bint sleep, double seconds) noexcept nogil:
+        if sleep:
+            eng_futex_wait(self.bell(self.rank), seq, seconds)
+        eng_store32(self.asleep(self.rank), 0)
+
+    cdef int _check_sig(self, int q) noexcept nogil:
+        cdef uint64_t *s = self.sig(q, self.step)
+        cdef int i
+        for i in range(SIG_COMPARED):
+            if s[i] != self.my_sig[i]:
+                memcpy(self.err_sig, s, sizeof(self.err_sig))
+                self.err_peer = q
+                return ENG_ERR_MISMATCH
+        return 0
+
+    cdef int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
+        """Until rank q reached `phase` of `step`; check: its signature must equal ours."""
+        cdef uint64_t target = 4 * step + phase
+        cdef Backoff b
+        cdef int ierr
+        cdef uint32_t seq
+        if eng_load_acquire(self.flag(q)) < target:
+            backoff_init(&b, eng_now(), ctx)
+            while eng_load_acquire(self.flag(q)) < target:
+                if backoff_asleep(&b):
+                    seq = self.doze_begin()
+                    self.doze_end(seq, eng_load_acquire(self.flag(q)) < target, backoff_nap(&b, ctx))
+                    ierr = backoff_tick(&b, ctx, eng_now())
+                else:
+                    ierr = backoff_pause(&b, ctx)
+                if ierr:
+                    return self._failed(ierr)
+        return self._check_sig(q) if check else 0
+
+    cdef int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
+        """Until every peer reached `phase` of `step`; check: their signatures must equal ours."""
+        cdef uint64_t target = 4 * step + phase
+        cdef int q = 0, ierr
+        cdef Backoff b
+        cdef bint waiting = False
+        cdef uint32_t seq
+        while q < self.size:
+            if q == self.rank or eng_load_acquire(self.flag(q)) >= target:
+                q += 1
+                continue
+            if not waiting:
+                backoff_init(&b, eng_now(), ctx)
+                waiting = True
+            if backoff_asleep(&b):
+                seq = self.doze_begin()
+                self.doze_end(seq, eng_load_acquire(self.flag(q)) < target, backoff_nap(&b, ctx))
+                ierr = backoff_tick(&b, ctx, eng_now())
+            else:
+                ierr = backoff_pause(&b, ctx)
+            if ierr:
+                return self._failed(ierr)
+        if check:
+            for q in range(self.size):
+                if q != self.rank:
+                    ierr = self._check_sig(q)
+                    if ierr:
+                        return ierr
+        return 0
+
+    cdef int _failed(self, int ierr) noexcept nogil:
+        if ierr == ENG_ERR_PEER_DEAD:
+            self.err_peer = self.peers.dead
+        return ierr
+
+    cdef uint64_t peer_aux(self, int q) noexcept nogil:
+        return self.sig(q, self.step)[4]
+
+
+cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
+    if size < 1:
+        raise ValueError(f"a group needs at least one rank, got {size}")
+    if half_bytes < 4096 or half_bytes < 64 * <size_t>size + _align(8 * (2 * <size_t>size + 1), LINE):
+        raise ValueError(f"ENGINE_SHM_SLOT_BYTES={half_bytes} is too small for {size} ranks (at least "
+                         f"{max(4096, 64 * size + _align(8 * (2 * size + 1), LINE))})")
+    if queue_bytes < 4096:
+        raise ValueError(f"ENGINE_SHM_QUEUE_BYTES={queue_bytes} is too small (at least 4096)")
+    return _align(half_bytes, LINE), _align(queue_bytes, PAGE)
+
+
+cdef str _attach_error(int err):
+    if err == ENG_ATTACH_OWNER:
+        return "it belongs to another user"
+    if err == ENG_ATTACH_MODE:
+        return "it is readable by other users (mode is not 0600)"
+    if err == ENG_ATTACH_SIZE:
+        return "its size is not the agreed one"
+    if err == errno.EACCES or err == errno.EPERM:
+        return (f"{os.strerror(err)} (this process may not open another process's files under /proc: "
+                "a different user, or a restricted /proc)")
+    if err == errno.ENOENT:
+        return "the process or its descriptor is gone (did rank 0 exit?)"
+    return os.strerror(err)
+
+
+def cma_probe_address():
+    """(address, pid) of this process's probe word, for the peers' single-copy probe."""
+    return eng_cma_probe_addr(), os.getpid()

@@ -1,0 +1,629 @@
+# Point-to-point over the segment: one byte ring per (channel, sender, receiver). A message travels as
+# frames (a 64-byte header, then up to a quarter of the ring of payload): FIRST opens a message and
+# says its length and tag, CONT frames carry the rest, WRAP skips to the ring's start. The sender
+# copies frames in while there is room; the receiver copies them out into the posted receive that
+# matches (MPI's rules: in post order, source and tag or their wildcards, non-overtaking per sender),
+# or, if none is posted yet, into a buffer of its own until one is (the unexpected queue).
+#
+# Large messages (ENGINE_SHM_CMA_MIN_BYTES and up, when the group may use process_vm_readv) send
+# only an RTS frame with the buffer's address: the receiver copies the message straight out of the
+# sender's memory once a receive matches, then answers with an ACK frame, which completes the send.
+#
+# Any wait on the channel moves every pending message, so an isend and an irecv to the same peer never
+# block each other. A mutex keeps the channel's state whole when several threads wait on it.
+
+from libc.stdint cimport int32_t, uint32_t
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+
+cdef enum:
+    FRAME_FIRST = 0x46495253    # "FIRS"
+    FRAME_CONT = 0x434f4e54     # "CONT"
+    FRAME_WRAP = 0x57524150     # "WRAP"
+    FRAME_RTS = 0x52545320      # "RTS ": read the message from my memory
+    FRAME_ACK = 0x41434b20      # "ACK ": I have read it
+    FRAME_HDR = 64
+    PM_SEND = 1
+    PM_RECV = 2
+    PM_UNEXPECTED = 3
+    PM_ACK = 4                  # an ACK waiting for room in the ring
+    PS_QUEUED = 0               # nothing moved yet
+    PS_ACTIVE = 1               # bytes moving (or, for an RTS send, waiting for the ACK)
+    PS_DONE = 2
+
+
+cdef uint64_t MAX_MESSAGE = 1ULL << 48   # a frame announcing more than this is corrupt
+
+
+cdef struct Frame:
+    uint32_t kind
+    int32_t tag
+    uint64_t total      # FIRST, RTS: the message's bytes
+    uint64_t len        # payload bytes in this frame
+    uint64_t addr       # RTS: where the message is in the sender's memory
+    uint64_t id         # RTS, ACK: which message
+    uint64_t pad[3]
+
+
+cdef struct PMsg:
+    int kind
+    int peer
+    int tag
+    int state
+    int err
+    bint orphan         # its request was cancelled: the channel frees it when done with it
+    bint owns_buf       # buf was allocated by the channel (unexpected data, a cancelled send's rest)
+    bint rts            # moves by a single copy (RTS / ACK)
+    char *buf
+    size_t len          # send: message bytes; receive: capacity; unexpected: message bytes
+    size_t done         # bytes moved so far
+    uint64_t addr       # an unexpected RTS: the message's address in its sender
+    uint64_t id         # RTS sends, unexpected RTS, pending ACKs
+    Status st
+    PMsg *next
+    PMsg *bound         # a receive waiting for an unexpected message still arriving, and vice versa
+
+
+cdef inline void _free_msg(PMsg *m) noexcept nogil:
+    if m.owns_buf:
+        free(m.buf)
+    free(m)
+
+
+cdef inline bint _matches(PMsg *recv, int peer, int tag) noexcept nogil:
+    return (recv.peer == ANY_PEER or recv.peer == peer) and (recv.tag == ANY_TAG_ or recv.tag == tag)
+
+
+cdef struct MsgList:
+    PMsg *head
+    PMsg *tail
+
+
+cdef inline void _push(MsgList *l, PMsg *m) noexcept nogil:
+    m.next = NULL
+    if l.tail == NULL:
+        l.head = m
+    else:
+        l.tail.next = m
+    l.tail = m
+
+
+cdef inline bint _unlink(MsgList *l, PMsg *m) noexcept nogil:
+    cdef PMsg *prev = NULL
+    cdef PMsg *x = l.head
+    while x != NULL and x != m:
+        prev = x
+        x = x.next
+    if x == NULL:
+        return False
+    if prev == NULL:
+        l.head = m.next
+    else:
+        prev.next = m.next
+    if l.tail == m:
+        l.tail = prev
+    m.next = NULL
+    return True
+
+
+cdef class ShmTransport(Transport):
+    """One point-to-point channel of a group's segment."""
+    cdef ShmSegment seg
+    cdef int ch
+    cdef size_t q                   # ring bytes
+    cdef size_t maxfrag
+    cdef pthread_mutex_t lock
+    cdef MsgList posted             # receives not yet matched, in post order
+    cdef MsgList unexpected         # messages nobody asked for yet, in arrival order
+    cdef MsgList *sendq             # per peer: sends in order; the head is the one moving
+    cdef MsgList *awaiting          # per peer: RTS sends waiting for their ACK
+    cdef MsgList *acks              # per peer: ACKs waiting for room in the ring
+    cdef uint64_t *next_id          # per peer: the next RTS id
+    cdef PMsg **incoming            # per peer: where the current message's frames go (NULL: none)
+    cdef size_t *incoming_left      # per peer: its bytes still to come
+    cdef bint *discarding           # per peer: the current message's receive was cancelled
+    cdef int corrupt_peer
+
+    def __cinit__(self, ShmSegment seg, int channel):
+        cdef int P = seg.size
+        self.seg = seg
+        self.ch = channel
+        self.rank = seg.rank
+        self.size = P
+        self.err_peer = -1
+        self.corrupt_peer = -1
+        self.q = seg.queue_bytes
+        self.maxfrag = (self.q // 4 // LINE) * LINE - FRAME_HDR
+        self.sendq = <MsgList*>calloc(P, sizeof(MsgList))
+        self.awaiting = <MsgList*>calloc(P, sizeof(MsgList))
+        self.acks = <MsgList*>calloc(P, sizeof(MsgList))
+        self.next_id = <uint64_t*>calloc(P, sizeof(uint64_t))
+        self.incoming = <PMsg**>calloc(P, sizeof(PMsg*))
+        self.incoming_left = <size_t*>calloc(P, sizeof(size_t))
+        self.discarding = <bint*>calloc(P, sizeof(bint))
+        if (self.sendq == NULL or self.awaiting == NULL or self.acks == NULL or self.next_id == NULL
+                or self.incoming == NULL or self.incoming_left == NULL or self.discarding == NULL):
+            raise MemoryError()
+        pthread_mutex_init(&self.lock, NULL)
+
+    def __dealloc__(self):
+        # Requests hold this transport, so only what the channel owns is left: unexpected messages,
+        # pending ACKs, and cancelled sends still under way.
+        cdef int p
+        _free_list(&self.unexpected, False)
+        if self.sendq != NULL:
+            for p in range(self.size):
+                _free_list(&self.sendq[p], True)
+                _free_list(&self.awaiting[p], True)
+                _free_list(&self.acks[p], False)
+        free(self.sendq)
+        free(self.awaiting)
+        free(self.acks)
+        free(self.next_id)
+        free(self.incoming)
+        free(self.incoming_left)
+        free(self.discarding)
+        pthread_mutex_destroy(&self.lock)
+
+    # -- ring addresses --
+
+    cdef inline char *ring(self, int src, int dst) noexcept nogil:
+        return self.seg.queues + ((<size_t>self.ch * self.size + src) * self.size + dst) * self.q
+
+    cdef inline uint64_t *head(self, int src, int dst) noexcept nogil:
+        # Written by src only: in src's index lines.
+        return <uint64_t*>(self.seg.index + ((<size_t>src * 2 * NCHANNELS + self.ch) * self.size + dst) * LINE)
+
+    cdef inline uint64_t *tail(self, int src, int dst) noexcept nogil:
+        # Written by dst only: in dst's index lines.
+        return <uint64_t*>(self.seg.index + ((<size_t>dst * 2 * NCHANNELS + NCHANNELS + self.ch) * self.size + src) * LINE)
+
+    # -- sending (called with the lock held) --
+
+    cdef size_t room(self, int peer, uint64_t *head, size_t want) noexcept nogil:
+        """Bytes of payload a frame to peer can carry now (at most want), after skipping to the ring's
+        start if too little is left before its end; head is advanced past a WRAP. SIZE_MAX: no room."""
+        cdef char *ring = self.ring(self.rank, peer)
+        cdef uint64_t tail = eng_load_acquire(self.tail(self.rank, peer))
+        cdef size_t free_ = self.q - <size_t>(head[0] - tail)
+        cdef size_t pos = head[0] % self.q, end = self.q - pos
+        if end < FRAME_HDR + want and end < self.q // 2:
+            if free_ < end + LINE:
+                return SIZE_MAX
+            (<Frame*>(ring + pos)).kind = FRAME_WRAP
+            head[0] += end
+            eng_store_release(self.head(self.rank, peer), head[0])
+            free_ -= end
+            end = self.q
+        if free_ < LINE:
+            return SIZE_MAX
+        return min(want, min(free_, end) - FRAME_HDR)
+
+    cdef void put(self, int peer, uint64_t *head, uint32_t kind, int32_t tag, uint64_t total, const char *data,
+                  size_t n, uint64_t addr, uint64_t id) noexcept nogil:
+        cdef char *at = self.ring(self.rank, peer) + head[0] % self.q
+        cdef Frame *f = <Frame*>at
+        f.kind = kind
+        f.tag = tag
+        f.total = total
+        f.len = n
+        f.addr = addr
+        f.id = id
+        if n:
+            memcpy(at + FRAME_HDR, data, n)
+        head[0] += _align(FRAME_HDR + n, LINE)
+        eng_store_release(self.head(self.rank, peer), head[0])
+        self.seg.ring(peer)
+
+    cdef void progress_send(self, int peer) noexcept nogil:
+        cdef uint64_t head = eng_load_relaxed(self.head(self.rank, peer))
+        cdef PMsg *m
+        cdef size_t n
+        while self.acks[peer].head != NULL:
+            if self.room(peer, &head, 0) == SIZE_MAX:
+                return
+            m = self.acks[peer].head
+            self.put(peer, &head, FRAME_ACK, 0, 0, NULL, 0, 0, m.id)
+            self.acks[peer].head = m.next
+            if m.next == NULL:
+                self.acks[peer].tail = NULL
+            free(m)
+        m = self.sendq[peer].head
+        while m != NULL:
+            if m.rts:
+                if self.room(peer, &head, 0) == SIZE_MAX:
+                    return
+                self.put(peer, &head, FRAME_RTS, m.tag, m.len, NULL, 0, <uint64_t>m.buf, m.id)
+                self.sendq[peer].head = m.next
+                if m.next == NULL:
+                    self.sendq[peer].tail = NULL
+                m.state = PS_ACTIVE
+                _push(&self.awaiting[peer], m)
+                m = self.sendq[peer].head
+                continue
+            n = self.room(peer, &head, min(m.len - m.done, self.maxfrag))
+            if n == SIZE_MAX or (n == 0 and m.len != m.done):
+                return
+            self.put(peer, &head, FRAME_FIRST if m.state == PS_QUEUED else FRAME_CONT, m.tag, m.len,
+                     m.buf + m.done, n, 0, 0)
+            m.done += n
+            m.state = PS_ACTIVE
+            if m.done == m.len:
+                self.sendq[peer].head = m.next
+                if m.next == NULL:
+                    self.sendq[peer].tail = NULL
+                m.state = PS_DONE
+                if m.orphan:
+                    _free_msg(m)
+                m = self.sendq[peer].head
+
+    cdef int ack(self, int peer, uint64_t id) noexcept nogil:
+        cdef PMsg *a = <PMsg*>calloc(1, sizeof(PMsg))
+        if a == NULL:
+            return ENG_ERR_NOMEM
+        a.kind = PM_ACK
+        a.id = id
+        _push(&self.acks[peer], a)
+        return 0
+
+    # -- receiving (called with the lock held) --
+
+    cdef int progress_recv(self, int peer) noexcept nogil:
+        cdef char *ring = self.ring(peer, self.rank)
+        cdef uint64_t *tailp = self.tail(peer, self.rank)
+        cdef uint64_t tail = eng_load_relaxed(tailp)
+        cdef uint64_t head = eng_load_acquire(self.head(peer, self.rank))
+        cdef size_t pos, avail, size
+        cdef Frame f
+        cdef PMsg *m
+        cdef int ierr
+        while tail != head:
+            avail = <size_t>(head - tail)
+            if avail > self.q or avail % LINE:
+                return self._corrupt(peer)
+            pos = tail % self.q
+            memcpy(&f, ring + pos, sizeof(Frame))    # a private copy: the checks below can't be raced
+            if f.kind == FRAME_WRAP:
+                if self.q - pos > avail:
+                    return self._corrupt(peer)
+                tail += self.q - pos
+                eng_store_release(tailp, tail)
+                continue
+            if f.len > self.q - pos - FRAME_HDR:
+                return self._corrupt(peer)
+            size = _align(FRAME_HDR + f.len, LINE)
+            if size > avail:
+                return self._corrupt(peer)
+            if f.kind == FRAME_ACK:
+                ierr = self._acked(peer, f.id)
+            elif f.kind == FRAME_RTS:
+                ierr = self._rts(peer, &f)
+            elif f.kind == FRAME_FIRST or f.kind == FRAME_CONT:
+                ierr = self._data(peer, &f, ring + pos + FRAME_HDR)
+            else:
+                ierr = self._corrupt(peer)
+            if ierr:
+                return ierr
+            tail += size
+            eng_store_release(tailp, tail)
+            self.seg.ring(peer)     # a sender waiting for room
+        return 0
+
+    cdef int _data(self, int peer, Frame *f, const char *payload) noexcept nogil:
+        cdef PMsg *m
+        if f.kind == FRAME_FIRST:
+            if self.incoming[peer] != NULL or self.discarding[peer] or f.total < f.len or f.total > MAX_MESSAGE:
+                return self._corrupt(peer)
+            m = self._match_posted(peer, f.tag)
+            if m == NULL:
+                m = self._new_unexpected(peer, f.tag, f.total)
+                if m == NULL:
+                    return ENG_ERR_NOMEM
+            elif f.total > m.len:
+                m.err = ENG_ERR_TRUNCATE
+                m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
+                m.state = PS_DONE
+                self.discarding[peer] = True
+                m = NULL
+            else:
+                m.state = PS_ACTIVE
+                m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
+            self.incoming[peer] = m
+            self.incoming_left[peer] = f.total
+        elif self.incoming[peer] == NULL and not self.discarding[peer]:
+            return self._corrupt(peer)
+        if f.len > self.incoming_left[peer]:
+            return self._corrupt(peer)
+        m = self.incoming[peer]
+        if m != NULL:
+            memcpy(m.buf + m.done, payload, f.len)
+            m.done += f.len
+        self.incoming_left[peer] -= f.len
+        if self.incoming_left[peer] == 0:
+            self.incoming[peer] = NULL
+            self.discarding[peer] = False
+            if m != NULL:
+                self._arrived(m)
+        return 0
+
+    cdef int _rts(self, int peer, Frame *f) noexcept nogil:
+        cdef PMsg *m
+        if self.incoming[peer] != NULL or self.discarding[peer] or f.total > MAX_MESSAGE or f.len:
+            return self._corrupt(peer)
+        m = self._match_posted(peer, f.tag)
+        if m != NULL:
+            return self._pull(m, peer, f.tag, f.total, f.addr, f.id)
+        m = <PMsg*>calloc(1, sizeof(PMsg))
+        if m == NULL:
+            return ENG_ERR_NOMEM
+        m.kind = PM_UNEXPECTED
+        m.rts = True
+        m.peer = peer
+        m.tag = f.tag
+        m.len = f.total
+        m.addr = f.addr
+        m.id = f.id
+        m.state = PS_DONE
+        _push(&self.unexpected, m)
+        return 0
+
+    cdef int _pull(self, PMsg *r, int peer, int tag, size_t nbytes, uint64_t addr, uint64_t id) noexcept nogil:
+        """Receive r takes an RTS message: one copy out of the sender's memory, then the ACK."""
+        r.st.source, r.st.tag, r.st.nbytes = peer, tag, nbytes
+        if nbytes > r.len:
+            r.err = ENG_ERR_TRUNCATE
+        else:
+            r.err = self.seg.cma_read(peer, r.buf, addr, nbytes)
+            r.done = nbytes
+        r.state = PS_DONE
+        r.bound = NULL
+        self._release_if_orphan(r)
+        return self.ack(peer, id)
+
+    cdef int _acked(self, int peer, uint64_t id) noexcept nogil:
+        cdef PMsg *m = self.awaiting[peer].head
+        while m != NULL and m.id != id:
+            m = m.next
+        if m == NULL:
+            return self._corrupt(peer)
+        _unlink(&self.awaiting[peer], m)
+        m.state = PS_DONE
+        if m.orphan:
+            _free_msg(m)
+        return 0
+
+    cdef int _corrupt(self, int peer) noexcept nogil:
+        self.corrupt_peer = peer
+        return ENG_ERR_CORRUPT
+
+    cdef void _arrived(self, PMsg *m) noexcept nogil:
+        """A whole message is in: a receive completes; an unexpected one waits for its receive, or
+        hands itself to the receive bound to it while it arrived."""
+        cdef PMsg *r
+        m.state = PS_DONE
+        if m.kind == PM_RECV:
+            self._release_if_orphan(m)
+            return
+        r = m.bound
+        if r != NULL:
+            _unlink(&self.unexpected, m)
+            self._deliver(m, r)
+            _free_msg(m)
+
+    cdef int _deliver(self, PMsg *u, PMsg *r) noexcept nogil:
+        """Receive r takes the complete unexpected message u (which the caller then frees)."""
+        if u.rts:
+            return self._pull(r, u.peer, u.tag, u.len, u.addr, u.id)
+        r.st.source, r.st.tag, r.st.nbytes = u.peer, u.tag, u.len
+        if u.len > r.len:
+            r.err = ENG_ERR_TRUNCATE
+        else:
+            memcpy(r.buf, u.buf, u.len)
+            r.done = u.len
+        r.state = PS_DONE
+        r.bound = NULL
+        self._release_if_orphan(r)
+        return 0
+
+    cdef inline void _release_if_orphan(self, PMsg *m) noexcept nogil:
+        if m.orphan and m.state == PS_DONE:
+            _free_msg(m)
+
+    cdef PMsg *_match_posted(self, int peer, int tag) noexcept nogil:
+        cdef PMsg *m = self.posted.head
+        while m != NULL and not _matches(m, peer, tag):
+            m = m.next
+        if m != NULL:
+            _unlink(&self.posted, m)
+        return m
+
+    cdef PMsg *_new_unexpected(self, int peer, int tag, size_t nbytes) noexcept nogil:
+        cdef PMsg *u = <PMsg*>calloc(1, sizeof(PMsg))
+        if u == NULL:
+            return NULL
+        u.buf = <char*>malloc(nbytes if nbytes else 1)
+        if u.buf == NULL:
+            free(u)
+            return NULL
+        u.kind = PM_UNEXPECTED
+        u.owns_buf = True
+        u.peer = peer
+        u.tag = tag
+        u.len = nbytes
+        u.state = PS_ACTIVE
+        _push(&self.unexpected, u)
+        return u
+
+    cdef int progress(self) noexcept nogil:
+        cdef int p, ierr
+        for p in range(self.size):
+            ierr = self.progress_recv(p)
+            if ierr:
+                self.err_peer = p
+                return ierr
+        for p in range(self.size):
+            if self.sendq[p].head != NULL or self.acks[p].head != NULL:
+                self.progress_send(p)
+        return 0
+
+    # -- the Transport interface --
+
+    cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        cdef PMsg *m = <PMsg*>calloc(1, sizeof(PMsg))
+        if m == NULL:
+            return ENG_ERR_NOMEM
+        m.kind = PM_SEND
+        m.peer = peer
+        m.tag = tag
+        m.buf = <char*>buf
+        m.len = nbytes
+        pthread_mutex_lock(&self.lock)
+        if peer != self.rank and self.seg.cma and nbytes >= self.seg.cma_min:
+            m.rts = True
+            m.id = self.next_id[peer]
+            self.next_id[peer] += 1
+        _push(&self.sendq[peer], m)
+        self.progress_send(peer)   # a small message is usually in the ring before isend returns
+        pthread_mutex_unlock(&self.lock)
+        req.w[0] = <size_t>m
+        return 0
+
+    cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        cdef PMsg *m = <PMsg*>calloc(1, sizeof(PMsg))
+        cdef PMsg *u
+        cdef int ierr = 0
+        if m == NULL:
+            return ENG_ERR_NOMEM
+        m.kind = PM_RECV
+        m.peer = peer
+        m.tag = tag
+        m.buf = <char*>buf
+        m.len = nbytes
+        pthread_mutex_lock(&self.lock)
+        u = self.unexpected.head
+        while u != NULL and (u.bound != NULL or not _matches(m, u.peer, u.tag)):
+            u = u.next
+        if u == NULL:
+            _push(&self.posted, m)
+        elif u.state == PS_DONE:
+            _unlink(&self.unexpected, u)
+            ierr = self._deliver(u, m)
+            if u.rts:
+                self.progress_send(u.peer)   # the ACK
+            _free_msg(u)
+        else:   # still arriving: it completes into m once in
+            u.bound = m
+            m.bound = u
+            m.state = PS_ACTIVE
+        pthread_mutex_unlock(&self.lock)
+        req.w[0] = <size_t>m
+        return ierr
+
+    cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
+        """Transport.wait, sleeping on this rank's doorbell once spinning and yielding are over."""
+        cdef bint done = False
+        cdef int ierr
+        cdef Backoff b
+        cdef uint32_t seq
+        if not req_active(req):
+            return 0
+        ierr = self.test(req, &done, st)
+        if ierr or done:
+            return ierr
+        backoff_init(&b, eng_now(), ctx)
+        while True:
+            if backoff_asleep(&b):
+                seq = self.seg.doze_begin()
+                ierr = self.test(req, &done, st)
+                self.seg.doze_end(seq, not (ierr or done), backoff_nap(&b, ctx))
+                if ierr or done:
+                    return ierr
+                ierr = backoff_tick(&b, ctx, eng_now())
+            else:
+                ierr = backoff_pause(&b, ctx)
+            if ierr:
+                return ierr
+            ierr = self.test(req, &done, st)
+            if ierr or done:
+                return ierr
+
+    cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil:
+        cdef PMsg *m = <PMsg*>req.w[0]
+        cdef int ierr = 0
+        if m == NULL:
+            done[0] = True
+            return 0
+        pthread_mutex_lock(&self.lock)
+        ierr = self.progress()
+        done[0] = m.state == PS_DONE
+        if done[0]:
+            if st != NULL:
+                st[0] = m.st
+            if m.err:
+                ierr = m.err
+                self.err_peer = m.st.source
+            free(m)
+            req.w[0] = 0
+        pthread_mutex_unlock(&self.lock)
+        return ierr
+
+    cdef int cancel(self, Req *req) noexcept nogil:
+        cdef PMsg *m = <PMsg*>req.w[0]
+        cdef char *rest
+        cdef int kept = 0
+        if m == NULL:
+            return 0
+        req.w[0] = 0
+        pthread_mutex_lock(&self.lock)
+        if m.state == PS_DONE:
+            free(m)
+        elif m.kind == PM_RECV:
+            if m.state == PS_QUEUED:            # still posted: take it back
+                _unlink(&self.posted, m)
+            elif m.bound != NULL:               # bound to an unexpected message still arriving
+                m.bound.bound = NULL
+            else:                               # frames arriving into it: drop the rest
+                self.incoming[m.st.source] = NULL
+                self.discarding[m.st.source] = True
+            free(m)
+        elif m.state == PS_QUEUED:              # a send nothing of which moved: withdraw it
+            _unlink(&self.sendq[m.peer], m)
+            free(m)
+        elif m.rts:                             # the receiver may still read its buffer
+            m.orphan = True
+            kept = 1
+        else:                                   # a send under way: finish it from a copy of its rest
+            m.orphan = True                     # (the receiver expects the rest of its bytes)
+            rest = <char*>malloc(m.len - m.done + 1)
+            if rest != NULL:
+                memcpy(rest, m.buf + m.done, m.len - m.done)
+                m.buf = rest
+                m.len -= m.done
+                m.done = 0
+                m.owns_buf = True
+            else:
+                kept = 1                        # out of memory: the caller keeps the buffer alive
+        pthread_mutex_unlock(&self.lock)
+        return kept
+
+    cdef object error_text(self, int code):
+        if code == ENG_ERR_CORRUPT:
+            return _engine_error_text(code, self.corrupt_peer)
+        return _engine_error_text(code, self.err_peer)
+
+
+cdef void _free_list(MsgList *l, bint orphans_only) noexcept nogil:
+    cdef PMsg *m = l.head
+    cdef PMsg *nxt
+    while m != NULL:
+        nxt = m.next
+        if not orphans_only or m.orphan:
+            _free_msg(m)
+        m = nxt
+    l.head = l.tail = NULL

@@ -1,0 +1,90 @@
+# The transport seam: what the engine's algorithms may ask of a transport. Byte messages to a peer
+# rank with a tag are posted (isend / irecv) into a caller-owned Req, then tested, waited on (through
+# the back-off and the watch) or cancelled. MPI (engine._mpi.MpiTransport) and shared memory
+# (ShmTransport below) implement it; no algorithm calls either directly.
+#
+# Return values: 0, -1 with a Python exception set (the watch raised), or a positive error code that
+# error_text() explains (MPI's own codes, or the ENG_ERR_* codes of _core.pxd).
+
+
+cdef class Transport:
+    """Abstract: subclasses implement isend, irecv, test and cancel."""
+
+    cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        with gil:
+            raise NotImplementedError
+
+    cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        with gil:
+            raise NotImplementedError
+
+    cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil:
+        with gil:
+            raise NotImplementedError
+
+    cdef int cancel(self, Req *req) noexcept nogil:
+        """Best effort: afterwards the request is inactive and the transport no longer touches its
+        buffer, or (a send already under way) the transport keeps what it needs itself."""
+        return 0
+
+    cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
+        cdef bint done = False
+        cdef int ierr
+        cdef Backoff b
+        if not req_active(req):
+            return 0
+        ierr = self.test(req, &done, st)
+        if ierr or done:
+            return ierr
+        backoff_init(&b, eng_now(), ctx)
+        while True:
+            ierr = backoff_pause(&b, ctx)
+            if ierr:
+                return ierr
+            ierr = self.test(req, &done, st)
+            if ierr or done:
+                return ierr
+
+    cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil:
+        cdef size_t i
+        cdef int ierr
+        for i in range(n):
+            ierr = self.wait(&reqs[i], NULL, ctx)
+            if ierr:
+                return ierr
+        return 0
+
+    cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil:
+        cdef size_t i
+        for i in range(n):
+            if req_active(&reqs[i]):
+                self.cancel(&reqs[i])
+
+    cdef object error_text(self, int code):
+        return _engine_error_text(code, self.err_peer)
+
+    @property
+    def kind(self):
+        return type(self).__name__
+
+
+cdef str _engine_error_text(int code, int peer):
+    who = f"rank {peer}" if peer >= 0 else "a peer"
+    if code == ENG_ERR_PEER_DEAD:
+        return f"{who} exited (its process is gone) while this rank waited for it"
+    if code == ENG_ERR_TRUNCATE:
+        return (f"message truncated: {who} sent more bytes than the receive buffer holds; the buffer sizes on the "
+                "ranks do not match")
+    if code == ENG_ERR_CORRUPT:
+        return (f"the shared segment holds an out-of-bounds entry written by {who}: refusing to read it (a bug, "
+                "a dying peer, or another process of this user writing into it)")
+    if code == ENG_ERR_NOMEM:
+        return "out of memory"
+    if code == ENG_ERR_CANCELLED:
+        return "the operation was cancelled"
+    if code == ENG_ERR_CMA:
+        return (f"a single copy from {who}'s memory (process_vm_readv) failed; set ENGINE_SHM_CMA=0 to move data "
+                "through the shared segment only")
+    if code == ENG_ERR_MISMATCH:
+        return f"{who} is in a different collective"
+    return f"error code {code}"

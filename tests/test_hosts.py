@@ -1,0 +1,90 @@
+"""Across hosts made from network namespaces (tests/hosts.py): mpirun over two hosts (MPI between
+them, shared memory inside each), and a torchrun spanning two hosts, which must fail at once saying
+that multi-host jobs launch with mpirun. Skipped, with the reason, where namespaces can't be made."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hosts import Hosts
+from mpirun import mpi_env
+from torchrun import clean_env, free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHY_NOT = Hosts.unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+def mpirun_across(hosts, per_host, argv, timeout=300, **env):
+    """mpirun started on host 0, ranks on every host (per_host each), through the namespace agent."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    cmd = [mpirun, "--host", ",".join(f"{n}:{per_host}" for n in hosts.names), "--prtemca", "plm_ssh_agent",
+           hosts.agent, "--mca", "btl_tcp_if_include", "10.77.0.0/24", "--prtemca", "oob_tcp_if_include",
+           "10.77.0.0/24", "--bind-to", "none", "--map-by", "ppr:%d:node" % per_host,
+           "-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", *_forward(env),
+           "-n", str(per_host * len(hosts.names)), *argv]
+    return hosts.run(0, cmd, env={**mpi_env(), **env}, capture_output=True, text=True, timeout=timeout)
+
+
+def _forward(env):
+    return [arg for name in env for arg in ("-x", name)]
+
+
+def test_torchrun_across_hosts_fails_at_once_naming_mpirun():
+    port = str(free_port())
+    with Hosts(2) as hosts:
+        start = time.monotonic()
+        procs = [hosts.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                 "1", "--node-rank", str(i), "--master-addr", hosts.addrs[0], "--master-port", port,
+                                 os.path.join(ROOT, "examples", "check_collectives.py")],
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+        elapsed = time.monotonic() - start
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0, out[-3000:]
+        assert "group's ranks are on 2 hosts" in out and "multi-host jobs launch with mpirun" in out, out[-3000:]
+    assert elapsed < 120, elapsed
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_every_collective_across_hosts(per_host):
+    with Hosts(2) as hosts:
+        proc = mpirun_across(hosts, per_host, [sys.executable, os.path.join(ROOT, "examples", "check_collectives.py")])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert f"ALL PASS: 16 collectives on {2 * per_host} ranks, transport mpi" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_ddp_across_hosts_trains_like_one_process(per_host):
+    with Hosts(2) as hosts:
+        proc = mpirun_across(hosts, per_host, [sys.executable, os.path.join(ROOT, "examples", "ddp_exact.py")])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert f"DDP over {2 * per_host} processes (mpi), 20 steps" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_collective_suite_across_hosts_on_two_levels():
+    """2 hosts x 2 ranks, every allreduce, broadcast, allgather and reduce_scatter of any size through
+    the hierarchy (shared memory inside each host, MPI between), the rest flat over MPI."""
+    floors = {f"ENGINE_HIER_{op}_MIN_BYTES": "0" for op in ("ALLREDUCE", "BROADCAST", "ALLGATHER", "REDUCE_SCATTER")}
+    with Hosts(2) as hosts:
+        # every collective the hierarchy runs, for every dtype and op of the suite (not its per-algorithm matrix)
+        proc = mpirun_across(hosts, 2, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o",
+                                        "addopts=", "--color=no", "-k", "not every_op_count_algorithm",
+                                        os.path.join(ROOT, "tests", "mpi", "test_collectives.py")],
+                             timeout=600, ENGINE_TIMEOUT="30", ENGINE_MPI_SUITE="1", **floors)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(" passed") == 4, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_bench_across_hosts_checks_every_result(per_host):
+    with Hosts(2) as hosts:
+        proc = mpirun_across(hosts, per_host, [sys.executable, "-m", "bench", "all_reduce", "-b", "1K", "-e", "4M",
+                                               "-f", "64", "--backends", "engine,gloo,mpi4py", "-c", "1", "--rounds",
+                                               "1", "--budget", "0.05"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "# Out of bounds values : 0 OK" in proc.stdout and "FAILED" not in proc.stdout, proc.stdout[-3000:]

@@ -1,0 +1,54 @@
+"""Launches without MPI: torchrun and torch.multiprocessing.spawn (the ranks meet through torch's
+store and talk through shared memory; MPI is never imported), and torch's own test harness."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchrun import clean_env, run_pytest, torchrun_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TORCH_SUITES = [os.path.join(HERE, "mpi", f) for f in ("test_torch_backend.py", "test_torch_training.py")]
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_torch_suites_under_torchrun(nranks):
+    proc = run_pytest(nranks, TORCH_SUITES, timeout=420, env={"ENGINE_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    # point-to-point needs a peer: at one rank that test skips
+    summary = "39 passed" if nranks > 1 else "38 passed, 1 skipped"
+    assert proc.stdout.count(summary) == nranks, proc.stdout[-3000:]
+
+
+def test_every_collective_under_torchrun_without_mpi():
+    proc = subprocess.run(torchrun_command(3) + [os.path.join(ROOT, "examples", "check_collectives.py")],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "ALL PASS: 16 collectives on 3 ranks, transport shm, MPI imported: False" in proc.stdout, proc.stdout
+
+
+def test_ddp_over_mp_spawn_trains_like_one_process():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ddp_exact.py"), "--ranks", "3"],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "DDP over 3 spawned processes (shm), 20 steps" in proc.stdout, proc.stdout
+
+
+# A subset of torch's distributed test suite (tests/torch_suite.py, torch's spawn harness, 3 ranks):
+# one test of each collective it runs on a CPU backend other than MPI at 3 ranks (its group tests
+# need 8 ranks, its all_to_all tests MPI or NCCL), point-to-point and DDP. `make torch-suite` runs all.
+TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_broadcast", "test_reduce_sum", "test_all_gather", "test_gather",
+                      "test_scatter", "test_all_gather_coalesced_simple", "test_barrier", "test_isend", "test_irecv",
+                      "test_send_recv_any_source", "test_DistributedDataParallelCPU"]
+
+
+def test_torch_distributed_suite_subset():
+    ids = [f"{os.path.join(HERE, 'torch_suite.py')}::TestDistBackendWithSpawn::{name}" for name in TORCH_SUITE_SUBSET]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ids],
+                          env=clean_env(BACKEND="engine", WORLD_SIZE="3"), capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+    assert f"{len(TORCH_SUITE_SUBSET)} passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]

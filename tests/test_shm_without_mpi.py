@@ -1,0 +1,107 @@
+"""Shared-memory groups made through torch's store, without MPI (processes started by multiprocessing,
+as torchrun and mp.spawn start them): collectives are checked against local references, MPI is never
+imported, a dead peer is named at once (well before the timeout), and nothing is left in /dev/shm."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(rank, size, port, timeout=60):
+    import torch.distributed as dist
+    import engine
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=__import__("datetime").timedelta(seconds=30))
+    return engine.Communicator.from_store(store, rank, size, timeout=timeout), store
+
+
+def _collectives(rank, size, port, out):
+    try:
+        comm, _store = _group(rank, size, port)
+        for n in (0, 1, 1031, 300_000):
+            x = np.arange(n, dtype=np.float32) + rank
+            comm.allreduce(x)
+            assert np.array_equal(x, sum(np.arange(n, dtype=np.float32) + r for r in range(size)))
+        b = np.arange(50_000, dtype=np.int64) if rank == size - 1 else np.zeros(50_000, np.int64)
+        comm.broadcast(b, root=size - 1)
+        assert np.array_equal(b, np.arange(50_000))
+        whole = np.zeros(3 * size, np.int32)
+        comm.allgather(np.full(3, rank, np.int32), whole)
+        assert np.array_equal(whole, np.repeat(np.arange(size, dtype=np.int32), 3))
+        got = np.zeros(4, np.float64)
+        comm.sendrecv(np.full(4, rank, np.float64), (rank + 1) % size, got, (rank - 1) % size)
+        assert np.all(got == (rank - 1) % size)
+        comm.barrier()
+        out.put((rank, "ok", comm.transport, "mpi4py" in sys.modules))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None))
+
+
+def _dies(rank, size, port, out):
+    comm, _store = _group(rank, size, port, timeout=60)
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.allreduce(x)
+        out.put((rank, "returned", 0.0))
+    except Exception as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+
+
+def _run(target, size):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, size, port, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def _shm_files():
+    """/dev/shm, but for the semaphores of this test's own multiprocessing queue."""
+    try:
+        return {f for f in os.listdir("/dev/shm") if not f.startswith("sem.mp-")}
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_collectives_over_a_store_without_mpi(size):
+    before = _shm_files()
+    procs, out = _run(_collectives, size)
+    results = sorted(out.get(timeout=120) for _ in range(size))
+    for p in procs:
+        p.join(30)
+    assert [r[1] for r in results] == ["ok"] * size, results
+    assert {r[2] for r in results} == {"shm"}
+    assert not any(r[3] for r in results), "mpi4py was imported"
+    assert _shm_files() <= before
+
+
+def test_dead_peer_is_named_well_before_the_timeout():
+    before = _shm_files()
+    procs, out = _run(_dies, 3)
+    results = sorted(out.get(timeout=60) for _ in range(2))  # rank 1 is gone
+    for p in procs:
+        p.join(30)
+    for rank, message, seconds in results:
+        assert rank in (0, 2)
+        assert "EnginePeerLost" in message and "rank 1" in message and "exited" in message, message
+        assert seconds < 5, (seconds, message)  # the group timeout is 60 s
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert _shm_files() <= before

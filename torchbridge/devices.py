@@ -1,0 +1,257 @@
+"""The device communicators the adapter (process_group.py) drives: one per (device, transport) pair,
+each with the same face.
+
+    comm            the engine's collectives on this device's tensors, in engine.Communicator's
+                    signatures: allreduce(sendbuf, recvbuf, op), broadcast(buf, root), ...
+    launch(name, fn, a, b, c, nargs, outputs, opts)
+                    runs fn(a, b, c) (its first nargs arguments) and returns the c10d Work
+    send / recv     point-to-point, returning a Work
+    fused(tensors, op, compression, prescale, name, sync)
+                    a fused (bucketed) allreduce of many tensors, returning a Work
+    shutdown()
+
+CpuDevice: CPU tensors over the group's engine.Communicator (shared memory or MPI), in issue order
+on the group's progress thread; a synchronous call runs in place. CudaDevice: CUDA tensors over NCCL,
+enqueued on torch's current stream (the Work waits on a CUDA event). StagedDevice: CUDA tensors
+through pinned host memory and the CPU communicator, for clusters without NCCL and ranks sharing a GPU.
+"""
+
+import torch
+
+from engine.fusion import FusedAllreduce
+from engine.ops import ReduceOp
+
+from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork
+
+COMPLETED = CompletedWork()
+
+
+class CpuDevice:
+    def __init__(self, comm, progress):
+        self.comm = comm
+        self.progress = progress
+        self._fusion = FusedAllreduce(comm)
+
+    def launch(self, name, fn, a, b, c, nargs, outputs, opts):
+        # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
+        # raise here on failure; the returned Work is already complete.
+        if opts is not None and not opts.asyncOp:
+            self.progress.run(fn, a, b, c, nargs, name)
+            return COMPLETED
+        return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
+
+    def submit(self, name, fn, args, outputs):
+        """An asynchronous call: queued, its Work returned at once."""
+        return CollectiveWork.of(self.progress.submit(fn, args, name, outputs))
+
+    def fused(self, tensors, op, compression, prescale, name, sync=False):
+        if sync:
+            self.progress.run(self._fused, tensors, op, (compression, prescale), 3, name)
+            return COMPLETED
+        return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale)), name,
+                                                      tensors))
+
+    def _fused(self, tensors, op, options):
+        compression, prescale = options
+        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        self._fusion.run(work, op, compression=compression, prescale=prescale)
+        for t, w in zip(tensors, work):
+            if w is not t:
+                t.copy_(w)
+
+    # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
+    # the same peer can't block each other.
+    def send(self, t, dst, tag, outputs):
+        return PointToPointWork(self.comm.isend(t if t.is_contiguous() else t.contiguous(), dst, tag), outputs)
+
+    def recv(self, t, src, tag, outputs):
+        if t.is_contiguous():
+            return PointToPointWork(self.comm.irecv(t, src, tag), outputs)
+        tmp = t.contiguous()
+        return PointToPointWork(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
+
+    def shutdown(self):
+        self.progress.close()
+        self._fusion.close()
+        self.comm.free()
+
+
+class _StreamOps:
+    """engine.cuda.CudaCommunicator in engine.Communicator's signatures, on torch's current stream."""
+
+    def __init__(self, cc, device):
+        self.cc, self.device = cc, device
+        self.rank, self.size = cc.rank, cc.size
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
+        if recvbuf is not None and recvbuf is not sendbuf:
+            recvbuf.copy_(sendbuf)
+            sendbuf = recvbuf
+        self.cc.allreduce(sendbuf, op, stream=self._stream())
+
+    def broadcast(self, buf, root=0):
+        self.cc.broadcast(buf, root, stream=self._stream())
+
+    def reduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, root=0):
+        self.cc.reduce(sendbuf, recvbuf, op, root, stream=self._stream())
+
+    def allgather(self, sendbuf, recvbuf, counts=None):
+        self.cc.allgather(sendbuf, recvbuf, counts, stream=self._stream())
+
+    def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
+        self.cc.gather(sendbuf, recvbuf, root, counts, stream=self._stream())
+
+    def scatter(self, sendbuf, recvbuf, root=0, counts=None):
+        self.cc.scatter(sendbuf, recvbuf, root, counts, stream=self._stream())
+
+    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
+        self.cc.reduce_scatter(sendbuf, recvbuf, op, counts, stream=self._stream())
+
+    def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
+        self.cc.alltoall(sendbuf, recvbuf, send_counts, recv_counts, stream=self._stream())
+
+
+class CudaDevice:
+    """One CUDA device of the group over NCCL: calls enqueue on torch's current stream and return a
+    CudaWork at once (its wait() makes the then-current stream wait; the host never blocks).
+
+    Point-to-point is deferred: isend/irecv are collected and posted together, in one NCCL group call,
+    when one of their Works is waited on or the next collective is issued. NCCL's sends wait on the
+    device for the matching receive, so an isend and an irecv posted one after the other on one stream
+    would wait forever if the peer did the same (batch_isend_irecv does)."""
+
+    def __init__(self, cc, device, watchdog):
+        self.cc, self.device, self.watchdog = cc, device, watchdog
+        self.comm = _StreamOps(cc, device)
+        self._fusion = None
+        self._pending = []
+
+    def _check(self):
+        if self.watchdog.error is not None:
+            raise self.watchdog.error
+
+    def _work(self, name, outputs):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.watchdog.watch(event, name, self.cc)
+        return CudaWork(event, outputs, self.device, self.watchdog)
+
+    def launch(self, name, fn, a, b, c, nargs, outputs, opts):
+        self._check()
+        if self._pending:
+            self.flush()  # point-to-point issued earlier goes first
+        (fn(a, b, c) if nargs == 3 else fn(a, b) if nargs == 2 else fn(a) if nargs == 1 else fn())
+        return self._work(name, outputs)
+
+    def fused(self, tensors, op, compression, prescale, name, sync=False):
+        from engine.cuda.fusion import CudaFusedAllreduce
+        self._check()
+        if self._pending:
+            self.flush()
+        if self._fusion is None:
+            self._fusion = CudaFusedAllreduce(self.cc)
+        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        self._fusion.run(work, op, stream=self.comm._stream(), compression=compression, prescale=prescale)
+        for t, w in zip(tensors, work):
+            if w is not t:
+                t.copy_(w)
+        return self._work(name, tensors)
+
+    def send(self, t, dst, tag, outputs):
+        return self._defer("send", t.contiguous(), dst, outputs)
+
+    def recv(self, t, src, tag, outputs):
+        if src is None:
+            raise RuntimeError("recv without a source rank is not possible over NCCL (it matches sends by peer); "
+                               "pass src=, or use ENGINE_CUDA_TRANSPORT=staged")
+        return self._defer("recv", t, src, outputs)
+
+    def _defer(self, kind, t, peer, outputs):
+        self._check()
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        event = torch.cuda.Event()
+        self._pending.append((kind, t, buf, peer, event))
+        return CudaWork(event, outputs, self.device, self.watchdog, flush=self.flush)
+
+    def flush(self):
+        """Posts the deferred sends and receives in one group call, on the current stream."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        self.cc.sendrecv([(buf, peer) for kind, _, buf, peer, _ in pending if kind == "send"],
+                         [(buf, peer) for kind, _, buf, peer, _ in pending if kind == "recv"],
+                         stream=stream.cuda_stream)
+        for kind, t, buf, _, event in pending:
+            if buf is not t:
+                t.copy_(buf)
+            event.record(stream)
+            self.watchdog.watch(event, kind, self.cc)
+
+    def shutdown(self):
+        if self._pending:
+            self.flush()
+        self.cc.free()
+
+
+class _HostOps:
+    """The CPU communicator's collectives on CUDA tensors through pinned host copies: every CUDA tensor
+    argument is copied to the host, the CPU collective runs, and the copies are written back."""
+
+    def __init__(self, cpu_comm):
+        self.cpu = cpu_comm
+
+    def __getattr__(self, name):
+        op = getattr(self.cpu, name)
+
+        def staged(*args):
+            pairs = []
+
+            def host(obj):
+                if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                    h = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+                    h.copy_(obj)
+                    pairs.append((obj, h))
+                    return h
+                return obj
+
+            result = op(*[host(a) for a in args])
+            for dev, h in pairs:
+                dev.copy_(h)  # blocking: any stream may read it once we return
+            return result
+
+        return staged
+
+
+class StagedDevice:
+    """CUDA tensors through the group's CPU communicator (pinned host copies), synchronously and in
+    issue order with the group's CPU collectives."""
+
+    def __init__(self, cpu):
+        self.cpu = cpu
+        self.comm = _HostOps(cpu.comm)
+
+    def launch(self, name, fn, a, b, c, nargs, outputs, opts):
+        torch.cuda.current_stream().synchronize()
+        self.cpu.progress.run(fn, a, b, c, nargs, name)
+        return CompletedWork(outputs)
+
+    def fused(self, tensors, op, compression, prescale, name, sync=False):
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors]
+        self.cpu.fused(hosts, op, compression, prescale, name, sync=True)
+        for t, h in zip(tensors, hosts):
+            t.copy_(h)
+        return CompletedWork(tensors)
+
+    def send(self, t, dst, tag, outputs):
+        return self.cpu.send(t.cpu(), dst, tag, outputs)
+
+    def recv(self, t, src, tag, outputs):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return PointToPointWork(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
+
+    def shutdown(self):
+        pass
