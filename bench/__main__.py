@@ -4,6 +4,7 @@
     mpirun -n 2 python -m engine.bench all_reduce -b 1K -e 64M -f 4 --backends engine,gloo,mpi4py -c 1 --json out.json
     torchrun --nproc-per-node 2 -m engine.bench all -b 1K -e 64M -f 4
     python -m engine.bench plot out.json -o out.png
+    mpirun -n 2 python -m engine.bench tune -o tuning.json    # a tuning file for ENGINE_TUNING_FILE
 """
 
 import argparse
@@ -74,6 +75,9 @@ def main(argv=None):
         a = parse_plot_args(argv[1:])
         print(plot(a.files, a.output, a.collective))
         return
+    if argv[:1] == ["tune"]:
+        from .tune import main as tune
+        return tune(argv[1:])
     args = parse_args(argv)
     try:
         import torch  # noqa: F401

@@ -11,10 +11,12 @@ compiled core, which walks them on every call without Python. Each transport has
 ENGINE_ALLREDUCE_ALGO forces one (for the group's transport); `auto` (the default) uses the rules.
 Thresholds were chosen by measurement on this project's machines (docs/tuning.md) and can be
 overridden: ENGINE_RDOUBLE_MAX_BYTES, ENGINE_RING_MIN_BYTES (mpi); ENGINE_SHM_ONESHOT_MAX_BYTES (shm).
+A tuning file measured on the machine (ENGINE_TUNING_FILE, engine.tuning) puts its rules first.
 CUDA tensors have their own registry of the same form (CudaAllreduceSelector): NCCL's allreduce or the
 engine's ring over NCCL send/recv, forced with ENGINE_CUDA_ALLREDUCE_ALGO (nccl | ring).
 """
 
+from . import tuning
 from .config import env_choice, env_int
 
 ALGORITHMS = {"mpi": ("native", "ring", "rdouble"), "shm": ("oneshot", "twoshot", "ring", "rdouble")}
@@ -42,6 +44,7 @@ class AllreduceSelector:
         else:
             self.rules = [("oneshot", 0, env_int("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10), 1, EVERY)]
             self.default = "twoshot"
+        self.rules = tuning.allreduce_rules(transport) + self.rules
 
     def configure(self, core):
         if self.forced != "auto":

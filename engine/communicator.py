@@ -111,7 +111,8 @@ class Communicator:
         host_of, local_of, per_host = topology(hosts)
         if not per_host or per_host < 2:
             return None
-        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", 16 << 10),
+        from .tuning import hierarchical_allreduce_min_bytes
+        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", hierarchical_allreduce_min_bytes(16 << 10)),
                           "broadcast": env_int("ENGINE_HIER_BROADCAST_MIN_BYTES", 16 << 10),
                           "allgather": env_int("ENGINE_HIER_ALLGATHER_MIN_BYTES", 16 << 10),
                           "reduce_scatter": env_int("ENGINE_HIER_REDUCE_SCATTER_MIN_BYTES", 16 << 10)}

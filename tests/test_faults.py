@@ -60,8 +60,9 @@ def test_native_collective_that_never_completes_aborts_the_job():
     proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi")
     assert proc.returncode != 0 and elapsed < 40, out[-3000:]
     # rank 2 waits in the broadcast or, where MPI's tree gave it the data straight from the root, in the barrier
-    assert re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\) timed out .*rank 1 did not arrive",
-                     out), out[-3000:]
+    # (on a loaded machine rank 2 may itself still be on its way: "ranks 1, 2 did not arrive")
+    assert re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\) timed out .*ranks? (\d, )*1(, \d)* "
+                     r"did not arrive", out), out[-3000:]
     assert "aborting the job" in out
     assert shm_files() <= before  # no shared-memory segment left behind
 
@@ -73,7 +74,8 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     before = shm_files()
     proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
     assert proc.returncode != 0 and elapsed < 40, out[-3000:]
-    assert re.search(r"barrier #3 of group '0' \(rank [02] of 3\) timed out .*rank 1 did not arrive", out), out[-3000:]
+    assert re.search(r"barrier #3 of group '0' \(rank [02] of 3\) timed out .*ranks? (\d, )*1(, \d)* did not arrive",
+                     out), out[-3000:]
     assert "aborting the job" in out
     assert "returned (unexpected)" not in out
     assert shm_files() <= before

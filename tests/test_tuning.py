@@ -1,0 +1,98 @@
+"""The tuner (python -m bench tune) and the tuning file the engine reads at start (ENGINE_TUNING_FILE)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.tune import hier_threshold, rules_from
+from engine import tuning
+from mpirun import mpi_env, mpiexec_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+EVERY = 1 << 62
+
+
+def test_rules_join_sizes_with_the_same_winner_and_split_halfway():
+    t = {1024: {"oneshot": 1, "twoshot": 2}, 4096: {"oneshot": 1, "twoshot": 3},
+         16384: {"oneshot": 5, "twoshot": 4}, 65536: {"oneshot": 9, "twoshot": 4}}
+    rules = rules_from(t, 3, ["oneshot", "twoshot"])
+    assert rules == [{"algorithm": "oneshot", "min_bytes": 0, "max_bytes": 8192, "min_ranks": 3, "max_ranks": 3},
+                     {"algorithm": "twoshot", "min_bytes": 8193, "max_bytes": EVERY, "min_ranks": 3, "max_ranks": 3}]
+
+
+def test_hierarchical_threshold_is_where_it_wins_from_then_on():
+    t = {1: {"ring": 1, "hier": 2}, 2: {"ring": 3, "hier": 2}, 3: {"ring": 1, "hier": 2},
+         4: {"ring": 3, "hier": 2}, 5: {"ring": 9, "hier": 2}}
+    assert hier_threshold(t, ["ring"]) == 4
+    assert hier_threshold({1: {"ring": 1, "hier": 2}}, ["ring"]) is None
+
+
+def write(tmp_path, doc):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"allreduce": {}}, "not an engine tuning file"),
+    ({"format": "engine-tuning/1", "allreduce": {"shm": [{"algorithm": "native"}]}}, "does not run on the shm"),
+    ({"format": "engine-tuning/1", "allreduce": {"tcp": []}}, "unknown transport 'tcp'"),
+    ({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": -1}]}},
+     r"allreduce.mpi\[0\]: min_bytes must be an integer >= 0"),
+    ({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": 9, "max_bytes": 8}]}},
+     "empty range"),
+])
+def test_a_bad_tuning_file_is_named_with_what_is_wrong(tmp_path, doc, message):
+    with pytest.raises(ValueError, match=message):
+        tuning.load(write(tmp_path, doc))
+
+
+def test_a_missing_tuning_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="engine.bench tune"):
+        tuning.load(str(tmp_path / "nope.json"))
+
+
+# Two ranks allreduce 1 KB and 1 MB with a trace on; the trace names the algorithm each call ran.
+TRACED = """
+import torch, engine
+c = engine.world()
+for n in (256, 1 << 18):
+    x = torch.ones(n)
+    c.allreduce(x)
+    assert bool((x == c.size).all())
+"""
+
+
+def traced_algorithms(tmp_path, nranks, **env):
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run(mpiexec_command(nranks) + [sys.executable, "-c", TRACED], capture_output=True, text=True,
+                          env={**mpi_env(), "ENGINE_TRACE": str(trace), **env}, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
+    return [(e["args"]["count"], e["args"]["algorithm"]) for e in events if e["name"] == "allreduce"]
+
+
+def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
+    out = tmp_path / "tuned.json"
+    proc = subprocess.run(mpiexec_command(2) + [sys.executable, "-m", "bench", "tune", "-o", str(out), "-b", "1K",
+                                                "-e", "1M", "-f", "32", "--rounds", "1", "--budget", "0.02"],
+                          capture_output=True, text=True, env=mpi_env(), timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["timings_us"]) == {"1024", "32768", "1048576"}
+    assert doc["allreduce"]["shm"][0]["min_bytes"] == 0 and doc["allreduce"]["shm"][-1]["max_bytes"] == EVERY
+    assert tuning.load(str(out))["allreduce"]["shm"]  # the engine reads what the tuner wrote
+
+    assert traced_algorithms(tmp_path, 2) == [(256, "oneshot"), (1 << 18, "twoshot")]  # the built-in rules
+    # A file as the tuner writes it, saying the ring wins up to 64 KB and recursive doubling above, at 2 ranks.
+    forced = {"format": "engine-tuning/1", "allreduce": {"shm": [
+        {"algorithm": "ring", "min_bytes": 0, "max_bytes": 65536, "min_ranks": 2, "max_ranks": 2},
+        {"algorithm": "rdouble", "min_bytes": 65537, "max_bytes": EVERY, "min_ranks": 2, "max_ranks": 2}]}}
+    path = write(tmp_path, forced)
+    assert traced_algorithms(tmp_path, 2, ENGINE_TUNING_FILE=path) == [(256, "ring"), (1 << 18, "rdouble")]
+    # Rules for 2 ranks leave a 3-rank group on the defaults.
+    assert traced_algorithms(tmp_path, 3, ENGINE_TUNING_FILE=path) == [(256, "oneshot"), (1 << 18, "twoshot")]
