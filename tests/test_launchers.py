@@ -23,6 +23,13 @@ def test_torch_suites_under_torchrun(nranks):
     assert proc.stdout.count(summary) == nranks, proc.stdout[-3000:]
 
 
+def test_torch_parallelism_under_torchrun():
+    """DeviceMesh (2-D at 4 ranks), FSDP2, tensor and pipeline parallelism, DCP, without MPI."""
+    proc = run_pytest(4, [os.path.join(HERE, "mpi", "parallel_suite.py")], timeout=300, env={"ENGINE_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("5 passed") == 4, proc.stdout[-3000:]
+
+
 def test_every_collective_under_torchrun_without_mpi():
     proc = subprocess.run(torchrun_command(3) + [os.path.join(ROOT, "examples", "check_collectives.py")],
                           env=clean_env(), capture_output=True, text=True, timeout=300)

@@ -30,6 +30,13 @@ def test_suites_under_mpiexec(transport, nranks):
     run(nranks, SUITES, ENGINE_TRANSPORT=transport)
 
 
+@pytest.mark.parametrize("transport,nranks", [("shm", 3), ("mpi", 2)])
+def test_torch_parallelism_under_mpiexec(transport, nranks):
+    """DeviceMesh, FSDP2, tensor and pipeline parallelism, DCP (tests/mpi/parallel_suite.py)."""
+    proc = run(nranks, [os.path.join(HERE, "mpi", "parallel_suite.py")], ENGINE_TRANSPORT=transport)
+    assert proc.stdout.count("5 passed") == nranks, proc.stdout[-3000:]
+
+
 def test_collectives_with_tiny_mpi_chunks():
     """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
     (the path of messages over 2**31 elements), on 3 ranks."""

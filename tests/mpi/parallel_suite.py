@@ -1,0 +1,142 @@
+"""torch's parallelism on backend engine, each checked against the same model run whole in every
+process: DeviceMesh (1-D and 2-D), FSDP2 (fully_shard), tensor parallelism (parallelize_module),
+pipeline parallelism (torch.distributed.pipelining) and distributed checkpointing (DCP) of a sharded
+model.
+
+Not in the per-file glob of tests/test_mpi_suites.py (each case costs ~3 s of torch's own setup): that
+file and tests/test_launchers.py run it under mpiexec (shm at 3 ranks, MPI at 2) and torchrun (4 ranks,
+2-D mesh)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torch_world
+
+R, P, GLOO = torch_world.init()
+
+
+def mlp(seed=0, width=16):
+    torch.manual_seed(seed)  # the same on every rank: the reference is the whole model
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+
+def data(steps, batch=4 * 12):
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch, 8, generator=gen), torch.randn(batch, 4, generator=gen)) for _ in range(steps)]
+
+
+def test_device_mesh_groups_reduce_over_their_ranks():
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("dp",))
+    t = torch.full((5,), float(R + 1))
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    assert torch.equal(t, torch.full((5,), P * (P + 1) / 2))
+    if P % 2 == 0:
+        mesh2 = init_device_mesh("cpu", (2, P // 2), mesh_dim_names=("dp", "tp"))
+        row, col = divmod(R, P // 2)
+        t = torch.full((3,), float(R))
+        dist.all_reduce(t, group=mesh2.get_group("tp"))  # the ranks of my row
+        assert torch.equal(t, torch.full((3,), float(sum(row * (P // 2) + c for c in range(P // 2)))))
+        t = torch.full((3,), float(R))
+        dist.all_reduce(t, group=mesh2.get_group("dp"))  # the ranks of my column
+        assert torch.equal(t, torch.full((3,), float(col + (col + P // 2))))
+
+
+def train_whole(model, batches, lr=0.05):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def test_fsdp2_trains_like_one_process_on_the_full_batch():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    batches = data(4)
+    ref = train_whole(mlp(), batches)
+    model = mlp()
+    mesh = init_device_mesh("cpu", (P,))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches:
+        mine = slice(R * len(x) // P, (R + 1) * len(x) // P)  # equal shares: 48 rows, P in 1..4
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()  # FSDP averages the gradients
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = p.full_tensor()
+        torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tensor_parallel_mlp_matches_the_whole_one():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    width = 4 * 3 * P  # divisible by the mesh
+    ref = nn.Sequential(*list(mlp(1, width))[:3])  # Linear, Tanh, Linear(width, width)
+    model = nn.Sequential(*list(mlp(1, width))[:3])
+    mesh = init_device_mesh("cpu", (P,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    out = model(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(P < 2, reason="a pipeline needs two or more stages (ranks)")
+def test_pipeline_stages_compute_the_whole_model():
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    torch.manual_seed(5)
+    layers = [nn.Linear(8, 8) for _ in range(P)]  # stage r holds layer r
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    want = x
+    for layer in layers:
+        want = torch.tanh(layer(want))
+    stage_module = nn.Sequential(layers[R], nn.Tanh())
+    stage = PipelineStage(stage_module, R, P, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4)
+    if R == 0:
+        schedule.step(x)
+    elif R == P - 1:
+        out = schedule.step()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    else:
+        schedule.step()
+    dist.barrier()
+
+
+def test_distributed_checkpoint_of_a_sharded_model_round_trips():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (P,))
+    model = mlp(2)
+    fully_shard(model, mesh=mesh)
+    where = [tempfile.mkdtemp(prefix="engine-dcp-") if R == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        dcp.save(get_model_state_dict(model), checkpoint_id=where[0])
+        other = mlp(3)  # different weights, then loaded from the checkpoint
+        fully_shard(other, mesh=mesh)
+        state = get_model_state_dict(other)
+        dcp.load(state, checkpoint_id=where[0])
+        set_model_state_dict(other, state)
+        for p, q in zip(model.parameters(), other.parameters()):
+            assert torch.equal(p.full_tensor(), q.full_tensor())
+    finally:
+        dist.barrier()
+        if R == 0:
+            for f in os.listdir(where[0]):
+                os.remove(os.path.join(where[0], f))
+            os.rmdir(where[0])
