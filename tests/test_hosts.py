@@ -9,28 +9,13 @@ import time
 
 import pytest
 
-from hosts import Hosts
+from hosts import Hosts, mpirun_across
 from mpirun import mpi_env
 from torchrun import clean_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHY_NOT = Hosts.unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-
-
-def mpirun_across(hosts, per_host, argv, timeout=300, **env):
-    """mpirun started on host 0, ranks on every host (per_host each), through the namespace agent."""
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    cmd = [mpirun, "--host", ",".join(f"{n}:{per_host}" for n in hosts.names), "--prtemca", "plm_ssh_agent",
-           hosts.agent, "--mca", "btl_tcp_if_include", "10.77.0.0/24", "--prtemca", "oob_tcp_if_include",
-           "10.77.0.0/24", "--bind-to", "none", "--map-by", "ppr:%d:node" % per_host,
-           "-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", *_forward(env),
-           "-n", str(per_host * len(hosts.names)), *argv]
-    return hosts.run(0, cmd, env={**mpi_env(), **env}, capture_output=True, text=True, timeout=timeout)
-
-
-def _forward(env):
-    return [arg for name in env for arg in ("-x", name)]
 
 
 def test_torchrun_across_hosts_fails_at_once_naming_mpirun():

@@ -38,12 +38,12 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     if comm.Get_size() != mpi_size or comm.Get_rank() != mpi_rank:
         raise RuntimeError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()} but the {name} environment says "
                            f"{mpi_rank} of {mpi_size}; {MPIRUN_HINT}")
-    addr = port = None
-    if comm.Get_rank() == 0:
-        addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_size == mpi_size else host_address())
-        port = env.get("MASTER_PORT") or str(free_port())
-    addr, port = comm.bcast((addr, port), root=0)
-    env.setdefault("MASTER_ADDR", addr)
+    # Across hosts, probe which of rank 0's addresses every rank reaches (decided by rank 0 for all:
+    # the probe is collective).
+    probe = comm.bcast(local_size != mpi_size and not env.get("MASTER_ADDR") if mpi_rank == 0 else None, root=0)
+    addr = reachable_address(comm) if probe else (env.get("MASTER_ADDR") or "127.0.0.1")
+    port = comm.bcast(env.get("MASTER_PORT") or str(free_port()) if mpi_rank == 0 else None, root=0)
+    env.setdefault("MASTER_ADDR", comm.bcast(addr if mpi_rank == 0 else None, root=0))
     env.setdefault("MASTER_PORT", port)
 
 
@@ -53,13 +53,72 @@ def free_port():
         return s.getsockname()[1]
 
 
-def host_address():
-    """A non-loopback address of this host (the rendezvous server runs on rank 0)."""
-    host = socket.gethostname()
+def host_addresses():
+    """This host's non-loopback IPv4 addresses: its hostname's first (as DNS or /etc/hosts answer),
+    then every interface's."""
+    out = []
     try:
-        for *_, sockaddr in socket.getaddrinfo(host, None, socket.AF_INET):
-            if not sockaddr[0].startswith("127."):
-                return sockaddr[0]
+        out += [sa[0] for *_, sa in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
     except socket.gaierror:
         pass
-    return host
+    try:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    req = struct.pack("256s", name.encode()[:15])
+                    out.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]))  # SIOCGIFADDR
+                except OSError:  # an interface without an IPv4 address
+                    pass
+    except (ImportError, OSError):
+        pass
+    return [a for a in dict.fromkeys(out) if not a.startswith("127.")]
+
+
+def reachable_address(comm, timeout=2.0):
+    """An address of rank 0 that every rank can reach, agreed through MPI (collective). Rank 0 listens
+    on every interface and offers its addresses; each rank tries to connect to each; the first that all
+    reached wins. A host with several interfaces (a private cluster network and a public one, a docker
+    bridge, an address the hostname resolves to but other hosts can't route to) then still works."""
+    import threading
+    listener = None
+    if comm.Get_rank() == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(64)
+        listener.settimeout(0.2)
+        stop = threading.Event()
+
+        def accept():
+            while not stop.is_set():
+                try:
+                    listener.accept()[0].close()
+                except OSError:
+                    pass
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        offer = (host_addresses(), listener.getsockname()[1])
+    else:
+        offer = None
+    candidates, port = comm.bcast(offer, root=0)
+    reached = 0
+    if comm.Get_rank() != 0:
+        for i, addr in enumerate(candidates):
+            try:
+                socket.create_connection((addr, port), timeout=timeout).close()
+                reached |= 1 << i
+            except OSError:
+                pass
+    else:
+        reached = (1 << len(candidates)) - 1
+    masks = comm.allgather(reached)
+    if listener is not None:
+        stop.set()
+        thread.join()
+        listener.close()
+    everyone = [a for i, a in enumerate(candidates) if all(m >> i & 1 for m in masks)]
+    if not everyone:
+        raise RuntimeError(f"no address of rank 0's host ({', '.join(candidates) or 'none found'}) is reachable "
+                           "from every rank; set MASTER_ADDR to one that is (and MASTER_PORT)")
+    return everyone[0]
