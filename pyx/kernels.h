@@ -218,77 +218,55 @@ static inline int eng_convertible(int d, int s, double scale) {
   return 0;
 }
 
-/* flat <- concat(parts), each part converted from dtype s to the flat buffer's dtype d. */
-static int eng_pack(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                    size_t nparts, int s, size_t s_itemsize, double scale) {
-  char *out = (char *)flat;
-  for (size_t k = 0; k < nparts; k++) {
-    int rc = eng_convert(out, d, parts[k], s, counts[k], scale);
-    if (rc == -2) memcpy(out, parts[k], counts[k] * s_itemsize);
-    else if (rc) return rc;
-    out += counts[k] * d_itemsize;
+/* Moves elements [off, off + n) of concat(parts) to flat (to_flat: pack) or back out of it (unpack),
+ * converting between the parts' dtype and the flat buffer's (scale applied on the way). flat holds just
+ * those elements: the fused shared-memory path packs and unpacks a bucket chunk by chunk, straight into
+ * and out of the segment; off 0 and n SIZE_MAX is the whole bucket. */
+static int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_itemsize, void *const *parts,
+                          const size_t *counts, size_t nparts, int part_dtype, size_t part_itemsize, double scale,
+                          size_t off, size_t n) {
+  char *f = (char *)flat;
+  size_t start = 0;
+  for (size_t k = 0; k < nparts && n; k++) {
+    const size_t end = start + counts[k];
+    if (end > off) {
+      const size_t skip = off > start ? off - start : 0;
+      const size_t m = counts[k] - skip < n ? counts[k] - skip : n;
+      char *p = (char *)parts[k] + skip * part_itemsize;
+      int rc = to_flat ? eng_convert(f, flat_dtype, p, part_dtype, m, scale)
+                       : eng_convert(p, part_dtype, f, flat_dtype, m, scale);
+      if (rc == -2) memcpy(to_flat ? f : p, to_flat ? p : f, m * part_itemsize);  /* same dtype, no scale */
+      else if (rc) return rc;
+      f += m * flat_itemsize;
+      off += m;
+      n -= m;
+    }
+    start = end;
   }
   return 0;
+}
+
+/* flat <- concat(parts), each part converted from dtype s to the flat buffer's dtype d. */
+static inline int eng_pack(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
+                           size_t nparts, int s, size_t s_itemsize, double scale) {
+  return eng_move_range(1, flat, d, d_itemsize, parts, counts, nparts, s, s_itemsize, scale, 0, SIZE_MAX);
 }
 
 /* parts <- split(flat), each converted from the flat dtype s back to the parts' dtype d. */
-static int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
-                      size_t nparts, int d, size_t d_itemsize, double scale) {
-  const char *in = (const char *)flat;
-  for (size_t k = 0; k < nparts; k++) {
-    int rc = eng_convert(parts[k], d, in, s, counts[k], scale);
-    if (rc == -2) memcpy(parts[k], in, counts[k] * d_itemsize);
-    else if (rc) return rc;
-    in += counts[k] * s_itemsize;
-  }
-  return 0;
+static inline int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
+                             size_t nparts, int d, size_t d_itemsize, double scale) {
+  return eng_move_range(0, (void *)flat, s, s_itemsize, parts, counts, nparts, d, d_itemsize, scale, 0, SIZE_MAX);
 }
 
-/* Packs elements [off, off + n) of concat(parts) into flat, as eng_pack does for the whole: the fused
- * path packs a bucket chunk by chunk straight into the shared segment. */
-static int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                          size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n) {
-  char *out = (char *)flat;
-  size_t start = 0;
-  for (size_t k = 0; k < nparts && n; k++) {
-    const size_t end = start + counts[k];
-    if (end > off) {
-      const size_t skip = off > start ? off - start : 0;
-      const size_t m = counts[k] - skip < n ? counts[k] - skip : n;
-      const char *src = (const char *)parts[k] + skip * s_itemsize;
-      int rc = eng_convert(out, d, src, s, m, scale);
-      if (rc == -2) memcpy(out, src, m * s_itemsize);
-      else if (rc) return rc;
-      out += m * d_itemsize;
-      off += m;
-      n -= m;
-    }
-    start = end;
-  }
-  return 0;
+static inline int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
+                                 size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n) {
+  return eng_move_range(1, flat, d, d_itemsize, parts, counts, nparts, s, s_itemsize, scale, off, n);
 }
 
-/* Unpacks flat (elements [off, off + n) of the concatenation) into the matching ranges of parts. */
-static int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
-                            size_t nparts, int d, size_t d_itemsize, double scale, size_t off, size_t n) {
-  const char *in = (const char *)flat;
-  size_t start = 0;
-  for (size_t k = 0; k < nparts && n; k++) {
-    const size_t end = start + counts[k];
-    if (end > off) {
-      const size_t skip = off > start ? off - start : 0;
-      const size_t m = counts[k] - skip < n ? counts[k] - skip : n;
-      char *dst = (char *)parts[k] + skip * d_itemsize;
-      int rc = eng_convert(dst, d, in, s, m, scale);
-      if (rc == -2) memcpy(dst, in, m * d_itemsize);
-      else if (rc) return rc;
-      in += m * s_itemsize;
-      off += m;
-      n -= m;
-    }
-    start = end;
-  }
-  return 0;
+static inline int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts,
+                                   const size_t *counts, size_t nparts, int d, size_t d_itemsize, double scale,
+                                   size_t off, size_t n) {
+  return eng_move_range(0, (void *)flat, s, s_itemsize, parts, counts, nparts, d, d_itemsize, scale, off, n);
 }
 
 /* ---- many-input reduction (the shared-memory collectives) ---- */
