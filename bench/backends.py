@@ -15,7 +15,7 @@ Every buffer comes from torch's allocator (numpy gives its own large arrays huge
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("engine", "engine-direct", "engine-shm", "engine-mpi", "gloo", "mpi4py", "nop", "nccl")
+BACKENDS = ("engine", "engine-async", "engine-direct", "engine-shm", "engine-mpi", "gloo", "mpi4py", "nop", "nccl")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -100,11 +100,17 @@ class Problem:
 class TorchDistBackend:
     """torch.distributed on one group: engine (default group), Gloo, or NCCL (CUDA tensors)."""
 
-    def __init__(self, name, group=None, device="cpu"):
-        self.name, self.group, self.device = name, group, device
+    def __init__(self, name, group=None, device="cpu", asynchronous=False):
+        self.name, self.group, self.device, self.asynchronous = name, group, device, asynchronous
 
     def case(self, p, mode):
         g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
+        if self.asynchronous:  # every call with async_op=True, then wait(): the cost of Work and futures
+            def call(fn, *args, **kwargs):
+                fn(*args, async_op=True, **kwargs).wait()
+        else:
+            def call(fn, *args, **kwargs):
+                fn(*args, **kwargs)
         inp = p.input.to(dev, copy=True)  # .to() of a CPU tensor to "cpu" would alias it
         src = p.input.to(dev, copy=True)
         out = torch.empty(p.out_count(), dtype=p.dtype, device=dev)
@@ -114,23 +120,27 @@ class TorchDistBackend:
 
         c = p.coll
         if c == "barrier":
-            return None if mode == "in-place" else Case(lambda: dist.barrier(group=g), lambda: None, lambda: None, None)
+            return None if mode == "in-place" else Case(lambda: call(dist.barrier, group=g), lambda: None,
+                                                        lambda: None, None)
         if mode == "out-of-place":
             if c == "all_gather":
-                return Case(lambda: dist.all_gather_into_tensor(out, inp, group=g), reset, lambda: out, p.expected)
+                return Case(lambda: call(dist.all_gather_into_tensor, out, inp, group=g), reset, lambda: out,
+                            p.expected)
             if c == "reduce_scatter":
-                return Case(lambda: dist.reduce_scatter_tensor(out, inp, op=op, group=g), reset, lambda: out, p.expected)
+                return Case(lambda: call(dist.reduce_scatter_tensor, out, inp, op=op, group=g), reset, lambda: out,
+                            p.expected)
             if c == "alltoall":
-                return Case(lambda: dist.all_to_all_single(out, inp, group=g), reset, lambda: out, p.expected)
+                return Case(lambda: call(dist.all_to_all_single, out, inp, group=g), reset, lambda: out, p.expected)
             if c == "sendrecv":
                 return Case(lambda: self._sendrecv(out, inp), reset, lambda: out, p.expected)
             return None  # all_reduce, broadcast, reduce exist in place only in torch
         if c == "all_reduce":
-            return Case(lambda: dist.all_reduce(inp, op=op, group=g), reset, lambda: inp, p.expected)
+            return Case(lambda: call(dist.all_reduce, inp, op=op, group=g), reset, lambda: inp, p.expected)
         if c == "broadcast":
-            return Case(lambda: dist.broadcast(inp, self._global(p.root), group=g), reset, lambda: inp, p.expected)
+            return Case(lambda: call(dist.broadcast, inp, self._global(p.root), group=g), reset, lambda: inp,
+                        p.expected)
         if c == "reduce":
-            return Case(lambda: dist.reduce(inp, self._global(p.root), op=op, group=g), reset,
+            return Case(lambda: call(dist.reduce, inp, self._global(p.root), op=op, group=g), reset,
                         lambda: inp if p.expected is not None else None, p.expected)
         return None
 
@@ -276,6 +286,8 @@ def make_backends(names, algorithm=None, device="cpu"):
     for name in names:
         if name == "engine":
             made.append(TorchDistBackend("engine", device=device))
+        elif name == "engine-async":
+            made.append(TorchDistBackend("engine-async", device=device, asynchronous=True))
         elif name == "engine-direct":
             made.append(EngineDirectBackend(name, None, algorithm))
         elif name in ("engine-shm", "engine-mpi"):
