@@ -10,12 +10,13 @@ ROW_KEYS = ("backend", "collective", "mode", "size", "count", "type", "redop", "
             "wrong", "samples_us")
 DESCRIPTIONS = {
     "engine": "torch.distributed, backend engine",
+    "engine-async": "torch.distributed, backend engine, async_op=True then wait()",
     "engine-direct": "engine.Communicator of the same group, no torch layer",
     "engine-shm": "engine.Communicator over shared memory, no torch layer",
     "engine-mpi": "engine.Communicator over MPI, no torch layer",
     "nop": "torch.distributed, a do-nothing Python process group (torch's own share)",
     "gloo": "torch.distributed, Gloo group in the same job",
-    "mpi4py": "raw mpi4py on numpy arrays",
+    "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",
     "nccl": "torch.distributed, backend nccl (CUDA)",
 }
 
