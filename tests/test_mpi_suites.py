@@ -14,7 +14,8 @@ HERE = os.path.dirname(__file__)
 SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
 COLLECTIVES = os.path.join(HERE, "mpi", "test_collectives.py")
 SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (ENGINE_TIMEOUT)
-CASES = [(t, n) for t in ("shm", "mpi") for n in (1, 2, 3, 4)]
+# Two ranks first (the broadest check per second: `pytest -x` stops at a broken collective soonest).
+CASES = [(t, n) for n in (2, 3, 4, 1) for t in ("shm", "mpi")]
 
 
 def run(nranks, paths, **env):
