@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 -m engine.bench all -b 1K -e 64M -f 4
     python -m engine.bench plot out.json -o out.png
     mpirun -n 2 python -m engine.bench tune -o tuning.json    # a tuning file for ENGINE_TUNING_FILE
+    python -m engine.bench table out.json                     # Markdown tables of a run
 """
 
 import argparse
@@ -74,6 +75,12 @@ def main(argv=None):
         from .plot import plot
         a = parse_plot_args(argv[1:])
         print(plot(a.files, a.output, a.collective))
+        return
+    if argv[:1] == ["table"]:  # python -m bench table FILE [COLLECTIVE...]: Markdown, as in BENCHMARKS.md
+        from .report import markdown_table, read_json
+        doc = read_json(argv[1])
+        for coll in argv[2:] or list(dict.fromkeys(r["collective"] for r in doc["rows"])):
+            print(f"### {coll}\n\n{markdown_table(doc['rows'], coll, doc['meta']['backends'][0])}\n")
         return
     if argv[:1] == ["tune"]:
         from .tune import main as tune

@@ -75,6 +75,40 @@ def ratio_table(rows, collective, base):
     return "\n".join(lines)
 
 
+def markdown_table(rows, collective, base):
+    """The same comparison as ratio_table, as the Markdown table BENCHMARKS.md shows: times in us,
+    then the base backend's time over each other's (< 1: base faster); 0 wrong elements marked."""
+    mine = [r for r in rows if r["collective"] == collective]
+    backends = list(dict.fromkeys(r["backend"] for r in mine))
+    if base not in backends:
+        return ""
+    others = [b for b in backends if b != base]
+    index = {(r["backend"], r["size"], r["mode"]): r for r in mine}
+    lines = ["| size | mode | " + " | ".join(backends) + " | " + " | ".join(f"{base}/{b}" for b in others) + " |",
+             "| --- " * (2 + len(backends) + len(others)) + "|"]
+    for size in sorted({r["size"] for r in mine}):
+        for mode in ("out-of-place", "in-place"):
+            if (base, size, mode) not in index:
+                continue
+            t = index[(base, size, mode)]["time_us"]
+            ts = [index[(b, size, mode)]["time_us"] if (b, size, mode) in index else None for b in backends]
+            cells = [f"{x:.2f}" if x else "N/A" for x in ts]
+            ratios = [f"{t / x:.3f}" if x else "N/A" for x in ts[1:]]
+            lines.append(f"| {_size(size)} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    wrong = sum(max(r["wrong"], 0) for r in mine)
+    checked = any(r["wrong"] >= 0 for r in mine)
+    lines.append("")
+    lines.append(f"Wrong elements: {wrong}." if checked else "Results not checked (no -c 1).")
+    return "\n".join(lines)
+
+
+def _size(n):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}B"
+    return f"{n} B"
+
+
 def print_report(rows, meta, out):
     print(f"# engine bench: {meta['command']}", file=out)
     print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), torch {meta['torch']}, "

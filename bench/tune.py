@@ -81,18 +81,18 @@ def measure(comm, sizes, rounds, budget, progress=None):
     timings = {}
     for nbytes in sizes:
         count = max(1, nbytes // 4)
-        x = torch.full((count,), float(comm.rank + 1))
+        x = torch.zeros(count)  # timed on zeros: in-place sums stay 0 (no growth to inf, no denormals)
         want = comm.size * (comm.size + 1) / 2
         samples = {name: [] for name, _ in names}
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate: no algorithm always goes first
             for name, algo in order:
-                samples[name].append(slowest_mean(comm, lambda: comm.allreduce(x, op="max", algorithm=algo), budget))
+                x.zero_()
+                samples[name].append(slowest_mean(comm, lambda: comm.allreduce(x, algorithm=algo), budget))
                 x.fill_(float(comm.rank + 1))
                 comm.allreduce(x, algorithm=algo)
                 if not bool((x == want).all()):
                     raise RuntimeError(f"allreduce algorithm {name} gave a wrong sum at {nbytes} bytes")
-                x.fill_(float(comm.rank + 1))
             if progress:
                 progress.step(f"{nbytes} B")
         timings[nbytes] = {name: statistics.median(s) for name, s in samples.items()}

