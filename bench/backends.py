@@ -12,6 +12,8 @@ Backends (None from case() means "not applicable"):
 Every buffer comes from torch's allocator (numpy gives its own large arrays huge pages; torch doesn't).
 """
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -97,6 +99,18 @@ class Problem:
             self.coll, self.count)
 
 
+def _waited(fn):
+    def call(*args, **kwargs):
+        fn(*args, async_op=True, **kwargs).wait()
+    return call
+
+
+# torch.distributed's collectives with async_op=True, then wait(): the cost of Work and futures.
+_WAITED = types.SimpleNamespace(**{name: _waited(getattr(dist, name)) for name in (
+    "barrier", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
+    "reduce")})
+
+
 class TorchDistBackend:
     """torch.distributed on one group: engine (default group), Gloo, or NCCL (CUDA tensors)."""
 
@@ -105,12 +119,7 @@ class TorchDistBackend:
 
     def case(self, p, mode):
         g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
-        if self.asynchronous:  # every call with async_op=True, then wait(): the cost of Work and futures
-            def call(fn, *args, **kwargs):
-                fn(*args, async_op=True, **kwargs).wait()
-        else:
-            def call(fn, *args, **kwargs):
-                fn(*args, **kwargs)
+        d = _WAITED if self.asynchronous else dist  # the synchronous calls stay torch's own, unwrapped
         inp = p.input.to(dev, copy=True)  # .to() of a CPU tensor to "cpu" would alias it
         src = p.input.to(dev, copy=True)
         out = torch.empty(p.out_count(), dtype=p.dtype, device=dev)
@@ -120,27 +129,27 @@ class TorchDistBackend:
 
         c = p.coll
         if c == "barrier":
-            return None if mode == "in-place" else Case(lambda: call(dist.barrier, group=g), lambda: None,
+            return None if mode == "in-place" else Case(lambda: d.barrier(group=g), lambda: None,
                                                         lambda: None, None)
         if mode == "out-of-place":
             if c == "all_gather":
-                return Case(lambda: call(dist.all_gather_into_tensor, out, inp, group=g), reset, lambda: out,
+                return Case(lambda: d.all_gather_into_tensor(out, inp, group=g), reset, lambda: out,
                             p.expected)
             if c == "reduce_scatter":
-                return Case(lambda: call(dist.reduce_scatter_tensor, out, inp, op=op, group=g), reset, lambda: out,
+                return Case(lambda: d.reduce_scatter_tensor(out, inp, op=op, group=g), reset, lambda: out,
                             p.expected)
             if c == "alltoall":
-                return Case(lambda: call(dist.all_to_all_single, out, inp, group=g), reset, lambda: out, p.expected)
+                return Case(lambda: d.all_to_all_single(out, inp, group=g), reset, lambda: out, p.expected)
             if c == "sendrecv":
                 return Case(lambda: self._sendrecv(out, inp), reset, lambda: out, p.expected)
             return None  # all_reduce, broadcast, reduce exist in place only in torch
         if c == "all_reduce":
-            return Case(lambda: call(dist.all_reduce, inp, op=op, group=g), reset, lambda: inp, p.expected)
+            return Case(lambda: d.all_reduce(inp, op=op, group=g), reset, lambda: inp, p.expected)
         if c == "broadcast":
-            return Case(lambda: call(dist.broadcast, inp, self._global(p.root), group=g), reset, lambda: inp,
+            return Case(lambda: d.broadcast(inp, self._global(p.root), group=g), reset, lambda: inp,
                         p.expected)
         if c == "reduce":
-            return Case(lambda: call(dist.reduce, inp, self._global(p.root), op=op, group=g), reset,
+            return Case(lambda: d.reduce(inp, self._global(p.root), op=op, group=g), reset,
                         lambda: inp if p.expected is not None else None, p.expected)
         return None
 

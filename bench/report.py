@@ -52,54 +52,52 @@ def backend_table(rows, backend, collective, meta):
     return "\n".join(lines)
 
 
-def ratio_table(rows, collective, base):
-    """The base backend's time (the first of --backends) over each other backend's, same size and mode,
-    from the same run."""
+def _comparison(rows, collective, base):
+    """(other backends, [(size, mode, base time, [each other's time or None])]) of one collective: the
+    base backend (the first of --backends) beside the others, same size and mode, from the same run."""
     mine = [r for r in rows if r["collective"] == collective]
+    if not any(r["backend"] == base for r in mine):
+        return [], []
     others = [b for b in dict.fromkeys(r["backend"] for r in mine) if b != base]
-    if not others or not any(r["backend"] == base for r in mine):
-        return ""
     index = {(r["backend"], r["size"], r["mode"]): r["time_us"] for r in mine}
-    head = f"# {'size':>10} {'mode':>13} {base + ' us':>14}" + "".join(f" {b + ' us':>14}" for b in others) + \
-        "".join(f" {base + '/' + b:>20}" for b in others)
-    lines = [f"# {collective}: {base} time / other time, same run (< 1: {base} is faster)", head]
-    for size in sorted({r["size"] for r in mine}):
-        for mode in ("out-of-place", "in-place"):
-            t = index.get((base, size, mode))
-            if t is None:
-                continue
-            ts = [index.get((b, size, mode)) for b in others]
-            lines.append(f"  {size:>10} {mode:>13} {t:>14.2f}"
-                         + "".join(f" {x:>14.2f}" if x else f" {'N/A':>14}" for x in ts)
-                         + "".join(f" {t / x:>20.3f}" if x else f" {'N/A':>20}" for x in ts))
-    return "\n".join(lines)
+    lines = [(size, mode, index[(base, size, mode)], [index.get((b, size, mode)) for b in others])
+             for size in sorted({r["size"] for r in mine}) for mode in ("out-of-place", "in-place")
+             if (base, size, mode) in index]
+    return others, lines
+
+
+def ratio_table(rows, collective, base):
+    """The base backend's time over each other backend's (< 1: base faster), as text."""
+    others, lines = _comparison(rows, collective, base)
+    if not others:
+        return ""
+    out = [f"# {collective}: {base} time / other time, same run (< 1: {base} is faster)",
+           f"# {'size':>10} {'mode':>13} {base + ' us':>14}" + "".join(f" {b + ' us':>14}" for b in others)
+           + "".join(f" {base + '/' + b:>20}" for b in others)]
+    for size, mode, t, ts in lines:
+        out.append(f"  {size:>10} {mode:>13} {t:>14.2f}"
+                   + "".join(f" {x:>14.2f}" if x else f" {'N/A':>14}" for x in ts)
+                   + "".join(f" {t / x:>20.3f}" if x else f" {'N/A':>20}" for x in ts))
+    return "\n".join(out)
 
 
 def markdown_table(rows, collective, base):
-    """The same comparison as ratio_table, as the Markdown table BENCHMARKS.md shows: times in us,
-    then the base backend's time over each other's (< 1: base faster); 0 wrong elements marked."""
-    mine = [r for r in rows if r["collective"] == collective]
-    backends = list(dict.fromkeys(r["backend"] for r in mine))
-    if base not in backends:
+    """The same comparison as a Markdown table (BENCHMARKS.md): times in us, then the base backend's
+    time over each other's, and the wrong elements of the whole collective."""
+    others, lines = _comparison(rows, collective, base)
+    if not lines:
         return ""
-    others = [b for b in backends if b != base]
-    index = {(r["backend"], r["size"], r["mode"]): r for r in mine}
-    lines = ["| size | mode | " + " | ".join(backends) + " | " + " | ".join(f"{base}/{b}" for b in others) + " |",
-             "| --- " * (2 + len(backends) + len(others)) + "|"]
-    for size in sorted({r["size"] for r in mine}):
-        for mode in ("out-of-place", "in-place"):
-            if (base, size, mode) not in index:
-                continue
-            t = index[(base, size, mode)]["time_us"]
-            ts = [index[(b, size, mode)]["time_us"] if (b, size, mode) in index else None for b in backends]
-            cells = [f"{x:.2f}" if x else "N/A" for x in ts]
-            ratios = [f"{t / x:.3f}" if x else "N/A" for x in ts[1:]]
-            lines.append(f"| {_size(size)} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    backends = [base] + others
+    out = ["| size | mode | " + " | ".join(backends) + " | " + " | ".join(f"{base}/{b}" for b in others) + " |",
+           "| --- " * (2 + len(backends) + len(others)) + "|"]
+    for size, mode, t, ts in lines:
+        cells = [f"{x:.2f}" if x else "N/A" for x in [t] + ts]
+        ratios = [f"{t / x:.3f}" if x else "N/A" for x in ts]
+        out.append(f"| {_size(size)} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    mine = [r for r in rows if r["collective"] == collective]
     wrong = sum(max(r["wrong"], 0) for r in mine)
-    checked = any(r["wrong"] >= 0 for r in mine)
-    lines.append("")
-    lines.append(f"Wrong elements: {wrong}." if checked else "Results not checked (no -c 1).")
-    return "\n".join(lines)
+    out += ["", f"Wrong elements: {wrong}." if any(r["wrong"] >= 0 for r in mine) else "Results not checked (no -c 1)."]
+    return "\n".join(out)
 
 
 def _size(n):

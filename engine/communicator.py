@@ -112,7 +112,8 @@ class Communicator:
         if not per_host or per_host < 2:
             return None
         from .tuning import hierarchical_allreduce_min_bytes
-        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", hierarchical_allreduce_min_bytes(16 << 10)),
+        tuned = hierarchical_allreduce_min_bytes(16 << 10)
+        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", tuned),
                           "broadcast": env_int("ENGINE_HIER_BROADCAST_MIN_BYTES", 16 << 10),
                           "allgather": env_int("ENGINE_HIER_ALLGATHER_MIN_BYTES", 16 << 10),
                           "reduce_scatter": env_int("ENGINE_HIER_REDUCE_SCATTER_MIN_BYTES", 16 << 10)}

@@ -42,8 +42,8 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     # the probe is collective).
     probe = comm.bcast(local_size != mpi_size and not env.get("MASTER_ADDR") if mpi_rank == 0 else None, root=0)
     addr = reachable_address(comm) if probe else (env.get("MASTER_ADDR") or "127.0.0.1")
-    port = comm.bcast(env.get("MASTER_PORT") or str(free_port()) if mpi_rank == 0 else None, root=0)
-    env.setdefault("MASTER_ADDR", comm.bcast(addr if mpi_rank == 0 else None, root=0))
+    addr, port = comm.bcast((addr, env.get("MASTER_PORT") or str(free_port())) if mpi_rank == 0 else None, root=0)
+    env.setdefault("MASTER_ADDR", addr)
     env.setdefault("MASTER_PORT", port)
 
 
