@@ -20,6 +20,9 @@ import time
 
 import torch
 
+from engine import tuning
+from engine.algorithms import EVERY
+
 from .busbw import parse_size, size_sweep
 from .progress import Progress
 
@@ -50,7 +53,7 @@ def world():
 
 def candidates(comm):
     """(name, algorithm argument) of everything worth timing on this group."""
-    out = [(a, a) for a in comm.core.algorithms if not (a == "native" and comm.transport == "shm")]
+    out = [(a, a) for a in comm.core.algorithms]
     if getattr(comm, "_hier", None) is not None:
         out.append(("hier", "hier"))
     return out
@@ -108,7 +111,7 @@ def rules_from(timings, ranks, flat_names):
     for i in range(1, len(sizes) + 1):
         if i == len(sizes) or best[i] != best[start]:
             lo = 0 if start == 0 else int((sizes[start - 1] * sizes[start]) ** 0.5) + 1
-            hi = (1 << 62) if i == len(sizes) else int((sizes[i - 1] * sizes[i]) ** 0.5)
+            hi = EVERY if i == len(sizes) else int((sizes[i - 1] * sizes[i]) ** 0.5)
             rules.append({"algorithm": best[start], "min_bytes": lo, "max_bytes": hi,
                           "min_ranks": ranks, "max_ranks": ranks})
             start = i
@@ -138,17 +141,19 @@ def main(argv):
         progress.close()
     if comm.rank != 0:
         return
-    doc = {"format": "engine-tuning/1",
+    doc = {"format": tuning.FORMAT,
            "allreduce": {comm.transport: rules_from(timings, comm.size, flat)},
            "measured_on": {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": comm.size,
                            "transport": comm.transport, "hierarchical": "hier" in names,
                            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
                            "command": " ".join(["python", "-m", "engine.bench", "tune"] + list(argv))},
            "timings_us": {str(s): {n: round(t * 1e6, 2) for n, t in timings[s].items()} for s in sorted(timings)}}
-    if "hier" in names:
-        doc["hierarchical_allreduce_min_bytes"] = hier_threshold(timings, flat)
+    if "hier" in names:  # where the hierarchy never won, no size goes hierarchical
+        threshold = hier_threshold(timings, flat)
+        doc["hierarchical_allreduce_min_bytes"] = EVERY if threshold is None else threshold
     with open(args.output, "w") as f:
         json.dump(doc, f, indent=1)
+    tuning.load(args.output)  # what the engine will read: a file it would refuse fails here, named
     print(f"# allreduce, {comm.size} ranks, transport {comm.transport}, us per call (slowest rank, median of "
           f"{args.rounds} interleaved rounds)")
     print(f"{'bytes':>10} " + " ".join(f"{n:>9}" for n in names) + "   fastest")

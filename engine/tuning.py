@@ -19,6 +19,7 @@ import json
 import os
 
 FORMAT = "engine-tuning/1"
+MAX_RULES = 12
 _cache = {}
 
 
@@ -52,6 +53,9 @@ def load(path=None):
     for transport, entries in rules.items():
         if transport not in ALGORITHMS:
             raise _fail(path, f"unknown transport {transport!r} (expected one of {', '.join(ALGORITHMS)})")
+        if not isinstance(entries, list) or len(entries) > MAX_RULES:
+            raise _fail(path, f"allreduce.{transport} must be a list of at most {MAX_RULES} rules (the core walks "
+                              "16, the built-in ones take the rest)")
         parsed[transport] = [_rule(path, transport, i, e, ALGORITHMS[transport]) for i, e in enumerate(entries)]
     hier = doc.get("hierarchical_allreduce_min_bytes")
     if hier is not None and (not isinstance(hier, int) or hier < 0):
@@ -72,7 +76,8 @@ def _rule(path, transport, i, entry, algorithms):
     for key, default in (("min_bytes", 0), ("max_bytes", None), ("min_ranks", 1), ("max_ranks", None)):
         v = entry.get(key, default)
         if v is None:
-            v = 1 << 62
+            from .algorithms import EVERY
+            v = EVERY
         if not isinstance(v, int) or v < 0:
             raise _fail(path, f"{where}: {key} must be an integer >= 0, not {v!r}")
         values.append(v)

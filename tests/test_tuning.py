@@ -10,6 +10,7 @@ import pytest
 from bench.tune import hier_threshold, rules_from
 from engine import tuning
 from mpirun import mpi_env, mpiexec_command
+from torchrun import clean_env, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -45,6 +46,7 @@ def write(tmp_path, doc):
      r"allreduce.mpi\[0\]: min_bytes must be an integer >= 0"),
     ({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": 9, "max_bytes": 8}]}},
      "empty range"),
+    ({"format": "engine-tuning/1", "allreduce": {"shm": [{"algorithm": "ring"}] * 13}}, "at most 12 rules"),
 ])
 def test_a_bad_tuning_file_is_named_with_what_is_wrong(tmp_path, doc, message):
     with pytest.raises(ValueError, match=message):
@@ -96,3 +98,15 @@ def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
     assert traced_algorithms(tmp_path, 2, ENGINE_TUNING_FILE=path) == [(256, "ring"), (1 << 18, "rdouble")]
     # Rules for 2 ranks leave a 3-rank group on the defaults.
     assert traced_algorithms(tmp_path, 3, ENGINE_TUNING_FILE=path) == [(256, "oneshot"), (1 << 18, "twoshot")]
+
+
+def test_the_tuner_runs_under_torchrun_without_mpi(tmp_path):
+    """Without an MPI launch the tuner's group meets through torch's store and times shared memory."""
+    out = tmp_path / "tuned.json"
+    proc = subprocess.run(torchrun_command(2) + ["-m", "bench", "tune", "-o", str(out), "-b", "1K", "-e", "64K", "-f",
+                                                 "64", "--rounds", "1", "--budget", "0.02"],
+                          capture_output=True, text=True, env=clean_env(), timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["measured_on"]["transport"] == "shm" and doc["measured_on"]["ranks"] == 2
+    assert set(doc["timings_us"]) == {"1024", "65536"} and tuning.load(str(out))["allreduce"]["shm"]
