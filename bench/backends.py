@@ -67,6 +67,7 @@ class Problem:
     def __init__(self, coll, count, dtype, op, root, rank, size):
         self.coll, self.count, self.dtype, self.op, self.root, self.rank, self.size = \
             coll, count, dtype, op, root, rank, size
+        self._buffers = {}
         n, r = size, rank
         if coll == "all_reduce":
             self.input = data(r, count, dtype)
@@ -94,6 +95,16 @@ class Problem:
         else:  # barrier
             self.input, self.expected = torch.empty(0, dtype=dtype), None
 
+    def buffers(self, device="cpu"):
+        """(input, source, output) tensors, made once per device and shared by every backend: each
+        backend then runs on the same memory, so placement (pages, cache, alignment) favours none of
+        them. Checks run one case at a time, each resetting the input first."""
+        made = self._buffers.get(device)
+        if made is None:
+            made = self._buffers[device] = (self.input.to(device, copy=True), self.input.to(device, copy=True),
+                                            torch.empty(self.out_count(), dtype=self.dtype, device=device))
+        return made
+
     def out_count(self):
         return {"all_gather": self.count * self.size, "reduce_scatter": self.count // self.size}.get(
             self.coll, self.count)
@@ -120,9 +131,7 @@ class TorchDistBackend:
     def case(self, p, mode):
         g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
         d = _WAITED if self.asynchronous else dist  # the synchronous calls stay torch's own, unwrapped
-        inp = p.input.to(dev, copy=True)  # .to() of a CPU tensor to "cpu" would alias it
-        src = p.input.to(dev, copy=True)
-        out = torch.empty(p.out_count(), dtype=p.dtype, device=dev)
+        inp, src, out = p.buffers(dev)
 
         def reset():
             inp.copy_(src)
@@ -188,8 +197,7 @@ class EngineDirectBackend:
 
     def case(self, p, mode):
         comm, c, op = self.comm, p.coll, p.op.replace("prod", "product")
-        inp, src = p.input.clone(), p.input
-        out = torch.empty(p.out_count(), dtype=p.dtype)
+        inp, src, out = p.buffers()
         inplace = mode == "in-place"
         n, r = p.size, p.rank
 
@@ -248,8 +256,8 @@ class Mpi4pyBackend:
         mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "avg": None}.get(p.op)
         if c in ("all_reduce", "reduce", "reduce_scatter") and mop is None:
             return None  # MPI has no AVG
-        inp_t, out_t = p.input.clone(), torch.empty(p.out_count(), dtype=p.dtype)
-        inp, out, src = inp_t.numpy(), out_t.numpy(), p.input.numpy()
+        inp_t, src_t, out_t = p.buffers()
+        inp, out, src = inp_t.numpy(), out_t.numpy(), src_t.numpy()
         inplace = mode == "in-place"
         n, r = p.size, p.rank
 

@@ -17,6 +17,7 @@ from engine._core import NotContiguousError
 from engine.launcher import MPIRUN_HINT, detect_launcher
 from engine.progress import Progress
 
+from ._options import allreduce_call, enable as enable_options
 from .devices import COMPLETED, CpuDevice, CudaDevice, StagedDevice
 
 _RED = dist.ReduceOp.RedOpType
@@ -43,6 +44,17 @@ def _hash_is_code():
 
 
 _FAST_OP = _hash_is_code()
+_FAST_READ = enable_options(dist.AllreduceOptions, _BY_CODE)
+
+
+def _allreduce_call(opts):
+    """What torchbridge._options.allreduce_call reads, through pybind: engine op * 2 + asyncOp, or -1."""
+    if opts is None:
+        return -1
+    red = opts.reduceOp
+    code = hash(red) if _FAST_OP else int(red.op)
+    op = _BY_CODE[code] if 0 <= code < len(_BY_CODE) else None
+    return -1 if op is None else int(op) * 2 + bool(opts.asyncOp)
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
 
 
@@ -281,18 +293,19 @@ class EngineProcessGroup(dist.ProcessGroup):
     # -- reductions --
 
     def allreduce(self, tensors, opts=None):
-        # The latency path, kept short: SUM..AVG on one CPU tensor, the op read with one pybind access;
-        # a synchronous call runs in place, an asynchronous one is queued. Anything else (and a
-        # non-contiguous tensor) takes the general path.
-        if _FAST_OP and opts is not None and len(tensors) == 1 and not self._cuda:
-            op = _BY_CODE[hash(opts.reduceOp)]
-            if op is not None:
-                if opts.asyncOp:
+        # The latency path, kept short: SUM..AVG on one CPU tensor, the options read in one C call
+        # (torchbridge._options); a synchronous call runs in place, an asynchronous one is queued.
+        # Anything else (and a non-contiguous tensor) takes the general path.
+        if len(tensors) == 1 and not self._cuda:
+            call = allreduce_call(opts) if _FAST_READ else _allreduce_call(opts)
+            if call >= 0:
+                if call & 1:
                     if tensors[0].is_contiguous():
-                        return self._cpu.submit("allreduce", self._allreduce_direct, (tensors[0], None, op), tensors)
+                        return self._cpu.submit("allreduce", self._allreduce_direct, (tensors[0], None, call >> 1),
+                                                tensors)
                 else:
                     try:
-                        self._progress.run(self._allreduce_direct, tensors[0], None, op, 3, "allreduce")
+                        self._progress.run(self._allreduce_direct, tensors[0], None, call >> 1, 3, "allreduce")
                         return COMPLETED
                     except NotContiguousError:
                         pass
