@@ -35,7 +35,7 @@ class AllreduceSelector:
             raise ValueError(f"ENGINE_ALLREDUCE_ALGO={self.forced} does not exist on the {transport} transport; "
                              f"it runs {', '.join(ALGORITHMS[transport])}")
         if transport == "mpi":
-            rdouble_max = env_int("ENGINE_RDOUBLE_MAX_BYTES", 16 << 10)
+            rdouble_max = env_int("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10)
             ring_min = env_int("ENGINE_RING_MIN_BYTES", 32 << 10)
             self.rules = [("native", 0, EVERY, 1, 1),          # a group of one: nothing to exchange
                           ("rdouble", 0, rdouble_max, 2, EVERY),

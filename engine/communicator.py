@@ -88,7 +88,7 @@ class Communicator:
         self.name = name
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
-        self._hier = self._hierarchy(_boot, [h for h, _, _ in everyone], seg_bytes, timeout)
+        self._hier = self._hierarchy(_boot, everyone, seg_bytes, timeout)
         core = self._core
         if not self._debug and self._hier is None:
             # The compiled core's methods, bound straight onto the instance: no Python frame per call.
@@ -99,11 +99,12 @@ class Communicator:
         self.send, self.recv, self.isend, self.irecv = core.send, core.recv, core.isend, core.irecv
         self.sendrecv = core.sendrecv
 
-    def _hierarchy(self, boot, hosts, seg_bytes, timeout):
+    def _hierarchy(self, boot, everyone, seg_bytes, timeout):
         """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
         engine.hierarchy (shared memory inside each host, MPI between them). ENGINE_HIER=off keeps
         the group flat."""
         from .config import env_choice
+        hosts = [h for h, _, _ in everyone]
         from .hierarchy import Hierarchy, topology
         self._hier_mode = env_choice("ENGINE_HIER", ("auto", "slice", "leader", "off"), "auto")
         if self.transport != "mpi" or len(set(hosts)) < 2 or self._hier_mode == "off":
@@ -120,6 +121,9 @@ class Communicator:
         base, me = boot.comm, self.rank
         kwargs = dict(ring_segment_bytes=seg_bytes, timeout=timeout)
         local = Communicator(base.Split(host_of[me], local_of[me]), transport="shm", name=f"{self.name}/host", **kwargs)
+        # The local stages wait while the cross stage's TCP traffic needs the kernel's network
+        # processing: they wait as politely as the MPI transport (measured: docs/tuning.md).
+        _polite_waits(local._core, "mpi", everyone, me)
         cross = Communicator(base.Split(local_of[me], host_of[me]), transport="mpi", name=f"{self.name}/cross",
                              **kwargs)
         from . import mpi
