@@ -48,6 +48,7 @@ cdef class ShmComm(CoreComm):
     cdef const void **srcs          # P source pointers of a reduction
     cdef char *scratch              # the fused oneshot's reduced chunk; peers' pieces a pull reduces
     cdef public size_t pull_piece   # bytes per peer and piece when a reduction pulls inputs by single copy
+    cdef public size_t reduce_oneshot_max  # reduce: one-shot up to this many bytes, then two-shot
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes, size_t oneshot_max):
         self.seg = seg
@@ -58,6 +59,7 @@ cdef class ShmComm(CoreComm):
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.oneshot_max = oneshot_max
         self.pull_piece = 1 << 20
+        self.reduce_oneshot_max = 256 << 10  # measured: docs/tuning.md
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
         self.scratch = <char*>malloc(self.seg.cap)
         if self.srcs == NULL or self.scratch == NULL:
@@ -286,7 +288,11 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], off = 0, n, bo, bl, per
         cdef double divisor = P if red.avg else 0.0
-        cdef bint oneshot = count * isz <= self.oneshot_max
+        # Through the slots at every size, one-shot to reduce_oneshot_max: the peers copy in, the root
+        # reduces (its own input where it lies). Single copy (the root reading every input and reducing
+        # alone) measured slower from 32 KB (2 ranks: 7-13 us against 5-11 us at 32-64 KB, 505-651 us
+        # against 233-242 us at 4 MB; docs/tuning.md).
+        cdef bint oneshot = count * isz <= self.reduce_oneshot_max
         cdef int algo = ALGO_ONESHOT if oneshot else ALGO_TWOSHOT
         cdef char *mine
         if P == 1:
@@ -295,10 +301,6 @@ cdef class ShmComm(CoreComm):
             if red.avg:
                 eng_scale(dst, count, red.dtype, 1, 1)
             return 0
-        # In the single-copy range the root reads the inputs straight from the peers (measured at 2 ranks,
-        # 64 KB: 12 us against 39 us through the slots, where the peers run ahead and wait on the root).
-        if self.seg.use_cma(count * isz):
-            return self.pull_reduce(src, dst, count, red, root, divisor, ctx)
         per = (self.seg.cap // isz) if oneshot else max(<size_t>P, self.chunk_bytes // isz)
         while off < count:
             n = min(per, count - off)
@@ -306,9 +308,9 @@ cdef class ShmComm(CoreComm):
             if ierr:
                 return ierr
             mine = self.seg.half(r, self.seg.step)
-            if oneshot:
-                memcpy(mine, src + off * isz, n * isz)
+            if oneshot:                 # the peers copy in; the root reduces its own input where it lies
                 if r != root:
+                    memcpy(mine, src + off * isz, n * isz)
                     self.seg.post(PHASE_FINISHED)
                     off += n
                     continue
@@ -317,7 +319,7 @@ cdef class ShmComm(CoreComm):
                 if ierr:
                     return ierr
                 for q in range(P):
-                    self.srcs[q] = self.seg.half(q, self.seg.step)
+                    self.srcs[q] = (src + off * isz) if q == r else self.seg.half(q, self.seg.step)
                 eng_reduce_many(red.fn, dst + off * isz, NULL, self.srcs, P, n, isz, red.dtype, divisor)
                 self.seg.post(PHASE_FINISHED)
                 off += n
@@ -349,41 +351,6 @@ cdef class ShmComm(CoreComm):
             self.seg.post(PHASE_FINISHED)
             off += n
         return 0
-
-    cdef int pull_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, double divisor,
-                         WaitCtx *ctx) except -1 nogil:
-        """reduce in the single-copy range: the root copies every peer's input straight out of its
-        memory, piece by piece, and reduces it into its output; the peers wait until it is done."""
-        cdef int P = self.size, r = self.rank, q, ierr
-        cdef size_t isz = eng_itemsize[red.dtype], per = min(self.seg.cap // (P - 1), self.pull_piece) // isz
-        cdef size_t off = 0, n
-        cdef uint64_t step
-        ierr = self.begin_step(OP_REDUCE, red.dtype, _redop(red), ALGO_CMA, root, count, 0, 0, ctx)
-        if ierr:
-            return ierr
-        step = self.seg.step
-        self.seg.table(r, step)[P + r] = <uint64_t>src
-        self.seg.post(PHASE_POSTED)
-        if r != root:
-            ierr = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)
-            self.seg.post(PHASE_FINISHED)
-            return ierr
-        ierr = self.seg.wait_all(step, PHASE_POSTED, ctx, True)
-        while not ierr and off < count:
-            n = min(per, count - off)
-            for q in range(P):
-                if q == r:
-                    self.srcs[q] = src + off * isz
-                    continue
-                self.srcs[q] = self.scratch + (q - (q > r)) * per * isz
-                ierr = self.seg.cma_read(q, <void*>self.srcs[q], self.seg.table(q, step)[P + q] + off * isz, n * isz)
-                if ierr:
-                    break
-            if not ierr:
-                eng_reduce_many(red.fn, dst + off * isz, NULL, self.srcs, P, n, isz, red.dtype, divisor)
-            off += n
-        self.seg.post(PHASE_FINISHED)
-        return ierr
 
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                            const size_t *displs, WaitCtx *ctx) except -1 nogil:

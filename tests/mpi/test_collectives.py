@@ -115,6 +115,25 @@ def test_reduce(dtype):
                     np.testing.assert_array_equal(buf, rank_data(R, n, dtype))  # untouched off the root
 
 
+@pytest.mark.parametrize("nbytes", [(64 << 10) + 4, (256 << 10) - 4, (256 << 10) + 12, (1 << 20) + 40])
+def test_reduce_around_its_thresholds(nbytes):
+    """One-shot / two-shot and the single-chunk / many-chunk boundaries of the shared-memory reduce,
+    counts not divisible by the group size, every root, in place and not."""
+    n = nbytes // 4
+    for root in range(P):
+        for op in ("sum", "max"):
+            ref = reference(op, everyone(n, "float32"))
+            out = np.zeros(n, "float32") if R == root else None
+            WORLD.reduce(rank_data(R, n, "float32"), out, op=op, root=root)
+            buf = rank_data(R, n, "float32")
+            WORLD.reduce(buf, op=op, root=root)
+            if R == root:
+                np.testing.assert_array_equal(out, ref)
+                np.testing.assert_array_equal(buf, ref)
+            else:
+                np.testing.assert_array_equal(buf, rank_data(R, n, "float32"))
+
+
 def test_reduce_bfloat16():
     t = bf16(rank_data(R, 33, "float32"))
     WORLD.reduce(t, op="sum", root=P - 1)
