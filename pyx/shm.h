@@ -191,6 +191,25 @@ static int eng_cma_read(int pid, void *local, uintptr_t remote, size_t n) {
   return 0;
 }
 
+/* Copies n bytes from `local` to `remote` in process pid (the same permission as reading it).
+ * Returns 0 or an errno, as eng_cma_read. */
+static int eng_cma_write(int pid, const void *local, uintptr_t remote, size_t n) {
+  const char *l = (const char *)local;
+  while (n) {
+    struct iovec lv = {(void *)l, n}, rv = {(void *)remote, n};
+    ssize_t put = process_vm_writev(pid, &lv, 1, &rv, 1, 0);
+    if (put < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (put == 0) return EFAULT;
+    l += put;
+    remote += (size_t)put;
+    n -= (size_t)put;
+  }
+  return 0;
+}
+
 /* ---- peer liveness ---- */
 
 /* A pidfd for pid (readable once the process has exited, even before it is reaped), or -1. */

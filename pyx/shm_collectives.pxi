@@ -251,22 +251,7 @@ cdef class ShmComm(CoreComm):
         if self.size == 1:
             return 0
         if self.seg.use_cma(count * isz):
-            # One step: the others copy straight from the root's buffer, which the root keeps
-            # untouched until they all finished.
-            ierr = self.begin_step(OP_BROADCAST, dtype, -1, ALGO_CMA, root, count, 0, 0, ctx)
-            if ierr:
-                return ierr
-            if self.rank == root:
-                self.seg.table(root, self.seg.step)[self.size] = <uint64_t>buf
-                self.seg.post(PHASE_POSTED)
-                ierr = self.seg.wait_all(self.seg.step, PHASE_FINISHED, ctx, False)
-            else:
-                ierr = self.seg.wait_peer(root, self.seg.step, PHASE_POSTED, ctx, True)
-                if ierr:
-                    return ierr
-                ierr = self.seg.cma_read(root, buf, self.seg.table(root, self.seg.step)[self.size], count * isz)
-            self.seg.post(PHASE_FINISHED)
-            return ierr
+            return self.cma_broadcast(buf, count, isz, dtype, root, ctx)
         while off < count:
             n = min(per, count - off)
             ierr = self.begin_step(OP_BROADCAST, dtype, -1, -1, root, count, 0, 0, ctx)
@@ -282,6 +267,43 @@ cdef class ShmComm(CoreComm):
             self.seg.post(PHASE_FINISHED)
             off += n
         return 0
+
+    cdef int cma_broadcast(self, char *buf, size_t count, size_t isz, int dtype, int root,
+                           WaitCtx *ctx) except -1 nogil:
+        """One step by single copy, the root helping: each other rank reads the head of the message
+        straight from the root's buffer while the root writes the tail, 1/P of it, into each of theirs
+        (process_vm_writev), so the root's core copies too instead of waiting (2 ranks: both halves at
+        once). The root keeps its buffer untouched until every reader finished."""
+        cdef int P = self.size, r = self.rank, q, ierr, err
+        cdef size_t tail = count // P, head = count - tail
+        cdef uint64_t step
+        ierr = self.begin_step(OP_BROADCAST, dtype, -1, ALGO_CMA, root, count, 0, 0, ctx)
+        if ierr:
+            return ierr
+        step = self.seg.step
+        self.seg.table(r, step)[P] = <uint64_t>buf
+        self.seg.post(PHASE_POSTED)
+        if r == root:
+            ierr = self.seg.wait_all(step, PHASE_POSTED, ctx, True)
+            q = 0
+            while not ierr and q < P:
+                if q != root:
+                    ierr = self.seg.cma_write(q, buf + head * isz, self.seg.table(q, step)[P] + head * isz, tail * isz)
+                q += 1
+            self.seg.table(r, step)[P + 1] = ierr != 0    # the readers must not return a tail never written
+            self.seg.post(PHASE_FINISHED)
+            err = self.seg.wait_all(step, PHASE_FINISHED, ctx, False)    # the readers are done with buf
+            return ierr if ierr else err
+        ierr = self.seg.wait_peer(root, step, PHASE_POSTED, ctx, True)
+        if not ierr:
+            ierr = self.seg.cma_read(root, buf, self.seg.table(root, step)[P], head * isz)
+        self.seg.post(PHASE_FINISHED)
+        err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
+        if not ierr and not err and self.seg.table(root, step)[P + 1]:
+            self.seg.err_peer = root
+            self.seg.err_errno = 0
+            return ENG_ERR_CMA
+        return ierr if ierr else err
 
     cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
                         WaitCtx *ctx) except -1 nogil:

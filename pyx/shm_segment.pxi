@@ -280,6 +280,18 @@ cdef class ShmSegment:
             return ENG_ERR_CMA
         return 0
 
+    cdef int cma_write(self, int q, const void *local, uint64_t remote, size_t n) noexcept nogil:
+        """n bytes from `local` to `remote` in rank q's memory; ENG_ERR_CMA (errno kept) on failure."""
+        cdef int err
+        if n == 0:
+            return 0
+        err = eng_cma_write(self.peers.pids[q], local, remote, n)
+        if err:
+            self.err_peer = q
+            self.err_errno = err
+            return ENG_ERR_CMA
+        return 0
+
     # -- the step protocol --
 
     cdef inline uint64_t *flag(self, int r) noexcept nogil:

@@ -83,7 +83,8 @@ cdef str _engine_error_text(int code, int peer):
     if code == ENG_ERR_CANCELLED:
         return "the operation was cancelled"
     if code == ENG_ERR_CMA:
-        return (f"a single copy from {who}'s memory (process_vm_readv) failed; set ENGINE_SHM_CMA=0 to move data "
+        return (f"a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
+                "to move data "
                 "through the shared segment only")
     if code == ENG_ERR_MISMATCH:
         return f"{who} is in a different collective"

@@ -134,6 +134,17 @@ def test_reduce_around_its_thresholds(nbytes):
                 np.testing.assert_array_equal(buf, rank_data(R, n, "float32"))
 
 
+@pytest.mark.parametrize("nbytes", [(32 << 10) + 4, (1 << 20) - 4, (1 << 20) + 12])
+def test_broadcast_around_single_copy(nbytes):
+    """Single copy with the root writing every reader's tail (the segment's chunks with single copy
+    off: tests/test_mpi_suites.py); counts not divisible by the group size, every root."""
+    n = nbytes // 4
+    for root in range(P):
+        buf = rank_data(R, n, "float32")
+        WORLD.broadcast(buf, root=root)
+        np.testing.assert_array_equal(buf, rank_data(root, n, "float32"))
+
+
 def test_reduce_bfloat16():
     t = bf16(rank_data(R, 33, "float32"))
     WORLD.reduce(t, op="sum", root=P - 1)
