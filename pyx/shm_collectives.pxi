@@ -48,7 +48,6 @@ cdef class ShmComm(CoreComm):
     cdef const void **srcs          # P source pointers of a reduction
     cdef char *scratch              # the fused oneshot's reduced chunk; peers' pieces a pull reduces
     cdef public size_t pull_piece   # bytes per peer and piece when a reduction pulls inputs by single copy
-    cdef public size_t reduce_oneshot_max  # reduce: one-shot up to this many bytes, then two-shot
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes, size_t oneshot_max):
         self.seg = seg
@@ -59,7 +58,6 @@ cdef class ShmComm(CoreComm):
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.oneshot_max = oneshot_max
         self.pull_piece = 1 << 20
-        self.reduce_oneshot_max = 256 << 10  # measured: docs/tuning.md
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
         self.scratch = <char*>malloc(self.seg.cap)
         if self.srcs == NULL or self.scratch == NULL:
@@ -310,11 +308,11 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], off = 0, n, bo, bl, per
         cdef double divisor = P if red.avg else 0.0
-        # Through the slots at every size, one-shot to reduce_oneshot_max: the peers copy in, the root
-        # reduces (its own input where it lies). Single copy (the root reading every input and reducing
-        # alone) measured slower from 32 KB (2 ranks: 7-13 us against 5-11 us at 32-64 KB, 505-651 us
-        # against 233-242 us at 4 MB; docs/tuning.md).
-        cdef bint oneshot = count * isz <= self.reduce_oneshot_max
+        # Through the slots at every size, one-shot as allreduce's: the peers copy in, the root reduces
+        # (its own input where it lies). Single copy (the root reading every input and reducing alone)
+        # measured slower from 32 KB (2 ranks: 7-13 us against 5-11 us at 32-64 KB, 505-651 us against
+        # 233-242 us at 4 MB; docs/tuning.md).
+        cdef bint oneshot = count * isz <= self.oneshot_max
         cdef int algo = ALGO_ONESHOT if oneshot else ALGO_TWOSHOT
         cdef char *mine
         if P == 1:
@@ -372,6 +370,11 @@ cdef class ShmComm(CoreComm):
                     memcpy(dst + (off + bo) * isz, self.seg.half(q, self.seg.step) + bo * isz, bl * isz)
             self.seg.post(PHASE_FINISHED)
             off += n
+        if r != root:
+            # In step with the root, as allreduce is: peers running ahead into the next call's slots
+            # while the root still reduces measured 3.5-4.7x slower in some runs (2 ranks not bound
+            # to cores: the scheduler put them on one core), never faster.
+            return self.seg.wait_peer(root, self.seg.step, PHASE_FINISHED, ctx, False)
         return 0
 
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
