@@ -132,5 +132,9 @@ def sweep(args, collectives):
         bar.step(f"{coll} {nbytes}")
     bar.close()
     meta = dict(metadata(args, size), rank=rank)
+    # Every group dropped here, not at interpreter exit: a Gloo worker thread that releases a tensor
+    # after Python began finalizing aborts the process (std::terminate on its forced unwind).
+    backends = cases = None
+    _CONTROL.clear()
     dist.destroy_process_group()
     return rows, meta
