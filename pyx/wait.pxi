@@ -15,7 +15,10 @@ cdef extern from *:
     int eng_polite_waits
 
 # Seconds; set_wait_policy() changes them (tests, oversubscribed hosts, ENGINE_SPIN_US).
-cdef double _spin_s = 50e-6       # measured: a peer's flag arrives within ~1-20 us when both are running
+# Measured: a peer's flag arrives within ~1-20 us when both are running, but a step of the segment's
+# 512 KB chunks takes 30-100 us; at 50 us, waits yielded mid-step and whole sizes of a sweep ran 4x
+# slower in some runs (sched_yield hands the core to any runnable thread for a full slice).
+cdef double _spin_s = 250e-6
 cdef double _polite_spin_s = 5e-6
 cdef double _yield_s = 1e-3
 cdef double _nap_max_s = 250e-6
