@@ -172,42 +172,32 @@ static volatile uint64_t eng_cma_probe_word = 0x45424f5250414d43ULL; /* "CMAPROB
 static inline uintptr_t eng_cma_probe_addr(void) { return (uintptr_t)&eng_cma_probe_word; }
 static inline uint64_t eng_cma_probe_value(void) { return eng_cma_probe_word; }
 
-/* Copies n bytes at `remote` in process pid to `local`. Returns 0 or an errno (EPERM: not allowed,
- * ESRCH: the process is gone, EFAULT: the range is not mapped there). */
-static int eng_cma_read(int pid, void *local, uintptr_t remote, size_t n) {
+/* Copies n bytes between `local` here and `remote` in process pid: from remote (write 0,
+ * process_vm_readv) or to it (write 1, process_vm_writev; the same permission). Returns 0 or an errno
+ * (EPERM: not allowed, ESRCH: the process is gone, EFAULT: the range is not mapped there). */
+static int eng_cma_copy(int pid, void *local, uintptr_t remote, size_t n, int write) {
   char *l = (char *)local;
   while (n) {
     struct iovec lv = {l, n}, rv = {(void *)remote, n};
-    ssize_t got = process_vm_readv(pid, &lv, 1, &rv, 1, 0);
-    if (got < 0) {
+    ssize_t done = write ? process_vm_writev(pid, &lv, 1, &rv, 1, 0) : process_vm_readv(pid, &lv, 1, &rv, 1, 0);
+    if (done < 0) {
       if (errno == EINTR) continue;
       return errno;
     }
-    if (got == 0) return EFAULT;
-    l += got;
-    remote += (size_t)got;
-    n -= (size_t)got;
+    if (done == 0) return EFAULT;
+    l += done;
+    remote += (size_t)done;
+    n -= (size_t)done;
   }
   return 0;
 }
 
-/* Copies n bytes from `local` to `remote` in process pid (the same permission as reading it).
- * Returns 0 or an errno, as eng_cma_read. */
-static int eng_cma_write(int pid, const void *local, uintptr_t remote, size_t n) {
-  const char *l = (const char *)local;
-  while (n) {
-    struct iovec lv = {(void *)l, n}, rv = {(void *)remote, n};
-    ssize_t put = process_vm_writev(pid, &lv, 1, &rv, 1, 0);
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (put == 0) return EFAULT;
-    l += put;
-    remote += (size_t)put;
-    n -= (size_t)put;
-  }
-  return 0;
+static inline int eng_cma_read(int pid, void *local, uintptr_t remote, size_t n) {
+  return eng_cma_copy(pid, local, remote, n, 0);
+}
+
+static inline int eng_cma_write(int pid, const void *local, uintptr_t remote, size_t n) {
+  return eng_cma_copy(pid, (void *)local, remote, n, 1);
 }
 
 /* ---- peer liveness ---- */
