@@ -308,11 +308,12 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], off = 0, n, bo, bl, per
         cdef double divisor = P if red.avg else 0.0
-        # Through the slots at every size, one-shot as allreduce's: the peers copy in, the root reduces
+        # Through the slots at every size, one-shot to 4x allreduce's threshold (only the root reduces
+        # there, and the peers' copies of the next call overlap it): the peers copy in, the root reduces
         # (its own input where it lies). Single copy (the root reading every input and reducing alone)
         # measured slower from 32 KB (2 ranks: 7-13 us against 5-11 us at 32-64 KB, 505-651 us against
         # 233-242 us at 4 MB; docs/tuning.md).
-        cdef bint oneshot = count * isz <= self.oneshot_max
+        cdef bint oneshot = count * isz <= 4 * self.oneshot_max
         cdef int algo = ALGO_ONESHOT if oneshot else ALGO_TWOSHOT
         cdef char *mine
         if P == 1:
@@ -370,10 +371,11 @@ cdef class ShmComm(CoreComm):
                     memcpy(dst + (off + bo) * isz, self.seg.half(q, self.seg.step) + bo * isz, bl * isz)
             self.seg.post(PHASE_FINISHED)
             off += n
-        if r != root:
-            # In step with the root, as allreduce is: peers running ahead into the next call's slots
-            # while the root still reduces measured 3.5-4.7x slower in some runs (2 ranks not bound
-            # to cores: the scheduler put them on one core), never faster.
+        if r != root and not oneshot:
+            # Two-shot keeps in step with the root, as allreduce does: peers running ahead into the
+            # next call's chunks while the root still gathers measured 3.5-4.7x slower in some runs.
+            # One-shot peers may run a call ahead: the copy of the next call overlaps the root's
+            # reduction of this one (docs/tuning.md).
             return self.seg.wait_peer(root, self.seg.step, PHASE_FINISHED, ctx, False)
         return 0
 
