@@ -104,8 +104,8 @@ class Communicator:
         engine.hierarchy (shared memory inside each host, MPI between them). ENGINE_HIER=off keeps
         the group flat."""
         from .config import env_choice
-        hosts = [h for h, _, _ in everyone]
         from .hierarchy import Hierarchy, topology
+        hosts = [h for h, _, _ in everyone]
         self._hier_mode = env_choice("ENGINE_HIER", ("auto", "slice", "leader", "off"), "auto")
         if self.transport != "mpi" or len(set(hosts)) < 2 or self._hier_mode == "off":
             return None

@@ -84,8 +84,7 @@ cdef str _engine_error_text(int code, int peer):
         return "the operation was cancelled"
     if code == ENG_ERR_CMA:
         return (f"a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
-                "to move data "
-                "through the shared segment only")
+                "to move data through the shared segment only")
     if code == ENG_ERR_MISMATCH:
         return f"{who} is in a different collective"
     return f"error code {code}"

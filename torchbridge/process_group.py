@@ -47,14 +47,20 @@ _FAST_OP = _hash_is_code()
 _FAST_READ = enable_options(dist.AllreduceOptions, _BY_CODE)
 
 
+def _op_of(red):
+    """(torch's code, engine op or None) of a torch ReduceOp."""
+    code = hash(red) if _FAST_OP else int(red.op)
+    return code, (_BY_CODE[code] if 0 <= code < len(_BY_CODE) else None)
+
+
 def _allreduce_call(opts):
     """What torchbridge._options.allreduce_call reads, through pybind: engine op * 2 + asyncOp, or -1."""
     if opts is None:
         return -1
-    red = opts.reduceOp
-    code = hash(red) if _FAST_OP else int(red.op)
-    op = _BY_CODE[code] if 0 <= code < len(_BY_CODE) else None
+    op = _op_of(opts.reduceOp)[1]
     return -1 if op is None else int(op) * 2 + bool(opts.asyncOp)
+
+
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
 
 
@@ -125,8 +131,7 @@ def _reduce_op(opts):
     if opts is None:
         return ReduceOp.SUM, None
     red = opts.reduceOp
-    code = hash(red) if _FAST_OP else int(red.op)
-    op = _BY_CODE[code] if 0 <= code < len(_BY_CODE) else None
+    code, op = _op_of(red)
     if op is not None:
         return op, None
     if code == _PREMUL:
