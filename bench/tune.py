@@ -1,6 +1,7 @@
-"""python -m engine.bench tune: times every allreduce algorithm of the world group's transport (and,
-across hosts with several ranks each, hierarchical against flat) at every size, on this machine and
-topology, and writes a tuning file that the engine reads at start (ENGINE_TUNING_FILE, engine.tuning).
+"""python -m engine.bench tune: times every allreduce entry of the registry that the world group can
+run (across hosts with several ranks each, the hierarchical ones beside the flat ones) at every size,
+on this machine and topology, and writes a tuning file that the engine reads at start
+(ENGINE_TUNING_FILE, engine.tuning): the fastest entry's rules per range of sizes.
 
     mpirun -n 2 python -m engine.bench tune -o tuning.json            # -b 1K -e 64M -f 4 by default
     torchrun --nproc-per-node 2 -m engine.bench tune -o tuning.json   # shared memory, without MPI
@@ -21,7 +22,7 @@ import time
 import torch
 
 from engine import tuning
-from engine.algorithms import EVERY
+from engine.registry import EVERY
 
 from .busbw import parse_size, size_sweep
 from .progress import Progress
@@ -52,11 +53,8 @@ def world():
 
 
 def candidates(comm):
-    """(name, algorithm argument) of everything worth timing on this group."""
-    out = [(a, a) for a in comm.core.algorithms]
-    if getattr(comm, "_hier", None) is not None:
-        out.append(("hier", "hier"))
-    return out
+    """(name, algorithm argument) of every allreduce entry this group can run."""
+    return [(a, a) for a in comm.core.algorithms]
 
 
 def slowest_mean(comm, run, budget):
@@ -102,11 +100,11 @@ def measure(comm, sizes, rounds, budget, progress=None):
     return timings
 
 
-def rules_from(timings, ranks, flat_names):
-    """Contiguous size ranges with the same fastest flat algorithm, as allreduce rules for this group
-    size; a range's edges lie halfway (geometrically) between the measured sizes."""
+def rules_from(timings, ranks, names):
+    """Contiguous size ranges with the same fastest entry, as allreduce rules for this group size; a
+    range's edges lie halfway (geometrically) between the measured sizes."""
     sizes = sorted(timings)
-    best = [min(flat_names, key=lambda n: timings[s][n]) for s in sizes]
+    best = [min(names, key=lambda n: timings[s][n]) for s in sizes]
     rules, start = [], 0
     for i in range(1, len(sizes) + 1):
         if i == len(sizes) or best[i] != best[start]:
@@ -118,23 +116,11 @@ def rules_from(timings, ranks, flat_names):
     return rules
 
 
-def hier_threshold(timings, flat_names):
-    """The smallest measured size from which hierarchical beats the best flat algorithm at every
-    larger size (None: it never does)."""
-    sizes = sorted(timings)
-    wins = [timings[s]["hier"] < min(timings[s][n] for n in flat_names) for s in sizes]
-    for i, s in enumerate(sizes):
-        if all(wins[i:]):
-            return s
-    return None
-
-
 def main(argv):
     args = parse_args(argv)
     comm = world()
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
     names = [n for n, _ in candidates(comm)]
-    flat = [n for n in names if n != "hier"]
     progress = Progress(len(sizes) * args.rounds, "tune") if comm.rank == 0 else None
     timings = measure(comm, sizes, args.rounds, args.budget, progress)
     if progress:
@@ -142,15 +128,12 @@ def main(argv):
     if comm.rank != 0:
         return
     doc = {"format": tuning.FORMAT,
-           "allreduce": {comm.transport: rules_from(timings, comm.size, flat)},
+           "rules": {"allreduce": {comm.transport: rules_from(timings, comm.size, names)}},
            "measured_on": {"host": socket.gethostname(), "cores": os.cpu_count(), "ranks": comm.size,
-                           "transport": comm.transport, "hierarchical": "hier" in names,
+                           "transport": comm.transport, "entries": names,
                            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
                            "command": " ".join(["python", "-m", "engine.bench", "tune"] + list(argv))},
            "timings_us": {str(s): {n: round(t * 1e6, 2) for n, t in timings[s].items()} for s in sorted(timings)}}
-    if "hier" in names:  # where the hierarchy never won, no size goes hierarchical
-        threshold = hier_threshold(timings, flat)
-        doc["hierarchical_allreduce_min_bytes"] = EVERY if threshold is None else threshold
     with open(args.output, "w") as f:
         json.dump(doc, f, indent=1)
     tuning.load(args.output)  # what the engine will read: a file it would refuse fails here, named
@@ -160,9 +143,7 @@ def main(argv):
     for s in sorted(timings):
         row = timings[s]
         print(f"{s:>10} " + " ".join(f"{row[n] * 1e6:>9.1f}" for n in names) + f"   {min(row, key=row.get)}")
-    for r in doc["allreduce"][comm.transport]:
+    for r in doc["rules"]["allreduce"][comm.transport]:
         print(f"# rule: {r['algorithm']:>8} for {r['min_bytes']} .. {r['max_bytes']} bytes at {comm.size} ranks")
-    if "hier" in names:
-        print(f"# hierarchical from {doc['hierarchical_allreduce_min_bytes']} bytes")
     print(f"# wrote {args.output}: use it with ENGINE_TUNING_FILE={os.path.abspath(args.output)}")
     sys.stdout.flush()

@@ -112,13 +112,10 @@ def make_segment(boot, everyone):
 
 
 def _enable_single_copy(boot, seg, pids):
-    """Pieces of ENGINE_SHM_CMA_MIN_BYTES..ENGINE_SHM_CMA_MAX_BYTES move by one process_vm_readv from
-    the owner's buffer instead of two copies through the segment, when every rank may read every
-    other's memory. Measured here (docs/tuning.md): from 32 KiB it matches MPI (which does the same)
-    whatever the machine's state, while two copies through the segment win by up to 2x at 2 MiB and up
-    only while the two cores share freshly written cache lines quickly, and lose 4x when they don't
-    (seen again at 4 MB: a broadcast through the segment took 986 us in one run and 185-240 us in
-    others, where single copy with the root helping took 201-225 us in every run)."""
+    """Single copy (one process_vm_readv from the owner's buffer instead of two copies through the
+    segment) is a capability of the group: every rank must be allowed to read every other's memory,
+    and every rank must know that all can, so all choose alike. Which pieces use it is the
+    registry's rules' business (engine.registry: the single_copy entries and their thresholds)."""
     from . import _core
     mode = env_choice("ENGINE_SHM_CMA", ("auto", "1", "0"), "auto")
     addrs = boot.allgather(_core.cma_probe_address()[0]) if boot.size > 1 else [0]
@@ -127,4 +124,4 @@ def _enable_single_copy(boot, seg, pids):
     if mode == "1" and boot.size > 1 and not everyone_ok:
         raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
                            "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
-    seg.set_cma(everyone_ok, env_int("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10), env_int("ENGINE_SHM_CMA_MAX_BYTES", 1 << 62))
+    seg.set_cma(everyone_ok)

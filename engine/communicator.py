@@ -12,14 +12,13 @@ recorder, trace. With ENGINE_DEBUG=1 each collective's signature is compared acr
 """
 
 import os
+import weakref
 
 import numpy as np
 
-from . import _core
-from .algorithms import AllreduceSelector
+from . import _core, registry
 from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity,
                         make_segment)
-from .config import env_int
 from .ops import ReduceOp, op_code
 from .watch import Watch
 
@@ -46,7 +45,7 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, transport=None, ring_segment_bytes=None, timeout=None, store=None,
-                 name="world", _owned=None, _boot=None):
+                 name="world", _owned=None, _boot=None, _stage=False):
         self._mpi_comms = []
         self._store_prefix = None
         if _boot is None:
@@ -56,13 +55,15 @@ class Communicator:
             _boot = MpiBootstrap(base)
             if _owned is not None:
                 self._mpi_comms.append(_owned)
-        seg_bytes = ring_segment_bytes or env_int("ENGINE_RING_SEGMENT_BYTES", 512 << 10)
+        seg_bytes = ring_segment_bytes or registry.RING_SEGMENT.value()
         everyone = _boot.allgather(host_identity()) if _boot.size > 1 else [host_identity()]
         self.transport = choose_transport(transport, [h for h, _, _ in everyone])
+        caps = set()
         if self.transport == "shm":
             seg = make_segment(_boot, everyone)
-            self._core = _core.ShmComm(seg, seg_bytes, env_int("ENGINE_SHM_CHUNK_BYTES", 512 << 10),
-                                       env_int("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10))
+            self._core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
+            if seg.cma:
+                caps.add("single_copy")
             if isinstance(_boot, MpiBootstrap) and not self._mpi_comms:
                 self._mpi_comms.append(_boot.comm.Dup())  # for subgroup() and mpi_comm
         else:
@@ -77,11 +78,7 @@ class Communicator:
             for c in comms:
                 c.Set_errhandler(MPI.ERRORS_RETURN)
             self._core = mpi.core().MpiComm(*comms, seg_bytes)
-            chunk = env_int("ENGINE_MPI_CHUNK_ELEMENTS", 0)
-            if chunk:
-                self._core.set_chunk(chunk)
-        self._selector = AllreduceSelector(self.transport)
-        self._selector.configure(self._core)
+            self._core.set_chunk(registry.MPI_CHUNK.value())
         _polite_waits(self._core, self.transport, everyone, _boot.rank)
         self.rank = self._core.rank
         self.size = self._core.size
@@ -89,8 +86,12 @@ class Communicator:
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
         self._hier = self._hierarchy(_boot, everyone, seg_bytes, timeout)
+        if self._hier is not None:
+            caps |= registry.hierarchy_caps(self._hier_mode)
+        self.plan = registry.Plan(self.transport, caps, stage=_stage)
+        self._configure(_boot)
         core = self._core
-        if not self._debug and self._hier is None:
+        if not self._debug:
             # The compiled core's methods, bound straight onto the instance: no Python frame per call.
             self.allreduce, self.broadcast, self.reduce = core.allreduce, core.broadcast, core.reduce
             self.allgather, self.gather, self.scatter = core.allgather, core.gather, core.scatter
@@ -99,27 +100,36 @@ class Communicator:
         self.send, self.recv, self.isend, self.irecv = core.send, core.recv, core.isend, core.irecv
         self.sendrecv = core.sendrecv
 
+    def _configure(self, boot):
+        """Hands the plan to the core, after checking that every rank walks the same rules."""
+        digest, text = self.plan.digest()
+        everyone = boot.allgather(digest) if boot.size > 1 else [digest]
+        if len(set(everyone)) > 1:
+            texts = boot.allgather(text)
+            differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
+            raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
+                               f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): ENGINE_*_ALGO, the ENGINE_* "
+                               "thresholds and ENGINE_TUNING_FILE must be the same on every rank")
+        composite = _composite_runner(self) if self._hier is not None else None
+        self.plan.configure(self._core, composite)
+        if self.transport == "shm":   # point-to-point's rendezvous range (the transport reads it per message)
+            sc = [(lo, hi) for e, lo, hi, _, _ in self.plan.rules["sendrecv"] if e.impl == _core.Impl.SINGLE_COPY]
+            self._core.seg.set_cma(self._core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
+
     def _hierarchy(self, boot, everyone, seg_bytes, timeout):
         """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
         engine.hierarchy (shared memory inside each host, MPI between them). ENGINE_HIER=off keeps
         the group flat."""
-        from .config import env_choice
         from .hierarchy import Hierarchy, topology
         hosts = [h for h, _, _ in everyone]
-        self._hier_mode = env_choice("ENGINE_HIER", ("auto", "slice", "leader", "off"), "auto")
+        self._hier_mode = registry.hier_mode()
         if self.transport != "mpi" or len(set(hosts)) < 2 or self._hier_mode == "off":
             return None
         host_of, local_of, per_host = topology(hosts)
         if not per_host or per_host < 2:
             return None
-        from .tuning import hierarchical_allreduce_min_bytes
-        tuned = hierarchical_allreduce_min_bytes(16 << 10)
-        self._hier_min = {"allreduce": env_int("ENGINE_HIER_ALLREDUCE_MIN_BYTES", tuned),
-                          "broadcast": env_int("ENGINE_HIER_BROADCAST_MIN_BYTES", 16 << 10),
-                          "allgather": env_int("ENGINE_HIER_ALLGATHER_MIN_BYTES", 16 << 10),
-                          "reduce_scatter": env_int("ENGINE_HIER_REDUCE_SCATTER_MIN_BYTES", 16 << 10)}
         base, me = boot.comm, self.rank
-        kwargs = dict(ring_segment_bytes=seg_bytes, timeout=timeout)
+        kwargs = dict(ring_segment_bytes=seg_bytes, timeout=timeout, _stage=True)
         local = Communicator(base.Split(host_of[me], local_of[me]), transport="shm", name=f"{self.name}/host", **kwargs)
         # The local stages wait while the cross stage's TCP traffic needs the kernel's network
         # processing: they wait as politely as the MPI transport (measured: docs/tuning.md).
@@ -131,18 +141,6 @@ class Communicator:
         leaders = Communicator(lead, transport="mpi", name=f"{self.name}/leaders", **kwargs) if local_of[me] == 0 \
             else None
         return Hierarchy(local, cross, host_of, local_of, leaders)
-
-    def _hier_for(self, op, buf, algorithm=None):
-        """(engine.hierarchy method, recorded algorithm name) when `op` of buf goes hierarchical, else None."""
-        if self._hier is None or algorithm not in (None, "auto", "hier", "leader"):
-            return None
-        count, itemsize, dtype = _core.message_shape(buf)
-        if algorithm is None or algorithm == "auto":
-            if count * itemsize < self._hier_min[op]:
-                return None
-            algorithm = "leader" if self._hier_mode == "leader" and op == "allreduce" else "hier"
-        fn = self._hier.allreduce_leader if algorithm == "leader" else getattr(self._hier, op)
-        return fn, algorithm, count, dtype
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
@@ -226,21 +224,13 @@ class Communicator:
     def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, *, algorithm=None):
         """recvbuf = op(sendbuf of all ranks); in place on sendbuf when recvbuf is None.
 
-        algorithm: None (ENGINE_ALLREDUCE_ALGO, else the size rules), or one of this transport's
-        algorithms: 'native', 'ring', 'rdouble' (MPI); 'oneshot', 'twoshot', 'ring', 'rdouble' (shm)."""
+        algorithm: None (ENGINE_ALLREDUCE_ALGO, else the rules), or the name of one of this group's
+        allreduce entries (engine.registry; self.core.algorithms lists them)."""
         self._check_signature("allreduce", sendbuf, redop=op_code(op))
-        hier = self._hier_for("allreduce", sendbuf, algorithm)
-        if hier is not None:
-            fn, name, count, dtype = hier
-            return self._core.recorded("allreduce", count, dtype, name, fn, sendbuf, recvbuf, op_code(op))
         return self._core.allreduce(sendbuf, recvbuf, op, algorithm)
 
     def broadcast(self, buf, root=0):
         self._check_signature("broadcast", buf, root=root)
-        hier = self._hier_for("broadcast", buf)
-        if hier is not None:
-            fn, name, count, dtype = hier
-            return self._core.recorded("broadcast", count, dtype, name, fn, buf, root)
         return self._core.broadcast(buf, root)
 
     def reduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, root=0):
@@ -251,10 +241,6 @@ class Communicator:
     def allgather(self, sendbuf, recvbuf, counts=None):
         """recvbuf = concat(sendbuf of ranks 0..n-1); counts: elements per rank when they differ."""
         self._check_signature("allgather", sendbuf)
-        hier = self._hier_for("allgather", sendbuf) if counts is None else None
-        if hier is not None:
-            fn, name, count, dtype = hier
-            return self._core.recorded("allgather", count, dtype, name, fn, sendbuf, recvbuf)
         return self._core.allgather(sendbuf, recvbuf, counts)
 
     def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
@@ -268,10 +254,6 @@ class Communicator:
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
         """recvbuf = this rank's block of op(sendbuf of all ranks); counts: block sizes when uneven."""
         self._check_signature("reduce_scatter", sendbuf, redop=op_code(op))
-        hier = self._hier_for("reduce_scatter", sendbuf) if counts is None else None
-        if hier is not None:
-            fn, name, count, dtype = hier
-            return self._core.recorded("reduce_scatter", count, dtype, name, fn, sendbuf, recvbuf, op_code(op))
         return self._core.reduce_scatter(sendbuf, recvbuf, op, counts)
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
@@ -282,11 +264,9 @@ class Communicator:
         self._check_signature("barrier", None)
         self._core.barrier()
 
-    def algorithm_for(self, nbytes, count=None):
-        """The allreduce algorithm the rules pick for a message of nbytes (for benchmarks and tests)."""
-        if self._hier is not None and nbytes >= self._hier_min["allreduce"]:
-            return "leader" if self._hier_mode == "leader" else "hier"
-        return self._core.algorithm_for(nbytes)
+    def algorithm_for(self, nbytes, collective="allreduce", dtype="float32"):
+        """The registry entry this group's rules pick for a call of nbytes (benchmarks and tests)."""
+        return self._core.algorithm_for(nbytes, collective, dtype)
 
     def allreduce_parts(self, parts, op=ReduceOp.SUM, wire=None, before=1.0, after=1.0):
         """Fused allreduce of same-dtype parts, packed straight into the shared segment (shm only)."""
@@ -368,3 +348,13 @@ def _polite_waits(core, transport, everyone, rank):
     cores = len(set().union(*local))
     if len(local) > cores or (transport == "mpi" and len(local) >= cores):
         core.set_spin(0)
+
+
+def _composite_runner(comm):
+    """What the core calls to run a composite entry (engine.hierarchy): held weakly, so the core does
+    not keep its Communicator alive."""
+    ref = weakref.ref(comm)
+
+    def run(entry, *args):
+        return getattr(ref()._hier, registry.ENTRIES[entry].runs)(*args)
+    return run

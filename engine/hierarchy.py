@@ -18,7 +18,7 @@ Needs the same number of ranks on every host (otherwise the group stays flat).
 import numpy as np
 
 from . import _core
-from .ops import ReduceOp
+from .ops import ReduceOp, op_code
 
 
 def topology(hosts):
@@ -74,6 +74,7 @@ class Hierarchy:
     # -- allreduce --
 
     def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
+        op = op_code(op)
         buf = sendbuf if recvbuf is None else recvbuf
         if recvbuf is not None:
             _copy(recvbuf, sendbuf)
@@ -91,6 +92,7 @@ class Hierarchy:
         return buf
 
     def allreduce_leader(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
+        op = op_code(op)
         buf = sendbuf if recvbuf is None else recvbuf
         if recvbuf is not None:
             _copy(recvbuf, sendbuf)
@@ -98,9 +100,10 @@ class Hierarchy:
         red = ReduceOp.SUM if avg else op
         self.local.reduce(buf, None, red, 0)
         if self.leaders is not None:
-            self.leaders.allreduce(buf, None, op)
-        elif avg:
-            _core.scale(buf, self.hosts * self.per_host, True)
+            # AVG: the leaders sum the hosts' sums, then divide by every rank (not by the hosts).
+            self.leaders.allreduce(buf, None, red)
+            if avg:
+                _core.scale(buf, self.hosts * self.per_host, True)
         self.local.broadcast(buf, 0)
         return buf
 
@@ -130,6 +133,7 @@ class Hierarchy:
         return recvbuf
 
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM):
+        op = op_code(op)
         n = _flat(recvbuf).shape[0]
         H, L = self.hosts, self.per_host
         src = _flat(sendbuf)

@@ -1,25 +1,28 @@
-"""ENGINE_TUNING_FILE: allreduce rules measured on this machine by `python -m engine.bench tune`, read at
-start, in the spirit of Open MPI's dynamic rules file and NCCL's tuner plugins.
+"""ENGINE_TUNING_FILE: rules and thresholds measured on this machine by `python -m engine.bench tune`,
+read at start, in the spirit of Open MPI's dynamic rules file and NCCL's tuner plugins.
 
 The file is JSON:
 
-    {"format": "engine-tuning/1",
-     "allreduce": {"shm": [{"algorithm": "oneshot", "min_bytes": 0, "max_bytes": 98303,
-                            "min_ranks": 2, "max_ranks": 2}, ...],
-                   "mpi": [...]},
-     "hierarchical_allreduce_min_bytes": 16384,          (optional: groups spanning hosts)
-     "measured_on": {...}, "timings_us": {...}}           (what the tuner saw; not read)
+    {"format": "engine-tuning/2",
+     "rules": {"allreduce": {"shm": [{"algorithm": "oneshot", "min_bytes": 0, "max_bytes": 98303,
+                                      "min_ranks": 2, "max_ranks": 2}, ...],
+                             "mpi": [...]}, ...},
+     "thresholds": {"ENGINE_HIER_ALLREDUCE_MIN_BYTES": 16384, ...},     (optional)
+     "measured_on": {...}, "timings_us": {...}}                          (what the tuner saw; not read)
 
-A group uses the rules of its transport ahead of the built-in ones (first match wins), so group sizes
-the tuner did not measure keep the defaults. ENGINE_ALLREDUCE_ALGO (one algorithm for every size) and
-ENGINE_HIER_ALLREDUCE_MIN_BYTES still win over the file.
+A group walks the rules of its transport ahead of the registry's own (first match wins), so group
+sizes the tuner did not measure keep the defaults; a rule naming an entry the group can't run (a
+hierarchical one on a group within one host) is passed over. "thresholds" replace the registry's
+defaults (engine.registry.Tunable); the environment still wins over both, as ENGINE_<COLLECTIVE>_ALGO
+wins over the rules. Version-1 files ("allreduce": {transport: rules}, "hierarchical_allreduce_min_bytes")
+are read too.
 """
 
 import json
 import os
 
-FORMAT = "engine-tuning/1"
-MAX_RULES = 12
+FORMAT = "engine-tuning/2"
+FORMATS = ("engine-tuning/1", FORMAT)
 _cache = {}
 
 
@@ -29,7 +32,8 @@ def _fail(path, what):
 
 
 def load(path=None):
-    """The validated tuning file named by ENGINE_TUNING_FILE (or path), or None when there is none."""
+    """The validated tuning file named by ENGINE_TUNING_FILE (or path), or None when there is none:
+    {"rules": {collective: {transport: [(name, lo, hi, min_ranks, max_ranks)]}}, "thresholds": {env: int}}."""
     path = path or os.environ.get("ENGINE_TUNING_FILE") or None
     if path is None:
         return None
@@ -43,41 +47,55 @@ def load(path=None):
                                 "`mpirun -n <ranks> python -m engine.bench tune -o <file>`, or unset it") from None
     except json.JSONDecodeError as exc:
         raise _fail(path, f"not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in FORMATS:
         raise _fail(path, f"not an engine tuning file (expected \"format\": \"{FORMAT}\")")
-    from .algorithms import ALGORITHMS
-    rules = doc.get("allreduce", {})
+    from . import registry
+    if doc["format"] == FORMATS[0]:
+        rules = {"allreduce": doc.get("allreduce", {})}
+        hier = doc.get("hierarchical_allreduce_min_bytes")
+        thresholds = {} if hier is None else {registry.HIER_MIN["allreduce"].env: hier}
+    else:
+        rules, thresholds = doc.get("rules", {}), doc.get("thresholds", {})
     if not isinstance(rules, dict):
-        raise _fail(path, "\"allreduce\" must map a transport to a list of rules")
+        raise _fail(path, "\"rules\" must map a collective to {transport: [rules]}")
     parsed = {}
-    for transport, entries in rules.items():
-        if transport not in ALGORITHMS:
-            raise _fail(path, f"unknown transport {transport!r} (expected one of {', '.join(ALGORITHMS)})")
-        if not isinstance(entries, list) or len(entries) > MAX_RULES:
-            raise _fail(path, f"allreduce.{transport} must be a list of at most {MAX_RULES} rules (the core walks "
-                              "16, the built-in ones take the rest)")
-        parsed[transport] = [_rule(path, transport, i, e, ALGORITHMS[transport]) for i, e in enumerate(entries)]
-    hier = doc.get("hierarchical_allreduce_min_bytes")
-    if hier is not None and (not isinstance(hier, int) or hier < 0):
-        raise _fail(path, f"hierarchical_allreduce_min_bytes must be a byte count >= 0, not {hier!r}")
-    _cache[path] = {"allreduce": parsed, "hierarchical_allreduce_min_bytes": hier}
+    for coll, per_transport in rules.items():
+        if coll not in registry.COLLECTIVES:
+            raise _fail(path, f"unknown collective {coll!r} (expected one of {', '.join(registry.COLLECTIVES)})")
+        if not isinstance(per_transport, dict):
+            raise _fail(path, f"rules.{coll} must map a transport to a list of rules")
+        for transport, items in per_transport.items():
+            if transport not in registry.TRANSPORTS:
+                raise _fail(path, f"unknown transport {transport!r} (expected one of {', '.join(registry.TRANSPORTS)})")
+            if not isinstance(items, list) or len(items) > registry.MAX_TUNED_RULES:
+                raise _fail(path, f"{coll}.{transport} must be a list of at most {registry.MAX_TUNED_RULES} rules")
+            parsed[coll, transport] = [_rule(path, coll, transport, i, e) for i, e in enumerate(items)]
+    if not isinstance(thresholds, dict):
+        raise _fail(path, "\"thresholds\" must map an environment variable to a byte count")
+    known = {t.env for t in registry.tunables()}
+    for name, value in thresholds.items():
+        if name not in known:
+            raise _fail(path, f"unknown threshold {name!r} (the registry's: {', '.join(sorted(known))})")
+        if not isinstance(value, int) or value < 0:
+            raise _fail(path, f"threshold {name} must be an integer >= 0, not {value!r}")
+    _cache[path] = {"rules": parsed, "thresholds": dict(thresholds)}
     return _cache[path]
 
 
-def _rule(path, transport, i, entry, algorithms):
-    where = f"allreduce.{transport}[{i}]"
-    if not isinstance(entry, dict):
+def _rule(path, coll, transport, i, item):
+    from . import registry
+    where = f"{coll}.{transport}[{i}]"
+    if not isinstance(item, dict):
         raise _fail(path, f"{where} must be an object")
-    algo = entry.get("algorithm")
-    if algo not in algorithms:
+    names = [e.name for e in registry.entries(coll, transport)]
+    algo = item.get("algorithm")
+    if algo not in names:
         raise _fail(path, f"{where}: algorithm {algo!r} does not run on the {transport} transport "
-                          f"(it runs {', '.join(algorithms)})")
+                          f"(its {coll} runs {', '.join(names)})")
     values = []
     for key, default in (("min_bytes", 0), ("max_bytes", None), ("min_ranks", 1), ("max_ranks", None)):
-        v = entry.get(key, default)
-        if v is None:
-            from .algorithms import EVERY
-            v = EVERY
+        v = item.get(key, default)
+        v = registry.EVERY if v is None else v
         if not isinstance(v, int) or v < 0:
             raise _fail(path, f"{where}: {key} must be an integer >= 0, not {v!r}")
         values.append(v)
@@ -86,13 +104,13 @@ def _rule(path, transport, i, entry, algorithms):
     return (algo, *values)
 
 
-def allreduce_rules(transport):
-    """This transport's rules from the tuning file (an empty list without one)."""
+def rules(collective, transport):
+    """This collective's rules on this transport from the tuning file (an empty list without one)."""
     doc = load()
-    return list(doc["allreduce"].get(transport, ())) if doc else []
+    return list(doc["rules"].get((collective, transport), ())) if doc else []
 
 
-def hierarchical_allreduce_min_bytes(default):
+def threshold(env, default):
+    """A threshold from the tuning file, else default."""
     doc = load()
-    value = doc and doc["hierarchical_allreduce_min_bytes"]
-    return default if value is None else value
+    return doc["thresholds"].get(env, default) if doc else default

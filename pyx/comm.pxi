@@ -5,10 +5,38 @@
 
 from libc.stdint cimport SIZE_MAX
 
-ALGORITHM_NAMES = ("native", "ring", "rdouble", "oneshot", "twoshot", "cma", "hier", "leader")
-ALGORITHM_CODES = {name: i for i, name in enumerate(ALGORITHM_NAMES)}
 OP_KIND_NAMES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
-                 "alltoall", "barrier")
+                 "alltoall", "barrier", "sendrecv")
+
+
+class Impl:
+    """The core's implementations, as engine.registry's entries refer to them (pyx/engine/_core.pxd)."""
+    NATIVE = IMPL_NATIVE
+    RING = IMPL_RING
+    RDOUBLE = IMPL_RDOUBLE
+    ONESHOT = IMPL_ONESHOT
+    TWOSHOT = IMPL_TWOSHOT
+    SEGMENT = IMPL_SEGMENT
+    SINGLE_COPY = IMPL_SINGLE_COPY
+    COMPOSITE = IMPL_COMPOSITE
+
+
+OPBITS = {"user": OPBIT_USER, "none": OPBIT_NONE}   # Rule.ops bits beyond the reduce op codes
+
+cdef tuple _ENTRY_NAMES = ()    # what the flight recorder calls each registry entry (set by engine.registry)
+
+
+def set_entry_names(names):
+    """The registry's entry names, indexed as the rules' entries are (called once, by engine.registry)."""
+    global _ENTRY_NAMES
+    _ENTRY_NAMES = tuple(names)
+
+
+cdef inline int opbit_of(RedC *red) noexcept nogil:
+    """The Rule.ops bit of a resolved reduction."""
+    if red.code < 0:
+        return OPBIT_USER
+    return 7 if red.avg else red.code
 STATE_NAMES = ("running", "done", "failed", "timed out")
 DEFAULT_RECORDS = 256
 
@@ -85,10 +113,14 @@ cdef class CoreComm:
         self.broken = None
         self.interval = 1.0
         self.limbo = []
-        self.default_algo = ALGO_NATIVE
+        self.named_index = {}
         self.transport = "?"
 
     def __dealloc__(self):
+        cdef int op
+        for op in range(NOPKINDS):
+            free(self.rules[op])
+            free(self.named[op])
         free(self.cnt)
         free(self.recs)
 
@@ -114,8 +146,13 @@ cdef class CoreComm:
 
     @property
     def algorithms(self):
-        """Names of the allreduce algorithms this transport runs."""
-        return tuple(n for i, n in enumerate(ALGORITHM_NAMES) if self.algos & (1u << i))
+        """Names of the allreduce entries this group can run (its algorithm= argument)."""
+        return tuple(name for (op, name) in self.named_index if op == OP_ALLREDUCE)
+
+    @property
+    def impls(self):
+        """The IMPL_* codes this transport implements (engine.registry checks its entries against them)."""
+        return frozenset(i for i in range(NIMPLS) if self.impls & (1u << i))
 
     def set_watch(self, hook, double interval=1.0, p2p=None):
         """hook(elapsed_seconds) runs every `interval` s while a collective's wait polls; it may raise
@@ -143,43 +180,100 @@ cdef class CoreComm:
         self.tracer = tracer
         self.on_failure = on_failure
 
-    def set_rules(self, rules, default="native"):
-        """Allreduce algorithm choice: (name, lo_bytes, hi_bytes, min_ranks, max_ranks) rules, first
-        match wins, else `default`. Names must be algorithms of this transport."""
-        rules = list(rules)
-        if len(rules) > 16:
-            raise ValueError("at most 16 allreduce rules")
-        for i, (name, lo, hi, minr, maxr) in enumerate(rules):
-            self.rules[i].algo = self._algo_code(name)
-            self.rules[i].lo = lo
-            self.rules[i].hi = min(hi, SIZE_MAX)
-            self.rules[i].min_ranks = minr
-            self.rules[i].max_ranks = min(maxr, 1 << 30)
-        self.nrules = len(rules)
-        self.default_algo = self._algo_code(default)
+    def set_rules(self, str collective, rules, named, composite=None):
+        """How this group chooses for one collective (engine.registry.Plan builds both lists):
+        rules, walked in order for each call, the first that applies runs; named, every entry this
+        group can run (for algorithm=). Each item: (entry, impl, lo_bytes, hi_bytes, min_ranks,
+        max_ranks, dtype_mask, op_mask, takes_uneven_counts); named items are (name, item).
+        composite(entry, *args) runs IMPL_COMPOSITE entries."""
+        cdef int op = OP_KIND_NAMES.index(collective)
+        rules, named = list(rules), list(named)
+        cdef Rule *r = self._rule_array(rules)
+        cdef Rule *n = self._rule_array([rule for _, rule in named])
+        free(self.rules[op])
+        free(self.named[op])
+        self.rules[op], self.nrules[op] = r, len(rules)
+        self.named[op] = n
+        for key in [k for k in self.named_index if k[0] == op]:
+            del self.named_index[key]
+        for i, (name, _) in enumerate(named):
+            self.named_index[op, name] = i
+        if composite is not None:
+            self.composite = composite
 
-    def _algo_code(self, name):
-        code = ALGORITHM_CODES.get(name, -1)
-        if code < 0 or not (self.algos & (1u << code)):
-            raise ValueError(f"unknown allreduce algorithm {name!r} for the {self.transport} transport; "
-                             f"it runs {', '.join(self.algorithms)}")
-        return code
+    cdef Rule *_rule_array(self, list rules) except? NULL:
+        cdef Rule *out
+        cdef int i
+        if not rules:
+            return NULL
+        out = <Rule*>calloc(len(rules), sizeof(Rule))
+        if out == NULL:
+            raise MemoryError()
+        for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
+            if not (self.impls & (1u << impl)):
+                free(out)
+                raise ValueError(f"entry {_entry_name(entry)}: the {self.transport} transport has no implementation "
+                                 f"{impl}")
+            out[i].entry = entry
+            out[i].impl = impl
+            out[i].lo = lo
+            out[i].hi = min(hi, SIZE_MAX)
+            out[i].min_ranks = minr
+            out[i].max_ranks = min(maxr, 1 << 30)
+            out[i].dtypes = dtypes
+            out[i].ops = ops
+            out[i].uneven = uneven
+        return out
 
     @property
     def blocking(self):
         return self.blocking
 
-    cdef int choose(self, size_t nbytes) noexcept:
+    cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil:
+        """The first of op's rules that applies to a message of nbytes (one rank's piece), or NULL."""
         cdef int i
-        for i in range(self.nrules):
-            if (self.rules[i].lo <= nbytes <= self.rules[i].hi
-                    and self.rules[i].min_ranks <= self.size <= self.rules[i].max_ranks):
-                return self.rules[i].algo
-        return self.default_algo
+        cdef const Rule *r
+        for i in range(self.nrules[op]):
+            r = &self.rules[op][i]
+            if (r.lo <= nbytes <= r.hi and r.min_ranks <= self.size <= r.max_ranks
+                    and (dtype < 0 or (r.dtypes >> dtype) & 1) and (r.ops >> opbit) & 1
+                    and (r.uneven or not uneven)):
+                return r
+        return NULL
 
-    def algorithm_for(self, size_t nbytes):
-        """The allreduce algorithm the rules pick for a message of nbytes."""
-        return ALGORITHM_NAMES[self.choose(nbytes)]
+    cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL:
+        """The rule this call runs: the named entry (algorithm=), else the first rule that applies."""
+        cdef const Rule *r
+        if name is not None and name != "auto":
+            i = self.named_index.get((op, name))
+            if i is None:
+                raise ValueError(f"unknown {OP_KIND_NAMES[op]} algorithm {name!r} for this group ({self.transport}); "
+                                 f"it runs {', '.join(n for (o, n) in self.named_index if o == op)}")
+            return &self.named[op][<int>i]
+        r = self.choose(op, nbytes, dtype, opbit, uneven)
+        if r == NULL:
+            what = f"{DTYPE_NAMES[dtype]} " if dtype >= 0 else ""
+            raise ValueError(f"{OP_KIND_NAMES[op]}: no algorithm of this group takes this call ({what}"
+                             f"{nbytes} bytes{', uneven counts' if uneven else ''}"
+                             f"{', user op' if opbit == OPBIT_USER else ''}): "
+                             f"ENGINE_{OP_KIND_NAMES[op].upper()}_ALGO forces one that does not (see engine.registry)")
+        return r
+
+    cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil:
+        """Whether a piece of nbytes of op moves by single copy (every rank decides alike from its size)."""
+        cdef const Rule *r
+        if nbytes == 0:
+            return False
+        r = self.choose(op, nbytes, dtype, OPBIT_NONE, False)
+        return r != NULL and r.impl == IMPL_SINGLE_COPY
+
+    def algorithm_for(self, size_t nbytes, str collective="allreduce", str dtype="float32"):
+        """The entry the rules pick for a call of nbytes (a SUM for reductions)."""
+        cdef int op = OP_KIND_NAMES.index(collective)
+        cdef const Rule *r = self.choose(op, nbytes, DTYPE_CODES[dtype],
+                                         ENG_SUM if op in (OP_ALLREDUCE, OP_REDUCE, OP_REDUCE_SCATTER) else OPBIT_NONE,
+                                         False)
+        return _entry_name(r.entry) if r != NULL else None
 
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""
@@ -187,7 +281,7 @@ cdef class CoreComm:
 
     # -- the flight recorder --
 
-    cdef OpRec *begin(self, int op, size_t count, int dtype, int algo, bint native) except NULL:
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL:
         cdef OpRec *rec
         if self.broken is not None:
             raise EngineError(f"{OP_KIND_NAMES[op]}: this group is unusable after an earlier failure "
@@ -198,7 +292,7 @@ cdef class CoreComm:
         rec.op = op
         rec.dtype = dtype
         rec.count = count
-        rec.algo = algo
+        rec.entry = entry
         rec.state = 0
         rec.native = native and self.blocking
         rec.start = eng_now()
@@ -228,17 +322,16 @@ cdef class CoreComm:
             self.on_failure(_record(rec), exc)
         return 0
 
-    def recorded(self, str op, size_t count, dtype, str algorithm, fn, *args):
-        """fn(*args), recorded (numbered, timed, traced) as one operation of this group: a collective
-        composed in Python of other groups' (engine.hierarchy)."""
-        cdef OpRec *rec = self.begin(OP_KIND_NAMES.index(op), count, DTYPE_CODES.get(dtype, -1),
-                                     ALGORITHM_NAMES.index(algorithm), False)
+    cdef object run_composite(self, int op, const Rule *rule, size_t count, int dtype, tuple args):
+        """A collective composed in Python of other groups' (engine.hierarchy), recorded (numbered,
+        timed, traced) as one operation of this group."""
+        cdef OpRec *rec = self.begin(op, count, dtype, rule.entry, False)
         try:
-            result = fn(*args)
+            result = self.composite(rule.entry, *args)
         except BaseException as exc:
             self.fail(rec, exc)
             raise
-        self.finish(rec, 0, op)
+        self.finish(rec, 0, OP_KIND_NAMES[op])
         return result
 
     def current(self):
@@ -332,32 +425,35 @@ cdef class CoreComm:
         cdef Message ms = as_message(sendbuf, recvbuf is None, "buffer" if recvbuf is None else "sendbuf")
         cdef Message mr = ms if recvbuf is None else as_message(recvbuf, True, "recvbuf")
         cdef Reduction red = resolve_op(op, ms.dtype)
-        cdef int algo, ierr = 0
+        cdef int ierr = 0
+        cdef const Rule *rule
         cdef WaitCtx ctx
         cdef OpRec *rec
         if mr is not ms:
             CoreComm._same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
-        algo = self.choose(_nbytes(ms)) if algorithm is None or algorithm == "auto" else self._algo_code(algorithm)
-        rec = self.begin(OP_ALLREDUCE, ms.count, ms.dtype, algo, algo == ALGO_NATIVE)
+        rule = self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm)
+        if rule.impl == IMPL_COMPOSITE:
+            return self.run_composite(OP_ALLREDUCE, rule, ms.count, ms.dtype, (sendbuf, recvbuf, op))
+        rec = self.begin(OP_ALLREDUCE, ms.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
-                ierr = self.run_allreduce(<char*>ms.ptr, <char*>mr.ptr, ms.count, &red.c, algo, &ctx)
+                ierr = self.run_allreduce(<char*>ms.ptr, <char*>mr.ptr, ms.count, &red.c, rule.impl, &ctx)
         except BaseException as exc:
-            self._keep_if_posted(algo, ms, mr)
+            self._keep_if_posted(rule.impl, ms, mr)
             self.fail(rec, exc)
             raise
         if ierr:
-            self._keep_if_posted(algo, ms, mr)
+            self._keep_if_posted(rule.impl, ms, mr)
         self.finish(rec, ierr, "allreduce")
         return recvbuf if recvbuf is not None else sendbuf
 
-    cdef _keep_if_posted(self, int algo, Message ms, Message mr):
+    cdef _keep_if_posted(self, int impl, Message ms, Message mr):
         # The point-to-point algorithms post into the user's buffers; whatever a cancel can't take
         # back must not land in freed memory.
-        if algo == ALGO_RING or algo == ALGO_RDOUBLE:
+        if impl == IMPL_RING or impl == IMPL_RDOUBLE:
             self.limbo.append((ms, mr))
 
     def broadcast(self, buf, int root=0):
@@ -365,11 +461,15 @@ cdef class CoreComm:
         cdef Message m = as_message(buf, True, "buffer")
         cdef int ierr = 0
         cdef WaitCtx ctx
-        cdef OpRec *rec = self.begin(OP_BROADCAST, m.count, m.dtype, -1, True)
+        cdef const Rule *rule = self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None)
+        cdef OpRec *rec
+        if rule.impl == IMPL_COMPOSITE:
+            return self.run_composite(OP_BROADCAST, rule, m.count, m.dtype, (buf, root))
+        rec = self.begin(OP_BROADCAST, m.count, m.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
-                ierr = self.run_broadcast(<char*>m.ptr, m.count, m.dtype, root, &ctx)
+                ierr = self.run_broadcast(<char*>m.ptr, m.count, m.dtype, root, rule.impl, &ctx)
         except BaseException as exc:
             self.fail(rec, exc)
             raise
@@ -387,6 +487,7 @@ cdef class CoreComm:
         cdef char *rptr = NULL
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule = self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None)
         if is_root:
             if not inplace:
                 mr = as_message(recvbuf, True, "recvbuf")
@@ -394,11 +495,11 @@ cdef class CoreComm:
                 if mr.count != ms.count:
                     raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
             rptr = <char*>mr.ptr
-        rec = self.begin(OP_REDUCE, ms.count, ms.dtype, -1, True)
+        rec = self.begin(OP_REDUCE, ms.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
-                ierr = self.run_reduce(<char*>ms.ptr, rptr, ms.count, &red.c, root, &ctx)
+                ierr = self.run_reduce(<char*>ms.ptr, rptr, ms.count, &red.c, root, rule.impl, &ctx)
         except BaseException as exc:
             self.fail(rec, exc)
             raise
@@ -415,6 +516,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule
         CoreComm._same_dtype(ms, mr, "allgather")
         self._fits(OP_ALLGATHER, ms.count, "allgather")
         if counts is None:
@@ -429,7 +531,10 @@ cdef class CoreComm:
             if total != mr.count:
                 raise ValueError(f"allgather: counts add up to {total} but recvbuf has {mr.count} elements")
             self._fits(OP_ALLGATHER, total, "allgather")
-        rec = self.begin(OP_ALLGATHER, mr.count, ms.dtype, -1, True)
+        rule = self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None)
+        if rule.impl == IMPL_COMPOSITE:
+            return self.run_composite(OP_ALLGATHER, rule, mr.count, ms.dtype, (sendbuf, recvbuf))
+        rec = self.begin(OP_ALLGATHER, mr.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -452,6 +557,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule
         self._fits(OP_GATHER, ms.count, "gather")
         if self.rank == root:
             if recvbuf is None:
@@ -471,7 +577,8 @@ cdef class CoreComm:
             if mr is not None and total != mr.count:
                 raise ValueError(f"gather: counts add up to {total} but recvbuf has {mr.count} elements")
             self._fits(OP_GATHER, total, "gather")
-        rec = self.begin(OP_GATHER, ms.count, ms.dtype, -1, True)
+        rule = self.select(OP_GATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None)
+        rec = self.begin(OP_GATHER, ms.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -494,6 +601,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule
         self._fits(OP_SCATTER, mr.count, "scatter")
         if self.rank == root:
             if sendbuf is None:
@@ -513,7 +621,8 @@ cdef class CoreComm:
             if ms is not None and total != ms.count:
                 raise ValueError(f"scatter: counts add up to {total} but sendbuf has {ms.count} elements")
             self._fits(OP_SCATTER, total, "scatter")
-        rec = self.begin(OP_SCATTER, mr.count, mr.dtype, -1, True)
+        rule = self.select(OP_SCATTER, _nbytes(mr), mr.dtype, OPBIT_NONE, counts is not None, None)
+        rec = self.begin(OP_SCATTER, mr.count, mr.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -531,10 +640,11 @@ cdef class CoreComm:
         cdef Reduction red
         cdef size_t *cnt = NULL
         cdef size_t *dsp = NULL
-        cdef size_t total
-        cdef int ierr = 0
+        cdef size_t total, largest = mr.count
+        cdef int ierr = 0, i
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule
         CoreComm._same_dtype(ms, mr, "reduce_scatter")
         red = resolve_op(op, ms.dtype)
         self._fits(OP_REDUCE_SCATTER, ms.count, "reduce_scatter")
@@ -549,7 +659,13 @@ cdef class CoreComm:
                 raise ValueError(f"reduce_scatter: counts[{self.rank}] is {cnt[self.rank]} but this rank's recvbuf has {mr.count} elements")
             if total != ms.count:
                 raise ValueError(f"reduce_scatter: counts add up to {total} but sendbuf has {ms.count} elements")
-        rec = self.begin(OP_REDUCE_SCATTER, ms.count, ms.dtype, -1, True)
+            for i in range(self.size):
+                largest = max(largest, cnt[i])
+        rule = self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c), counts is not None,
+                           None)
+        if rule.impl == IMPL_COMPOSITE:
+            return self.run_composite(OP_REDUCE_SCATTER, rule, ms.count, ms.dtype, (sendbuf, recvbuf, op))
+        rec = self.begin(OP_REDUCE_SCATTER, ms.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -568,11 +684,12 @@ cdef class CoreComm:
         cdef size_t *sd = self.cnt + self.size
         cdef size_t *rc = self.cnt + 2 * self.size
         cdef size_t *rd = self.cnt + 3 * self.size
-        cdef size_t stotal, rtotal, block
+        cdef size_t stotal, rtotal, block, largest = 0
         cdef bint even = send_counts is None and recv_counts is None
         cdef int i, ierr = 0
         cdef WaitCtx ctx
         cdef OpRec *rec
+        cdef const Rule *rule
         CoreComm._same_dtype(ms, mr, "alltoall")
         if ms.ptr == mr.ptr and ms.count:
             raise ValueError("alltoall: sendbuf and recvbuf are the same memory; pass separate buffers")
@@ -596,7 +713,10 @@ cdef class CoreComm:
             if rtotal != mr.count:
                 raise ValueError(f"alltoall: recv_counts add up to {rtotal} but recvbuf has {mr.count} elements")
             self._fits(OP_ALLTOALL, max(stotal, rtotal), "alltoall")
-        rec = self.begin(OP_ALLTOALL, ms.count, ms.dtype, -1, True)
+        for i in range(self.size):
+            largest = max(largest, sc[i])
+        rule = self.select(OP_ALLTOALL, largest * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None)
+        rec = self.begin(OP_ALLTOALL, ms.count, ms.dtype, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -610,7 +730,8 @@ cdef class CoreComm:
     def barrier(self):
         cdef int ierr = 0
         cdef WaitCtx ctx
-        cdef OpRec *rec = self.begin(OP_BARRIER, 0, -1, -1, True)
+        cdef const Rule *rule = self.select(OP_BARRIER, 0, -1, OPBIT_NONE, False, None)
+        cdef OpRec *rec = self.begin(OP_BARRIER, 0, -1, rule.entry, rule.impl == IMPL_NATIVE)
         self.start(&ctx)
         try:
             with nogil:
@@ -702,11 +823,11 @@ cdef class CoreComm:
 
     # -- what each transport implements (the defaults: the engine's point-to-point algorithms) --
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil:
         cdef int ierr
         cdef size_t isz = eng_itemsize[red.dtype]
-        if algo == ALGO_RDOUBLE:
+        if impl == IMPL_RDOUBLE:
             ierr = self.rdouble.run(src, dst, count, isz, red.fn, ctx)
         else:
             ierr = self.ring.run(src, dst, count, isz, red.fn, ctx)
@@ -714,11 +835,12 @@ cdef class CoreComm:
             eng_scale(dst, count, red.dtype, self.size, 1)
         return ierr
 
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil:
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
+                           WaitCtx *ctx) except -1 nogil:
         with gil:
             raise NotImplementedError
 
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil:
         with gil:
             raise NotImplementedError
@@ -756,5 +878,9 @@ cdef class CoreComm:
 
 cdef tuple _record(OpRec *r):
     return (r.seq, OP_KIND_NAMES[r.op], r.count, DTYPE_NAMES[r.dtype] if r.dtype >= 0 else None,
-            ALGORITHM_NAMES[r.algo] if r.algo >= 0 else None, r.start, r.end if r.end else None,
+            _entry_name(r.entry), r.start, r.end if r.end else None,
             STATE_NAMES[r.state], bool(r.native))
+
+
+cdef object _entry_name(int entry):
+    return _ENTRY_NAMES[entry] if 0 <= entry < len(_ENTRY_NAMES) else None

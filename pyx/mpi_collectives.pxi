@@ -14,8 +14,8 @@ cdef class MpiComm(CoreComm):
         self.coll = coll.ob_mpi
         self.transport = "mpi"
         self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
-        self.algos = (1u << ALGO_NATIVE) | (1u << ALGO_RING) | (1u << ALGO_RDOUBLE)
-        self.default_algo = ALGO_NATIVE
+        # COMPOSITE: a group spanning hosts runs the hierarchy's entries (engine.hierarchy) through the core.
+        self.impls = (1u << IMPL_NATIVE) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE)
         self.blocking = True
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
@@ -46,13 +46,13 @@ cdef class MpiComm(CoreComm):
             out[i] = <int>counts[i]
         return out
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[red.dtype], off = 0
         cdef int n, ierr = 0
         cdef MPI_Op op
-        if algo != ALGO_NATIVE:
-            return CoreComm.run_allreduce(self, src, dst, count, red, algo, ctx)
+        if impl != IMPL_NATIVE:
+            return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
         op = mpi_op(red)
         while off < count:
             n = <int>min(self.chunk, count - off)
@@ -65,7 +65,8 @@ cdef class MpiComm(CoreComm):
             eng_scale(dst, count, red.dtype, self.size, 1)
         return 0
 
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil:
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
+                           WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[dtype], off = 0
         cdef int n, ierr
         while off < count:
@@ -76,7 +77,7 @@ cdef class MpiComm(CoreComm):
             off += n
         return 0
 
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[red.dtype], off = 0
         cdef int n, ierr
@@ -102,19 +103,32 @@ cdef class MpiComm(CoreComm):
         return MPI_Allgatherv(MPI_IN_PLACE if src == dst + displs[self.rank] * isz else src, <int>count, t,
                               dst, self.ints(counts, 0), self.ints(displs, 1), t, self.coll)
 
+    cdef int *even(self, size_t count, int k) noexcept nogil:
+        """count for every rank, and its displacements, as MPI's ints (slots k and k + 1 of ibuf)."""
+        cdef int i
+        cdef int *c = self.ibuf + k * self.size
+        cdef int *d = self.ibuf + (k + 1) * self.size
+        for i in range(self.size):
+            c[i] = <int>count
+            d[i] = <int>(i * count)
+        return c
+
+    # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
+    # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
+    # root alone, so every rank's call matches whatever the root's counts are.
     cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
-        if counts == NULL:
-            return MPI_Gather(src, <int>count, t, dst, <int>count, t, root, self.coll)
-        return MPI_Gatherv(src, <int>count, t, dst, self.ints(counts, 0), self.ints(displs, 1), t, root, self.coll)
+        cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
+        cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
+        return MPI_Gatherv(src, <int>count, t, dst, c, d, t, root, self.coll)
 
     cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                          const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
-        if counts == NULL:
-            return MPI_Scatter(src, <int>count, t, dst, <int>count, t, root, self.coll)
-        return MPI_Scatterv(src, self.ints(counts, 0), self.ints(displs, 1), t, dst, <int>count, t, root, self.coll)
+        cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
+        cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
+        return MPI_Scatterv(src, c, d, t, dst, <int>count, t, root, self.coll)
 
     cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:

@@ -1,13 +1,16 @@
 # MPI's view of the engine's dtypes and reduce ops, in one place: the MPI datatype of each dtype,
 # the MPI op of each (op, dtype), and MPI user ops for what MPI cannot reduce itself (float16,
-# bfloat16, Numba user ops), which call the engine's own kernels.
+# bfloat16, Numba user ops) or does not reduce right, which call the engine's own kernels. Open MPI
+# 5.0.11's op/avx component sums 8- and 16-bit integers with saturating instructions (uint8 253 + 3
+# + 2 gives 255, not 2) once a message is a few hundred bytes long: their SUM and PRODUCT go through
+# the engine's kernels, which wrap as C and torch do (the conformance matrix caught it).
 
 cdef MPI_Datatype MPI_TYPES[15]  # ENG_NDTYPES
 cdef MPI_Op MPI_OPS_STD[7]    # ENG_NOPS, for integers and float32/64
 cdef MPI_Op MPI_OPS_BOOL[7]   # the logical twins for bool
 cdef MPI_Datatype ENG_MPI_FLOAT16 = MPI_DATATYPE_NULL   # two distinct 2-byte types, so the user-op
 cdef MPI_Datatype ENG_MPI_BFLOAT16 = MPI_DATATYPE_NULL  # callback can tell float16 from bfloat16
-cdef MPI_Op MPI_HALF_OPS[4]                           # SUM, PRODUCT, MIN, MAX on those two types
+cdef MPI_Op MPI_ENGINE_OPS[4]                         # SUM, PRODUCT, MIN, MAX by the engine's kernels
 cdef MPI_Op MPI_USER_OP = MPI_OP_NULL                 # trampoline to the caller thread's user kernel
 
 cdef extern from *:
@@ -17,18 +20,29 @@ cdef extern from *:
     """
     eng_reduce_fn eng_current_user_fn
 
-cdef inline int _half_dtype(MPI_Datatype t) noexcept nogil:
-    return ENG_FLOAT16 if t == ENG_MPI_FLOAT16 else ENG_BFLOAT16
+cdef inline int _engine_dtype(MPI_Datatype t) noexcept nogil:
+    """The engine dtype of an MPI datatype an engine op is used with."""
+    if t == ENG_MPI_FLOAT16:
+        return ENG_FLOAT16
+    if t == ENG_MPI_BFLOAT16:
+        return ENG_BFLOAT16
+    if t == MPI_INT8_T:
+        return ENG_INT8
+    if t == MPI_UINT8_T:
+        return ENG_UINT8
+    if t == MPI_INT16_T:
+        return ENG_INT16
+    return ENG_UINT16
 
 # MPI user functions compute inoutvec = invec (op) inoutvec.
-cdef void _mpi_half_sum(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
-    eng_reduce_lookup(_half_dtype(t[0]), ENG_SUM)(inoutv, inv, inoutv, n[0])
-cdef void _mpi_half_prod(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
-    eng_reduce_lookup(_half_dtype(t[0]), ENG_PRODUCT)(inoutv, inv, inoutv, n[0])
-cdef void _mpi_half_min(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
-    eng_reduce_lookup(_half_dtype(t[0]), ENG_MIN)(inoutv, inv, inoutv, n[0])
-cdef void _mpi_half_max(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
-    eng_reduce_lookup(_half_dtype(t[0]), ENG_MAX)(inoutv, inv, inoutv, n[0])
+cdef void _mpi_eng_sum(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
+    eng_reduce_lookup(_engine_dtype(t[0]), ENG_SUM)(inoutv, inv, inoutv, n[0])
+cdef void _mpi_eng_prod(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
+    eng_reduce_lookup(_engine_dtype(t[0]), ENG_PRODUCT)(inoutv, inv, inoutv, n[0])
+cdef void _mpi_eng_min(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
+    eng_reduce_lookup(_engine_dtype(t[0]), ENG_MIN)(inoutv, inv, inoutv, n[0])
+cdef void _mpi_eng_max(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
+    eng_reduce_lookup(_engine_dtype(t[0]), ENG_MAX)(inoutv, inv, inoutv, n[0])
 cdef void _mpi_user(void *inv, void *inoutv, int *n, MPI_Datatype *t) noexcept nogil:
     eng_current_user_fn(inoutv, inv, inoutv, n[0])
 
@@ -55,10 +69,10 @@ cdef int _init_mpi_tables() except -1:
     MPI_TYPES[ENG_COMPLEX128] = MPI_C_DOUBLE_COMPLEX
     MPI_OPS_STD[:] = [MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX, MPI_BAND, MPI_BOR, MPI_BXOR]
     MPI_OPS_BOOL[:] = [MPI_LOR, MPI_LAND, MPI_LAND, MPI_LOR, MPI_LAND, MPI_LOR, MPI_LXOR]
-    check(MPI_Op_create(_mpi_half_sum, 1, &MPI_HALF_OPS[0]), "MPI_Op_create")
-    check(MPI_Op_create(_mpi_half_prod, 1, &MPI_HALF_OPS[1]), "MPI_Op_create")
-    check(MPI_Op_create(_mpi_half_min, 1, &MPI_HALF_OPS[2]), "MPI_Op_create")
-    check(MPI_Op_create(_mpi_half_max, 1, &MPI_HALF_OPS[3]), "MPI_Op_create")
+    check(MPI_Op_create(_mpi_eng_sum, 1, &MPI_ENGINE_OPS[0]), "MPI_Op_create")
+    check(MPI_Op_create(_mpi_eng_prod, 1, &MPI_ENGINE_OPS[1]), "MPI_Op_create")
+    check(MPI_Op_create(_mpi_eng_min, 1, &MPI_ENGINE_OPS[2]), "MPI_Op_create")
+    check(MPI_Op_create(_mpi_eng_max, 1, &MPI_ENGINE_OPS[3]), "MPI_Op_create")
     check(MPI_Op_create(_mpi_user, 1, &MPI_USER_OP), "MPI_Op_create")
     return 0
 
@@ -72,7 +86,9 @@ cdef inline MPI_Op mpi_op(RedC *red) noexcept nogil:
     if red.dtype == ENG_BOOL:
         return MPI_OPS_BOOL[red.code]
     if red.dtype == ENG_FLOAT16 or red.dtype == ENG_BFLOAT16:
-        return MPI_HALF_OPS[red.code]
+        return MPI_ENGINE_OPS[red.code]
+    if ENG_INT8 <= red.dtype <= ENG_UINT16 and red.code <= ENG_PRODUCT:   # MPI's may saturate (above)
+        return MPI_ENGINE_OPS[red.code]
     return MPI_OPS_STD[red.code]
 
 

@@ -44,19 +44,17 @@ cdef class ShmComm(CoreComm):
     """A group whose ranks share one host: every collective through one segment."""
     cdef readonly ShmSegment seg
     cdef size_t chunk_bytes         # twoshot step size
-    cdef size_t oneshot_max         # messages up to this size take oneshot (rules may say otherwise)
     cdef const void **srcs          # P source pointers of a reduction
     cdef char *scratch              # the fused oneshot's reduced chunk; peers' pieces a pull reduces
     cdef public size_t pull_piece   # bytes per peer and piece when a reduction pulls inputs by single copy
 
-    def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes, size_t oneshot_max):
+    def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
         self.transport = "shm"
         self.init_core(ShmTransport(seg, 0), ShmTransport(seg, 1), ring_segment_bytes)
-        self.algos = (1u << ALGO_ONESHOT) | (1u << ALGO_TWOSHOT) | (1u << ALGO_RING) | (1u << ALGO_RDOUBLE)
-        self.default_algo = ALGO_TWOSHOT
+        self.impls = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)
+                      | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY))
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
-        self.oneshot_max = oneshot_max
         self.pull_piece = 1 << 20
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
         self.scratch = <char*>malloc(self.seg.cap)
@@ -64,7 +62,6 @@ cdef class ShmComm(CoreComm):
             raise MemoryError()
         self.alive = peers_alive
         self.alive_arg = &self.seg.peers
-        self.set_rules([("oneshot", 0, oneshot_max, 1, 1 << 30)], "twoshot")
 
     def __dealloc__(self):
         free(self.srcs)
@@ -95,17 +92,17 @@ cdef class ShmComm(CoreComm):
 
     # -- allreduce --
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[red.dtype]
         cdef double divisor = self.size if red.avg else 0.0
-        if algo == ALGO_RING or algo == ALGO_RDOUBLE:
-            return CoreComm.run_allreduce(self, src, dst, count, red, algo, ctx)
+        if impl == IMPL_RING or impl == IMPL_RDOUBLE:
+            return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
         if self.size == 1:
             if src != dst:
                 memcpy(dst, src, count * isz)
             return 0
-        if algo == ALGO_ONESHOT:
+        if impl == IMPL_ONESHOT:
             return self.oneshot(src, dst, count, red, divisor, ctx)
         return self.twoshot(src, dst, count, red, divisor, ctx)
 
@@ -115,7 +112,7 @@ cdef class ShmComm(CoreComm):
         cdef int q, ierr
         while off < count:
             n = min(per, count - off)
-            ierr = self.begin_step(OP_ALLREDUCE, red.dtype, _redop(red), ALGO_ONESHOT, -1, count, 0, 0, ctx)
+            ierr = self.begin_step(OP_ALLREDUCE, red.dtype, _redop(red), IMPL_ONESHOT, -1, count, 0, 0, ctx)
             if ierr:
                 return ierr
             memcpy(self.seg.half(self.rank, self.seg.step), src + off * isz, n * isz)
@@ -138,7 +135,7 @@ cdef class ShmComm(CoreComm):
         cdef char *mine
         while off < count:
             n = min(per, count - off)
-            ierr = self.begin_step(OP_ALLREDUCE, red.dtype, _redop(red), ALGO_TWOSHOT, -1, count, 0, 0, ctx)
+            ierr = self.begin_step(OP_ALLREDUCE, red.dtype, _redop(red), IMPL_TWOSHOT, -1, count, 0, 0, ctx)
             if ierr:
                 return ierr
             mine = self.seg.half(r, self.seg.step)
@@ -174,8 +171,9 @@ cdef class ShmComm(CoreComm):
         packed (cast to `wire`, times `before`) into this rank's half, reduced there, and unpacked
         (cast back, times `after`) from every rank's half into the parts."""
         cdef _PartList pl = _parse_parts(parts, True, "parts")
-        cdef int wdt, ierr = 0, algo
+        cdef int wdt, ierr = 0
         cdef Reduction red
+        cdef const Rule *rule
         cdef WaitCtx ctx
         cdef OpRec *rec
         if pl.n == 0 or pl.total == 0:
@@ -187,25 +185,34 @@ cdef class ShmComm(CoreComm):
         red = resolve_op(op, wdt)
         if red.c.avg:
             raise ValueError("allreduce_parts takes SUM with after=1/size for AVG (engine.fusion does this)")
-        algo = self.choose(pl.total * eng_itemsize[wdt])
-        if algo != ALGO_ONESHOT:
-            algo = ALGO_TWOSHOT
-        rec = self.begin(OP_ALLREDUCE, pl.total, wdt, algo, False)
+        # Packed straight into the slots: one-shot or two-shot (a rule naming another runs two-shot).
+        rule = self.select(OP_ALLREDUCE, pl.total * eng_itemsize[wdt], wdt, opbit_of(&red.c), False, None)
+        if rule.impl != IMPL_ONESHOT:
+            rule = self.named_impl(OP_ALLREDUCE, IMPL_TWOSHOT)
+        rec = self.begin(OP_ALLREDUCE, pl.total, wdt, rule.entry, False)
         self.start(&ctx)
         try:
             with nogil:
-                ierr = self.fused(pl, &red.c, wdt, before, after, algo, &ctx)
+                ierr = self.fused(pl, &red.c, wdt, before, after, rule.impl, &ctx)
         except BaseException as exc:
             self.fail(rec, exc)
             raise
         self.finish(rec, ierr, "allreduce")
         return parts
 
+    cdef const Rule *named_impl(self, int op, int impl) except NULL:
+        """The entry of op this group runs with impl (the fused path's two-shot)."""
+        cdef int i
+        for i in range(len([k for k in self.named_index if k[0] == op])):
+            if self.named[op][i].impl == impl:
+                return &self.named[op][i]
+        raise ValueError(f"this group has no {OP_KIND_NAMES[op]} entry with implementation {impl}")
+
     cdef int fused(self, _PartList pl, RedC *red, int wdt, double before, double after, int algo,
                    WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t wsz = eng_itemsize[wdt], psz = eng_itemsize[pl.dtype]
-        cdef size_t per = (self.seg.cap // wsz) if algo == ALGO_ONESHOT else max(<size_t>P, self.chunk_bytes // wsz)
+        cdef size_t per = (self.seg.cap // wsz) if algo == IMPL_ONESHOT else max(<size_t>P, self.chunk_bytes // wsz)
         cdef size_t off = 0, n, bo, bl
         cdef char *mine
         while off < pl.total:
@@ -219,7 +226,7 @@ cdef class ShmComm(CoreComm):
             ierr = self.seg.wait_all(self.seg.step, PHASE_POSTED, ctx, True)
             if ierr:
                 return ierr
-            if algo == ALGO_ONESHOT or P == 1:
+            if algo == IMPL_ONESHOT or P == 1:
                 for q in range(P):
                     self.srcs[q] = self.seg.half(q, self.seg.step)
                 eng_reduce_many(red.fn, self.scratch, NULL, self.srcs, P, n, wsz, wdt, 0.0)
@@ -243,12 +250,13 @@ cdef class ShmComm(CoreComm):
 
     # -- the other collectives --
 
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil:
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
+                           WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[dtype], per = self.seg.cap // isz, off = 0, n
         cdef int ierr, err
         if self.size == 1:
             return 0
-        if self.seg.use_cma(count * isz):
+        if impl == IMPL_SINGLE_COPY:
             return self.cma_broadcast(buf, count, isz, dtype, root, ctx)
         while off < count:
             n = min(per, count - off)
@@ -275,7 +283,7 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr, err
         cdef size_t tail = count // P, head = count - tail
         cdef uint64_t step
-        ierr = self.begin_step(OP_BROADCAST, dtype, -1, ALGO_CMA, root, count, 0, 0, ctx)
+        ierr = self.begin_step(OP_BROADCAST, dtype, -1, IMPL_SINGLE_COPY, root, count, 0, 0, ctx)
         if ierr:
             return ierr
         step = self.seg.step
@@ -303,18 +311,16 @@ cdef class ShmComm(CoreComm):
             return ENG_ERR_CMA
         return ierr if ierr else err
 
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil:
+        """Through the slots at every size. One-shot: the peers copy in, the root reduces (its own input
+        where it lies), and the peers' copies of the next call overlap the root's reduction. Two-shot:
+        every rank reduces a block, the root gathers them."""
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], off = 0, n, bo, bl, per
         cdef double divisor = P if red.avg else 0.0
-        # Through the slots at every size, one-shot to 4x allreduce's threshold (only the root reduces
-        # there, and the peers' copies of the next call overlap it): the peers copy in, the root reduces
-        # (its own input where it lies). Single copy (the root reading every input and reducing alone)
-        # measured slower from 32 KB (2 ranks: 7-13 us against 5-11 us at 32-64 KB, 505-651 us against
-        # 233-242 us at 4 MB; docs/tuning.md).
-        cdef bint oneshot = count * isz <= 4 * self.oneshot_max
-        cdef int algo = ALGO_ONESHOT if oneshot else ALGO_TWOSHOT
+        cdef bint oneshot = impl == IMPL_ONESHOT
+        cdef int algo = IMPL_ONESHOT if oneshot else IMPL_TWOSHOT
         cdef char *mine
         if P == 1:
             if src != dst:
@@ -387,13 +393,13 @@ cdef class ShmComm(CoreComm):
                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         return self.gather_to(src, dst, count, dtype, counts, displs, root, ctx)
 
-    cdef inline size_t _steps(self, size_t c, size_t isz, size_t per) noexcept nogil:
+    cdef inline size_t _steps(self, int op, int dtype, size_t c, size_t isz, size_t per) noexcept nogil:
         """Steps a piece of c elements needs: one when it moves by single copy, else ceil(c / per)."""
-        return 1 if self.seg.use_cma(c * isz) else (c + per - 1) // per
+        return 1 if self.single_copy(op, c * isz, dtype) else (c + per - 1) // per
 
-    cdef inline size_t _share(self, size_t c, size_t k, size_t isz, size_t per) noexcept nogil:
+    cdef inline size_t _share(self, int op, int dtype, size_t c, size_t k, size_t isz, size_t per) noexcept nogil:
         """Elements of a c-element piece that step k moves (a single-copy piece moves whole in step 0)."""
-        if self.seg.use_cma(c * isz):
+        if self.single_copy(op, c * isz, dtype):
             return c if k == 0 else 0
         return _piece(c, k, per)
 
@@ -405,13 +411,13 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr
         cdef int op = OP_ALLGATHER if root < 0 else OP_GATHER
         cdef size_t isz = eng_itemsize[dtype], per = self.seg.cap // isz, k = 0, steps = 0, m, c, off
-        cdef bint reader = root < 0 or r == root, mine_cma = self.seg.use_cma(count * isz)
+        cdef bint reader = root < 0 or r == root, mine_cma = self.single_copy(op, count * isz, dtype)
         cdef uint64_t total = 0, first = self.seg.step + 1
         for q in range(P):
             if counts != NULL or reader or q == r:
                 c = count if counts == NULL else counts[q]
                 total += c
-                steps = max(steps, self._steps(c, isz, per) if c else 0)
+                steps = max(steps, self._steps(op, dtype, c, isz, per) if c else 0)
         if reader and src != dst + (r * count if counts == NULL else displs[r]) * isz:
             memcpy(dst + (r * count if counts == NULL else displs[r]) * isz, src, count * isz)
         if P == 1:
@@ -458,7 +464,7 @@ cdef class ShmComm(CoreComm):
                     memcpy(self.seg.err_sig, self.seg.sig(q, self.seg.step), sizeof(self.seg.err_sig))
                     return ENG_ERR_MISMATCH
                 off = (q * count if counts == NULL else displs[q]) * isz
-                if self.seg.use_cma(c * isz):
+                if self.single_copy(op, c * isz, dtype):
                     if k == 0:
                         ierr = self.seg.cma_read(q, dst + off, self.seg.table(q, self.seg.step)[P + q], c * isz)
                         if ierr:
@@ -492,13 +498,13 @@ cdef class ShmComm(CoreComm):
             return 0
         # Every rank's step count must agree: the root knows them all, the others only their own,
         # so the root states the number of steps (aux of the first step).
-        steps = self._steps(count, isz, per)
+        steps = self._steps(OP_SCATTER, dtype, count, isz, per)
         if r == root:
             for q in range(P):
                 if q != r:
                     c = count if counts == NULL else counts[q]
-                    steps = max(steps, self._steps(c, isz, per))
-                    any_cma = any_cma or (c and self.seg.use_cma(c * isz))
+                    steps = max(steps, self._steps(OP_SCATTER, dtype, c, isz, per))
+                    any_cma = any_cma or (c and self.single_copy(OP_SCATTER, c * isz, dtype))
         while True:
             ierr = self.begin_step(OP_SCATTER, dtype, -1, -1, root, 0, 0, steps if r == root else 0, ctx)
             if ierr:
@@ -507,10 +513,10 @@ cdef class ShmComm(CoreComm):
                 tab = self.seg.table(r, self.seg.step)
                 for q in range(P):
                     c = count if counts == NULL else counts[q]
-                    m = self._share(c, k, isz, per) if q != r else 0
+                    m = self._share(OP_SCATTER, dtype, c, k, isz, per) if q != r else 0
                     tab[q] = m
                     tab[P + q] = 0
-                    if m and self.seg.use_cma(c * isz):
+                    if m and self.single_copy(OP_SCATTER, c * isz, dtype):
                         tab[P + q] = <uint64_t>(src + (q * count if counts == NULL else displs[q]) * isz)
                     elif m:
                         memcpy(self.seg.half(r, self.seg.step) + q * per * isz,
@@ -525,14 +531,14 @@ cdef class ShmComm(CoreComm):
                     if steps > (<size_t>1 << 40):
                         self.seg.err_peer = root
                         return ENG_ERR_CORRUPT
-                m = self._share(count, k, isz, per)
+                m = self._share(OP_SCATTER, dtype, count, k, isz, per)
                 got = self.seg.table(root, self.seg.step)[r]
                 if got != m:
                     self.seg.err_peer = root
                     memcpy(self.seg.err_sig, self.seg.sig(root, self.seg.step), sizeof(self.seg.err_sig))
                     self.seg.err_sig[4] = got
                     return ENG_ERR_MISMATCH
-                if m and self.seg.use_cma(count * isz):
+                if m and self.single_copy(OP_SCATTER, count * isz, dtype):
                     ierr = self.seg.cma_read(root, dst, self.seg.table(root, self.seg.step)[P + r], m * isz)
                     if ierr:
                         self.seg.post(PHASE_FINISHED)
@@ -564,7 +570,7 @@ cdef class ShmComm(CoreComm):
             if red.avg:
                 eng_scale(dst, count, red.dtype, 1, 1)
             return 0
-        if self.seg.use_cma(self._largest(count, counts) * isz):
+        if self.single_copy(OP_REDUCE_SCATTER, self._largest(count, counts) * isz, red.dtype):
             return self.pull_reduce_scatter(src, dst, count, red, counts, displs, total, divisor, ctx)
         while k < steps:
             ierr = self.begin_step(OP_REDUCE_SCATTER, red.dtype, _redop(red), -1, -1, total,
@@ -611,7 +617,7 @@ cdef class ShmComm(CoreComm):
         cdef size_t off = 0, n
         cdef size_t d = r * count if counts == NULL else displs[r]
         cdef uint64_t step
-        ierr = self.begin_step(OP_REDUCE_SCATTER, red.dtype, _redop(red), ALGO_CMA, -1, total, _counts_hash(counts, P),
+        ierr = self.begin_step(OP_REDUCE_SCATTER, red.dtype, _redop(red), IMPL_SINGLE_COPY, -1, total, _counts_hash(counts, P),
                                0, ctx)
         if ierr:
             return ierr
@@ -654,8 +660,9 @@ cdef class ShmComm(CoreComm):
             return 0
         for q in range(P):
             if q != r:
-                steps = max(steps, self._steps(scounts[q], isz, per), self._steps(rcounts[q], isz, per))
-                any_cma = any_cma or (scounts[q] and self.seg.use_cma(scounts[q] * isz))
+                steps = max(steps, self._steps(OP_ALLTOALL, dtype, scounts[q], isz, per),
+                            self._steps(OP_ALLTOALL, dtype, rcounts[q], isz, per))
+                any_cma = any_cma or (scounts[q] and self.single_copy(OP_ALLTOALL, scounts[q] * isz, dtype))
         # Each rank knows only its own sizes: the first step's aux carries each rank's step count
         # and everyone runs the largest.
         while True:
@@ -664,10 +671,10 @@ cdef class ShmComm(CoreComm):
                 return ierr
             tab = self.seg.table(r, self.seg.step)
             for q in range(P):
-                m = self._share(scounts[q], k, isz, per) if q != r else 0
+                m = self._share(OP_ALLTOALL, dtype, scounts[q], k, isz, per) if q != r else 0
                 tab[q] = m
                 tab[P + q] = 0
-                if m and self.seg.use_cma(scounts[q] * isz):
+                if m and self.single_copy(OP_ALLTOALL, scounts[q] * isz, dtype):
                     tab[P + q] = <uint64_t>(src + sdispls[q] * isz)
                 elif m:
                     memcpy(self.seg.half(r, self.seg.step) + q * per * isz, src + (sdispls[q] + k * per) * isz,
@@ -686,7 +693,7 @@ cdef class ShmComm(CoreComm):
             for q in range(P):
                 if q == r:
                     continue
-                m = self._share(rcounts[q], k, isz, per)
+                m = self._share(OP_ALLTOALL, dtype, rcounts[q], k, isz, per)
                 got = self.seg.table(q, self.seg.step)[r]
                 if got != m:
                     self.seg.err_peer = q
@@ -694,7 +701,7 @@ cdef class ShmComm(CoreComm):
                     self.seg.err_sig[4] = got
                     self.seg.post(PHASE_FINISHED)
                     return ENG_ERR_MISMATCH
-                if m and self.seg.use_cma(rcounts[q] * isz):
+                if m and self.single_copy(OP_ALLTOALL, rcounts[q] * isz, dtype):
                     ierr = self.seg.cma_read(q, dst + rdispls[q] * isz, self.seg.table(q, self.seg.step)[P + r],
                                              m * isz)
                     if ierr:

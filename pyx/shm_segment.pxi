@@ -258,14 +258,16 @@ cdef class ShmSegment:
                 return False
         return True
 
-    def set_cma(self, bint enabled, size_t min_bytes, size_t max_bytes):
-        """Pieces of min_bytes..max_bytes move by a single copy from the owner's buffer (enabled only
-        when every rank's probe succeeded: every rank must choose alike)."""
+    def set_cma(self, bint enabled, size_t min_bytes=1, size_t max_bytes=SIZE_MAX):
+        """Whether single copy works between every pair of the group (every rank's probe succeeded:
+        every rank must choose alike), and the sizes of point-to-point messages that move by it
+        (the registry's sendrecv rules; collectives ask their own rules per piece)."""
         self.cma = enabled
         self.cma_min = min_bytes
         self.cma_max = max_bytes
 
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil:
+        """Whether a point-to-point message of nbytes moves by single copy (a rendezvous)."""
         return self.cma and self.cma_min <= nbytes <= self.cma_max
 
     cdef int cma_read(self, int q, void *local, uint64_t remote, size_t n) noexcept nogil:

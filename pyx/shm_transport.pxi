@@ -484,7 +484,7 @@ cdef class ShmTransport(Transport):
         m.buf = <char*>buf
         m.len = nbytes
         pthread_mutex_lock(&self.lock)
-        if peer != self.rank and self.seg.cma and nbytes >= self.seg.cma_min:
+        if peer != self.rank and self.seg.use_cma(nbytes):
             m.rts = True
             m.id = self.next_id[peer]
             self.next_id[peer] += 1

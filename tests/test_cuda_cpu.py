@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.algorithms import CudaAllreduceSelector
+from engine import registry
 from engine.cuda import load_cupy
 from engine.cuda.buffers import device_message
 from engine.cuda.ring import ring_schedule
@@ -54,9 +54,12 @@ def test_what_nccl_reduces_and_what_the_ring_does():
     assert nccl_reduction("int32", ReduceOp.BXOR) is None  # bitwise: the engine's ring
     assert nccl_reduction("int16", ReduceOp.SUM) is None  # NCCL has no int16
     assert nccl_reduction("int64", ReduceOp.AVG) is None
-    sel = CudaAllreduceSelector()
-    assert sel.choose(True, 1 << 20, 4) == "nccl"
-    assert sel.choose(False, 1 << 20, 4) == "ring"
+    plan = registry.Plan("nccl", stage=True)
+    assert plan.choose("allreduce", 1 << 20, 4, "float32", "sum").name == "nccl"
+    assert plan.choose("allreduce", 1 << 20, 4, "int32", "bxor").name == "ring"
+    assert plan.choose("allreduce", 1 << 20, 4, "int16", "sum").name == "ring"
+    assert plan.choose("reduce_scatter", 1 << 20, 4, "float32", "sum", uneven=True).name == "ring"
+    assert plan.choose("allgather", 1 << 20, 4, uneven=True).name == "p2p"
 
 
 def test_bad_reductions_raise_clear_errors():
@@ -70,10 +73,15 @@ def test_bad_reductions_raise_clear_errors():
 
 def test_forced_gpu_algorithm(monkeypatch):
     monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "ring")
-    assert CudaAllreduceSelector().choose(True, 1 << 20, 2) == "ring"
+    assert registry.Plan("nccl", stage=True).choose("allreduce", 1 << 20, 2, "float32", "sum").name == "ring"
+    monkeypatch.delenv("ENGINE_CUDA_ALLREDUCE_ALGO")
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "nccl:ring")
+    assert registry.Plan("nccl", stage=True).choose("allreduce", 1 << 20, 2, "float32", "sum").name == "ring"
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:oneshot")  # another transport's: CUDA keeps its own choice
+    assert registry.Plan("nccl", stage=True).choose("allreduce", 1 << 20, 2, "float32", "sum").name == "nccl"
     monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "tree")
     with pytest.raises(ValueError, match="ENGINE_CUDA_ALLREDUCE_ALGO='tree'"):
-        CudaAllreduceSelector()
+        registry.Plan("nccl", stage=True)
 
 
 def test_missing_cupy_names_the_extra(monkeypatch):

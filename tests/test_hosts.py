@@ -50,18 +50,25 @@ def test_example_across_hosts(example, per_host):
     assert EXAMPLES[example].format(n=2 * per_host) in proc.stdout, proc.stdout[-3000:]
 
 
-def test_collective_suite_across_hosts_on_two_levels():
-    """2 hosts x 2 ranks, every allreduce, broadcast, allgather and reduce_scatter of any size through
-    the hierarchy (shared memory inside each host, MPI between), the rest flat over MPI."""
-    floors = {f"ENGINE_HIER_{op}_MIN_BYTES": "0" for op in ("ALLREDUCE", "BROADCAST", "ALLGATHER", "REDUCE_SCATTER")}
+# The conformance matrix's rows across hosts (tests/mpi/test_matrix.py): every MPI entry forced in
+# turn, the hierarchical ones where hosts have two ranks, in the ENGINE_HIER modes that make different
+# plans (auto and slice make the same one: tests/test_registry.py; `python tests/matrix.py` runs all).
+MATRIX_CONFIGS = [(1, "auto"), (2, "auto"), (2, "leader"), (2, "off")]
+
+
+@pytest.mark.parametrize("per_host,mode", MATRIX_CONFIGS, ids=[f"2x{n}-{m}" for n, m in MATRIX_CONFIGS])
+def test_conformance_matrix_across_hosts(per_host, mode):
+    from matrix import RANK_FILE, outcomes
     with Hosts(2) as hosts:
-        # every collective the hierarchy runs, for every dtype and op of the suite (not its per-algorithm matrix)
-        proc = mpirun_across(hosts, 2, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o",
-                                        "addopts=", "--color=no", "-k", "not every_op_count_algorithm",
-                                        os.path.join(ROOT, "tests", "mpi", "test_collectives.py")],
-                             timeout=600, ENGINE_TIMEOUT="30", ENGINE_MPI_SUITE="1", **floors)
+        proc = mpirun_across(hosts, per_host, [sys.executable, "-m", "pytest", "-q", "-x", "-rA", "-p",
+                                               "no:cacheprovider", "-o", "addopts=", "--color=no", RANK_FILE],
+                             timeout=600, ENGINE_TIMEOUT="30", ENGINE_MPI_SUITE="1", ENGINE_HIER=mode)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
-    assert proc.stdout.count(" passed") == 4, proc.stdout[-3000:]
+    from engine import registry
+    got = outcomes(proc.stdout)
+    hierarchical = {e.key for e in registry.ENTRIES if "hierarchy" in e.needs}
+    assert set(got.values()) == {"PASSED"}, got
+    assert (hierarchical <= set(got)) == (per_host == 2 and mode != "off"), got
 
 
 @pytest.mark.parametrize("per_host", [1, 2])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.tune import hier_threshold, rules_from
+from bench.tune import rules_from
 from engine import tuning
 from mpirun import mpi_env, mpiexec_command
 from torchrun import clean_env, torchrun_command
@@ -25,13 +25,6 @@ def test_rules_join_sizes_with_the_same_winner_and_split_halfway():
                      {"algorithm": "twoshot", "min_bytes": 8193, "max_bytes": EVERY, "min_ranks": 3, "max_ranks": 3}]
 
 
-def test_hierarchical_threshold_is_where_it_wins_from_then_on():
-    t = {1: {"ring": 1, "hier": 2}, 2: {"ring": 3, "hier": 2}, 3: {"ring": 1, "hier": 2},
-         4: {"ring": 3, "hier": 2}, 5: {"ring": 9, "hier": 2}}
-    assert hier_threshold(t, ["ring"]) == 4
-    assert hier_threshold({1: {"ring": 1, "hier": 2}}, ["ring"]) is None
-
-
 def write(tmp_path, doc):
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps(doc))
@@ -42,11 +35,16 @@ def write(tmp_path, doc):
     ({"allreduce": {}}, "not an engine tuning file"),
     ({"format": "engine-tuning/1", "allreduce": {"shm": [{"algorithm": "native"}]}}, "does not run on the shm"),
     ({"format": "engine-tuning/1", "allreduce": {"tcp": []}}, "unknown transport 'tcp'"),
-    ({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": -1}]}},
+    ({"format": "engine-tuning/2", "rules": {"allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": -1}]}}},
      r"allreduce.mpi\[0\]: min_bytes must be an integer >= 0"),
-    ({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": 9, "max_bytes": 8}]}},
-     "empty range"),
-    ({"format": "engine-tuning/1", "allreduce": {"shm": [{"algorithm": "ring"}] * 13}}, "at most 12 rules"),
+    ({"format": "engine-tuning/2", "rules": {"allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": 9,
+                                                                     "max_bytes": 8}]}}}, "empty range"),
+    ({"format": "engine-tuning/2", "rules": {"allreduce": {"shm": [{"algorithm": "ring"}] * 33}}}, "at most 32 rules"),
+    ({"format": "engine-tuning/2", "rules": {"scan": {"shm": []}}}, "unknown collective 'scan'"),
+    ({"format": "engine-tuning/2", "rules": {"broadcast": {"shm": [{"algorithm": "oneshot"}]}}},
+     "its broadcast runs single_copy, segment"),
+    ({"format": "engine-tuning/2", "thresholds": {"ENGINE_SHM_ONESHOT_MAX": 5}}, "unknown threshold"),
+    ({"format": "engine-tuning/2", "thresholds": {"ENGINE_SHM_ONESHOT_MAX_BYTES": -5}}, "must be an integer >= 0"),
 ])
 def test_a_bad_tuning_file_is_named_with_what_is_wrong(tmp_path, doc, message):
     with pytest.raises(ValueError, match=message):
@@ -86,8 +84,9 @@ def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert set(doc["timings_us"]) == {"1024", "32768", "1048576"}
-    assert doc["allreduce"]["shm"][0]["min_bytes"] == 0 and doc["allreduce"]["shm"][-1]["max_bytes"] == EVERY
-    assert tuning.load(str(out))["allreduce"]["shm"]  # the engine reads what the tuner wrote
+    rules = doc["rules"]["allreduce"]["shm"]
+    assert rules[0]["min_bytes"] == 0 and rules[-1]["max_bytes"] == EVERY
+    assert tuning.load(str(out))["rules"]["allreduce", "shm"]  # the engine reads what the tuner wrote
 
     assert traced_algorithms(tmp_path, 2) == [(256, "oneshot"), (1 << 18, "twoshot")]  # the built-in rules
     # A file as the tuner writes it, saying the ring wins up to 64 KB and recursive doubling above, at 2 ranks.
@@ -109,4 +108,4 @@ def test_the_tuner_runs_under_torchrun_without_mpi(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["measured_on"]["transport"] == "shm" and doc["measured_on"]["ranks"] == 2
-    assert set(doc["timings_us"]) == {"1024", "65536"} and tuning.load(str(out))["allreduce"]["shm"]
+    assert set(doc["timings_us"]) == {"1024", "65536"} and tuning.load(str(out))["rules"]["allreduce", "shm"]

@@ -2,12 +2,13 @@
 
 Every call enqueues on the CUDA stream it is given and returns at once: it never blocks the host
 (the torch bridge passes torch's current stream and ties its Work to a CUDA event). Allreduce goes
-through the GPU algorithm registry (engine.algorithms.CudaAllreduceSelector): ncclAllReduce, or the
+through the algorithm registry (engine.registry, transport "nccl"): ncclAllReduce, or the
 engine's ring (ring.py) for what NCCL does not reduce, or when forced. Scratch memory comes from
 cupy's stream-ordered pool: reused across calls, never freed while the stream still needs it.
 """
 
-from ..algorithms import CudaAllreduceSelector
+from .. import registry
+from .._core import Impl
 from ..ops import ReduceOp, op_code
 from .buffers import device_message
 from .kernels import GpuKernels
@@ -25,7 +26,7 @@ class CudaCommunicator:
         self.kernels = GpuKernels.on(device)
         self._cupy = self.kernels._cupy
         self._ring = CudaRingAllreduce(self.comm, self.kernels)
-        self._selector = CudaAllreduceSelector()
+        self._plan = registry.Plan("nccl", stage=True)
 
     # -- helpers --
 
@@ -54,20 +55,31 @@ class CudaCommunicator:
         self._allreduce(ptr, count, itemsize, dtype, op_code(op), stream, algorithm)
         return buf
 
-    def algorithm_for(self, dtype, op, nbytes):
-        return self._selector.choose(nccl_reduction(dtype, op_code(op)) is not None, nbytes, self.size)
+    def algorithm_for(self, dtype, op, nbytes, collective="allreduce"):
+        return self._choose(collective, nbytes, dtype, op_code(op)).name
+
+    def _choose(self, collective, nbytes, dtype, op, uneven=False, algorithm=None):
+        """The registry entry this call runs (algorithm: a name of one, as the tests force it)."""
+        name = ReduceOp(op).name.lower() if isinstance(op, int) else None
+        if algorithm is not None:
+            chosen = registry.entry("nccl", collective, algorithm)
+        else:
+            chosen = self._plan.choose(collective, nbytes, self.size, dtype, name, uneven)
+        if chosen is None or not chosen.takes_call(dtype, name):
+            raise TypeError(f"no GPU {collective} algorithm takes {dtype} with {name or 'this op'}"
+                            + (f" (ENGINE_{collective.upper()}_ALGO forces {chosen.name})" if chosen else ""))
+        return chosen
 
     def _allreduce(self, ptr, count, itemsize, dtype, op, stream, algorithm=None):
         check_reduction(dtype, op)
         if count == 0:  # nothing to move; NCCL would see a null pointer
             return
-        native = nccl_reduction(dtype, op)
-        name = algorithm or self._selector.choose(native is not None, count * itemsize, self.size)
-        if name == "nccl":
-            if native is None:
-                raise TypeError(f"NCCL cannot reduce {dtype} with {ReduceOp(op).name}; use the ring")
-            self.comm.allreduce(ptr, ptr, count, *native, stream)
+        if self._choose("allreduce", count * itemsize, dtype, op, algorithm=algorithm).impl == Impl.NATIVE:
+            self.comm.allreduce(ptr, ptr, count, *nccl_reduction(dtype, op), stream)
             return
+        self._ring_allreduce(ptr, count, itemsize, dtype, op, stream)
+
+    def _ring_allreduce(self, ptr, count, itemsize, dtype, op, stream):
         scratch = self._scratch(-(-count // self.size) * itemsize, stream)
         self._ring.run(ptr, count, itemsize, dtype, ReduceOp.SUM if op == ReduceOp.AVG else op,
                        scratch.data.ptr, stream)
@@ -86,15 +98,14 @@ class CudaCommunicator:
         rptr = self._message(recvbuf)[0] if recvbuf is not None and self.rank == root else sptr
         code = op_code(op)
         check_reduction(dtype, code)
-        native = nccl_reduction(dtype, code)
         if count == 0:
             return
-        if native is not None:
-            self.comm.reduce(sptr, rptr, count, *native, root, stream)
+        if self._choose("reduce", count * itemsize, dtype, code).impl == Impl.NATIVE:
+            self.comm.reduce(sptr, rptr, count, *nccl_reduction(dtype, code), root, stream)
             return
         tmp = self._scratch(count * itemsize, stream)  # our ring reduces everywhere; the root keeps it
         self._copy(tmp.data.ptr, sptr, count * itemsize, stream)
-        self._allreduce(tmp.data.ptr, count, itemsize, dtype, code, stream, "ring")
+        self._ring_allreduce(tmp.data.ptr, count, itemsize, dtype, code, stream)
         if self.rank == root:
             self._copy(rptr, tmp.data.ptr, count * itemsize, stream)
 
@@ -108,11 +119,10 @@ class CudaCommunicator:
         if sum(counts) != total or counts[self.rank] != rcount:
             raise ValueError(f"reduce_scatter: input of {total} elements and output of {rcount} do not match "
                              f"blocks {counts} over {self.size} ranks")
-        native = nccl_reduction(dtype, code)
         if total == 0:
             return
-        if native is not None and len(set(counts)) == 1:
-            self.comm.reduce_scatter(sptr, rptr, rcount, *native, stream)
+        if self._choose("reduce_scatter", rcount * itemsize, dtype, code, len(set(counts)) > 1).impl == Impl.NATIVE:
+            self.comm.reduce_scatter(sptr, rptr, rcount, *nccl_reduction(dtype, code), stream)
             return
         tmp = self._scratch(total * itemsize, stream)  # uneven or NCCL-less op: allreduce, keep our block
         self._copy(tmp.data.ptr, sptr, total * itemsize, stream)
@@ -137,7 +147,7 @@ class CudaCommunicator:
             raise ValueError(f"all_gather: output of {rcount} elements does not hold the inputs {counts}")
         if rcount == 0:
             return
-        if len(set(counts)) == 1:
+        if self._choose("allgather", scount * itemsize, None, None, len(set(counts)) > 1).impl == Impl.NATIVE:
             self.comm.allgather(sptr, rptr, scount * itemsize, stream)
             return
         offs = _offsets(counts, itemsize)

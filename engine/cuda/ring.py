@@ -1,7 +1,7 @@
 """The engine's ring allreduce on the GPU: reduce-scatter then allgather around the ring, each step
 one NCCL send and one receive posted in a group call, the reduction done by the engine's own kernel
 (kernels.cu) on the same stream. It reduces what NCCL cannot (BAND/BOR/BXOR, int16) and is the
-engine's alternative to ncclAllReduce in the algorithm registry (engine.algorithms).
+engine's alternative to ncclAllReduce in the algorithm registry (engine.registry).
 
 The chunk arithmetic is the CPU ring's (engine.ring_block): both rings cut a buffer the same way.
 """

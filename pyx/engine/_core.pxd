@@ -172,16 +172,18 @@ cdef class RecursiveDoubling:
 
 # ---- the communicator core ----
 
+# What a registry entry (engine/registry.py) runs: the core's implementations. The registry names
+# the entries; the core knows only these codes and the entry index it records.
 cdef enum:
-    ALGO_NATIVE = 0     # the transport's own collective (MPI_Allreduce)
-    ALGO_RING = 1
-    ALGO_RDOUBLE = 2
-    ALGO_ONESHOT = 3    # shared memory: every rank reduces every slot
-    ALGO_TWOSHOT = 4    # shared memory: reduce-scatter + allgather through the segment
-    ALGO_CMA = 5        # shared memory, data movement: single copy from the peer's buffer
-    ALGO_HIER = 6       # across hosts: shared memory inside each, every rank carrying a slice over MPI
-    ALGO_LEADER = 7     # across hosts: one leader per host carries it over MPI
-    NALGOS = 8
+    IMPL_NATIVE = 0         # the transport's own collective (MPI's), or its only way (a barrier on flags)
+    IMPL_RING = 1           # the ring over the transport's point-to-point
+    IMPL_RDOUBLE = 2        # recursive doubling over the transport's point-to-point
+    IMPL_ONESHOT = 3        # shared memory: every rank's input in its slot, one rank (or all) reduces all
+    IMPL_TWOSHOT = 4        # shared memory: reduce-scatter through the slots, then gather the blocks
+    IMPL_SEGMENT = 5        # shared memory: data moves through the slots (two copies)
+    IMPL_SINGLE_COPY = 6    # shared memory: data moves by one process_vm_readv from its owner's buffer
+    IMPL_COMPOSITE = 7      # composed in Python of other groups' collectives (the hierarchy across hosts)
+    NIMPLS = 8
 
 
 cdef enum:
@@ -194,7 +196,13 @@ cdef enum:
     OP_REDUCE_SCATTER = 6
     OP_ALLTOALL = 7
     OP_BARRIER = 8
-    NOPKINDS = 9
+    OP_SENDRECV = 9     # point-to-point: never recorded; its rules choose how a message moves
+    NOPKINDS = 10
+
+
+cdef enum:
+    OPBIT_USER = 8      # Rule.ops bits 0..7: ENG_SUM..ENG_BXOR, AVG; 8: a user op; 9: no reduction
+    OPBIT_NONE = 9
 
 
 cdef struct OpRec:
@@ -202,16 +210,20 @@ cdef struct OpRec:
     int op
     int dtype           # -1: none
     size_t count
-    int algo            # -1: none
+    int entry           # the registry entry that ran (engine.registry.ENTRIES index); -1: none
     int state           # 0 running, 1 done, 2 failed, 3 timed out
     bint native         # blocks inside the transport's own collective (no watch while it runs)
     double start, end
 
 
 cdef struct Rule:
-    int algo
-    size_t lo, hi       # message bytes, inclusive
+    int entry           # the registry entry (what the flight recorder names)
+    int impl            # what runs it (IMPL_*)
+    size_t lo, hi       # message bytes (one rank's piece), inclusive
     int min_ranks, max_ranks
+    unsigned dtypes     # bit d: takes dtype d
+    unsigned ops        # bit o: takes reduce op o (OPBIT_*)
+    bint uneven         # takes per-rank counts
 
 
 cdef class CoreComm:
@@ -235,11 +247,13 @@ cdef class CoreComm:
     cdef object broken          # why the group is unusable, or None
     cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
     cdef object on_failure      # called with (record, exception) when an operation fails
-    cdef Rule rules[16]
-    cdef int nrules
-    cdef unsigned algos         # bit mask of the allreduce algorithms this transport runs
+    cdef Rule *rules[NOPKINDS]  # per collective, walked in order: the first that applies runs
+    cdef int nrules[NOPKINDS]
+    cdef Rule *named[NOPKINDS]  # per collective, every entry this group can run (the algorithm= argument)
+    cdef dict named_index       # (collective, entry name) -> index into named[collective]
+    cdef unsigned impls         # bit mask of the IMPL_* this transport implements
+    cdef object composite       # composite(entry, *args) runs an IMPL_COMPOSITE entry
     cdef bint blocking          # its collectives block inside the transport (MPI's): the watchdog covers them
-    cdef int default_algo
     cdef list limbo             # buffers of requests left posted by a failed operation
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
@@ -248,22 +262,27 @@ cdef class CoreComm:
     cdef int _fits(self, int op, size_t n, str what) except -1
     @staticmethod
     cdef int _same_dtype(Message a, Message b, str what) except -1
-    cdef _keep_if_posted(self, int algo, Message ms, Message mr)
+    cdef _keep_if_posted(self, int impl, Message ms, Message mr)
     cdef int _peer(self, int peer, bint any_ok, str what) except? -9999
     cdef int _tag(self, int tag, bint any_ok) except? -9999
     cdef object _post(self, buf, int peer, int tag, bint recv, str what)
-    cdef int choose(self, size_t nbytes) noexcept
-    cdef OpRec *begin(self, int op, size_t count, int dtype, int algo, bint native) except NULL
+    cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
+    cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
+    cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
+    cdef Rule *_rule_array(self, list rules) except? NULL
+    cdef object run_composite(self, int op, const Rule *rule, size_t count, int dtype, tuple args)
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL
     cdef int finish(self, OpRec *rec, int ierr, str what) except -1
     cdef int fail(self, OpRec *rec, object exc) except -1
     cdef object error(self, int ierr, str what)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
     cdef size_t max_count(self, int op) noexcept
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int algo,
+    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, WaitCtx *ctx) except -1 nogil
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root,
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
+                           WaitCtx *ctx) except -1 nogil
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                            const size_t *displs, WaitCtx *ctx) except -1 nogil

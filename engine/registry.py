@@ -1,0 +1,385 @@
+"""The algorithm registry: every algorithm the engine can run, one entry per (collective, transport,
+algorithm), listed in the order they are chosen.
+
+For a call, a group walks the entries of its transport for that collective and runs the first that
+applies: the message (one rank's piece, in bytes) and the group size in the entry's ranges, the
+dtype and reduce op among those it takes, uneven counts only where it takes them, what it needs
+present in the group (single copy, a hierarchy), and chosen automatically (some entries run only
+when forced or named by a tuning file). The last automatic entry of each collective takes
+everything, so every call has one.
+
+This is the one place that names an algorithm or holds a threshold. Its users:
+- the compiled core walks a group's rules in C on every call (Plan.configure hands them over as
+  data; the core knows only implementation codes and records the entry index that ran), so the
+  flight recorder and the trace name the entry;
+- ENGINE_<COLLECTIVE>_ALGO forces an entry: `auto`, a name (every group whose transport runs it),
+  or `transport:name` items separated by commas (`shm:twoshot,mpi:ring`);
+- a tuning file (ENGINE_TUNING_FILE, engine.tuning; written by `python -m engine.bench tune`) puts
+  measured rules ahead of the built-in ones and may set thresholds;
+- tests/mpi/test_matrix.py forces every entry in turn, on every configuration that can run it.
+"""
+
+import dataclasses
+import hashlib
+import os
+
+from . import _core
+from ._core import DTYPE_NAMES, OP_KIND_NAMES, OPBITS, Impl
+from .config import env_choice, env_int
+
+EVERY = 1 << 62                 # no upper bound (bytes or ranks)
+MAX_TUNED_RULES = 32            # per collective and transport in a tuning file
+COLLECTIVES = OP_KIND_NAMES     # the core's order: allreduce .. barrier, then sendrecv (point-to-point)
+TRANSPORTS = ("shm", "mpi", "nccl")
+REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
+OP_NAMES = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg", "user")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+    """A threshold or parameter: its environment variable wins, then a tuning file's "thresholds",
+    then the default."""
+    env: str
+    default: int
+    doc: str
+
+    def value(self):
+        from . import tuning
+        return env_int(self.env, tuning.threshold(self.env, self.default))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    collective: str
+    transport: str
+    name: str
+    impl: int                       # what runs it: an engine._core.Impl code
+    doc: str
+    min_bytes: object = 0           # an int or a Tunable; one rank's piece of the message
+    max_bytes: object = EVERY
+    min_ranks: int = 1
+    max_ranks: int = EVERY
+    dtypes: frozenset = None        # dtype names it takes (None: every dtype)
+    ops: frozenset = None           # reduce ops it takes, OP_NAMES (None: every op)
+    takes: object = None            # (dtype, op) -> bool where a capability is not a product of the two
+    uneven: bool = True             # takes per-rank counts (the v-collectives)
+    needs: frozenset = frozenset()  # what the group must have: "single_copy", "hierarchy"
+    auto: object = True             # True; False: only forced or tuned; a name: where the group has it
+    params: tuple = ()              # (name, Tunable) the implementation reads
+    runs: str = ""                  # IMPL_COMPOSITE: the engine.hierarchy method
+
+    @property
+    def key(self):
+        return f"{self.transport}:{self.collective}:{self.name}"
+
+    @property
+    def index(self):
+        return INDEX[self.key]
+
+    def bytes_range(self):
+        return tuple(v.value() if isinstance(v, Tunable) else v for v in (self.min_bytes, self.max_bytes))
+
+    def takes_call(self, dtype, op):
+        """Whether it takes a call of dtype (a name) and reduce op (an OP_NAMES name, None: no reduction)."""
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return False
+        if op is not None and self.ops is not None and op not in self.ops:
+            return False
+        return self.takes is None or self.takes(dtype, op)
+
+    def masks(self):
+        """(dtype mask, op mask) for the core (which has no (dtype, op) products: `takes` is Python's)."""
+        dtypes = sum(1 << i for i, d in enumerate(DTYPE_NAMES) if self.dtypes is None or d in self.dtypes)
+        ops = sum(1 << i for i, o in enumerate(OP_NAMES[:-1]) if self.ops is None or o in self.ops)
+        if self.ops is None or "user" in self.ops:
+            ops |= 1 << OPBITS["user"]
+        return dtypes, ops | 1 << OPBITS["none"]
+
+
+# -- thresholds and parameters (measured on this project's machines: docs/tuning.md) --
+
+SHM_ONESHOT_MAX = Tunable("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10, "largest one-shot shm allreduce")
+SHM_REDUCE_ONESHOT_MAX = Tunable("ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES", 256 << 10,
+                                 "largest one-shot shm reduce (only the root reduces; the peers run ahead)")
+SHM_CHUNK = Tunable("ENGINE_SHM_CHUNK_BYTES", 512 << 10, "two-shot step size")
+SINGLE_COPY_MIN = Tunable("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10, "smallest piece that moves by single copy")
+SINGLE_COPY_MAX = Tunable("ENGINE_SHM_CMA_MAX_BYTES", EVERY, "largest piece that moves by single copy")
+RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring")
+RDOUBLE_MAX = Tunable("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10, "largest recursive-doubling allreduce over MPI")
+RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce over MPI")
+MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast")
+HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
+            for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+
+
+def _nccl_reduces(dtype, op):
+    """the (dtype, op) pairs NCCL reduces itself"""
+    from .cuda.tables import nccl_reduction
+    from .ops import ReduceOp
+    return op is None or (op != "user" and nccl_reduction(dtype, ReduceOp[op.upper()]) is not None)
+
+
+def _gpu_kernels_reduce(dtype, op):
+    """the dtypes the engine's GPU kernels reduce"""
+    from .cuda.tables import KERNEL_DTYPES
+    return op is None or (op != "user" and dtype in KERNEL_DTYPES)
+
+
+def _movement(collective, transport, single_copy_doc):
+    """A shared-memory data-movement collective: single copy in its range, through the slots otherwise."""
+    return (Entry(collective, transport, "single_copy", Impl.SINGLE_COPY, single_copy_doc,
+                  min_bytes=SINGLE_COPY_MIN, max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
+            Entry(collective, transport, "segment", Impl.SEGMENT, "through the segment's slots, step by step"))
+
+
+def _hier(collective, runs, doc, name="hier", **kw):
+    return Entry(collective, "mpi", name, Impl.COMPOSITE, doc, min_bytes=HIER_MIN[collective],
+                 needs=frozenset({"hierarchy"}), runs=runs, **kw)
+
+
+ENTRIES = (
+    # -- shared memory (one host) --
+    Entry("allreduce", "shm", "oneshot", Impl.ONESHOT, "every rank reduces every rank's slot (one sync)",
+          max_bytes=SHM_ONESHOT_MAX),
+    Entry("allreduce", "shm", "ring", Impl.RING, "the ring over the segment's point-to-point queues", auto=False,
+          params=(("segment_bytes", RING_SEGMENT),)),
+    Entry("allreduce", "shm", "rdouble", Impl.RDOUBLE, "recursive doubling over the segment's queues", auto=False),
+    Entry("allreduce", "shm", "twoshot", Impl.TWOSHOT, "reduce-scatter through the slots, then allgather",
+          params=(("chunk_bytes", SHM_CHUNK),)),
+    Entry("reduce", "shm", "oneshot", Impl.ONESHOT, "the peers copy in, the root reduces",
+          max_bytes=SHM_REDUCE_ONESHOT_MAX),
+    Entry("reduce", "shm", "twoshot", Impl.TWOSHOT, "every rank reduces a block, the root gathers them",
+          params=(("chunk_bytes", SHM_CHUNK),)),
+    *_movement("broadcast", "shm", "readers copy from the root's buffer while the root writes their tails"),
+    *_movement("allgather", "shm", "each rank reads every part from its owner's buffer"),
+    *_movement("gather", "shm", "the root reads every part from its owner's buffer"),
+    *_movement("scatter", "shm", "each rank reads its part from the root's buffer"),
+    Entry("reduce_scatter", "shm", "single_copy", Impl.SINGLE_COPY,
+          "each rank reads its block of every input and reduces it", min_bytes=SINGLE_COPY_MIN,
+          max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
+    Entry("reduce_scatter", "shm", "segment", Impl.SEGMENT, "through the slots, each rank reducing its block"),
+    *_movement("alltoall", "shm", "each rank reads its block from every sender's buffer"),
+    Entry("barrier", "shm", "segment", Impl.SEGMENT, "every rank's step flag in the segment"),
+    Entry("sendrecv", "shm", "single_copy", Impl.SINGLE_COPY,
+          "rendezvous: the receiver copies straight from the sender's buffer", min_bytes=SINGLE_COPY_MIN,
+          max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
+    Entry("sendrecv", "shm", "queue", Impl.SEGMENT, "framed through the pair's byte ring"),
+
+    # -- MPI (across hosts; one host with ENGINE_TRANSPORT=mpi) --
+    _hier("allreduce", "allreduce_leader", "local reduce, an allreduce among one leader per host, local broadcast",
+          name="leader", auto="hier:leader"),
+    _hier("allreduce", "allreduce", "local reduce_scatter, every rank's slice across hosts, local allgather",
+          auto="hier:slice"),
+    Entry("allreduce", "mpi", "rdouble", Impl.RDOUBLE, "recursive doubling over MPI point-to-point",
+          max_bytes=RDOUBLE_MAX, min_ranks=2),
+    Entry("allreduce", "mpi", "ring", Impl.RING, "the pipelined ring over MPI point-to-point", min_bytes=RING_MIN,
+          min_ranks=2, params=(("segment_bytes", RING_SEGMENT),)),
+    Entry("allreduce", "mpi", "native", Impl.NATIVE, "MPI_Allreduce", params=(("chunk_elements", MPI_CHUNK),)),
+    _hier("broadcast", "broadcast", "across hosts among the root's local index, then inside each host"),
+    Entry("broadcast", "mpi", "native", Impl.NATIVE, "MPI_Bcast", params=(("chunk_elements", MPI_CHUNK),)),
+    Entry("reduce", "mpi", "native", Impl.NATIVE, "MPI_Reduce", params=(("chunk_elements", MPI_CHUNK),)),
+    _hier("allgather", "allgather", "across hosts, then inside each host", uneven=False),
+    Entry("allgather", "mpi", "native", Impl.NATIVE, "MPI_Allgather(v)"),
+    Entry("gather", "mpi", "native", Impl.NATIVE, "MPI_Gather(v)"),
+    Entry("scatter", "mpi", "native", Impl.NATIVE, "MPI_Scatter(v)"),
+    _hier("reduce_scatter", "reduce_scatter", "inside each host, then across hosts", uneven=False),
+    Entry("reduce_scatter", "mpi", "native", Impl.NATIVE, "MPI_Reduce_scatter(_block)"),
+    Entry("alltoall", "mpi", "native", Impl.NATIVE, "MPI_Alltoall(v)"),
+    Entry("barrier", "mpi", "native", Impl.NATIVE, "MPI_Barrier"),
+    Entry("sendrecv", "mpi", "native", Impl.NATIVE, "MPI_Isend / MPI_Irecv"),
+
+    # -- NCCL (CUDA tensors, engine.cuda) --
+    Entry("allreduce", "nccl", "nccl", Impl.NATIVE, "ncclAllReduce", takes=_nccl_reduces),
+    Entry("allreduce", "nccl", "ring", Impl.RING, "the engine's GPU ring over NCCL send/recv (bitwise ops, int16)",
+          takes=_gpu_kernels_reduce),
+    Entry("reduce", "nccl", "nccl", Impl.NATIVE, "ncclReduce", takes=_nccl_reduces),
+    Entry("reduce", "nccl", "ring", Impl.RING, "the GPU ring's allreduce; the root keeps it", takes=_gpu_kernels_reduce),
+    Entry("reduce_scatter", "nccl", "nccl", Impl.NATIVE, "ncclReduceScatter", takes=_nccl_reduces, uneven=False),
+    Entry("reduce_scatter", "nccl", "ring", Impl.RING, "the GPU ring's allreduce; each rank keeps its block",
+          takes=_gpu_kernels_reduce),
+    Entry("broadcast", "nccl", "nccl", Impl.NATIVE, "ncclBroadcast"),
+    Entry("allgather", "nccl", "nccl", Impl.NATIVE, "ncclAllGather", uneven=False),
+    Entry("allgather", "nccl", "p2p", Impl.SEGMENT, "NCCL send/recv in one group call (uneven counts)"),
+    Entry("gather", "nccl", "p2p", Impl.SEGMENT, "NCCL send/recv in one group call"),
+    Entry("scatter", "nccl", "p2p", Impl.SEGMENT, "NCCL send/recv in one group call"),
+    Entry("alltoall", "nccl", "p2p", Impl.SEGMENT, "NCCL send/recv in one group call"),
+    Entry("barrier", "nccl", "nccl", Impl.NATIVE, "an ncclAllReduce of one element"),
+    Entry("sendrecv", "nccl", "nccl", Impl.NATIVE, "ncclSend / ncclRecv in one group call"),
+)
+INDEX = {e.key: i for i, e in enumerate(ENTRIES)}
+_core.set_entry_names([e.name for e in ENTRIES])
+
+
+# ENGINE_HIER: whether groups spanning hosts build a hierarchy, and which of its allreduces runs by default.
+HIER_MODES = ("auto", "slice", "leader", "off")
+
+
+def hier_mode():
+    return env_choice("ENGINE_HIER", HIER_MODES, "auto")
+
+
+def hierarchy_caps(mode):
+    """What a group with a hierarchy has, in this ENGINE_HIER mode (Entry.needs and Entry.auto read them)."""
+    return {"hierarchy", "hier:leader" if mode == "leader" else "hier:slice"}
+
+
+def entries(collective=None, transport=None):
+    return [e for e in ENTRIES if (collective is None or e.collective == collective)
+            and (transport is None or e.transport == transport)]
+
+
+def entry(transport, collective, name):
+    i = INDEX.get(f"{transport}:{collective}:{name}")
+    if i is None:
+        raise KeyError(f"no {collective} algorithm {name!r} on the {transport} transport; it runs "
+                       f"{', '.join(e.name for e in entries(collective, transport))}")
+    return ENTRIES[i]
+
+
+def tunables():
+    """Every threshold and parameter, once each (for the docs and the tuner)."""
+    seen = {}
+    for e in ENTRIES:
+        for t in (e.min_bytes, e.max_bytes, *(p for _, p in e.params)):
+            if isinstance(t, Tunable):
+                seen.setdefault(t.env, t)
+    return list(seen.values())
+
+
+def force_variable(collective):
+    return f"ENGINE_{collective.upper()}_ALGO"
+
+
+def forced_items(collective, environ=None):
+    """The (transport or None, name) items of ENGINE_<COLLECTIVE>_ALGO, checked against the registry
+    (ENGINE_CUDA_ALLREDUCE_ALGO, the older CUDA-only variable, adds nccl: items to allreduce's)."""
+    env = os.environ if environ is None else environ
+    sources = [(force_variable(collective), "")]
+    if collective == "allreduce":
+        sources.append(("ENGINE_CUDA_ALLREDUCE_ALGO", "nccl:"))
+    out = []
+    for var, prefix in sources:
+        raw = env.get(var, "").strip().lower()
+        if raw in ("", "auto"):
+            continue
+        for item in (i.strip() for i in raw.split(",")):
+            if not item:
+                continue
+            transport, _, name = (item if ":" in item else prefix + item).rpartition(":")
+            if transport and transport not in TRANSPORTS:
+                raise ValueError(f"{var}={raw!r}: unknown transport {transport!r} (expected one of "
+                                 f"{', '.join(TRANSPORTS)})")
+            names = sorted({e.name for e in entries(collective, transport or None)})
+            if name not in names:
+                where = f" on the {transport} transport" if transport else ""
+                raise ValueError(f"{var}={raw!r}: {collective} has no algorithm {name!r}{where}; expected auto, or "
+                                 f"one of {', '.join(names)} (optionally as transport:name)")
+            out.append((transport or None, name))
+    return out
+
+
+class Plan:
+    """How one group chooses its algorithms: for each collective, the rules it walks (forced, tuned,
+    then the registry's automatic entries) and every entry it can run (for algorithm=).
+
+    caps: what the group has ("single_copy", "hierarchy", and "hier:slice" or "hier:leader" for the
+    ENGINE_HIER mode). A stage of a composite (a hierarchy's local and cross groups) and the CUDA
+    communicator ignore a forced name their transport does not run; a group a user made refuses it."""
+
+    def __init__(self, transport, caps=(), *, stage=False, environ=None):
+        from . import tuning
+        self.transport, self.caps = transport, frozenset(caps)
+        self.rules, self.named = {}, {}
+        for coll in COLLECTIVES:
+            mine = entries(coll, transport)
+            runnable = [e for e in mine if e.needs <= self.caps]
+            forced = self._forced(coll, mine, stage, environ)
+            tuned = [(entry(transport, coll, name), lo, hi, lo_r, hi_r)
+                     for name, lo, hi, lo_r, hi_r in tuning.rules(coll, transport)]
+            rules = [r for r in tuned if r[0].needs <= self.caps]
+            rules += [(e, *e.bytes_range(), e.min_ranks, e.max_ranks) for e in runnable
+                      if e.auto is True or e.auto in self.caps]
+            if forced is not None:
+                # Every size and group size; a call it does not take (its dtype, op or uneven counts)
+                # keeps the automatic choice.
+                rules = [(forced, 0, EVERY, 1, EVERY)] + [r for r in rules if r[0] is not forced]
+            self.rules[coll], self.named[coll] = rules, runnable
+
+    def _forced(self, coll, mine, stage, environ):
+        for transport, name in forced_items(coll, environ):
+            if transport not in (None, self.transport):
+                continue
+            match = [e for e in mine if e.name == name]
+            if not match:
+                if transport is None and not stage:
+                    raise ValueError(f"{force_variable(coll)}={name} does not run on the {self.transport} transport; "
+                                     f"its {coll} runs {', '.join(e.name for e in mine)} (or name a transport: "
+                                     f"{self.transport}:<name>)")
+                continue
+            missing = match[0].needs - self.caps
+            if missing:
+                if stage:
+                    continue
+                raise ValueError(f"{force_variable(coll)}={name}: {coll} {name} needs {', '.join(sorted(missing))}, "
+                                 f"which this {self.transport} group lacks ({_why(missing)})")
+            return match[0]
+        return None
+
+    def choose(self, collective, nbytes, size, dtype=None, op=None, uneven=False):
+        """The entry a call runs (Python's walk, as the core's; CUDA and the tests use it), or None."""
+        for e, lo, hi, lo_r, hi_r in self.rules[collective]:
+            if lo <= nbytes <= hi and lo_r <= size <= hi_r and (e.uneven or not uneven) \
+                    and (dtype is None or e.takes_call(dtype, op)):
+                return e
+        return None
+
+    def configure(self, core, composite=None):
+        """Hands every collective's rules to the compiled core."""
+        for coll in COLLECTIVES:
+            def item(e, lo, hi, lo_r, hi_r):
+                return (e.index, e.impl, lo, hi, lo_r, hi_r, *e.masks(), e.uneven)
+            core.set_rules(coll, [item(*r) for r in self.rules[coll]],
+                           [(e.name, item(e, 0, EVERY, 1, EVERY)) for e in self.named[coll]], composite)
+
+    def digest(self):
+        """The plan in one string: every rank of a group must walk the same rules (their pieces must
+        agree on how each moves), so ranks compare it when the group is made."""
+        text = ";".join(f"{c}={','.join(f'{e.name}[{lo},{hi},{a},{b}]' for e, lo, hi, a, b in self.rules[c])}"
+                        for c in COLLECTIVES)
+        return hashlib.sha1(text.encode()).hexdigest()[:16], text
+
+    def param(self, collective, name):
+        """A parameter of the collective's entries (the first that has it)."""
+        for e in self.named[collective]:
+            for pname, tunable in e.params:
+                if pname == name:
+                    return tunable.value()
+        raise KeyError(f"no {collective} entry of the {self.transport} transport has parameter {name!r}")
+
+
+def _why(missing):
+    return "; ".join({"single_copy": "process_vm_readv between the ranks is not allowed here (ENGINE_SHM_CMA)",
+                      "hierarchy": "its ranks are not on several hosts with the same number (2+) on each, or "
+                                   "ENGINE_HIER=off"}.get(m, m) for m in sorted(missing))
+
+
+def markdown():
+    """The registry as the Markdown table of docs/algorithms.md (tests/test_registry.py keeps them equal)."""
+    def size(v):
+        v = v.default if isinstance(v, Tunable) else v
+        return "any" if v >= EVERY else f"{v >> 10}K" if v >= 1024 and v % 1024 == 0 else str(v)
+
+    def bound(v):
+        return f"{size(v)} (`{v.env}`)" if isinstance(v, Tunable) else size(v)
+
+    lines = ["| transport | collective | entry | bytes from | bytes to | ranks | needs | chosen | what it does |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in ENTRIES:
+        auto = {True: "auto", False: "forced or tuned"}.get(e.auto, f"auto with {e.auto}")
+        ranks = f"{e.min_ranks}+" if e.max_ranks >= EVERY else f"{e.min_ranks}-{e.max_ranks}"
+        needs = ", ".join(sorted(e.needs)) + (", " if e.needs and not e.uneven else "") + \
+            ("even counts" if not e.uneven else "")
+        lines.append(f"| {e.transport} | {e.collective} | `{e.name}` | {bound(e.min_bytes)} | {bound(e.max_bytes)} | "
+                     f"{ranks} | {needs or '-'} | {auto} | {e.doc}"
+                     + (f"; predicate: {e.takes.__doc__ or e.takes.__name__}" if e.takes else "") + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,138 @@
+"""The conformance matrix: every entry of the algorithm registry (engine/registry.py), forced in turn,
+on every configuration the engine runs in (tests/mpi/test_matrix.py is what each rank runs):
+
+    one host   mpiexec, shared memory, 1-4 ranks      mpiexec, ENGINE_TRANSPORT=mpi, 1-4 ranks
+               torchrun (no MPI), 1-4 ranks
+    hosts      namespace hosts (tests/hosts.py), 2x1 and 2x2, in every ENGINE_HIER mode (mpiexec)
+
+    python tests/matrix.py                       # every configuration; the table on stdout
+    python tests/matrix.py --table docs/matrix.md
+    python tests/matrix.py --only shm-2,hosts-2x2-leader
+
+Rows: the registry's entries, then the automatic choice of each collective; cells: `pass`, `-` (the
+configuration can't run it: the transport differs, or it lacks what the entry needs), `FAIL`. In CI
+the same file runs inside the per-configuration launches of test_mpi_suites.py, test_launchers.py
+and test_hosts.py. Needs root for the namespace hosts (skipped, with the reason, otherwise).
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+RANK_FILE = os.path.join(HERE, "mpi", "test_matrix.py")
+HIER_MODES = ("auto", "slice", "leader", "off")
+SUITE_ENV = {"ENGINE_TIMEOUT": "20"}
+
+
+def configurations():
+    """(name, runner) of every configuration; runner(extra pytest args) -> (returncode, rank 0's output)."""
+    import mpirun
+    import torchrun
+    out = []
+    for n in (1, 2, 3, 4):
+        for transport in ("shm", "mpi"):
+            out.append((f"mpiexec-{transport}-{n}", _launch(mpirun.run_pytest, n, ENGINE_TRANSPORT=transport)))
+    for n in (1, 2, 3, 4):
+        out.append((f"torchrun-shm-{n}", _launch(torchrun.run_pytest, n)))
+    for per_host in (1, 2):
+        for mode in HIER_MODES:
+            out.append((f"hosts-2x{per_host}-{mode}", _hosts(per_host, mode)))
+    return out
+
+
+def _launch(run_pytest, n, **env):
+    def run(extra):
+        proc = run_pytest(n, [RANK_FILE], timeout=900, extra=extra, env={**SUITE_ENV, **env})
+        return proc.returncode, proc.stdout + proc.stderr
+    return run
+
+
+def _hosts(per_host, mode):
+    def run(extra):
+        from hosts import Hosts, mpirun_across
+        why = Hosts.unavailable()
+        if why:
+            return None, why
+        with Hosts(2) as hosts:
+            proc = mpirun_across(hosts, per_host, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                                   "-o", "addopts=", "--color=no", *extra, RANK_FILE],
+                                 timeout=900, ENGINE_MPI_SUITE="1", ENGINE_HIER=mode, **SUITE_ENV)
+        return proc.returncode, proc.stdout + proc.stderr
+    return run
+
+
+_RESULT = re.compile(r"^(?:\[1,0\]<stdout>:\s*|\[default0\]:)?(PASSED|SKIPPED|FAILED|ERROR)\s+(?:\[\d+\]\s+)?"
+                     r"\S*test_matrix\.py(?::\d+)?(?:::(\w+)\[([^\]]+)\])?")
+
+
+def outcomes(output):
+    """{row id: outcome} from rank 0's `pytest -rA` summary (SKIPPED lines of -rA name no test id:
+    rows without a PASSED or FAILED line are the skipped ones)."""
+    got = {}
+    for line in output.splitlines():
+        m = _RESULT.match(line.strip())
+        if m and m.group(3):
+            got[m.group(3)] = m.group(1)
+    return got
+
+
+def rows():
+    from engine import registry
+    auto = sorted(c for c in registry.COLLECTIVES if c != "sendrecv")
+    return [e.key for e in registry.ENTRIES] + auto
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", help="write the Markdown table here (else stdout)")
+    p.add_argument("--only", help="comma-separated configuration names")
+    args = p.parse_args(argv)
+    configs = [(n, r) for n, r in configurations() if not args.only or n in args.only.split(",")]
+    results, times, failed = {}, {}, []
+    for i, (name, run) in enumerate(configs):
+        start = time.monotonic()
+        rc, out = run(["-rA"])
+        times[name] = time.monotonic() - start
+        if rc is None:
+            results[name] = None
+            print(f"[{i + 1}/{len(configs)}] {name}: skipped ({out})", flush=True)
+            continue
+        results[name] = outcomes(out)
+        if rc != 0:
+            failed.append(name)
+            print(out[-6000:], file=sys.stderr)
+        counts = collections.Counter(results[name].values())
+        print(f"[{i + 1}/{len(configs)}] {name}: exit {rc}, {dict(counts)} in {times[name]:.0f} s", flush=True)
+    table = render(configs, results, times)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(table)
+    else:
+        print(table)
+    return 1 if failed else 0
+
+
+def render(configs, results, times):
+    names = [n for n, _ in configs]
+    lines = ["| entry | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for row in rows():
+        label = row if ":" in row else f"{row} (automatic choice)"
+        cells = []
+        for n in names:
+            r = results.get(n)
+            cells.append("n/a" if r is None else {"PASSED": "pass", "FAILED": "FAIL", "ERROR": "FAIL"}.get(
+                r.get(row if ":" in row else f"{row}"), "-"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| seconds | " + " | ".join(f"{times[n]:.0f}" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The algorithm registry (engine/registry.py) as data: its shape, forcing, tuning and the plans it
+makes, without running a collective (tests/mpi/test_matrix.py runs every entry)."""
+
+import json
+import os
+
+import pytest
+
+from engine import registry, tuning
+from engine.registry import EVERY, Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_collective_and_transport_ends_in_an_entry_that_takes_every_call():
+    for transport in registry.TRANSPORTS:
+        for coll in registry.COLLECTIVES:
+            auto = [e for e in registry.entries(coll, transport) if e.auto is True]
+            assert auto, (transport, coll)
+            last = auto[-1]
+            assert not last.needs and last.bytes_range() == (0, EVERY) and last.min_ranks == 1, last
+            assert last.uneven and last.dtypes is None and last.ops is None, last
+
+
+def test_entries_are_unique_and_indexed():
+    keys = [e.key for e in registry.ENTRIES]
+    assert len(keys) == len(set(keys))
+    assert all(registry.ENTRIES[e.index] is e for e in registry.ENTRIES)
+
+
+def test_the_default_plans_choose_what_docs_tuning_says():
+    shm = Plan("shm", {"single_copy"})
+    assert shm.choose("allreduce", 64 << 10, 2).name == "oneshot"
+    assert shm.choose("allreduce", (64 << 10) + 1, 2).name == "twoshot"
+    assert shm.choose("reduce", 256 << 10, 2).name == "oneshot"
+    assert shm.choose("broadcast", (32 << 10) - 1, 2).name == "segment"
+    assert shm.choose("broadcast", 32 << 10, 2).name == "single_copy"
+    assert Plan("shm").choose("broadcast", 1 << 20, 2).name == "segment"  # no single copy: through the slots
+    mpi = Plan("mpi")
+    assert mpi.choose("allreduce", 1 << 10, 1).name == "native"
+    assert mpi.choose("allreduce", 256 << 10, 2).name == "rdouble"
+    assert mpi.choose("allreduce", (256 << 10) + 1, 2).name == "ring"
+    hier = Plan("mpi", registry.hierarchy_caps("auto"))
+    assert hier.choose("allreduce", 16 << 10, 4).name == "hier"
+    assert hier.choose("allreduce", (16 << 10) - 1, 4).name == "rdouble"
+    assert hier.choose("allgather", 1 << 20, 4, uneven=True).name == "native"
+    assert Plan("mpi", registry.hierarchy_caps("leader")).choose("allreduce", 1 << 20, 4).name == "leader"
+
+
+def test_auto_and_slice_make_the_same_plan():
+    assert Plan("mpi", registry.hierarchy_caps("auto")).digest() == \
+        Plan("mpi", registry.hierarchy_caps("slice")).digest()
+    assert Plan("mpi", registry.hierarchy_caps("auto")).digest() != \
+        Plan("mpi", registry.hierarchy_caps("leader")).digest()
+
+
+@pytest.mark.parametrize("value, transport, want", [
+    ("ring", "shm", "ring"), ("mpi:ring", "shm", "oneshot"), ("shm:twoshot,mpi:rdouble", "mpi", "rdouble"),
+    ("shm:twoshot,mpi:rdouble", "shm", "twoshot"), ("ring", "nccl", "ring")])
+def test_forcing_takes_the_item_of_the_groups_transport(value, transport, want):
+    plan = Plan(transport, stage=True, environ={"ENGINE_ALLREDUCE_ALGO": value})
+    assert plan.choose("allreduce", 8, 2, "float32", "sum").name == want
+
+
+def test_a_forced_entry_keeps_the_automatic_choice_for_calls_it_does_not_take():
+    plan = Plan("mpi", registry.hierarchy_caps("auto"), environ={"ENGINE_ALLGATHER_ALGO": "hier"})
+    assert plan.choose("allgather", 8, 4).name == "hier"  # every size
+    assert plan.choose("allgather", 8, 4, uneven=True).name == "native"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ENGINE_ALLREDUCE_ALGO": "fast"}, "allreduce has no algorithm 'fast'"),
+    ({"ENGINE_BROADCAST_ALGO": "tcp:segment"}, "unknown transport 'tcp'"),
+    ({"ENGINE_BROADCAST_ALGO": "mpi:segment"}, "no algorithm 'segment' on the mpi transport"),
+    ({"ENGINE_ALLREDUCE_ALGO": "oneshot"}, "does not run on the mpi transport"),
+    ({"ENGINE_ALLREDUCE_ALGO": "hier"}, "needs hierarchy"),
+])
+def test_forcing_what_a_group_cannot_run_is_refused_by_name(env, message):
+    with pytest.raises(ValueError, match=message):
+        Plan("mpi", environ=env)
+
+
+def test_a_hierarchys_stages_ignore_what_they_cannot_run():
+    plan = Plan("shm", stage=True, environ={"ENGINE_ALLREDUCE_ALGO": "hier", "ENGINE_BROADCAST_ALGO": "single_copy"})
+    assert plan.choose("allreduce", 8, 2).name == "oneshot"
+    assert plan.choose("broadcast", 1 << 20, 2).name == "segment"
+
+
+def test_every_setting_is_documented_in_the_readme():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for t in registry.tunables():
+        assert t.env in readme, t.env
+    assert "ENGINE_<COLLECTIVE>_ALGO" in readme and "ENGINE_HIER" in readme
+
+
+def test_a_tuning_files_rules_and_thresholds_and_the_environment_over_both(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"format": tuning.FORMAT, "rules": {"allreduce": {"shm": [
+        {"algorithm": "rdouble", "min_bytes": 0, "max_bytes": 100, "min_ranks": 3, "max_ranks": 3}]}},
+        "thresholds": {"ENGINE_SHM_ONESHOT_MAX_BYTES": 1000}}))
+    monkeypatch.setenv("ENGINE_TUNING_FILE", str(path))
+    plan = Plan("shm")
+    assert plan.choose("allreduce", 100, 3).name == "rdouble"
+    assert plan.choose("allreduce", 100, 2).name == "oneshot"  # another group size: the registry's rules
+    assert plan.choose("allreduce", 1001, 2).name == "twoshot"  # the file's threshold
+    monkeypatch.setenv("ENGINE_SHM_ONESHOT_MAX_BYTES", "2000")
+    assert Plan("shm").choose("allreduce", 1001, 2).name == "oneshot"  # the environment wins
+
+
+def test_version_1_files_are_still_read(tmp_path, monkeypatch):
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring"}]},
+                                "hierarchical_allreduce_min_bytes": 4096}))
+    monkeypatch.setenv("ENGINE_TUNING_FILE", str(path))
+    plan = Plan("mpi", registry.hierarchy_caps("auto"))
+    assert plan.choose("allreduce", 1, 4).name == "ring"
+    assert registry.HIER_MIN["allreduce"].value() == 4096
+
+
+def test_core_masks_say_what_an_entry_takes():
+    dtypes, ops = registry.entry("nccl", "allreduce", "nccl").masks()
+    assert dtypes == (1 << 15) - 1 and ops >> registry.OPBITS["none"] & 1
+
+
+def test_the_docs_table_is_the_registry():
+    doc = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    assert registry.markdown() in doc, "docs/algorithms.md's table differs from engine/registry.py: paste " \
+        "registry.markdown() there"
