@@ -34,9 +34,12 @@ def parse_args(argv):
                         f"cuda)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the tensors live: cuda compares the engine (NCCL) with torch's nccl backend")
-    p.add_argument("--algo", default=None, choices=("native", "ring", "rdouble", "oneshot", "twoshot", "nccl"),
-                   help="force the engine's allreduce algorithm (mpi: native, ring, rdouble; shm: oneshot, twoshot, "
-                        "ring, rdouble; cuda: nccl, ring): on the CPU for the direct engine backends whose transport has it")
+    from engine import registry
+    cpu_algos = {e.name for t in ("shm", "mpi") for e in registry.entries("allreduce", t)}
+    cuda_algos = {e.name for e in registry.entries("allreduce", "nccl")}
+    p.add_argument("--algo", default=None, choices=sorted(cpu_algos | cuda_algos),
+                   help="force the engine's allreduce entry (engine/registry.py, docs/algorithms.md): on the CPU for "
+                        "the direct engine backends whose transport has it, or on CUDA tensors")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (the median is reported)")
     p.add_argument("--budget", type=float, default=0.3,
@@ -53,8 +56,7 @@ def parse_args(argv):
     wrong = [b for b in args.backends if b not in allowed]
     if wrong:
         p.error(f"backend(s) {', '.join(wrong)} do not run with --device {args.device}; choose from {', '.join(allowed)}")
-    cuda_algo = args.algo in ("nccl",) or (args.device == "cuda" and args.algo == "ring")
-    if args.algo and (args.device == "cuda") != cuda_algo:
+    if args.algo and args.algo not in (cuda_algos if args.device == "cuda" else cpu_algos):
         p.error(f"--algo {args.algo} is not an algorithm of --device {args.device}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")

@@ -13,8 +13,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from engine import registry
+
 SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
-METHODS = ("nccl", "ring", "torch-nccl", "staged")
+ENGINE_ALGOS = tuple(e.name for e in registry.entries("allreduce", "nccl"))   # the engine's GPU allreduces
+METHODS = ENGINE_ALGOS + ("torch-nccl", "staged")
 
 
 def time_calls(fn, iters, stream):
@@ -44,9 +47,9 @@ def main(argv=None):
     pg = dist.distributed_c10d._get_default_group()
     from torchbridge.devices import StagedDevice
     runners = {}
-    if "nccl" in methods or "ring" in methods:
+    if set(methods) & set(ENGINE_ALGOS):
         cc = pg._cuda_device(dev.index).cc
-        for algo in ("nccl", "ring"):
+        for algo in ENGINE_ALGOS:
             if algo in methods:
                 runners[algo] = lambda t, a=algo: cc.allreduce(t, "sum", stream=stream.cuda_stream, algorithm=a)
     if "torch-nccl" in methods:

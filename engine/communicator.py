@@ -62,6 +62,7 @@ class Communicator:
         if self.transport == "shm":
             seg = make_segment(_boot, everyone)
             self._core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
+            self._core.pull_piece = registry.SHM_PULL_PIECE.value()
             if seg.cma:
                 caps.add("single_copy")
             if isinstance(_boot, MpiBootstrap) and not self._mpi_comms:

@@ -107,6 +107,8 @@ SINGLE_COPY_MAX = Tunable("ENGINE_SHM_CMA_MAX_BYTES", EVERY, "largest piece that
 RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring")
 RDOUBLE_MAX = Tunable("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10, "largest recursive-doubling allreduce over MPI")
 RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce over MPI")
+SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
+                         "bytes of each peer's input a single-copy reduce_scatter reads at once")
 MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast")
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
             for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
@@ -156,7 +158,7 @@ ENTRIES = (
     *_movement("scatter", "shm", "each rank reads its part from the root's buffer"),
     Entry("reduce_scatter", "shm", "single_copy", Impl.SINGLE_COPY,
           "each rank reads its block of every input and reduces it", min_bytes=SINGLE_COPY_MIN,
-          max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
+          max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"}), params=(("piece_bytes", SHM_PULL_PIECE),)),
     Entry("reduce_scatter", "shm", "segment", Impl.SEGMENT, "through the slots, each rank reducing its block"),
     *_movement("alltoall", "shm", "each rank reads its block from every sender's buffer"),
     Entry("barrier", "shm", "segment", Impl.SEGMENT, "every rank's step flag in the segment"),

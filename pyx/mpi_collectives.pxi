@@ -20,7 +20,7 @@ cdef class MpiComm(CoreComm):
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()
-        self.chunk = 1 << 30  # MPI counts are ints: larger messages are cut (no large-count MPI-4 calls here)
+        self.chunk = INT_MAX  # MPI counts are ints: larger messages are cut (engine.registry sets the piece)
 
     def __dealloc__(self):
         free(self.ibuf)

@@ -55,7 +55,7 @@ cdef class ShmComm(CoreComm):
         self.impls = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)
                       | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY))
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
-        self.pull_piece = 1 << 20
+        self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
         self.scratch = <char*>malloc(self.seg.cap)
         if self.srcs == NULL or self.scratch == NULL:
@@ -613,7 +613,7 @@ cdef class ShmComm(CoreComm):
         """reduce_scatter in the single-copy range: each rank copies its block straight out of every
         peer's input, piece by piece, and reduces it; then waits until its own input was read."""
         cdef int P = self.size, r = self.rank, q, ierr
-        cdef size_t isz = eng_itemsize[red.dtype], per = min(self.seg.cap // (P - 1), self.pull_piece) // isz
+        cdef size_t isz = eng_itemsize[red.dtype], per = max(1, min(self.seg.cap // (P - 1), self.pull_piece) // isz)
         cdef size_t off = 0, n
         cdef size_t d = r * count if counts == NULL else displs[r]
         cdef uint64_t step
