@@ -111,7 +111,7 @@ class Watch:
 
     def timed_out(self, rec, elapsed):
         missing = self.missing(rec)
-        msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}) timed out after "
+        msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}")
         self.core.set_broken(msg)
         _FAILURE.append(msg)
@@ -137,7 +137,7 @@ class Watch:
             who = "any rank" if peer in (None, -1) else f"rank {peer}"
             tag_text = "any tag" if tag == -1 else f"tag {tag}"
             msg = (f"{what} {'from' if 'recv' in what else 'to'} {who} ({tag_text}) in group {self.group!r} "
-                   f"(rank {self.rank} of {self.size}) timed out after {elapsed:.1f} s (timeout "
+                   f"(rank {self.rank} of {self.size}): Timed out after {elapsed:.1f} s (timeout "
                    f"{self.timeout:g} s): {who} never {'sent' if 'recv' in what else 'received'} it")
             self.dump(msg)  # the group stays usable: only this wait is abandoned
             raise EngineTimeout(msg)

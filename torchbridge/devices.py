@@ -26,6 +26,17 @@ from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork
 COMPLETED = CompletedWork()
 
 
+def contiguous(t):
+    """t itself when contiguous, else a contiguous copy. Sparse tensors (which only all_reduce takes)
+    get an error saying so."""
+    if t.is_contiguous():
+        return t
+    if t.layout != torch.strided:
+        raise RuntimeError(f"backend 'engine': a {t.layout} tensor was passed to a call that takes dense tensors; "
+                           f"only all_reduce (ReduceOp.SUM) takes sparse tensors, as on Gloo: pass tensor.to_dense()")
+    return t.contiguous()
+
+
 class CpuDevice:
     def __init__(self, comm, progress):
         self.comm = comm
@@ -53,7 +64,7 @@ class CpuDevice:
 
     def _fused(self, tensors, op, options):
         compression, prescale = options
-        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        work = [contiguous(t) for t in tensors]
         self._fusion.run(work, op, compression=compression, prescale=prescale)
         for t, w in zip(tensors, work):
             if w is not t:
@@ -62,12 +73,12 @@ class CpuDevice:
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
     def send(self, t, dst, tag, outputs):
-        return PointToPointWork(self.comm.isend(t if t.is_contiguous() else t.contiguous(), dst, tag), outputs)
+        return PointToPointWork(self.comm.isend(contiguous(t), dst, tag), outputs)
 
     def recv(self, t, src, tag, outputs):
         if t.is_contiguous():
             return PointToPointWork(self.comm.irecv(t, src, tag), outputs)
-        tmp = t.contiguous()
+        tmp = contiguous(t)
         return PointToPointWork(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
 
     def shutdown(self):
@@ -153,7 +164,7 @@ class CudaDevice:
             self.flush()
         if self._fusion is None:
             self._fusion = CudaFusedAllreduce(self.cc)
-        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        work = [contiguous(t) for t in tensors]
         self._fusion.run(work, op, stream=self.comm._stream(), compression=compression, prescale=prescale)
         for t, w in zip(tensors, work):
             if w is not t:

@@ -7,10 +7,21 @@ NCCL or through host memory. Inputs are never modified; outputs are written in p
 The synchronous CPU call is the latency path: the op is read with one pybind access, no closure is
 made, and the collective runs in the calling thread (engine.progress.Progress.run) when the group is
 idle. On machines without CUDA, CUDA routing costs one attribute test.
+
+Under torch's profiler every call records an event named as torch's own backends name theirs
+("engine:all_reduce", with the inputs' shapes when shapes are recorded), from the call until its work
+completes. Without a profiler that costs one test of torch's own flag
+(torch.autograd.profiler._is_profiler_enabled, what torch's compiler checks for the same reason).
 """
+
+import functools
+import math
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _autograd_profiler
 
 from engine import Communicator, ReduceOp
 from engine._core import NotContiguousError
@@ -18,7 +29,8 @@ from engine.launcher import MPIRUN_HINT, detect_launcher
 from engine.progress import Progress
 
 from ._options import allreduce_call, enable as enable_options
-from .devices import COMPLETED, CpuDevice, CudaDevice, StagedDevice
+from .devices import COMPLETED, CpuDevice, CudaDevice, StagedDevice, contiguous
+from .work import CollectiveWork, PointToPointWork
 
 _RED = dist.ReduceOp.RedOpType
 _PREMUL = int(_RED.PREMUL_SUM)
@@ -62,6 +74,74 @@ def _allreduce_call(opts):
 
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
+
+# -- profiler events --
+
+_RecordFunction = torch._C._profiler._RecordFunctionFast  # records the inputs' shapes when asked to
+
+
+def _traced(name, inputs=None):
+    """A c10d method that, under torch's profiler, records the event "engine:<name>" (with the shapes
+    of inputs(*args): the tensors torch's own backends record) from the call until its work completes.
+    Without a profiler: one test of torch's flag."""
+    title = "engine:" + name
+
+    def wrap(method):
+        @functools.wraps(method)
+        def traced(self, *args, **kwargs):
+            if not _autograd_profiler._is_profiler_enabled:
+                return method(self, *args, **kwargs)
+            return _record(title, inputs(*args) if inputs is not None else [], method, self, args, kwargs)
+
+        return traced
+
+    return wrap
+
+
+def _record(title, inputs, method, self, args, kwargs):
+    event = _RecordFunction(title, list(inputs))
+    event.__enter__()
+    try:
+        work = method(self, *args, **kwargs)
+    except BaseException:
+        _end(event)
+        raise
+    _end_when_done(work, event)
+    return work
+
+
+def _end(event, *_):
+    event.__exit__(None, None, None)
+
+
+def _end_when_done(work, event):
+    """Ends event when work completes, in the thread that completes it (the progress thread, or a
+    caller who waits), as torch's backends end theirs. Work already complete (a synchronous call ran in
+    place) ends it now, and so does CUDA work: that is enqueued on a stream, and the GPU's own activity
+    in the profile shows when it runs."""
+    if type(work) is CollectiveWork:
+        task = work._task
+        task.progress.add_done_callback(task, functools.partial(_end, event))
+    elif type(work) is PointToPointWork:
+        work.add_done_callback(functools.partial(_end, event))
+    else:
+        _end(event)
+
+
+def _first(tensors, *_):
+    return tensors
+
+
+def _second(_, tensors, *__):
+    return tensors
+
+
+def _second_one(_, tensor, *__):
+    return [tensor]
+
+
+def _root_inputs(_, input_lists, *__):
+    return input_lists[0] if input_lists else []
 
 
 def create_process_group(opts, backend_options=None):
@@ -120,6 +200,13 @@ def _same_host_or_fail(opts):
                            f"{MPIRUN_HINT}")
 
 
+def _seconds(timeout, default):
+    """A timeout (timedelta, seconds or None: `default`) in seconds."""
+    if timeout is None:
+        return default
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
 def _one(tensors, what):
     if len(tensors) != 1:
         raise RuntimeError(f"engine {what}: expected a list with one tensor (one device per process), got {len(tensors)}")
@@ -159,9 +246,37 @@ def _write(out, fn):
     if out.is_contiguous():
         fn(out)
     else:
-        tmp = out.contiguous()
+        tmp = contiguous(out)
         fn(tmp)
         out.copy_(tmp)
+
+
+def _sparse_sum(t, comm):
+    """all_reduce (SUM) of a sparse COO tensor as Gloo does it: every rank's coalesced indices and values
+    are gathered, concatenated in rank order and summed by coalescing; the sum is written into t."""
+    mine = t.coalesce()
+    indices, values = mine.indices(), mine.values()
+    meta = torch.tensor([mine._nnz(), mine.sparse_dim(), mine.dim(), hash(tuple(mine.shape)), t.dtype.itemsize,
+                         t.dtype.is_floating_point, t.dtype.is_complex], dtype=torch.int64)
+    metas = torch.empty(comm.size * meta.numel(), dtype=torch.int64)
+    comm.allgather(meta, metas)
+    metas = metas.view(comm.size, -1)
+    if not bool((metas[:, 1:] == meta[1:]).all()):
+        differ = [r for r in range(comm.size) if not bool((metas[r, 1:] == meta[1:]).all())]
+        raise ValueError(f"engine all_reduce of a sparse tensor: ranks {', '.join(map(str, differ))} passed a "
+                         f"sparse tensor of another shape, sparse dimension or dtype than this rank's "
+                         f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions")
+    counts = metas[:, 0].tolist()
+    total = sum(counts)
+    if total == 0:
+        t.copy_(mine)
+        return
+    row = math.prod(values.shape[1:])
+    all_indices = indices.new_empty(total, indices.shape[0])  # rank-major: each rank's block is contiguous
+    comm.allgather(indices.t().contiguous(), all_indices, _uneven([n * indices.shape[0] for n in counts]))
+    all_values = values.new_empty((total,) + tuple(values.shape[1:]))
+    comm.allgather(values.contiguous(), all_values, _uneven([n * row for n in counts]))
+    t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape, check_invariants=False).coalesce())
 
 
 def _flat(tensors, like):
@@ -247,6 +362,100 @@ class EngineProcessGroup(dist.ProcessGroup):
         """The engine Communicator behind this group (CPU tensors)."""
         return self._comm
 
+    # -- the group as its own per-device backend --
+    # torch keeps a C++ Backend per device for its own groups and reaches it with _get_backend(device)
+    # (monitored_barrier, timeouts, splitting, eager init); a Backend can't be made in Python, and torch
+    # uses a Python group as it is. So the group answers as its devices' backend itself: torch's Python
+    # code that asks for the backend gets this group, and the Backend methods and properties it uses
+    # next (monitored_barrier, supports_*) are here.
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+    supports_tensor_alloc = False
+
+    @property
+    def _device_types(self):
+        return [torch.device("cpu"), torch.device("cuda")] if self._cuda else [torch.device("cpu")]
+
+    def _get_backend(self, device):
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind == "cpu" or (kind == "cuda" and self._cuda):
+            return self
+        raise RuntimeError(f"No backend type associated with device type {kind}: backend 'engine' serves "
+                           f"{' and '.join(d.type for d in self._device_types)} tensors")
+
+    @_traced("monitored_barrier")
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """Gloo's monitored barrier: every rank reports to rank 0, which waits at most `timeout` (default:
+        the group's) and names in its error the ranks that did not arrive (the first, or with
+        wait_all_ranks every one); then it releases the others, or tells them it failed. The ranks
+        meet in the group's store, not on its transport, so a collective stuck on this group can't
+        hold it up. dist.monitored_barrier refuses every backend not named "gloo" (torch checks the
+        name): call it on the group, `(group or dist.group.WORLD).monitored_barrier(timeout)`."""
+        seconds = _seconds(timeout, self._comm.watch.timeout)
+        seq = self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
+        if self.size() == 1:
+            return
+        if self._store is None:
+            raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
+        key = f"engine/monitored-barrier/{seq}/"
+        if self.rank() != 0:
+            return self._report_to_rank_0(key, seq)
+        start = time.monotonic()
+        arrived, missing = [], []
+        for r in range(1, self.size()):
+            left = start + seconds - time.monotonic()
+            if self._arrives(key + str(r), left):
+                arrived.append(r)
+                continue
+            if wait_all_ranks:
+                missing.append(r)
+                continue
+            if left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
+                error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
+                         f"before rank {r} arrived (monitored barrier #{seq} of group {self._name!r}; ranks that "
+                         f"arrived: {', '.join(map(str, arrived)) or 'none'})")
+            else:
+                error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out "
+                         f"waiting for it (monitored barrier #{seq} of group {self._name!r})")
+            break
+        else:
+            error = None
+            if missing:
+                error = (f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} failed to "
+                         f"pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out waiting for "
+                         f"{'them' if len(missing) > 1 else 'it'} (monitored barrier #{seq} of group {self._name!r})")
+        self._store.set(key + "verdict", error or "ok")
+        if error is not None:
+            raise RuntimeError(error)
+
+    def _arrives(self, key, seconds):
+        """Whether key is set in the store within seconds (at once when seconds <= 0)."""
+        if seconds > 0:
+            try:
+                self._store.wait([key], timedelta(seconds=seconds))
+                return True
+            except RuntimeError:  # the store's timeout (its own exception type and wording)
+                pass
+        return self._store.check([key])
+
+    def _report_to_rank_0(self, key, seq):
+        rank = self.rank()
+        self._store.set(key + str(rank), "")
+        # Rank 0 answers when everyone arrived or its own timeout ran out; this rank waits as long as the
+        # group's timeout (as Gloo's other ranks do), rank 0 itself may be the one late.
+        seconds = self._comm.watch.timeout
+        if not self._arrives(key + "verdict", seconds):
+            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
+                               f"for send/recv from rank 0: Timed out after {seconds:g} s waiting for rank 0's answer "
+                               f"(monitored barrier #{seq} of group {self._name!r}); rank 0 did not arrive")
+        verdict = self._store.get(key + "verdict").decode()
+        if verdict != "ok":
+            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
+                               f"for send/recv from rank 0: rank 0 reported: {verdict}")
+
     # -- which device communicator --
 
     def _device(self, t):
@@ -300,8 +509,8 @@ class EngineProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         # The latency path, kept short: SUM..AVG on one CPU tensor, the options read in one C call
         # (torchbridge._options); a synchronous call runs in place, an asynchronous one is queued.
-        # Anything else (and a non-contiguous tensor) takes the general path.
-        if len(tensors) == 1 and not self._cuda:
+        # Anything else (a non-contiguous or sparse tensor; any call under the profiler) takes the general path.
+        if len(tensors) == 1 and not self._cuda and not _autograd_profiler._is_profiler_enabled:
             call = allreduce_call(opts) if _FAST_READ else _allreduce_call(opts)
             if call >= 0:
                 if call & 1:
@@ -316,8 +525,11 @@ class EngineProcessGroup(dist.ProcessGroup):
                         pass
         return self._allreduce(tensors, opts)
 
+    @_traced("all_reduce", _first)
     def _allreduce(self, tensors, opts):
         t = _one(tensors, "allreduce")
+        if t.is_sparse:
+            return self._sparse_allreduce(t, tensors, opts)
         dev = self._device(t)
         op, factor = _reduce_op(opts)
         if factor is None:
@@ -330,6 +542,17 @@ class EngineProcessGroup(dist.ProcessGroup):
         return dev.launch("allreduce", _write, t, lambda buf: comm.allreduce(_premul(t, factor), buf, op), None, 2,
                           tensors, opts)
 
+    def _sparse_allreduce(self, t, tensors, opts):
+        op, factor = _reduce_op(opts)
+        if op != ReduceOp.SUM or factor is not None:
+            raise RuntimeError(f"engine all_reduce of a sparse tensor: only ReduceOp.SUM is supported (as Gloo), got "
+                               f"{opts.reduceOp.op}; pass a dense tensor (tensor.to_dense()) for other ops")
+        if t.is_cuda:
+            raise RuntimeError("engine all_reduce of a sparse tensor: CUDA sparse tensors are not supported; move it "
+                               "to the CPU (tensor.cpu()) or pass a dense tensor")
+        return self._cpu.launch("allreduce", _sparse_sum, t, self._cpu.comm, None, 2, tensors, opts)
+
+    @_traced("all_reduce_coalesced", _first)
     def allreduce_coalesced(self, tensors, opts=None):
         """Fused: tensors packed into buckets (engine.fusion), one allreduce per bucket."""
         op, factor = _reduce_op(opts)
@@ -337,10 +560,11 @@ class EngineProcessGroup(dist.ProcessGroup):
             for t in tensors:
                 _check_premul(t)
         if not tensors:
-            return self.barrier()
+            return self._barrier()
         sync = opts is not None and not opts.asyncOp
         return self._device(tensors[0]).fused(tensors, op, None, factor or 1.0, "allreduce_coalesced", sync)
 
+    @_traced("fused_allreduce", _first)
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
         """Queues a fused allreduce of tensors (in place) and returns its Work at once: the buckets of
         DistributedOptimizer and the DDP comm hooks."""
@@ -348,11 +572,13 @@ class EngineProcessGroup(dist.ProcessGroup):
             return self._cpu.launch(name, _nothing, None, None, None, 0, [], None)
         return self._device(tensors[0]).fused(tensors, op, compression, 1.0, name)
 
+    @_traced("fused_allreduce", _first)
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
         """Runs now (CUDA: enqueued on the current stream, what follows on it sees the result)."""
         if tensors:
             self._device(tensors[0]).fused(tensors, op, compression, prescale, "fused_allreduce", sync=True)
 
+    @_traced("reduce", _first)
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         dev = self._device(t)
@@ -360,7 +586,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         root, comm = opts.rootRank, dev.comm
 
         def run():
-            src = _premul(t, factor) if factor is not None else t.contiguous()
+            src = _premul(t, factor) if factor is not None else contiguous(t)
             if self.rank() == root:
                 _write(t, lambda buf: comm.reduce(src, buf if src is not buf else None, op, root))
             else:
@@ -368,6 +594,7 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         return dev.launch("reduce", run, None, None, None, 0, tensors, opts)
 
+    @_traced("reduce_scatter", _root_inputs)
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         out = _one(output_tensors, "reduce_scatter")
         inputs = _one(input_lists, "reduce_scatter")
@@ -384,27 +611,29 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def _reduce_scatter_single(self, output, input, opts=None):
         dev = self._device(output)
         op, factor = _reduce_op(opts)
         comm = dev.comm
 
         def run():
-            src = _premul(input, factor) if factor is not None else input.contiguous()
+            src = _premul(input, factor) if factor is not None else contiguous(input)
             _write(output, lambda buf: comm.reduce_scatter(src, buf, op))
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_single = _reduce_scatter_base = _traced("reduce_scatter_tensor", _second_one)(_reduce_scatter_single)
 
+    @_traced("reduce_scatter_tensor_coalesced", _second)
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self.barrier()
+        works = [self._reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._barrier()
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement --
 
+    @_traced("broadcast", _first)
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         dev = self._device(t)
@@ -413,7 +642,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         comm, root = dev.comm, opts.rootRank
         return dev.launch("broadcast", _write, t, lambda buf: comm.broadcast(buf, root), None, 2, tensors, opts)
 
-    def allgather(self, output_lists, input_tensors, opts=None):
+    def _allgather(self, output_lists, input_tensors, opts=None):
         outs = _one(output_lists, "allgather")
         inp = _one(input_tensors, "allgather")
         _check_per_rank(outs, self.size(), inp.dtype, "all_gather", "output")
@@ -423,30 +652,35 @@ class EngineProcessGroup(dist.ProcessGroup):
         def run():
             counts = [o.numel() for o in outs]
             flat = inp.new_empty(sum(counts))
-            comm.allgather(inp.contiguous(), flat, _uneven(counts))
+            comm.allgather(contiguous(inp), flat, _uneven(counts))
             _scatter_back(flat, outs)
 
         return dev.launch("allgather", run, None, None, None, 0, output_lists, opts)
 
-    def all_gather_single(self, output, input, opts=None):
+    allgather = _traced("all_gather", _second)(_allgather)
+
+    def _all_gather_single(self, output, input, opts=None):
         dev = self._device(input)
         comm = dev.comm
         return dev.launch("all_gather_into_tensor", _write, output,
-                          lambda buf: comm.allgather(input.contiguous(), buf), None, 2, [output], opts)
+                          lambda buf: comm.allgather(contiguous(input), buf), None, 2, [output], opts)
 
-    _allgather_base = all_gather_single
+    all_gather_single = _allgather_base = _traced("all_gather_into_tensor", _second_one)(_all_gather_single)
 
+    @_traced("all_gather_into_tensor_coalesced", _second)
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self.barrier()
+        works = [self._all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._barrier()
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @_traced("all_gather_coalesced", _second)
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][j] receives rank r's input_list[j]: one allgather per input."""
-        works = [self.allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
-        return works[-1] if works else self.barrier()
+        works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
+        return works[-1] if works else self._barrier()
 
+    @_traced("gather", _second)
     def gather(self, output_lists, input_tensors, opts):
         inp = _one(input_tensors, "gather")
         dev = self._device(inp)
@@ -457,15 +691,16 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         def run():
             if self.rank() != root:
-                comm.gather(inp.contiguous(), None, root)
+                comm.gather(contiguous(inp), None, root)
                 return
             counts = [o.numel() for o in outs]
             flat = inp.new_empty(sum(counts))
-            comm.gather(inp.contiguous(), flat, root, _uneven(counts))
+            comm.gather(contiguous(inp), flat, root, _uneven(counts))
             _scatter_back(flat, outs)
 
         return dev.launch("gather", run, None, None, None, 0, output_lists, opts)
 
+    @_traced("scatter", _root_inputs)
     def scatter(self, output_tensors, input_lists, opts):
         out = _one(output_tensors, "scatter")
         dev = self._device(out)
@@ -483,6 +718,7 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         return dev.launch("scatter", run, None, None, None, 0, output_tensors, opts)
 
+    @_traced("all_to_all", _second)
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(f"all_to_all needs {self.size()} input and output tensors, got "
@@ -499,30 +735,36 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         return dev.launch("alltoall", run, None, None, None, 0, output_tensors, opts)
 
+    @_traced("all_to_all_single", _second_one)
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
                                                      self.size())
         dev = self._device(input)
         comm = dev.comm
         return dev.launch("alltoall_base", _write, output,
-                          lambda buf: comm.alltoall(input.contiguous(), buf, send_counts, recv_counts), None, 2,
+                          lambda buf: comm.alltoall(contiguous(input), buf, send_counts, recv_counts), None, 2,
                           [output], opts)
 
-    def barrier(self, opts=None):
+    def _barrier(self, opts=None):
         # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
         # on the GPU); CUDA work already enqueued keeps its own order.
         return self._cpu.launch("barrier", self._comm.barrier, None, None, None, 0, [], opts)
 
+    barrier = _traced("barrier")(_barrier)
+
     # -- point to point: posted now, never queued behind collectives --
 
+    @_traced("send", _first)
     def send(self, tensors, dst, tag):
         t = _one(tensors, "send")
         return self._device(t).send(t, dst, tag, tensors)
 
+    @_traced("recv", _first)
     def recv(self, tensors, src, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, src, tag, tensors)
 
+    @_traced("recvAnySource", _first)
     def recv_anysource(self, tensors, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, None, tag, tensors)

@@ -44,7 +44,9 @@ class CollectiveWork(dist._Work):
         else:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
             if not task.progress.wait(task, seconds if seconds > 0 else None):
-                raise EngineTimeout(f"Work.wait: {task.name} did not complete within {seconds:g} s")
+                raise EngineTimeout(f"Work.wait: Timed out after {seconds:g} s waiting for {task.name} to complete "
+                                    f"(it is still queued or running; the group's own timeout ends it if a rank "
+                                    f"never joins)")
         if task.error is not None:
             raise task.error
         return True
@@ -114,7 +116,8 @@ class CompletedWork(dist._Work):
 
 class PointToPointWork(_OutputsWork):
     """A posted MPI isend/irecv. It never occupies the progress thread, so an isend and an irecv to
-    the same peer can't block each other; `finish` copies a staged receive into its tensor."""
+    the same peer can't block each other; `finish` copies a staged receive into its tensor. Its
+    completion is seen by whoever waits on it or tests it; then the done callbacks run."""
 
     def __init__(self, request, outputs, finish=None):
         super().__init__()
@@ -125,8 +128,10 @@ class PointToPointWork(_OutputsWork):
         self._error = None
         self._lock = threading.Lock()
         self._future = None
+        self._callbacks = None
 
     def wait(self, timeout=None):
+        callbacks = None
         with self._lock:
             if self._status is None and self._error is None:
                 try:
@@ -135,9 +140,21 @@ class PointToPointWork(_OutputsWork):
                         self._finish()
                 except Exception as exc:
                     self._error = exc
+                callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for fn in callbacks:
+                fn()
         if self._error is not None:
             raise self._error
         return True
+
+    def add_done_callback(self, fn):
+        """fn() runs once the transfer is seen complete (at once if it already is)."""
+        with self._lock:
+            if self._status is None and self._error is None:
+                self._callbacks = (self._callbacks or []) + [fn]
+                return
+        fn()
 
     def is_completed(self):
         return self._status is not None or self._error is not None or (self._request.test() and self.wait())

@@ -60,8 +60,8 @@ class Watchdog:
                         return
                 if now > deadline:
                     self._fail(comm, EngineTimeout(
-                        f"{what} of group '{self.name}' (rank {self.rank} of {self.size}) did not complete on "
-                        f"the GPU within {self.timeout:g} s: a rank did not join it, or joined a different "
+                        f"{what} of group '{self.name}' (rank {self.rank} of {self.size}): Timed out: it did not "
+                        f"complete on the GPU within {self.timeout:g} s: a rank did not join it, or joined a different "
                         f"collective; the NCCL communicator was aborted"))
                     return
             with self._cond:
