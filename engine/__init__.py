@@ -12,7 +12,7 @@ except ImportError as exc:  # a source tree whose extensions were never built
                           f"package with `pip install .` and run from another directory ({exc})") from exc
     raise
 
-from .kernels import pack, reduce_into, ring_block, ring_segments, scale, unpack
+from .kernels import pack, reduce_into, ring_block, ring_schedule, scale, unpack
 from .communicator import ANY_SOURCE, ANY_TAG, Communicator
 from .ops import ReduceOp
 from .udf import UserOp, reduction
@@ -20,7 +20,7 @@ from .udf import UserOp, reduction
 __version__ = "0.2.0"
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "Communicator", "DTYPE_NAMES", "EngineError", "EngineMismatch", "EnginePeerLost",
-    "EngineTimeout", "ReduceOp", "UserOp", "pack", "reduce_into", "reduction", "ring_block", "ring_segments",
+    "EngineTimeout", "ReduceOp", "UserOp", "pack", "reduce_into", "reduction", "ring_block", "ring_schedule",
     "scale", "unpack", "world",
 ]
 

@@ -12,6 +12,7 @@ from libc.stdint cimport uint64_t
 
 from kernels cimport *
 from shm cimport *
+from schedule cimport *
 
 include "errors.pxi"
 include "dtypes.pxi"
@@ -19,7 +20,10 @@ include "message.pxi"
 include "kernels_api.pxi"
 include "wait.pxi"
 include "transport.pxi"
+include "schedule.pxi"
 include "ring.pxi"
+include "recorder.pxi"
+include "request.pxi"
 include "comm.pxi"
 include "shm_segment.pxi"
 include "shm_transport.pxi"

@@ -12,8 +12,8 @@ from mpi4py.MPI cimport Comm
 
 from kernels cimport *
 from shm cimport eng_now
-from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, Backoff, backoff_init,
-                           backoff_pause, start_wait, Req, Status, Transport, req_active, CoreComm,
+from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, wait_until, start_wait,
+                           Req, Status, Transport, req_active, CoreComm,
                            IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_COMPOSITE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,
                            OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE)
 

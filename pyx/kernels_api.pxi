@@ -73,29 +73,28 @@ cdef _check_flat(Message flat, _PartList pl, double factor, str verb):
 def pack(parts, flat, double scale=1.0):
     """Copies parts (a list of buffers of one dtype) back to back into flat, casting to flat's dtype
     and multiplying by scale, in one GIL-free call. Returns the number of elements written."""
-    cdef _PartList pl = _parse_parts(parts, False, "parts")
-    cdef Message mf = as_message(flat, True, "flat")
-    cdef int rc
-    _check_flat(mf, pl, scale, "pack")
-    if pl.n == 0:
-        return 0
-    with nogil:
-        rc = eng_pack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
-    if rc:
-        raise TypeError(f"pack: unsupported conversion {DTYPE_NAMES[pl.dtype]} -> {DTYPE_NAMES[mf.dtype]}")
-    return pl.total
+    return _pack_or_unpack(parts, flat, scale, False)
 
 
 def unpack(flat, parts, double scale=1.0):
     """Splits flat back into parts (writable buffers of one dtype), casting and multiplying by scale."""
-    cdef _PartList pl = _parse_parts(parts, True, "parts")
-    cdef Message mf = as_message(flat, False, "flat")
+    return _pack_or_unpack(parts, flat, scale, True)
+
+
+cdef size_t _pack_or_unpack(parts, flat, double scale, bint unpacking) except? 0:
+    cdef _PartList pl = _parse_parts(parts, unpacking, "parts")
+    cdef Message mf = as_message(flat, not unpacking, "flat")
     cdef int rc
-    _check_flat(mf, pl, scale, "unpack")
+    name = "unpack" if unpacking else "pack"
+    _check_flat(mf, pl, scale, name)
     if pl.n == 0:
         return 0
     with nogil:
-        rc = eng_unpack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
+        if unpacking:
+            rc = eng_unpack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
+        else:
+            rc = eng_pack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
     if rc:
-        raise TypeError(f"unpack: unsupported conversion {DTYPE_NAMES[mf.dtype]} -> {DTYPE_NAMES[pl.dtype]}")
+        frm, to = (mf.dtype, pl.dtype) if unpacking else (pl.dtype, mf.dtype)
+        raise TypeError(f"{name}: unsupported conversion {DTYPE_NAMES[frm]} -> {DTYPE_NAMES[to]}")
     return pl.total

@@ -45,6 +45,11 @@ cdef bint _is_torch_tensor(object obj):
     return isinstance(obj, _TorchTensor)
 
 
+# Formats whose dtype doesn't depend on the item size (the integer codes' do: 'l' is 4 or 8 bytes).
+_FIXED_FORMATS = {b"?": ENG_BOOL, b"e": ENG_FLOAT16, b"f": ENG_FLOAT32, b"d": ENG_FLOAT64,
+                  b"Zf": ENG_COMPLEX64, b"Zd": ENG_COMPLEX128}
+
+
 cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
     """The engine dtype of a buffer-protocol (struct module) format string, or -1."""
     cdef bytes f = fmt if fmt != NULL else b"B"
@@ -52,18 +57,8 @@ cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
         f = f[1:]
     elif f[:1] in (b">", b"!"):
         return -1
-    if f == b"?":
-        return ENG_BOOL
-    if f == b"e":
-        return ENG_FLOAT16
-    if f == b"f":
-        return ENG_FLOAT32
-    if f == b"d":
-        return ENG_FLOAT64
-    if f == b"Zf":
-        return ENG_COMPLEX64
-    if f == b"Zd":
-        return ENG_COMPLEX128
+    if f in _FIXED_FORMATS:
+        return _FIXED_FORMATS[f]
     if len(f) == 1 and f in b"bhilq":
         return {1: ENG_INT8, 2: ENG_INT16, 4: ENG_INT32, 8: ENG_INT64}.get(itemsize, -1)
     if len(f) == 1 and f in b"BHILQc":

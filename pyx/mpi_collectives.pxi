@@ -159,24 +159,25 @@ cdef class MpiComm(CoreComm):
         exchange, which must end in an exception (not a hang) when a rank never arrives."""
         cdef Message ms = as_message(sendbuf, False, "sendbuf")
         cdef Message mr = as_message(recvbuf, True, "recvbuf")
-        cdef int n = <int>ms.count, ierr = 0, flag = 0
+        cdef int n = <int>ms.count, ierr = 0
         cdef MPI_Request req
         cdef WaitCtx ctx
-        cdef Backoff b
         if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
             raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
         start_wait(&ctx, self.hook, self.interval)
         try:
             with nogil:
                 ierr = MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype], self.coll, &req)
-                backoff_init(&b, eng_now(), &ctx)
-                while not ierr:
-                    ierr = MPI_Test(&req, &flag, MPI_STATUS_IGNORE)
-                    if ierr or flag:
-                        break
-                    ierr = backoff_pause(&b, &ctx)
+                if not ierr:
+                    ierr = wait_until(_poll_mpi, NULL, &req, &ctx, NULL)
         except BaseException:
             self.limbo.append((ms, mr))  # the request stays posted into them
             raise
         if ierr > 0:
             raise EngineError(f"allgather failed: {mpi_error_text(ierr)}")
+
+
+cdef int _poll_mpi(void *unused, void *req, bint *done) except -1 nogil:
+    cdef int flag = 0, ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
+    done[0] = flag != 0
+    return ierr

@@ -7,33 +7,6 @@ cdef enum:
     RING_SLOTS = 4   # receive segments in flight per rank (temporary buffers of the ring)
 
 
-cdef inline void block_range(size_t count, size_t nblocks, size_t b, size_t *off, size_t *length) noexcept nogil:
-    """Block b of count elements split in nblocks near-equal blocks; the first count % nblocks get one more."""
-    cdef size_t base = count // nblocks, extra = count % nblocks
-    length[0] = base + (1 if b < extra else 0)
-    off[0] = b * base + (b if b < extra else extra)
-
-
-def ring_block(size_t count, size_t nblocks, size_t b):
-    """(offset, length) of block b: the chunk arithmetic of the ring, exposed for tests."""
-    cdef size_t off, length
-    if nblocks == 0 or b >= nblocks:
-        raise ValueError(f"block {b} out of range for {nblocks} blocks")
-    block_range(count, nblocks, b, &off, &length)
-    return off, length
-
-
-def ring_segments(size_t length, size_t segment_elems):
-    """[(offset, length)] of the pipeline segments of one block."""
-    if segment_elems == 0:
-        raise ValueError("segment_elems must be positive")
-    return [(o, min(segment_elems, length - o)) for o in range(0, length, segment_elems)]
-
-
-cdef inline int mod(int a, int n) noexcept nogil:
-    return ((a % n) + n) % n
-
-
 cdef class RingAllreduce:
     """Segmented, pipelined ring: reduce-scatter then allgather over 2(P-1) steps.
 
@@ -67,9 +40,6 @@ cdef class RingAllreduce:
         free(self.rbase)
         free(self.sbase)
 
-    cdef size_t nseg(self, size_t length, size_t segc) noexcept nogil:
-        return (length + segc - 1) // segc
-
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil:
         """Returns 0 or a transport error code; raises (returns -1) when out of memory or the watch
@@ -96,11 +66,11 @@ cdef class RingAllreduce:
             segc = 1
         for j in range(steps):
             self.rbase[j] = total_r
-            block_range(count, P, mod(r - j - 1, P), &off, &blen)
-            total_r += self.nseg(blen, segc)
+            block_range(count, P, ring_recv_block(r, j, P), &off, &blen)
+            total_r += segments(blen, segc)
             self.sbase[j] = total_s
-            block_range(count, P, mod(r - j, P), &off, &blen)
-            total_s += self.nseg(blen, segc)
+            block_range(count, P, ring_send_block(r, j, P), &off, &blen)
+            total_s += segments(blen, segc)
         self.rbase[steps] = total_r
         if total_s > self.sreq_cap:
             buf = <char*>realloc(self.sreqs, total_s * sizeof(Req))
@@ -114,7 +84,7 @@ cdef class RingAllreduce:
 
         # Step 0 sends this rank's own block, straight from the input.
         block_range(count, P, r, &off, &blen)
-        for k in range(self.nseg(blen, segc)):
+        for k in range(segments(blen, segc)):
             slen = min(segc, blen - k * segc)
             ierr = self.tp.isend(src + (off + k * segc) * isz, slen * isz, right, 0, &self.sreqs[k])
             if ierr:
@@ -126,7 +96,7 @@ cdef class RingAllreduce:
                 while self.rbase[pj + 1] <= posted:
                     pj += 1
                 pk = posted - self.rbase[pj]
-                block_range(count, P, mod(r - pj - 1, P), &off, &blen)
+                block_range(count, P, ring_recv_block(r, pj, P), &off, &blen)
                 slen = min(segc, blen - pk * segc)
                 if pj < P - 1:
                     buf = self.tmp + (posted % RING_SLOTS) * self.seg_bytes
@@ -148,7 +118,7 @@ cdef class RingAllreduce:
             while self.rbase[cj + 1] <= processed:
                 cj += 1
             ck = processed - self.rbase[cj]
-            block_range(count, P, mod(r - cj - 1, P), &off, &blen)
+            block_range(count, P, ring_recv_block(r, cj, P), &off, &blen)
             soff = off + ck * segc
             slen = min(segc, blen - ck * segc)
             ierr = self.tp.wait(&self.rreqs[processed % RING_SLOTS], NULL, ctx)
@@ -198,9 +168,8 @@ cdef class RecursiveDoubling:
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, ierr = 0
-        cdef int p2 = 1, rem, newrank, mask, newpeer, peer
+        cdef int p2 = pow2_below(P), rem = P - p2, newrank = rdouble_rank(r, P), mask, peer
         cdef size_t nbytes = count * isz
-        cdef size_t n = nbytes
         cdef char *grown
         if src != dst and nbytes:
             memcpy(dst, src, nbytes)
@@ -213,39 +182,30 @@ cdef class RecursiveDoubling:
                     raise MemoryError("recursive doubling: out of memory")
             self.tmp = grown
             self.tmp_cap = nbytes
-        while p2 * 2 <= P:
-            p2 *= 2
-        rem = P - p2
-        if r < 2 * rem:
-            if r % 2 == 0:
-                ierr = self.exchange(dst, n, r + 1, NULL, 0, -1, 1, ctx)
-                newrank = -1
+        if r < 2 * rem:                 # fold: the even rank of each leading pair hands its data on
+            if newrank < 0:
+                ierr = self.exchange(dst, nbytes, r + 1, NULL, 0, -1, 1, ctx)
             else:
-                ierr = self.exchange(NULL, 0, -1, self.tmp, n, r - 1, 1, ctx)
-                if ierr:
-                    return ierr
-                fn(dst, self.tmp, dst, count)
-                newrank = r // 2
+                ierr = self.exchange(NULL, 0, -1, self.tmp, nbytes, r - 1, 1, ctx)
+                if not ierr:
+                    fn(dst, self.tmp, dst, count)
             if ierr:
                 return ierr
-        else:
-            newrank = r - rem
         if newrank >= 0:
             mask = 1
             while mask < p2:
-                newpeer = newrank ^ mask
-                peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
-                ierr = self.exchange(dst, n, peer, self.tmp, n, peer, 2, ctx)
+                peer = rdouble_peer(newrank, mask, P)
+                ierr = self.exchange(dst, nbytes, peer, self.tmp, nbytes, peer, 2, ctx)
                 if ierr:
                     return ierr
-                if peer < r:
+                if peer < r:            # the lower rank's data first: every rank gets the same bits
                     fn(dst, self.tmp, dst, count)
                 else:
                     fn(dst, dst, self.tmp, count)
                 mask <<= 1
-        if r < 2 * rem:
-            if r % 2:
-                ierr = self.exchange(dst, n, r - 1, NULL, 0, -1, 3, ctx)
+        if r < 2 * rem:                 # unfold: the folded rank gets the result back
+            if newrank >= 0:
+                ierr = self.exchange(dst, nbytes, r - 1, NULL, 0, -1, 3, ctx)
             else:
-                ierr = self.exchange(NULL, 0, -1, dst, n, r + 1, 3, ctx)
+                ierr = self.exchange(NULL, 0, -1, dst, nbytes, r + 1, 3, ctx)
         return ierr

@@ -27,6 +27,6 @@ cdef extern from "shm.h" nogil:
     size_t eng_cma_probe_addr()
     uint64_t eng_cma_probe_value()
     int eng_cma_read(int pid, void *local, size_t remote, size_t n)
-    int eng_cma_write(int pid, const void *local, size_t remote, size_t n)
+    int eng_cma_copy(int pid, void *local, size_t remote, size_t n, int write)
     int eng_pidfd_open(int pid)
     int eng_pid_alive(int pidfd, int pid)

@@ -120,6 +120,7 @@ cdef class ShmSegment:
     cdef readonly bytes token
     cdef readonly bint cma          # process_vm_readv works between every pair of the group
     cdef readonly size_t cma_min, cma_max
+    cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
 
     def __cinit__(self):
         self.fd = -1
@@ -153,6 +154,8 @@ cdef class ShmSegment:
         self.slots = self.base + h.slots_off
         self.queues = self.base + h.queues_off
         self.peers.n = size
+        self.door.bell = self.bell(rank)
+        self.door.asleep = self.asleep(rank)
         self.peers.self_rank = rank
         self.peers.pids = <int*>calloc(size, sizeof(int))
         self.peers.pidfds = <int*>malloc(size * sizeof(int))
@@ -270,24 +273,13 @@ cdef class ShmSegment:
         """Whether a point-to-point message of nbytes moves by single copy (a rendezvous)."""
         return self.cma and self.cma_min <= nbytes <= self.cma_max
 
-    cdef int cma_read(self, int q, void *local, uint64_t remote, size_t n) noexcept nogil:
-        """n bytes at `remote` in rank q's memory; ENG_ERR_CMA (errno kept) on failure."""
+    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil:
+        """n bytes between `local` and `remote` in rank q's memory (write: to q); ENG_ERR_CMA (errno
+        kept) on failure."""
         cdef int err
         if n == 0:
             return 0
-        err = eng_cma_read(self.peers.pids[q], local, remote, n)
-        if err:
-            self.err_peer = q
-            self.err_errno = err
-            return ENG_ERR_CMA
-        return 0
-
-    cdef int cma_write(self, int q, const void *local, uint64_t remote, size_t n) noexcept nogil:
-        """n bytes from `local` to `remote` in rank q's memory; ENG_ERR_CMA (errno kept) on failure."""
-        cdef int err
-        if n == 0:
-            return 0
-        err = eng_cma_write(self.peers.pids[q], local, remote, n)
+        err = eng_cma_copy(self.peers.pids[q], local, remote, n, write)
         if err:
             self.err_peer = q
             self.err_errno = err
@@ -356,17 +348,6 @@ cdef class ShmSegment:
                 eng_add32(self.bell(q))
                 eng_futex_wake(self.bell(q))
 
-    cdef inline uint32_t doze_begin(self) noexcept nogil:
-        """Marks this rank asleep; the caller checks its condition once more, then doze_end()s."""
-        cdef uint32_t seq = eng_load32(self.bell(self.rank))
-        eng_store32(self.asleep(self.rank), 1)
-        return seq
-
-    cdef inline void doze_end(self, uint32_t seq, bint sleep, double seconds) noexcept nogil:
-        if sleep:
-            eng_futex_wait(self.bell(self.rank), seq, seconds)
-        eng_store32(self.asleep(self.rank), 0)
-
     cdef int _check_sig(self, int q) noexcept nogil:
         cdef uint64_t *s = self.sig(q, self.step)
         cdef int i
@@ -377,54 +358,27 @@ cdef class ShmSegment:
                 return ENG_ERR_MISMATCH
         return 0
 
-    cdef int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
-        """Until rank q reached `phase` of `step`; check: its signature must equal ours."""
-        cdef uint64_t target = 4 * step + phase
-        cdef Backoff b
-        cdef int ierr
-        cdef uint32_t seq
-        if eng_load_acquire(self.flag(q)) < target:
-            backoff_init(&b, eng_now(), ctx)
-            while eng_load_acquire(self.flag(q)) < target:
-                if backoff_asleep(&b):
-                    seq = self.doze_begin()
-                    self.doze_end(seq, eng_load_acquire(self.flag(q)) < target, backoff_nap(&b, ctx))
-                    ierr = backoff_tick(&b, ctx, eng_now())
-                else:
-                    ierr = backoff_pause(&b, ctx)
+    cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
+        """Until rank `only` (-1: every peer) reached `phase` of `step`; check: their signatures must
+        equal ours."""
+        cdef FlagWait w
+        cdef int q, ierr
+        w.ctrl, w.size, w.me, w.only, w.next, w.target = self.ctrl, self.size, self.rank, only, 0, 4 * step + phase
+        ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
+        if ierr:
+            return self._failed(ierr)
+        for q in range(self.size if check else 0):
+            if q != self.rank and (only < 0 or q == only):
+                ierr = self._check_sig(q)
                 if ierr:
-                    return self._failed(ierr)
-        return self._check_sig(q) if check else 0
-
-    cdef int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
-        """Until every peer reached `phase` of `step`; check: their signatures must equal ours."""
-        cdef uint64_t target = 4 * step + phase
-        cdef int q = 0, ierr
-        cdef Backoff b
-        cdef bint waiting = False
-        cdef uint32_t seq
-        while q < self.size:
-            if q == self.rank or eng_load_acquire(self.flag(q)) >= target:
-                q += 1
-                continue
-            if not waiting:
-                backoff_init(&b, eng_now(), ctx)
-                waiting = True
-            if backoff_asleep(&b):
-                seq = self.doze_begin()
-                self.doze_end(seq, eng_load_acquire(self.flag(q)) < target, backoff_nap(&b, ctx))
-                ierr = backoff_tick(&b, ctx, eng_now())
-            else:
-                ierr = backoff_pause(&b, ctx)
-            if ierr:
-                return self._failed(ierr)
-        if check:
-            for q in range(self.size):
-                if q != self.rank:
-                    ierr = self._check_sig(q)
-                    if ierr:
-                        return ierr
+                    return ierr
         return 0
+
+    cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
+        return self.wait_for(q, step, phase, ctx, check)
+
+    cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
+        return self.wait_for(-1, step, phase, ctx, check)
 
     cdef int _failed(self, int ierr) noexcept nogil:
         if ierr == ENG_ERR_PEER_DEAD:
@@ -433,6 +387,24 @@ cdef class ShmSegment:
 
     cdef uint64_t peer_aux(self, int q) noexcept nogil:
         return self.sig(q, self.step)[4]
+
+
+cdef struct FlagWait:
+    char *ctrl
+    int size, me, only      # only: the one peer waited for, or -1: every peer
+    int next                # the first peer not yet seen at the target
+    uint64_t target
+
+
+cdef int _poll_flags(void *unused, void *arg, bint *done) except -1 nogil:
+    cdef FlagWait *w = <FlagWait*>arg
+    while w.next < w.size:
+        if (w.next != w.me and (w.only < 0 or w.next == w.only)
+                and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>w.next * CTRL_BYTES)) < w.target):
+            return 0
+        w.next += 1
+    done[0] = True
+    return 0
 
 
 cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):

@@ -70,6 +70,14 @@ cdef struct PMsg:
     PMsg *bound         # a receive waiting for an unexpected message still arriving, and vice versa
 
 
+cdef inline PMsg *_new_msg(int kind, char *buf, size_t nbytes, int peer, int tag) noexcept nogil:
+    """A posted send or receive (zeroed: no state, nothing moved); NULL when out of memory."""
+    cdef PMsg *m = <PMsg*>calloc(1, sizeof(PMsg))
+    if m != NULL:
+        m.kind, m.buf, m.len, m.peer, m.tag = kind, buf, nbytes, peer, tag
+    return m
+
+
 cdef inline void _free_msg(PMsg *m) noexcept nogil:
     if m.owns_buf:
         free(m.buf)
@@ -139,6 +147,7 @@ cdef class ShmTransport(Transport):
         self.err_peer = -1
         self.corrupt_peer = -1
         self.q = seg.queue_bytes
+        self.door = &seg.door           # its waits sleep on this rank's doorbell
         self.maxfrag = (self.q // 4 // LINE) * LINE - FRAME_HDR
         self.sendq = <MsgList*>calloc(P, sizeof(MsgList))
         self.awaiting = <MsgList*>calloc(P, sizeof(MsgList))
@@ -379,7 +388,7 @@ cdef class ShmTransport(Transport):
         if nbytes > r.len:
             r.err = ENG_ERR_TRUNCATE
         else:
-            r.err = self.seg.cma_read(peer, r.buf, addr, nbytes)
+            r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
             r.done = nbytes
         r.state = PS_DONE
         r.bound = NULL
@@ -475,14 +484,9 @@ cdef class ShmTransport(Transport):
     # -- the Transport interface --
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
-        cdef PMsg *m = <PMsg*>calloc(1, sizeof(PMsg))
+        cdef PMsg *m = _new_msg(PM_SEND, <char*>buf, nbytes, peer, tag)
         if m == NULL:
             return ENG_ERR_NOMEM
-        m.kind = PM_SEND
-        m.peer = peer
-        m.tag = tag
-        m.buf = <char*>buf
-        m.len = nbytes
         pthread_mutex_lock(&self.lock)
         if peer != self.rank and self.seg.use_cma(nbytes):
             m.rts = True
@@ -495,16 +499,11 @@ cdef class ShmTransport(Transport):
         return 0
 
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
-        cdef PMsg *m = <PMsg*>calloc(1, sizeof(PMsg))
+        cdef PMsg *m = _new_msg(PM_RECV, <char*>buf, nbytes, peer, tag)
         cdef PMsg *u
         cdef int ierr = 0
         if m == NULL:
             return ENG_ERR_NOMEM
-        m.kind = PM_RECV
-        m.peer = peer
-        m.tag = tag
-        m.buf = <char*>buf
-        m.len = nbytes
         pthread_mutex_lock(&self.lock)
         u = self.unexpected.head
         while u != NULL and (u.bound != NULL or not _matches(m, u.peer, u.tag)):
@@ -524,34 +523,6 @@ cdef class ShmTransport(Transport):
         pthread_mutex_unlock(&self.lock)
         req.w[0] = <size_t>m
         return ierr
-
-    cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
-        """Transport.wait, sleeping on this rank's doorbell once spinning and yielding are over."""
-        cdef bint done = False
-        cdef int ierr
-        cdef Backoff b
-        cdef uint32_t seq
-        if not req_active(req):
-            return 0
-        ierr = self.test(req, &done, st)
-        if ierr or done:
-            return ierr
-        backoff_init(&b, eng_now(), ctx)
-        while True:
-            if backoff_asleep(&b):
-                seq = self.seg.doze_begin()
-                ierr = self.test(req, &done, st)
-                self.seg.doze_end(seq, not (ierr or done), backoff_nap(&b, ctx))
-                if ierr or done:
-                    return ierr
-                ierr = backoff_tick(&b, ctx, eng_now())
-            else:
-                ierr = backoff_pause(&b, ctx)
-            if ierr:
-                return ierr
-            ierr = self.test(req, &done, st)
-            if ierr or done:
-                return ierr
 
     cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil:
         cdef PMsg *m = <PMsg*>req.w[0]

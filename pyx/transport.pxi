@@ -28,22 +28,11 @@ cdef class Transport:
         return 0
 
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
-        cdef bint done = False
-        cdef int ierr
-        cdef Backoff b
+        cdef RequestWait w
         if not req_active(req):
             return 0
-        ierr = self.test(req, &done, st)
-        if ierr or done:
-            return ierr
-        backoff_init(&b, eng_now(), ctx)
-        while True:
-            ierr = backoff_pause(&b, ctx)
-            if ierr:
-                return ierr
-            ierr = self.test(req, &done, st)
-            if ierr or done:
-                return ierr
+        w.req, w.st = req, st
+        return wait_until(_poll_request, <void*>self, &w, ctx, self.door)
 
     cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil:
         cdef size_t i
@@ -66,6 +55,16 @@ cdef class Transport:
     @property
     def kind(self):
         return type(self).__name__
+
+
+cdef struct RequestWait:
+    Req *req
+    Status *st
+
+
+cdef int _poll_request(void *tp, void *arg, bint *done) except -1 nogil:
+    cdef RequestWait *w = <RequestWait*>arg
+    return (<Transport>tp).test(w.req, done, w.st)
 
 
 cdef str _engine_error_text(int code, int peer):

@@ -1,10 +1,11 @@
-# Waiting: poll, and between polls back off in three stages: spin (the pause instruction) for a short
-# budget while a peer is likely about to answer, then sched_yield() (an oversubscribed core goes to
-# whoever needs it), then sleep: shared-memory waits on a futex their peers ring (woken at once, no
-# core burnt), MPI waits in naps doubling up to a cap. Once per check interval the wait calls the
-# communicator's watch with the GIL (stall warnings, arrival notes, the timeout: it may raise to
-# abandon the wait), and a shared-memory wait also asks whether its peers' processes still live.
-# Every transport waits only through here, so a peer that never arrives ends in an exception.
+# Waiting: one loop, wait_until(), for every wait of every transport (a posted request, a peer's step
+# flag, MPI's own request). It polls, and between polls backs off in three stages: spin (the pause
+# instruction) for a short budget while a peer is likely about to answer, then sched_yield() (an
+# oversubscribed core goes to whoever needs it), then sleep: on a futex the peers ring where there is
+# one (shared memory: woken at once, no core burnt), else in naps doubling up to a cap. Once per
+# check interval the wait calls the communicator's watch with the GIL (stall warnings, arrival notes,
+# the timeout: it may raise to abandon the wait), and asks whether the peers' processes still live
+# where it can. So a peer that never arrives ends in an exception, whatever the transport.
 
 cdef extern from *:
     """
@@ -15,9 +16,8 @@ cdef extern from *:
     int eng_polite_waits
 
 # Seconds; set_wait_policy() changes them (tests, oversubscribed hosts, ENGINE_SPIN_US).
-# Measured: a peer's flag arrives within ~1-20 us when both are running, but a step of the segment's
-# 512 KB chunks takes 30-100 us; at 50 us, waits yielded mid-step and whole sizes of a sweep ran 4x
-# slower in some runs (sched_yield hands the core to any runnable thread for a full slice).
+# The spin budget outlasts a whole step of the segment's chunks: a wait that yields in the middle of
+# a step hands the core to any runnable thread for a full slice, stalling the peers that wait on it.
 cdef double _spin_s = 250e-6
 cdef double _polite_spin_s = 5e-6
 cdef double _yield_s = 1e-3
@@ -45,6 +45,13 @@ def set_wait_policy(spin_us=None, yield_us=None, nap_max_us=None):
     return _spin_s * 1e6, _yield_s * 1e6, _nap_max_s * 1e6
 
 
+cdef struct Backoff:
+    double spin_until   # spin (pause instruction) until then,
+    double yield_until  # then sched_yield() until then,
+    double nap          # then sleep, doubling up to a cap
+    double next_alive
+
+
 cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.hook = <void*>hook if hook is not None else NULL
     ctx.start = eng_now()
@@ -70,13 +77,9 @@ cdef int call_hook(WaitCtx *ctx, double t) except -1 with gil:
     return 0
 
 
-cdef inline bint backoff_asleep(Backoff *b) noexcept nogil:
-    """Past spinning and yielding: the wait should sleep (on a futex where it has one)."""
-    return eng_now() >= b.yield_until
-
-
 cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil:
-    """How long a futex sleep may last: until the next watch call or liveness check, at most 50 ms."""
+    """How long one sleep may last: until the next watch call or liveness check, at most 50 ms
+    (a futex sleep), and at most the nap that doubles up to _nap_max_s (without one)."""
     cdef double t = eng_now(), until = t + 0.05
     if ctx != NULL:
         if ctx.hook != NULL:
@@ -84,21 +87,6 @@ cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil:
         if ctx.alive != NULL:
             until = min(until, b.next_alive)
     return max(until - t, 1e-6)
-
-
-cdef int backoff_pause(Backoff *b, WaitCtx *ctx) except -1 nogil:
-    """One pause between two polls. Returns 0, -1 when the watch raised, or the error code of a
-    liveness check (a peer's process is gone)."""
-    cdef double t = eng_now()
-    if t < b.spin_until:
-        eng_cpu_relax()
-    elif t < b.yield_until:
-        eng_yield()
-    else:
-        eng_sleep(b.nap)
-        if b.nap < _nap_max_s:
-            b.nap *= 2
-    return backoff_tick(b, ctx, t)
 
 
 cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
@@ -114,3 +102,55 @@ cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
             if rc:
                 return rc
     return 0
+
+
+cdef uint32_t doze_begin(Doorbell *d) noexcept nogil:
+    """Marks this rank asleep on its doorbell; the caller checks its condition once more, then doze_end()s."""
+    cdef uint32_t seq = eng_load32(d.bell)
+    eng_store32(d.asleep, 1)
+    return seq
+
+
+cdef void doze_end(Doorbell *d, uint32_t seq, bint sleep, double seconds) noexcept nogil:
+    if sleep:
+        eng_futex_wait(d.bell, seq, seconds)
+    eng_store32(d.asleep, 0)
+
+
+cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *door) except -1 nogil:
+    """The one wait of the engine: polls until poll says done (or returns an error code), backing
+    off between polls: spin, yield, then sleep, on door's futex where there is one (a publisher rings
+    it; the asleep mark and the publication are ordered by full fences, so no wake-up is lost), else
+    in naps. The watch and the liveness check run when due. Returns 0, -1 (the watch raised) or an
+    error code."""
+    cdef bint done = False
+    cdef int ierr = poll(obj, arg, &done)
+    cdef Backoff b
+    cdef double t
+    cdef uint32_t seq
+    if ierr or done:
+        return ierr
+    backoff_init(&b, eng_now(), ctx)
+    while True:
+        t = eng_now()
+        if t < b.spin_until:
+            eng_cpu_relax()
+        elif t < b.yield_until:
+            eng_yield()
+        elif door != NULL:
+            seq = doze_begin(door)
+            ierr = poll(obj, arg, &done)
+            doze_end(door, seq, not (ierr or done), backoff_nap(&b, ctx))
+            if ierr or done:
+                return ierr
+            t = eng_now()
+        else:
+            eng_sleep(min(b.nap, backoff_nap(&b, ctx)))
+            if b.nap < _nap_max_s:
+                b.nap *= 2
+        ierr = backoff_tick(&b, ctx, t)
+        if ierr:
+            return ierr
+        ierr = poll(obj, arg, &done)
+        if ierr or done:
+            return ierr

@@ -177,8 +177,6 @@ def test_ring_blocks_tile_the_buffer_in_near_equal_blocks(count, nblocks):
 
 def test_ring_blocks_when_count_is_smaller_than_the_world():
     assert [engine.ring_block(2, 5, b) for b in range(5)] == [(0, 1), (1, 1), (2, 0), (2, 0), (2, 0)]
-    assert engine.ring_segments(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert engine.ring_segments(0, 4) == []
     with pytest.raises(ValueError):
         engine.ring_block(10, 3, 3)
 

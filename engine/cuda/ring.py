@@ -3,24 +3,10 @@ one NCCL send and one receive posted in a group call, the reduction done by the 
 (kernels.cu) on the same stream. It reduces what NCCL cannot (BAND/BOR/BXOR, int16) and is the
 engine's alternative to ncclAllReduce in the algorithm registry (engine.registry).
 
-The chunk arithmetic is the CPU ring's (engine.ring_block): both rings cut a buffer the same way.
+Both rings run one schedule (engine.ring_schedule, the CPU ring's): they cut a buffer the same way.
 """
 
-from .._core import ring_block
-
-
-def ring_schedule(count, size, rank):
-    """The ring's steps for one rank, pure: (phase, send (offset, length), receive (offset, length))
-    with offsets and lengths in elements; phase is "reduce" (reduce-scatter: receive into scratch,
-    then reduce into the block) or "copy" (allgather: receive in place)."""
-    steps = []
-    for step in range(size - 1):
-        steps.append(("reduce", ring_block(count, size, (rank - step) % size),
-                             ring_block(count, size, (rank - step - 1) % size)))
-    for step in range(size - 1):
-        steps.append(("copy", ring_block(count, size, (rank + 1 - step) % size),
-                             ring_block(count, size, (rank - step) % size)))
-    return steps
+from .._core import ring_schedule
 
 
 class CudaRingAllreduce:

@@ -4,7 +4,8 @@
 #   CoreComm (parse buffers, check, record, choose)  ->  algorithms (ring, recursive doubling, the
 #   shared-memory collectives)  ->  Transport (post / test / wait / cancel of byte messages)  ->  kernels.
 
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memset
 from cpython.buffer cimport Py_buffer
 
 from kernels cimport eng_reduce_fn
@@ -79,17 +80,14 @@ cdef struct WaitCtx:
     double spin         # seconds to spin before yielding; < 0: the process's policy
 
 
-cdef struct Backoff:
-    double spin_until   # spin (pause instruction) until then,
-    double yield_until  # then sched_yield() until then,
-    double nap          # then sleep, doubling up to a cap
-    double next_alive
+cdef struct Doorbell:
+    uint32_t *bell      # a futex word whoever publishes something rings (shared memory)
+    uint32_t *asleep    # set while this rank sleeps on it
 
 
-cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil
-cdef int backoff_pause(Backoff *b, WaitCtx *ctx) except -1 nogil
-cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil
-cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil
+ctypedef int (*poll_fn)(void *obj, void *arg, bint *done) except -1 nogil
+
+cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *door) except -1 nogil
 cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept
 
 
@@ -126,6 +124,7 @@ ctypedef struct Status:
 cdef class Transport:
     cdef readonly int rank, size
     cdef int err_peer   # the rank an engine error code names, or -1
+    cdef Doorbell *door # where its waits sleep (shared memory), or NULL (naps)
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil
@@ -152,7 +151,6 @@ cdef class RingAllreduce:
     cdef size_t sreq_cap
     cdef size_t *rbase
     cdef size_t *sbase
-    cdef size_t nseg(self, size_t length, size_t segc) noexcept nogil
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil
     cdef int _run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
@@ -205,6 +203,13 @@ cdef enum:
     OPBIT_NONE = 9
 
 
+cdef inline int opbit_of(RedC *red) noexcept nogil:
+    """The Rule.ops bit of a resolved reduction (OPBIT_*: op codes, AVG, a user op)."""
+    if red.code < 0:
+        return OPBIT_USER
+    return 7 if red.avg else red.code
+
+
 cdef struct OpRec:
     uint64_t seq
     int op
@@ -214,6 +219,18 @@ cdef struct OpRec:
     int state           # 0 running, 1 done, 2 failed, 3 timed out
     bint native         # blocks inside the transport's own collective (no watch while it runs)
     double start, end
+
+
+cdef class Recorder:
+    cdef OpRec *recs
+    cdef size_t nrecs
+    cdef readonly uint64_t seq
+    cdef OpRec *cur
+    cdef public object broken   # why the group is unusable, or None
+    cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
+    cdef object on_failure      # called with (record, exception) when an operation fails
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL
+    cdef int end(self, OpRec *rec, object exc) except -1
 
 
 cdef struct Rule:
@@ -226,6 +243,30 @@ cdef struct Rule:
     bint uneven         # takes per-rank counts
 
 
+cdef struct Call:     # one collective call, as the core hands it to its transport (CoreComm.dispatch)
+    int op              # OP_*
+    char *src
+    char *dst
+    size_t count        # this rank's elements: the buffer, or its piece of a v-collective
+    int dtype
+    RedC *red
+    int root
+    int impl
+    const size_t *counts    # per-rank counts and displacements (v-collectives; alltoall: its sends), or NULL
+    const size_t *displs
+    const size_t *rcounts   # alltoall's receives
+    const size_t *rdispls
+    bint even               # alltoall: equal blocks
+    void *aux               # a transport's own description of the call (shared memory's fused path)
+
+
+cdef inline Call new_call(int op, const void *src, void *dst, size_t count, int dtype) noexcept nogil:
+    cdef Call c
+    memset(&c, 0, sizeof(c))
+    c.op, c.src, c.dst, c.count, c.dtype = op, <char*>src, <char*>dst, count, dtype
+    return c
+
+
 cdef class CoreComm:
     cdef readonly int rank, size
     cdef readonly str transport
@@ -233,6 +274,7 @@ cdef class CoreComm:
     cdef Transport user_tp      # the user's send / recv (kept apart: ANY_TAG never sees ring traffic)
     cdef RingAllreduce ring
     cdef RecursiveDoubling rdouble
+    cdef Recorder log
     cdef object hook
     cdef double spin            # this group's spin budget (seconds; < 0: the process's policy)
     cdef readonly object p2p_watch   # names the peer when a point-to-point wait times out
@@ -240,13 +282,6 @@ cdef class CoreComm:
     cdef alive_fn alive
     cdef void *alive_arg
     cdef size_t *cnt            # 4 x size: counts and displacements of the v-collectives
-    cdef OpRec *recs
-    cdef size_t nrecs
-    cdef uint64_t seq
-    cdef OpRec *cur
-    cdef object broken          # why the group is unusable, or None
-    cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
-    cdef object on_failure      # called with (record, exception) when an operation fails
     cdef Rule *rules[NOPKINDS]  # per collective, walked in order: the first that applies runs
     cdef int nrules[NOPKINDS]
     cdef Rule *named[NOPKINDS]  # per collective, every entry this group can run (the algorithm= argument)
@@ -262,21 +297,22 @@ cdef class CoreComm:
     cdef int _fits(self, int op, size_t n, str what) except -1
     @staticmethod
     cdef int _same_dtype(Message a, Message b, str what) except -1
-    cdef _keep_if_posted(self, int impl, Message ms, Message mr)
+    cdef _keep(self, int impl, object keep)
     cdef int _peer(self, int peer, bint any_ok, str what) except? -9999
     cdef int _tag(self, int tag, bint any_ok) except? -9999
-    cdef object _post(self, buf, int peer, int tag, bint recv, str what)
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
     cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
     cdef Rule *_rule_array(self, list rules) except? NULL
-    cdef object run_composite(self, int op, const Rule *rule, size_t count, int dtype, tuple args)
-    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL
-    cdef int finish(self, OpRec *rec, int ierr, str what) except -1
-    cdef int fail(self, OpRec *rec, object exc) except -1
+    cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
+    cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
+    cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef object error(self, int ierr, str what)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
+    cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
+                   str what) except -1
     cdef size_t max_count(self, int op) noexcept
+    cdef int unimplemented(self, const char *what) except -1 with gil
 
     cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil

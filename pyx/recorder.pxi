@@ -1,0 +1,92 @@
+# The flight recorder of a group: a preallocated C ring of its last operations (sequence number, op,
+# count, dtype, the registry entry that ran, start, end, state), written without Python on every
+# call. Python records are built only when dumped or traced. Once an operation failed in a way that
+# leaves the group's state unknown (a timeout, a lost peer, a mismatch), the group is broken: every
+# later operation is refused, naming why.
+
+STATE_NAMES = ("running", "done", "failed", "timed out")
+DEFAULT_RECORDS = 256
+
+cdef tuple _ENTRY_NAMES = ()    # what the recorder calls each registry entry (set by engine.registry)
+
+
+def set_entry_names(names):
+    """The registry's entry names, indexed as the rules' entries are (called once, by engine.registry)."""
+    global _ENTRY_NAMES
+    _ENTRY_NAMES = tuple(names)
+
+
+cdef class Recorder:
+
+    def __cinit__(self):
+        self.nrecs = DEFAULT_RECORDS
+        self.recs = <OpRec*>calloc(self.nrecs, sizeof(OpRec))
+        if self.recs == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.recs)
+
+    def configure(self, size_t size, tracer=None, on_failure=None):
+        """Keeps the last `size` operations; tracer(record) after each, on_failure(record, exc) on failures."""
+        cdef OpRec *recs
+        if size == 0:
+            raise ValueError("the flight recorder needs at least one entry")
+        if size != self.nrecs:
+            recs = <OpRec*>calloc(size, sizeof(OpRec))
+            if recs == NULL:
+                raise MemoryError()
+            free(self.recs)
+            self.recs = recs
+            self.nrecs = size
+            self.cur = NULL
+        self.tracer = tracer
+        self.on_failure = on_failure
+
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL:
+        cdef OpRec *rec
+        if self.broken is not None:
+            raise EngineError(f"{OP_KIND_NAMES[op]}: this group is unusable after an earlier failure "
+                              f"({self.broken}); destroy it and create a new one, or exit")
+        self.seq += 1
+        rec = &self.recs[self.seq % self.nrecs]
+        rec.seq = self.seq
+        rec.op = op
+        rec.dtype = dtype
+        rec.count = count
+        rec.entry = entry
+        rec.state = 0
+        rec.native = native
+        rec.start = eng_now()
+        rec.end = 0
+        self.cur = rec
+        return rec
+
+    cdef int end(self, OpRec *rec, object exc) except -1:
+        """The operation is over: done (exc None), failed or timed out."""
+        rec.end = eng_now()
+        rec.state = 1 if exc is None else 3 if isinstance(exc, EngineTimeout) else 2
+        self.cur = NULL
+        if self.tracer is not None:
+            self.tracer(_record(rec))
+        if exc is not None and self.on_failure is not None:
+            self.on_failure(_record(rec), exc)
+        return 0
+
+    def current(self):
+        """The operation running now as a record tuple, or None."""
+        return _record(self.cur) if self.cur != NULL else None
+
+    def records(self):
+        """The recorded operations, oldest first: (seq, op, count, dtype, algorithm, start, end, state, native)."""
+        cdef size_t i, n = min(self.seq, self.nrecs)
+        return [_record(&self.recs[(self.seq - n + 1 + i) % self.nrecs]) for i in range(n)]
+
+
+cdef tuple _record(OpRec *r):
+    return (r.seq, OP_KIND_NAMES[r.op], r.count, DTYPE_NAMES[r.dtype] if r.dtype >= 0 else None,
+            _entry_name(r.entry), r.start, r.end if r.end else None, STATE_NAMES[r.state], bool(r.native))
+
+
+cdef object _entry_name(int entry):
+    return _ENTRY_NAMES[entry] if 0 <= entry < len(_ENTRY_NAMES) else None

@@ -1,0 +1,71 @@
+# A posted point-to-point message (isend / irecv) as Python sees it.
+
+cdef list _LIMBO = []   # buffers a cancelled request may still be touched through (MPI sends): kept alive
+
+
+cdef class Request:
+    """A pending isend / irecv; keeps its buffer alive until it completes. While it is waited on, the
+    request itself is the wait's watch: past the group's timeout it raises, naming its peer."""
+    cdef Req req
+    cdef Message msg
+    cdef Transport tp
+    cdef CoreComm comm
+    cdef Status st
+    cdef bint done, is_recv
+    cdef int peer, tag
+    cdef str what
+    cdef WaitCtx ctx
+
+    def __call__(self, double elapsed):
+        watch = self.comm.p2p_watch
+        if watch is not None:
+            watch.peer_timeout(self.what, None if self.peer == ANY_PEER else self.peer, self.tag, elapsed)
+
+    def __dealloc__(self):
+        if req_active(&self.req) and self.tp is not None:
+            if self.tp.cancel(&self.req):
+                _LIMBO.append(self.msg)
+
+    def wait(self):
+        """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
+        cdef int ierr = 0
+        if not self.done:
+            with nogil:
+                ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+            if ierr:
+                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend")
+            self.done = True
+        return self._result()
+
+    def test(self):
+        """True once complete (then wait() returns at once)."""
+        cdef int ierr = 0
+        cdef bint flag = False
+        if not self.done:
+            ierr = self.tp.test(&self.req, &flag, &self.st)
+            if ierr:
+                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend")
+            self.done = flag
+        return self.done
+
+    def _result(self):
+        if not self.is_recv:
+            return None
+        return (self.st.source, self.st.tag, self.st.nbytes // self.msg.itemsize)
+
+
+cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what):
+    """One isend / irecv posted on tp, its wait watched by the request itself."""
+    cdef Request r = Request.__new__(Request)
+    cdef int ierr
+    r.msg = as_message(buf, recv, "buffer")
+    r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
+    start_wait(&r.ctx, r, comm.interval)
+    r.ctx.alive, r.ctx.alive_arg, r.ctx.spin = comm.alive, comm.alive_arg, comm.spin
+    if recv:
+        ierr = tp.irecv(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
+    else:
+        ierr = tp.isend(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
+    if ierr:
+        raise comm.error(ierr, what)
+    return r
