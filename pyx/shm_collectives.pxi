@@ -69,8 +69,9 @@ cdef class ShmComm(CoreComm):
     cdef char *scratch              # a fused one-shot's reduced chunk; the pieces a pull reduces
     cdef public size_t pull_piece   # bytes per peer and piece when a reduction pulls inputs by single copy
     cdef uint64_t sig[3]            # this collective's signature words (op..root, count, counts hash)
-    cdef size_t *ex                 # an exchange's pieces, 4 x P: send count, send displacement, receive
-                                    # count, receive displacement (elements), per peer
+    cdef size_t *ex                 # an exchange's pieces, 6 x P: send count, send displacement, receive
+                                    # count, receive displacement (elements), sent and received by
+                                    # single copy (0/1), per peer
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
@@ -82,7 +83,7 @@ cdef class ShmComm(CoreComm):
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
         self.scratch = <char*>malloc(self.seg.cap)
-        self.ex = <size_t*>malloc(4 * self.seg.size * sizeof(size_t))
+        self.ex = <size_t*>malloc(6 * self.seg.size * sizeof(size_t))
         if self.srcs == NULL or self.scratch == NULL or self.ex == NULL:
             raise MemoryError()
         self.alive = peers_alive
@@ -302,6 +303,8 @@ cdef class ShmComm(CoreComm):
         cdef size_t *sd = self.ex + P
         cdef size_t *rc = self.ex + 2 * P
         cdef size_t *rd = self.ex + 3 * P
+        cdef size_t *scopy = self.ex + 4 * P
+        cdef size_t *rcopy = self.ex + 5 * P
         cdef size_t isz = eng_itemsize[dtype], per = self.seg.cap // isz // (1 if shared else P)
         cdef size_t k = 0, steps = 0, m
         cdef uint64_t first = self.seg.step + 1, got
@@ -310,10 +313,11 @@ cdef class ShmComm(CoreComm):
         if rc[r] and src + sd[r] * isz != dst + rd[r] * isz:
             memcpy(dst + rd[r] * isz, src + sd[r] * isz, rc[r] * isz)
         for q in range(P):
+            scopy[q] = q != r and self.single_copy(op, sc[q] * isz, dtype)
+            rcopy[q] = q != r and self.single_copy(op, rc[q] * isz, dtype)
             if q != r:
-                steps = max(steps, piece_steps(sc[q], per, self.single_copy(op, sc[q] * isz, dtype)),
-                            piece_steps(rc[q], per, self.single_copy(op, rc[q] * isz, dtype)))
-                by_copy = by_copy or self.single_copy(op, sc[q] * isz, dtype)
+                steps = max(steps, piece_steps(sc[q], per, scopy[q]), piece_steps(rc[q], per, rcopy[q]))
+                by_copy = by_copy or scopy[q]
         while True:
             ierr = self.open_step(steps if k == 0 else 0, ctx)
             if ierr:
@@ -321,10 +325,12 @@ cdef class ShmComm(CoreComm):
             tab = self.seg.table(r, self.seg.step)
             wrote = False
             for q in range(P):
-                m = piece_share(sc[q], k, per, self.single_copy(op, sc[q] * isz, dtype)) if q != r else 0
-                tab[q] = m
-                tab[P + q] = <uint64_t>(src + sd[q] * isz) if m and self.single_copy(op, sc[q] * isz, dtype) else 0
-                if m and not tab[P + q] and not (shared and wrote):
+                m = piece_share(sc[q], k, per, scopy[q]) if q != r else 0
+                if not agreed:
+                    tab[q] = m
+                if m and scopy[q]:
+                    tab[P + q] = <uint64_t>(src + sd[q] * isz)
+                elif m and not (shared and wrote):
                     memcpy(self.seg.half(r, self.seg.step) + (0 if shared else q * per * isz),
                            src + (sd[q] + k * per) * isz, m * isz)
                     wrote = True
@@ -347,12 +353,13 @@ cdef class ShmComm(CoreComm):
                     ierr = self.seg.wait_peer(q, self.seg.step, PHASE_POSTED, ctx, True)
                     if ierr:
                         return ierr
-                m = piece_share(rc[q], k, per, self.single_copy(op, rc[q] * isz, dtype))
-                got = self.seg.table(q, self.seg.step)[r]
-                if got != m:
-                    self.seg.post(PHASE_FINISHED)
-                    return self.mismatch(q, got)
-                if m and self.single_copy(op, rc[q] * isz, dtype):
+                m = piece_share(rc[q], k, per, rcopy[q])
+                if not agreed:          # agreed: the signatures, checked at POSTED, hold every count
+                    got = self.seg.table(q, self.seg.step)[r]
+                    if got != m:
+                        self.seg.post(PHASE_FINISHED)
+                        return self.mismatch(q, got)
+                if m and rcopy[q]:
                     ierr = self.seg.cma_copy(q, dst + rd[q] * isz, self.seg.table(q, self.seg.step)[P + r], m * isz, False)
                 elif m:
                     memcpy(dst + (rd[q] + k * per) * isz,
