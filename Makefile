@@ -11,9 +11,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 .PHONY: setup test demo ddp torch-suite clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements-dev.txt pyproject.toml setup.py $(wildcard pyx/*)
+# constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
+$(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py $(wildcard pyx/*)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-dev.txt
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -r requirements-dev.txt -r requirements-clients.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
