@@ -30,8 +30,7 @@ def main():
     params = [p.detach().clone() for p in accelerator.unwrap_model(net).parameters()]
     everyone = [None] * size
     dist.all_gather_object(everyone, params)
-    if rank == 0:
-        common.report(f"accelerate ddp {common.launcher_name()}", everyone)
+    common.report(f"accelerate ddp {common.launcher_name()}", everyone)
     accelerator.end_training()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -65,8 +65,7 @@ def main():
     params = train_compiled_ddp(rank, size)
     everyone = [None] * size
     dist.all_gather_object(everyone, params)
-    if rank == 0:
-        common.report(f"torch.compile({BACKEND}) ddp {common.launcher_name()}", everyone)
+    common.report(f"torch.compile({BACKEND}) ddp {common.launcher_name()}", everyone)
     dist.destroy_process_group()
 
 

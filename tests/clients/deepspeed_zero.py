@@ -57,8 +57,7 @@ def main():
         params = train(stage)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, params)
-        if dist.get_rank() == 0:
-            common.report(f"deepspeed zero-{stage} {common.launcher_name()}", everyone)
+        common.report(f"deepspeed zero-{stage} {common.launcher_name()}", everyone)
     dist.destroy_process_group()
 
 

@@ -47,8 +47,7 @@ def main():
     params = [p.detach().clone() for p in module.net.parameters()]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, params)
-    if dist.get_rank() == 0:
-        common.report(f"lightning ddp {common.launcher_name()}", everyone)
+    common.report(f"lightning ddp {common.launcher_name()}", everyone)
     dist.destroy_process_group()
 
 
