@@ -163,8 +163,12 @@ def test_a_rank_failing_at_init_ends_the_job_with_its_error(mode, var):
     assert f"RuntimeError: {wrong} disagrees with the MPI launcher (Open MPI), which says" in out, out[-3000:]
     assert seconds is not None and seconds < 10, f"the job ended {seconds} s after init_process_group\n" + out[-3000:]
     assert "done:" not in out, out[-3000:]
-    if mode != "engine-starts-mpi":  # MPI was up on the failing rank: it aborted the job
+    if mode != "engine-starts-mpi":  # MPI was up on the failing rank: it aborted the job, with code 1
         assert "engine: rank 1 exits after init_process_group failed (RuntimeError: " in out, out[-3000:]
+        assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
+        assert re.search(r"Errorcode: 1\b", out), out[-3000:]
+    else:  # the failing rank exited 1 before MPI started, and the launcher ended the others
+        assert re.search(r"Process name: \[\S+,1\]\s+Exit code:\s+1\b", out), out[-3000:]
 
 
 def test_a_rank_raising_after_init_ends_the_job():
@@ -174,6 +178,7 @@ def test_a_rank_raising_after_init_ends_the_job():
     assert rc != 0, out[-3000:]
     assert "RuntimeError: rank 1 fails after init on purpose" in out, out[-3000:]
     assert "engine: rank 1 exits after an uncaught exception (RuntimeError: rank 1 fails after init on purpose)" in out
+    assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
     assert "done:" not in out and seconds < 10, out[-3000:]
 
 
