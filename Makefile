@@ -8,17 +8,23 @@ NRANKS ?= 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test demo ddp torch-suite clean
+.PHONY: setup test clients-full demo ddp torch-suite clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements-dev.txt pyproject.toml setup.py $(wildcard pyx/*)
+# constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
+$(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py $(wildcard pyx/*)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-dev.txt
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -r requirements-dev.txt -r requirements-clients.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
 test: setup
 	$(PY) -m pytest tests
+
+# The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
+clients-full: setup
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -r requirements-clients-full.txt
+	ENGINE_CLIENTS_FULL=1 $(PY) -m pytest tests/test_clients.py -rA
 
 demo: setup
 	$(VENV)/bin/mpiexec -n $(NRANKS) $(PY) -m bench all_reduce -b 1K -e 4M -f 4 --backends engine,gloo,mpi4py -c 1

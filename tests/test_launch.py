@@ -2,13 +2,17 @@
 launcher (torchrun-style env://) the ranks meet through torch's store and MPI is never imported."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 
 import pytest
 
-from mpirun import mpi_env
+from mpirun import mpi_env, mpiexec_command
 from torchbridge.launch import detect_launcher, free_port, prepare_env
 
 SCRIPT = textwrap.dedent("""
@@ -53,6 +57,31 @@ def test_user_values_win_and_are_checked():
         prepare_env(world_size=4, environ={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
 
 
+def test_local_rank_of_another_layer_is_replaced_by_the_launchers_with_one_warning():
+    """DeepSpeed's MPI discovery numbers a host's ranks by processor name, Open MPI in its mapping's order:
+    LOCAL_RANK changes nothing the engine does, so a differing value is accepted and made the launcher's
+    (DeepSpeed itself then requires LOCAL_RANK == OMPI_COMM_WORLD_LOCAL_RANK)."""
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    with pytest.warns(RuntimeWarning, match=r"LOCAL_RANK=1 differs from the local rank the MPI launcher gave this "
+                                            r"process \(Open MPI: 2\); LOCAL_RANK is set to 2") as caught:
+        prepare_env(environ=env)
+    assert len(caught) == 1 and (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "3", "2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare_env(environ=env)  # agrees now: nothing to say
+    # No local rank from the launcher: nothing to follow, the value set wins.
+    env = {"PMI_RANK": "1", "PMI_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare_env(environ=env)
+    assert env["LOCAL_RANK"] == "1"
+    # RANK and WORLD_SIZE decide the result: a disagreement stays an error.
+    with pytest.raises(RuntimeError, match="RANK=0 disagrees with the MPI launcher"):
+        prepare_env(environ={"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "RANK": "0", "LOCAL_RANK": "1"})
+
+
 def test_without_mpi_launcher_env_is_left_to_torch():
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
     prepare_env(environ=dict(env))
@@ -84,3 +113,80 @@ def test_registration_does_not_import_mpi_or_the_engine():
             "'numba' in sys.modules, 'cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False", "False", "False", "False"], out.stderr
+
+
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def kill_session(sid):
+    """SIGKILL every process of session `sid`: mpiexec and its ranks (each rank has a process group of its
+    own, so killing mpiexec's would leave them running)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+            if int(fields[3]) == sid:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+
+
+def launch_init_case(*args, timeout=60, **env):
+    """tests/faults/fail_at_init.py under mpiexec with 3 ranks: (returncode, output, seconds from the last
+    rank's call of init_process_group to the job's end). A job still running at the timeout (the hang these
+    tests guard against) is killed whole, ranks included, and fails the test."""
+    cmd = mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "fail_at_init.py"), *args]
+    proc = subprocess.Popen(cmd, env={**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        out = proc.communicate()[0]
+        pytest.fail(f"{' '.join(args)}: the job still ran after {timeout} s (killed)\n{out[-3000:]}")
+    ended = time.time()
+    calls = [float(t) for t in re.findall(r"calls init_process_group at ([\d.]+)", out)]
+    seconds = ended - max(calls) if calls else None
+    print(f"{' '.join(args)}: exit {proc.returncode}, the job ended {seconds} s after the last init_process_group")
+    return proc.returncode, out, seconds
+
+
+@pytest.mark.parametrize("mode,var", [("mpi-first", "RANK"), ("mpi-first", "WORLD_SIZE"), ("ds-env", "RANK"),
+                                      ("engine-starts-mpi", "WORLD_SIZE")])
+def test_a_rank_failing_at_init_ends_the_job_with_its_error(mode, var):
+    """One rank's init_process_group fails while the others wait for it (in the engine's rendezvous over MPI,
+    or in torch's store): the job ends non-zero within 10 s, the error shown. With MPI already up (the script
+    or a library started it) the failing rank aborts the job at exit instead of waiting in MPI_Finalize."""
+    rc, out, seconds = launch_init_case(mode, var, TEST_PORT=str(free_port()))
+    wrong = "RANK=7" if var == "RANK" else "WORLD_SIZE=4"
+    assert rc != 0, out[-3000:]
+    assert f"RuntimeError: {wrong} disagrees with the MPI launcher (Open MPI), which says" in out, out[-3000:]
+    assert seconds is not None and seconds < 10, f"the job ended {seconds} s after init_process_group\n" + out[-3000:]
+    assert "done:" not in out, out[-3000:]
+    if mode != "engine-starts-mpi":  # MPI was up on the failing rank: it aborted the job, with code 1
+        assert "engine: rank 1 exits after init_process_group failed (RuntimeError: " in out, out[-3000:]
+        assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
+        assert re.search(r"Errorcode: 1\b", out), out[-3000:]
+    else:  # the failing rank exited 1 before MPI started, and the launcher ended the others
+        assert re.search(r"Process name: \[\S+,1\]\s+Exit code:\s+1\b", out), out[-3000:]
+
+
+def test_a_rank_raising_after_init_ends_the_job():
+    """An exception nothing catches on one rank, the others waiting in a collective: the rank, which would
+    wait in MPI_Finalize, aborts the job at exit (the others see no lost peer: its process is alive)."""
+    rc, out, seconds = launch_init_case("after-init")
+    assert rc != 0, out[-3000:]
+    assert "RuntimeError: rank 1 fails after init on purpose" in out, out[-3000:]
+    assert "engine: rank 1 exits after an uncaught exception (RuntimeError: rank 1 fails after init on purpose)" in out
+    assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
+    assert "done:" not in out and seconds < 10, out[-3000:]
+
+
+def test_a_local_rank_numbered_by_another_layer_is_accepted_under_mpirun():
+    rc, out, _ = launch_init_case("local-rank")
+    assert rc == 0, out[-3000:]
+    past = re.findall(r"rank (\d) is past init_process_group with LOCAL_RANK=(\d) \(launcher: (\d)\)", out)
+    assert len(past) == 3 and all(local == launcher for _, local, launcher in past), out[-3000:]
+    assert out.count("rank 1 done: [3.0, 3.0, 3.0]") == 1, out[-3000:]
+    # one warning on each rank whose value differed (reversed numbering: all but the middle one)
+    assert out.count("differs from the local rank the MPI launcher gave this process") == 2, out[-3000:]

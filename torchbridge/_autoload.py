@@ -37,14 +37,52 @@ def _wrap_init_process_group(dist):
 
     @functools.wraps(original)
     def init_process_group(backend=None, init_method=None, *args, **kwargs):
-        if _names_engine(backend) and init_method in (None, "env://") and kwargs.get("store") is None:
-            from .launch import prepare_env
-            prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1))
-        return original(backend, init_method, *args, **kwargs)
+        if not _names_engine(backend) or dist.is_initialized():  # a second init: torch refuses it at once
+            return original(backend, init_method, *args, **kwargs)
+        try:
+            if init_method in (None, "env://") and kwargs.get("store") is None:
+                from .launch import prepare_env
+                prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1))
+            group = original(backend, init_method, *args, **kwargs)
+        except BaseException as exc:
+            _failed_at_init(exc)
+            raise
+        _succeeded_at_init()
+        return group
 
     init_process_group._engine_wrapped = True
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+
+
+def _mpi_up():
+    """mpi4py's MPI module when MPI is initialised in this process and not finalised, else None.
+    Looked up, never imported: `import torch` must not load MPI."""
+    import sys
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI
+
+
+def _failed_at_init(exc):
+    """A rank whose init_process_group fails (a RANK that disagrees with the launcher, a rendezvous
+    error, anything) must not leave the others waiting for it. Without MPI up the launcher sees the
+    process exit non-zero and ends the job (mpirun, torchrun); with MPI up (the engine's own bootstrap,
+    or a script or library that initialised MPI first) the rank would wait in MPI_Finalize for ranks
+    that wait for it: it aborts the job at exit instead (engine.mpi.init_failed)."""
+    MPI = _mpi_up()
+    if MPI is None or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    from engine import mpi
+    mpi.init_failed(mpi.describe(exc))
+
+
+def _succeeded_at_init():
+    import sys
+    mpi = sys.modules.get("engine.mpi")
+    if mpi is not None:
+        mpi.init_succeeded()
 
 
 def _names_engine(backend):

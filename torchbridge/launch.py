@@ -1,9 +1,12 @@
 """Zero-config launch: rank, world size and local rank from the MPI launcher's environment, and a
 rendezvous address and free port agreed through MPI, written to the env:// variables torch reads.
-Values the user set win, and are checked against MPI."""
+Values the user (or a library such as DeepSpeed) set win, checked against the launcher: a RANK or
+WORLD_SIZE that disagrees is an error; a LOCAL_RANK that differs (a numbering of its own) is replaced by
+the launcher's, with one warning."""
 
 import os
 import socket
+import warnings
 
 
 from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher  # noqa: F401  (re-exported)
@@ -20,13 +23,16 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
             return  # torchrun / mp.spawn: the ranks meet through torch's store, on one host
         launcher = ("singleton", 0, 1, 0, 1)  # plain `python script.py`: one rank
     name, mpi_rank, mpi_size, local_rank, local_size = launcher
-    for var, mpi_value, arg in (("RANK", mpi_rank, rank), ("WORLD_SIZE", mpi_size, world_size),
-                                ("LOCAL_RANK", local_rank, -1)):
+    for var, mpi_value, arg in (("RANK", mpi_rank, rank), ("WORLD_SIZE", mpi_size, world_size)):
         given = arg if arg not in (None, -1) else env.get(var)
         if given not in (None, "") and int(given) != mpi_value:
             raise RuntimeError(f"{var}={given} disagrees with the MPI launcher ({name}), which says {mpi_value}: "
                                f"unset {var} (the engine reads it from MPI) or make it agree")
         env.setdefault(var, str(mpi_value))
+    if name == "singleton" or not any(n == name and local in env for n, _, _, local, _ in LAUNCHERS):
+        env.setdefault("LOCAL_RANK", str(local_rank))  # no launcher's numbering to follow: a value set wins
+    else:
+        _follow_launchers_local_rank(env, name, local_rank)
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return
     if mpi_size == 1:
@@ -45,6 +51,24 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     addr, port = comm.bcast((addr, env.get("MASTER_PORT") or str(free_port())) if mpi_rank == 0 else None, root=0)
     env.setdefault("MASTER_ADDR", addr)
     env.setdefault("MASTER_PORT", port)
+
+
+def _follow_launchers_local_rank(env, launcher, local_rank):
+    """LOCAL_RANK changes nothing the engine does (it finds the ranks sharing each host itself, from
+    their host identities); it is there for the script and its libraries, to pick a device. Another
+    layer may number the ranks of a host differently from the launcher: DeepSpeed's MPI discovery counts
+    the earlier ranks with the same processor name, where Open MPI numbers them in its mapping's order
+    (`mpirun -n 3 --oversubscribe` on 2 cores gives ranks 1 and 2 the local ranks 2 and 1), and then
+    DeepSpeed's engine itself requires LOCAL_RANK to equal OMPI_COMM_WORLD_LOCAL_RANK. Under an MPI
+    launcher the launcher's numbering is the one every layer can agree on: a LOCAL_RANK that differs
+    is accepted and replaced by it, with one warning."""
+    given = env.get("LOCAL_RANK")
+    if given not in (None, "") and given.strip() != str(local_rank):
+        warnings.warn(f"LOCAL_RANK={given} differs from the local rank the MPI launcher gave this process "
+                      f"({launcher}: {local_rank}); LOCAL_RANK is set to {local_rank} (the engine finds the ranks "
+                      "of each host itself; LOCAL_RANK only picks devices, and one numbering must hold for all)",
+                      RuntimeWarning, stacklevel=4)
+    env["LOCAL_RANK"] = str(local_rank)
 
 
 def free_port():

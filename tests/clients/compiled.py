@@ -1,0 +1,73 @@
+"""torch.compile on the engine: a fullgraph=True function of functional collectives gives the eager
+results (which the references each rank computes itself confirm), and a compiled DDP model trains like
+one process on the full batches.
+
+    torchrun --nproc-per-node 3 tests/clients/compiled.py [inductor|aot_eager]
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "inductor"
+COUNT = 5  # elements per rank (a reduce_scatter input has COUNT * size)
+
+
+def collectives(x, group):
+    """all_reduce, all_gather_tensor and reduce_scatter_tensor, with arithmetic around them."""
+    total = funcol.all_reduce(x * 2, "sum", group)
+    gathered = funcol.all_gather_tensor(x + 1, 0, group)
+    scattered = funcol.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
+    return total + 1, gathered, scattered - total
+
+
+def check_functional_collectives(rank, size):
+    group = dist.group.WORLD
+    x = torch.arange(COUNT, dtype=torch.float32) + 10 * rank
+    eager = collectives(x, group)
+    compiled = torch.compile(collectives, fullgraph=True, backend=BACKEND)(x, group)
+    inputs = [torch.arange(COUNT, dtype=torch.float32) + 10 * r for r in range(size)]
+    total = sum(t * 2 for t in inputs)
+    gathered = torch.cat([t + 1 for t in inputs])
+    expected = (total + 1, gathered, size * 3 * gathered.view(size, COUNT)[rank] - total)
+    for name, got, want, ref in zip(("all_reduce", "all_gather_tensor", "reduce_scatter_tensor"), compiled, eager,
+                                    expected):
+        if not (torch.equal(got, want) and torch.equal(got, ref)):
+            raise SystemExit(f"rank {rank}: compiled {name} gave {got.tolist()}, eager {want.tolist()}, "
+                             f"expected {ref.tolist()}")
+
+
+def train_compiled_ddp(rank, size):
+    net = DDP(common.model())
+    step = torch.compile(net, backend=BACKEND)
+    opt = torch.optim.SGD(net.parameters(), lr=common.LR)
+    for batch in common.batches():
+        x, y = common.shard(batch, rank, size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(step(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.module.parameters()]
+
+
+def main():
+    dist.init_process_group(backend="engine")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    check_functional_collectives(rank, size)
+    if rank == 0:
+        print(f"CLIENT torch.compile({BACKEND}) fullgraph functional collectives: {size} ranks, equal to eager and to "
+              "the references", flush=True)
+    params = train_compiled_ddp(rank, size)
+    everyone = [None] * size
+    dist.all_gather_object(everyone, params)
+    common.report(f"torch.compile({BACKEND}) ddp {common.launcher_name()}", everyone)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
