@@ -21,18 +21,13 @@ import threading
 import time
 import weakref
 
+from . import failure
 from ._core import EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
 from .config import env_int
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
-_FAILURE = []  # why a group of this process failed (a timeout, a lost peer, a mismatch), if one did
-
-
-def failure():
-    """The first group failure of this process, or None (read at exit: see engine.mpi)."""
-    return _FAILURE[0] if _FAILURE else None
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native).
 SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
@@ -114,20 +109,20 @@ class Watch:
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}")
         self.core.set_broken(msg)
-        _FAILURE.append(msg)
+        failure.group_failed(msg)
         self.dump(msg)
         return EngineTimeout(msg)
 
     def mismatch(self, msg):
         self.core.set_broken(msg)
-        _FAILURE.append(msg)
+        failure.group_failed(msg)
         self.dump(msg)
         return EngineMismatch(msg)
 
     def _failed(self, rec, exc):
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
-            _FAILURE.append(str(exc))
+            failure.group_failed(str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
 
@@ -239,8 +234,7 @@ class _Registry:
                     err = watch.timed_out(rec, elapsed)
                     print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
                           "aborting the job", file=sys.stderr, flush=True)
-                    from . import mpi
-                    mpi.abort(3)
+                    failure.abort(3)
 
     def dump_all(self, reason):
         for watch in list(self.watches):

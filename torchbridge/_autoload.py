@@ -70,19 +70,20 @@ def _failed_at_init(exc):
     error, anything) must not leave the others waiting for it. Without MPI up the launcher sees the
     process exit non-zero and ends the job (mpirun, torchrun); with MPI up (the engine's own bootstrap,
     or a script or library that initialised MPI first) the rank would wait in MPI_Finalize for ranks
-    that wait for it: it aborts the job at exit instead (engine.mpi.init_failed)."""
+    that wait for it: it aborts the job at exit instead (engine.failure)."""
     MPI = _mpi_up()
     if MPI is None or MPI.COMM_WORLD.Get_size() == 1:
         return
-    from engine import mpi
-    mpi.init_failed(mpi.describe(exc))
+    from engine import failure, mpi
+    mpi.load()  # arms the failure policy where MPI was started by someone else
+    failure.init_failed(failure.describe(exc))
 
 
 def _succeeded_at_init():
     import sys
-    mpi = sys.modules.get("engine.mpi")
-    if mpi is not None:
-        mpi.init_succeeded()
+    failure = sys.modules.get("engine.failure")
+    if failure is not None:
+        failure.init_succeeded()
 
 
 def _names_engine(backend):

@@ -1,0 +1,109 @@
+"""The failure policy of a process: which failures must end the whole job, and how it ends.
+
+A rank that leaves after one of its groups failed (a timeout, a lost peer, a mismatch), after its
+init_process_group failed, or through an exception nothing caught, would hang in MPI_Finalize, which
+waits for every rank, while the others wait for it in their next collective (its process is alive, so
+no peer sees it lost). Instead, after a short grace for the other ranks to report their own errors
+(ENGINE_ABORT_GRACE_SECONDS, 2 s), it aborts the job: the launcher ends every rank, as it would have
+had MPI not been up. A native MPI collective that passes the timeout aborts at once (engine.watch).
+
+This module imports no MPI and nothing of the engine: engine.mpi arms the policy (arm) when MPI
+starts, engine.watch reports group failures, torchbridge reports failures at init.
+"""
+
+import atexit
+import os
+import sys
+import time
+
+_group_failure = []  # why a group of this process failed, if one did (the first failure)
+_init_failure = []   # why init_process_group failed on this rank while MPI was up
+_uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
+
+
+def group_failed(why):
+    """A group of this process failed (a timeout, a lost peer, a mismatch): the job ends at exit."""
+    _group_failure.append(why)
+
+
+def failure():
+    """The first group failure of this process, or None."""
+    return _group_failure[0] if _group_failure else None
+
+
+def init_failed(why):
+    """init_process_group failed on this rank with MPI initialised (by the engine, or by the script or
+    a library before it, as DeepSpeed's MPI discovery does): the other ranks may be waiting for this
+    one, so at exit it aborts the job. A later init_process_group that succeeds withdraws it."""
+    _init_failure[:] = [why]
+
+
+def init_succeeded():
+    _init_failure.clear()
+
+
+def describe(exc):
+    """An exception in one line: its type and its message's first line."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def arm(MPI):
+    """Called once MPI is up: the exit hook (registered after mpi4py's MPI_Finalize, so it runs
+    first) and the note of an uncaught exception."""
+    atexit.register(_at_exit, MPI)
+    sys.excepthook = _noting_uncaught(sys.excepthook)
+
+
+def _noting_uncaught(hook):
+    """sys.excepthook, noting the exception first. The interpreter calls it only for an exception that
+    nothing caught (sys.last_value would do, but pytest sets it for every failed test)."""
+    def excepthook(kind, value, traceback):
+        _uncaught[:] = [describe(value)]
+        hook(kind, value, traceback)
+    return excepthook
+
+
+def _at_exit(MPI):
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    why, what = failure(), "a group failed"
+    if why is None and MPI.COMM_WORLD.Get_size() > 1:  # a singleton has no one to wait for
+        if _init_failure:
+            why, what = _init_failure[0], "init_process_group failed"
+        elif _uncaught:
+            why, what = _uncaught[0], "an uncaught exception"
+    if why is None:
+        return
+    time.sleep(float(os.environ.get("ENGINE_ABORT_GRACE_SECONDS", "2")))
+    print(f"engine: rank {MPI.COMM_WORLD.Get_rank()} exits after {what} ({why}): aborting the job so "
+          "that no rank waits for it forever", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    abort(1)
+
+
+def abort(code):
+    """MPI_Abort, first unlinking Open MPI's shared-memory segments: the launcher kills the ranks, and
+    the segment of the rank that would have unlinked it at MPI_Finalize would stay in /dev/shm. Every
+    process mapping them is part of this job, which is ending. Without MPI up: the process exits."""
+    for path in _open_mpi_segments():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        sys.stderr.flush()
+        os._exit(code)
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _open_mpi_segments():
+    """The files of Open MPI's shared-memory BTL this process maps (its own and its local peers')."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = (line.split(None, 5) for line in maps)  # address perms offset dev inode [path]
+            paths = {f[5].strip() for f in fields if len(f) == 6}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith("sm_segment.") and p.startswith("/"))
