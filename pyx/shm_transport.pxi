@@ -453,18 +453,12 @@ cdef class ShmTransport(Transport):
         return m
 
     cdef PMsg *_new_unexpected(self, int peer, int tag, size_t nbytes) noexcept nogil:
-        cdef PMsg *u = <PMsg*>calloc(1, sizeof(PMsg))
+        cdef char *buf = <char*>malloc(nbytes if nbytes else 1)
+        cdef PMsg *u = _new_msg(PM_UNEXPECTED, buf, nbytes, peer, tag) if buf != NULL else NULL
         if u == NULL:
+            free(buf)
             return NULL
-        u.buf = <char*>malloc(nbytes if nbytes else 1)
-        if u.buf == NULL:
-            free(u)
-            return NULL
-        u.kind = PM_UNEXPECTED
         u.owns_buf = True
-        u.peer = peer
-        u.tag = tag
-        u.len = nbytes
         u.state = PS_ACTIVE
         _push(&self.unexpected, u)
         return u

@@ -28,9 +28,7 @@ def main():
         accelerator.backward(common.loss(net, x, y))
         opt.step()
     params = [p.detach().clone() for p in accelerator.unwrap_model(net).parameters()]
-    everyone = [None] * size
-    dist.all_gather_object(everyone, params)
-    common.report(f"accelerate ddp {common.launcher_name()}", everyone)
+    common.report(f"accelerate ddp {common.launcher_name()}", params)
     accelerator.end_training()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -54,11 +54,13 @@ def worst_difference(params, steps=STEPS):
     return max((torch.as_tensor(p, dtype=r.dtype).reshape(r.shape) - r).abs().max().item() for p, r in zip(params, ref))
 
 
-def report(what, params_of_every_rank, tolerance=TOLERANCE, steps=STEPS):
+def report(what, params, tolerance=TOLERANCE, steps=STEPS):
     """Prints (on rank 0) the largest difference of every rank's parameters from the reference; exits
-    non-zero above the tolerance. Called on every rank with the parameters every rank ended with, so
-    that all ranks exit together: under mpirun with MPI up, a rank leaving alone would wait in
-    MPI_Finalize for ranks waiting for it in their next collective."""
+    non-zero above the tolerance. Called on every rank with the parameters it ended with; every rank
+    judges all of them, so that all ranks exit together: under mpirun with MPI up, a rank leaving alone
+    would wait in MPI_Finalize for ranks waiting for it in their next collective."""
+    params_of_every_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(params_of_every_rank, params)
     worst = max(worst_difference(p, steps) for p in params_of_every_rank)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         if not worst <= tolerance:

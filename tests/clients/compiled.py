@@ -63,9 +63,7 @@ def main():
         print(f"CLIENT torch.compile({BACKEND}) fullgraph functional collectives: {size} ranks, equal to eager and to "
               "the references", flush=True)
     params = train_compiled_ddp(rank, size)
-    everyone = [None] * size
-    dist.all_gather_object(everyone, params)
-    common.report(f"torch.compile({BACKEND}) ddp {common.launcher_name()}", everyone)
+    common.report(f"torch.compile({BACKEND}) ddp {common.launcher_name()}", params)
     dist.destroy_process_group()
 
 

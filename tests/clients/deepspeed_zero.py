@@ -55,9 +55,7 @@ def main():
     assert dist.get_backend() == "engine", dist.get_backend()
     for stage in stages:
         params = train(stage)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, params)
-        common.report(f"deepspeed zero-{stage} {common.launcher_name()}", everyone)
+        common.report(f"deepspeed zero-{stage} {common.launcher_name()}", params)
     dist.destroy_process_group()
 
 

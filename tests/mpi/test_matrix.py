@@ -16,6 +16,7 @@ Nothing here names an algorithm: a new entry adds its rows."""
 import contextlib
 import os
 import warnings
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ WORLD = dist.distributed_c10d._get_default_group()
 TRANSPORT = WORLD.communicator.transport
 CAPS = WORLD.communicator.plan.caps
 SLOT = 16 << 10
+TIMEOUT = timedelta(seconds=float(os.environ.get("ENGINE_TIMEOUT", "1800")))
 SETTINGS = {"ENGINE_SHM_SLOT_BYTES": str(SLOT), "ENGINE_SHM_QUEUE_BYTES": str(SLOT)}
 BIG = 40_000  # bytes: more than two slots
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -78,7 +80,9 @@ def group(entry=None):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        pg = dist.new_group(backend="engine")
+        # The suite's short timeout (ENGINE_TIMEOUT): a torch group takes torch's own (30 min) otherwise,
+        # and a rank out of step would hold the whole run until then.
+        pg = dist.new_group(backend="engine", timeout=TIMEOUT)
     finally:
         for k, v in saved.items():
             if v is None:
