@@ -1,5 +1,7 @@
-"""Fail loudly, never hang: each scenario of tests/faults/ under mpiexec, timed from outside, on both
-transports (ENGINE_TRANSPORT=shm and mpi)."""
+"""Fail loudly, never hang: each scenario of tests/faults/ under mpiexec, on both transports
+(ENGINE_TRANSPORT=shm and mpi). A missing rank blocks on an event that never comes (a pipe nobody
+writes), and a timeout is judged by the wait's length the engine reports; mpirun's own time is checked
+only where the point is how soon the whole job ends (a killed rank)."""
 
 import json
 import os
@@ -25,6 +27,11 @@ def launch(script, nranks, timeout, **env):
     return proc, time.monotonic() - start, proc.stdout + proc.stderr
 
 
+def timed_out_after(text):
+    """The wait's length as the engine reports it ("Timed out after 5.1 s"), not a wall clock around mpirun."""
+    return float(re.search(r"Timed out after ([\d.]+) s", text).group(1))
+
+
 def shm_files():
     try:
         return set(os.listdir("/dev/shm"))
@@ -34,11 +41,11 @@ def shm_files():
 
 @TRANSPORTS
 def test_skipped_all_reduce_raises_within_timeout_naming_the_missing_rank(transport):
-    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", SKIP_SLEEP="12", ENGINE_TRANSPORT=transport)
-    raised = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineTimeout: (.*)", out)
-    assert sorted(r for r, _, _ in raised) == ["0", "2"], out[-3000:]
-    for _, seconds, msg in raised:
-        assert float(seconds) < 15, out[-3000:]  # group timeout 5 s
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", ENGINE_TRANSPORT=transport)
+    raised = re.findall(r"rank (\d): raised after [\d.]+ s: EngineTimeout: (.*)", out)
+    assert sorted(r for r, _ in raised) == ["0", "2"], out[-3000:]
+    for _, msg in raised:
+        assert 5 <= timed_out_after(msg) < 10, msg  # as the engine reports it; group timeout 5 s
         assert msg.startswith("allreduce #2 of group '0' (rank ") and ": Timed out after " in msg \
             and msg.endswith("(timeout 5 s): rank 1 did not arrive"), msg
     assert "engine: flight recorder of group '0'" in out  # dumped on the timeout
@@ -58,12 +65,14 @@ def test_debug_mode_mismatch_raises_on_every_rank(transport):
 
 def test_native_collective_that_never_completes_aborts_the_job():
     before = shm_files()
-    proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi")
-    assert proc.returncode != 0 and elapsed < 40, out[-3000:]
+    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi")
+    assert proc.returncode != 0, out[-3000:]
     # rank 2 waits in the broadcast or, where MPI's tree gave it the data straight from the root, in the barrier
     # (on a loaded machine rank 2 may itself still be on its way: "ranks 1, 2 did not arrive")
-    assert re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s "
-                     r"\(timeout 5 s\): ranks? (\d, )*1(, \d)* did not arrive", out), out[-3000:]
+    found = re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s "
+                      r"\(timeout 5 s\): ranks? (\d, )*1(, \d)* did not arrive", out)
+    assert found, out[-3000:]
+    assert 5 <= timed_out_after(found.group(0)) < 10, found.group(0)
     assert "aborting the job" in out
     assert shm_files() <= before  # no shared-memory segment left behind
 
@@ -73,10 +82,12 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     segment), rank 2 gets it too; both then time out in the barrier rank 1 never reaches, name it, and
     abort the job after a short grace (a rank that raised must not wait in MPI_Finalize for rank 1)."""
     before = shm_files()
-    proc, elapsed, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
-    assert proc.returncode != 0 and elapsed < 40, out[-3000:]
-    assert re.search(r"barrier #3 of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s \(timeout 5 s\): "
-                     r"ranks? (\d, )*1(, \d)* did not arrive", out), out[-3000:]
+    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
+    assert proc.returncode != 0, out[-3000:]
+    found = re.search(r"barrier #3 of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s \(timeout 5 s\): "
+                      r"ranks? (\d, )*1(, \d)* did not arrive", out)
+    assert found, out[-3000:]
+    assert 5 <= timed_out_after(found.group(0)) < 10, found.group(0)
     assert "aborting the job" in out
     assert "returned (unexpected)" not in out
     assert shm_files() <= before
@@ -119,7 +130,7 @@ def test_point_to_point_recv_times_out_naming_the_peer(transport):
 
 @TRANSPORTS
 def test_stall_warning_names_the_missing_rank_before_the_timeout(transport):
-    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", SKIP_SLEEP="8", ENGINE_STALL_WARNING_SECONDS="1",
+    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="2", ENGINE_STALL_WARNING_SECONDS="1",
                           ENGINE_TRANSPORT=transport)
     # A rank that is itself late to the call (a loaded machine) is named too: "ranks 1, 2 did not arrive".
     assert re.search(r"WARNING rank [01] has waited 1 s in allreduce #2 of group '0'; ranks? (\d, )*2 did not arrive "
