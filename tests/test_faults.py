@@ -32,6 +32,15 @@ def timed_out_after(text):
     return float(re.search(r"Timed out after ([\d.]+) s", text).group(1))
 
 
+def assert_rank_1_named_missing(out, calls):
+    """Rank 0 or 2 timed out in one of `calls` (a regex) naming rank 1 as missing, after the group's 5 s
+    timeout by the wait's length the engine reports."""
+    found = re.search(rf"({calls}) of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s \(timeout 5 s\): "
+                      r"ranks? (\d, )*1(, \d)* did not arrive", out)
+    assert found, out[-3000:]
+    assert 5 <= timed_out_after(found.group(0)) < 10, found.group(0)
+
+
 def shm_files():
     try:
         return set(os.listdir("/dev/shm"))
@@ -69,10 +78,7 @@ def test_native_collective_that_never_completes_aborts_the_job():
     assert proc.returncode != 0, out[-3000:]
     # rank 2 waits in the broadcast or, where MPI's tree gave it the data straight from the root, in the barrier
     # (on a loaded machine rank 2 may itself still be on its way: "ranks 1, 2 did not arrive")
-    found = re.search(r"(broadcast #2|barrier #3) of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s "
-                      r"\(timeout 5 s\): ranks? (\d, )*1(, \d)* did not arrive", out)
-    assert found, out[-3000:]
-    assert 5 <= timed_out_after(found.group(0)) < 10, found.group(0)
+    assert_rank_1_named_missing(out, r"broadcast #2|barrier #3")
     assert "aborting the job" in out
     assert shm_files() <= before  # no shared-memory segment left behind
 
@@ -84,10 +90,7 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     before = shm_files()
     proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
     assert proc.returncode != 0, out[-3000:]
-    found = re.search(r"barrier #3 of group '0' \(rank [02] of 3\): Timed out after [\d.]+ s \(timeout 5 s\): "
-                      r"ranks? (\d, )*1(, \d)* did not arrive", out)
-    assert found, out[-3000:]
-    assert 5 <= timed_out_after(found.group(0)) < 10, found.group(0)
+    assert_rank_1_named_missing(out, r"barrier #3")
     assert "aborting the job" in out
     assert "returned (unexpected)" not in out
     assert shm_files() <= before
