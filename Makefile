@@ -41,4 +41,4 @@ torch-suite: setup
 	BACKEND=gloo WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 
 clean:
-	rm -rf build engine/*.so pyx/_core.c *.egg-info
+	rm -rf build engine/*.so pyx/_core.c pyx/_mpi.c pyx/progress.c *.egg-info

@@ -8,10 +8,10 @@ async_op=False) uses run(), which runs the operation in place when nothing is qu
 the thread, taking a lock or allocating. Order is kept either way: only the head of the queue runs, and
 never two at once.
 
-Compiled (pyx/progress.pxi): every synchronous collective passes through run(), and its state changes
+Compiled (pyx/progress.pyx): every synchronous collective passes through run(), and its state changes
 are atomic under the GIL only when no Python code runs between the check and the update.
 """
 
-from ._core import DONE, PENDING, RUNNING, Progress, Task
+from ._progress import DONE, PENDING, RUNNING, Progress, Task
 
 __all__ = ["DONE", "PENDING", "Progress", "RUNNING", "Task"]

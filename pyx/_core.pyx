@@ -11,6 +11,7 @@ from libc.string cimport memcpy, memset
 from libc.stdint cimport uint64_t
 
 from kernels cimport *
+from pthread cimport *
 from shm cimport *
 from schedule cimport *
 
@@ -28,4 +29,3 @@ include "comm.pxi"
 include "shm_segment.pxi"
 include "shm_transport.pxi"
 include "shm_collectives.pxi"
-include "progress.pxi"

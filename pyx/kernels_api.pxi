@@ -27,12 +27,6 @@ def scale(buf, double factor, bint divide=False):
 
 cdef class _PartList:
     """Parsed parts of a pack/unpack: pointers and counts in C arrays, one dtype."""
-    cdef list messages
-    cdef void **ptrs
-    cdef size_t *counts
-    cdef size_t n, total
-    cdef int dtype
-
     def __dealloc__(self):
         free(self.ptrs)
         free(self.counts)

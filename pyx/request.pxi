@@ -6,15 +6,6 @@ cdef list _LIMBO = []   # buffers a cancelled request may still be touched throu
 cdef class Request:
     """A pending isend / irecv; keeps its buffer alive until it completes. While it is waited on, the
     request itself is the wait's watch: past the group's timeout it raises, naming its peer."""
-    cdef Req req
-    cdef Message msg
-    cdef Transport tp
-    cdef CoreComm comm
-    cdef Status st
-    cdef bint done, is_recv
-    cdef int peer, tag
-    cdef str what
-    cdef WaitCtx ctx
 
     def __call__(self, double elapsed):
         watch = self.comm.p2p_watch

@@ -76,7 +76,7 @@ cdef class ShmComm(CoreComm):
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
         self.transport = "shm"
-        self.init_core(ShmTransport(seg, 0), ShmTransport(seg, 1), ring_segment_bytes)
+        self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
         self.impls = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)
                       | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY))
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))

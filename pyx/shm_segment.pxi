@@ -31,17 +31,6 @@
 
 from libc.stdint cimport uint32_t, int32_t
 
-cdef enum:
-    LINE = 64
-    HEADER_BYTES = 4096
-    CTRL_BYTES = 4 * LINE
-    PAGE = 4096
-    SIGW = 6                    # signature words: op/dtype/redop/algo/root, count, counts hash, seq, aux, -
-    SIG_COMPARED = 4            # the first four must agree across ranks (aux carries per-rank data)
-    PHASE_POSTED = 1
-    PHASE_REDUCED = 2
-    PHASE_FINISHED = 3
-    NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
 
 cdef uint64_t SEG_MAGIC = 0x31304d4853474e45ULL   # "ENGSHM01"
 
@@ -60,14 +49,6 @@ cdef struct SegHeader:
     uint64_t queues_off
 
 
-cdef struct Peers:
-    int n
-    int self_rank
-    int *pids
-    int *pidfds
-    int dead            # the first rank found dead, or -1
-
-
 cdef int peers_alive(void *arg) noexcept nogil:
     """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone."""
     cdef Peers *p = <Peers*>arg
@@ -77,10 +58,6 @@ cdef int peers_alive(void *arg) noexcept nogil:
             p.dead = q
             return ENG_ERR_PEER_DEAD
     return 0
-
-
-cdef inline size_t _align(size_t n, size_t a) noexcept nogil:
-    return (n + a - 1) // a * a
 
 
 cdef int _layout(SegHeader *h, int nranks, size_t half_bytes, size_t queue_bytes) noexcept nogil:
@@ -100,28 +77,6 @@ cdef int _layout(SegHeader *h, int nranks, size_t half_bytes, size_t queue_bytes
 cdef class ShmSegment:
     """One group's segment: the slots and flags of its collectives and the queues of its
     point-to-point. create() on the group's first rank, attach() on the others (same host)."""
-    cdef char *base
-    cdef size_t total
-    cdef readonly int rank, size
-    cdef int fd
-    cdef bint private       # a group of one: plain memory, nothing shared
-    cdef readonly size_t half_bytes, table_bytes, cap, queue_bytes
-    cdef size_t slot_stride
-    cdef char *ctrl
-    cdef char *index
-    cdef char *slots
-    cdef char *queues
-    cdef uint64_t step
-    cdef Peers peers
-    cdef uint64_t my_sig[SIGW]
-    cdef uint64_t err_sig[SIGW]
-    cdef int err_peer
-    cdef int err_errno
-    cdef readonly bytes token
-    cdef readonly bint cma          # process_vm_readv works between every pair of the group
-    cdef readonly size_t cma_min, cma_max
-    cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
-
     def __cinit__(self):
         self.fd = -1
         self.err_peer = -1

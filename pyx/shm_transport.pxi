@@ -14,14 +14,6 @@
 
 from libc.stdint cimport int32_t, uint32_t
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
-    int pthread_mutex_lock(pthread_mutex_t *m)
-    int pthread_mutex_unlock(pthread_mutex_t *m)
-    int pthread_mutex_destroy(pthread_mutex_t *m)
-
 cdef enum:
     FRAME_FIRST = 0x46495253    # "FIRS"
     FRAME_CONT = 0x434f4e54     # "CONT"
@@ -592,3 +584,8 @@ cdef void _free_list(MsgList *l, bint orphans_only) noexcept nogil:
             _free_msg(m)
         m = nxt
     l.head = l.tail = NULL
+
+
+cdef Transport shm_channel(ShmSegment seg, int channel):
+    """Point-to-point channel `channel` of the segment (0: the engine's algorithms, 1: the user's)."""
+    return ShmTransport(seg, channel)

@@ -1,4 +1,7 @@
-# Declarations of engine._core shared with engine._mpi (which subclasses Transport and CoreComm).
+# Declarations of engine._core: what engine._mpi takes from it (it subclasses Transport and CoreComm),
+# and what one of _core's files takes from another. The files _core.pyx includes take nothing from each
+# other that is not declared here, so their include order carries no meaning (tests/test_layout.py
+# compiles them in reverse order).
 #
 # Layers, each calling only the one below:
 #   CoreComm (parse buffers, check, record, choose)  ->  algorithms (ring, recursive doubling, the
@@ -332,3 +335,108 @@ cdef class CoreComm:
                           const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
                           bint even, WaitCtx *ctx) except -1 nogil
     cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil
+
+
+# ---- taken by one file from another (each defined in the file its comment names) ----
+
+cdef str _engine_error_text(int code, int peer)     # transport.pxi
+cdef object _entry_name(int entry)                  # recorder.pxi
+
+
+cdef class Request:      # request.pxi; comm.pxi posts them
+    cdef Req req
+    cdef Message msg
+    cdef Transport tp
+    cdef CoreComm comm
+    cdef Status st
+    cdef bint done, is_recv
+    cdef int peer, tag
+    cdef str what
+    cdef WaitCtx ctx
+
+cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what)
+
+
+cdef class _PartList:    # kernels_api.pxi; the fused path of shm_collectives.pxi parses its parts with it
+    cdef list messages
+    cdef void **ptrs
+    cdef size_t *counts
+    cdef size_t n, total
+    cdef int dtype
+
+cdef _PartList _parse_parts(object parts, bint writable, str role)
+
+
+# ---- the shared segment (shm_segment.pxi) ----
+
+cdef enum:
+    LINE = 64
+    HEADER_BYTES = 4096
+    CTRL_BYTES = 4 * LINE
+    PAGE = 4096
+    SIGW = 6                    # signature words: op/dtype/redop/algo/root, count, counts hash, seq, aux, -
+    SIG_COMPARED = 4            # the first four must agree across ranks (aux carries per-rank data)
+    PHASE_POSTED = 1
+    PHASE_REDUCED = 2
+    PHASE_FINISHED = 3
+    NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
+
+
+cdef struct Peers:
+    int n
+    int self_rank
+    int *pids
+    int *pidfds
+    int dead            # the first rank found dead, or -1
+
+
+cdef int peers_alive(void *arg) noexcept nogil
+cdef Transport shm_channel(ShmSegment seg, int channel)   # shm_transport.pxi
+
+
+cdef inline size_t _align(size_t n, size_t a) noexcept nogil:
+    return (n + a - 1) // a * a
+
+
+cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_transport.pxi and shm_collectives.pxi
+    cdef char *base
+    cdef size_t total
+    cdef readonly int rank, size
+    cdef int fd
+    cdef bint private       # a group of one: plain memory, nothing shared
+    cdef readonly size_t half_bytes, table_bytes, cap, queue_bytes
+    cdef size_t slot_stride
+    cdef char *ctrl
+    cdef char *index
+    cdef char *slots
+    cdef char *queues
+    cdef uint64_t step
+    cdef Peers peers
+    cdef uint64_t my_sig[SIGW]
+    cdef uint64_t err_sig[SIGW]
+    cdef int err_peer
+    cdef int err_errno
+    cdef readonly bytes token
+    cdef readonly bint cma          # process_vm_readv works between every pair of the group
+    cdef readonly size_t cma_min, cma_max
+    cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
+    cdef int _setup(self, int rank, int size) except -1
+    cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
+    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil
+    cdef inline uint64_t *flag(self, int r) noexcept nogil
+    cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
+    cdef inline char *half(self, int r, uint64_t step) noexcept nogil
+    cdef inline uint64_t *table(self, int r, uint64_t step) noexcept nogil
+    cdef int begin(self, uint64_t w0, uint64_t count, uint64_t chash, uint64_t seq, uint64_t aux,
+                   WaitCtx *ctx) except -1 nogil
+    cdef inline void post(self, int phase) noexcept nogil
+    cdef inline uint32_t *bell(self, int r) noexcept nogil
+    cdef inline uint32_t *asleep(self, int r) noexcept nogil
+    cdef inline void ring(self, int q) noexcept nogil
+    cdef inline void ring_all(self) noexcept nogil
+    cdef int _check_sig(self, int q) noexcept nogil
+    cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
+    cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
+    cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
+    cdef int _failed(self, int ierr) noexcept nogil
+    cdef uint64_t peer_aux(self, int q) noexcept nogil

@@ -1,3 +1,10 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""engine._progress: the progress engine, a module of its own (it moves no data: it orders the group's
+operations and runs them, on the caller's thread or its own)."""
+
+from pthread cimport *
+from shm cimport eng_now, eng_sleep
+
 # Progress: a background thread per process group that runs the group's operations in issue order
 # (Horovod's pattern: user-facing calls only enqueue). Compiled because a synchronous call goes through
 # it on every collective: its state changes happen in C while the GIL is held, so they are atomic with
@@ -14,6 +21,8 @@
 import collections
 import threading
 import time as _time
+
+from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
 cdef enum:
     TASK_PENDING = 0
@@ -35,14 +44,6 @@ cdef class Task:
     def done(self):
         return self.state == TASK_DONE
 
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_cond_init(pthread_cond_t *c, const void *attr)
-    int pthread_cond_destroy(pthread_cond_t *c)
-    int pthread_cond_signal(pthread_cond_t *c)
-    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
 
 cdef double ACTIVE_WINDOW = 0.02   # after the last submit the idle thread polls (no wake-up needed) this long,
 cdef double POLL = 1e-3            # every this often, without the GIL; then it sleeps until submit signals it

@@ -1,0 +1,58 @@
+"""What one file of engine._core takes from another is declared in a .pxd (pyx/engine/_core.pxd, or the
+.pxd of the C layer it comes from), so a reader finds it there and the include order of _core.pyx says
+nothing. Cython itself resolves module-level names in any order, so no compile shows a missing
+declaration: this test reads the sources instead."""
+
+import re
+from pathlib import Path
+
+PYX = Path(__file__).resolve().parent.parent / "pyx"
+
+_DEFINITIONS = (
+    re.compile(r"^cdef (?:class|struct) (\w+)", re.M),                                   # types
+    re.compile(r"^(?:cdef|cpdef)(?: inline)? [^=(\n]*?\b(\w+)\(", re.M),                   # C functions
+    re.compile(r"^cdef (?:readonly |public )?[\w*]+[\s*]+(\w+)\s*(?:=|\[|$)", re.M),    # C globals
+)
+
+
+def _code(text):
+    """The text without comments and docstrings (names mentioned there are not uses)."""
+    return re.sub(r"#.*", "", re.sub(r'"""[\s\S]*?"""', "", text))
+
+
+def _c_names(text):
+    """The C-level names a .pxi defines: types, functions, globals and enum constants."""
+    names = {m.group(1) for pattern in _DEFINITIONS for m in pattern.finditer(text)}
+    for block in re.finditer(r"^cdef enum:\n((?:[ \t]+.*\n|\n)+)", text, re.M):
+        names.update(re.findall(r"^\s+(\w+)\s*=", block.group(1), re.M))
+    return names
+
+
+def core_files():
+    return re.findall(r'^include "(.+)"$', (PYX / "_core.pyx").read_text(), re.M)
+
+
+def undeclared_uses():
+    """(name, the file defining it, a file using it) for every C name that crosses files undeclared."""
+    declared = "\n".join(_code(p.read_text()) for p in [PYX / "engine" / "_core.pxd", *PYX.glob("*.pxd")])
+    sources = {name: _code((PYX / name).read_text()) for name in core_files()}
+    defined = {name: _c_names(text) for name, text in sources.items()}
+    found = []
+    for owner, names in defined.items():
+        for name in sorted(names):
+            if re.search(rf"\b{name}\b", declared):
+                continue
+            found += [(name, owner, user) for user, text in sources.items()
+                      if user != owner and re.search(rf"\b{name}\b", text)]
+    return found
+
+
+def test_the_check_sees_the_core_files_and_their_names():
+    files = core_files()
+    assert "shm_collectives.pxi" in files and "comm.pxi" in files
+    assert {"ShmSegment", "PHASE_POSTED", "peers_alive", "_align"} <= _c_names((PYX / "shm_segment.pxi").read_text()
+                                                                               + (PYX / "engine" / "_core.pxd").read_text())
+
+
+def test_what_a_core_file_takes_from_another_is_declared_in_a_pxd():
+    assert undeclared_uses() == [], "declare these in pyx/engine/_core.pxd (name, defined in, used in)"
