@@ -19,7 +19,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	touch $@
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=40
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
 clients-full: setup
