@@ -83,9 +83,14 @@ cdef struct WaitCtx:
     double spin         # seconds to spin before yielding; < 0: the process's policy
 
 
+ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
+
+
 cdef struct Doorbell:
-    uint32_t *bell      # a futex word whoever publishes something rings (shared memory)
-    uint32_t *asleep    # set while this rank sleeps on it
+    uint32_t *bell      # a counter whoever publishes something bumps (shared memory: a futex word it rings)
+    uint32_t *asleep    # set while this rank sleeps on it (shared memory), or NULL
+    doze_fn doze        # the transport's own sleep until bell moves (TCP: poll on its sockets), or NULL: the futex
+    void *doze_obj
 
 
 ctypedef int (*poll_fn)(void *obj, void *arg, bint *done) except -1 nogil
@@ -105,6 +110,7 @@ cdef enum:
     ENG_ERR_NOMEM = 100005
     ENG_ERR_CANCELLED = 100006
     ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
+    ENG_ERR_CONNECT = 100008     # a connection to a peer could not be made (TCP)
 
 
 # ---- the transport seam ----
@@ -165,8 +171,6 @@ cdef class RecursiveDoubling:
     cdef int rank, size
     cdef char *tmp
     cdef size_t tmp_cap
-    cdef int exchange(self, void *sbuf, size_t sn, int speer, void *rbuf, size_t rn, int rpeer, int tag,
-                      WaitCtx *ctx) except -1 nogil
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil
 
@@ -184,7 +188,13 @@ cdef enum:
     IMPL_SEGMENT = 5        # shared memory: data moves through the slots (two copies)
     IMPL_SINGLE_COPY = 6    # shared memory: data moves by one process_vm_readv from its owner's buffer
     IMPL_COMPOSITE = 7      # composed in Python of other groups' collectives (the hierarchy across hosts)
-    NIMPLS = 8
+    IMPL_TREE = 8           # point-to-point: a binomial tree (broadcast, reduce)
+    IMPL_PIPELINE = 9       # point-to-point: a chain from the root, in segments (broadcast)
+    IMPL_RSAG = 10          # point-to-point: ring reduce-scatter, then the root gathers the blocks (reduce)
+    IMPL_LINEAR = 11        # point-to-point: the root with every rank directly (gather, scatter)
+    IMPL_PAIRWISE = 12      # point-to-point: every pair directly (alltoall)
+    IMPL_DISSEMINATION = 13 # point-to-point: log2(P) rounds of empty messages (barrier)
+    NIMPLS = 14
 
 
 cdef enum:
@@ -310,7 +320,7 @@ cdef class CoreComm:
     cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
     cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
-    cdef object error(self, int ierr, str what)
+    cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1
