@@ -12,6 +12,7 @@
 # Tags on the algorithms' channel (the ring and recursive doubling use 0..3): a rank a collective ahead
 # of its peer never has its messages taken for this one's.
 cdef enum:
+    PIPELINE_SLOTS = 4      # receive segments in flight per rank of the pipelined broadcast
     TAG_P2P_BCAST = 8
     TAG_P2P_REDUCE = 9
     TAG_P2P_ALLGATHER = 10
@@ -25,16 +26,8 @@ cdef enum:
 # ---- the algorithms ----
 
 cdef class P2PCollectives:
-    """Every collective but allreduce over one transport's point-to-point (the algorithms' channel)."""
-    cdef Transport tp
-    cdef int rank, size
-    cdef size_t seg_bytes       # the pipelined broadcast's segment
-    cdef Req *reqs              # grown, never shrunk
-    cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
-    cdef size_t cap
-    cdef size_t *even           # 2 x size: counts and displacements of an even split
-    cdef char *work             # workspace (grown, never shrunk)
-    cdef size_t work_cap
+    """Every collective but allreduce over one transport's point-to-point (the algorithms' channel).
+    Its state (requests, expected lengths, workspace) is declared in pyx/engine/_core.pxd."""
 
     def __cinit__(self, Transport tp, size_t seg_bytes):
         self.tp = tp
@@ -135,8 +128,8 @@ cdef class P2PCollectives:
         cdef bint clean = False
         if P == 1 or n == 0:
             return 0
-        self.reserve(nseg + RING_SLOTS, 0)
-        rq = self.reqs + nseg                       # receives: a window of RING_SLOTS segments
+        self.reserve(nseg + PIPELINE_SLOTS, 0)
+        rq = self.reqs + nseg                       # receives: a window of PIPELINE_SLOTS segments
         if vr == 0:
             for k in range(nseg):
                 ierr = self.tp.isend(buf + k * seg, min(seg, n - k * seg), nxt, TAG_P2P_BCAST, &self.reqs[k])
@@ -146,15 +139,15 @@ cdef class P2PCollectives:
             return self.finish(sent, ierr, ctx)
         try:
             for k in range(nseg):
-                while not ierr and posted < nseg and posted < k + RING_SLOTS:
+                while not ierr and posted < nseg and posted < k + PIPELINE_SLOTS:
                     ierr = self.tp.irecv(buf + posted * seg, min(seg, n - posted * seg), prev, TAG_P2P_BCAST,
-                                         &rq[posted % RING_SLOTS])
+                                         &rq[posted % PIPELINE_SLOTS])
                     posted += 1
                 if ierr:
                     break
                 w = min(seg, n - k * seg)
                 st.nbytes = 0
-                ierr = self.tp.wait(&rq[k % RING_SLOTS], &st, ctx)
+                ierr = self.tp.wait(&rq[k % PIPELINE_SLOTS], &st, ctx)
                 if not ierr and st.nbytes != w:
                     self.tp.err_peer = prev
                     ierr = ENG_ERR_MISMATCH
@@ -168,7 +161,7 @@ cdef class P2PCollectives:
             clean = not ierr
         finally:
             if not clean:
-                self.tp.cancel_all(rq, RING_SLOTS)
+                self.tp.cancel_all(rq, PIPELINE_SLOTS)
                 self.tp.cancel_all(self.reqs, sent)
         if ierr:
             return ierr

@@ -175,6 +175,10 @@ cdef class RecursiveDoubling:
                  WaitCtx *ctx) except -1 nogil
 
 
+cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *rbuf, size_t rn, int frm,
+                       int tag, WaitCtx *ctx) except -1 nogil     # transport.pxi: every algorithm's exchange
+
+
 # ---- the communicator core ----
 
 # What a registry entry (engine/registry.py) runs: the core's implementations. The registry names
@@ -450,3 +454,38 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef int _failed(self, int ierr) noexcept nogil
     cdef uint64_t peer_aux(self, int q) noexcept nogil
+
+
+# ---- the point-to-point collectives (p2p_collectives.pxi); TcpComm (tcp_transport.pxi) runs them ----
+
+cdef class P2PCollectives:
+    cdef Transport tp
+    cdef int rank, size
+    cdef size_t seg_bytes       # the pipelined broadcast's segment
+    cdef Req *reqs              # grown, never shrunk
+    cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
+    cdef size_t cap
+    cdef size_t *even           # 2 x size: counts and displacements of an even split
+    cdef char *work             # workspace (grown, never shrunk)
+    cdef size_t work_cap
+    cdef size_t *even_counts(self, size_t count) noexcept nogil
+    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
+    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
+                            const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
+                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
+                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                               WaitCtx *ctx) except -1 nogil
+    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil
