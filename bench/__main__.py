@@ -35,7 +35,7 @@ def parse_args(argv):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the tensors live: cuda compares the engine (NCCL) with torch's nccl backend")
     from engine import registry
-    cpu_algos = {e.name for t in ("shm", "mpi") for e in registry.entries("allreduce", t)}
+    cpu_algos = {e.name for t in ("shm", "mpi", "tcp") for e in registry.entries("allreduce", t)}
     cuda_algos = {e.name for e in registry.entries("allreduce", "nccl")}
     p.add_argument("--algo", default=None, choices=sorted(cpu_algos | cuda_algos),
                    help="force the engine's allreduce entry (engine/registry.py, docs/algorithms.md): on the CPU for "

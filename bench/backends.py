@@ -2,9 +2,14 @@
 (fresh data, one run, wrong elements against a reference every rank computes itself).
 
 Backends (None from case() means "not applicable"):
-- engine: torch.distributed on backend engine (the transport the group chose: shm on one host);
-- engine-direct: the same group's engine.Communicator, driven directly: the engine without torch;
-- engine-shm, engine-mpi: an engine.Communicator forced onto shared memory / MPI, driven directly;
+- engine: torch.distributed on backend engine (the transport the group chose: shm on one host, TCP or
+  MPI between hosts);
+- engine-async: the same, each call asynchronous, then waited on;
+- engine-interhost-tcp, engine-interhost-mpi: torch.distributed on engine groups made with
+  ENGINE_INTERHOST=tcp / mpi (what carries bytes between hosts under mpirun), side by side in one run;
+- engine-direct: the default group's engine.Communicator, driven directly: the engine without torch;
+- engine-shm, engine-mpi, engine-tcp: an engine.Communicator forced onto shared memory / MPI / TCP,
+  driven directly;
 - gloo: torch.distributed on a Gloo group in the same job;
 - mpi4py: raw mpi4py on numpy views of torch tensors (MPI launches only);
 - nop: torch.distributed on a do-nothing Python process group: torch's own share of each call;
@@ -17,7 +22,8 @@ import types
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("engine", "engine-async", "engine-direct", "engine-shm", "engine-mpi", "gloo", "mpi4py", "nop", "nccl")
+BACKENDS = ("engine", "engine-async", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct", "engine-shm",
+            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nccl")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -177,18 +183,28 @@ class TorchDistBackend:
 
 class EngineDirectBackend:
     """engine.Communicator driven directly on torch CPU tensors: the engine without the torch layer.
-    transport None: the default group's own communicator; 'shm' / 'mpi': a new one on that transport."""
+    transport None: the default group's own communicator; 'shm' / 'mpi' / 'tcp': a new one on that transport."""
 
     def __init__(self, name, transport=None, algorithm=None):
         import engine
+        from engine.launcher import detect_launcher
         self.name = name
+        default = dist.distributed_c10d._get_default_group().communicator
         if transport is None:
-            self.comm = dist.distributed_c10d._get_default_group().communicator
+            self.comm = default
         elif transport == "mpi":
-            from engine.launcher import detect_launcher
             if detect_launcher() is None:
                 raise SystemExit("backend engine-mpi needs an MPI launch (mpirun); drop it from --backends")
             self.comm = engine.Communicator(transport="mpi", name="bench-mpi")
+        elif transport == "tcp":
+            if default.transport == "tcp":
+                self.comm = default
+            elif detect_launcher() is not None:
+                self.comm = engine.Communicator(transport="tcp", name="bench-tcp")
+            else:
+                self.comm = engine.Communicator.from_store(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                                                           dist.get_world_size(), prefix="engine/bench-tcp",
+                                                           transport="tcp", name="bench-tcp")
         else:
             default = dist.distributed_c10d._get_default_group().communicator
             self.comm = default if default.transport == "shm" else engine.Communicator(transport="shm",
@@ -293,6 +309,25 @@ class Mpi4pyBackend:
         return None
 
 
+def _engine_group(**env):
+    """A torch group on backend engine made under these ENGINE_* settings (collective over every rank)."""
+    import os
+    from engine.launcher import detect_launcher
+    if "ENGINE_INTERHOST" in env and detect_launcher() is None:
+        raise SystemExit("backends engine-interhost-* compare what carries bytes between hosts under mpirun; "
+                         "drop them from --backends (without MPI, hosts talk over TCP)")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return dist.new_group(backend="engine")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def make_backends(names, algorithm=None, device="cpu"):
     """Backend objects for names, in order; creates the groups they need (collective over all ranks)."""
     made = []
@@ -307,7 +342,9 @@ def make_backends(names, algorithm=None, device="cpu"):
             made.append(TorchDistBackend("engine-async", device=device, asynchronous=True))
         elif name == "engine-direct":
             made.append(EngineDirectBackend(name, None, algorithm))
-        elif name in ("engine-shm", "engine-mpi"):
+        elif name in ("engine-interhost-tcp", "engine-interhost-mpi"):
+            made.append(TorchDistBackend(name, _engine_group(ENGINE_INTERHOST=name.rsplit("-", 1)[1]), device=device))
+        elif name in ("engine-shm", "engine-mpi", "engine-tcp"):
             made.append(EngineDirectBackend(name, name.split("-")[1], algorithm))
         elif name == "nop":
             from .nop import nop_group

@@ -11,9 +11,12 @@ ROW_KEYS = ("backend", "collective", "mode", "size", "count", "type", "redop", "
 DESCRIPTIONS = {
     "engine": "torch.distributed, backend engine",
     "engine-async": "torch.distributed, backend engine, async_op=True then wait()",
+    "engine-interhost-tcp": "torch.distributed, backend engine, hosts talking over the engine's TCP (ENGINE_INTERHOST=tcp)",
+    "engine-interhost-mpi": "torch.distributed, backend engine, hosts talking over MPI (ENGINE_INTERHOST=mpi)",
     "engine-direct": "engine.Communicator of the same group, no torch layer",
     "engine-shm": "engine.Communicator over shared memory, no torch layer",
     "engine-mpi": "engine.Communicator over MPI, no torch layer",
+    "engine-tcp": "engine.Communicator over the engine's TCP transport, no torch layer",
     "nop": "torch.distributed, a do-nothing Python process group (torch's own share)",
     "gloo": "torch.distributed, Gloo group in the same job",
     "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",

@@ -1,6 +1,7 @@
 """How the ranks of a new group meet before they can communicate: they exchange small Python objects
-(host identities, the shared segment's descriptor) over MPI, or over torch's store when no MPI
-launcher started them. Then the group's transport is chosen and, for shared memory, its segment made."""
+(host identities, the shared segment's descriptor, the TCP transport's addresses and token) over MPI,
+or over torch's store when no MPI launcher started them. Then the group's transport is chosen and,
+for shared memory, its segment made."""
 
 import os
 import pickle
@@ -8,7 +9,12 @@ import socket
 
 from .config import env_choice, env_int
 
-TRANSPORTS = ("auto", "shm", "mpi")
+TRANSPORTS = ("auto", "shm", "mpi", "tcp")
+# What carries bytes between hosts under an MPI launcher (ENGINE_INTERHOST): MPI, as before the TCP
+# transport existed, until `python -m bench` with backends engine-interhost-tcp,engine-interhost-mpi
+# across hosts shows TCP at least as fast at every size.
+INTERHOST = ("mpi", "tcp")
+DEFAULT_INTERHOST = "mpi"
 
 
 class MpiBootstrap:
@@ -18,6 +24,13 @@ class MpiBootstrap:
 
     def allgather(self, obj):
         return self.comm.allgather(obj)
+
+    def split(self, color, key, name):
+        """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
+        from . import mpi
+        MPI = mpi.load()
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else MpiBootstrap(sub)
 
 
 class StoreBootstrap:
@@ -31,7 +44,30 @@ class StoreBootstrap:
         key = f"{self.prefix}/boot/{self._round}/"
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
-        return [pickle.loads(self.store.get(key + str(r))) for r in range(self.size)]
+        out = []
+        for r in range(self.size):
+            try:
+                out.append(pickle.loads(self.store.get(key + str(r))))
+            except Exception as exc:   # torch's store raises at its timeout: name who never came
+                missing = [q for q in range(self.size) if not _has(self.store, key + str(q))]
+                raise RuntimeError(f"engine: ranks {missing or [r]} of {self.size} never joined the group's "
+                                   f"bootstrap ({self.prefix}): {exc}") from None
+        return out
+
+    def split(self, color, key, name):
+        """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
+        everyone = self.allgather((color, key))
+        if color is None:
+            return None
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
+        return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}")
+
+
+def _has(store, key):
+    try:
+        return store.check([key])
+    except Exception:
+        return False
 
 
 class SelfBootstrap:
@@ -57,8 +93,10 @@ def host_identity():
     return (f"{socket.gethostname()}/{_boot_id()}", os.getpid(), usable_cores())
 
 
-def choose_transport(requested, hosts):
-    """'shm' or 'mpi' for a group whose ranks run on `hosts` (one entry per rank)."""
+def choose_transport(requested, hosts, mpi=True):
+    """'shm', 'mpi' or 'tcp' for a group whose ranks run on `hosts` (one entry per rank); mpi: whether
+    the group was made through MPI (an MPI launch). On one host: shared memory. Across hosts: TCP
+    without MPI, and under MPI what ENGINE_INTERHOST says."""
     want = requested or env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
     if want not in TRANSPORTS:
         raise ValueError(f"transport {want!r}: expected one of {', '.join(TRANSPORTS)}")
@@ -66,10 +104,20 @@ def choose_transport(requested, hosts):
     if want == "shm" and not one_host:
         names = sorted({h.split('/')[0] for h in hosts})
         raise ValueError(f"ENGINE_TRANSPORT=shm needs every rank of the group on one host, but it spans "
-                         f"{', '.join(names)}: use ENGINE_TRANSPORT=auto or mpi")
+                         f"{', '.join(names)}: use ENGINE_TRANSPORT=auto, tcp or mpi")
+    if want == "mpi" and not mpi:
+        raise ValueError("ENGINE_TRANSPORT=mpi needs an MPI launch (mpirun); this group was made without one "
+                         "(torchrun, mp.spawn): use ENGINE_TRANSPORT=auto (TCP between hosts) or tcp")
     if want == "auto":
-        return "shm" if one_host else "mpi"
+        if one_host:
+            return "shm"
+        return interhost() if mpi else "tcp"
     return want
+
+
+def interhost():
+    """What carries bytes between hosts under an MPI launch: ENGINE_INTERHOST=mpi|tcp."""
+    return env_choice("ENGINE_INTERHOST", INTERHOST, DEFAULT_INTERHOST)
 
 
 def default_queue_bytes(size):

@@ -4,11 +4,13 @@ Buffers are numpy arrays, torch CPU tensors, bytearrays or DLPack objects, read 
 Output arguments are written in place; a missing recvbuf means "in place on sendbuf" where that is
 allowed. Every transfer and kernel runs without the GIL.
 
-The transport is chosen per group (ENGINE_TRANSPORT=auto|shm|mpi): ranks that all share one host
-talk through one shared-memory segment (engine._core.ShmComm); otherwise MPI carries the data
-(engine._mpi.MpiComm). Either way the same compiled core parses buffers, checks arguments and
-records every operation for the group's Watch (engine/watch.py): timeouts, stall warnings, flight
-recorder, trace. With ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
+The transport is chosen per group (ENGINE_TRANSPORT=auto|shm|mpi|tcp): ranks that all share one
+host talk through one shared-memory segment (engine._core.ShmComm); across hosts the engine's own
+TCP transport (engine._core.TcpComm) or, under an MPI launcher, MPI (engine._mpi.MpiComm) carries the
+data (ENGINE_INTERHOST), in two levels where hosts have several ranks each (engine.hierarchy). Either
+way the same compiled core parses buffers, checks arguments and records every operation for the
+group's Watch (engine/watch.py): timeouts, stall warnings, flight recorder, trace. With
+ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
 """
 
 import os
@@ -38,14 +40,13 @@ class Communicator:
 
     Communicator(comm=None): over an mpi4py communicator (a Dup of MPI.COMM_WORLD by default; the
     engine's traffic never mixes with the caller's). Communicator.from_store(store, rank, size): over
-    torch's store, without MPI (ranks on one host). transport: 'auto' (default: ENGINE_TRANSPORT),
-    'shm' or 'mpi'. timeout: seconds an operation may take (default ENGINE_TIMEOUT, else 1800).
+    torch's store, without MPI. transport: 'auto' (default: ENGINE_TRANSPORT), 'shm', 'mpi' or 'tcp'. timeout: seconds an operation may take (default ENGINE_TIMEOUT, else 1800).
     store: a key-value store shared by the ranks (torch's Store API), used to name the ranks that did
     not arrive when an operation times out. name: the group's name in messages and traces.
     """
 
     def __init__(self, comm=None, *, transport=None, ring_segment_bytes=None, timeout=None, store=None,
-                 name="world", _owned=None, _boot=None, _stage=False):
+                 name="world", _owned=None, _boot=None, _stage=False, _parent=None):
         self._mpi_comms = []
         self._store_prefix = None
         if _boot is None:
@@ -53,18 +54,22 @@ class Communicator:
             MPI = mpi.load()
             base = comm if comm is not None else MPI.COMM_WORLD
             _boot = MpiBootstrap(base)
-            if _owned is not None:
-                self._mpi_comms.append(_owned)
+        if _owned is not None:
+            self._mpi_comms.append(_owned)
         seg_bytes = ring_segment_bytes or registry.RING_SEGMENT.value()
         everyone = _boot.allgather(host_identity()) if _boot.size > 1 else [host_identity()]
-        self.transport = choose_transport(transport, [h for h, _, _ in everyone])
+        self.transport = choose_transport(transport, [h for h, _, _ in everyone], isinstance(_boot, MpiBootstrap))
         caps = set()
-        if self.transport == "shm":
-            seg = make_segment(_boot, everyone)
-            self._core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
-            self._core.pull_piece = registry.SHM_PULL_PIECE.value()
-            if seg.cma:
-                caps.add("single_copy")
+        if self.transport in ("shm", "tcp"):
+            if self.transport == "shm":
+                seg = make_segment(_boot, everyone)
+                self._core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
+                self._core.pull_piece = registry.SHM_PULL_PIECE.value()
+                if seg.cma:
+                    caps.add("single_copy")
+            else:
+                from . import tcp
+                self._core = tcp.make_core(_boot, seg_bytes, Watch.timeout_of(timeout), _parent)
             if isinstance(_boot, MpiBootstrap) and not self._mpi_comms:
                 self._mpi_comms.append(_boot.comm.Dup())  # for subgroup() and mpi_comm
         else:
@@ -86,7 +91,7 @@ class Communicator:
         self.name = name
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
-        self._hier = self._hierarchy(_boot, everyone, seg_bytes, timeout)
+        self._hier = self._hierarchy(_boot, everyone, seg_bytes, timeout, store)
         if self._hier is not None:
             caps |= registry.hierarchy_caps(self._hier_mode)
         self.plan = registry.Plan(self.transport, caps, stage=_stage)
@@ -117,43 +122,48 @@ class Communicator:
             sc = [(lo, hi) for e, lo, hi, _, _ in self.plan.rules["sendrecv"] if e.impl == _core.Impl.SINGLE_COPY]
             self._core.seg.set_cma(self._core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
 
-    def _hierarchy(self, boot, everyone, seg_bytes, timeout):
+    def _hierarchy(self, boot, everyone, seg_bytes, timeout, store):
         """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
-        engine.hierarchy (shared memory inside each host, MPI between them). ENGINE_HIER=off keeps
+        engine.hierarchy (shared memory inside each host; between them this group's transport, TCP
+        or MPI), made through this group's bootstrap (MPI, or torch's store). ENGINE_HIER=off keeps
         the group flat."""
         from .hierarchy import Hierarchy, topology
         hosts = [h for h, _, _ in everyone]
         self._hier_mode = registry.hier_mode()
-        if self.transport != "mpi" or len(set(hosts)) < 2 or self._hier_mode == "off":
+        if self.transport not in ("mpi", "tcp") or len(set(hosts)) < 2 or self._hier_mode == "off":
             return None
         host_of, local_of, per_host = topology(hosts)
         if not per_host or per_host < 2:
             return None
-        base, me = boot.comm, self.rank
-        kwargs = dict(ring_segment_bytes=seg_bytes, timeout=timeout, _stage=True)
-        local = Communicator(base.Split(host_of[me], local_of[me]), transport="shm", name=f"{self.name}/host", **kwargs)
+        me = self.rank
+
+        def stage(color, key, part, transport, name):
+            sub = boot.split(color, key, part)
+            if sub is None:
+                return None
+            return Communicator(transport=transport, name=name, ring_segment_bytes=seg_bytes, timeout=timeout,
+                                store=store, _boot=sub, _owned=getattr(sub, "comm", None), _stage=True,
+                                _parent=(me, self.name))
+        local = stage(host_of[me], local_of[me], "host", "shm", f"{self.name}/host{host_of[me]}")
         # The local stages wait while the cross stage's TCP traffic needs the kernel's network
-        # processing: they wait as politely as the MPI transport (measured: docs/tuning.md).
-        _polite_waits(local._core, "mpi", everyone, me)
-        cross = Communicator(base.Split(local_of[me], host_of[me]), transport="mpi", name=f"{self.name}/cross",
-                             **kwargs)
-        from . import mpi
-        lead = base.Split(0 if local_of[me] == 0 else mpi.load().UNDEFINED, host_of[me])
-        leaders = Communicator(lead, transport="mpi", name=f"{self.name}/leaders", **kwargs) if local_of[me] == 0 \
-            else None
+        # processing: they wait as politely as the transport between hosts (measured: docs/tuning.md).
+        _polite_waits(local._core, self.transport, everyone, me)
+        cross = stage(local_of[me], host_of[me], "cross", self.transport, f"{self.name}/cross{local_of[me]}")
+        leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", self.transport,
+                        f"{self.name}/leaders")
         return Hierarchy(local, cross, host_of, local_of, leaders)
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
                    ring_segment_bytes=None):
-        """A group bootstrapped through a key-value store (torch's Store API) instead of MPI: the
-        ranks must share one host (shared memory carries the data; MPI is never imported)."""
-        if transport not in (None, "auto", "shm"):
-            raise ValueError(f"a group made through a store runs on shared memory; transport {transport!r} "
+        """A group bootstrapped through a key-value store (torch's Store API) instead of MPI (which is
+        never imported): shared memory inside a host, the engine's TCP transport between hosts."""
+        if transport not in (None, "auto", "shm", "tcp"):
+            raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
                              "needs an MPI launch (mpirun)")
         boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix)
-        self = cls(transport="shm", timeout=timeout, store=store, name=name, ring_segment_bytes=ring_segment_bytes,
-                   _boot=boot)
+        self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
+                   ring_segment_bytes=ring_segment_bytes, _boot=boot)
         self._store_prefix = prefix
         return self
 
@@ -169,7 +179,7 @@ class Communicator:
 
     @property
     def core(self):
-        """The compiled core (engine._core.ShmComm or engine._mpi.MpiComm)."""
+        """The compiled core (engine._core.ShmComm, engine._core.TcpComm or engine._mpi.MpiComm)."""
         return self._core
 
     def __repr__(self):
@@ -337,7 +347,7 @@ class Communicator:
 def _polite_waits(core, transport, everyone, rank):
     """A group's waits spin (the lowest latency) only where that costs no peer its core. Over shared
     memory, with more ranks on this host than the cores they may use between them, spinning would take
-    the core a peer needs: waits yield at once. Over MPI (TCP between hosts), from as many ranks as
+    the core a peer needs: waits yield at once. Between hosts (MPI or TCP), from as many ranks as
     cores: the kernel's network processing needs a core too (measured: 4 ms per message otherwise).
     ENGINE_SPIN_US sets the budget for every group instead."""
     spin = os.environ.get("ENGINE_SPIN_US")
@@ -347,7 +357,7 @@ def _polite_waits(core, transport, everyone, rank):
     host = everyone[rank][0]
     local = [cores for h, _, cores in everyone if h == host]
     cores = len(set().union(*local))
-    if len(local) > cores or (transport == "mpi" and len(local) >= cores):
+    if len(local) > cores or (transport in ("mpi", "tcp") and len(local) >= cores):
         core.set_spin(0)
 
 

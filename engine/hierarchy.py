@@ -1,11 +1,11 @@
 """Hierarchical collectives for groups spanning hosts with several ranks each: shared memory inside
-each host, MPI between hosts.
+each host, the group's transport between hosts (the engine's TCP transport, or MPI under mpirun).
 
 Every rank carries a slice across hosts (measured better than one leader per host: docs/tuning.md), so
 all the ranks' links and cores work at once:
 
-    allreduce       local reduce_scatter (shm) -> cross allreduce of my slice (MPI, among the ranks of
-                    the same local index) -> local allgather (shm)
+    allreduce       local reduce_scatter (shm) -> cross allreduce of my slice (TCP or MPI, among the
+                    ranks of the same local index) -> local allgather (shm)
     broadcast       cross broadcast among the root's local index -> local broadcast from it
     allgather       cross allgather among my local index -> local allgather -> reorder to rank order
     reduce_scatter  reorder -> local reduce_scatter -> cross reduce_scatter
@@ -52,7 +52,7 @@ def _flat(buf):
 
 class Hierarchy:
     """The two levels of one group: `local` (this host's ranks, shared memory) and `cross` (the ranks of
-    this local index on every host, MPI), with the rank maps to put blocks back in rank order."""
+    this local index on every host, TCP or MPI), with the rank maps to put blocks back in rank order."""
 
     def __init__(self, local, cross, host_of, local_of, leaders=None):
         self.local, self.cross, self.leaders = local, cross, leaders

@@ -13,7 +13,7 @@ This is the one place that names an algorithm or holds a threshold. Its users:
   data; the core knows only implementation codes and records the entry index that ran), so the
   flight recorder and the trace name the entry;
 - ENGINE_<COLLECTIVE>_ALGO forces an entry: `auto`, a name (every group whose transport runs it),
-  or `transport:name` items separated by commas (`shm:twoshot,mpi:ring`);
+  or `transport:name` items separated by commas (`shm:twoshot,mpi:ring,tcp:ring`);
 - a tuning file (ENGINE_TUNING_FILE, engine.tuning; written by `python -m engine.bench tune`) puts
   measured rules ahead of the built-in ones and may set thresholds;
 - tests/mpi/test_matrix.py forces every entry in turn, on every configuration that can run it.
@@ -30,7 +30,7 @@ from .config import env_choice, env_int
 EVERY = 1 << 62                 # no upper bound (bytes or ranks)
 MAX_TUNED_RULES = 32            # per collective and transport in a tuning file
 COLLECTIVES = OP_KIND_NAMES     # the core's order: allreduce .. barrier, then sendrecv (point-to-point)
-TRANSPORTS = ("shm", "mpi", "nccl")
+TRANSPORTS = ("shm", "mpi", "tcp", "nccl")
 REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
 OP_NAMES = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg", "user")
 
@@ -112,6 +112,9 @@ SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
 MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast")
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
             for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
+TCP_RDOUBLE_MAX = Tunable("ENGINE_TCP_RDOUBLE_MAX_BYTES", 64 << 10, "largest recursive-doubling allreduce over TCP")
+TCP_TREE_MAX = Tunable("ENGINE_TCP_TREE_MAX_BYTES", 64 << 10,
+                       "largest broadcast and reduce through a binomial tree over TCP")
 
 
 def _nccl_reduces(dtype, op):
@@ -134,9 +137,30 @@ def _movement(collective, transport, single_copy_doc):
             Entry(collective, transport, "segment", Impl.SEGMENT, "through the segment's slots, step by step"))
 
 
-def _hier(collective, runs, doc, name="hier", **kw):
-    return Entry(collective, "mpi", name, Impl.COMPOSITE, doc, min_bytes=HIER_MIN[collective],
+def _hier(transport, collective, runs, doc, name="hier", **kw):
+    """A composite entry of engine.hierarchy: shared memory inside each host, `transport` between them."""
+    return Entry(collective, transport, name, Impl.COMPOSITE, doc, min_bytes=HIER_MIN[collective],
                  needs=frozenset({"hierarchy"}), runs=runs, **kw)
+
+
+def _hierarchy(transport):
+    """The hierarchy's entries over `transport` between hosts, each first among its collective's."""
+    return {
+        "allreduce": (
+            _hier(transport, "allreduce", "allreduce_leader",
+                  "local reduce, an allreduce among one leader per host, local broadcast", name="leader",
+                  auto="hier:leader"),
+            _hier(transport, "allreduce", "allreduce",
+                  "local reduce_scatter, every rank's slice across hosts, local allgather", auto="hier:slice")),
+        "broadcast": (_hier(transport, "broadcast", "broadcast",
+                            "across hosts among the root's local index, then inside each host"),),
+        "allgather": (_hier(transport, "allgather", "allgather", "across hosts, then inside each host", uneven=False),),
+        "reduce_scatter": (_hier(transport, "reduce_scatter", "reduce_scatter", "inside each host, then across hosts",
+                                 uneven=False),),
+    }
+
+
+_MPI_HIER, _TCP_HIER = _hierarchy("mpi"), _hierarchy("tcp")
 
 
 ENTRIES = (
@@ -167,28 +191,49 @@ ENTRIES = (
           max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
     Entry("sendrecv", "shm", "queue", Impl.SEGMENT, "framed through the pair's byte ring"),
 
-    # -- MPI (across hosts; one host with ENGINE_TRANSPORT=mpi) --
-    _hier("allreduce", "allreduce_leader", "local reduce, an allreduce among one leader per host, local broadcast",
-          name="leader", auto="hier:leader"),
-    _hier("allreduce", "allreduce", "local reduce_scatter, every rank's slice across hosts, local allgather",
-          auto="hier:slice"),
+    # -- MPI (across hosts under mpirun with ENGINE_INTERHOST=mpi; one host with ENGINE_TRANSPORT=mpi) --
+    *_MPI_HIER["allreduce"],
     Entry("allreduce", "mpi", "rdouble", Impl.RDOUBLE, "recursive doubling over MPI point-to-point",
           max_bytes=RDOUBLE_MAX, min_ranks=2),
     Entry("allreduce", "mpi", "ring", Impl.RING, "the pipelined ring over MPI point-to-point", min_bytes=RING_MIN,
           min_ranks=2, params=(("segment_bytes", RING_SEGMENT),)),
     Entry("allreduce", "mpi", "native", Impl.NATIVE, "MPI_Allreduce", params=(("chunk_elements", MPI_CHUNK),)),
-    _hier("broadcast", "broadcast", "across hosts among the root's local index, then inside each host"),
+    *_MPI_HIER["broadcast"],
     Entry("broadcast", "mpi", "native", Impl.NATIVE, "MPI_Bcast", params=(("chunk_elements", MPI_CHUNK),)),
     Entry("reduce", "mpi", "native", Impl.NATIVE, "MPI_Reduce", params=(("chunk_elements", MPI_CHUNK),)),
-    _hier("allgather", "allgather", "across hosts, then inside each host", uneven=False),
+    *_MPI_HIER["allgather"],
     Entry("allgather", "mpi", "native", Impl.NATIVE, "MPI_Allgather(v)"),
     Entry("gather", "mpi", "native", Impl.NATIVE, "MPI_Gather(v)"),
     Entry("scatter", "mpi", "native", Impl.NATIVE, "MPI_Scatter(v)"),
-    _hier("reduce_scatter", "reduce_scatter", "inside each host, then across hosts", uneven=False),
+    *_MPI_HIER["reduce_scatter"],
     Entry("reduce_scatter", "mpi", "native", Impl.NATIVE, "MPI_Reduce_scatter(_block)"),
     Entry("alltoall", "mpi", "native", Impl.NATIVE, "MPI_Alltoall(v)"),
     Entry("barrier", "mpi", "native", Impl.NATIVE, "MPI_Barrier"),
     Entry("sendrecv", "mpi", "native", Impl.NATIVE, "MPI_Isend / MPI_Irecv"),
+
+    # -- TCP (across hosts without MPI: torchrun, Kubernetes, Ray; under mpirun with ENGINE_INTERHOST=tcp;
+    #    one host with ENGINE_TRANSPORT=tcp). Every collective is the engine's own over point-to-point. --
+    *_TCP_HIER["allreduce"],
+    Entry("allreduce", "tcp", "rdouble", Impl.RDOUBLE, "recursive doubling over TCP", max_bytes=TCP_RDOUBLE_MAX,
+          min_ranks=2),
+    Entry("allreduce", "tcp", "ring", Impl.RING, "the pipelined ring over TCP", params=(("segment_bytes", RING_SEGMENT),)),
+    *_TCP_HIER["broadcast"],
+    Entry("broadcast", "tcp", "tree", Impl.TREE, "binomial tree", max_bytes=TCP_TREE_MAX),
+    Entry("broadcast", "tcp", "pipeline", Impl.PIPELINE, "a chain from the root, in ring segments",
+          params=(("segment_bytes", RING_SEGMENT),)),
+    Entry("reduce", "tcp", "tree", Impl.TREE, "binomial tree to the root, children in rank order",
+          max_bytes=TCP_TREE_MAX),
+    Entry("reduce", "tcp", "rsag", Impl.RSAG, "ring reduce-scatter, then the root gathers the blocks"),
+    *_TCP_HIER["allgather"],
+    Entry("allgather", "tcp", "ring", Impl.RING, "the ring: each rank passes on what it received"),
+    Entry("gather", "tcp", "linear", Impl.LINEAR, "every rank sends its part to the root at once"),
+    Entry("scatter", "tcp", "linear", Impl.LINEAR, "the root sends every rank its part at once"),
+    *_TCP_HIER["reduce_scatter"],
+    Entry("reduce_scatter", "tcp", "ring", Impl.RING, "the ring: partial sums go round, each rank keeps its block"),
+    Entry("alltoall", "tcp", "pairwise", Impl.PAIRWISE, "every pair exchanges its blocks directly, at once"),
+    Entry("barrier", "tcp", "dissemination", Impl.DISSEMINATION, "log2(P) rounds of empty messages"),
+    Entry("sendrecv", "tcp", "stream", Impl.NATIVE,
+          "framed over the pair's connections; into the posted receive's buffer, without a copy"),
 
     # -- NCCL (CUDA tensors, engine.cuda) --
     Entry("allreduce", "nccl", "nccl", Impl.NATIVE, "ncclAllReduce", takes=_nccl_reduces),

@@ -28,6 +28,7 @@ from .config import env_int
 __all__ = ["DEFAULT_TIMEOUT", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
+STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native).
 SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
@@ -55,7 +56,7 @@ class Watch:
 
     def __init__(self, group, rank, size, timeout=None, store=None, core=None):
         self.group, self.rank, self.size = group, rank, size
-        self.timeout = timeout if timeout is not None else _env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+        self.timeout = Watch.timeout_of(timeout)
         self.stall = _env_seconds("ENGINE_STALL_WARNING_SECONDS", 60.0)
         self.note_after = min(1.0, self.timeout / 4)
         self.interval = max(0.05, min(0.5, self.timeout / 10))
@@ -69,6 +70,11 @@ class Watch:
                           on_failure=self._failed)
         core.set_watch(self, self.interval, p2p=self)
         _registry.add(self)
+
+    @staticmethod
+    def timeout_of(timeout):
+        """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default."""
+        return timeout if timeout is not None else _env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
 
     @property
     def seq(self):
@@ -106,8 +112,10 @@ class Watch:
 
     def timed_out(self, rec, elapsed):
         missing = self.missing(rec)
+        waits = self.core.waiting_on() if self.core is not None else None
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
-               f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}")
+               f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}"
+               + (f"; {waits}" if waits else ""))
         self.core.set_broken(msg)
         failure.group_failed(msg)
         self.dump(msg)
@@ -164,21 +172,34 @@ class Watch:
                 pass
 
     def missing(self, rec):
-        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed."""
+        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed.
+        The store is asked from a helper thread for at most STORE_QUERY_SECONDS: a store across a cut
+        link would otherwise hold the timeout's report for its own timeout."""
         if self.store is None:
             return None
-        try:
-            self.note_arrival(rec)
-            late = []
-            for r in range(self.size):
-                if r == self.rank:
-                    continue
-                key = self._key(r)
-                if not self.store.check([key]) or int(self.store.get(key)) < rec[SEQ]:
-                    late.append(r)
-            return late
-        except Exception as exc:
-            return f"the store could not be read ({type(exc).__name__}: {exc}; the rank hosting it may have exited)"
+        out = []
+
+        def ask():
+            try:
+                self.note_arrival(rec)
+                late = []
+                for r in range(self.size):
+                    if r == self.rank:
+                        continue
+                    key = self._key(r)
+                    if not self.store.check([key]) or int(self.store.get(key)) < rec[SEQ]:
+                        late.append(r)
+                out.append(late)
+            except Exception as exc:
+                out.append(f"the store could not be read ({type(exc).__name__}: {exc}; the rank hosting it may "
+                           "have exited)")
+        helper = threading.Thread(target=ask, name="engine-watch-store", daemon=True)
+        helper.start()
+        helper.join(STORE_QUERY_SECONDS)
+        if not out:
+            return (f"the store did not answer within {STORE_QUERY_SECONDS:g} s (the rank hosting it, or the link "
+                    "to it, may be gone)")
+        return out[0]
 
     @staticmethod
     def describe_missing(missing):

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """engine._core: the compiled core without MPI: kernels, the buffer layer, the transport seam, the
-point-to-point algorithms, the communicator core and the shared-memory transport."""
+point-to-point algorithms, the communicator core, the shared-memory transport and the TCP transport."""
 
 import errno
 import os
@@ -28,4 +28,6 @@ include "request.pxi"
 include "comm.pxi"
 include "shm_segment.pxi"
 include "shm_transport.pxi"
+include "p2p_collectives.pxi"
+include "tcp_transport.pxi"
 include "shm_collectives.pxi"

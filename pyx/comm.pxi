@@ -20,6 +20,12 @@ class Impl:
     SEGMENT = IMPL_SEGMENT
     SINGLE_COPY = IMPL_SINGLE_COPY
     COMPOSITE = IMPL_COMPOSITE
+    TREE = IMPL_TREE
+    PIPELINE = IMPL_PIPELINE
+    RSAG = IMPL_RSAG
+    LINEAR = IMPL_LINEAR
+    PAIRWISE = IMPL_PAIRWISE
+    DISSEMINATION = IMPL_DISSEMINATION
 
 
 OPBITS = {"user": OPBIT_USER, "none": OPBIT_NONE}   # Rule.ops bits beyond the reduce op codes
@@ -275,12 +281,16 @@ cdef class CoreComm:
             return self.run_alltoall(c.src, c.dst, c.dtype, c.counts, c.displs, c.rcounts, c.rdispls, c.even, ctx)
         return self.run_barrier(ctx)
 
-    cdef object error(self, int ierr, str what):
-        """The exception for a transport error code."""
+    def waiting_on(self):
+        """Whom this rank's running collective waits on, as its transport sees it, for a timeout's report
+        (a sentence), or None where the transport can't say (the store's arrival notes name them)."""
+        return None
+
+    cdef object error(self, int ierr, str what, Transport tp=None):
+        """The exception for an error code of transport tp (the algorithms' by default)."""
         if ierr == -1:
             return MemoryError(f"{what}: out of memory")
-        text = (self.algo_tp.error_text(ierr) if ierr < ENG_ERR_BASE
-                else _engine_error_text(ierr, self.algo_tp.err_peer))
+        text = (tp if tp is not None else self.algo_tp).error_text(ierr)
         if ierr == ENG_ERR_PEER_DEAD:
             self.log.broken = text
             return EnginePeerLost(f"{what} failed: {text}")

@@ -104,4 +104,6 @@ cdef class MpiTransport(Transport):
         return 1
 
     cdef object error_text(self, int code):
+        if code >= ENG_ERR_BASE:
+            return Transport.error_text(self, code)
         return mpi_error_text(code)

@@ -24,7 +24,7 @@ cdef class Request:
             with nogil:
                 ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
             if ierr:
-                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend")
+                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend", self.tp)
             self.done = True
         return self._result()
 
@@ -35,7 +35,7 @@ cdef class Request:
         if not self.done:
             ierr = self.tp.test(&self.req, &flag, &self.st)
             if ierr:
-                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend")
+                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend", self.tp)
             self.done = flag
         return self.done
 
@@ -58,5 +58,5 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     else:
         ierr = tp.isend(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
     if ierr:
-        raise comm.error(ierr, what)
+        raise comm.error(ierr, what, tp)
     return r

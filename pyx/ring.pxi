@@ -148,23 +148,6 @@ cdef class RecursiveDoubling:
     def __dealloc__(self):
         free(self.tmp)
 
-    cdef int exchange(self, void *sbuf, size_t sn, int speer, void *rbuf, size_t rn, int rpeer, int tag,
-                      WaitCtx *ctx) except -1 nogil:
-        """Send and/or receive (peer -1: skip that side), waiting through the watch; on failure
-        nothing stays posted."""
-        cdef Req reqs[2]
-        cdef int ierr = 0
-        memset(reqs, 0, sizeof(reqs))
-        if rpeer >= 0:
-            ierr = self.tp.irecv(rbuf, rn, rpeer, tag, &reqs[0])
-        if not ierr and speer >= 0:
-            ierr = self.tp.isend(sbuf, sn, speer, tag, &reqs[1])
-        if not ierr:
-            ierr = self.tp.waitall(reqs, 2, ctx)
-        if ierr:
-            self.tp.cancel_all(reqs, 2)
-        return ierr
-
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil:
         cdef int P = self.size, r = self.rank, ierr = 0
@@ -184,9 +167,9 @@ cdef class RecursiveDoubling:
             self.tmp_cap = nbytes
         if r < 2 * rem:                 # fold: the even rank of each leading pair hands its data on
             if newrank < 0:
-                ierr = self.exchange(dst, nbytes, r + 1, NULL, 0, -1, 1, ctx)
+                ierr = peer_exchange(self.tp, dst, nbytes, r + 1, NULL, 0, -1, 1, ctx)
             else:
-                ierr = self.exchange(NULL, 0, -1, self.tmp, nbytes, r - 1, 1, ctx)
+                ierr = peer_exchange(self.tp, NULL, 0, -1, self.tmp, nbytes, r - 1, 1, ctx)
                 if not ierr:
                     fn(dst, self.tmp, dst, count)
             if ierr:
@@ -195,7 +178,7 @@ cdef class RecursiveDoubling:
             mask = 1
             while mask < p2:
                 peer = rdouble_peer(newrank, mask, P)
-                ierr = self.exchange(dst, nbytes, peer, self.tmp, nbytes, peer, 2, ctx)
+                ierr = peer_exchange(self.tp, dst, nbytes, peer, self.tmp, nbytes, peer, 2, ctx)
                 if ierr:
                     return ierr
                 if peer < r:            # the lower rank's data first: every rank gets the same bits
@@ -205,7 +188,7 @@ cdef class RecursiveDoubling:
                 mask <<= 1
         if r < 2 * rem:                 # unfold: the folded rank gets the result back
             if newrank >= 0:
-                ierr = self.exchange(dst, nbytes, r - 1, NULL, 0, -1, 3, ctx)
+                ierr = peer_exchange(self.tp, dst, nbytes, r - 1, NULL, 0, -1, 3, ctx)
             else:
-                ierr = self.exchange(NULL, 0, -1, dst, nbytes, r + 1, 3, ctx)
+                ierr = peer_exchange(self.tp, NULL, 0, -1, dst, nbytes, r + 1, 3, ctx)
         return ierr

@@ -83,3 +83,35 @@ cdef inline size_t chunk_elements(bint oneshot, size_t cap, size_t chunk_bytes, 
     if oneshot:
         return cap // itemsize
     return max(<size_t>nranks, chunk_bytes // itemsize)
+
+
+# -- the point-to-point collectives (p2p_collectives.pxi: every collective but allreduce over TCP) --
+#
+# Their rings are the allreduce ring's halves: reduce_scatter runs its first P-1 steps one step on
+# (ring_send_block(rank, step + 1, P)), so that rank r ends with block r reduced; allgather runs them
+# as they are, starting from each rank's own block. Trees are over relative ranks vr = (rank - root)
+# mod P: the parent of vr > 0 is vr with its lowest set bit cleared; its children are vr + m for the
+# powers of two m below that bit (below P for the root) with vr + m < P, sent to the farthest first.
+
+cdef inline int tree_parent(int vr) noexcept nogil:
+    """The parent of relative rank vr in the binomial tree (-1: the root)."""
+    return -1 if vr == 0 else vr & (vr - 1)
+
+
+cdef inline int tree_span(int vr, int nranks) noexcept nogil:
+    """The lowest set bit of vr (for the root: the least power of two >= nranks): vr's children are
+    vr + m for the powers of two m < tree_span with vr + m < nranks."""
+    cdef int m = 1
+    if vr != 0:
+        return vr & -vr
+    while m < nranks:
+        m <<= 1
+    return m
+
+
+cdef inline void shift_peers(int rank, int dist, int nranks, int *to, int *frm) noexcept nogil:
+    """The peers at distance dist: to rank + dist, from rank - dist. Alltoall's pairwise exchange takes
+    every dist in 1..P-1 (no rank is everybody's first destination); the dissemination barrier takes
+    1, 2, 4, ... < P (after its last round every rank has heard from every other, through others)."""
+    to[0] = mod(rank + dist, nranks)
+    frm[0] = mod(rank - dist, nranks)

@@ -51,3 +51,42 @@ def chunk_schedule(size_t total, bint oneshot, size_t cap, size_t chunk_bytes, s
     """A reduction's chunks through the segment: [(offset, length)] in elements."""
     cdef size_t per = chunk_elements(oneshot, cap, chunk_bytes, itemsize, nranks)
     return [(off, min(per, total - off)) for off in range(0, total, per)]
+
+
+def binomial_tree(int nranks, int vr):
+    """(parent, [children in sending order]) of relative rank vr in the binomial tree of nranks ranks
+    (the point-to-point broadcast and reduce: ranks relative to the root)."""
+    if not 0 <= vr < nranks:
+        raise ValueError(f"relative rank {vr} out of range for {nranks} ranks")
+    cdef int m = tree_span(vr, nranks) >> 1
+    children = []
+    while m > 0:
+        if vr + m < nranks:
+            children.append(vr + m)
+        m >>= 1
+    return tree_parent(vr), children
+
+
+def ring_pass_schedule(str kind, int nranks, int rank):
+    """[(send_block, recv_block)] of each of the P-1 steps of the point-to-point reduce_scatter ring
+    (kind "reduce_scatter": the received partial sum is reduced with this rank's part and passed on)
+    or allgather ring ("allgather": the received block is passed on), to the right, from the left."""
+    if kind not in ("reduce_scatter", "allgather"):
+        raise ValueError(f"ring schedule {kind!r}: expected reduce_scatter or allgather")
+    cdef int shift = 1 if kind == "reduce_scatter" else 0
+    return [(ring_send_block(rank, j + shift, nranks), ring_recv_block(rank, j + shift, nranks))
+            for j in range(nranks - 1)]
+
+
+def shift_schedule(str kind, int nranks, int rank):
+    """[(to, from)] of each step of the pairwise alltoall (kind "pairwise": distances 1..P-1) or of each
+    round of the dissemination barrier ("dissemination": distances 1, 2, 4, ... < P)."""
+    cdef int to, frm, dist = 1
+    if kind not in ("pairwise", "dissemination"):
+        raise ValueError(f"shift schedule {kind!r}: expected pairwise or dissemination")
+    out = []
+    while dist < nranks:
+        shift_peers(rank, dist, nranks, &to, &frm)
+        out.append((to, frm))
+        dist = dist + 1 if kind == "pairwise" else dist * 2
+    return out

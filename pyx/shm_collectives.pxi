@@ -98,7 +98,7 @@ cdef class ShmComm(CoreComm):
     def chunk_bytes(self):
         return self.chunk_bytes
 
-    cdef object error(self, int ierr, str what):
+    cdef object error(self, int ierr, str what, Transport tp=None):
         if ierr == ENG_ERR_MISMATCH and self.seg.err_peer >= 0:
             q = self.seg.err_peer
             text = (f"collective mismatch in this group: rank {self.rank}: {_describe_sig(self.seg.my_sig)}; "
@@ -111,7 +111,7 @@ cdef class ShmComm(CoreComm):
                     f"{what} #{self.seq}")
             self.log.broken = text
             return EnginePeerLost(f"{what} failed: {text}")
-        return CoreComm.error(self, ierr, what)
+        return CoreComm.error(self, ierr, what, tp)
 
     # -- the step primitives of this group's collectives --
 

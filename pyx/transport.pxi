@@ -57,6 +57,36 @@ cdef class Transport:
         return type(self).__name__
 
 
+cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *rbuf, size_t rn, int frm,
+                       int tag, WaitCtx *ctx) except -1 nogil:
+    """The algorithms' one exchange with peers: receives exactly rn bytes from frm while sending sn
+    bytes to `to` (-1: skip that side), waiting through the watch. A message of another length is a
+    mismatch naming its sender (the ranks are in different calls); on any failure nothing stays posted."""
+    cdef Req reqs[2]
+    cdef Status st
+    cdef int ierr = 0
+    cdef bint clean = False
+    memset(reqs, 0, sizeof(reqs))
+    st.nbytes = rn
+    try:
+        if frm >= 0:
+            ierr = tp.irecv(rbuf, rn, frm, tag, &reqs[0])
+        if not ierr and to >= 0:
+            ierr = tp.isend(sbuf, sn, to, tag, &reqs[1])
+        if not ierr:
+            ierr = tp.wait(&reqs[0], &st, ctx)
+        if not ierr and st.nbytes != rn:
+            tp.err_peer = frm
+            ierr = ENG_ERR_MISMATCH
+        if not ierr:
+            ierr = tp.wait(&reqs[1], NULL, ctx)
+        clean = not ierr
+    finally:
+        if not clean:
+            tp.cancel_all(reqs, 2)
+    return ierr
+
+
 cdef struct RequestWait:
     Req *req
     Status *st

@@ -1,8 +1,10 @@
 # Waiting: one loop, wait_until(), for every wait of every transport (a posted request, a peer's step
-# flag, MPI's own request). It polls, and between polls backs off in three stages: spin (the pause
-# instruction) for a short budget while a peer is likely about to answer, then sched_yield() (an
-# oversubscribed core goes to whoever needs it), then sleep: on a futex the peers ring where there is
-# one (shared memory: woken at once, no core burnt), else in naps doubling up to a cap. Once per
+# flag, MPI's own request, a TCP socket). It polls, and between polls backs off in three stages: spin
+# (the pause instruction) for a short budget while a peer is likely about to answer, then
+# sched_yield() (an oversubscribed core goes to whoever needs it), then sleep: on a futex the peers
+# ring where there is one (shared memory: woken at once, no core burnt), in the transport's own sleep
+# where it has one (TCP: poll() on its sockets, which the kernel wakes as data arrives; no yield stage:
+# the sender pays nothing to wake it), else in naps doubling up to a cap. Once per
 # check interval the wait calls the communicator's watch with the GIL (stall warnings, arrival notes,
 # the timeout: it may raise to abandon the wait), and asks whether the peers' processes still live
 # where it can. So a peer that never arrives ends in an exception, whatever the transport.
@@ -107,21 +109,28 @@ cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
 cdef uint32_t doze_begin(Doorbell *d) noexcept nogil:
     """Marks this rank asleep on its doorbell; the caller checks its condition once more, then doze_end()s."""
     cdef uint32_t seq = eng_load32(d.bell)
-    eng_store32(d.asleep, 1)
+    if d.asleep != NULL:
+        eng_store32(d.asleep, 1)
     return seq
 
 
 cdef void doze_end(Doorbell *d, uint32_t seq, bint sleep, double seconds) noexcept nogil:
+    """Sleeps (unless told not to) until the bell moves from seq or seconds pass."""
     if sleep:
-        eng_futex_wait(d.bell, seq, seconds)
-    eng_store32(d.asleep, 0)
+        if d.doze != NULL:
+            d.doze(d.doze_obj, seq, seconds)
+        else:
+            eng_futex_wait(d.bell, seq, seconds)
+    if d.asleep != NULL:
+        eng_store32(d.asleep, 0)
 
 
 cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *door) except -1 nogil:
     """The one wait of the engine: polls until poll says done (or returns an error code), backing
-    off between polls: spin, yield, then sleep, on door's futex where there is one (a publisher rings
-    it; the asleep mark and the publication are ordered by full fences, so no wake-up is lost), else
-    in naps. The watch and the liveness check run when due. Returns 0, -1 (the watch raised) or an
+    off between polls: spin, yield, then sleep, on door where there is one (its futex: a publisher
+    rings it, the asleep mark and the publication ordered by full fences; or its transport's doze,
+    which returns at once once the bell moved from what it read before the last poll: either way no
+    wake-up is lost), else in naps. The watch and the liveness check run when due. Returns 0, -1 (the watch raised) or an
     error code."""
     cdef bint done = False
     cdef int ierr = poll(obj, arg, &done)
@@ -131,6 +140,8 @@ cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *
     if ierr or done:
         return ierr
     backoff_init(&b, eng_now(), ctx)
+    if door != NULL and door.doze != NULL:
+        b.yield_until = b.spin_until
     while True:
         t = eng_now()
         if t < b.spin_until:

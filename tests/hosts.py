@@ -10,11 +10,15 @@ stands in for ssh (`--prtemca plm_ssh_agent <agent>`).
 
     with Hosts(2) as hosts:
         hosts.run(0, ["python", "-c", "import socket; print(socket.gethostname())"])
-        mpirun_across(hosts, 2, ["python", "train.py"])      # 2 hosts x 2 ranks
+        mpirun_across(hosts, 2, ["python", "train.py"])      # 2 hosts x 2 ranks, one mpirun
+        torchrun_across(hosts, 2, ["train.py"])              # a torchrun on each host, no MPI
+
+Each host also has an IPv6 address (fd77::<i+1>/64 on eth0) where the kernel has IPv6.
 
 By hand (the cross-host rows of BENCHMARKS.md):
 
     python tests/hosts.py 2x1 python -m bench all_reduce -b 1K -e 64M -f 4 --backends engine,engine-direct,gloo,mpi4py
+    python tests/hosts.py torchrun 2x2 -m bench all_reduce -b 1K -e 64M -f 4 --backends engine,gloo
 
 Needs root (namespaces); `Hosts.unavailable()` says why not, for a skip.
 """
@@ -28,6 +32,7 @@ import uuid
 
 SUBNET = "10.77.0"
 DECOY = "10.78.0"
+SUBNET6 = "fd77::"
 
 
 def _ip(*args):
@@ -39,6 +44,7 @@ class Hosts:
         tag = uuid.uuid4().hex[:6]
         self.names = [f"h{tag}{i}" for i in range(n)]
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.addrs6 = [f"{SUBNET6}{i + 1}" for i in range(n)] if os.path.exists("/proc/net/if_inet6") else []
         self.bridge = f"b{tag}"
         self.dir = tempfile.mkdtemp(prefix="engine-hosts-")
         self.agent = os.path.join(self.dir, "agent")
@@ -84,6 +90,8 @@ class Hosts:
             _ip("link", "set", outside, "netns", self.bridge)
             _ip("-n", name, "link", "set", inside, "name", "eth0")
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+            if self.addrs6:     # nodad: usable at once (no duplicate address detection's delay)
+                _ip("-n", name, "-6", "addr", "add", f"{self.addrs6[i]}/64", "dev", "eth0", "nodad")
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
             _ip("-n", name, "link", "add", "decoy0", "type", "veth", "peer", "name", "decoy1")  # (no dummy module)
@@ -140,12 +148,81 @@ def _forward(env):
     return [arg for name in env for arg in ("-x", name)]
 
 
+def torchrun_command(hosts, i, per_host, argv, port, master=None):
+    """torchrun as host i runs it: node i of the job, per_host ranks, meeting at host 0 (no MPI)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts.names)), "--nproc-per-node",
+            str(per_host), "--node-rank", str(i), "--master-addr", master or hosts.addrs[0], "--master-port",
+            str(port), "--tee", "3", *argv]
+
+
+def torchrun_across(hosts, per_host, argv, timeout=300, capture=True, master=None, **env):
+    """A torchrun started on every host (as a cluster's launcher or Kubernetes would), no MPI anywhere:
+    per_host ranks each. Returns [(returncode, output)], host by host; past the timeout every torchrun
+    is killed and its returncode is None."""
+    from torchrun import clean_env, free_port
+    port = free_port()
+    # Gloo (the reference in the benchmarks) would bind to the address the hostname resolves to (the decoy)
+    run_env = clean_env(GLOO_SOCKET_IFNAME="eth0", **env)
+    out = subprocess.PIPE if capture else None
+    procs = [hosts.popen(i, torchrun_command(hosts, i, per_host, argv, port, master), env=run_env, stdout=out,
+                         stderr=subprocess.STDOUT if capture else None, text=True, start_new_session=True)
+             for i in range(len(hosts.names))]
+    return collect(procs, timeout)
+
+
+def env_launch(hosts, per_host, argv, master=None, port=None, **env):
+    """Starts argv on every host, per_host ranks each, with torch's env:// variables set (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) as a Kubernetes or SLURM job sets them: no
+    launcher, no MPI. Returns the processes, rank by rank (collect() waits for them)."""
+    from torchrun import clean_env, free_port
+    port = port or free_port()
+    procs = []
+    for i in range(len(hosts.names)):
+        for local in range(per_host):
+            rank_env = clean_env(RANK=str(i * per_host + local), WORLD_SIZE=str(per_host * len(hosts.names)),
+                                 LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
+                                 MASTER_ADDR=master or hosts.addrs[0], MASTER_PORT=str(port), **env)
+            procs.append(hosts.popen(i, argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True))
+    return procs
+
+
+def env_launch_across(hosts, per_host, argv, timeout=300, master=None, port=None, **env):
+    """env_launch(), then its [(returncode or None when killed at the timeout, output)], rank by rank."""
+    return collect(env_launch(hosts, per_host, argv, master, port, **env), timeout)
+
+
+def collect(procs, timeout):
+    """[(returncode or None when killed at the timeout, output)] of processes started together."""
+    import signal
+    import time
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            results.append((p.returncode, text or ""))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            text, _ = p.communicate()
+            results.append((None, text or ""))
+    return results
+
+
 if __name__ == "__main__":
-    # python tests/hosts.py HOSTSxRANKS command... : the command under mpirun across namespace hosts
+    # python tests/hosts.py HOSTSxRANKS command...          : the command under mpirun across namespace hosts
+    # python tests/hosts.py torchrun HOSTSxRANKS args...    : torchrun args... on every host (no MPI)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    nhosts, per_host = map(int, sys.argv[1].split("x"))
-    argv = [sys.executable if a == "python" else a for a in sys.argv[2:]]
+    use_torchrun = sys.argv[1] == "torchrun"
+    args = sys.argv[2:] if use_torchrun else sys.argv[1:]
+    nhosts, per_host = map(int, args[0].split("x"))
+    argv = [sys.executable if a == "python" else a for a in args[1:]]
     with Hosts(nhosts) as hosts:
         engine_env = {k: v for k, v in os.environ.items() if k.startswith("ENGINE_")}  # forwarded to every rank
+        if use_torchrun:
+            codes = [rc for rc, _ in torchrun_across(hosts, per_host, argv, timeout=3600, capture=False)]
+            sys.exit(0 if all(rc == 0 for rc in codes) else 1)
         proc = mpirun_across(hosts, per_host, argv, timeout=3600, capture=False, **engine_env)
     sys.exit(proc.returncode)

@@ -70,7 +70,7 @@ def test_a_forced_entry_keeps_the_automatic_choice_for_calls_it_does_not_take():
 
 @pytest.mark.parametrize("env, message", [
     ({"ENGINE_ALLREDUCE_ALGO": "fast"}, "allreduce has no algorithm 'fast'"),
-    ({"ENGINE_BROADCAST_ALGO": "tcp:segment"}, "unknown transport 'tcp'"),
+    ({"ENGINE_BROADCAST_ALGO": "ucx:segment"}, "unknown transport 'ucx'"),
     ({"ENGINE_BROADCAST_ALGO": "mpi:segment"}, "no algorithm 'segment' on the mpi transport"),
     ({"ENGINE_ALLREDUCE_ALGO": "oneshot"}, "does not run on the mpi transport"),
     ({"ENGINE_ALLREDUCE_ALGO": "hier"}, "needs hierarchy"),

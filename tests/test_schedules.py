@@ -110,3 +110,132 @@ def test_chunk_schedule_and_blocks_cover_a_reduction(size, oneshot):
         assert np.all(seen == 1), (total, size, oneshot)
         if not oneshot and total >= size:
             assert all(n >= size for _, n in chunks[:-1])
+
+
+# -- the point-to-point collectives' schedules (pyx/p2p_collectives.pxi: every collective but allreduce
+#    over TCP), played the same way --
+
+P2P_SIZES = SIZES + [13, 16, 17]
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_binomial_tree_broadcast_reaches_every_rank_once_from_any_root(size):
+    trees = [_core.binomial_tree(size, vr) for vr in range(size)]
+    assert trees[0][0] == -1
+    for root in range(size):
+        have = {root: "data"}          # actual rank -> what it received
+        depth = {0: 0}
+        pending = [0]                  # relative ranks holding the data, in the order they got it
+        while pending:
+            vr = pending.pop(0)
+            for child in trees[vr][1]:
+                assert trees[child][0] == vr, "the child waits on the parent that sends to it"
+                dest = (child + root) % size
+                assert dest not in have, f"rank {dest} received twice"
+                have[dest] = have[(vr + root) % size]
+                depth[child] = depth[vr] + 1
+                pending.append(child)
+        assert sorted(have) == list(range(size)), (size, root)
+        assert max(depth.values()) <= (size - 1).bit_length()        # ceil(log2 P) rounds
+    for vr in range(size):                                            # the farthest child first
+        assert trees[vr][1] == sorted(trees[vr][1], reverse=True)
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_binomial_tree_reduce_takes_every_rank_once_in_a_fixed_order(size):
+    """A rank reduces its children's partial results into its own, nearest child first, then sends
+    to its parent: the root's result holds every rank once, in an order that timing can't change."""
+    trees = [_core.binomial_tree(size, vr) for vr in range(size)]
+
+    def partial(vr):
+        acc = [vr]
+        for child in reversed(trees[vr][1]):
+            acc += partial(child)
+        return acc
+
+    order = partial(0)
+    assert sorted(order) == list(range(size))
+    assert order == partial(0)
+
+
+def _blocks(counts):
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+    return [slice(d, d + c) for d, c in zip(displs, counts)]
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_ring_reduce_scatter_leaves_each_rank_its_block_reduced(size):
+    for counts in ([3] * size, [(7 * r) % 5 for r in range(size)], [0] * (size - 1) + [4]):
+        blocks = _blocks(counts)
+        start = _start(sum(counts), size)
+        plans = [_core.ring_pass_schedule("reduce_scatter", size, r) for r in range(size)]
+        assert all(len(p) == size - 1 for p in plans)
+        carry = [None] * size          # the partial sum each rank passes on next
+        for step in range(size - 1):
+            sent = []
+            for r in range(size):
+                sb, _ = plans[r][step]
+                sent.append((sb, start[r][blocks[sb]] if step == 0 else carry[r]))
+            for r in range(size):
+                _, rb = plans[r][step]
+                got_block, got = sent[(r - 1) % size]          # from the left neighbour
+                assert got_block == rb and len(got) == counts[rb]
+                carry[r] = got + start[r][blocks[rb]]
+        for r in range(size):
+            mine = carry[r] if size > 1 else start[r][blocks[r]]
+            if size > 1:
+                assert plans[r][-1][1] == r
+            assert np.array_equal(mine, sum(s[blocks[r]] for s in start)), (size, counts, r)
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_ring_allgather_passes_on_what_it_received_until_every_rank_has_every_block(size):
+    have = [{r} for r in range(size)]
+    plans = [_core.ring_pass_schedule("allgather", size, r) for r in range(size)]
+    for step in range(size - 1):
+        sent = []
+        for r in range(size):
+            sb, _ = plans[r][step]
+            assert sb in have[r], "sends only a block it has"
+            sent.append(sb)
+        for r in range(size):
+            assert sent[(r - 1) % size] == plans[r][step][1]
+            have[r].add(plans[r][step][1])
+    assert all(h == set(range(size)) for h in have)
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_pairwise_alltoall_meets_every_pair_once_in_the_same_step(size):
+    plans = [_core.shift_schedule("pairwise", size, r) for r in range(size)]
+    met = set()
+    for step in range(size - 1):
+        for r in range(size):
+            to, frm = plans[r][step]
+            assert plans[to][step][1] == r and plans[frm][step][0] == r
+            assert (r, to) not in met
+            met.add((r, to))
+        assert len({plans[r][step][0] for r in range(size)}) == size, "no rank is two ranks' destination at once"
+    assert met == {(r, q) for r in range(size) for q in range(size) if r != q}
+
+
+@pytest.mark.parametrize("size", P2P_SIZES)
+def test_dissemination_barrier_lets_every_rank_hear_from_every_other(size):
+    plans = [_core.shift_schedule("dissemination", size, r) for r in range(size)]
+    heard = [{r} for r in range(size)]
+    for rnd in range(len(plans[0])):
+        before = [set(h) for h in heard]
+        for r in range(size):
+            to, frm = plans[r][rnd]
+            assert plans[to][rnd][1] == r
+            heard[r] |= before[frm]
+    assert all(h == set(range(size)) for h in heard)
+    assert len(plans[0]) == (size - 1).bit_length()
+
+
+def test_p2p_schedules_refuse_what_they_do_not_know():
+    with pytest.raises(ValueError, match="relative rank 4 out of range for 4 ranks"):
+        _core.binomial_tree(4, 4)
+    with pytest.raises(ValueError, match="expected reduce_scatter or allgather"):
+        _core.ring_pass_schedule("broadcast", 4, 0)
+    with pytest.raises(ValueError, match="expected pairwise or dissemination"):
+        _core.shift_schedule("ring", 4, 0)

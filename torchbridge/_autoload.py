@@ -43,7 +43,7 @@ def _wrap_init_process_group(dist):
             if init_method in (None, "env://") and kwargs.get("store") is None:
                 from .launch import prepare_env
                 prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1))
-            group = original(backend, init_method, *args, **kwargs)
+            group = _bounded_init(dist, original, backend, init_method, args, kwargs)
         except BaseException as exc:
             _failed_at_init(exc)
             raise
@@ -53,6 +53,23 @@ def _wrap_init_process_group(dist):
     init_process_group._engine_wrapped = True
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+
+
+def _bounded_init(dist, original, backend, init_method, args, kwargs):
+    """torch's init_process_group with its rendezvous bounded by the timeout (torchbridge.rendezvous:
+    torch's TCPStore client can wait forever): the store it makes is passed on as torch's own."""
+    import inspect
+    from . import rendezvous
+    call = inspect.signature(original).bind(backend, init_method, *args, **kwargs)
+    given = call.arguments
+    if given.get("store") is not None or not rendezvous.bounded(given.get("init_method")):
+        return original(backend, init_method, *args, **kwargs)
+    timeout = given.get("timeout") or dist.distributed_c10d._get_default_timeout(dist.Backend(backend))
+    store, rank, world_size = rendezvous.rendezvous(given.get("init_method"), given.get("rank", -1),
+                                                    given.get("world_size", -1), timeout)
+    store.set_timeout(timeout)
+    given.update(init_method=None, store=store, rank=rank, world_size=world_size)
+    return original(*call.args, **call.kwargs)
 
 
 def _mpi_up():

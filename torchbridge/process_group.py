@@ -1,6 +1,6 @@
 """EngineProcessGroup: the one adapter between torch.distributed and the engine. Every c10d method
 is written once, over the device communicator of its tensors (torchbridge.devices): CPU tensors go
-to the group's engine.Communicator (shared memory on one host, MPI across hosts), CUDA tensors to
+to the group's engine.Communicator (shared memory on one host, TCP or MPI across hosts), CUDA tensors to
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy).
 
@@ -146,13 +146,12 @@ def _root_inputs(_, input_lists, *__):
 
 def create_process_group(opts, backend_options=None):
     """The creator torch calls (extended API) on each member of a new group. Under an MPI launcher the
-    group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store."""
+    group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store
+    (shared memory inside a host, the engine's TCP transport between hosts)."""
     seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     if detect_launcher() is None:
-        if opts.group_size > 1:
-            _same_host_or_fail(opts)
         comm = Communicator.from_store(opts.store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name)
     else:
@@ -184,20 +183,6 @@ def _mpi_group(opts, ranks):
         return world.Create_group(group, tag=_GROUP_TAG)
     finally:
         group.Free()
-
-
-def _same_host_or_fail(opts):
-    """Without an MPI launcher the ranks meet through torch's store and share memory: they must all be
-    on this host. Checked first, so a multi-host torchrun fails at once, saying what to do."""
-    from engine.bootstrap import StoreBootstrap, host_identity
-    hosts = [h for h, _, _ in StoreBootstrap(opts.store, opts.group_rank, opts.group_size,
-                                             "engine/hosts").allgather(host_identity())]
-    if len(set(hosts)) > 1:
-        names = sorted({h.split("/")[0] for h in hosts})
-        raise RuntimeError(f"backend 'engine' without an MPI launcher runs on one host (shared memory), but this "
-                           f"group's ranks are on {len(names)} hosts ({', '.join(names)}): multi-host jobs launch "
-                           f"with mpirun (or srun), which carries CPU tensors over MPI between hosts; "
-                           f"{MPIRUN_HINT}")
 
 
 def _seconds(timeout, default):

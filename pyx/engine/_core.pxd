@@ -83,9 +83,14 @@ cdef struct WaitCtx:
     double spin         # seconds to spin before yielding; < 0: the process's policy
 
 
+ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
+
+
 cdef struct Doorbell:
-    uint32_t *bell      # a futex word whoever publishes something rings (shared memory)
-    uint32_t *asleep    # set while this rank sleeps on it
+    uint32_t *bell      # a counter whoever publishes something bumps (shared memory: a futex word it rings)
+    uint32_t *asleep    # set while this rank sleeps on it (shared memory), or NULL
+    doze_fn doze        # the transport's own sleep until bell moves (TCP: poll on its sockets), or NULL: the futex
+    void *doze_obj
 
 
 ctypedef int (*poll_fn)(void *obj, void *arg, bint *done) except -1 nogil
@@ -105,6 +110,7 @@ cdef enum:
     ENG_ERR_NOMEM = 100005
     ENG_ERR_CANCELLED = 100006
     ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
+    ENG_ERR_CONNECT = 100008     # a connection to a peer could not be made (TCP)
 
 
 # ---- the transport seam ----
@@ -165,10 +171,12 @@ cdef class RecursiveDoubling:
     cdef int rank, size
     cdef char *tmp
     cdef size_t tmp_cap
-    cdef int exchange(self, void *sbuf, size_t sn, int speer, void *rbuf, size_t rn, int rpeer, int tag,
-                      WaitCtx *ctx) except -1 nogil
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil
+
+
+cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *rbuf, size_t rn, int frm,
+                       int tag, WaitCtx *ctx) except -1 nogil     # transport.pxi: every algorithm's exchange
 
 
 # ---- the communicator core ----
@@ -184,7 +192,13 @@ cdef enum:
     IMPL_SEGMENT = 5        # shared memory: data moves through the slots (two copies)
     IMPL_SINGLE_COPY = 6    # shared memory: data moves by one process_vm_readv from its owner's buffer
     IMPL_COMPOSITE = 7      # composed in Python of other groups' collectives (the hierarchy across hosts)
-    NIMPLS = 8
+    IMPL_TREE = 8           # point-to-point: a binomial tree (broadcast, reduce)
+    IMPL_PIPELINE = 9       # point-to-point: a chain from the root, in segments (broadcast)
+    IMPL_RSAG = 10          # point-to-point: ring reduce-scatter, then the root gathers the blocks (reduce)
+    IMPL_LINEAR = 11        # point-to-point: the root with every rank directly (gather, scatter)
+    IMPL_PAIRWISE = 12      # point-to-point: every pair directly (alltoall)
+    IMPL_DISSEMINATION = 13 # point-to-point: log2(P) rounds of empty messages (barrier)
+    NIMPLS = 14
 
 
 cdef enum:
@@ -310,7 +324,7 @@ cdef class CoreComm:
     cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
     cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
-    cdef object error(self, int ierr, str what)
+    cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1
@@ -440,3 +454,38 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef int _failed(self, int ierr) noexcept nogil
     cdef uint64_t peer_aux(self, int q) noexcept nogil
+
+
+# ---- the point-to-point collectives (p2p_collectives.pxi); TcpComm (tcp_transport.pxi) runs them ----
+
+cdef class P2PCollectives:
+    cdef Transport tp
+    cdef int rank, size
+    cdef size_t seg_bytes       # the pipelined broadcast's segment
+    cdef Req *reqs              # grown, never shrunk
+    cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
+    cdef size_t cap
+    cdef size_t *even           # 2 x size: counts and displacements of an even split
+    cdef char *work             # workspace (grown, never shrunk)
+    cdef size_t work_cap
+    cdef size_t *even_counts(self, size_t count) noexcept nogil
+    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
+    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
+                            const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
+                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
+                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                               WaitCtx *ctx) except -1 nogil
+    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil

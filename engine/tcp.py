@@ -1,0 +1,140 @@
+"""The TCP transport's group setup: which address a rank listens on, the exchange of addresses and the
+group's token through its bootstrap (torch's store, or MPI under mpirun), and the compiled group.
+
+The interface is chosen as Gloo and NCCL choose theirs: ENGINE_SOCKET_IFNAME names it (comma-separated
+names: the first this host has), else the one the routing table uses to reach MASTER_ADDR (the
+rendezvous host every rank already reaches), else the hostname's address. IPv4 and IPv6 alike: the
+family follows MASTER_ADDR's.
+"""
+
+import ipaddress
+import os
+import socket
+
+from . import _core
+from .config import env_choice, env_int
+
+CONNECT_MODES = ("mesh", "lazy")
+# One stream per peer until a measurement across hosts shows more paying (`python -m bench` with
+# ENGINE_TCP_STREAMS=1 and 2): where the ranks share their cores with the kernel's network
+# processing, more streams add work, not bandwidth. Hosts with cores to spare set ENGINE_TCP_STREAMS.
+DEFAULT_STREAMS = 1
+DEFAULT_STREAM_MIN = 1 << 20
+DEFAULT_EAGER = 64 << 10
+
+
+def _family(address):
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).version
+    except ValueError:
+        return None
+
+
+def _route_to(host):
+    """The local address the routing table uses to reach host (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"engine: MASTER_ADDR={host!r} does not resolve ({exc}): the TCP transport picks the "
+                           "interface that reaches it; set MASTER_ADDR to the rendezvous host's address, or "
+                           "ENGINE_SOCKET_IFNAME to the interface to use") from None
+    errors = []
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError as exc:
+                errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
+    raise RuntimeError(f"engine: no route from this host to MASTER_ADDR={host!r} ({'; '.join(errors)}): set "
+                       "ENGINE_SOCKET_IFNAME to the interface the ranks reach each other on")
+
+
+def _pick(addresses, family):
+    """The address to use among an interface's: the wanted family first, link-local ones last."""
+    def rank(a):
+        fam, addr = a
+        ip = ipaddress.ip_address(addr.split("%")[0])
+        return (fam != family, ip.is_link_local, ip.is_loopback)
+    return sorted(addresses, key=rank)[0][1] if addresses else None
+
+
+def listen_address(environ=None):
+    """(address, how it was chosen) for this rank's listening sockets."""
+    env = os.environ if environ is None else environ
+    master = env.get("MASTER_ADDR", "").strip()
+    family = (_family(master) or (6 if ":" in master else 4)) if master else 4
+    names = [n.strip() for n in env.get("ENGINE_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        interfaces = _core.tcp_interfaces()
+        for name in names:
+            addr = _pick([(fam, a) for n, fam, a in interfaces if n == name], family)
+            if addr is not None:
+                if addr.startswith("fe80") and "%" not in addr:
+                    addr = f"{addr}%{name}"
+                return addr, f"ENGINE_SOCKET_IFNAME={name}"
+        have = sorted({n for n, _, _ in interfaces})
+        raise RuntimeError(f"engine: ENGINE_SOCKET_IFNAME={env['ENGINE_SOCKET_IFNAME']!r}: this host "
+                           f"({socket.gethostname()}) has no such interface with an address (it has "
+                           f"{', '.join(have)})")
+    if master:
+        return _route_to(master), f"the route to MASTER_ADDR={master}"
+    try:
+        addr = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        if not addr.startswith("127."):
+            return addr, "the hostname's address"
+    except socket.gaierror:
+        pass
+    others = [a for _, fam, a in _core.tcp_interfaces() if fam == 4 and not a.startswith("127.")]
+    return (others[0] if others else "127.0.0.1"), "the first interface's address (no MASTER_ADDR)"
+
+
+def settings():
+    """The TCP transport's settings (ENGINE_TCP_*): streams per peer, the smallest message split over
+    them, the largest message read before a receive is posted, and how connections are made."""
+    streams = env_int("ENGINE_TCP_STREAMS", DEFAULT_STREAMS)
+    if not 1 <= streams <= 16:
+        raise ValueError(f"ENGINE_TCP_STREAMS={streams}: expected 1..16")
+    return dict(streams=streams, stream_min=max(1, env_int("ENGINE_TCP_STREAM_MIN_BYTES", DEFAULT_STREAM_MIN)),
+                eager=env_int("ENGINE_TCP_EAGER_BYTES", DEFAULT_EAGER),
+                connect=env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh"))
+
+
+def make_core(boot, seg_bytes, timeout, parent=None):
+    """The compiled group (engine._core.TcpComm) over TCP between boot's ranks. Collective over them:
+    each listens (one socket per channel), the addresses and rank 0's random token go round through
+    the bootstrap, and with ENGINE_TCP_CONNECT=mesh every connection is made before it returns.
+    parent: (this rank's rank, name) in the group this one is a stage of (the hierarchy's), so that an
+    error names a peer by its rank there too."""
+    cfg = settings()
+    addr, how = listen_address()
+    fds = []
+    try:
+        for _ in range(2):      # the algorithms' channel, the user's send/recv
+            fds.append(_core.tcp_listen(addr))
+    except OSError as exc:
+        for fd, _ in fds:
+            _core.close_fd(fd)
+        raise RuntimeError(f"engine: the TCP transport can't listen on {addr} (chosen by {how}): {exc}") from None
+    token = os.urandom(16) if boot.rank == 0 else None
+    where = socket.gethostname() if parent is None else f"{socket.gethostname()}, rank {parent[0]} of group '{parent[1]}'"
+    everyone = boot.allgather((addr, [port for _, port in fds], where, token, how))
+    token = everyone[0][3]
+    transports = []
+    try:
+        for ch in range(2):
+            peers = [(a, ports[ch], host) for a, ports, host, _, _ in everyone]
+            transports.append(_core.TcpTransport(boot.rank, boot.size, ch, fds[ch][0], token, peers,
+                                                 nstreams=cfg["streams"], split_min=cfg["stream_min"],
+                                                 eager_max=cfg["eager"], fail_any=ch == 0))
+    except BaseException:
+        for fd, _ in fds[len(transports):]:
+            _core.close_fd(fd)
+        raise
+    core = _core.TcpComm(transports[0], transports[1], seg_bytes)
+    if cfg["connect"] == "mesh" and boot.size > 1:
+        try:
+            transports[0].connect_mesh(timeout)
+        except _core.EngineError as exc:
+            raise RuntimeError(f"{exc} (rank {boot.rank} listens on {addr}, chosen by {how})") from None
+    return core

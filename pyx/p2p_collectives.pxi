@@ -1,0 +1,339 @@
+# The collectives over point-to-point, for transports without native ones (the TCP transport): one
+# method per algorithm over a Transport; which rank talks to which in each step is schedule.pxd's (pure
+# functions, played rank by rank in tests/test_schedules.py). The allreduce's ring and recursive
+# doubling are pyx/ring.pxi's.
+#
+# Each algorithm posts into this object's requests, waits through the watch, checks that every message
+# brought exactly the bytes this rank expects (a rank whose counts differ is named, not read past), and
+# on an error, or an exception from the watch, cancels what it still has posted before it returns.
+# Nothing here allocates per call once the requests and the workspace have grown to a size.
+
+
+# Tags on the algorithms' channel (the ring and recursive doubling use 0..3): a rank a collective ahead
+# of its peer never has its messages taken for this one's.
+cdef enum:
+    PIPELINE_SLOTS = 4      # receive segments in flight per rank of the pipelined broadcast
+    TAG_P2P_BCAST = 8
+    TAG_P2P_REDUCE = 9
+    TAG_P2P_ALLGATHER = 10
+    TAG_P2P_GATHER = 11
+    TAG_P2P_SCATTER = 12
+    TAG_P2P_REDUCE_SCATTER = 13
+    TAG_P2P_ALLTOALL = 14
+    TAG_P2P_BARRIER = 15
+
+
+# ---- the algorithms ----
+
+cdef class P2PCollectives:
+    """Every collective but allreduce over one transport's point-to-point (the algorithms' channel).
+    Its state (requests, expected lengths, workspace) is declared in pyx/engine/_core.pxd."""
+
+    def __cinit__(self, Transport tp, size_t seg_bytes):
+        self.tp = tp
+        self.rank, self.size = tp.rank, tp.size
+        self.seg_bytes = max(seg_bytes, <size_t>4096)
+        self.even = <size_t*>malloc(2 * self.size * sizeof(size_t))
+        if self.even == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.reqs)
+        free(self.expect)
+        free(self.even)
+        free(self.work)
+
+    cdef size_t *even_counts(self, size_t count) noexcept nogil:
+        """count for every rank, then the displacements (both in self.even)."""
+        cdef int i
+        for i in range(self.size):
+            self.even[i] = count
+            self.even[self.size + i] = <size_t>i * count
+        return self.even
+
+    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil:
+        """Room for nreqs requests (cleared, all sends) and work_bytes of workspace."""
+        cdef void *grown
+        if nreqs > self.cap:
+            grown = realloc(self.reqs, nreqs * sizeof(Req))
+            if grown == NULL:
+                with gil:
+                    raise MemoryError("point-to-point collective: out of memory for requests")
+            self.reqs = <Req*>grown
+            grown = realloc(self.expect, nreqs * sizeof(size_t))
+            if grown == NULL:
+                with gil:
+                    raise MemoryError("point-to-point collective: out of memory for requests")
+            self.expect = <size_t*>grown
+            self.cap = nreqs
+        if nreqs:
+            memset(self.reqs, 0, nreqs * sizeof(Req))
+            memset(self.expect, 0xff, nreqs * sizeof(size_t))
+        if work_bytes > self.work_cap:
+            grown = realloc(self.work, work_bytes)
+            if grown == NULL:
+                with gil:
+                    raise MemoryError(f"point-to-point collective: out of memory for {work_bytes} bytes of workspace")
+            self.work = <char*>grown
+            self.work_cap = work_bytes
+        return 0
+
+    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil:
+        """Waits for requests 0..n-1 (receives checked against self.expect), unless ierr; on an error or
+        an exception cancels what is still posted. Returns the error."""
+        cdef size_t i
+        cdef Status st
+        cdef bint clean = False
+        try:
+            for i in range(n):
+                if ierr:
+                    break
+                st.nbytes = 0
+                ierr = self.tp.wait(&self.reqs[i], &st, ctx)
+                if not ierr and self.expect[i] != SIZE_MAX and st.nbytes != self.expect[i]:
+                    self.tp.err_peer = st.source
+                    ierr = ENG_ERR_MISMATCH
+            clean = not ierr
+        finally:
+            if not clean:
+                self.tp.cancel_all(self.reqs, n)
+        return ierr
+
+    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil:
+        """Binomial tree: log2(P) rounds; each rank receives the message once, then passes it on."""
+        cdef int P = self.size, vr = (self.rank - root + P) % P, m, ierr = 0
+        cdef size_t k = 0
+        if vr:
+            ierr = peer_exchange(self.tp, NULL, 0, -1, buf, n, (tree_parent(vr) + root) % P, TAG_P2P_BCAST, ctx)
+            if ierr:
+                return ierr
+        self.reserve(32, 0)
+        m = tree_span(vr, P) >> 1
+        while m > 0 and not ierr:
+            if vr + m < P:
+                ierr = self.tp.isend(buf, n, (vr + m + root) % P, TAG_P2P_BCAST, &self.reqs[k])
+                if not ierr:
+                    k += 1
+            m >>= 1
+        return self.finish(k, ierr, ctx)
+
+    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil:
+        """A chain from the root (rank order from it), in segments: each rank passes a segment on as soon
+        as it has it, so every link carries the message once, all at the same time."""
+        cdef int P = self.size, vr = (self.rank - root + P) % P, ierr = 0
+        cdef int prev = (self.rank - 1 + P) % P, nxt = (self.rank + 1) % P
+        cdef size_t seg = self.seg_bytes, nseg = (n + seg - 1) // seg, k, posted = 0, sent = 0, w
+        cdef Req *rq
+        cdef Status st
+        cdef bint clean = False
+        if P == 1 or n == 0:
+            return 0
+        self.reserve(nseg + PIPELINE_SLOTS, 0)
+        rq = self.reqs + nseg                       # receives: a window of PIPELINE_SLOTS segments
+        if vr == 0:
+            for k in range(nseg):
+                ierr = self.tp.isend(buf + k * seg, min(seg, n - k * seg), nxt, TAG_P2P_BCAST, &self.reqs[k])
+                if ierr:
+                    break
+                sent += 1
+            return self.finish(sent, ierr, ctx)
+        try:
+            for k in range(nseg):
+                while not ierr and posted < nseg and posted < k + PIPELINE_SLOTS:
+                    ierr = self.tp.irecv(buf + posted * seg, min(seg, n - posted * seg), prev, TAG_P2P_BCAST,
+                                         &rq[posted % PIPELINE_SLOTS])
+                    posted += 1
+                if ierr:
+                    break
+                w = min(seg, n - k * seg)
+                st.nbytes = 0
+                ierr = self.tp.wait(&rq[k % PIPELINE_SLOTS], &st, ctx)
+                if not ierr and st.nbytes != w:
+                    self.tp.err_peer = prev
+                    ierr = ENG_ERR_MISMATCH
+                if ierr:
+                    break
+                if vr < P - 1:
+                    ierr = self.tp.isend(buf + k * seg, w, nxt, TAG_P2P_BCAST, &self.reqs[k])
+                    if ierr:
+                        break
+                    sent += 1
+            clean = not ierr
+        finally:
+            if not clean:
+                self.tp.cancel_all(rq, PIPELINE_SLOTS)
+                self.tp.cancel_all(self.reqs, sent)
+        if ierr:
+            return ierr
+        return self.finish(sent, 0, ctx)
+
+    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil:
+        """Binomial tree towards the root; a rank reduces its children's partial results in relative
+        rank order (its own first), so the root's bits do not depend on timing."""
+        cdef int P = self.size, vr = (self.rank - root + P) % P, m, span, ierr
+        cdef size_t n = count * isz
+        cdef bint is_root = vr == 0
+        cdef char *acc
+        cdef char *tmp
+        self.reserve(2, n if is_root else 2 * n)
+        acc = dst if is_root else self.work
+        tmp = self.work if is_root else self.work + n
+        if acc != src and n:
+            memcpy(acc, src, n)
+        span = tree_span(vr, P)
+        m = 1
+        while m < span:
+            if vr + m < P:
+                ierr = peer_exchange(self.tp, NULL, 0, -1, tmp, n, (vr + m + root) % P, TAG_P2P_REDUCE, ctx)
+                if ierr:
+                    return ierr
+                fn(acc, acc, tmp, count)
+            m <<= 1
+        if is_root:
+            return 0
+        return peer_exchange(self.tp, acc, n, (tree_parent(vr) + root) % P, NULL, 0, -1, TAG_P2P_REDUCE, ctx)
+
+    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil:
+        """Large reduce: the ring's reduce-scatter leaves each rank one reduced block, the root gathers
+        them (each link carries about twice the message, not log2(P) times)."""
+        cdef int P = self.size, i, ierr
+        cdef size_t off, length, largest = 0
+        cdef size_t *counts = self.even
+        cdef size_t *displs = self.even + P
+        cdef char *mine
+        for i in range(P):
+            block_range(count, P, i, &off, &length)
+            counts[i], displs[i] = length, off
+            largest = max(largest, length)
+        if self.rank == root:
+            mine = dst + displs[self.rank] * isz
+        else:
+            self.reserve(0, 4 * largest * isz)
+            mine = self.work + 3 * largest * isz    # past what the reduce-scatter uses
+        ierr = self.reduce_scatter_ring(src, mine, isz, fn, counts, displs, ctx)
+        if ierr:
+            return ierr
+        return self.gather_linear(mine, dst, counts[self.rank], isz, counts, displs, root, ctx)
+
+    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
+                            const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        """P - 1 steps: each rank passes to the right the block it received from the left a step before."""
+        cdef int P = self.size, r = self.rank, j, sb, rb, ierr
+        cdef char *own = dst + displs[r] * isz
+        if src != own and counts[r]:
+            memcpy(own, src, counts[r] * isz)
+        for j in range(P - 1):
+            sb, rb = ring_send_block(r, j, P), ring_recv_block(r, j, P)
+            ierr = peer_exchange(self.tp, dst + displs[sb] * isz, counts[sb] * isz, (r + 1) % P,
+                                 dst + displs[rb] * isz, counts[rb] * isz, (r - 1 + P) % P, TAG_P2P_ALLGATHER, ctx)
+            if ierr:
+                return ierr
+        return 0
+
+    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        """Every rank sends its part to the root, which receives them all at once. Only the root needs
+        the counts (torch's gather of parts of different sizes gives the others none)."""
+        cdef int P = self.size, q, ierr = 0
+        cdef size_t k = 0, c, d
+        if self.rank != root:
+            return peer_exchange(self.tp, src, count * isz, root, NULL, 0, -1, TAG_P2P_GATHER, ctx)
+        self.reserve(P, 0)
+        for q in range(P):
+            c = counts[q] if counts != NULL else count
+            d = displs[q] if counts != NULL else <size_t>q * count
+            if q == root:
+                if dst + d * isz != src and c:
+                    memcpy(dst + d * isz, src, c * isz)
+                continue
+            ierr = self.tp.irecv(dst + d * isz, c * isz, q, TAG_P2P_GATHER, &self.reqs[k])
+            if ierr:
+                break
+            self.expect[k] = c * isz
+            k += 1
+        return self.finish(k, ierr, ctx)
+
+    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        """The root sends every rank its part at once."""
+        cdef int P = self.size, q, ierr = 0
+        cdef size_t k = 0, c, d
+        if self.rank != root:
+            return peer_exchange(self.tp, NULL, 0, -1, dst, count * isz, root, TAG_P2P_SCATTER, ctx)
+        self.reserve(P, 0)
+        for q in range(P):
+            c = counts[q] if counts != NULL else count
+            d = displs[q] if counts != NULL else <size_t>q * count
+            if q == root:
+                if dst != src + d * isz and c:
+                    memcpy(dst, src + d * isz, c * isz)
+                continue
+            ierr = self.tp.isend(src + d * isz, c * isz, q, TAG_P2P_SCATTER, &self.reqs[k])
+            if ierr:
+                break
+            k += 1
+        return self.finish(k, ierr, ctx)
+
+    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
+                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        """P - 1 steps around the ring (schedule.pxd): a rank adds its own part of a block to
+        the partial sum that came from the left and passes it on. Each block is reduced along one chain,
+        in the same order on every run, so its bits do not depend on timing."""
+        cdef int P = self.size, r = self.rank, j, sb, rb, ierr, i
+        cdef size_t largest = 0
+        cdef char *acc[2]
+        cdef char *tmp
+        cdef char *out
+        cdef const char *sendp
+        if P == 1:
+            if counts[0] and dst != src + displs[0] * isz:
+                memcpy(dst, src + displs[0] * isz, counts[0] * isz)
+            return 0
+        for i in range(P):
+            largest = max(largest, counts[i] * isz)
+        self.reserve(2, 3 * largest)
+        acc[0], acc[1], tmp = self.work, self.work + largest, self.work + 2 * largest
+        for j in range(P - 1):
+            sb, rb = ring_send_block(r, j + 1, P), ring_recv_block(r, j + 1, P)
+            sendp = src + displs[sb] * isz if j == 0 else acc[(j - 1) % 2]
+            out = dst if j == P - 2 else acc[j % 2]
+            ierr = peer_exchange(self.tp, sendp, counts[sb] * isz, (r + 1) % P, tmp, counts[rb] * isz, (r - 1 + P) % P,
+                                 TAG_P2P_REDUCE_SCATTER, ctx)
+            if ierr:
+                return ierr
+            fn(out, tmp, src + displs[rb] * isz, counts[rb])
+        return 0
+
+    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
+                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                               WaitCtx *ctx) except -1 nogil:
+        """Every pair exchanges its blocks directly, all at once; the i-th send goes to rank r+i and the
+        i-th receive comes from rank r-i, so no rank is everybody's first destination."""
+        cdef int P = self.size, r = self.rank, i, to, frm, ierr = 0
+        cdef size_t k = 0
+        if scounts[r] and dst + rdispls[r] * isz != src + sdispls[r] * isz:
+            memcpy(dst + rdispls[r] * isz, src + sdispls[r] * isz, scounts[r] * isz)
+        self.reserve(2 * P, 0)
+        for i in range(1, P):
+            shift_peers(r, i, P, &to, &frm)
+            ierr = self.tp.irecv(dst + rdispls[frm] * isz, rcounts[frm] * isz, frm, TAG_P2P_ALLTOALL, &self.reqs[k])
+            if ierr:
+                break
+            self.expect[k] = rcounts[frm] * isz
+            k += 1
+            ierr = self.tp.isend(src + sdispls[to] * isz, scounts[to] * isz, to, TAG_P2P_ALLTOALL, &self.reqs[k])
+            if ierr:
+                break
+            k += 1
+        return self.finish(k, ierr, ctx)
+
+    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil:
+        """ceil(log2(P)) rounds: in round k every rank signals rank r + 2^k and hears from rank r - 2^k."""
+        cdef int P = self.size, r = self.rank, dist = 1, to, frm, ierr = 0
+        while dist < P and not ierr:
+            shift_peers(r, dist, P, &to, &frm)
+            ierr = peer_exchange(self.tp, NULL, 0, to, NULL, 0, frm, TAG_P2P_BARRIER, ctx)
+            dist <<= 1
+        return ierr

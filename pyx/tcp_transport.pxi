@@ -1,0 +1,311 @@
+# The TCP transport behind the seam (the protocol, matching and progress are pyx/tcp.h's), and the
+# group whose collectives are the engine's own point-to-point algorithms over it (TcpComm).
+#
+# Waiting: the engine's one wait (wait_until, pyx/wait.pxi) over this channel: it spins (polling the
+# channel's sockets) for the group's spin budget, then sleeps in poll() on them (the channel's doze)
+# until something arrives, the watch is due, or another thread completes a request (the channel's
+# completion count is its doorbell). No GIL is held while it waits.
+
+from libc.string cimport strerror
+
+cdef extern from "tcp.h" nogil:
+    ctypedef struct eng_tcp:
+        int dead_peer
+        int dead_code
+        int rejected
+        uint32_t gen
+    ctypedef struct tcp_req:
+        pass
+    enum:
+        ENG_TCP_MAX_STREAMS
+    eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
+                         size_t eager_max, const unsigned char *token, int listen_fd)
+    void eng_tcp_free(eng_tcp *t)
+    int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
+    int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
+    int eng_tcp_interfaces(char *out, size_t cap)
+    int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer)
+    int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer)
+    int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, size_t *nbytes, int *err_peer)
+    void eng_tcp_sleep(eng_tcp *t, uint32_t gen, double seconds)
+    int eng_tcp_cancel(eng_tcp *t, tcp_req *r)
+    int eng_tcp_connect_all(eng_tcp *t)
+    int eng_tcp_mesh_missing(eng_tcp *t, int *code)
+    int eng_tcp_waiting_on(eng_tcp *t, int *peers, double *silent, int cap)
+    int eng_tcp_peer_errno(eng_tcp *t, int peer)
+
+cdef extern from "<netdb.h>" nogil:
+    const char *gai_strerror(int code)
+
+
+def tcp_listen(str host):
+    """A listening socket on host (a numeric IPv4 or IPv6 address) and an ephemeral port: (fd, port).
+    The fd goes to a TcpTransport, which closes it."""
+    cdef int fd = -1, port = 0
+    cdef bytes h = host.encode()
+    cdef int rc = eng_tcp_listen(h, &fd, &port)
+    if rc > 0:
+        raise OSError(rc, f"engine: can't listen on {host}: {strerror(rc).decode()}")
+    if rc < 0:
+        raise OSError(f"engine: can't listen on {host}: {gai_strerror(-rc).decode()}")
+    return fd, port
+
+
+def tcp_interfaces():
+    """[(interface, 4 or 6, address)] of every interface that is up."""
+    cdef char buf[65536]
+    cdef int rc = eng_tcp_interfaces(buf, sizeof(buf))
+    if rc:
+        raise OSError(rc, f"engine: can't list the network interfaces: {strerror(rc).decode()}")
+    out = []
+    for line in buf.decode().splitlines():
+        name, fam, addr = line.split(" ")
+        out.append((name, int(fam), addr))
+    return out
+
+
+def close_fd(int fd):
+    """Closes a descriptor tcp_listen() returned that no transport took."""
+    eng_close(fd)
+
+
+cdef void _tcp_doze(void *t, uint32_t gen, double seconds) noexcept nogil:
+    eng_tcp_sleep(<eng_tcp*>t, gen, seconds)
+
+
+cdef class TcpTransport(Transport):
+    """One channel of a group over TCP: listen_fd (from tcp_listen, taken over), the group's token,
+    and every rank's (host, port, name) to connect to. fail_any: any peer's end fails every request
+    (the engine's collectives need every rank)."""
+    cdef eng_tcp *t
+    cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
+    cdef readonly list peers        # (address, port, host name) of every rank
+    cdef readonly int channel, nstreams
+
+    def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
+                  size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True):
+        if len(token) != 16:
+            raise ValueError("the group's token must be 16 bytes")
+        if len(peers) != size:
+            raise ValueError(f"{len(peers)} peer addresses for a group of {size}")
+        if not 1 <= nstreams <= ENG_TCP_MAX_STREAMS:
+            raise ValueError(f"streams per peer must be in 1..{ENG_TCP_MAX_STREAMS}, got {nstreams}")
+        self.rank, self.size, self.channel, self.nstreams = rank, size, channel, nstreams
+        self.err_peer = -1
+        self.peers = list(peers)
+        self.t = eng_tcp_new(rank, size, channel, nstreams, fail_any, split_min, eager_max, token, listen_fd)
+        if self.t == NULL:
+            eng_close(listen_fd)
+            raise MemoryError()
+        self.bell.bell = &self.t.gen
+        self.bell.doze = _tcp_doze
+        self.bell.doze_obj = self.t
+        self.door = &self.bell
+        for q, (addr, port, _) in enumerate(peers):
+            rc = eng_tcp_set_peer(self.t, q, addr.encode(), port)
+            if rc:
+                raise ValueError(f"engine: rank {q}'s address {addr!r} port {port}: {gai_strerror(rc).decode()}")
+
+    def __dealloc__(self):
+        eng_tcp_free(self.t)
+
+    cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        cdef tcp_req *r = NULL
+        cdef int ep = -1
+        cdef int ierr = eng_tcp_isend(self.t, buf, nbytes, peer, tag, &r, &ep)
+        if ierr:
+            self.err_peer = ep
+            return ierr
+        req.w[0] = <size_t>r
+        return 0
+
+    cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
+        cdef tcp_req *r = NULL
+        cdef int ep = -1
+        cdef int ierr = eng_tcp_irecv(self.t, buf, nbytes, peer, tag, &r, &ep)
+        if ierr:
+            self.err_peer = ep
+            return ierr
+        req.w[0] = <size_t>r
+        return 0
+
+    cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil:
+        cdef int d = 0, src = -1, tag = -1, ep = -1, ierr
+        cdef size_t nbytes = 0
+        if not req_active(req):
+            done[0] = True
+            return 0
+        ierr = eng_tcp_test(self.t, <tcp_req*>req.w[0], &d, &src, &tag, &nbytes, &ep)
+        done[0] = d != 0
+        if d:
+            req.w[0] = 0
+            if st != NULL:
+                st.source, st.tag, st.nbytes = src, tag, nbytes
+        if ierr:
+            self.err_peer = ep
+        return ierr
+
+    cdef int cancel(self, Req *req) noexcept nogil:
+        cdef tcp_req *r = <tcp_req*>req.w[0]
+        if r == NULL:
+            return 0
+        req.w[0] = 0
+        return eng_tcp_cancel(self.t, r)
+
+    def connect_mesh(self, double timeout):
+        """Connects to every peer (and waits for every peer's connections) now, not at first use."""
+        cdef MeshWait w
+        cdef int ierr
+        w.deadline = eng_now() + timeout
+        w.missing = -1
+        with nogil:
+            ierr = eng_tcp_connect_all(self.t)
+            if not ierr:
+                ierr = wait_until(_poll_mesh, <void*>self.t, &w, NULL, self.door)
+        if ierr:
+            self.err_peer = w.missing if w.missing >= 0 else self.t.dead_peer
+            raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}")
+        if w.missing >= 0:
+            addr, port, host = self.peers[w.missing]
+            raise EngineTimeout(f"engine: rank {self.rank} could not connect to rank {w.missing} ({host}, {addr} port "
+                                f"{port}) within {timeout:g} s, or it never connected back: a firewall, a wrong "
+                                f"interface (ENGINE_SOCKET_IFNAME), or that rank never made this group")
+
+    def waiting_on(self):
+        """[(peer, seconds since bytes last came from it, or None: never)] of the peers this channel's
+        unfinished requests wait on."""
+        cdef int peers[64]
+        cdef double silent[64]
+        cdef int n = eng_tcp_waiting_on(self.t, peers, silent, 64)
+        return [(peers[i], silent[i] if silent[i] >= 0 else None) for i in range(n)]
+
+    @property
+    def rejected(self):
+        """Connections closed before or at their hello (a wrong token, a stranger, a duplicate)."""
+        return self.t.rejected
+
+    cdef str _who(self, int peer):
+        if peer < 0 or peer >= len(self.peers):
+            return "a peer"
+        addr, port, host = self.peers[peer]
+        return f"rank {peer} ({host}, {addr} port {port})"
+
+    cdef object error_text(self, int code):
+        cdef int p = self.err_peer, e
+        if code == ENG_ERR_PEER_DEAD:
+            e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
+            why = f" ({strerror(e).decode()})" if e else ""
+            return (f"{self._who(p)} closed its connection{why} while rank {self.rank} waited for it: its process "
+                    "exited, or it destroyed the group")
+        if code == ENG_ERR_CONNECT:
+            e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
+            return (f"could not connect to {self._who(p)}: {strerror(e).decode() if e else 'failed'} (is that "
+                    "address reachable from this host? ENGINE_SOCKET_IFNAME chooses the interface)")
+        if code == ENG_ERR_CORRUPT:
+            return (f"{self._who(p)} sent a malformed frame: refusing to read it (a bug, or not an engine peer); "
+                    "its connection is closed")
+        if code == ENG_ERR_MISMATCH:
+            return (f"{self._who(p)} sent a message of another size than this rank expects: the ranks are in "
+                    "different collectives, or passed different counts")
+        return _engine_error_text(code, p)
+
+
+cdef struct MeshWait:
+    double deadline
+    int missing         # the first peer not yet connected both ways, or -1
+
+
+cdef int _poll_mesh(void *t, void *arg, bint *done) except -1 nogil:
+    """Done once every connection is made both ways, or at the deadline (w.missing names who is not)."""
+    cdef MeshWait *w = <MeshWait*>arg
+    cdef int code = 0
+    w.missing = eng_tcp_mesh_missing(<eng_tcp*>t, &code)
+    done[0] = w.missing < 0 or eng_now() >= w.deadline
+    return code
+
+
+cdef class TcpComm(CoreComm):
+    """A group over TCP: the engine's own point-to-point algorithms over `algo` (allreduce: the ring and
+    recursive doubling of pyx/ring.pxi; the rest: pyx/p2p_collectives.pxi); the user's send/recv over
+    `user` (two channels, so a user's any-tag receive never sees the algorithms' messages)."""
+    cdef P2PCollectives p2p
+
+    def __cinit__(self, TcpTransport algo, TcpTransport user, size_t ring_segment_bytes):
+        self.transport = "tcp"
+        self.init_core(algo, user, ring_segment_bytes)
+        self.p2p = P2PCollectives(algo, ring_segment_bytes)
+        # NATIVE: point-to-point's one way (the sendrecv entry)
+        self.impls = ((1u << IMPL_NATIVE) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_TREE)
+                      | (1u << IMPL_PIPELINE) | (1u << IMPL_RSAG) | (1u << IMPL_LINEAR) | (1u << IMPL_PAIRWISE)
+                      | (1u << IMPL_DISSEMINATION) | (1u << IMPL_COMPOSITE))
+
+    @property
+    def algo_transport(self):
+        return self.algo_tp
+
+    @property
+    def user_transport(self):
+        return self.user_tp
+
+    def waiting_on(self):
+        """Whom this rank's collective waits on, as the TCP transport sees it (for a timeout's report:
+        the store that would name the missing ranks may be out of reach behind a cut link), or None."""
+        cdef TcpTransport tp = <TcpTransport>self.algo_tp
+        waits = tp.waiting_on()
+        if not waits:
+            return None
+        return "; ".join(f"this rank waits on {tp._who(q)}, " + (f"from which nothing has arrived for {s:.1f} s"
+                                                                  if s is not None else "from which nothing ever arrived")
+                         for q, s in waits)
+
+    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
+                           WaitCtx *ctx) except -1 nogil:
+        if impl == IMPL_PIPELINE:
+            return self.p2p.broadcast_pipeline(buf, count * eng_itemsize[dtype], root, ctx)
+        return self.p2p.broadcast_tree(buf, count * eng_itemsize[dtype], root, ctx)
+
+    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
+                        WaitCtx *ctx) except -1 nogil:
+        cdef int ierr
+        cdef size_t isz = eng_itemsize[red.dtype]
+        if impl == IMPL_RSAG:
+            ierr = self.p2p.reduce_rsag(src, dst, count, isz, red.fn, root, ctx)
+        else:
+            ierr = self.p2p.reduce_tree(src, dst, count, isz, red.fn, root, ctx)
+        if not ierr and red.avg and self.rank == root:
+            eng_scale(dst, count, red.dtype, self.size, 1)
+        return ierr
+
+    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        if counts == NULL:
+            counts = self.p2p.even_counts(count)
+            displs = counts + self.size
+        return self.p2p.allgather_ring(src, dst, eng_itemsize[dtype], counts, displs, ctx)
+
+    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        return self.p2p.gather_linear(src, dst, count, eng_itemsize[dtype], counts, displs, root, ctx)
+
+    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
+                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        return self.p2p.scatter_linear(src, dst, count, eng_itemsize[dtype], counts, displs, root, ctx)
+
+    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
+                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
+        cdef int ierr
+        if counts == NULL:
+            counts = self.p2p.even_counts(count)
+            displs = counts + self.size
+        ierr = self.p2p.reduce_scatter_ring(src, dst, eng_itemsize[red.dtype], red.fn, counts, displs, ctx)
+        if not ierr and red.avg:
+            eng_scale(dst, count, red.dtype, self.size, 1)
+        return ierr
+
+    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
+                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                          bint even, WaitCtx *ctx) except -1 nogil:
+        return self.p2p.alltoall_pairwise(src, dst, eng_itemsize[dtype], scounts, sdispls, rcounts, rdispls, ctx)
+
+    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
+        return self.p2p.barrier_dissemination(ctx)

@@ -1,0 +1,46 @@
+"""A fault between namespace hosts while the ranks all_reduce over the engine's TCP transport (launched
+by tests/test_hosts.py with torchrun on each host, or plain python with env:// variables):
+
+    FAULT=kill   rank FAULT_RANK sends itself SIGKILL at step 5
+    FAULT=cut    rank FAULT_RANK sets its host's link (eth0) down at step 5
+    FAULT=none   only the init (a wrong MASTER_ADDR, a MASTER_PORT in use: the init must fail)
+
+Every rank that raises prints `rank R: raised after S s: Type: message`, S counted from the fault (or
+from the start of the init), on the shared clock of the namespace hosts."""
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+FAULT = os.environ.get("FAULT", "none")
+VICTIM = int(os.environ.get("FAULT_RANK", "1"))
+TIMEOUT = float(os.environ.get("FAULT_TIMEOUT", "10"))
+rank = int(os.environ.get("RANK", "-1"))
+start = time.time()
+try:
+    dist.init_process_group(backend="engine", timeout=datetime.timedelta(seconds=TIMEOUT))
+    rank = dist.get_rank()
+    t = torch.ones(1 << 16)
+    for step in range(1000):
+        if step == 5:
+            fault_at = time.time()
+            if rank == VICTIM and FAULT == "kill":
+                print(f"rank {rank}: SIGKILL at step {step} at {fault_at:.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == VICTIM and FAULT == "cut":
+                subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+                print(f"rank {rank}: link cut at step {step} at {fault_at:.3f}", flush=True)
+            start = fault_at
+        dist.all_reduce(t)
+        time.sleep(0.01)
+    print(f"rank {rank}: finished all steps", flush=True)
+except Exception as exc:
+    print(f"rank {rank}: raised after {time.time() - start:.1f} s: {type(exc).__name__}: {exc}".replace("\n", " "),
+          flush=True)
+    sys.exit(1)

@@ -1,0 +1,211 @@
+"""The TCP transport's wire, checked from one process against a peer written here byte by byte
+(pyx/tcp.h's format): connections that don't prove the group's token are closed before anything they
+send is read; every length on the wire is checked; messages split over streams, arriving out of order
+or from a peer that dies mid-message end as the protocol says. The transport's behaviour between
+real ranks is tests/mpi/tcp_suite.py's (tests/test_hosts.py)."""
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine import _core
+from engine.watch import EngineError, EnginePeerLost, EngineTimeout
+
+MAGIC, VERSION, HDR = 0x54474E45, 1, 32
+MSG, PART = 0x2147534D, 0x54524150
+TOKEN = bytes(range(16))
+
+
+def hello(token=TOKEN, frm=1, to=0, channel=1, stream=0, nstreams=1, size=2):
+    return struct.pack("<IHH16sIIIIII", MAGIC, VERSION, HDR, token, frm, to, channel, stream, nstreams, size)
+
+
+def header(kind, tag, seq, a, b):
+    return struct.pack("<IiQQQ", kind, tag, seq, a, b)
+
+
+class Deadline:
+    """The p2p watch: a wait past `seconds` raises (a broken transport fails the test, not hangs it)."""
+
+    def __init__(self, seconds=10.0):
+        self.seconds = seconds
+
+    def __call__(self, elapsed):
+        pass
+
+    def peer_timeout(self, what, peer, tag, elapsed):
+        if elapsed > self.seconds:
+            raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
+
+
+@pytest.fixture
+def rank0():
+    """Rank 0 of a group of 2 whose rank 1 is this test: (core, rank 1's listener, rank 0's ports)."""
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen(16)
+    ports, transports = [], []
+    for ch in range(2):
+        fd, port = _core.tcp_listen("127.0.0.1")
+        ports.append(port)
+        peers = [("127.0.0.1", port, "rank0"), ("127.0.0.1", fake.getsockname()[1], "rank1")]
+        transports.append(_core.TcpTransport(0, 2, ch, fd, TOKEN, peers, nstreams=2, split_min=1 << 20,
+                                             eager_max=64 << 10, fail_any=ch == 0))
+    core = _core.TcpComm(transports[0], transports[1], 1 << 16)
+    core.set_watch(Deadline(), 0.05, p2p=Deadline())
+    yield core, fake, ports
+    fake.close()
+
+
+def connect(port, data=b""):
+    s = socket.create_connection(("127.0.0.1", port))
+    if data:
+        s.sendall(data)
+    return s
+
+
+def drive(request, until, seconds=5.0):
+    """Polls request (progress happens inside test()) until until() or the deadline."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        request.test()
+        if until():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def closed_by_peer(sock):
+    sock.settimeout(0.01)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("what", ["junk", "wrong token", "wrong rank", "wrong channel", "wrong size"])
+def test_a_connection_without_the_right_hello_is_closed_unread(rank0, what):
+    core, _, ports = rank0
+    data = {"junk": b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64, "wrong token": hello(token=b"\x01" * 16),
+            "wrong rank": hello(to=1), "wrong channel": hello(channel=0), "wrong size": hello(size=3)}[what]
+    stray = connect(ports[1], data + header(MSG, 0, 0, 4, 4) + b"evil")
+    r = core.irecv(np.zeros(4, np.uint8), None, None)
+    assert drive(r, lambda: closed_by_peer(stray)), "the stray connection was not closed"
+    assert core.user_transport.rejected == 1 and not r.test()
+    # the group still works: a proper peer's message arrives into the posted receive
+    good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
+    assert r.wait() == (1, 5, 4)
+    good.close()
+
+
+def test_a_message_arrives_whole_from_a_conforming_peer(rank0):
+    core, _, ports = rank0
+    payload = np.arange(100_000, dtype=np.uint8)
+    s = connect(ports[1], hello() + header(MSG, 3, 0, 0, 0) + header(MSG, 3, 1, payload.nbytes, payload.nbytes)
+                + payload.tobytes())
+    empty, out = np.zeros(0, np.uint8), np.zeros(payload.nbytes, np.uint8)
+    assert core.recv(empty, 1, 3) == (1, 3, 0)
+    assert core.recv(out, 1, 3) == (1, 3, payload.nbytes)      # held (over eager_max) until posted
+    np.testing.assert_array_equal(out, payload)
+    s.close()
+
+
+def test_a_message_split_over_streams_arrives_whole_whatever_comes_first(rank0):
+    core, _, ports = rank0
+    payload = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
+    half = payload.nbytes // 2
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, half, payload.nbytes - half)
+                 + payload[half:].tobytes())    # the second part first, on stream 1
+    out = np.zeros(payload.nbytes, np.uint8)
+    r = core.irecv(out, 1, 7)
+    time.sleep(0.05)
+    r.test()
+    s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, payload.nbytes, half)
+                 + payload[:half].tobytes())
+    assert r.wait() == (1, 7, payload.nbytes)
+    np.testing.assert_array_equal(out, payload)
+    s0.close()
+    s1.close()
+
+
+@pytest.mark.parametrize("frame", ["too long", "part longer than message", "part on stream 0", "unknown kind",
+                                   "negative tag", "numbers going back"])
+def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
+    core, _, ports = rank0
+    bad = {"too long": header(MSG, 0, 0, 1 << 50, 8), "part longer than message": header(MSG, 0, 0, 8, 9),
+           "part on stream 0": header(PART, 0, 0, 0, 8), "unknown kind": header(0x41414141, 0, 0, 8, 8),
+           "negative tag": header(MSG, -5, 0, 8, 8),
+           "numbers going back": header(MSG, 0, 4, 0, 0) + header(MSG, 0, 2, 0, 0)}[frame]
+    s = connect(ports[1], hello() + bad + b"\0" * 64)
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
+        core.recv(np.zeros(8, np.uint8), 1, 0)
+        core.recv(np.zeros(8, np.uint8), 1, 0)
+    s.close()
+
+
+def test_a_peer_closing_mid_message_fails_naming_it(rank0):
+    core, _, ports = rank0
+    s = connect(ports[1], hello() + header(MSG, 0, 0, 1000, 1000) + b"x" * 10)
+    threading.Timer(0.2, s.close).start()
+    start = time.monotonic()
+    with pytest.raises(EnginePeerLost, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) closed its connection"):
+        core.recv(np.zeros(1000, np.uint8), 1, 0)
+    assert time.monotonic() - start < 5
+
+
+def test_what_a_closed_peer_sent_is_still_received(rank0):
+    core, _, ports = rank0
+    s = connect(ports[1], hello() + header(MSG, 1, 0, 3, 3) + b"abc")
+    s.close()
+    time.sleep(0.1)
+    out = np.zeros(3, np.uint8)
+    assert core.recv(out, 1, 1) == (1, 1, 3) and out.tobytes() == b"abc"
+    with pytest.raises(EnginePeerLost, match="rank 1"):
+        core.recv(out, 1, 1)
+
+
+def test_a_truncated_receive_says_so_and_the_stream_goes_on(rank0):
+    core, _, ports = rank0
+    s = connect(ports[1], hello() + header(MSG, 1, 0, 8, 8) + b"12345678" + header(MSG, 1, 1, 2, 2) + b"ok")
+    with pytest.raises(EngineError, match="truncated"):
+        core.recv(np.zeros(4, np.uint8), 1, 1)
+    out = np.zeros(2, np.uint8)
+    assert core.recv(out, 1, 1) == (1, 1, 2) and out.tobytes() == b"ok"
+    s.close()
+
+
+def test_interfaces_and_listening_on_ipv4_and_ipv6():
+    names = {name for name, _, _ in _core.tcp_interfaces()}
+    assert "lo" in names
+    fd, port = _core.tcp_listen("127.0.0.1")
+    assert port > 0
+    _core.close_fd(fd)
+    if socket.has_ipv6 and any(fam == 6 for _, fam, _ in _core.tcp_interfaces()):
+        fd, port = _core.tcp_listen("::1")
+        _core.close_fd(fd)
+    with pytest.raises(OSError, match="can't listen on 203.0.113.7"):
+        _core.tcp_listen("203.0.113.7")     # not this host's address
+
+
+def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
+    from engine import tcp
+    monkeypatch.setenv("ENGINE_SOCKET_IFNAME", "lo")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert tcp.listen_address()[0] == "127.0.0.1"
+    monkeypatch.setenv("ENGINE_SOCKET_IFNAME", "nosuch0,lo")
+    assert tcp.listen_address() == ("127.0.0.1", "ENGINE_SOCKET_IFNAME=lo")
+    monkeypatch.setenv("ENGINE_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(RuntimeError, match="ENGINE_SOCKET_IFNAME='nosuch0': this host .* has no such interface"):
+        tcp.listen_address()
+    monkeypatch.delenv("ENGINE_SOCKET_IFNAME")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert tcp.listen_address() == ("127.0.0.1", "the route to MASTER_ADDR=127.0.0.1")
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR='no-such-host.invalid' does not resolve"):
+        tcp.listen_address()

@@ -1,0 +1,110 @@
+"""torch's rendezvous (env://, tcp://) for backend "engine", bounded by the group's timeout.
+
+torch's TCPStore client (torch 2.13) waits without end for an answer from whatever accepts its
+connection at MASTER_ADDR:MASTER_PORT: a port another program listens on (rank 0 then fails to start
+the store there, "address already in use") keeps every other rank in the TCPStore constructor past
+the timeout it was given, forever. So the rendezvous runs on a helper thread and the caller waits at
+most the timeout and a grace: past it, the helper's connection to that address is shut down (torch's
+client then gives up: no thread is left blocked) and an error names the address and port. torch's own
+errors (nothing listening, a wrong MASTER_ADDR: its connect gives up at the timeout) come through as
+they are. The store made is handed to torch's init_process_group as it would have made it itself."""
+
+import ipaddress
+import os
+import socket
+import threading
+from urllib.parse import urlparse
+
+# Beyond the timeout: torch's own connect loop gives up at the timeout, up to one connect attempt (3 s
+# where no host answers) after it; its error (which names the address) should win over this one.
+GRACE_SECONDS = 5.0
+
+
+def bounded(url):
+    """Whether url's rendezvous makes a TCPStore client (env://, tcp://), the one that may hang."""
+    return url is None or str(url).startswith(("env://", "tcp://"))
+
+
+def store_address(url, environ=None):
+    """(host, port) of the store url names (env://: MASTER_ADDR, MASTER_PORT), as given."""
+    env = os.environ if environ is None else environ
+    if url is None or str(url).startswith("env://"):
+        return env.get("MASTER_ADDR", "?"), env.get("MASTER_PORT", "?")
+    parsed = urlparse(str(url))
+    return parsed.hostname, parsed.port
+
+
+def where(url, environ=None):
+    """The store's address and port as the user gave them."""
+    host, port = store_address(url, environ)
+    if url is None or str(url).startswith("env://"):
+        return f"MASTER_ADDR={host} MASTER_PORT={port}"
+    return f"{host}:{port}"
+
+
+def _plain(ip):
+    """An address without an IPv4-mapped IPv6 prefix or a zone."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    return str(addr.ipv4_mapped or addr) if addr.version == 6 else str(addr)
+
+
+def _shut_connections_to(host, port):
+    """Shuts down this process's TCP connections to (host, port) (a read blocked on one returns);
+    returns how many there were."""
+    shut = 0
+    try:
+        port = int(port)
+        targets = {_plain(info[4][0]) for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except (OSError, ValueError):
+        return 0
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM:
+                peer = s.getpeername()
+                if peer[1] == port and _plain(peer[0]) in targets:
+                    s.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+        except (OSError, ValueError, IndexError, TypeError):
+            pass
+        finally:
+            s.detach()
+    return shut
+
+
+def rendezvous(url, rank, world_size, timeout):
+    """(store, rank, world_size) as torch.distributed.rendezvous gives them, or an error within
+    timeout + GRACE_SECONDS naming the store's address."""
+    from torch.distributed import rendezvous as torch_rendezvous
+    url = url or "env://"
+    result = []
+
+    def run():
+        try:
+            result.append((True, next(torch_rendezvous(url, rank, world_size, timeout=timeout))))
+        except BaseException as exc:  # handed to the caller's thread
+            result.append((False, exc))
+
+    helper = threading.Thread(target=run, name="engine-rendezvous", daemon=True)
+    helper.start()
+    seconds = timeout.total_seconds()
+    helper.join(seconds + GRACE_SECONDS)
+    if not result:
+        connected = _shut_connections_to(*store_address(url))
+        helper.join(GRACE_SECONDS)
+        who = f"rank {rank}" if rank not in (None, -1) else f"rank {os.environ.get('RANK', '?')}"
+        if connected:
+            raise RuntimeError(f"engine: {who} connected to torch's store at {where(url)} but got no answer within "
+                               f"{seconds:g} s (the group's timeout): something else listens on that port (then "
+                               f"rank 0 could not start the store there), or rank 0 is stuck; choose a free port")
+        raise RuntimeError(f"engine: {who} could not reach torch's store at {where(url)} within {seconds:g} s (the "
+                           f"group's timeout): is that address right and reachable from this host, and did rank 0 "
+                           f"start?")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
