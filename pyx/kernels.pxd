@@ -1,4 +1,4 @@
-# C declarations of kernels.h (the kernels themselves are plain C so they vectorise).
+# C declarations of kernels.h (the kernels themselves are plain C, in kernels_body.h, compiled once per ISA).
 
 cdef extern from "kernels.h" nogil:
     enum:
@@ -11,6 +11,15 @@ cdef extern from "kernels.h" nogil:
     const size_t eng_itemsize[]
 
     ctypedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n) noexcept nogil
+
+    enum:
+        ENG_ISA_BASELINE, ENG_NISAS
+    const char *const eng_isa_names[]
+    int eng_isa_use(int isa)
+    int eng_isa_built(int isa)
+    int eng_isa_supported(int isa)
+    size_t eng_isa_slot()
+    void eng_isa_bind(size_t slot)
 
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
     int eng_scale(void *data, size_t n, int dtype, double factor, int divide)
