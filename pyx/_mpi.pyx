@@ -24,4 +24,10 @@ include "mpi_transport.pxi"
 include "mpi_collectives.pxi"
 
 eng_isa_bind(_kernel_slot())   # the kernels engine._core chose (ENGINE_ISA), not this module's own copy
+
+
+def _kernel_table():
+    """The address of the kernel table this module runs: engine._core's (its _kernel_table())."""
+    return eng_isa_table()
+
 _init_mpi_tables()

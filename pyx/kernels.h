@@ -126,6 +126,8 @@ static inline size_t eng_isa_slot(void) { return (size_t)&eng_kernels_chosen; }
 static inline void eng_isa_bind(size_t slot) {
   eng_kernels_active = (const struct eng_kernel_table *const *)slot;
 }
+/* The address of the table this module's calls read now (tests compare engine._mpi's with engine._core's). */
+static inline size_t eng_isa_table(void) { return (size_t)*eng_kernels_active; }
 
 static inline eng_reduce_fn eng_reduce_lookup(int dtype, int op) {
   if (dtype < 0 || dtype >= ENG_NDTYPES || op < 0 || op >= ENG_NOPS) return NULL;

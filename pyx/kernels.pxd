@@ -1,3 +1,6 @@
+# distutils: depends = kernels_body.h
+# (kernels.h includes kernels_body.h, an #include cythonize doesn't follow: every module that cimports
+# this file is rebuilt when it changes.)
 # C declarations of kernels.h (the kernels themselves are plain C, in kernels_body.h, compiled once per ISA).
 
 cdef extern from "kernels.h" nogil:
@@ -20,6 +23,7 @@ cdef extern from "kernels.h" nogil:
     int eng_isa_supported(int isa)
     size_t eng_isa_slot()
     void eng_isa_bind(size_t slot)
+    size_t eng_isa_table()
 
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
     int eng_scale(void *data, size_t n, int dtype, double factor, int divide)

@@ -151,6 +151,11 @@ def _kernel_slot():
     return eng_isa_slot()
 
 
+def _kernel_table():
+    """The address of the kernel table this module runs (engine._mpi has the same function: the two agree)."""
+    return eng_isa_table()
+
+
 def _choose_isa_from_env():
     raw = os.environ.get("ENGINE_ISA", "")
     try:
