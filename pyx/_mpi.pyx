@@ -17,10 +17,17 @@ from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, Wai
                            IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_COMPOSITE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,
                            OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE)
 
-from engine._core import EngineError
+from engine._core import EngineError, _kernel_slot
 
 include "mpi_tables.pxi"
 include "mpi_transport.pxi"
 include "mpi_collectives.pxi"
+
+eng_isa_bind(_kernel_slot())   # the kernels engine._core chose (ENGINE_ISA), not this module's own copy
+
+
+def _kernel_table():
+    """The address of the kernel table this module runs: engine._core's (its _kernel_table())."""
+    return eng_isa_table()
 
 _init_mpi_tables()

@@ -1,8 +1,10 @@
 /* Element-wise kernels of the engine: reductions, scaling, pack/unpack.
  *
- * Plain C so the compiler vectorises the loops (built with -O3); every function is
- * GIL-free by construction. dtype and op codes are defined here once and read by
- * Cython through kernels.pxd.
+ * The kernels themselves are plain C in kernels_body.h, compiled here once per instruction set
+ * (baseline; on x86-64 also AVX2 and AVX-512) so the compiler vectorises each copy for its target;
+ * a table per ISA holds them, and the calls below go through the active table (engine._core chooses
+ * it at import from ENGINE_ISA or the CPU). Every function is GIL-free by construction. dtype and op
+ * codes are defined here once and read by Cython through kernels.pxd.
  */
 #ifndef ENGINE_KERNELS_H
 #define ENGINE_KERNELS_H
@@ -27,188 +29,129 @@ static const size_t eng_itemsize[ENG_NDTYPES] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2
 /* dst[i] = a[i] (op) b[i]; dst may alias a or b. */
 typedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n);
 
-/* ---- float16 / bfloat16 <-> float32, round to nearest even, branch-free ---- */
-
 static inline float eng_f32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
 static inline uint32_t eng_f32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
 
-/* IEEE half -> float (after M. Dukhan's FP16 library, MIT). */
-static inline float eng_half_to_float(uint16_t h) {
-  const uint32_t w = (uint32_t)h << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float normalized = eng_f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = eng_f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result = sign | (two_w < (1u << 27) ? eng_f32_to_bits(denormalized)
-                                                     : eng_f32_to_bits(normalized));
-  return eng_f32_from_bits(result);
-}
+/* Two 16-bit elements in one 32-bit word (the 16-bit float loops of kernels_body.h): each element
+ * moved into the word's high half, and two results (each in the low 16 bits) merged back. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define ENG_FIRST_HI(w) ((w) & 0xFFFF0000u)
+#define ENG_SECOND_HI(w) ((w) << 16)
+#define ENG_PAIR(first, second) (((first) << 16) | (second))
+#else
+#define ENG_FIRST_HI(w) ((w) << 16)
+#define ENG_SECOND_HI(w) ((w) & 0xFFFF0000u)
+#define ENG_PAIR(first, second) (((second) << 16) | (first))
+#endif
 
-/* float -> IEEE half with round to nearest even; NaN stays NaN, overflow gives inf. */
-static inline uint16_t eng_float_to_half(float f) {
-  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = eng_f32_to_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = eng_f32_from_bits((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = eng_f32_to_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
+/* ---- the kernels, once per instruction set ---- */
 
-static inline float eng_bf16_to_float(uint16_t h) { return eng_f32_from_bits((uint32_t)h << 16); }
-
-/* Same rounding as torch's c10::BFloat16 (round_to_nearest_even, NaN -> 0x7FC0). */
-static inline uint16_t eng_float_to_bf16(float f) {
-  const uint32_t w = eng_f32_to_bits(f);
-  const uint32_t rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
-  return (uint16_t)(f != f ? 0x7FC0u : rounded);
-}
-
-/* ---- reductions ---- */
-
-#define ENG_LOOP(NAME, T, EXPR)                                                    \
-  static void NAME(void *dst_, const void *a_, const void *b_, size_t n) {        \
-    T *dst = (T *)dst_; const T *a = (const T *)a_; const T *b = (const T *)b_;   \
-    for (size_t i = 0; i < n; i++) { const T x = a[i], y = b[i]; dst[i] = (T)(EXPR); } \
-  }
-
-/* Reduced in float32, rounded once: matches torch's half and bfloat16 arithmetic. */
-#define ENG_LOOP16(NAME, TO_F, FROM_F, EXPR)                                       \
-  static void NAME(void *dst_, const void *a_, const void *b_, size_t n) {        \
-    uint16_t *dst = (uint16_t *)dst_;                                             \
-    const uint16_t *a = (const uint16_t *)a_, *b = (const uint16_t *)b_;          \
-    for (size_t i = 0; i < n; i++) {                                              \
-      const float x = TO_F(a[i]), y = TO_F(b[i]); dst[i] = FROM_F((float)(EXPR)); \
-    }                                                                             \
-  }
-
-/* MIN/MAX propagate NaN, as torch.minimum / torch.maximum do. */
-#define ENG_MIN_EXPR ((x < y || x != x) ? x : y)
-#define ENG_MAX_EXPR ((x > y || x != x) ? x : y)
-
-/* Integers: the build passes -fwrapv, so signed overflow wraps like torch's. */
-#define ENG_INT_KERNELS(SUFFIX, T)                 \
-  ENG_LOOP(eng_sum_##SUFFIX, T, x + y)             \
-  ENG_LOOP(eng_prod_##SUFFIX, T, x * y)            \
-  ENG_LOOP(eng_min_##SUFFIX, T, x < y ? x : y)     \
-  ENG_LOOP(eng_max_##SUFFIX, T, x > y ? x : y)     \
-  ENG_LOOP(eng_band_##SUFFIX, T, x & y)            \
-  ENG_LOOP(eng_bor_##SUFFIX, T, x | y)             \
-  ENG_LOOP(eng_bxor_##SUFFIX, T, x ^ y)
-
-ENG_INT_KERNELS(i8, int8_t)
-ENG_INT_KERNELS(u8, uint8_t)
-ENG_INT_KERNELS(i16, int16_t)
-ENG_INT_KERNELS(u16, uint16_t)
-ENG_INT_KERNELS(i32, int32_t)
-ENG_INT_KERNELS(u32, uint32_t)
-ENG_INT_KERNELS(i64, int64_t)
-ENG_INT_KERNELS(u64, uint64_t)
-
-/* bool as bytes holding 0/1: SUM and MAX are OR, PRODUCT and MIN are AND (torch's bool arithmetic). */
-ENG_LOOP(eng_or_bool, uint8_t, x | y)
-ENG_LOOP(eng_and_bool, uint8_t, x & y)
-ENG_LOOP(eng_xor_bool, uint8_t, x ^ y)
-
-#define ENG_FLOAT_KERNELS(SUFFIX, T)               \
-  ENG_LOOP(eng_sum_##SUFFIX, T, x + y)             \
-  ENG_LOOP(eng_prod_##SUFFIX, T, x * y)            \
-  ENG_LOOP(eng_min_##SUFFIX, T, ENG_MIN_EXPR)      \
-  ENG_LOOP(eng_max_##SUFFIX, T, ENG_MAX_EXPR)
-
-ENG_FLOAT_KERNELS(f32, float)
-ENG_FLOAT_KERNELS(f64, double)
-
-#define ENG_HALF_KERNELS(SUFFIX, TO_F, FROM_F)                 \
-  ENG_LOOP16(eng_sum_##SUFFIX, TO_F, FROM_F, x + y)            \
-  ENG_LOOP16(eng_prod_##SUFFIX, TO_F, FROM_F, x * y)           \
-  ENG_LOOP16(eng_min_##SUFFIX, TO_F, FROM_F, ENG_MIN_EXPR)     \
-  ENG_LOOP16(eng_max_##SUFFIX, TO_F, FROM_F, ENG_MAX_EXPR)
-
-ENG_HALF_KERNELS(f16, eng_half_to_float, eng_float_to_half)
-ENG_HALF_KERNELS(bf16, eng_bf16_to_float, eng_float_to_bf16)
-
-#define ENG_INT_ROW(S) {eng_sum_##S, eng_prod_##S, eng_min_##S, eng_max_##S, eng_band_##S, eng_bor_##S, eng_bxor_##S}
-#define ENG_FLOAT_ROW(S) {eng_sum_##S, eng_prod_##S, eng_min_##S, eng_max_##S, NULL, NULL, NULL}
-
-/* [dtype][op]; NULL where the pair is not defined (BAND on float32, anything on complex). */
-static const eng_reduce_fn eng_reduce_table[ENG_NDTYPES][ENG_NOPS] = {
-  [ENG_BOOL] = {eng_or_bool, eng_and_bool, eng_and_bool, eng_or_bool, eng_and_bool, eng_or_bool, eng_xor_bool},
-  [ENG_INT8] = ENG_INT_ROW(i8),   [ENG_UINT8] = ENG_INT_ROW(u8),
-  [ENG_INT16] = ENG_INT_ROW(i16), [ENG_UINT16] = ENG_INT_ROW(u16),
-  [ENG_INT32] = ENG_INT_ROW(i32), [ENG_UINT32] = ENG_INT_ROW(u32),
-  [ENG_INT64] = ENG_INT_ROW(i64), [ENG_UINT64] = ENG_INT_ROW(u64),
-  [ENG_FLOAT16] = ENG_FLOAT_ROW(f16), [ENG_BFLOAT16] = ENG_FLOAT_ROW(bf16),
-  [ENG_FLOAT32] = ENG_FLOAT_ROW(f32), [ENG_FLOAT64] = ENG_FLOAT_ROW(f64),
+/* What one ISA's copy of kernels_body.h provides. */
+struct eng_kernel_table {
+  eng_reduce_fn reduce[ENG_NDTYPES][ENG_NOPS];
+  int (*scale)(void *data, size_t n, int dtype, double factor, int divide);
+  int (*cast)(void *dst, int d, const void *src, int s, size_t n, double scale);
 };
+
+/* The ISAs, lowest first. baseline: what the compiler targets by default (x86-64: SSE2; aarch64:
+ * NEON). The others exist on x86-64 built by GCC or Clang; a CPU runs one when it has every feature
+ * its target names (and the OS saves those registers, which __builtin_cpu_supports checks). */
+enum eng_isa { ENG_ISA_BASELINE, ENG_ISA_AVX2, ENG_ISA_AVX512, ENG_NISAS };
+static const char *const eng_isa_names[ENG_NISAS] = {"baseline", "avx2", "avx512"};
+
+#define ENG_ISA baseline
+#include "kernels_body.h"
+#undef ENG_ISA
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ENG_STR(...) #__VA_ARGS__
+#if defined(__clang__)
+#define ENG_TARGET_BEGIN(T) _Pragma(ENG_STR(clang attribute push (__attribute__((target(T))), apply_to = function)))
+#define ENG_TARGET_END _Pragma("clang attribute pop")
+#else
+#define ENG_TARGET_BEGIN(T) _Pragma("GCC push_options") _Pragma(ENG_STR(GCC target(T)))
+#define ENG_TARGET_END _Pragma("GCC pop_options")
+#endif
+
+ENG_TARGET_BEGIN("avx2,bmi,bmi2,popcnt,lzcnt,f16c")
+#define ENG_ISA avx2
+#include "kernels_body.h"
+#undef ENG_ISA
+ENG_TARGET_END
+
+ENG_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,bmi,bmi2,popcnt,lzcnt,f16c")
+#define ENG_ISA avx512
+#include "kernels_body.h"
+#undef ENG_ISA
+ENG_TARGET_END
+
+static const struct eng_kernel_table *const eng_isa_tables[ENG_NISAS] = {
+  &eng_kernels_baseline, &eng_kernels_avx2, &eng_kernels_avx512};
+
+/* 1 when this CPU runs the ISA's code. */
+static inline int eng_isa_supported(int isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+  case ENG_ISA_BASELINE: return 1;
+  case ENG_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")
+                            && __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("f16c");
+  case ENG_ISA_AVX512: return eng_isa_supported(ENG_ISA_AVX2) && __builtin_cpu_supports("avx512f")
+                              && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+                              && __builtin_cpu_supports("avx512dq");
+  default: return 0;
+  }
+}
+#else
+static const struct eng_kernel_table *const eng_isa_tables[ENG_NISAS] = {&eng_kernels_baseline, NULL, NULL};
+static inline int eng_isa_supported(int isa) { return isa == ENG_ISA_BASELINE; }
+#endif
+
+/* The table every dispatching call below reads. engine._core chooses it at import (ENGINE_ISA, else
+ * the highest ISA the CPU runs); engine._mpi, which compiles this header too, points its
+ * eng_kernels_active at _core's (eng_isa_bind), so one choice holds for the whole process. */
+static const struct eng_kernel_table *eng_kernels_chosen = &eng_kernels_baseline;
+static const struct eng_kernel_table *const *eng_kernels_active = &eng_kernels_chosen;
+
+/* Makes isa the active one; -1 when this build lacks it or this CPU can't run it. */
+static inline int eng_isa_use(int isa) {
+  if (isa < 0 || isa >= ENG_NISAS || eng_isa_tables[isa] == NULL || !eng_isa_supported(isa)) return -1;
+  eng_kernels_chosen = eng_isa_tables[isa];
+  return 0;
+}
+
+static inline int eng_isa_built(int isa) { return isa >= 0 && isa < ENG_NISAS && eng_isa_tables[isa] != NULL; }
+
+/* The address to give eng_isa_bind in another module. */
+static inline size_t eng_isa_slot(void) { return (size_t)&eng_kernels_chosen; }
+static inline void eng_isa_bind(size_t slot) {
+  eng_kernels_active = (const struct eng_kernel_table *const *)slot;
+}
+/* The address of the table this module's calls read now (tests compare engine._mpi's with engine._core's). */
+static inline size_t eng_isa_table(void) { return (size_t)*eng_kernels_active; }
 
 static inline eng_reduce_fn eng_reduce_lookup(int dtype, int op) {
   if (dtype < 0 || dtype >= ENG_NDTYPES || op < 0 || op >= ENG_NOPS) return NULL;
-  return eng_reduce_table[dtype][op];
+  return (*eng_kernels_active)->reduce[dtype][op];
 }
 
-/* ---- scaling: x = x * factor, or x = x / factor (AVG divides, like torch's sum / world_size) ---- */
-
-#define ENG_SCALE_LOOP(T, LOAD, STORE, FT)                                          \
-  {                                                                                 \
-    T *p = (T *)data; const FT f = (FT)factor;                                      \
-    if (divide) { for (size_t i = 0; i < n; i++) p[i] = STORE((FT)LOAD(p[i]) / f); } \
-    else        { for (size_t i = 0; i < n; i++) p[i] = STORE((FT)LOAD(p[i]) * f); } \
-  }
-#define ENG_ID(x) (x)
-
-/* Returns 0, or -1 when dtype is not a floating type. */
-static int eng_scale(void *data, size_t n, int dtype, double factor, int divide) {
-  switch (dtype) {
-  case ENG_FLOAT32: ENG_SCALE_LOOP(float, ENG_ID, ENG_ID, float) return 0;
-  case ENG_FLOAT64: ENG_SCALE_LOOP(double, ENG_ID, ENG_ID, double) return 0;
-  case ENG_FLOAT16: ENG_SCALE_LOOP(uint16_t, eng_half_to_float, eng_float_to_half, float) return 0;
-  case ENG_BFLOAT16: ENG_SCALE_LOOP(uint16_t, eng_bf16_to_float, eng_float_to_bf16, float) return 0;
-  default: return -1;
-  }
+/* x = x * factor, or x / factor (divide); floating dtypes. Returns 0, or -1 for another dtype. */
+static inline int eng_scale(void *data, size_t n, int dtype, double factor, int divide) {
+  return (*eng_kernels_active)->scale(data, n, dtype, factor, divide);
 }
 
 /* ---- pack / unpack with fused scale and cast ---- */
 
 /* Copies n elements from src (dtype s) to dst (dtype d), multiplying by scale when scale != 1.
  * Supported: s == d (any dtype when scale == 1, floating types otherwise), and
- * float32 <-> float16 / bfloat16. Returns 0, or -1 for an unsupported pair. */
+ * float32 <-> float16 / bfloat16. Returns 0, -2 when the caller should copy bytes (same dtype, no
+ * scale), or -1 for an unsupported pair. */
 static int eng_convert(void *dst, int d, const void *src, int s, size_t n, double scale) {
-  const int scaled = scale != 1.0;
-  const float fs = (float)scale;
-  if (s == d && !scaled) return -2; /* caller copies bytes */
+  if (s == d && scale == 1.0) return -2;
   if (s == d) {
-    if (dst != src) memmove(dst, src, n * (d == ENG_FLOAT64 ? 8 : d == ENG_FLOAT32 ? 4 : 2));
+    if (dst != src) memmove(dst, src, n * eng_itemsize[d]);
     return eng_scale(dst, n, d, scale, 0);
   }
-  if (s == ENG_FLOAT32 && (d == ENG_FLOAT16 || d == ENG_BFLOAT16)) {
-    const float *in = (const float *)src; uint16_t *out = (uint16_t *)dst;
-    if (d == ENG_FLOAT16) {
-      if (scaled) for (size_t i = 0; i < n; i++) out[i] = eng_float_to_half(in[i] * fs);
-      else        for (size_t i = 0; i < n; i++) out[i] = eng_float_to_half(in[i]);
-    } else {
-      if (scaled) for (size_t i = 0; i < n; i++) out[i] = eng_float_to_bf16(in[i] * fs);
-      else        for (size_t i = 0; i < n; i++) out[i] = eng_float_to_bf16(in[i]);
-    }
-    return 0;
-  }
-  if (d == ENG_FLOAT32 && (s == ENG_FLOAT16 || s == ENG_BFLOAT16)) {
-    const uint16_t *in = (const uint16_t *)src; float *out = (float *)dst;
-    if (s == ENG_FLOAT16) {
-      if (scaled) for (size_t i = 0; i < n; i++) out[i] = eng_half_to_float(in[i]) * fs;
-      else        for (size_t i = 0; i < n; i++) out[i] = eng_half_to_float(in[i]);
-    } else {
-      if (scaled) for (size_t i = 0; i < n; i++) out[i] = eng_bf16_to_float(in[i]) * fs;
-      else        for (size_t i = 0; i < n; i++) out[i] = eng_bf16_to_float(in[i]);
-    }
-    return 0;
-  }
-  return -1;
+  return (*eng_kernels_active)->cast(dst, d, src, s, n, scale);
 }
 
 static inline int eng_convertible(int d, int s, double scale) {

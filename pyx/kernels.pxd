@@ -1,4 +1,7 @@
-# C declarations of kernels.h (the kernels themselves are plain C so they vectorise).
+# distutils: depends = kernels_body.h
+# (kernels.h includes kernels_body.h, an #include cythonize doesn't follow: every module that cimports
+# this file is rebuilt when it changes.)
+# C declarations of kernels.h (the kernels themselves are plain C, in kernels_body.h, compiled once per ISA).
 
 cdef extern from "kernels.h" nogil:
     enum:
@@ -11,6 +14,16 @@ cdef extern from "kernels.h" nogil:
     const size_t eng_itemsize[]
 
     ctypedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n) noexcept nogil
+
+    enum:
+        ENG_ISA_BASELINE, ENG_NISAS
+    const char *const eng_isa_names[]
+    int eng_isa_use(int isa)
+    int eng_isa_built(int isa)
+    int eng_isa_supported(int isa)
+    size_t eng_isa_slot()
+    void eng_isa_bind(size_t slot)
+    size_t eng_isa_table()
 
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
     int eng_scale(void *data, size_t n, int dtype, double factor, int divide)

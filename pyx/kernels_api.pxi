@@ -92,3 +92,70 @@ cdef size_t _pack_or_unpack(parts, flat, double scale, bint unpacking) except? 0
         frm, to = (mf.dtype, pl.dtype) if unpacking else (pl.dtype, mf.dtype)
         raise TypeError(f"{name}: unsupported conversion {DTYPE_NAMES[frm]} -> {DTYPE_NAMES[to]}")
     return pl.total
+
+
+# ---- which instruction set the kernels run (kernels.h compiles them once per ISA) ----
+
+ISA_NAMES = tuple(eng_isa_names[i].decode() for i in range(ENG_NISAS))
+_ISA_NEEDS = {"avx2": "avx2, bmi2, popcnt and f16c", "avx512": "avx512f, avx512bw, avx512vl and avx512dq"}
+cdef int _active_isa = ENG_ISA_BASELINE
+
+
+def kernel_isas():
+    """The ISAs this build has and this CPU runs, lowest first (the kernels compute the same bits on each)."""
+    return tuple(ISA_NAMES[i] for i in range(ENG_NISAS) if eng_isa_built(i) and eng_isa_supported(i))
+
+
+def kernel_isa():
+    """The ISA the kernels run: ENGINE_ISA's, or the highest this CPU runs."""
+    return ISA_NAMES[_active_isa]
+
+
+def use_kernel_isa(name):
+    """Runs the kernels of ISA `name` ('auto': the highest this CPU runs) from now on, in this process;
+    returns the one that ran before. Raises ValueError for a name this build doesn't know and
+    RuntimeError for an ISA this build lacks or this CPU can't run."""
+    global _active_isa
+    cdef int isa
+    previous = ISA_NAMES[_active_isa]
+    key = str(name).strip().lower()
+    if key in ("", "auto"):
+        runs = kernel_isas()
+        isa = ISA_NAMES.index(runs[len(runs) - 1])   # (no negative indexing: wraparound=False)
+    elif key not in ISA_NAMES:
+        raise ValueError(f"unknown kernel ISA {name!r}; expected auto or one of {', '.join(ISA_NAMES)}")
+    else:
+        isa = ISA_NAMES.index(key)
+        if not eng_isa_built(isa):
+            raise RuntimeError(f"kernel ISA {key!r} is not in this build (it exists on x86-64 builds by GCC or "
+                               f"Clang); this build runs {', '.join(kernel_isas())}")
+        if not eng_isa_supported(isa):
+            raise RuntimeError(f"kernel ISA {key!r} needs a CPU with {_ISA_NEEDS.get(key, key)}, which this one "
+                               f"lacks; it runs {', '.join(kernel_isas())}")
+    if eng_isa_use(isa):
+        raise RuntimeError(f"kernel ISA {key!r} could not be selected")
+    _active_isa = isa
+    for i in range(len(_BUILTIN)):      # resolved ops hold the previous ISA's kernels
+        _BUILTIN[i] = None
+    return previous
+
+
+def _kernel_slot():
+    """Where the active kernel table lives, for engine._mpi (which compiles kernels.h too) to read."""
+    return eng_isa_slot()
+
+
+def _kernel_table():
+    """The address of the kernel table this module runs (engine._mpi has the same function: the two agree)."""
+    return eng_isa_table()
+
+
+def _choose_isa_from_env():
+    raw = os.environ.get("ENGINE_ISA", "")
+    try:
+        use_kernel_isa(raw)
+    except (ValueError, RuntimeError) as exc:
+        raise RuntimeError(f"ENGINE_ISA={raw!r}: {exc}; unset ENGINE_ISA to choose automatically") from None
+
+
+_choose_isa_from_env()

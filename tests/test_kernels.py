@@ -1,5 +1,10 @@
 """The C kernels against numpy/torch references (hypothesis over dtypes, lengths and values)."""
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -199,3 +204,167 @@ def test_message_layer_reads_torch_numpy_and_dlpack_without_copies():
     assert message_info(OnlyDLPack(a)) == (a.ctypes.data, 6, "int16")
     with pytest.raises(ValueError, match="not C-contiguous"):
         message_info(OnlyDLPack(np.ones((4, 4))[:, ::2]))
+
+
+# ---- every ISA's copy of the kernels computes the same bits ----
+
+def _f32(*bits):
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+# NaNs (quiet, signalling, with payloads, both signs), infinities, zeros of both signs, float32
+# denormals, the float16 and bfloat16 edges (largest, overflow, denormals, halfway cases that round to
+# even either way) and plain values: every pair of these goes through every kernel.
+EDGE_F32 = np.concatenate([
+    _f32(0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FC12345, 0x7FBFFFFF, 0x7F800000, 0xFF800000,
+         0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7F7FFFFF,
+         0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000,      # bfloat16 ties and near ties
+         0x3F801000, 0x3F803000, 0x3F800FFF, 0xBF801000),                  # float16 ties and near ties
+    np.array([1.0, -1.5, 3.0, 0.1, 65504.0, 65520.0, 65519.99, -65536.0, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26,
+              2.0 ** -14, 6.0e-5, 3.4e38, -2.5e-39, 1e-45], np.float32)])
+FLOAT_OPS = ["sum", "product", "min", "max"]
+
+
+def _pairs(dtype, rng, n_random):
+    """(a, b): every pair of the edge values, then random bit patterns; as a numpy array, or a torch
+    tensor for bfloat16."""
+    if dtype in ("float16", "bfloat16", "float32", "float64"):
+        edge = torch.from_numpy(EDGE_F32).to(getattr(torch, dtype))
+        a, b = [t.reshape(-1) for t in torch.meshgrid(edge, edge, indexing="ij")]
+        width = {"float16": torch.int16, "bfloat16": torch.int16, "float32": torch.int32, "float64": torch.int64}[dtype]
+        bits = torch.from_numpy(rng.integers(-2 ** 62, 2 ** 62, size=(2, n_random), dtype=np.int64)).to(width)
+        rand = bits.view(getattr(torch, dtype))
+        a, b = torch.cat([a, rand[0]]), torch.cat([b, rand[1]])
+        return (a, b) if dtype == "bfloat16" else (a.numpy(), b.numpy())
+    if dtype == "bool":
+        return rng.integers(0, 2, n_random).astype(bool), rng.integers(0, 2, n_random).astype(bool)
+    info = np.iinfo(dtype)
+    edge = np.array([0, 1, info.min, info.max, info.max - 1, info.min + 1], dtype)
+    a, b = [x.reshape(-1) for x in np.meshgrid(edge, edge)]
+    rand = rng.integers(info.min, info.max, size=(2, n_random), dtype=dtype, endpoint=True)
+    return np.concatenate([a, rand[0]]), np.concatenate([b, rand[1]])
+
+
+def _bits(x):
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8).numpy().copy()
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(width).numpy().copy()
+
+
+# Lengths that leave every remainder a vector loop can leave (up to 64-byte vectors unrolled four times
+# over 1-byte elements), and the unaligned start of each run.
+TAIL_LENGTHS = list(range(1, 34)) + [63, 64, 65, 127, 129, 255, 257]
+
+
+def _copy(x):
+    return x.clone() if isinstance(x, torch.Tensor) else x.copy()
+
+
+def _kernel_outputs(rng_seed=7):
+    """Every kernel's output on the edge and random inputs, as raw bits: {case: (bits, both-NaN mask)}.
+    The long inputs are odd in length and start one element into their buffers; each reduction runs in
+    place on either operand and out of place, and again on every length of TAIL_LENGTHS, so the vector
+    loops, their remainders and unaligned starts all run."""
+    rng = np.random.default_rng(rng_seed)
+    out = {}
+    dtypes = ["bool"] + INT_DTYPES + ["float16", "bfloat16", "float32", "float64"]
+    for dtype in dtypes:
+        a, b = _pairs(dtype, rng, 4099)
+        a, b = a[1:], b[1:]                      # (an unaligned start)
+        if len(a) % 2 == 0:
+            a, b = a[:-1], b[:-1]
+        assert len(a) % 2 == 1
+        both_nan = nan_a = nan_b = None
+        if dtype in ("float16", "bfloat16", "float32", "float64"):
+            ta, tb = (a, b) if isinstance(a, torch.Tensor) else (torch.from_numpy(a), torch.from_numpy(b))
+            nan_a, nan_b = torch.isnan(ta).numpy(), torch.isnan(tb).numpy()
+            both_nan = nan_a & nan_b
+        ops = list(NUMPY_OPS) if dtype == "bool" or dtype in INT_DTYPES else FLOAT_OPS
+        for op in ops:
+            dst = _copy(a)
+            engine.reduce_into(dst, dst, b, op)   # in place, as the collectives run it
+            out[(dtype, op, "a")] = (_bits(dst), both_nan)
+            dst = _copy(b)
+            engine.reduce_into(dst, a, dst, op)   # in place on the second operand
+            out[(dtype, op, "b")] = (_bits(dst), both_nan)
+            dst = _copy(a)
+            engine.reduce_into(dst, a, b, op)     # out of place
+            out[(dtype, op, "new")] = (_bits(dst), both_nan)
+            for n in TAIL_LENGTHS:
+                dst = _copy(a[3:3 + n])
+                engine.reduce_into(dst, dst, b[5:5 + n], op)
+                out[(dtype, op, n)] = (_bits(dst), None if nan_a is None else nan_a[3:3 + n] & nan_b[5:5 + n])
+        if both_nan is not None:
+            for factor, divide in ((3.0, True), (0.1, False), (2.0 ** -20, False)):
+                for n in [len(a)] + TAIL_LENGTHS:
+                    x = _copy(a[:n])
+                    engine.scale(x, factor, divide=divide)
+                    out[(dtype, "scale", factor, divide, n)] = (_bits(x), None)
+    x32 = torch.from_numpy(_pairs("float32", rng, 4099)[0][1:].copy())
+    for tdtype in (torch.float16, torch.bfloat16):
+        for factor in (1.0, 0.25, 3.0):
+            for n in [len(x32)] + TAIL_LENGTHS:
+                narrow = torch.empty(n, dtype=tdtype)
+                engine.pack([x32[:min(n, 5)], x32[5:n]], narrow, scale=factor)
+                wide = torch.empty(n, dtype=torch.float32)
+                engine.unpack(narrow, [wide[:1], wide[1:]], scale=factor)
+                out[("pack", tdtype, factor, n)] = (_bits(narrow), None)
+                out[("unpack", tdtype, factor, n)] = (_bits(wide), None)
+    return out
+
+
+def test_every_isa_computes_the_same_bits():
+    """Each ISA this CPU runs against the baseline, bit for bit, on every kernel. Where both inputs of
+    a float SUM or PRODUCT are NaN, only NaN-ness is compared: IEEE 754 leaves open which input's
+    payload (and sign) the result carries, and compilers order commutative operands freely."""
+    isas = engine.kernels.isas()
+    assert isas[0] == "baseline"
+    if len(isas) == 1:
+        pytest.skip("this CPU runs the baseline kernels only: nothing to compare them with")
+    previous = engine.kernels.use_isa("baseline")
+    try:
+        reference = _kernel_outputs()
+        tables = {engine._core._kernel_table()}
+        for isa in isas[1:]:
+            engine.kernels.use_isa(isa)
+            assert engine.kernels.isa() == isa
+            tables.add(engine._core._kernel_table())
+            assert len(tables) == isas.index(isa) + 1   # another copy of the kernels runs now
+            got = _kernel_outputs()
+            assert got.keys() == reference.keys()
+            for case, (bits, both_nan) in reference.items():
+                other = got[case][0]
+                if both_nan is not None and case[1] in ("sum", "product"):  # (the sign or payload of NaN + NaN)
+                    keep = ~both_nan
+                    np.testing.assert_array_equal(other[keep], bits[keep], err_msg=f"{isa} {case}")
+                    continue
+                np.testing.assert_array_equal(other, bits, err_msg=f"{isa} {case}")
+    finally:
+        engine.kernels.use_isa(previous)
+
+
+def test_isa_choice_and_refusals():
+    assert engine.kernels.isa() in engine.kernels.isas()
+    with pytest.raises(ValueError, match="unknown kernel ISA 'sse9'; expected auto or one of baseline"):
+        engine.kernels.use_isa("sse9")
+    missing = [name for name in ("avx2", "avx512") if name not in engine.kernels.isas()]
+    for name in missing:  # an ISA this CPU (or this build) lacks is refused, never run
+        with pytest.raises(RuntimeError, match=f"kernel ISA '{name}' (needs a CPU with|is not in this build)"):
+            engine.kernels.use_isa(name)
+    assert engine.kernels.use_isa(engine.kernels.isa()) == engine.kernels.isa()
+
+
+def test_engine_isa_refuses_what_this_cpu_lacks_at_import():
+    missing = [name for name in ("avx512", "avx2") if name not in engine.kernels.isas()][:1]
+    cases = [("sse9", "unknown kernel ISA")] + [(name, "needs a CPU with|is not in this build") for name in missing]
+    for name, expect in cases:
+        run = subprocess.run([sys.executable, "-c", "import engine"], env={**os.environ, "ENGINE_ISA": name},
+                             capture_output=True, text=True)
+        assert run.returncode != 0
+        assert f"ENGINE_ISA='{name}'" in run.stderr and "unset ENGINE_ISA to choose automatically" in run.stderr
+        assert re.search(expect, run.stderr), run.stderr
+    run = subprocess.run([sys.executable, "-c", "import engine.kernels as k; print(k.isa())"],
+                         env={**os.environ, "ENGINE_ISA": "baseline"}, capture_output=True, text=True)
+    assert run.stdout.strip() == "baseline", run.stderr

@@ -28,7 +28,11 @@ def run(nranks, paths, **env):
 
 @pytest.mark.parametrize("transport,nranks", CASES, ids=[f"{t}-{n}" for t, n in CASES])
 def test_suites_under_mpiexec(transport, nranks):
-    run(nranks, SUITES, ENGINE_TRANSPORT=transport)
+    """Every suite; at 3 ranks on shared memory, on the baseline kernels (ENGINE_ISA), which a CPU with
+    AVX2 never runs otherwise (tests/mpi/conftest.py checks that every rank runs them;
+    tests/test_kernels.py compares every kernel across ISAs bit for bit)."""
+    isa = {"ENGINE_ISA": "baseline"} if (transport, nranks) == ("shm", 3) else {}
+    run(nranks, SUITES, ENGINE_TRANSPORT=transport, **isa)
 
 
 @pytest.mark.parametrize("transport,nranks", [("shm", 3), ("mpi", 2)])
@@ -40,8 +44,9 @@ def test_torch_parallelism_under_mpiexec(transport, nranks):
 
 def test_collectives_with_tiny_mpi_chunks():
     """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
-    (the path of messages over 2**31 elements), on 3 ranks."""
-    run(3, [COLLECTIVES], ENGINE_TRANSPORT="mpi", ENGINE_MPI_CHUNK_ELEMENTS="7")
+    (the path of messages over 2**31 elements), on 3 ranks; on the baseline kernels (ENGINE_ISA), which
+    MPI's own reductions of 16-bit floats call too."""
+    run(3, [COLLECTIVES], ENGINE_TRANSPORT="mpi", ENGINE_MPI_CHUNK_ELEMENTS="7", ENGINE_ISA="baseline")
 
 
 @pytest.mark.parametrize("single_copy", ["0", "auto"])

@@ -2,3 +2,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_of_engine_isa():
+    """Under ENGINE_ISA (tests/test_mpi_suites.py) every rank runs those kernels, in engine._core and
+    in engine._mpi alike."""
+    wanted = os.environ.get("ENGINE_ISA")
+    if wanted:
+        import engine.kernels
+        from engine import _core, mpi
+        assert engine.kernels.isa() == wanted
+        assert mpi.core()._kernel_table() == _core._kernel_table()
+    yield

@@ -1,0 +1,258 @@
+/* The element-wise kernels, written once and compiled once per instruction set.
+ *
+ * kernels.h includes this file once for each ISA it builds (baseline, and on x86-64 also AVX2 and
+ * AVX-512, each under its own `#pragma GCC target`), with ENG_ISA naming the copy: every function
+ * here is suffixed with it and the file ends with that ISA's table, eng_kernels_<ISA>. The loops are
+ * plain C the compiler vectorises for the target; nothing here is ISA-specific, so every ISA computes
+ * the same bits (IEEE arithmetic is exact per element, and the build passes -ffp-contract=off so no
+ * ISA fuses a multiply and an add that another rounds twice).
+ *
+ * float16 and bfloat16 are reduced in float32 and rounded once, as torch's half arithmetic does. Their
+ * loops take two elements per 32-bit word: an element shifted into the high half of a word *is* its
+ * float32 (bfloat16) or the input of the half -> float conversion (float16), and two results merge
+ * back into one word with a shift and an OR. So the vectorised loop needs no widening or narrowing
+ * shuffles, which cost more than the arithmetic (measured: about twice the throughput of per-element
+ * loops with AVX2, docs/tuning.md).
+ */
+
+#define ENG_CAT_(a, b) a##_##b
+#define ENG_CAT(a, b) ENG_CAT_(a, b)
+#define ENG_FN(name) ENG_CAT(name, ENG_ISA)
+
+/* ---- float16 / bfloat16 <-> float32, round to nearest even, branch-free ---- */
+
+/* IEEE half in the high 16 bits of w (low bits zero) -> float (after M. Dukhan's FP16 library, MIT).
+ * Selects by mask rather than ?: so the loops if-convert and vectorise. */
+static inline float ENG_FN(half_hi_to_float)(uint32_t w) {
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const uint32_t normalized = eng_f32_to_bits(eng_f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f);
+  const uint32_t denormalized = eng_f32_to_bits(eng_f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f);
+  const uint32_t small = 0u - (uint32_t)(two_w < (1u << 27));
+  return eng_f32_from_bits(sign | (denormalized & small) | (normalized & ~small));
+}
+
+/* float -> IEEE half in the low 16 bits (upper bits zero), round to nearest even; NaN gives
+ * 0x7E00 with the NaN's sign, overflow gives inf. */
+static inline uint32_t ENG_FN(float_to_half)(float f) {
+  const uint32_t w = eng_f32_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  base = eng_f32_from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = eng_f32_to_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  const uint32_t nan = 0u - (uint32_t)(shl1_w > 0xFF000000u);
+  return (sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan);
+}
+
+static inline float ENG_FN(bf16_hi_to_float)(uint32_t w) { return eng_f32_from_bits(w); }
+
+/* float -> bfloat16 in the low 16 bits, as torch's c10::BFloat16 rounds (nearest even, NaN -> 0x7FC0). */
+static inline uint32_t ENG_FN(float_to_bf16)(float f) {
+  const uint32_t w = eng_f32_to_bits(f);
+  return f != f ? 0x7FC0u : (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+}
+
+/* ---- reductions ---- */
+
+#define ENG_LOOP(NAME, T, EXPR)                                                    \
+  static void ENG_FN(NAME)(void *dst_, const void *a_, const void *b_, size_t n) { \
+    T *dst = (T *)dst_; const T *a = (const T *)a_; const T *b = (const T *)b_;   \
+    for (size_t i = 0; i < n; i++) { const T x = a[i], y = b[i]; dst[i] = (T)(EXPR); } \
+  }
+
+/* 16-bit floats, two per word (see the top of this file). EXPR reads floats x and y. The last
+ * element of an odd count goes alone, through the same conversions. */
+#define ENG_LOOP16(NAME, HI_TO_F, F_TO_LO, EXPR)                                             \
+  static void ENG_FN(NAME)(void *dst_, const void *a_, const void *b_, size_t n) {           \
+    char *dst = (char *)dst_; const char *a = (const char *)a_, *b = (const char *)b_;       \
+    const size_t pairs = n / 2;                                                              \
+    for (size_t i = 0; i < pairs; i++) {                                                     \
+      uint32_t pa, pb; memcpy(&pa, a + 4 * i, 4); memcpy(&pb, b + 4 * i, 4);                 \
+      float x = ENG_FN(HI_TO_F)(ENG_FIRST_HI(pa)), y = ENG_FN(HI_TO_F)(ENG_FIRST_HI(pb));    \
+      const uint32_t first = ENG_FN(F_TO_LO)((float)(EXPR));                                 \
+      x = ENG_FN(HI_TO_F)(ENG_SECOND_HI(pa)); y = ENG_FN(HI_TO_F)(ENG_SECOND_HI(pb));        \
+      const uint32_t out = ENG_PAIR(first, ENG_FN(F_TO_LO)((float)(EXPR)));                  \
+      memcpy(dst + 4 * i, &out, 4);                                                          \
+    }                                                                                        \
+    if (n & 1) {                                                                             \
+      uint16_t ha, hb; memcpy(&ha, a + 4 * pairs, 2); memcpy(&hb, b + 4 * pairs, 2);         \
+      const float x = ENG_FN(HI_TO_F)((uint32_t)ha << 16), y = ENG_FN(HI_TO_F)((uint32_t)hb << 16); \
+      const uint16_t out = (uint16_t)ENG_FN(F_TO_LO)((float)(EXPR));                         \
+      memcpy(dst + 4 * pairs, &out, 2);                                                      \
+    }                                                                                        \
+  }
+
+/* MIN/MAX propagate NaN, as torch.minimum / torch.maximum do. */
+#define ENG_MIN_EXPR ((x < y || x != x) ? x : y)
+#define ENG_MAX_EXPR ((x > y || x != x) ? x : y)
+
+/* Integers: the build passes -fwrapv, so signed overflow wraps like torch's. */
+#define ENG_INT_KERNELS(SUFFIX, T)                 \
+  ENG_LOOP(eng_sum_##SUFFIX, T, x + y)             \
+  ENG_LOOP(eng_prod_##SUFFIX, T, x * y)            \
+  ENG_LOOP(eng_min_##SUFFIX, T, x < y ? x : y)     \
+  ENG_LOOP(eng_max_##SUFFIX, T, x > y ? x : y)     \
+  ENG_LOOP(eng_band_##SUFFIX, T, x & y)            \
+  ENG_LOOP(eng_bor_##SUFFIX, T, x | y)             \
+  ENG_LOOP(eng_bxor_##SUFFIX, T, x ^ y)
+
+ENG_INT_KERNELS(i8, int8_t)
+ENG_INT_KERNELS(u8, uint8_t)
+ENG_INT_KERNELS(i16, int16_t)
+ENG_INT_KERNELS(u16, uint16_t)
+ENG_INT_KERNELS(i32, int32_t)
+ENG_INT_KERNELS(u32, uint32_t)
+ENG_INT_KERNELS(i64, int64_t)
+ENG_INT_KERNELS(u64, uint64_t)
+
+/* bool as bytes holding 0/1: SUM and MAX are OR, PRODUCT and MIN are AND (torch's bool arithmetic). */
+ENG_LOOP(eng_or_bool, uint8_t, x | y)
+ENG_LOOP(eng_and_bool, uint8_t, x & y)
+ENG_LOOP(eng_xor_bool, uint8_t, x ^ y)
+
+#define ENG_FLOAT_KERNELS(SUFFIX, T)               \
+  ENG_LOOP(eng_sum_##SUFFIX, T, x + y)             \
+  ENG_LOOP(eng_prod_##SUFFIX, T, x * y)            \
+  ENG_LOOP(eng_min_##SUFFIX, T, ENG_MIN_EXPR)      \
+  ENG_LOOP(eng_max_##SUFFIX, T, ENG_MAX_EXPR)
+
+ENG_FLOAT_KERNELS(f32, float)
+ENG_FLOAT_KERNELS(f64, double)
+
+#define ENG_HALF_KERNELS(SUFFIX, HI_TO_F, F_TO_LO)                 \
+  ENG_LOOP16(eng_sum_##SUFFIX, HI_TO_F, F_TO_LO, x + y)            \
+  ENG_LOOP16(eng_prod_##SUFFIX, HI_TO_F, F_TO_LO, x * y)           \
+  ENG_LOOP16(eng_min_##SUFFIX, HI_TO_F, F_TO_LO, ENG_MIN_EXPR)     \
+  ENG_LOOP16(eng_max_##SUFFIX, HI_TO_F, F_TO_LO, ENG_MAX_EXPR)
+
+ENG_HALF_KERNELS(f16, half_hi_to_float, float_to_half)
+ENG_HALF_KERNELS(bf16, bf16_hi_to_float, float_to_bf16)
+
+/* ---- scaling: x = x * factor, or x = x / factor (AVG divides, like torch's sum / world_size) ---- */
+
+#define ENG_SCALE_LOOP(T, FT)                                                    \
+  {                                                                              \
+    T *p = (T *)data; const FT f = (FT)factor;                                   \
+    if (divide) { for (size_t i = 0; i < n; i++) p[i] = p[i] / f; }              \
+    else        { for (size_t i = 0; i < n; i++) p[i] = p[i] * f; }              \
+  }
+
+/* 16-bit floats two per word, as the reductions. */
+#define ENG_UNARY16(NAME, HI_TO_F, F_TO_LO, EXPR)                                            \
+  static void ENG_FN(NAME)(void *p_, size_t n, float f) {                                    \
+    char *p = (char *)p_;                                                                    \
+    const size_t pairs = n / 2;                                                              \
+    for (size_t i = 0; i < pairs; i++) {                                                     \
+      uint32_t w; memcpy(&w, p + 4 * i, 4);                                                  \
+      float x = ENG_FN(HI_TO_F)(ENG_FIRST_HI(w));                                            \
+      const uint32_t first = ENG_FN(F_TO_LO)((float)(EXPR));                                 \
+      x = ENG_FN(HI_TO_F)(ENG_SECOND_HI(w));                                                 \
+      const uint32_t out = ENG_PAIR(first, ENG_FN(F_TO_LO)((float)(EXPR)));                  \
+      memcpy(p + 4 * i, &out, 4);                                                            \
+    }                                                                                        \
+    if (n & 1) {                                                                             \
+      uint16_t h; memcpy(&h, p + 4 * pairs, 2);                                              \
+      const float x = ENG_FN(HI_TO_F)((uint32_t)h << 16);                                    \
+      const uint16_t out = (uint16_t)ENG_FN(F_TO_LO)((float)(EXPR));                         \
+      memcpy(p + 4 * pairs, &out, 2);                                                        \
+    }                                                                                        \
+  }
+
+ENG_UNARY16(eng_div_f16, half_hi_to_float, float_to_half, x / f)
+ENG_UNARY16(eng_mul_f16, half_hi_to_float, float_to_half, x * f)
+ENG_UNARY16(eng_div_bf16, bf16_hi_to_float, float_to_bf16, x / f)
+ENG_UNARY16(eng_mul_bf16, bf16_hi_to_float, float_to_bf16, x * f)
+
+/* Returns 0, or -1 when dtype is not a floating type. */
+static int ENG_FN(eng_scale)(void *data, size_t n, int dtype, double factor, int divide) {
+  switch (dtype) {
+  case ENG_FLOAT32: ENG_SCALE_LOOP(float, float) return 0;
+  case ENG_FLOAT64: ENG_SCALE_LOOP(double, double) return 0;
+  case ENG_FLOAT16: (divide ? ENG_FN(eng_div_f16) : ENG_FN(eng_mul_f16))(data, n, (float)factor); return 0;
+  case ENG_BFLOAT16: (divide ? ENG_FN(eng_div_bf16) : ENG_FN(eng_mul_bf16))(data, n, (float)factor); return 0;
+  default: return -1;
+  }
+}
+
+/* ---- casts between float32 and the 16-bit floats, with a fused scale ---- */
+
+/* float32 -> 16 bits, two per word. */
+#define ENG_NARROW(F_TO_LO, EXPR)                                                        \
+  {                                                                                      \
+    const float *in = (const float *)src; char *out = (char *)dst;                       \
+    const size_t pairs = n / 2;                                                          \
+    for (size_t i = 0; i < pairs; i++) {                                                 \
+      float x = in[2 * i];                                                               \
+      const uint32_t first = ENG_FN(F_TO_LO)(EXPR);                                      \
+      x = in[2 * i + 1];                                                                 \
+      const uint32_t word = ENG_PAIR(first, ENG_FN(F_TO_LO)(EXPR));                      \
+      memcpy(out + 4 * i, &word, 4);                                                     \
+    }                                                                                    \
+    if (n & 1) {                                                                         \
+      const float x = in[n - 1];                                                         \
+      const uint16_t h = (uint16_t)ENG_FN(F_TO_LO)(EXPR);                                \
+      memcpy(out + 4 * pairs, &h, 2);                                                    \
+    }                                                                                    \
+  }
+
+/* 16 bits -> float32, one element at a time (widening vectorises without shuffles). */
+#define ENG_WIDEN(HI_TO_F, EXPR)                                                         \
+  {                                                                                      \
+    const uint16_t *in = (const uint16_t *)src; float *out = (float *)dst;               \
+    for (size_t i = 0; i < n; i++) { const float x = ENG_FN(HI_TO_F)((uint32_t)in[i] << 16); out[i] = (EXPR); } \
+  }
+
+/* dst (dtype d) <- src (dtype s) * scale for float32 <-> float16 / bfloat16; returns 0, or -1 for
+ * another pair (kernels.h handles same-dtype moves). */
+static int ENG_FN(eng_cast)(void *dst, int d, const void *src, int s, size_t n, double scale) {
+  const float fs = (float)scale;
+  const int scaled = scale != 1.0;
+  if (s == ENG_FLOAT32 && d == ENG_FLOAT16) {
+    if (scaled) ENG_NARROW(float_to_half, x * fs) else ENG_NARROW(float_to_half, x)
+    return 0;
+  }
+  if (s == ENG_FLOAT32 && d == ENG_BFLOAT16) {
+    if (scaled) ENG_NARROW(float_to_bf16, x * fs) else ENG_NARROW(float_to_bf16, x)
+    return 0;
+  }
+  if (d == ENG_FLOAT32 && s == ENG_FLOAT16) {
+    if (scaled) ENG_WIDEN(half_hi_to_float, x * fs) else ENG_WIDEN(half_hi_to_float, x)
+    return 0;
+  }
+  if (d == ENG_FLOAT32 && s == ENG_BFLOAT16) {
+    if (scaled) ENG_WIDEN(bf16_hi_to_float, x * fs) else ENG_WIDEN(bf16_hi_to_float, x)
+    return 0;
+  }
+  return -1;
+}
+
+/* ---- this ISA's table ---- */
+
+#define ENG_INT_ROW(S) {ENG_FN(eng_sum_##S), ENG_FN(eng_prod_##S), ENG_FN(eng_min_##S), ENG_FN(eng_max_##S), \
+                        ENG_FN(eng_band_##S), ENG_FN(eng_bor_##S), ENG_FN(eng_bxor_##S)}
+#define ENG_FLOAT_ROW(S) {ENG_FN(eng_sum_##S), ENG_FN(eng_prod_##S), ENG_FN(eng_min_##S), ENG_FN(eng_max_##S), \
+                          NULL, NULL, NULL}
+
+/* [dtype][op]; NULL where the pair is not defined (BAND on float32, anything on complex). */
+static const struct eng_kernel_table ENG_CAT(eng_kernels, ENG_ISA) = {
+  {
+    [ENG_BOOL] = {ENG_FN(eng_or_bool), ENG_FN(eng_and_bool), ENG_FN(eng_and_bool), ENG_FN(eng_or_bool),
+                  ENG_FN(eng_and_bool), ENG_FN(eng_or_bool), ENG_FN(eng_xor_bool)},
+    [ENG_INT8] = ENG_INT_ROW(i8),   [ENG_UINT8] = ENG_INT_ROW(u8),
+    [ENG_INT16] = ENG_INT_ROW(i16), [ENG_UINT16] = ENG_INT_ROW(u16),
+    [ENG_INT32] = ENG_INT_ROW(i32), [ENG_UINT32] = ENG_INT_ROW(u32),
+    [ENG_INT64] = ENG_INT_ROW(i64), [ENG_UINT64] = ENG_INT_ROW(u64),
+    [ENG_FLOAT16] = ENG_FLOAT_ROW(f16), [ENG_BFLOAT16] = ENG_FLOAT_ROW(bf16),
+    [ENG_FLOAT32] = ENG_FLOAT_ROW(f32), [ENG_FLOAT64] = ENG_FLOAT_ROW(f64),
+  },
+  ENG_FN(eng_scale),
+  ENG_FN(eng_cast),
+};
+
+#undef ENG_INT_ROW
+#undef ENG_FLOAT_ROW
+#undef ENG_FN
