@@ -27,6 +27,13 @@ cdef class Reduction:
 cdef list _BUILTIN = [None] * ((OP_AVG + 1) * ENG_NDTYPES)   # (op, dtype) -> Reduction, filled on use
 
 
+cdef void forget_resolved_ops() noexcept:
+    """Empties the cache of resolved built-in ops (the kernels changed: engine.kernels.use_isa)."""
+    cdef Py_ssize_t i
+    for i in range(len(_BUILTIN)):
+        _BUILTIN[i] = None
+
+
 cdef Reduction _builtin(int code, int dtype):
     cdef Reduction red = Reduction.__new__(Reduction)
     cdef int base = ENG_SUM if code == OP_AVG else code

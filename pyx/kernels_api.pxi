@@ -135,8 +135,7 @@ def use_kernel_isa(name):
     if eng_isa_use(isa):
         raise RuntimeError(f"kernel ISA {key!r} could not be selected")
     _active_isa = isa
-    for i in range(len(_BUILTIN)):      # resolved ops hold the previous ISA's kernels
-        _BUILTIN[i] = None
+    forget_resolved_ops()               # they hold the previous ISA's kernels
     return previous
 
 

@@ -354,6 +354,7 @@ cdef class CoreComm:
 # ---- taken by one file from another (each defined in the file its comment names) ----
 
 cdef str _engine_error_text(int code, int peer)     # transport.pxi
+cdef void forget_resolved_ops() noexcept            # dtypes.pxi
 cdef object _entry_name(int entry)                  # recorder.pxi
 
 
