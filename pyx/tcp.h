@@ -1130,18 +1130,25 @@ static int tcp_self_send(eng_tcp *t, const void *buf, size_t n, int tag) {
   return 0;
 }
 
-/* Posts a send; *out is the request (NULL when it failed). Returns 0 or an error code (*err_peer set). */
-static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer) {
-  *out = NULL;
-  *err_peer = peer;
+/* A posted send or receive, nothing moved yet; NULL when out of memory. */
+static tcp_req *tcp_new_req(int kind, const void *buf, size_t n, int peer, int tag) {
   tcp_req *r = (tcp_req *)calloc(1, sizeof(tcp_req));
-  if (r == NULL) return ENG_TCP_ERR_NOMEM;
-  r->kind = TCP_SEND;
+  if (r == NULL) return NULL;
+  r->kind = kind;
   r->peer = peer;
   r->tag = tag;
   r->buf = (char *)buf;
   r->len = n;
   r->err_peer = -1;
+  return r;
+}
+
+/* Posts a send; *out is the request (NULL when it failed). Returns 0 or an error code (*err_peer set). */
+static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer) {
+  *out = NULL;
+  *err_peer = peer;
+  tcp_req *r = tcp_new_req(TCP_SEND, buf, n, peer, tag);
+  if (r == NULL) return ENG_TCP_ERR_NOMEM;
   pthread_mutex_lock(&t->lock);
   tcp_peer *p = &t->peers[peer];
   int rc = 0;
@@ -1204,14 +1211,8 @@ out:
 static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer) {
   *out = NULL;
   *err_peer = peer;
-  tcp_req *r = (tcp_req *)calloc(1, sizeof(tcp_req));
+  tcp_req *r = tcp_new_req(TCP_RECV, buf, n, peer, tag);
   if (r == NULL) return ENG_TCP_ERR_NOMEM;
-  r->kind = TCP_RECV;
-  r->peer = peer;
-  r->tag = tag;
-  r->buf = (char *)buf;
-  r->len = n;
-  r->err_peer = -1;
   pthread_mutex_lock(&t->lock);
   tcp_in *m = t->unexp_head;
   while (m != NULL && !((peer < 0 || peer == m->peer) && (tag < 0 || tag == m->tag))) m = m->next;

@@ -7,8 +7,6 @@ connections, torch's point-to-point on the same group, and every collective on f
 hosts (one rank per host; three ranks, uneven across them) through every TCP entry. Each result against
 what the rank computes."""
 
-import contextlib
-import os
 import socket
 
 import numpy as np
@@ -28,25 +26,6 @@ pytestmark = [pytest.mark.skipif(WORLD.communicator.transport != "tcp", reason="
 
 def data(rank, n, salt=0):
     return ((np.arange(n, dtype=np.int64) * 7 + rank * 13 + salt) % 251).astype(np.uint8)
-
-
-@contextlib.contextmanager
-def group(**env):
-    """A new group of every rank made under these ENGINE_* settings."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    try:
-        pg = dist.new_group(backend="engine")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        yield pg, pg.communicator
-    finally:
-        dist.destroy_process_group(pg)
 
 
 # (tag, bytes) rank 0 sends rank 1, in this order: small ones are read ahead of their receive, large
@@ -126,7 +105,7 @@ def test_messages_to_self_are_matched_like_any_other():
                                       {"ENGINE_TCP_EAGER_BYTES": 0}],
                          ids=["3-streams", "lazy", "nothing-read-ahead"])
 def test_collectives_and_point_to_point_under_other_settings(settings):
-    with group(**settings) as (pg, comm):
+    with torch_world.engine_group(**settings) as (pg, comm):
         for n in (1, 1000, 3 << 20):
             t = torch.from_numpy(data(R, n).astype(np.float32))
             dist.all_reduce(t, group=pg)
@@ -173,7 +152,7 @@ def test_every_collective_on_a_flat_group_across_hosts(which):
     if which >= len(groups) or len(groups[which]) < 2:
         pytest.skip("needs ranks on two hosts" + (", three or more ranks" if which else ""))
     ranks = groups[which]
-    pg = dist.new_group(ranks, backend="engine")       # (every rank makes it)
+    pg = dist.new_group(ranks, backend="engine", timeout=torch_world.TIMEOUT)   # (every rank makes it)
     if R not in ranks:
         return
     comm, Q, g = pg.communicator, len(ranks), ranks.index(R)

@@ -13,10 +13,7 @@ computes itself, and the flight recorder must name the entry. An entry this conf
 the automatic choice at sizes around the thresholds must be the one the registry's rules name.
 Nothing here names an algorithm: a new entry adds its rows."""
 
-import contextlib
-import os
 import warnings
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -33,7 +30,6 @@ WORLD = dist.distributed_c10d._get_default_group()
 TRANSPORT = WORLD.communicator.transport
 CAPS = WORLD.communicator.plan.caps
 SLOT = 16 << 10
-TIMEOUT = timedelta(seconds=float(os.environ.get("ENGINE_TIMEOUT", "1800")))
 SETTINGS = {"ENGINE_SHM_SLOT_BYTES": str(SLOT), "ENGINE_SHM_QUEUE_BYTES": str(SLOT)}
 BIG = 40_000  # bytes: more than two slots
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -71,28 +67,12 @@ def cases(entry, dtypes, op_ok):
     return out
 
 
-@contextlib.contextmanager
 def group(entry=None):
     """A new group of every rank, made while entry is forced (None: the automatic choice)."""
     env = dict(SETTINGS)
     if entry is not None:
         env[registry.force_variable(entry.collective)] = f"{entry.transport}:{entry.name}"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        # The suite's short timeout (ENGINE_TIMEOUT): a torch group takes torch's own (30 min) otherwise,
-        # and a rank out of step would hold the whole run until then.
-        pg = dist.new_group(backend="engine", timeout=TIMEOUT)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        yield pg, pg.communicator
-    finally:
-        dist.destroy_process_group(pg)
+    return torch_world.engine_group(**env)
 
 
 def ran(comm, entry, what):

@@ -1,7 +1,15 @@
 """The default process group on backend "engine" (created once per launch, whichever suite runs first)
 and a Gloo group of the same ranks, to compare against."""
 
+import contextlib
+import os
+from datetime import timedelta
+
 import torch.distributed as dist
+
+# The suites' short timeout (ENGINE_TIMEOUT): a torch group takes torch's own (30 min) otherwise, and a
+# rank out of step would hold the whole run until then.
+TIMEOUT = timedelta(seconds=float(os.environ.get("ENGINE_TIMEOUT", "1800")))
 
 _gloo = []
 
@@ -13,3 +21,23 @@ def init():
     if not _gloo:
         _gloo.append(dist.new_group(backend="gloo"))
     return dist.get_rank(), dist.get_world_size(), _gloo[0]
+
+
+@contextlib.contextmanager
+def engine_group(**env):
+    """A new group of every rank on backend engine, made while these environment variables are set (the
+    ENGINE_* settings a group reads when it is made), with the suites' timeout; destroyed at the end."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        pg = dist.new_group(backend="engine", timeout=TIMEOUT)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        yield pg, pg.communicator
+    finally:
+        dist.destroy_process_group(pg)
