@@ -34,7 +34,7 @@ def write(tmp_path, doc):
 @pytest.mark.parametrize("doc, message", [
     ({"allreduce": {}}, "not an engine tuning file"),
     ({"format": "engine-tuning/1", "allreduce": {"shm": [{"algorithm": "native"}]}}, "does not run on the shm"),
-    ({"format": "engine-tuning/1", "allreduce": {"tcp": []}}, "unknown transport 'tcp'"),
+    ({"format": "engine-tuning/1", "allreduce": {"udp": []}}, "unknown transport 'udp'"),
     ({"format": "engine-tuning/2", "rules": {"allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": -1}]}}},
      r"allreduce.mpi\[0\]: min_bytes must be an integer >= 0"),
     ({"format": "engine-tuning/2", "rules": {"allreduce": {"mpi": [{"algorithm": "ring", "min_bytes": 9,
