@@ -217,6 +217,8 @@ class Communicator:
             self._hier.free()
             self._hier = None
         from_mpi = self._mpi_comms
+        if self._core is not None:
+            self._core.leave()
         self._core = None
         for name in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
                      "alltoall", "barrier", "send", "recv", "isend", "irecv", "sendrecv"):

@@ -7,9 +7,11 @@ rendezvous host every rank already reaches), else the hostname's address. IPv4 a
 family follows MASTER_ADDR's.
 """
 
+import atexit
 import ipaddress
 import os
 import socket
+import weakref
 
 from . import _core
 from .config import env_choice, env_int
@@ -21,6 +23,17 @@ CONNECT_MODES = ("mesh", "lazy")
 DEFAULT_STREAMS = 1
 DEFAULT_STREAM_MIN = 1 << 20
 DEFAULT_EAGER = 64 << 10
+
+# Every live transport, told to leave in order when the process ends normally (an unhandled exception
+# included): a rank that finished while others still finish collectives that no longer involve it must
+# not look like a crash to them. SIGKILL or os._exit skip this, and the peers see a crash.
+_live = weakref.WeakSet()
+
+
+@atexit.register
+def _leave_at_exit():
+    for transport in list(_live):
+        transport.goodbye()
 
 
 def _family(address):
@@ -131,6 +144,7 @@ def make_core(boot, seg_bytes, timeout, parent=None):
         for fd, _ in fds[len(transports):]:
             _core.close_fd(fd)
         raise
+    _live.update(transports)
     core = _core.TcpComm(transports[0], transports[1], seg_bytes)
     if cfg["connect"] == "mesh" and boot.size > 1:
         try:

@@ -286,12 +286,17 @@ cdef class CoreComm:
         (a sentence), or None where the transport can't say (the store's arrival notes name them)."""
         return None
 
+    def leave(self):
+        """This rank leaves the group (it is being freed): a transport whose peers must tell a departure
+        from a crash says so now, not whenever the object is collected. Shared memory has nothing to say:
+        its peers watch the processes."""
+
     cdef object error(self, int ierr, str what, Transport tp=None):
         """The exception for an error code of transport tp (the algorithms' by default)."""
         if ierr == -1:
             return MemoryError(f"{what}: out of memory")
         text = (tp if tp is not None else self.algo_tp).error_text(ierr)
-        if ierr == ENG_ERR_PEER_DEAD:
+        if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.log.broken = text
             return EnginePeerLost(f"{what} failed: {text}")
         if ierr == ENG_ERR_MISMATCH:

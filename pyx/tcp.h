@@ -29,9 +29,15 @@
  * mutex per channel; a thread sleeping in poll is woken through an eventfd when another completes
  * its request.
  *
- * Failure. A peer that closes a connection (its process exited, its group was destroyed) is read to
- * the end of what it sent; then every request that involves it fails naming it, and on a channel
- * marked fail_any (the engine's collectives) every request of the channel does. */
+ * Leaving. A rank that destroys the group, or whose process ends normally, first writes a BYE header on
+ * every connection it has, both ways (eng_tcp_goodbye), then closes them. A rank that finished its part
+ * of a collective may leave while others still finish theirs: its goodbye tells them it left in
+ * order, so only what still involves it fails.
+ *
+ * Failure. A peer that closes a connection is read to the end of what it sent; then every request that
+ * involves it fails naming it. A peer that closed without its goodbye (it crashed, was killed, lost the
+ * link) fails, on a channel marked fail_any (the engine's collectives), every request of the channel:
+ * whoever waits on a third rank that waits on it would otherwise wait out the timeout. */
 #ifndef ENGINE_TCP_H
 #define ENGINE_TCP_H
 
@@ -68,8 +74,10 @@
 #define ENG_TCP_ERR_TRUNCATE 100004
 #define ENG_TCP_ERR_NOMEM 100005
 #define ENG_TCP_ERR_CONNECT 100008
+#define ENG_TCP_ERR_PEER_LEFT 100009
 
-enum { ENG_TCP_MSG = 0x2147534d, ENG_TCP_PART = 0x54524150 };  /* "MSG!", "PART" */
+
+enum { ENG_TCP_MSG = 0x2147534d, ENG_TCP_PART = 0x54524150, ENG_TCP_BYE = 0x21455942 };  /* "MSG!", "PART", "BYE!" */
 enum { TCP_SEND = 1, TCP_RECV = 2 };
 enum { TCP_QUEUED = 0, TCP_ACTIVE = 1, TCP_DONE = 2 };
 enum { IN_HDR = 0, IN_BODY = 1, IN_HELD = 2, IN_WAIT = 3 };
@@ -133,6 +141,8 @@ typedef struct {
   size_t hello_done;        /* bytes of the hello written */
   tcp_hello hello;
   tcp_item *head, *tail;
+  unsigned char back[ENG_TCP_HDR];  /* what the peer wrote back: its goodbye, or nothing */
+  size_t back_got;
 } tcp_out;
 
 typedef struct {
@@ -157,6 +167,7 @@ typedef struct {
   uint64_t send_seq, recv_seq;
   tcp_in *arriving;
   int closing;              /* a connection of it closed: read what is left, then fail it */
+  int departed;             /* it said goodbye: its end fails only what involves it */
   int dead;                 /* an ENG_TCP_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */
@@ -188,10 +199,19 @@ typedef struct eng_tcp {
   char *sink;
   int dead_peer, dead_code; /* the first peer that failed */
   int rejected;             /* connections closed before or at their hello */
+  int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
   int sys_errno;            /* the last system error outside any peer */
 } eng_tcp;
 
 /* ---- small helpers ---- */
+
+static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq, uint64_t a, uint64_t b) {
+  h->kind = kind;
+  h->tag = tag;
+  h->seq = seq;
+  h->a = a;
+  h->b = b;
+}
 
 static inline int tcp_cmp_token(const unsigned char *a, const unsigned char *b) {
   unsigned char d = 0;
@@ -440,6 +460,11 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
     if (h->b == 0 || in == &t->peers[peer].in[0]) return tcp_corrupt(t, peer);
     return 0;
   }
+  if (h->kind == ENG_TCP_BYE) {
+    if (h->a || h->b) return tcp_corrupt(t, peer);
+    t->peers[peer].departed = 1;
+    return 0;
+  }
   return tcp_corrupt(t, peer);
 }
 
@@ -499,7 +524,7 @@ static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in) {
     /* IN_HDR */
     if (in->wpos - in->rpos >= ENG_TCP_HDR) {
       if (tcp_parse_header(t, peer, in)) return;
-      in->state = in->h.kind == ENG_TCP_MSG ? IN_HELD : IN_WAIT;
+      if (in->h.kind != ENG_TCP_BYE) in->state = in->h.kind == ENG_TCP_MSG ? IN_HELD : IN_WAIT;
       continue;
     }
     if (in->rpos) {
@@ -528,6 +553,11 @@ eof:
   in->eof = 1;
   p->closing = 1;
   if (in->state != IN_HDR || in->wpos != in->rpos) tcp_peer_failed(t, peer, ENG_TCP_ERR_PEER_DEAD, 0);
+}
+
+/* How a peer whose connection closed ended: in order (it said goodbye) or not. */
+static inline int tcp_end_code(const tcp_peer *p) {
+  return p->dead ? p->dead : p->departed ? ENG_TCP_ERR_PEER_LEFT : ENG_TCP_ERR_PEER_DEAD;
 }
 
 /* ---- sending ---- */
@@ -673,7 +703,7 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
   if (p->dead) return;
   p->dead = code;
   p->dead_errno = err;
-  if (t->dead_peer < 0) {
+  if (t->dead_peer < 0 && code != ENG_TCP_ERR_PEER_LEFT) {
     t->dead_peer = peer;
     t->dead_code = code;
   }
@@ -731,7 +761,7 @@ static void tcp_check_closing(eng_tcp *t, int peer) {
   if (!p->closing || p->dead) return;
   for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++)
     if (p->in[s].fd >= 0) return;
-  tcp_peer_failed(t, peer, ENG_TCP_ERR_PEER_DEAD, 0);
+  tcp_peer_failed(t, peer, tcp_end_code(p), 0);
 }
 
 /* ---- accepting ---- */
@@ -866,18 +896,21 @@ static int tcp_poll_set(eng_tcp *t, int with_wake) {
   return n;
 }
 
+/* Readable: a sending socket carries nothing back but the peer's goodbye, then its end. */
 static void tcp_out_closed(eng_tcp *t, int peer, int s) {
-  tcp_out *o = &t->peers[peer].out[s];
-  char c;
-  ssize_t got = recv(o->fd, &c, 1, MSG_DONTWAIT);
+  tcp_peer *p = &t->peers[peer];
+  tcp_out *o = &p->out[s];
+  char extra;
+  int full = o->back_got == ENG_TCP_HDR;
+  ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
+                     : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
   if (got == 0) {
     /* It will read nothing more: what is queued for it can't go; what it sent is still read. */
-    tcp_peer *p = &t->peers[peer];
     int queued = 0;
     for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
     p->closing = 1;
-    if (queued) {
-      tcp_peer_failed(t, peer, ENG_TCP_ERR_PEER_DEAD, 0);
+    if (queued || (o->back_got && !full)) {
+      tcp_peer_failed(t, peer, queued ? tcp_end_code(p) : ENG_TCP_ERR_PEER_DEAD, 0);
       return;
     }
     for (int k = 0; k < p->nout; k++) {
@@ -885,7 +918,16 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
       p->out[k].fd = -1;
     }
   } else if (got > 0) {
-    tcp_corrupt(t, peer);
+    tcp_hdr h;
+    if (full) {
+      tcp_corrupt(t, peer);
+      return;
+    }
+    o->back_got += (size_t)got;
+    if (o->back_got < ENG_TCP_HDR) return;
+    memcpy(&h, o->back, sizeof h);
+    if (h.kind != ENG_TCP_BYE || h.a || h.b) tcp_corrupt(t, peer);
+    else p->departed = 1;
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     tcp_peer_failed(t, peer, o->connecting ? ENG_TCP_ERR_CONNECT : ENG_TCP_ERR_PEER_DEAD, errno);
   }
@@ -966,8 +1008,38 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
   return t;
 }
 
+/* This rank leaves: a BYE header on every connection whose stream is between frames, then every
+ * connection closed, and what was still under way fails (the group is gone). The peers then fail
+ * only what involves this rank, not everything (fail_any), as they would for a crash. */
+static void eng_tcp_goodbye(eng_tcp *t) {
+  tcp_hdr bye;
+  if (t == NULL || t->peers == NULL) return;
+  pthread_mutex_lock(&t->lock);
+  if (t->said_bye) {
+    pthread_mutex_unlock(&t->lock);
+    return;
+  }
+  t->said_bye = 1;
+  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, 0, 0);
+  for (int q = 0; q < t->size; q++) {
+    tcp_peer *p = &t->peers[q];
+    if (q == t->rank || p->dead) continue;
+    for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
+      tcp_out *o = &p->out[s];
+      if (o->fd >= 0 && !o->connecting && o->hello_done == ENG_TCP_HELLO && o->head == NULL)
+        (void)!send(o->fd, &bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (p->in[s].fd >= 0) (void)!send(p->in[s].fd, &bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    tcp_peer_failed(t, q, ENG_TCP_ERR_PEER_LEFT, 0);
+  }
+  for (int i = 0; i < t->npending; i++) close(t->pending[i].fd);
+  t->npending = 0;
+  pthread_mutex_unlock(&t->lock);
+}
+
 static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
+  eng_tcp_goodbye(t);
   if (t->peers != NULL) {
     for (int q = 0; q < t->size; q++) {
       tcp_peer *p = &t->peers[q];
@@ -1082,14 +1154,6 @@ static int eng_tcp_interfaces(char *out, size_t cap) {
   return 0;
 }
 
-static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq, uint64_t a, uint64_t b) {
-  h->kind = kind;
-  h->tag = tag;
-  h->seq = seq;
-  h->a = a;
-  h->b = b;
-}
-
 static void tcp_queue(tcp_out *o, tcp_item *it) {
   it->next = NULL;
   if (o->tail == NULL) o->head = it;
@@ -1157,8 +1221,9 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
     r->state = TCP_DONE;
     goto out;
   }
-  if (p->dead || p->closing) {
-    rc = p->dead ? p->dead : ENG_TCP_ERR_PEER_DEAD;
+  if (p->dead || p->closing || t->said_bye) {
+    rc = t->said_bye ? ENG_TCP_ERR_PEER_LEFT : tcp_end_code(p);
+    *err_peer = t->said_bye ? t->rank : peer;
     goto out;
   }
   rc = tcp_start_connect(t, peer);
@@ -1219,8 +1284,9 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   if (m != NULL) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
-  } else if (peer >= 0 && t->peers[peer].dead) {
-    int rc = t->peers[peer].dead;
+  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye) {
+    int rc = t->said_bye ? ENG_TCP_ERR_PEER_LEFT : t->peers[peer].dead;
+    if (t->said_bye) *err_peer = t->rank;
     pthread_mutex_unlock(&t->lock);
     free(r);
     return rc;
@@ -1384,6 +1450,9 @@ static int eng_tcp_waiting_on(eng_tcp *t, int *peers, double *silent, int cap) {
 
 /* Why peer failed: the errno of its connection's end (0: it closed it, or none). */
 static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead_errno; }
+
+/* Whether peer said goodbye (it left the group in order). */
+static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
 
 /* Starts every connection of this rank (the mesh: made when the group is). */
 static int eng_tcp_connect_all(eng_tcp *t) {

@@ -13,6 +13,7 @@ cdef extern from "tcp.h" nogil:
         int dead_peer
         int dead_code
         int rejected
+        int said_bye
         uint32_t gen
     ctypedef struct tcp_req:
         pass
@@ -21,6 +22,7 @@ cdef extern from "tcp.h" nogil:
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
                          size_t eager_max, const unsigned char *token, int listen_fd)
     void eng_tcp_free(eng_tcp *t)
+    void eng_tcp_goodbye(eng_tcp *t)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
     int eng_tcp_interfaces(char *out, size_t cap)
@@ -33,6 +35,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_mesh_missing(eng_tcp *t, int *code)
     int eng_tcp_waiting_on(eng_tcp *t, int *peers, double *silent, int cap)
     int eng_tcp_peer_errno(eng_tcp *t, int peer)
+    int eng_tcp_departed(eng_tcp *t, int peer)
 
 cdef extern from "<netdb.h>" nogil:
     const char *gai_strerror(int code)
@@ -75,12 +78,13 @@ cdef void _tcp_doze(void *t, uint32_t gen, double seconds) noexcept nogil:
 
 cdef class TcpTransport(Transport):
     """One channel of a group over TCP: listen_fd (from tcp_listen, taken over), the group's token,
-    and every rank's (host, port, name) to connect to. fail_any: any peer's end fails every request
-    (the engine's collectives need every rank)."""
+    and every rank's (host, port, name) to connect to. fail_any: a peer's end without its goodbye (a
+    crash) fails every request (the engine's collectives need every rank)."""
     cdef eng_tcp *t
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
     cdef readonly int channel, nstreams
+    cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
                   size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True):
@@ -108,6 +112,13 @@ cdef class TcpTransport(Transport):
 
     def __dealloc__(self):
         eng_tcp_free(self.t)
+
+    def goodbye(self):
+        """Leaves the group in order: every peer is told (so only what still involves this rank fails
+        there), every connection closed; what was under way here fails. The group's end, and the
+        process's normal exit (engine/tcp.py), call it; freeing the transport does too."""
+        with nogil:
+            eng_tcp_goodbye(self.t)
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         cdef tcp_req *r = NULL
@@ -180,6 +191,11 @@ cdef class TcpTransport(Transport):
         return [(peers[i], silent[i] if silent[i] >= 0 else None) for i in range(n)]
 
     @property
+    def departed(self):
+        """The peers that left the group in order (their goodbye came)."""
+        return [q for q in range(self.size) if q != self.rank and eng_tcp_departed(self.t, q)]
+
+    @property
     def rejected(self):
         """Connections closed before or at their hello (a wrong token, a stranger, a duplicate)."""
         return self.t.rejected
@@ -192,11 +208,17 @@ cdef class TcpTransport(Transport):
 
     cdef object error_text(self, int code):
         cdef int p = self.err_peer, e
+        if code == ENG_ERR_PEER_LEFT and self.t.said_bye:
+            return f"rank {self.rank} left this group (it was destroyed, or the process is exiting) while this ran"
+        if code == ENG_ERR_PEER_LEFT:
+            return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
+                    "still waited for it: the ranks did not run the same collectives, or one destroyed the group "
+                    "early")
         if code == ENG_ERR_PEER_DEAD:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             why = f" ({strerror(e).decode()})" if e else ""
-            return (f"{self._who(p)} closed its connection{why} while rank {self.rank} waited for it: its process "
-                    "exited, or it destroyed the group")
+            return (f"{self._who(p)} closed its connection{why} without leaving the group while rank {self.rank} "
+                    "waited: its process died (killed, crashed) or the link to it broke")
         if code == ENG_ERR_CONNECT:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             return (f"could not connect to {self._who(p)}: {strerror(e).decode() if e else 'failed'} (is that "
@@ -242,6 +264,11 @@ cdef class TcpComm(CoreComm):
     @property
     def algo_transport(self):
         return self.algo_tp
+
+    def leave(self):
+        """Tells every peer, on both channels, that this rank leaves the group in order."""
+        (<TcpTransport>self.algo_tp).goodbye()
+        (<TcpTransport>self.user_tp).goodbye()
 
     @property
     def user_transport(self):

@@ -101,6 +101,8 @@ cdef str _engine_error_text(int code, int peer):
     who = f"rank {peer}" if peer >= 0 else "a peer"
     if code == ENG_ERR_PEER_DEAD:
         return f"{who} exited (its process is gone) while this rank waited for it"
+    if code == ENG_ERR_PEER_LEFT:
+        return f"{who} left the group while this rank still waited for it"
     if code == ENG_ERR_TRUNCATE:
         return (f"message truncated: {who} sent more bytes than the receive buffer holds; the buffer sizes on the "
                 "ranks do not match")

@@ -16,7 +16,8 @@ from engine import _core
 from engine.watch import EngineError, EnginePeerLost, EngineTimeout
 
 MAGIC, VERSION, HDR = 0x54474E45, 1, 32
-MSG, PART = 0x2147534D, 0x54524150
+MSG, PART, BYE = 0x2147534D, 0x54524150, 0x21455942
+HELLO = 48
 TOKEN = bytes(range(16))
 
 
@@ -42,23 +43,52 @@ class Deadline:
             raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
 
 
-@pytest.fixture
-def rank0():
-    """Rank 0 of a group of 2 whose rank 1 is this test: (core, rank 1's listener, rank 0's ports)."""
-    fake = socket.socket()
-    fake.bind(("127.0.0.1", 0))
-    fake.listen(16)
+def group_of(size, collective_user_channel=False):
+    """Rank 0 of a group of `size` whose other ranks are this test: (core, their listeners (None for
+    rank 0), rank 0's ports). collective_user_channel: the user's channel fails every request when a peer
+    crashes (fail_any), as the collectives' channel does, so that tests can drive that rule by send/recv."""
+    fakes = [None] + [socket.socket() for _ in range(size - 1)]
+    for f in fakes[1:]:
+        f.bind(("127.0.0.1", 0))
+        f.listen(16)
     ports, transports = [], []
     for ch in range(2):
         fd, port = _core.tcp_listen("127.0.0.1")
         ports.append(port)
-        peers = [("127.0.0.1", port, "rank0"), ("127.0.0.1", fake.getsockname()[1], "rank1")]
-        transports.append(_core.TcpTransport(0, 2, ch, fd, TOKEN, peers, nstreams=2, split_min=1 << 20,
-                                             eager_max=64 << 10, fail_any=ch == 0))
+        peers = [("127.0.0.1", port, "rank0")] + [("127.0.0.1", f.getsockname()[1], f"rank{q}")
+                                                   for q, f in enumerate(fakes) if f is not None]
+        transports.append(_core.TcpTransport(0, size, ch, fd, TOKEN, peers, nstreams=2, split_min=1 << 20,
+                                             eager_max=64 << 10, fail_any=ch == 0 or collective_user_channel))
     core = _core.TcpComm(transports[0], transports[1], 1 << 16)
     core.set_watch(Deadline(), 0.05, p2p=Deadline())
-    yield core, fake, ports
-    fake.close()
+    return core, fakes, ports
+
+
+@pytest.fixture
+def rank0():
+    """Rank 0 of a group of 2 whose rank 1 is this test: (core, rank 1's listener, rank 0's ports)."""
+    core, fakes, ports = group_of(2)
+    yield core, fakes[1], ports
+    fakes[1].close()
+
+
+@pytest.fixture
+def trio():
+    """Rank 0 of a group of 3 whose ranks 1 and 2 are this test, every channel failing at a crash."""
+    core, fakes, ports = group_of(3, collective_user_channel=True)
+    yield core, fakes, ports
+    for f in fakes[1:]:
+        f.close()
+
+
+def recv_exact(sock, n):
+    sock.settimeout(5)
+    got = b""
+    while len(got) < n:
+        more = sock.recv(n - len(got))
+        assert more, f"the connection ended after {len(got)} of {n} bytes"
+        got += more
+    return got
 
 
 def connect(port, data=b""):
@@ -209,3 +239,67 @@ def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     with pytest.raises(RuntimeError, match="MASTER_ADDR='no-such-host.invalid' does not resolve"):
         tcp.listen_address()
+
+
+def keeps_waiting(request, seconds=0.3):
+    """request is still unfinished (and has not failed: test() would raise) after `seconds` of progress."""
+    return not drive(request, lambda: False, seconds) and not request.test()
+
+
+@pytest.mark.parametrize("direction", ["on its own connection", "back on a connection this rank made"])
+def test_a_peer_that_left_in_order_fails_only_what_involves_it(trio, direction):
+    core, fakes, ports = trio
+    out = np.zeros(2, np.uint8)
+    if direction == "on its own connection":
+        leaver = connect(ports[1], hello(frm=2, size=3) + header(BYE, 0, 0, 0, 0))
+    else:
+        core.send(np.frombuffer(b"hi", np.uint8), 2, 0)      # rank 0 connects to rank 2 to send
+        leaver, _ = fakes[2].accept()
+        assert recv_exact(leaver, HELLO + HDR + 2)[-2:] == b"hi"
+        leaver.sendall(header(BYE, 0, 0, 0, 0))
+    r = core.irecv(out, 1, 0)
+    leaver.close()
+    assert keeps_waiting(r), "a receive from rank 1 failed when rank 2 left in order"
+    sender = connect(ports[1], hello(frm=1, size=3) + header(MSG, 0, 0, 2, 2) + b"ok")
+    assert r.wait() == (1, 0, 2) and out.tobytes() == b"ok"
+    assert core.user_transport.departed == [2]
+    with pytest.raises(EnginePeerLost, match=r"rank 2 \(rank2, 127\.0\.0\.1 port \d+\) left the group"):
+        core.recv(out, 2, 0)
+    with pytest.raises(EnginePeerLost, match=r"rank 2 \(rank2, .*\) left the group"):
+        core.send(out, 2, 0)
+    sender.close()
+
+
+@pytest.mark.parametrize("how", ["closed", "closed mid-goodbye", "reset"])
+def test_a_peer_that_crashed_fails_every_request_where_every_rank_is_needed(trio, how):
+    core, _, ports = trio
+    r = core.irecv(np.zeros(2, np.uint8), 1, 0)
+    crashed = connect(ports[1], hello(frm=2, size=3) + (header(BYE, 0, 0, 0, 0)[:20] if how == "closed mid-goodbye"
+                                                         else b""))
+    if how == "reset":
+        crashed.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    drive(r, lambda: False, 0.1)
+    crashed.close()
+    with pytest.raises(EnginePeerLost, match=r"rank 2 \(rank2, .*\) closed its connection.* without leaving"):
+        r.wait()
+    assert core.user_transport.departed == []
+
+
+def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
+    core, fakes, ports = trio
+    core.send(np.frombuffer(b"hi", np.uint8), 2, 0)
+    made, _ = fakes[2].accept()                              # a connection rank 0 made
+    recv_exact(made, HELLO + HDR + 2)
+    accepted = connect(ports[1], hello(frm=1, size=3))      # one rank 0 accepted
+    r = core.irecv(np.zeros(2, np.uint8), 1, 0)
+    assert keeps_waiting(r)
+    core.user_transport.goodbye()
+    for sock in (made, accepted):
+        assert recv_exact(sock, HDR) == header(BYE, 0, 0, 0, 0)
+        assert closed_by_peer(sock) or sock.recv(1) == b""
+    with pytest.raises(EnginePeerLost, match="rank 0 left this group"):
+        r.wait()
+    with pytest.raises(EnginePeerLost, match="rank 0 left this group"):
+        core.send(np.zeros(1, np.uint8), 1, 0)
+    made.close()
+    accepted.close()

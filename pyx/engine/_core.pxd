@@ -111,6 +111,7 @@ cdef enum:
     ENG_ERR_CANCELLED = 100006
     ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
     ENG_ERR_CONNECT = 100008     # a connection to a peer could not be made (TCP)
+    ENG_ERR_PEER_LEFT = 100009   # a peer left the group in order (TCP: its goodbye) while still needed
 
 
 # ---- the transport seam ----
