@@ -98,6 +98,10 @@ class Problem:
         elif coll == "sendrecv":
             self.input = data(r, count, dtype)
             self.expected = data((r - 1) % n, count, dtype)
+        elif coll == "pingpong":
+            self.peer = r ^ 1 if (r ^ 1) < n else None
+            self.input = data(r, count, dtype)
+            self.expected = data(self.peer, count, dtype) if self.peer is not None else None
         else:  # barrier
             self.input, self.expected = torch.empty(0, dtype=dtype), None
 
@@ -122,10 +126,15 @@ def _waited(fn):
     return call
 
 
+# all_gather_into_tensor and reduce_scatter_tensor under the names torch 2.13 gives them (and FSDP2
+# calls): the old ones warn on every call.
+_SYNC = types.SimpleNamespace(
+    barrier=dist.barrier, all_to_all_single=dist.all_to_all_single, all_reduce=dist.all_reduce,
+    broadcast=dist.broadcast, reduce=dist.reduce,
+    all_gather_into_tensor=getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+    reduce_scatter_tensor=getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor))
 # torch.distributed's collectives with async_op=True, then wait(): the cost of Work and futures.
-_WAITED = types.SimpleNamespace(**{name: _waited(getattr(dist, name)) for name in (
-    "barrier", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
-    "reduce")})
+_WAITED = types.SimpleNamespace(**{name: _waited(fn) for name, fn in vars(_SYNC).items()})
 
 
 class TorchDistBackend:
@@ -136,7 +145,7 @@ class TorchDistBackend:
 
     def case(self, p, mode):
         g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
-        d = _WAITED if self.asynchronous else dist  # the synchronous calls stay torch's own, unwrapped
+        d = _WAITED if self.asynchronous else _SYNC  # the synchronous calls stay torch's own, unwrapped
         inp, src, out = p.buffers(dev)
 
         def reset():
@@ -157,6 +166,14 @@ class TorchDistBackend:
                 return Case(lambda: d.all_to_all_single(out, inp, group=g), reset, lambda: out, p.expected)
             if c == "sendrecv":
                 return Case(lambda: self._sendrecv(out, inp), reset, lambda: out, p.expected)
+            if c == "pingpong":
+                if self.asynchronous:
+                    send = lambda t, dst, group: dist.isend(t, dst, group=group).wait()
+                    recv = lambda t, src, group: dist.irecv(t, src, group=group).wait()
+                else:
+                    send, recv = dist.send, dist.recv
+                return _pingpong(p, lambda: send(inp, self._global(p.peer), group=g),
+                                 lambda: recv(out, self._global(p.peer), group=g), out)
             return None  # all_reduce, broadcast, reduce exist in place only in torch
         if c == "all_reduce":
             return Case(lambda: d.all_reduce(inp, op=op, group=g), reset, lambda: inp, p.expected)
@@ -179,6 +196,25 @@ class TorchDistBackend:
         ops = [dist.P2POp(dist.isend, inp, (r + 1) % n, self.group), dist.P2POp(dist.irecv, out, (r - 1) % n, self.group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+
+
+def _pingpong(p, send, recv, out):
+    """The pingpong Case from a backend's blocking send() and recv() of the Problem's buffers: rank 2k
+    sends first, 2k+1 receives first; an unpaired last rank idles."""
+    def reset():
+        out.zero_()
+
+    if p.peer is None:
+        return Case(lambda: None, reset, lambda: None, None)
+    if p.rank % 2 == 0:
+        def run():
+            send()
+            recv()
+    else:
+        def run():
+            recv()
+            send()
+    return Case(run, reset, lambda: out, p.expected)
 
 
 class EngineDirectBackend:
@@ -248,6 +284,9 @@ class EngineDirectBackend:
 
             return Case(lambda: comm.sendrecv(inp, (r + 1) % n, out, (r - 1) % n, 0, 0), reset, lambda: out,
                         p.expected)
+        if c == "pingpong":
+            return None if inplace else _pingpong(p, lambda: comm.send(inp, p.peer, 0), lambda: comm.recv(out, p.peer, 0),
+                                                  out)
         return None
 
 
@@ -306,6 +345,9 @@ class Mpi4pyBackend:
                 return None
             return Case(lambda: comm.Sendrecv(inp, (r + 1) % n, 0, out, (r - 1) % n, 0), reset, lambda: out_t,
                         p.expected)
+        if c == "pingpong":
+            return None if inplace else _pingpong(p, lambda: comm.Send(inp, p.peer, 0), lambda: comm.Recv(out, p.peer, 0),
+                                                  out_t)
         return None
 
 

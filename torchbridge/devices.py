@@ -73,13 +73,13 @@ class CpuDevice:
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
     def send(self, t, dst, tag, outputs):
-        return PointToPointWork(self.comm.isend(contiguous(t), dst, tag), outputs)
+        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs)
 
     def recv(self, t, src, tag, outputs):
         if t.is_contiguous():
-            return PointToPointWork(self.comm.irecv(t, src, tag), outputs)
+            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs)
         tmp = contiguous(t)
-        return PointToPointWork(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
+        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
 
     def shutdown(self):
         self.progress.close()
@@ -262,7 +262,7 @@ class StagedDevice:
 
     def recv(self, t, src, tag, outputs):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return PointToPointWork(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
+        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
 
     def shutdown(self):
         pass
