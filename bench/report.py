@@ -21,6 +21,7 @@ DESCRIPTIONS = {
     "gloo": "torch.distributed, Gloo group in the same job",
     "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",
     "nccl": "torch.distributed, backend nccl (CUDA)",
+    "deepspeed-shm": "DeepSpeed's shared-memory allreduce, torch.ops.deepspeed.inference_all_reduce_",
 }
 
 
@@ -137,6 +138,9 @@ def print_report(rows, meta, out):
     print(f"# engine bench: {meta['command']}", file=out)
     print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), torch {meta['torch']}, "
           f"mpi4py {meta['mpi4py']}, {meta['mpi_library']}", file=out)
+    if meta.get("kernel_isa"):
+        extra = f", deepspeed {meta['deepspeed']}" if meta.get("deepspeed") else ""
+        print(f"# engine kernels: {meta['kernel_isa']}{extra}", file=out)
     print("# times: mean per call on each rank, averaged over ranks; median of "
           f"{meta['rounds']} interleaved rounds", file=out)
     for coll in COLLECTIVES:

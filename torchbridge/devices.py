@@ -18,6 +18,7 @@ through pinned host memory and the CPU communicator, for clusters without NCCL a
 
 import torch
 
+from engine._core import NotContiguousError
 from engine.fusion import FusedAllreduce
 from engine.ops import ReduceOp
 
@@ -64,6 +65,11 @@ class CpuDevice:
 
     def _fused(self, tensors, op, options):
         compression, prescale = options
+        try:  # the fusion reads every tensor before it moves any: one that is not contiguous stops it first
+            self._fusion.run(tensors, op, compression=compression, prescale=prescale)
+            return
+        except NotContiguousError:
+            pass
         work = [contiguous(t) for t in tensors]
         self._fusion.run(work, op, compression=compression, prescale=prescale)
         for t, w in zip(tensors, work):
