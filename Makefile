@@ -12,7 +12,9 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup: $(VENV)/.installed
 
 # constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
-$(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py $(wildcard pyx/*)
+# Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
+$(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py \
+		$(wildcard pyx/*.pyx pyx/*.pxi pyx/*.pxd pyx/*.h pyx/engine/*.pxd)
 	test -x $(PY) || python3 -m venv $(VENV)
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -r requirements-dev.txt -r requirements-clients.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
@@ -41,4 +43,4 @@ torch-suite: setup
 	BACKEND=gloo WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 
 clean:
-	rm -rf build engine/*.so pyx/_core.c pyx/_mpi.c pyx/progress.c *.egg-info
+	rm -rf build engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed

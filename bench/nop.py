@@ -29,8 +29,8 @@ class NopProcessGroup(dist.ProcessGroup):
         return _DONE
 
     allreduce = broadcast = reduce = allgather = all_gather_single = gather = scatter = _nothing
-    reduce_scatter = reduce_scatter_single = alltoall = alltoall_base = barrier = send = recv = _nothing
-    recv_anysource = allreduce_coalesced = _nothing
+    reduce_scatter = reduce_scatter_single = alltoall = alltoall_base = all_to_all_single = barrier = _nothing
+    send = recv = recv_anysource = allreduce_coalesced = _nothing
 
 
 def nop_group():

@@ -21,6 +21,7 @@ DESCRIPTIONS = {
     "gloo": "torch.distributed, Gloo group in the same job",
     "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",
     "nccl": "torch.distributed, backend nccl (CUDA)",
+    "deepspeed-shm": "DeepSpeed's shared-memory allreduce, torch.ops.deepspeed.inference_all_reduce_",
 }
 
 
@@ -103,6 +104,29 @@ def markdown_table(rows, collective, base):
     return "\n".join(out)
 
 
+def torch_layer_table(rows, torch_backend="engine"):
+    """What the adapter adds to each call (Markdown), where a run has torch_backend, nop and
+    engine-direct: the torch call minus the same call on the do-nothing group (torch's own share)
+    minus the direct call. pingpong makes two calls (a send and a recv) per round trip."""
+    index = {(r["backend"], r["collective"], r["size"], r["mode"]): r["time_us"] for r in rows}
+    lines = []
+    for r in rows:
+        if r["backend"] != torch_backend:
+            continue
+        key = (r["collective"], r["size"], r["mode"])
+        nop, direct = index.get(("nop",) + key), index.get(("engine-direct",) + key)
+        if nop is None or direct is None:
+            continue
+        extra = r["time_us"] - nop - direct
+        calls = 2 if r["collective"] == "pingpong" else 1
+        lines.append(f"| {r['collective']} | {_size(r['size'])} | {r['mode']} | {nop:.2f} | {r['time_us']:.2f} | "
+                     f"{direct:.2f} | {extra:.2f} | {extra / calls:.2f} |")
+    if not lines:
+        return ""
+    return "\n".join([f"| collective | size | mode | nop | {torch_backend} | engine-direct | {torch_backend} - nop - direct "
+                      "| per call |", "| --- " * 8 + "|"] + lines)
+
+
 def _size(n):
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
@@ -114,6 +138,9 @@ def print_report(rows, meta, out):
     print(f"# engine bench: {meta['command']}", file=out)
     print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), torch {meta['torch']}, "
           f"mpi4py {meta['mpi4py']}, {meta['mpi_library']}", file=out)
+    if meta.get("kernel_isa"):
+        extra = f", deepspeed {meta['deepspeed']}" if meta.get("deepspeed") else ""
+        print(f"# engine kernels: {meta['kernel_isa']}{extra}", file=out)
     print("# times: mean per call on each rank, averaged over ranks; median of "
           f"{meta['rounds']} interleaved rounds", file=out)
     for coll in COLLECTIVES:
@@ -124,6 +151,9 @@ def print_report(rows, meta, out):
         ratios = ratio_table(rows, coll, meta["backends"][0])
         if ratios:
             print(ratios + "\n", file=out)
+    layer = torch_layer_table(rows)
+    if layer:
+        print("# the torch layer's cost (us): engine - nop - engine-direct\n" + layer + "\n", file=out)
 
 
 def write_json(path, rows, meta):

@@ -63,6 +63,7 @@ def measure(case, iters, warmup, budget, sync=None):
 
 def metadata(args, world_size):
     import engine
+    import engine.kernels
     from engine.launcher import detect_launcher
     mpi_library = mpi4py_version = None
     if "mpi4py.MPI" in sys.modules:
@@ -81,6 +82,9 @@ def metadata(args, world_size):
         "dtype": args.dtype, "op": args.op, "root": args.root, "rounds": args.rounds, "algorithm": args.algo,
         "backends": args.backends,
         "oversubscribed": world_size > (os.cpu_count() or 1),
+        "kernel_isa": engine.kernels.isa(),
+        "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
 
@@ -89,7 +93,7 @@ def sweep(args, collectives):
         os.environ["ENGINE_CUDA_ALLREDUCE_ALGO"] = args.algo  # on the CPU the direct backends take it per call
     dist.init_process_group(backend="engine")
     rank, size = dist.get_rank(), dist.get_world_size()
-    backends = make_backends(args.backends, args.algo, args.device)
+    backends = make_backends(args.backends, args.algo, args.device, control())
     sync = torch.cuda.synchronize if args.device == "cuda" else None
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -111,6 +111,18 @@ class FusedAllreduce:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
+        if getattr(self.comm, "packs_in_segment", False):
+            # Read once, in C: where every tensor is of one dtype, none travels alone and all fit one
+            # bucket (many small tensors: all_reduce_coalesced), that bucket is plan_buckets' plan.
+            parts = _core.parse_parts(tensors)
+            if (parts is not None and parts.largest_bytes < min(self.direct_bytes, self.bucket_bytes)
+                    and parts.total_bytes <= self.bucket_bytes):
+                if parts.total_bytes:
+                    wire = wire_dtype(parts.dtype_name, compression)
+                    before, after = bucket_scales(code, wire, parts.dtype_name, self.comm.size, prescale)
+                    self.comm.allreduce_parts(parts, ReduceOp.SUM if code == ReduceOp.AVG else code, wire, before,
+                                              after)
+                return tensors
         specs = [_spec(t) for t in tensors]
         buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
         if not buckets:

@@ -26,33 +26,76 @@ def scale(buf, double factor, bint divide=False):
 
 
 cdef class _PartList:
-    """Parsed parts of a pack/unpack: pointers and counts in C arrays, one dtype."""
+    """Parsed parts: pointers and counts in C arrays, of one dtype (-1: they mix dtypes). parse_parts()
+    hands one to Python, which passes it back to pack, unpack and allreduce_parts in place of the
+    list: each buffer is read once. (Its fields: pyx/engine/_core.pxd.)"""
+
     def __dealloc__(self):
         free(self.ptrs)
         free(self.counts)
 
+    def __len__(self):
+        return self.n
 
-cdef _PartList _parse_parts(object parts, bint writable, str role):
-    cdef _PartList pl = _PartList.__new__(_PartList)
+    @property
+    def dtype_name(self):
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def total_bytes(self):
+        return self.total * eng_itemsize[self.dtype]
+
+    @property
+    def largest_bytes(self):
+        """The largest part's size."""
+        return self.largest * eng_itemsize[self.dtype]
+
+
+cdef _PartList _parse_parts(object parts, bint writable, str role, bint one_dtype=True):
+    """parts (a list of buffers, or a _PartList parse_parts made) read once; with one_dtype, parts
+    of mixed dtypes are refused, else the list's dtype is -1."""
+    cdef _PartList pl
     cdef Message m
     cdef size_t k
-    pl.messages = [as_message(p, writable, f"{role}[{k}]") for k, p in enumerate(parts)]
+    if isinstance(parts, _PartList):
+        return parts
+    pl = _PartList.__new__(_PartList)
+    pl.messages = list(parts)
     pl.n = len(pl.messages)
     pl.ptrs = <void**>malloc(max(pl.n, 1) * sizeof(void*))
     pl.counts = <size_t*>malloc(max(pl.n, 1) * sizeof(size_t))
     if pl.ptrs == NULL or pl.counts == NULL:
         raise MemoryError()
-    pl.dtype = -1
+    pl.dtype = -2
     for k in range(pl.n):
-        m = pl.messages[k]
-        if pl.dtype >= 0 and m.dtype != pl.dtype:
-            raise TypeError(f"{role} mixes dtypes ({DTYPE_NAMES[pl.dtype]} and {DTYPE_NAMES[m.dtype]}); "
-                            "pack each dtype into its own flat buffer")
-        pl.dtype = m.dtype
+        try:
+            m = as_message(pl.messages[k], writable, role)
+        except Exception:    # the message names the part (formatted here only: per part it would cost)
+            as_message(pl.messages[k], writable, f"{role}[{k}]")
+            raise
+        pl.messages[k] = m
+        if pl.dtype != -2 and m.dtype != pl.dtype:
+            if one_dtype:
+                raise TypeError(f"{role} mixes dtypes ({DTYPE_NAMES[pl.dtype]} and {DTYPE_NAMES[m.dtype]}); "
+                                "pack each dtype into its own flat buffer")
+            pl.dtype = -1
+        elif pl.dtype == -2:
+            pl.dtype = m.dtype
         pl.ptrs[k] = m.ptr
         pl.counts[k] = m.count
         pl.total += m.count
+        if m.count > pl.largest:
+            pl.largest = m.count
+    if pl.dtype == -2:
+        pl.dtype = -1
     return pl
+
+
+def parse_parts(parts):
+    """The writable buffers of parts read once, for pack, unpack and allreduce_parts to take in place
+    of the list; None when they mix dtypes."""
+    cdef _PartList pl = _parse_parts(parts, True, "parts", False)
+    return pl if pl.dtype >= 0 else None
 
 
 cdef _check_flat(Message flat, _PartList pl, double factor, str verb):

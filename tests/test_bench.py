@@ -78,7 +78,7 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
     assert any(name in meta["mpi_library"] for name in ("Open MPI", "MPICH", "Intel"))
     collectives = {r["collective"] for r in doc["rows"]}
     assert collectives == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall",
-                           "sendrecv", "barrier"}
+                           "sendrecv", "pingpong", "barrier"}
     assert all(r["wrong"] == 0 for r in doc["rows"])
     assert {r["backend"] for r in doc["rows"]} == {"engine", "engine-direct", "gloo", "mpi4py"}
     png = tmp_path / "out.png"

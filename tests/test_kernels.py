@@ -368,3 +368,14 @@ def test_engine_isa_refuses_what_this_cpu_lacks_at_import():
     run = subprocess.run([sys.executable, "-c", "import engine.kernels as k; print(k.isa())"],
                          env={**os.environ, "ENGINE_ISA": "baseline"}, capture_output=True, text=True)
     assert run.stdout.strip() == "baseline", run.stderr
+
+
+def test_parts_read_once_and_refused_by_index():
+    parts = [torch.ones(3), torch.ones(0), torch.ones(70)]
+    pl = engine._core.parse_parts(parts)
+    assert (len(pl), pl.dtype_name, pl.total_bytes, pl.largest_bytes) == (3, "float32", 292, 280)
+    flat = torch.empty(73)
+    assert engine.pack(pl, flat) == 73                   # a parsed list in place of the list itself
+    assert engine._core.parse_parts([torch.ones(2), torch.ones(2, dtype=torch.float64)]) is None
+    with pytest.raises(ValueError, match=r"parts\[1\] is not contiguous"):
+        engine.pack([torch.ones(2), torch.ones(4, 2).t()], torch.empty(10))

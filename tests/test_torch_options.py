@@ -1,42 +1,80 @@
-"""torchbridge._options reads torch's AllreduceOptions from the C++ struct: it must agree with
-pybind's own getters for every op and asyncOp, and leave everything else to the general path."""
+"""torchbridge._fastpath reads torch's options structs (reduce op, rootRank, asyncOp) from C++: it
+must agree with pybind's own getters for every op, root and asyncOp, whatever the other fields hold,
+and leave everything else to the general path."""
 
 import datetime
+import random
 
+import pytest
+import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
-from torchbridge import process_group as pg
-from torchbridge._options import allreduce_call
+from engine import ReduceOp
+from torchbridge import _fastpath
+from torchbridge._fastpath import LAYOUTS, read_options
+
+TYPES = {"allreduce": c10d.AllreduceOptions, "broadcast": c10d.BroadcastOptions, "reduce": c10d.ReduceOptions,
+         "allgather": c10d.AllgatherOptions, "reduce_scatter": c10d.ReduceScatterOptions,
+         "alltoall": c10d.AllToAllOptions, "barrier": c10d.BarrierOptions}
+OPS = [name for name in dist.ReduceOp.RedOpType.__members__ if name not in ("PREMUL_SUM", "UNUSED")]
 
 
-def test_enabled_on_this_torch():
-    assert pg._FAST_READ, "the offsets of AllreduceOptions were not found: the latency path reads through pybind"
+def test_every_struct_is_read_directly_on_this_torch():
+    for name, lay in LAYOUTS.items():
+        assert lay.type is TYPES[name] and lay.direct, f"{name}: offsets not found, read through pybind"
 
 
-def test_agrees_with_pybind_for_every_op():
-    for name in dist.ReduceOp.RedOpType.__members__:
-        if name in ("PREMUL_SUM", "UNUSED"):
-            continue
-        for asynchronous in (False, True):
-            for timeout in (datetime.timedelta(seconds=3), datetime.timedelta(hours=2)):
-                opts = dist.AllreduceOptions()
-                opts.reduceOp = getattr(dist.ReduceOp, name)
-                opts.asyncOp = asynchronous
-                opts.timeout = timeout
-                want = pg._allreduce_call(opts)
-                assert want >= 0
-                assert allreduce_call(opts) == want, (name, asynchronous, timeout)
-                assert pg._BY_CODE[int(opts.reduceOp.op)] == want >> 1
+def _options(kind, rng):
+    """Options of every kind with random values in each field, and what the fast path must read."""
+    o = TYPES[kind]()
+    op = root = None
+    if LAYOUTS[kind].has_op:
+        name = rng.choice(OPS)
+        o.reduceOp = getattr(dist.ReduceOp, name)
+        op = ReduceOp[name]
+    if LAYOUTS[kind].has_root:
+        root = rng.choice([0, 1, 2, 7, rng.randrange(2 ** 40)])
+        o.rootRank = root
+        o.rootTensor = rng.randrange(1000)
+    o.timeout = datetime.timedelta(milliseconds=rng.randrange(1, 10 ** 9))
+    if kind == "barrier":
+        o.device_ids = rng.choice([[], [0], [1, 2, 3]])
+        if rng.random() < 0.5:
+            o.device = torch.device("cpu")
+    o.asyncOp = rng.random() < 0.5
+    return o, (op, root or 0, o.asyncOp)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_agrees_with_pybind(kind):
+    rng = random.Random(kind)
+    for _ in range(200):
+        o, want = _options(kind, rng)
+        assert read_options(LAYOUTS[kind], o) == want
+        assert read_options(LAYOUTS[kind], o, pybind=True) == want
 
 
 def test_general_path_for_everything_else():
-    opts = dist.AllreduceOptions()
+    for kind in ("allreduce", "reduce", "reduce_scatter"):
+        o = TYPES[kind]()
+        o.reduceOp = dist._make_nccl_premul_sum(2.0)
+        assert read_options(LAYOUTS[kind], o) is None
+        assert read_options(LAYOUTS[kind], o, pybind=True) is None
+    for kind, cls in TYPES.items():
+        class Sub(cls):
+            pass
+
+        assert read_options(LAYOUTS[kind], None) is None
+        assert read_options(LAYOUTS[kind], Sub()) is None
+        other = TYPES["alltoall" if kind != "alltoall" else "allgather"]()
+        assert read_options(LAYOUTS[kind], other) is None
+
+
+def test_op_codes():
+    for name in OPS:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        assert _fastpath.op_of(opts.reduceOp) == (int(opts.reduceOp.op), ReduceOp[name])
     opts.reduceOp = dist._make_nccl_premul_sum(2.0)
-    assert allreduce_call(opts) == -1
-    assert allreduce_call(None) == -1
-    assert allreduce_call(dist.BroadcastOptions()) == -1
-
-    class Sub(dist.AllreduceOptions):
-        pass
-
-    assert allreduce_call(Sub()) == -1
+    assert _fastpath.op_of(opts.reduceOp) == (_fastpath.PREMUL, None)

@@ -18,6 +18,7 @@ through pinned host memory and the CPU communicator, for clusters without NCCL a
 
 import torch
 
+from engine._core import NotContiguousError
 from engine.fusion import FusedAllreduce
 from engine.ops import ReduceOp
 
@@ -64,6 +65,11 @@ class CpuDevice:
 
     def _fused(self, tensors, op, options):
         compression, prescale = options
+        try:  # the fusion reads every tensor before it moves any: one that is not contiguous stops it first
+            self._fusion.run(tensors, op, compression=compression, prescale=prescale)
+            return
+        except NotContiguousError:
+            pass
         work = [contiguous(t) for t in tensors]
         self._fusion.run(work, op, compression=compression, prescale=prescale)
         for t, w in zip(tensors, work):
@@ -73,13 +79,13 @@ class CpuDevice:
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
     def send(self, t, dst, tag, outputs):
-        return PointToPointWork(self.comm.isend(contiguous(t), dst, tag), outputs)
+        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs)
 
     def recv(self, t, src, tag, outputs):
         if t.is_contiguous():
-            return PointToPointWork(self.comm.irecv(t, src, tag), outputs)
+            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs)
         tmp = contiguous(t)
-        return PointToPointWork(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
+        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
 
     def shutdown(self):
         self.progress.close()
@@ -262,7 +268,7 @@ class StagedDevice:
 
     def recv(self, t, src, tag, outputs):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return PointToPointWork(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
+        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
 
     def shutdown(self):
         pass

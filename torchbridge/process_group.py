@@ -4,9 +4,12 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy).
 
-The synchronous CPU call is the latency path: the op is read with one pybind access, no closure is
-made, and the collective runs in the calling thread (engine.progress.Progress.run) when the group is
-idle. On machines without CUDA, CUDA routing costs one attribute test.
+The latency path is compiled (torchbridge._fastpath, pyx/torch_fastpath.pyx): the methods torch calls
+on every collective and message (allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single,
+all_to_all_single, barrier, send, recv, recv_anysource) are its functions. Each reads torch's options in
+one C call and makes one call into the communicator, the collective running in the calling thread
+(engine.progress.Progress.run) when the group is idle; anything else goes to the general method of the
+same collective here (`_broadcast` for broadcast, ...), which handles every case.
 
 Under torch's profiler every call records an event named as torch's own backends name theirs
 ("engine:all_reduce", with the inputs' shapes when shapes are recorded), from the call until its work
@@ -24,54 +27,13 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 
 from engine import Communicator, ReduceOp
-from engine._core import NotContiguousError
 from engine.launcher import MPIRUN_HINT, detect_launcher
 from engine.progress import Progress
 
-from ._options import allreduce_call, enable as enable_options
-from .devices import COMPLETED, CpuDevice, CudaDevice, StagedDevice, contiguous
+from . import _fastpath
+from ._fastpath import PREMUL, op_of
+from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
 from .work import CollectiveWork, PointToPointWork
-
-_RED = dist.ReduceOp.RedOpType
-_PREMUL = int(_RED.PREMUL_SUM)
-# torch's reduce op -> the engine's, indexed by the op's code. torch's ReduceOp hashes to its code,
-# which reads it with one pybind access instead of two (opts.reduceOp.op costs twice that); checked
-# here, with the slow read as the fallback.
-_BY_CODE = [None] * (max(int(v) for v in _RED.__members__.values()) + 1)
-for _name, _op in (("SUM", ReduceOp.SUM), ("PRODUCT", ReduceOp.PRODUCT), ("MIN", ReduceOp.MIN),
-                   ("MAX", ReduceOp.MAX), ("BAND", ReduceOp.BAND), ("BOR", ReduceOp.BOR), ("BXOR", ReduceOp.BXOR),
-                   ("AVG", ReduceOp.AVG)):
-    _BY_CODE[int(getattr(_RED, _name))] = _op
-
-
-def _hash_is_code():
-    for name in _RED.__members__:
-        if name == "PREMUL_SUM":
-            continue
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, name)
-        if hash(opts.reduceOp) != int(opts.reduceOp.op):
-            return False
-    return True
-
-
-_FAST_OP = _hash_is_code()
-_FAST_READ = enable_options(dist.AllreduceOptions, _BY_CODE)
-
-
-def _op_of(red):
-    """(torch's code, engine op or None) of a torch ReduceOp."""
-    code = hash(red) if _FAST_OP else int(red.op)
-    return code, (_BY_CODE[code] if 0 <= code < len(_BY_CODE) else None)
-
-
-def _allreduce_call(opts):
-    """What torchbridge._options.allreduce_call reads, through pybind: engine op * 2 + asyncOp, or -1."""
-    if opts is None:
-        return -1
-    op = _op_of(opts.reduceOp)[1]
-    return -1 if op is None else int(op) * 2 + bool(opts.asyncOp)
-
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
 
@@ -203,10 +165,10 @@ def _reduce_op(opts):
     if opts is None:
         return ReduceOp.SUM, None
     red = opts.reduceOp
-    code, op = _op_of(red)
+    code, op = op_of(red)
     if op is not None:
         return op, None
-    if code == _PREMUL:
+    if code == PREMUL:
         return ReduceOp.SUM, red.factor
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 
@@ -323,8 +285,8 @@ class EngineProcessGroup(dist.ProcessGroup):
         self._comm = comm
         self._progress = Progress(name=f"engine-progress-{name}")
         self._cpu = CpuDevice(comm, self._progress)
-        self._allreduce_direct = comm.allreduce  # the compiled core's own method
         self._cuda = torch.cuda.is_available()  # False: no CUDA routing at all
+        self._fast = _fastpath.FastPath(comm, self._progress, self._cuda)
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
         self._store, self._name, self._timeout = store, name, timeout
         self._watchdog = None
@@ -491,24 +453,17 @@ class EngineProcessGroup(dist.ProcessGroup):
 
     # -- reductions --
 
-    def allreduce(self, tensors, opts=None):
-        # The latency path, kept short: SUM..AVG on one CPU tensor, the options read in one C call
-        # (torchbridge._options); a synchronous call runs in place, an asynchronous one is queued.
-        # Anything else (a non-contiguous or sparse tensor; any call under the profiler) takes the general path.
-        if len(tensors) == 1 and not self._cuda and not _autograd_profiler._is_profiler_enabled:
-            call = allreduce_call(opts) if _FAST_READ else _allreduce_call(opts)
-            if call >= 0:
-                if call & 1:
-                    if tensors[0].is_contiguous():
-                        return self._cpu.submit("allreduce", self._allreduce_direct, (tensors[0], None, call >> 1),
-                                                tensors)
-                else:
-                    try:
-                        self._progress.run(self._allreduce_direct, tensors[0], None, call >> 1, 3, "allreduce")
-                        return COMPLETED
-                    except NotContiguousError:
-                        pass
-        return self._allreduce(tensors, opts)
+    # The latency path, compiled: each falls back to the general method named with an underscore.
+    allreduce = _fastpath.allreduce
+    broadcast = _fastpath.broadcast
+    reduce = _fastpath.reduce
+    all_gather_single = _allgather_base = _fastpath.all_gather_single
+    reduce_scatter_single = _reduce_scatter_base = _fastpath.reduce_scatter_single
+    all_to_all_single = alltoall_base = _fastpath.alltoall_base  # (torch 2.13 calls the first)
+    barrier = _fastpath.barrier
+    send = _fastpath.send
+    recv = _fastpath.recv
+    recv_anysource = _fastpath.recv_anysource
 
     @_traced("all_reduce", _first)
     def _allreduce(self, tensors, opts):
@@ -564,7 +519,7 @@ class EngineProcessGroup(dist.ProcessGroup):
             self._device(tensors[0]).fused(tensors, op, compression, prescale, "fused_allreduce", sync=True)
 
     @_traced("reduce", _first)
-    def reduce(self, tensors, opts):
+    def _reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         dev = self._device(t)
         op, factor = _reduce_op(opts)
@@ -607,7 +562,7 @@ class EngineProcessGroup(dist.ProcessGroup):
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
-    reduce_scatter_single = _reduce_scatter_base = _traced("reduce_scatter_tensor", _second_one)(_reduce_scatter_single)
+    _reduce_scatter_tensor = _traced("reduce_scatter_tensor", _second_one)(_reduce_scatter_single)
 
     @_traced("reduce_scatter_tensor_coalesced", _second)
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -619,7 +574,7 @@ class EngineProcessGroup(dist.ProcessGroup):
     # -- data movement --
 
     @_traced("broadcast", _first)
-    def broadcast(self, tensors, opts):
+    def _broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         dev = self._device(t)
         if t.is_contiguous():
@@ -650,7 +605,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         return dev.launch("all_gather_into_tensor", _write, output,
                           lambda buf: comm.allgather(contiguous(input), buf), None, 2, [output], opts)
 
-    all_gather_single = _allgather_base = _traced("all_gather_into_tensor", _second_one)(_all_gather_single)
+    _all_gather_into_tensor = _traced("all_gather_into_tensor", _second_one)(_all_gather_single)
 
     @_traced("all_gather_into_tensor_coalesced", _second)
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -721,7 +676,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         return dev.launch("alltoall", run, None, None, None, 0, output_tensors, opts)
 
     @_traced("all_to_all_single", _second_one)
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+    def _alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
                                                      self.size())
         dev = self._device(input)
@@ -735,22 +690,22 @@ class EngineProcessGroup(dist.ProcessGroup):
         # on the GPU); CUDA work already enqueued keeps its own order.
         return self._cpu.launch("barrier", self._comm.barrier, None, None, None, 0, [], opts)
 
-    barrier = _traced("barrier")(_barrier)
+    _traced_barrier = _traced("barrier")(_barrier)
 
     # -- point to point: posted now, never queued behind collectives --
 
     @_traced("send", _first)
-    def send(self, tensors, dst, tag):
+    def _send(self, tensors, dst, tag):
         t = _one(tensors, "send")
         return self._device(t).send(t, dst, tag, tensors)
 
     @_traced("recv", _first)
-    def recv(self, tensors, src, tag):
+    def _recv(self, tensors, src, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, src, tag, tensors)
 
     @_traced("recvAnySource", _first)
-    def recv_anysource(self, tensors, tag):
+    def _recv_anysource(self, tensors, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, None, tag, tensors)
 

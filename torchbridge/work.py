@@ -13,6 +13,8 @@ from engine.watch import EngineTimeout
 class _OutputsWork(dist._Work):
     """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU."""
 
+    __slots__ = ()
+
     def result(self):
         return list(self._outputs)
 
@@ -115,20 +117,27 @@ class CompletedWork(dist._Work):
 
 
 class PointToPointWork(_OutputsWork):
-    """A posted MPI isend/irecv. It never occupies the progress thread, so an isend and an irecv to
-    the same peer can't block each other; `finish` copies a staged receive into its tensor. Its
-    completion is seen by whoever waits on it or tests it; then the done callbacks run."""
+    """A posted isend/irecv. It never occupies the progress thread, so an isend and an irecv to the
+    same peer can't block each other; `finish` copies a staged receive into its tensor. Its
+    completion is seen by whoever waits on it or tests it; then the done callbacks run.
 
-    def __init__(self, request, outputs, finish=None):
-        super().__init__()
+    Made by of() (pybind's own __init__ only, as CollectiveWork); reset() readies one nothing holds
+    any more for the next message (torchbridge._fastpath reuses them)."""
+
+    __slots__ = ("_request", "_outputs", "_finish", "_status", "_error", "_lock", "_future", "_callbacks")
+
+    @staticmethod
+    def of(request, outputs, finish=None):
+        work = PointToPointWork()
+        work._lock = threading.Lock()
+        work.reset(request, outputs, finish)
+        return work
+
+    def reset(self, request, outputs, finish=None):
         self._request = request
         self._outputs = outputs
         self._finish = finish
-        self._status = None
-        self._error = None
-        self._lock = threading.Lock()
-        self._future = None
-        self._callbacks = None
+        self._status = self._error = self._future = self._callbacks = None
 
     def wait(self, timeout=None):
         callbacks = None

@@ -377,10 +377,10 @@ cdef class _PartList:    # kernels_api.pxi; the fused path of shm_collectives.px
     cdef list messages
     cdef void **ptrs
     cdef size_t *counts
-    cdef size_t n, total
-    cdef int dtype
+    cdef size_t n, total, largest   # largest: the largest part's count
+    cdef int dtype                  # -1: the parts mix dtypes (or there are none)
 
-cdef _PartList _parse_parts(object parts, bint writable, str role)
+cdef _PartList _parse_parts(object parts, bint writable, str role, bint one_dtype=*)
 
 
 # ---- the shared segment (shm_segment.pxi) ----

@@ -178,6 +178,78 @@ def test_all_to_all_equal_and_uneven_splits():
         assert torch.equal(outs[r], torch.full((r + 1,), r * 10 + R, dtype=torch.int64))
 
 
+# What the latency path (torchbridge._fastpath) falls back to
+GENERAL_METHODS = ("_allreduce", "_broadcast", "_reduce", "_all_gather_into_tensor", "_reduce_scatter_tensor",
+                   "_alltoall_base", "_traced_barrier")
+
+
+def _strided(t):
+    """t's values in a tensor that is not contiguous (a column of a wider one)."""
+    wide = torch.zeros(t.numel(), 2, dtype=t.dtype)
+    wide[:, 1] = t.reshape(-1)
+    return wide[:, 1]
+
+
+def test_each_collective_on_each_path_of_the_adapter():
+    """The compiled latency path (torchbridge._fastpath), synchronous and with async_op=True, and its
+    fallbacks to the general path (tensors that are not contiguous, PREMUL_SUM), against references."""
+    n, f32, root = 6 * P, torch.float32, P - 1
+    total = local_reference("sum", n, f32)
+    gathered = torch.cat([data(r, n, f32) for r in range(P)])
+    exchanged = torch.cat([torch.arange(6 * R, 6 * R + 6, dtype=f32) + 100 * r for r in range(P)])
+    group = dist.distributed_c10d._get_default_group()
+
+    def general(*args, **kwargs):
+        raise AssertionError("contiguous tensors took the general path")
+
+    try:
+        for async_op in (False, True):
+            for layout in (lambda t: t, _strided):
+                def run(work):
+                    assert (work is not None) == async_op
+                    if async_op:
+                        work.wait()
+
+                for name in GENERAL_METHODS:  # contiguous: the latency path alone (instance attributes shadow)
+                    if layout is not _strided:
+                        setattr(group, name, general)
+                    elif name in vars(group):
+                        delattr(group, name)
+
+                t = layout(data(R, n, f32))
+                run(dist.all_reduce(t, async_op=async_op))
+                assert torch.equal(t, total)
+                t = layout(data(R, n, f32))
+                run(dist.broadcast(t, root, async_op=async_op))
+                assert torch.equal(t, data(root, n, f32))
+                t = layout(data(R, n, f32))
+                run(dist.reduce(t, root, async_op=async_op))
+                assert R != root or torch.equal(t, total)
+                out = layout(torch.zeros(n * P))
+                run(dist.all_gather_into_tensor(out, layout(data(R, n, f32)), async_op=async_op))
+                assert torch.equal(out, gathered)
+                out = layout(torch.zeros(6))
+                run(dist.reduce_scatter_tensor(out, layout(data(R, n, f32)), async_op=async_op))
+                assert torch.equal(out, total[6 * R:6 * R + 6])
+                out = layout(torch.zeros(n))
+                run(dist.all_to_all_single(out, layout(torch.arange(n, dtype=f32) + 100 * R), async_op=async_op))
+                assert torch.equal(out, exchanged)
+                run(dist.barrier(async_op=async_op))
+    finally:
+        for name in GENERAL_METHODS:
+            vars(group).pop(name, None)
+    premul = dist._make_nccl_premul_sum(0.5)
+    t = data(R, n, f32)
+    dist.reduce(t, root, op=premul)
+    assert R != root or torch.equal(t, total * 0.5)
+    out = torch.zeros(6)
+    dist.reduce_scatter_tensor(out, data(R, n, f32), op=premul)
+    assert torch.equal(out, total[6 * R:6 * R + 6] * 0.5)
+    if P > 1:
+        with pytest.raises(ValueError, match="not divisible by the group size"):
+            dist.all_to_all_single(torch.zeros(n + 1), torch.zeros(n + 1))
+
+
 def test_barrier_and_object_helpers():
     dist.barrier()
     objs = [{"rank": R}] if R == 0 else [None]
@@ -221,6 +293,26 @@ def test_point_to_point_and_batch():
         assert srcs == set(range(1, P))
     else:
         dist.send(torch.full((2,), float(R)), 0)
+    # Works still held are never reused for the next message (torchbridge._fastpath reuses dropped ones)
+    if R < 2:
+        peer = 1 - R
+        held = [dist.isend(torch.full((3,), float(R * 10 + i)), peer, tag=7) for i in range(3)]
+        assert len({id(w) for w in held}) == 3
+        for i in range(3):
+            t = torch.empty(3)
+            dist.recv(t, peer, tag=7)
+            assert torch.equal(t, torch.full((3,), float(peer * 10 + i)))
+        for w in held:
+            w.wait()
+        for i in range(4):  # blocking ping-pong: each Work dropped as soon as it is waited on
+            t = torch.full((3,), float(i)) if R == 0 else torch.empty(3)
+            if R == 0:
+                dist.send(t, 1, tag=7)
+                dist.recv(t, 1, tag=7)
+                assert torch.equal(t, torch.full((3,), float(i + 1)))
+            else:
+                dist.recv(t, 0, tag=7)
+                dist.send(t + 1, 0, tag=7)
     nc = torch.empty(4, 2).t()  # non-contiguous receive
     if R == 0:
         dist.send(torch.arange(8, dtype=torch.float32).reshape(2, 4), 1)
