@@ -145,12 +145,15 @@ class Communicator:
                                 store=store, _boot=sub, _owned=getattr(sub, "comm", None), _stage=True,
                                 _parent=(me, self.name))
         local = stage(host_of[me], local_of[me], "host", "shm", f"{self.name}/host{host_of[me]}")
-        # The local stages wait while the cross stage's TCP traffic needs the kernel's network
-        # processing: they wait as politely as the transport between hosts (measured: docs/tuning.md).
-        _polite_waits(local._core, self.transport, everyone, me)
         cross = stage(local_of[me], host_of[me], "cross", self.transport, f"{self.name}/cross{local_of[me]}")
         leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", self.transport,
                         f"{self.name}/leaders")
+        # Every stage waits as the whole group would: a cross stage holds one rank per host, but all of
+        # this host's ranks carry their slices between hosts at once, and the local stages wait while
+        # that traffic needs the kernel's network processing (measured: docs/tuning.md).
+        for part in (local, cross, leaders):
+            if part is not None:
+                _polite_waits(part._core, self.transport, everyone, me)
         return Hierarchy(local, cross, host_of, local_of, leaders)
 
     @classmethod

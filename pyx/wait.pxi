@@ -3,8 +3,10 @@
 # (the pause instruction) for a short budget while a peer is likely about to answer, then
 # sched_yield() (an oversubscribed core goes to whoever needs it), then sleep: on a futex the peers
 # ring where there is one (shared memory: woken at once, no core burnt), in the transport's own sleep
-# where it has one (TCP: poll() on its sockets, which the kernel wakes as data arrives; no yield stage:
-# the sender pays nothing to wake it), else in naps doubling up to a cap. Once per
+# where it has one (TCP: poll() on its sockets, which the kernel wakes as data arrives; its yield stage
+# is short, _doze_yield_s: a reply due within it comes sooner than the scheduler wakes a sleeper on a
+# busy core, but yielding longer keeps a rank runnable while the kernel's network processing needs
+# the core), else in naps doubling up to a cap. Once per
 # check interval the wait calls the communicator's watch with the GIL (stall warnings, arrival notes,
 # the timeout: it may raise to abandon the wait), and asks whether the peers' processes still live
 # where it can. So a peer that never arrives ends in an exception, whatever the transport.
@@ -24,6 +26,7 @@ cdef double _spin_s = 250e-6
 cdef double _polite_spin_s = 5e-6
 cdef double _yield_s = 1e-3
 cdef double _nap_max_s = 250e-6
+cdef double _doze_yield_s = 100e-6     # a transport that sleeps in its own poll yields this long first
 cdef double _alive_interval_s = 0.1
 
 
@@ -141,7 +144,7 @@ cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *
         return ierr
     backoff_init(&b, eng_now(), ctx)
     if door != NULL and door.doze != NULL:
-        b.yield_until = b.spin_until
+        b.yield_until = b.spin_until + min(_yield_s, _doze_yield_s)
     while True:
         t = eng_now()
         if t < b.spin_until:
