@@ -56,3 +56,14 @@ def test_the_check_sees_the_core_files_and_their_names():
 
 def test_what_a_core_file_takes_from_another_is_declared_in_a_pxd():
     assert undeclared_uses() == [], "declare these in pyx/engine/_core.pxd (name, defined in, used in)"
+
+
+def test_every_compiled_module_in_the_tree_is_one_setup_py_builds():
+    """A compiled module whose source is gone (a layout since changed) would still be imported, and
+    ahead of a .py of the same name: a stale torchbridge/process_group.*.so once shadowed the plain
+    Python adapter in a working tree. `make clean`, or deleting the file named, fixes it."""
+    root = PYX.parent
+    built = set(re.findall(r'Extension\("([\w.]+)"', (root / "setup.py").read_text()))
+    compiled = [so.relative_to(root) for package in ("engine", "torchbridge") for so in (root / package).rglob("*.so")]
+    stale = [str(so) for so in compiled if ".".join(so.with_suffix("").with_suffix("").parts) not in built]
+    assert not stale, f"compiled modules no source builds any more: {stale}; delete them (make clean)"
