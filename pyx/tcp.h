@@ -902,6 +902,7 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   tcp_out *o = &p->out[s];
   char extra;
   int full = o->back_got == ENG_TCP_HDR;
+  if (o->fd < 0) return;   /* closed earlier in this round, with the peer's other streams */
   ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
                      : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
   if (got == 0) {
@@ -1223,7 +1224,6 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
   }
   if (p->dead || p->closing || t->said_bye) {
     rc = t->said_bye ? ENG_TCP_ERR_PEER_LEFT : tcp_end_code(p);
-    *err_peer = t->said_bye ? t->rank : peer;
     goto out;
   }
   rc = tcp_start_connect(t, peer);
@@ -1286,7 +1286,6 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
     tcp_bind(t, r, m);
   } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye) {
     int rc = t->said_bye ? ENG_TCP_ERR_PEER_LEFT : t->peers[peer].dead;
-    if (t->said_bye) *err_peer = t->rank;
     pthread_mutex_unlock(&t->lock);
     free(r);
     return rc;

@@ -253,11 +253,17 @@ def test_a_peer_that_left_in_order_fails_only_what_involves_it(trio, direction):
     if direction == "on its own connection":
         leaver = connect(ports[1], hello(frm=2, size=3) + header(BYE, 0, 0, 0, 0))
     else:
-        core.send(np.frombuffer(b"hi", np.uint8), 2, 0)      # rank 0 connects to rank 2 to send
+        core.send(np.frombuffer(b"hi", np.uint8), 2, 0)      # rank 0 connects to rank 2 (both streams) to send
         leaver, _ = fakes[2].accept()
-        assert recv_exact(leaver, HELLO + HDR + 2)[-2:] == b"hi"
-        leaver.sendall(header(BYE, 0, 0, 0, 0))
+        second, _ = fakes[2].accept()
+        got = recv_exact(leaver, HELLO) + recv_exact(second, HELLO)
+        stream0 = leaver if struct.unpack_from("<I", got, 36)[0] == 0 else second
+        assert recv_exact(stream0, HDR + 2)[-2:] == b"hi"
+        for sock in (leaver, second):                        # both ends readable in one poll
+            sock.sendall(header(BYE, 0, 0, 0, 0))
     r = core.irecv(out, 1, 0)
+    if direction != "on its own connection":
+        second.close()
     leaver.close()
     assert keeps_waiting(r), "a receive from rank 1 failed when rank 2 left in order"
     sender = connect(ports[1], hello(frm=1, size=3) + header(MSG, 0, 0, 2, 2) + b"ok")
