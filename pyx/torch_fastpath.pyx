@@ -259,6 +259,20 @@ cdef class FastPath:
     cdef object queue(self, fn, tuple args, str name, outputs):
         return CollectiveWork.of(self.submit(fn, args, name, outputs))
 
+    cdef object collective(self, int call, fn, a, b, c, int nargs, str name, outputs, t, u):
+        """fn on the first nargs of (a, b, c): run now (COMPLETED), or queued where torch asked for
+        async_op (call & 1: a CollectiveWork). None: the general path takes it, because a tensor (t, or
+        u where not None) isn't contiguous; a queued call checks that first, a run finds it out."""
+        if call & 1:
+            if t.is_contiguous() and (u is None or u.is_contiguous()):
+                return self.queue(fn, (a, b, c)[:nargs], name, outputs)
+            return None
+        try:
+            self.run(fn, a, b, c, nargs, name)
+            return COMPLETED
+        except NotContiguousError:
+            return None
+
     cdef object _p2p_work(self, request, outputs):
         # A pybind Work costs more than the rest of a message's path. The last few made are reused
         # once nothing but this list holds them: torch calls send/recv on a Python group from Python
@@ -291,15 +305,9 @@ def allreduce(group, tensors, opts=None):
         call = _read(_ALLREDUCE, opts, &root)
         if call >= 0:
             t = tensors[0]
-            if call & 1:
-                if t.is_contiguous():
-                    return f.queue(f.allreduce, (t, None, call >> 1), "allreduce", tensors)
-            else:
-                try:
-                    f.run(f.allreduce, t, None, call >> 1, 3, "allreduce")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.allreduce, t, None, call >> 1, 3, "allreduce", tensors, t, None)
+            if work is not None:
+                return work
     return group._allreduce(tensors, opts)
 
 
@@ -312,15 +320,9 @@ def broadcast(group, tensors, opts):
         call = _read(_BROADCAST, opts, &root)
         if call >= 0:
             t = tensors[0]
-            if call & 1:
-                if t.is_contiguous():
-                    return f.queue(f.broadcast, (t, root), "broadcast", tensors)
-            else:
-                try:
-                    f.run(f.broadcast, t, root, None, 2, "broadcast")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.broadcast, t, root, None, 2, "broadcast", tensors, t, None)
+            if work is not None:
+                return work
     return group._broadcast(tensors, opts)
 
 
@@ -333,15 +335,9 @@ def reduce(group, tensors, opts):
         call = _read(_REDUCE, opts, &root)
         if call >= 0:
             t = tensors[0]
-            if call & 1:
-                if t.is_contiguous():
-                    return f.queue(f.reduce_to_root, (t, call >> 1, root), "reduce", tensors)
-            else:
-                try:
-                    f.run(f.reduce_to_root, t, call >> 1, root, 3, "reduce")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.reduce_to_root, t, call >> 1, root, 3, "reduce", tensors, t, None)
+            if work is not None:
+                return work
     return group._reduce(tensors, opts)
 
 
@@ -353,15 +349,10 @@ def all_gather_single(group, output, input, opts=None):
     if not f.cuda and not _profiling():
         call = _read(_ALLGATHER, opts, &root)
         if call >= 0:
-            if call & 1:
-                if input.is_contiguous() and output.is_contiguous():
-                    return f.queue(f.allgather, (input, output), "all_gather_into_tensor", [output])
-            else:
-                try:
-                    f.run(f.allgather, input, output, None, 2, "all_gather_into_tensor")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.allgather, input, output, None, 2, "all_gather_into_tensor", [output],
+                                input, output)
+            if work is not None:
+                return work
     return group._all_gather_into_tensor(output, input, opts)
 
 
@@ -373,15 +364,10 @@ def reduce_scatter_single(group, output, input, opts=None):
     if not f.cuda and not _profiling():
         call = _read(_REDUCE_SCATTER, opts, &root)
         if call >= 0:
-            if call & 1:
-                if input.is_contiguous() and output.is_contiguous():
-                    return f.queue(f.reduce_scatter, (input, output, call >> 1), "reduce_scatter_tensor", [output])
-            else:
-                try:
-                    f.run(f.reduce_scatter, input, output, call >> 1, 3, "reduce_scatter_tensor")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.reduce_scatter, input, output, call >> 1, 3, "reduce_scatter_tensor",
+                                [output], input, output)
+            if work is not None:
+                return work
     return group._reduce_scatter_tensor(output, input, opts)
 
 
@@ -395,15 +381,9 @@ def alltoall_base(group, output, input, output_split_sizes, input_split_sizes, o
             and input.numel() % f.size == 0 and output.numel() % f.size == 0):
         call = _read(_ALLTOALL, opts, &root)
         if call >= 0:
-            if call & 1:
-                if input.is_contiguous() and output.is_contiguous():
-                    return f.queue(f.alltoall, (input, output), "alltoall_base", [output])
-            else:
-                try:
-                    f.run(f.alltoall, input, output, None, 2, "alltoall_base")
-                    return COMPLETED
-                except NotContiguousError:
-                    pass
+            work = f.collective(call, f.alltoall, input, output, None, 2, "alltoall_base", [output], input, output)
+            if work is not None:
+                return work
     return group._alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
 
