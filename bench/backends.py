@@ -5,6 +5,9 @@ Backends (None from case() means "not applicable"):
 - engine: torch.distributed on backend engine (the transport the group chose: shm on one host, TCP or
   MPI between hosts);
 - engine-async: the same, each call asynchronous, then waited on;
+- engine-group: the same on an engine group of every rank made by dist.new_group, as nop's and gloo's
+  are: torch's own share of a call on the default group is larger (it looks the default group up again
+  on every call, even when passed it), so this is the call to set beside nop;
 - engine-interhost-tcp, engine-interhost-mpi: torch.distributed on engine groups made with
   ENGINE_INTERHOST=tcp / mpi (what carries bytes between hosts under mpirun), side by side in one run;
 - engine-direct: the default group's engine.Communicator, driven directly: the engine without torch;
@@ -13,6 +16,9 @@ Backends (None from case() means "not applicable"):
 - gloo: torch.distributed on a Gloo group in the same job;
 - mpi4py: raw mpi4py on numpy views of torch tensors (MPI launches only);
 - nop: torch.distributed on a do-nothing Python process group: torch's own share of each call;
+- nop+direct: each call is nop's then engine-direct's, back to back: what the torch call would cost if
+  the adapter added nothing, timed in the same loop (a collective's ranks wait for the slowest one, so
+  the jitter of torch's own share adds to a synchronizing call what nop alone, which never waits, hides);
 - deepspeed-shm: DeepSpeed's CPU shared-memory allreduce (torch.ops.deepspeed.inference_all_reduce_),
   where deepspeed is installed and its op really loaded (all_reduce SUM of bfloat16/float16/float32 only);
 - nccl: torch's nccl backend (CUDA machines only).
@@ -24,8 +30,8 @@ import types
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("engine", "engine-async", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct", "engine-shm",
-            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nccl", "deepspeed-shm")
+BACKENDS = ("engine", "engine-async", "engine-group", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct", "engine-shm",
+            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "nccl", "deepspeed-shm")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -292,6 +298,24 @@ class EngineDirectBackend:
         return None
 
 
+class BackToBackBackend:
+    """Each call is first's then second's, back to back; second's results are checked."""
+
+    def __init__(self, name, first, second):
+        self.name, self.first, self.second = name, first, second
+
+    def case(self, p, mode):
+        a, b = self.first.case(p, mode), self.second.case(p, mode)
+        if a is None or b is None:
+            return None
+        first, second = a.run, b.run
+
+        def run():
+            first()
+            second()
+        return Case(run, b._reset, b._result, b._expected)
+
+
 class Mpi4pyBackend:
     """Raw mpi4py (Comm.Allreduce and friends) on numpy views of the same data."""
 
@@ -459,6 +483,8 @@ def make_backends(names, algorithm=None, device="cpu", control=None):
             made.append(TorchDistBackend("engine", device=device))
         elif name == "engine-async":
             made.append(TorchDistBackend("engine-async", device=device, asynchronous=True))
+        elif name == "engine-group":
+            made.append(TorchDistBackend(name, dist.new_group(backend="engine"), device=device))
         elif name == "engine-direct":
             made.append(EngineDirectBackend(name, None, algorithm))
         elif name in ("engine-interhost-tcp", "engine-interhost-mpi"):
@@ -468,6 +494,10 @@ def make_backends(names, algorithm=None, device="cpu", control=None):
         elif name == "nop":
             from .nop import nop_group
             made.append(TorchDistBackend("nop", nop_group()))
+        elif name == "nop+direct":
+            from .nop import nop_group
+            made.append(BackToBackBackend(name, TorchDistBackend("nop", nop_group()),
+                                          EngineDirectBackend("engine-direct", None, algorithm)))
         elif name == "gloo":
             made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo"), device=device))
         elif name == "mpi4py":

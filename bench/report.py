@@ -11,6 +11,7 @@ ROW_KEYS = ("backend", "collective", "mode", "size", "count", "type", "redop", "
 DESCRIPTIONS = {
     "engine": "torch.distributed, backend engine",
     "engine-async": "torch.distributed, backend engine, async_op=True then wait()",
+    "engine-group": "torch.distributed, backend engine, a group of every rank made by new_group (as nop's)",
     "engine-interhost-tcp": "torch.distributed, backend engine, hosts talking over the engine's TCP (ENGINE_INTERHOST=tcp)",
     "engine-interhost-mpi": "torch.distributed, backend engine, hosts talking over MPI (ENGINE_INTERHOST=mpi)",
     "engine-direct": "engine.Communicator of the same group, no torch layer",
@@ -18,6 +19,7 @@ DESCRIPTIONS = {
     "engine-mpi": "engine.Communicator over MPI, no torch layer",
     "engine-tcp": "engine.Communicator over the engine's TCP transport, no torch layer",
     "nop": "torch.distributed, a do-nothing Python process group (torch's own share)",
+    "nop+direct": "the do-nothing group's call, then engine-direct's, back to back (the torch call if the adapter added nothing)",
     "gloo": "torch.distributed, Gloo group in the same job",
     "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",
     "nccl": "torch.distributed, backend nccl (CUDA)",
@@ -107,8 +109,11 @@ def markdown_table(rows, collective, base):
 def torch_layer_table(rows, torch_backend="engine"):
     """What the adapter adds to each call (Markdown), where a run has torch_backend, nop and
     engine-direct: the torch call minus the same call on the do-nothing group (torch's own share)
-    minus the direct call. pingpong makes two calls (a send and a recv) per round trip."""
+    minus the direct call. Where the run has nop+direct too, also the torch call minus that: the same
+    sum timed as one call, so it waits on its peers as the torch call does. pingpong makes two calls
+    (a send and a recv) per round trip."""
     index = {(r["backend"], r["collective"], r["size"], r["mode"]): r["time_us"] for r in rows}
+    both = any(r["backend"] == "nop+direct" for r in rows)
     lines = []
     for r in rows:
         if r["backend"] != torch_backend:
@@ -117,14 +122,21 @@ def torch_layer_table(rows, torch_backend="engine"):
         nop, direct = index.get(("nop",) + key), index.get(("engine-direct",) + key)
         if nop is None or direct is None:
             continue
-        extra = r["time_us"] - nop - direct
         calls = 2 if r["collective"] == "pingpong" else 1
-        lines.append(f"| {r['collective']} | {_size(r['size'])} | {r['mode']} | {nop:.2f} | {r['time_us']:.2f} | "
-                     f"{direct:.2f} | {extra:.2f} | {extra / calls:.2f} |")
+        extra = r["time_us"] - nop - direct
+        cells = [r["collective"], _size(r["size"]), r["mode"], f"{nop:.2f}", f"{r['time_us']:.2f}", f"{direct:.2f}",
+                 f"{extra / calls:.2f}"]
+        if both:
+            joint = index.get(("nop+direct",) + key)
+            cells += ["", ""] if joint is None else [f"{joint:.2f}", f"{(r['time_us'] - joint) / calls:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     if not lines:
         return ""
-    return "\n".join([f"| collective | size | mode | nop | {torch_backend} | engine-direct | {torch_backend} - nop - direct "
-                      "| per call |", "| --- " * 8 + "|"] + lines)
+    head = ["collective", "size", "mode", "nop", torch_backend, "engine-direct",
+            f"({torch_backend} - nop - direct) per call"]
+    if both:
+        head += ["nop+direct", f"({torch_backend} - (nop+direct)) per call"]
+    return "\n".join(["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"] + lines)
 
 
 def _size(n):
@@ -151,9 +163,11 @@ def print_report(rows, meta, out):
         ratios = ratio_table(rows, coll, meta["backends"][0])
         if ratios:
             print(ratios + "\n", file=out)
-    layer = torch_layer_table(rows)
+    torch_backend = "engine-group" if any(r["backend"] == "engine-group" for r in rows) else "engine"
+    layer = torch_layer_table(rows, torch_backend)
     if layer:
-        print("# the torch layer's cost (us): engine - nop - engine-direct\n" + layer + "\n", file=out)
+        print(f"# the torch layer's cost (us): {torch_backend} - nop - engine-direct, and {torch_backend} - (nop+direct)\n"
+              + layer + "\n", file=out)
 
 
 def write_json(path, rows, meta):

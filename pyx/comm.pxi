@@ -500,9 +500,9 @@ cdef class CoreComm:
         cdef bint even = send_counts is None and recv_counts is None
         if even:
             if ms.count % self.size or mr.count != ms.count:
-                raise ValueError(f"alltoall: sendbuf ({ms.count}) and recvbuf ({mr.count}) must have the same number "
-                                 f"of elements, divisible by the group size {self.size} (pass send_counts= and "
-                                 "recv_counts= for uneven splits)")
+                raise (NotDivisibleError if ms.count % self.size or mr.count % self.size else ValueError)(
+                    f"alltoall: sendbuf ({ms.count}) and recvbuf ({mr.count}) must have the same number of elements, "
+                    f"divisible by the group size {self.size} (pass send_counts= and recv_counts= for uneven splits)")
             block = ms.count // self.size
             for i in range(self.size):
                 sc[i] = rc[i] = block

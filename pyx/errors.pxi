@@ -18,3 +18,8 @@ class EnginePeerLost(EngineError):
 
 class NotContiguousError(ValueError):
     """A torch tensor argument is not contiguous (callers with a fallback catch exactly this)."""
+
+
+class NotDivisibleError(ValueError):
+    """An even split's buffer has a count the group size doesn't divide, found before anything moved
+    (callers with a fallback that names the fix in their own API's terms catch exactly this)."""

@@ -34,7 +34,7 @@ from torch._C import _distributed_c10d as _c10d
 from torch.autograd import profiler as _profiler
 
 from engine import ReduceOp
-from engine._core import NotContiguousError
+from engine._core import NotContiguousError, NotDivisibleError
 
 from torchbridge.devices import COMPLETED
 from torchbridge.work import CollectiveWork, PointToPointWork
@@ -262,7 +262,9 @@ cdef class FastPath:
     cdef object collective(self, int call, fn, a, b, c, int nargs, str name, outputs, t, u):
         """fn on the first nargs of (a, b, c): run now (COMPLETED), or queued where torch asked for
         async_op (call & 1: a CollectiveWork). None: the general path takes it, because a tensor (t, or
-        u where not None) isn't contiguous; a queued call checks that first, a run finds it out."""
+        u where not None) isn't contiguous, or an even split's count isn't divisible by the group size
+        (the general path says so in torch's terms); a queued call checks those first, a run finds them
+        out before anything moves."""
         if call & 1:
             if t.is_contiguous() and (u is None or u.is_contiguous()):
                 return self.queue(fn, (a, b, c)[:nargs], name, outputs)
@@ -270,7 +272,7 @@ cdef class FastPath:
         try:
             self.run(fn, a, b, c, nargs, name)
             return COMPLETED
-        except NotContiguousError:
+        except (NotContiguousError, NotDivisibleError):
             return None
 
     cdef object _p2p_work(self, request, outputs):
@@ -377,10 +379,9 @@ def alltoall_base(group, output, input, output_split_sizes, input_split_sizes, o
     cdef FastPath f = _fast(group)
     cdef int64_t root
     cdef int call
-    if (not f.cuda and not output_split_sizes and not input_split_sizes and not _profiling()
-            and input.numel() % f.size == 0 and output.numel() % f.size == 0):
+    if not f.cuda and not output_split_sizes and not input_split_sizes and not _profiling():
         call = _read(_ALLTOALL, opts, &root)
-        if call >= 0:
+        if call >= 0 and (not (call & 1) or (input.numel() % f.size == 0 and output.numel() % f.size == 0)):
             work = f.collective(call, f.alltoall, input, output, None, 2, "alltoall_base", [output], input, output)
             if work is not None:
                 return work

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench.busbw import bandwidths, busbw_factor, bytes_moved, parse_size, per_rank_count, size_sweep
-from bench.report import ROW_KEYS, read_json, validate
+from bench.report import ROW_KEYS, read_json, torch_layer_table, validate
 from mpirun import mpi_env, mpiexec_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,10 +62,33 @@ def test_json_schema_validation():
         validate({"rows": []})
 
 
+def _row(backend, collective, time_us, mode="in-place", size=1024):
+    return dict({k: 0 for k in ROW_KEYS}, backend=backend, collective=collective, time_us=time_us, mode=mode,
+                size=size)
+
+
+def test_torch_layer_table_splits_a_call():
+    rows = [_row("engine", "all_reduce", 9.0), _row("nop", "all_reduce", 4.0), _row("engine-direct", "all_reduce", 2.5),
+            _row("engine", "pingpong", 15.0, "out-of-place"), _row("nop", "pingpong", 8.0, "out-of-place"),
+            _row("engine-direct", "pingpong", 3.0, "out-of-place"), _row("engine", "barrier", 4.0, "out-of-place", 0)]
+    lines = torch_layer_table(rows).splitlines()
+    assert lines[0].count("|") == 8 and "nop+direct" not in lines[0]
+    assert lines[2] == "| all_reduce | 1 KB | in-place | 4.00 | 9.00 | 2.50 | 2.50 |"
+    assert lines[3].endswith("| 2.00 |")       # pingpong: (15 - 8 - 3) over its two calls
+    assert len(lines) == 4                     # barrier: no nop or direct row to set it against
+    # nop+direct, timed as one call, adds a column: the torch call minus it
+    rows += [_row("nop+direct", "all_reduce", 8.5), _row("engine-group", "all_reduce", 8.75)]
+    lines = torch_layer_table(rows).splitlines()
+    assert lines[0].endswith("| nop+direct | (engine - (nop+direct)) per call |")
+    assert lines[2].endswith("| 2.50 | 8.50 | 0.50 |") and lines[3].endswith("| 2.00 |  |  |")
+    assert torch_layer_table(rows, "engine-group").splitlines()[2].endswith("| 2.25 | 8.50 | 0.25 |")
+    assert torch_layer_table([_row("gloo", "all_reduce", 1.0)]) == ""
+
+
 def test_end_to_end_under_mpiexec_and_plot(tmp_path):
     out = tmp_path / "out.json"
     cmd = mpiexec_command(2) + [sys.executable, "-m", "bench", "all", "-b", "1K", "-e", "16K", "-f", "16",
-                                "--backends", "engine,engine-direct,gloo,mpi4py", "-c", "1", "-n", "20", "-w", "2",
+                                "--backends", "engine,engine-direct,gloo,mpi4py,engine-group,nop,nop+direct", "-c", "1", "-n", "20", "-w", "2",
                                 "--rounds", "1", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -79,8 +102,10 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
     collectives = {r["collective"] for r in doc["rows"]}
     assert collectives == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall",
                            "sendrecv", "pingpong", "barrier"}
-    assert all(r["wrong"] == 0 for r in doc["rows"])
-    assert {r["backend"] for r in doc["rows"]} == {"engine", "engine-direct", "gloo", "mpi4py"}
+    assert all(r["wrong"] == (-1 if r["backend"] == "nop" else 0) for r in doc["rows"])  # nop moves nothing
+    assert {r["backend"] for r in doc["rows"]} == {"engine", "engine-direct", "gloo", "mpi4py", "engine-group", "nop",
+                                                 "nop+direct"}
+    assert "# the torch layer's cost (us): engine-group - nop - engine-direct, and engine-group - (nop+direct)" in proc.stdout
     png = tmp_path / "out.png"
     plot = subprocess.run([sys.executable, "-m", "bench", "plot", str(out), "-o", str(png)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

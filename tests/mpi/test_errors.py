@@ -95,8 +95,14 @@ def test_alltoall_split_sizes_that_do_not_add_up():
 def test_alltoall_count_not_divisible_by_the_group():
     if P == 1:
         pytest.skip("every count divides by a group of one")
-    with pytest.raises(ValueError, match="divisible by the group size"):
+    # NotDivisibleError (a ValueError): raised before anything moves, so torch's adapter falls back on it
+    with pytest.raises(engine._core.NotDivisibleError, match="divisible by the group size"):
         WORLD.alltoall(np.ones(P + 1, np.float32), np.ones(P + 1, np.float32))
+    with pytest.raises(engine._core.NotDivisibleError):
+        WORLD.alltoall(np.ones(P, np.float32), np.ones(P + 1, np.float32))
+    with pytest.raises(ValueError, match="same number of elements") as caught:
+        WORLD.alltoall(np.ones(P, np.float32), np.ones(2 * P, np.float32))
+    assert type(caught.value) is ValueError
     check_still_usable()
 
 
