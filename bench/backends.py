@@ -30,8 +30,8 @@ import types
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("engine", "engine-async", "engine-group", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct", "engine-shm",
-            "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "nccl", "deepspeed-shm")
+BACKENDS = ("engine", "engine-async", "engine-group", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct",
+            "engine-shm", "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "nccl", "deepspeed-shm")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -73,6 +73,15 @@ class Case:
         self.run()
         got = self._result()
         return 0 if got is None else count_wrong(got, self._expected)
+
+    def after(self, first):
+        """This case with first() run before each of its calls (its results are still this case's)."""
+        run = self.run
+
+        def both():
+            first()
+            run()
+        return Case(both, self._reset, self._result, self._expected)
 
 
 class Problem:
@@ -306,14 +315,7 @@ class BackToBackBackend:
 
     def case(self, p, mode):
         a, b = self.first.case(p, mode), self.second.case(p, mode)
-        if a is None or b is None:
-            return None
-        first, second = a.run, b.run
-
-        def run():
-            first()
-            second()
-        return Case(run, b._reset, b._result, b._expected)
+        return None if a is None or b is None else b.after(a.run)
 
 
 class Mpi4pyBackend:
