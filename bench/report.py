@@ -166,8 +166,8 @@ def print_report(rows, meta, out):
     torch_backend = "engine-group" if any(r["backend"] == "engine-group" for r in rows) else "engine"
     layer = torch_layer_table(rows, torch_backend)
     if layer:
-        print(f"# the torch layer's cost (us): {torch_backend} - nop - engine-direct, and {torch_backend} - (nop+direct)\n"
-              + layer + "\n", file=out)
+        joint = f", and {torch_backend} - (nop+direct)" if any(r["backend"] == "nop+direct" for r in rows) else ""
+        print(f"# the torch layer's cost (us): {torch_backend} - nop - engine-direct{joint}\n" + layer + "\n", file=out)
 
 
 def write_json(path, rows, meta):
