@@ -19,6 +19,9 @@ Backends (None from case() means "not applicable"):
 - nop+direct: each call is nop's then engine-direct's, back to back: what the torch call would cost if
   the adapter added nothing, timed in the same loop (a collective's ranks wait for the slowest one, so
   the jitter of torch's own share adds to a synchronizing call what nop alone, which never waits, hides);
+- direct-group: torch.distributed on a Python group whose methods make engine-direct's call and nothing
+  more: the torch call with an adapter that costs nothing, its wait inside torch's call as any backend's
+  is (a pingpong's critical path holds torch's return from recv, which nop+direct runs before its wait);
 - deepspeed-shm: DeepSpeed's CPU shared-memory allreduce (torch.ops.deepspeed.inference_all_reduce_),
   where deepspeed is installed and its op really loaded (all_reduce SUM of bfloat16/float16/float32 only);
 - nccl: torch's nccl backend (CUDA machines only).
@@ -31,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("engine", "engine-async", "engine-group", "engine-interhost-tcp", "engine-interhost-mpi", "engine-direct",
-            "engine-shm", "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "nccl", "deepspeed-shm")
+            "engine-shm", "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "direct-group", "nccl",
+            "deepspeed-shm")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
@@ -307,6 +311,25 @@ class EngineDirectBackend:
         return None
 
 
+class DirectGroupBackend:
+    """torch.distributed on a direct group (bench.nop) made for each case: its collective runs
+    engine-direct's call of the same case, its send/recv engine-direct's communicator's."""
+
+    name = "direct-group"
+
+    def __init__(self, direct):
+        self.direct = direct
+
+    def case(self, p, mode):
+        from .nop import direct_group
+        if p.coll == "sendrecv":
+            return None  # batch_isend_irecv needs sends that don't block: the direct group's do
+        direct = self.direct.case(p, mode)
+        if direct is None or TorchDistBackend(self.name).case(p, mode) is None:
+            return None  # (asked before making a group, which every rank does together)
+        return TorchDistBackend(self.name, direct_group(self.direct.comm, direct.run)).case(p, mode)
+
+
 class BackToBackBackend:
     """Each call is first's then second's, back to back; second's results are checked."""
 
@@ -500,6 +523,8 @@ def make_backends(names, algorithm=None, device="cpu", control=None):
             from .nop import nop_group
             made.append(BackToBackBackend(name, TorchDistBackend("nop", nop_group()),
                                           EngineDirectBackend("engine-direct", None, algorithm)))
+        elif name == "direct-group":
+            made.append(DirectGroupBackend(EngineDirectBackend("engine-direct", None, algorithm)))
         elif name == "gloo":
             made.append(TorchDistBackend("gloo", dist.new_group(backend="gloo"), device=device))
         elif name == "mpi4py":

@@ -20,6 +20,7 @@ DESCRIPTIONS = {
     "engine-tcp": "engine.Communicator over the engine's TCP transport, no torch layer",
     "nop": "torch.distributed, a do-nothing Python process group (torch's own share)",
     "nop+direct": "the do-nothing group's call, then engine-direct's, back to back (the torch call if the adapter added nothing)",
+    "direct-group": "torch.distributed, a Python group that makes engine-direct's call and nothing more (a free adapter)",
     "gloo": "torch.distributed, Gloo group in the same job",
     "mpi4py": "raw mpi4py on numpy views of torch-allocated tensors",
     "nccl": "torch.distributed, backend nccl (CUDA)",
@@ -106,14 +107,17 @@ def markdown_table(rows, collective, base):
     return "\n".join(out)
 
 
+JOINT_REFERENCES = ("nop+direct", "direct-group")   # the torch call with an adapter that costs nothing
+
+
 def torch_layer_table(rows, torch_backend="engine"):
     """What the adapter adds to each call (Markdown), where a run has torch_backend, nop and
     engine-direct: the torch call minus the same call on the do-nothing group (torch's own share)
-    minus the direct call. Where the run has nop+direct too, also the torch call minus that: the same
-    sum timed as one call, so it waits on its peers as the torch call does. pingpong makes two calls
-    (a send and a recv) per round trip."""
+    minus the direct call. Where the run has nop+direct or direct-group too, also the torch call minus
+    each: the same sum timed as one call, so it waits on its peers as the torch call does (and, for
+    direct-group, inside torch's call). pingpong makes two calls (a send and a recv) per round trip."""
     index = {(r["backend"], r["collective"], r["size"], r["mode"]): r["time_us"] for r in rows}
-    both = any(r["backend"] == "nop+direct" for r in rows)
+    joints = [b for b in JOINT_REFERENCES if any(r["backend"] == b for r in rows)]
     lines = []
     for r in rows:
         if r["backend"] != torch_backend:
@@ -126,16 +130,16 @@ def torch_layer_table(rows, torch_backend="engine"):
         extra = r["time_us"] - nop - direct
         cells = [r["collective"], _size(r["size"]), r["mode"], f"{nop:.2f}", f"{r['time_us']:.2f}", f"{direct:.2f}",
                  f"{extra / calls:.2f}"]
-        if both:
-            joint = index.get(("nop+direct",) + key)
+        for name in joints:
+            joint = index.get((name,) + key)
             cells += ["", ""] if joint is None else [f"{joint:.2f}", f"{(r['time_us'] - joint) / calls:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if not lines:
         return ""
     head = ["collective", "size", "mode", "nop", torch_backend, "engine-direct",
             f"({torch_backend} - nop - direct) per call"]
-    if both:
-        head += ["nop+direct", f"({torch_backend} - (nop+direct)) per call"]
+    for name in joints:
+        head += [name, f"({torch_backend} - ({name})) per call"]
     return "\n".join(["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"] + lines)
 
 
@@ -166,7 +170,8 @@ def print_report(rows, meta, out):
     torch_backend = "engine-group" if any(r["backend"] == "engine-group" for r in rows) else "engine"
     layer = torch_layer_table(rows, torch_backend)
     if layer:
-        joint = f", and {torch_backend} - (nop+direct)" if any(r["backend"] == "nop+direct" for r in rows) else ""
+        joint = "".join(f", and {torch_backend} - ({name})" for name in JOINT_REFERENCES
+                        if any(r["backend"] == name for r in rows))
         print(f"# the torch layer's cost (us): {torch_backend} - nop - engine-direct{joint}\n" + layer + "\n", file=out)
 
 

@@ -82,13 +82,20 @@ def test_torch_layer_table_splits_a_call():
     assert lines[0].endswith("| nop+direct | (engine - (nop+direct)) per call |")
     assert lines[2].endswith("| 2.50 | 8.50 | 0.50 |") and lines[3].endswith("| 2.00 |  |  |")
     assert torch_layer_table(rows, "engine-group").splitlines()[2].endswith("| 2.25 | 8.50 | 0.25 |")
+    # so does direct-group, after it, whichever order the rows come in
+    rows.insert(0, _row("direct-group", "pingpong", 13.0, "out-of-place"))
+    lines = torch_layer_table(rows).splitlines()
+    assert lines[0].endswith("| nop+direct | (engine - (nop+direct)) per call | direct-group | "
+                             "(engine - (direct-group)) per call |")
+    assert lines[2].endswith("| 8.50 | 0.50 |  |  |") and lines[3].endswith("|  |  | 13.00 | 1.00 |")
     assert torch_layer_table([_row("gloo", "all_reduce", 1.0)]) == ""
 
 
 def test_end_to_end_under_mpiexec_and_plot(tmp_path):
     out = tmp_path / "out.json"
     cmd = mpiexec_command(2) + [sys.executable, "-m", "bench", "all", "-b", "1K", "-e", "16K", "-f", "16",
-                                "--backends", "engine,engine-direct,gloo,mpi4py,engine-group,nop,nop+direct", "-c", "1", "-n", "20", "-w", "2",
+                                "--backends", "engine,engine-direct,gloo,mpi4py,engine-group,nop,nop+direct,direct-group",
+                                "-c", "1", "-n", "20", "-w", "2",
                                 "--rounds", "1", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -104,8 +111,13 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
                            "sendrecv", "pingpong", "barrier"}
     assert all(r["wrong"] == (-1 if r["backend"] == "nop" else 0) for r in doc["rows"])  # nop moves nothing
     assert {r["backend"] for r in doc["rows"]} == {"engine", "engine-direct", "gloo", "mpi4py", "engine-group", "nop",
-                                                 "nop+direct"}
-    assert "# the torch layer's cost (us): engine-group - nop - engine-direct, and engine-group - (nop+direct)" in proc.stdout
+                                                 "nop+direct", "direct-group"}
+    # direct-group: every collective the engine-group has, but sendrecv (its sends block)
+    grouped = {(r["collective"], r["size"], r["mode"]) for r in doc["rows"] if r["backend"] == "engine-group"}
+    direct = {(r["collective"], r["size"], r["mode"]) for r in doc["rows"] if r["backend"] == "direct-group"}
+    assert direct == {key for key in grouped if key[0] != "sendrecv"}
+    assert ("# the torch layer's cost (us): engine-group - nop - engine-direct, and engine-group - (nop+direct), "
+            "and engine-group - (direct-group)") in proc.stdout
     png = tmp_path / "out.png"
     plot = subprocess.run([sys.executable, "-m", "bench", "plot", str(out), "-o", str(png)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
