@@ -119,7 +119,8 @@ class CompletedWork(dist._Work):
 class PointToPointWork(_OutputsWork):
     """A posted isend/irecv. It never occupies the progress thread, so an isend and an irecv to the
     same peer can't block each other; `finish` copies a staged receive into its tensor. Its
-    completion is seen by whoever waits on it or tests it; then the done callbacks run.
+    completion is seen when it is made (a message the transport finished while posting it), or by
+    whoever waits on it or tests it; then the done callbacks run.
 
     Made by of() (pybind's own __init__ only, as CollectiveWork); reset() readies one nothing holds
     any more for the next message (torchbridge._fastpath reuses them)."""
@@ -137,18 +138,31 @@ class PointToPointWork(_OutputsWork):
         self._request = request
         self._outputs = outputs
         self._finish = finish
-        self._status = self._error = self._future = self._callbacks = None
+        self._error = self._future = self._callbacks = None
+        self._status = None
+        if finish is None:
+            # A message the transport finished while posting it (a small send, a receive whose
+            # message was already there) is complete now: its wait() takes no lock. A failure found
+            # here (the request is then spent) is kept for wait() to raise.
+            try:
+                if request.test():
+                    self._status = request.wait() or ()
+            except Exception as exc:
+                self._error = exc
 
     def wait(self, timeout=None):
+        if self._status is not None:   # set last, once any staged copy is made: nothing left to do
+            return True
         callbacks = None
         lock = self._lock
         lock.acquire()   # (not `with`: on every message, and half the cost)
         try:
             if self._status is None and self._error is None:
                 try:
-                    self._status = self._request.wait() or ()
+                    status = self._request.wait() or ()
                     if self._finish is not None:
                         self._finish()
+                    self._status = status
                 except Exception as exc:
                     self._error = exc
                 callbacks, self._callbacks = self._callbacks, None

@@ -321,6 +321,29 @@ def test_point_to_point_and_batch():
         assert torch.equal(nc, torch.arange(8, dtype=torch.float32).reshape(2, 4))
 
 
+def test_messages_that_arrived_before_their_receive():
+    """A receive posted after its message arrived (complete when posted, on the transports that deliver
+    it then): its data, its source, and a receive too small for it failing at wait(), not at posting."""
+    if P == 1:
+        pytest.skip("point-to-point needs two ranks")
+    if R == 0:
+        for tag, n in ((3, 4), (4, 2), (5, 8)):
+            dist.send(torch.arange(float(n)), 1, tag=tag)
+    dist.barrier()
+    if R == 1:
+        t = torch.empty(4)
+        dist.irecv(t, 0, tag=3).wait()
+        assert torch.equal(t, torch.arange(4.0))
+        t = torch.empty(2)
+        assert dist.recv(t, tag=4) == 0   # any source: the source comes from the completed receive
+        assert torch.equal(t, torch.arange(2.0))
+        work = dist.irecv(torch.empty(4), 0, tag=5)   # 8 elements sent
+        with pytest.raises(Exception, match="truncated"):
+            work.wait()
+        assert work.is_completed() and not work.is_success()
+    dist.barrier()
+
+
 def test_new_group_and_subgroups_interleaved():
     members = list(range(0, P, 2))
     even = dist.new_group(members)
