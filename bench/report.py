@@ -110,6 +110,10 @@ def markdown_table(rows, collective, base):
 JOINT_REFERENCES = ("nop+direct", "direct-group")   # the torch call with an adapter that costs nothing
 
 
+def _joint_references(rows):
+    return [name for name in JOINT_REFERENCES if any(r["backend"] == name for r in rows)]
+
+
 def torch_layer_table(rows, torch_backend="engine"):
     """What the adapter adds to each call (Markdown), where a run has torch_backend, nop and
     engine-direct: the torch call minus the same call on the do-nothing group (torch's own share)
@@ -117,7 +121,7 @@ def torch_layer_table(rows, torch_backend="engine"):
     each: the same sum timed as one call, so it waits on its peers as the torch call does (and, for
     direct-group, inside torch's call). pingpong makes two calls (a send and a recv) per round trip."""
     index = {(r["backend"], r["collective"], r["size"], r["mode"]): r["time_us"] for r in rows}
-    joints = [b for b in JOINT_REFERENCES if any(r["backend"] == b for r in rows)]
+    joints = _joint_references(rows)
     lines = []
     for r in rows:
         if r["backend"] != torch_backend:
@@ -170,8 +174,7 @@ def print_report(rows, meta, out):
     torch_backend = "engine-group" if any(r["backend"] == "engine-group" for r in rows) else "engine"
     layer = torch_layer_table(rows, torch_backend)
     if layer:
-        joint = "".join(f", and {torch_backend} - ({name})" for name in JOINT_REFERENCES
-                        if any(r["backend"] == name for r in rows))
+        joint = "".join(f", and {torch_backend} - ({name})" for name in _joint_references(rows))
         print(f"# the torch layer's cost (us): {torch_backend} - nop - engine-direct{joint}\n" + layer + "\n", file=out)
 
 

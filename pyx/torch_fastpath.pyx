@@ -263,8 +263,9 @@ cdef class FastPath:
         """fn on the first nargs of (a, b, c): run now (COMPLETED), or queued where torch asked for
         async_op (call & 1: a CollectiveWork). None: the general path takes it, because a tensor (t, or
         u where not None) isn't contiguous, or an even split's count isn't divisible by the group size
-        (the general path says so in torch's terms); a queued call checks those first, a run finds them
-        out before anything moves."""
+        (the general path says so in torch's terms). A run finds either out before anything moves; a
+        queued call can't fall back once queued, so contiguity is checked here first, and
+        all_to_all_single, the one even split, checks divisibility before calling."""
         if call & 1:
             if t.is_contiguous() and (u is None or u.is_contiguous()):
                 return self.queue(fn, (a, b, c)[:nargs], name, outputs)

@@ -138,8 +138,7 @@ class PointToPointWork(_OutputsWork):
         self._request = request
         self._outputs = outputs
         self._finish = finish
-        self._error = self._future = self._callbacks = None
-        self._status = None
+        self._status = self._error = self._future = self._callbacks = None
         if finish is None:
             # A message the transport finished while posting it (a small send, a receive whose
             # message was already there) is complete now: its wait() takes no lock. A failure found
