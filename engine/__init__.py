@@ -2,7 +2,7 @@
 hosts, NCCL for CUDA tensors; compiled Cython kernels. MPI is imported only by groups that use it."""
 
 try:
-    from ._core import DTYPE_NAMES, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
+    from ._core import DTYPE_NAMES, EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
 except ImportError as exc:  # a source tree whose extensions were never built
     import os as _os
     _here = _os.path.dirname(_os.path.abspath(__file__))
@@ -19,7 +19,7 @@ from .udf import UserOp, reduction
 
 __version__ = "0.2.0"
 __all__ = [
-    "ANY_SOURCE", "ANY_TAG", "Communicator", "DTYPE_NAMES", "EngineError", "EngineMismatch", "EnginePeerLost",
+    "ANY_SOURCE", "ANY_TAG", "Communicator", "DTYPE_NAMES", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost",
     "EngineTimeout", "ReduceOp", "UserOp", "pack", "reduce_into", "reduction", "ring_block", "ring_schedule",
     "scale", "unpack", "world",
 ]

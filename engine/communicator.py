@@ -214,6 +214,25 @@ class Communicator:
             group.Free()
         return Communicator(sub, transport=transport, store=store, _owned=sub, **kwargs)
 
+    def abort(self):
+        """Ends every wait of this group, in any thread, within one round of its back-off (at most 50 ms
+        asleep), with EngineAborted, and refuses every later call the same way. Frees nothing: call
+        free() once `busy` is 0 (a wait may still be reading the group's memory until it returns).
+        MPI's own blocking collectives (ENGINE_TRANSPORT=mpi) can't be interrupted: they end at the
+        group's timeout (docs/fault-tolerance.md)."""
+        for core in self._cores():
+            core.abort()
+
+    @property
+    def busy(self):
+        """Calls of this group (its hierarchy's stages included) inside the engine now."""
+        return sum(core.busy for core in self._cores())
+
+    def _cores(self):
+        hier = getattr(self, "_hier", None)
+        stages = [] if hier is None else [s for s in (hier.local, hier.cross, hier.leaders) if s is not None]
+        return ([self._core] if self._core is not None else []) + [c for s in stages for c in s._cores()]
+
     def free(self):
         """Releases the group's resources; the object is unusable afterwards."""
         if getattr(self, "_hier", None) is not None:

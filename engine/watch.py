@@ -22,10 +22,10 @@ import time
 import weakref
 
 from . import failure
-from ._core import EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
+from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
 from .config import env_int
 
-__all__ = ["DEFAULT_TIMEOUT", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
+__all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
@@ -131,7 +131,7 @@ class Watch:
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
             failure.group_failed(str(exc))
-        if not isinstance(exc, (ValueError, TypeError, EngineTimeout)):
+        if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
 
     def peer_timeout(self, what, peer, tag, elapsed):

@@ -15,7 +15,7 @@ from shm cimport eng_now
 from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, wait_until, start_wait,
                            Req, Status, Transport, req_active, CoreComm,
                            IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_COMPOSITE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,
-                           OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE)
+                           OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE, ENG_ERR_ABORTED)
 
 from engine._core import EngineError, _kernel_slot
 

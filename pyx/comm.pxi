@@ -110,6 +110,24 @@ cdef class CoreComm:
         ctx.alive = self.alive
         ctx.alive_arg = self.alive_arg
         ctx.spin = self.spin
+        ctx.abort = &self.aborted
+
+    # -- abort: ends every wait of this group, from any thread --
+
+    def abort(self):
+        """Marks the group aborted: every wait of its calls, running now in any thread or started later,
+        ends within one round of its back-off (at most 50 ms asleep) with EngineAborted. Nothing is
+        freed here (a wait may still be reading the group's memory): release it once `busy` is 0."""
+        eng_store32(&self.aborted, 1)
+
+    @property
+    def aborted(self):
+        return eng_load32(&self.aborted) != 0
+
+    @property
+    def busy(self):
+        """How many calls of this group are inside the core now (a thread in a wait among them)."""
+        return self.busy
 
     # -- the flight recorder (recorder.pxi), as engine.watch reads it --
 
@@ -239,15 +257,20 @@ cdef class CoreComm:
             self.log.end(rec, None)
             return result
         c.impl = rule.impl
+        if self.aborted:
+            raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
         rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocking)
         self.start(&ctx)
+        self.busy += 1
         try:
             with nogil:
                 ierr = self.dispatch(c, &ctx)
         except BaseException as exc:
+            self.busy -= 1
             self._keep(rule.impl, keep)
             self.log.end(rec, exc)
             raise
+        self.busy -= 1
         if ierr:
             self._keep(rule.impl, keep)
             exc = self.error(ierr, OP_KIND_NAMES[c.op])
@@ -302,6 +325,8 @@ cdef class CoreComm:
         if ierr == ENG_ERR_MISMATCH:
             self.log.broken = text
             return EngineMismatch(f"{what} failed: {text}")
+        if ierr == ENG_ERR_ABORTED:
+            return EngineAborted(f"{what} failed: {text}")
         if ierr == ENG_ERR_CORRUPT:
             self.log.broken = text
         return EngineError(f"{what} failed: {text}")
@@ -540,9 +565,15 @@ cdef class CoreComm:
         cdef WaitCtx ctx
         if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
             raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
+        if self.aborted:
+            raise self.error(ENG_ERR_ABORTED, "allgather")
         self.start(&ctx)
-        with nogil:
-            ierr = self.run_allgather(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.dtype, NULL, NULL, &ctx)
+        self.busy += 1
+        try:
+            with nogil:
+                ierr = self.run_allgather(<char*>ms.ptr, <char*>mr.ptr, ms.count, ms.dtype, NULL, NULL, &ctx)
+        finally:
+            self.busy -= 1
         if ierr:
             raise self.error(ierr, "allgather")
 

@@ -16,6 +16,10 @@ class EnginePeerLost(EngineError):
     """A peer process of the group exited while this rank waited for it."""
 
 
+class EngineAborted(EngineError):
+    """The group was aborted (abort() from any thread) while, or before, this call waited."""
+
+
 class NotContiguousError(ValueError):
     """A torch tensor argument is not contiguous (callers with a fallback catch exactly this)."""
 

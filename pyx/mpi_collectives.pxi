@@ -164,7 +164,7 @@ cdef class MpiComm(CoreComm):
         cdef WaitCtx ctx
         if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
             raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
-        start_wait(&ctx, self.hook, self.interval)
+        self.start(&ctx)
         try:
             with nogil:
                 ierr = MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype], self.coll, &req)
@@ -173,6 +173,8 @@ cdef class MpiComm(CoreComm):
         except BaseException:
             self.limbo.append((ms, mr))  # the request stays posted into them
             raise
+        if ierr == ENG_ERR_ABORTED:
+            raise self.error(ierr, "allgather")
         if ierr > 0:
             raise EngineError(f"allgather failed: {mpi_error_text(ierr)}")
 

@@ -60,6 +60,7 @@ cdef class Progress:
     cdef int waiters
     cdef object cv                  # callers waiting for a task the thread runs
     cdef object thread
+    cdef object refusal             # what submit() raises once closed (abort's error), or None
     cdef public double grace
 
     def __cinit__(self, *args, **kwargs):
@@ -106,6 +107,8 @@ cdef class Progress:
         task.outputs = outputs
         task.progress = self
         if self.closed:
+            if self.refusal is not None:
+                raise self.refusal
             raise RuntimeError(f"{name}: this process group was shut down (destroy_process_group); "
                                "create a new one with init_process_group / new_group")
         task.fn = fn
@@ -177,6 +180,35 @@ cdef class Progress:
         self._signal()
         if threading.current_thread() is not self.thread:
             self.thread.join()
+
+    def abort(self, error):
+        """Fails every queued task with `error` at once (their waiters wake, their callbacks run) and
+        refuses new ones with it. A task already running ends on its own (its group's waits were
+        aborted first). Returns whether one still runs."""
+        cdef Task task
+        self.closed = True
+        self.refusal = error
+        failed = []
+        while self.queue:
+            task = self.queue.popleft()
+            self.pending -= 1
+            task.error = error
+            task.state = TASK_DONE
+            task.fn = task.args = None
+            failed.append(task)
+        with self.cv:
+            self.cv.notify_all()
+        self._signal()
+        for task in failed:
+            callbacks, task.callbacks = task.callbacks, None
+            for cb in callbacks or ():
+                cb(task)
+        return self.running
+
+    @property
+    def idle(self):
+        """Nothing queued and nothing running."""
+        return not self.running and not self.queue
 
     cdef void _finished(self):
         self.running = False

@@ -21,8 +21,12 @@ cdef class Request:
         """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
         cdef int ierr = 0
         if not self.done:
-            with nogil:
-                ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+            self.comm.busy += 1
+            try:
+                with nogil:
+                    ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+            finally:
+                self.comm.busy -= 1
             if ierr:
                 raise self.comm.error(ierr, "irecv" if self.is_recv else "isend", self.tp)
             self.done = True
@@ -53,6 +57,9 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
     start_wait(&r.ctx, r, comm.interval)
     r.ctx.alive, r.ctx.alive_arg, r.ctx.spin = comm.alive, comm.alive_arg, comm.spin
+    r.ctx.abort = &comm.aborted
+    if comm.aborted:
+        raise comm.error(ENG_ERR_ABORTED, what, tp)
     if recv:
         ierr = tp.irecv(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
     else:

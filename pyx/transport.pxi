@@ -111,6 +111,8 @@ cdef str _engine_error_text(int code, int peer):
                 "a dying peer, or another process of this user writing into it)")
     if code == ENG_ERR_NOMEM:
         return "out of memory"
+    if code == ENG_ERR_ABORTED:
+        return "the group was aborted (ProcessGroup.abort() or Communicator.abort()) while this rank waited"
     if code == ENG_ERR_CANCELLED:
         return "the operation was cancelled"
     if code == ENG_ERR_CMA:

@@ -65,6 +65,7 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.alive = NULL
     ctx.alive_arg = NULL
     ctx.spin = -1
+    ctx.abort = NULL
 
 
 cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
@@ -95,9 +96,12 @@ cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil:
 
 
 cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
-    """The watch and the liveness check, when due."""
+    """The abort flag (every round: abort() must end a wait at once, whatever the wait sleeps on), then
+    the watch and the liveness check, when due."""
     cdef int rc
     if ctx != NULL:
+        if ctx.abort != NULL and eng_load32(ctx.abort):
+            return ENG_ERR_ABORTED
         if ctx.hook != NULL and t >= ctx.next_check:
             ctx.next_check = t + ctx.interval
             call_hook(ctx, t)

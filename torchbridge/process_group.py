@@ -33,6 +33,7 @@ from engine.progress import Progress
 from . import _fastpath
 from ._fastpath import PREMUL, op_of
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
+from .fault import FaultTolerance, Unavailable, no_members_error, reconfigured
 from .work import CollectiveWork, PointToPointWork
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
@@ -109,11 +110,16 @@ def _root_inputs(_, input_lists, *__):
 def create_process_group(opts, backend_options=None):
     """The creator torch calls (extended API) on each member of a new group. Under an MPI launcher the
     group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store
-    (shared memory inside a host, the engine's TCP transport between hosts)."""
+    (shared memory inside a host, the engine's TCP transport between hosts). After a reconfigure the
+    store is used under MPI too: MPI's world no longer says who the members are. A group made with
+    enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure."""
     seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
-    if detect_launcher() is None:
+    if getattr(opts, "enable_reconfigure", False):
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, opts.store, name,
+                                  listen=True)
+    if detect_launcher() is None or reconfigured():
         comm = Communicator.from_store(opts.store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name)
     else:
@@ -277,20 +283,55 @@ def all_to_all_counts(output, input, output_split_sizes, input_split_sizes, size
     return send_counts, recv_counts
 
 
-class EngineProcessGroup(dist.ProcessGroup):
-    """A torch ProcessGroup over one engine.Communicator (and, for CUDA tensors, NCCL)."""
+class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
+    """A torch ProcessGroup over one engine.Communicator (and, for CUDA tensors, NCCL); abort and
+    reconfigure: torchbridge/fault.py. comm None: no members until the first reconfigure."""
 
-    def __init__(self, comm, rank, size, timeout=None, store=None, name="default"):
+    def __init__(self, comm, rank, size, timeout=None, store=None, name="default", listen=False):
         super().__init__(rank, size)
-        self._comm = comm
-        self._progress = Progress(name=f"engine-progress-{name}")
-        self._cpu = CpuDevice(comm, self._progress)
+        self._rank, self._size = rank, size
         self._cuda = torch.cuda.is_available()  # False: no CUDA routing at all
+        self._store, self._name, self._timeout = store, name, timeout
+        self._cuda_transport = None
+        self._init_fault_tolerance(listen)
+        if comm is None:
+            self._detach(no_members_error(name))
+        else:
+            self._attach(comm)
+
+    def _attach(self, comm):
+        """Runs the group's calls on comm from now on."""
+        self._comm = comm
+        self._progress = Progress(name=f"engine-progress-{self._name}")
+        self._cpu = CpuDevice(comm, self._progress)
         self._fast = _fastpath.FastPath(comm, self._progress, self._cuda)
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
-        self._store, self._name, self._timeout = store, name, timeout
         self._watchdog = None
-        self._cuda_transport = None
+
+    def _detach(self, error, abort=True):
+        """Takes the communicator off the group; every later call raises `error` (None: this is a
+        swap, the caller attaches another at once). With an error and abort, what is queued and running
+        ends with it; without abort, what is queued still runs before the release frees the group.
+        Returns (comm, cpu device, CUDA devices, watchdog) for _release."""
+        comm = getattr(self, "_comm", None)
+        cpu = self._cpu if comm is not None else None   # (without a communicator: the stand-in)
+        devices, watchdog = list(getattr(self, "_devices", {}).values()), getattr(self, "_watchdog", None)
+        if error is not None and abort:
+            if comm is not None:
+                comm.abort()
+            for dev in devices:
+                abort = getattr(dev, "abort", None)
+                if abort is not None:
+                    abort()
+            if cpu is not None:
+                cpu.progress.abort(error)
+        stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
+        self._comm = None
+        self._cpu = stand_in
+        self._progress = stand_in
+        self._fast = _fastpath.FastPath(stand_in, stand_in, self._cuda)
+        self._devices, self._watchdog = {}, None
+        return comm, cpu, devices, watchdog
 
     def getBackendName(self):
         return "engine"
@@ -326,6 +367,9 @@ class EngineProcessGroup(dist.ProcessGroup):
     def _device_types(self):
         return [torch.device("cpu"), torch.device("cuda")] if self._cuda else [torch.device("cpu")]
 
+    def get_backend(self, device):
+        return self._get_backend(device)
+
     def _get_backend(self, device):
         kind = device.type if isinstance(device, torch.device) else torch.device(device).type
         if kind == "cpu" or (kind == "cuda" and self._cuda):
@@ -341,7 +385,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         meet in the group's store, not on its transport, so a collective stuck on this group can't
         hold it up. dist.monitored_barrier refuses every backend not named "gloo" (torch checks the
         name): call it on the group, `(group or dist.group.WORLD).monitored_barrier(timeout)`."""
-        seconds = _seconds(timeout, self._comm.watch.timeout)
+        seconds = _seconds(timeout, self._timeout_seconds())
         seq = self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
         if self.size() == 1:
             return
@@ -393,7 +437,7 @@ class EngineProcessGroup(dist.ProcessGroup):
         self._store.set(key + str(rank), "")
         # Rank 0 answers when everyone arrived or its own timeout ran out; this rank waits as long as the
         # group's timeout (as Gloo's other ranks do), rank 0 itself may be the one late.
-        seconds = self._comm.watch.timeout
+        seconds = self._timeout_seconds()
         if not self._arrives(key + "verdict", seconds):
             raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
                                f"for send/recv from rank 0: Timed out after {seconds:g} s waiting for rank 0's answer "
@@ -688,7 +732,7 @@ class EngineProcessGroup(dist.ProcessGroup):
     def _barrier(self, opts=None):
         # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
         # on the GPU); CUDA work already enqueued keeps its own order.
-        return self._cpu.launch("barrier", self._comm.barrier, None, None, None, 0, [], opts)
+        return self._cpu.launch("barrier", getattr(self._comm, "barrier", None), None, None, None, 0, [], opts)
 
     _traced_barrier = _traced("barrier")(_barrier)
 
@@ -712,14 +756,9 @@ class EngineProcessGroup(dist.ProcessGroup):
     # -- lifetime --
 
     def shutdown(self):
-        if self._cpu is None:
+        """destroy_process_group: what is queued runs, then the group's memory, descriptors and threads go."""
+        self._close_listener()
+        if self._comm is None:
             return
-        for dev in self._devices.values():
-            dev.shutdown()
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self._cpu.shutdown()
-        self._cpu = None
-
-    def abort(self):
-        self.shutdown()
+        self._release(*self._detach(RuntimeError(
+            f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))

@@ -81,6 +81,7 @@ cdef struct WaitCtx:
     alive_fn alive      # returns an engine error code once a peer is gone; NULL: no check
     void *alive_arg
     double spin         # seconds to spin before yielding; < 0: the process's policy
+    uint32_t *abort     # non-zero once the group is aborted: the wait ends with ENG_ERR_ABORTED; NULL: none
 
 
 ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
@@ -112,6 +113,7 @@ cdef enum:
     ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
     ENG_ERR_CONNECT = 100008     # a connection to a peer could not be made (TCP)
     ENG_ERR_PEER_LEFT = 100009   # a peer left the group in order (TCP: its goodbye) while still needed
+    ENG_ERR_ABORTED = 100010     # the group was aborted (CoreComm.abort) while this rank waited
 
 
 # ---- the transport seam ----
@@ -308,6 +310,8 @@ cdef class CoreComm:
     cdef object composite       # composite(entry, *args) runs an IMPL_COMPOSITE entry
     cdef bint blocking          # its collectives block inside the transport (MPI's): the watchdog covers them
     cdef list limbo             # buffers of requests left posted by a failed operation
+    cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
+    cdef int busy               # calls of this group inside the core now (abort's release waits for none)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void start(self, WaitCtx *ctx) noexcept

@@ -1,0 +1,349 @@
+"""How the members of a reconfigured group meet: through their reconfigure handles alone, no store.
+
+torch 2.14's contract (ProcessGroup.reconfigure): every process of a group made with
+enable_reconfigure=True hands out an opaque handle; a reconfigure names the new members by a list of
+handles (a member's rank is its handle's position) and a uuid fresh for every new communicator.
+
+A handle here is a capability: `engine1/<address>/<port>/<secret>`, the address and port this
+process listens on for reconfigures, and 16 random bytes only holders of the handle know. The first
+member of the list is the hub: every other member connects to it and sends a fixed-size hello whose
+first field after the magic is the hub's secret, compared in constant time before anything else the
+connection sends is read; then the uuid, its index, the member count and a digest of the whole list
+(so every member agrees on the membership and the order). The hub then serves a small key-value store
+(set / get / check, every length bounds-checked) over those connections for as long as the members
+build their communicator through it (engine.bootstrap.StoreBootstrap), exactly as a group made
+through torch's store is built: shared memory on one host, the engine's TCP transport across hosts.
+
+A connection that does not prove the secret is closed unread. One for a uuid this hub has not
+reached yet is kept for that reconfigure; one for a uuid it already used is told so and closed.
+"""
+
+import hashlib
+import hmac
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+
+from . import tcp
+
+MAGIC = b"ENGRCF1\0"
+_HELLO = struct.Struct("!8s16sqII32s")   # magic, hub secret, uuid, member index, member count, list digest
+_REPLY = struct.Struct("!BI")            # status (0 ok), length of the text that follows
+_REQ = struct.Struct("!BII")             # op, key length, value length
+MAX_KEY = 4096
+MAX_VALUE = 16 << 20
+MAX_MEMBERS = 1 << 16
+HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
+OP_SET, OP_GET, OP_CHECK = 1, 2, 3
+MAX_PARKED = 256
+
+
+class HandleError(ValueError):
+    """A reconfigure handle that is not one of the engine's, or a list of them that can't form a group."""
+
+
+def parse_handle(handle):
+    """(address, port, secret) of a handle; HandleError naming what is wrong."""
+    if not isinstance(handle, str):
+        raise HandleError(f"a reconfigure handle is a str, got {type(handle).__name__}")
+    parts = handle.split("/")
+    if len(parts) != 4 or parts[0] != "engine1":
+        raise HandleError(f"{handle[:80]!r} is not a reconfigure handle of backend 'engine' (expected "
+                          "'engine1/<address>/<port>/<secret>', as get_reconfigure_handle() returns)")
+    try:
+        port, secret = int(parts[2]), bytes.fromhex(parts[3])
+    except ValueError:
+        raise HandleError(f"reconfigure handle {handle!r}: its port or secret is malformed") from None
+    if not 0 < port < 65536 or len(secret) != 16:
+        raise HandleError(f"reconfigure handle {handle!r}: port out of range or secret not 16 bytes")
+    return parts[1], port, secret
+
+
+def _recv_exact(sock, n, what):
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"{what}: the connection closed")
+        got += k
+    return bytes(buf)
+
+
+class Listener:
+    """This process's end of reconfigure: a listening socket and the handle that names it."""
+
+    def __init__(self):
+        addr, self.how = tcp.listen_address()
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)   # not inherited by children (PEP 446)
+        try:
+            self.sock.bind((addr.split("%")[0], 0))
+            self.sock.listen(128)
+        except OSError as exc:
+            self.sock.close()
+            raise RuntimeError(f"engine: can't listen for reconfigures on {addr} (chosen by {self.how}): {exc}; "
+                               "set ENGINE_SOCKET_IFNAME to the interface the ranks reach each other on") from None
+        self.secret = os.urandom(16)
+        self.handle = f"engine1/{addr}/{self.sock.getsockname()[1]}/{self.secret.hex()}"
+        self.parked = {}       # uuid -> {index: (socket, member count, digest)}: hellos for later reconfigures
+        self.used = set()      # uuids this hub served (a late hello for one is refused)
+
+    def close(self):
+        self.sock.close()
+        for members in self.parked.values():
+            for conn, _, _ in members.values():
+                conn.close()
+        self.parked.clear()
+
+    def accept_members(self, uuid, n, digest, deadline, handles):
+        """The n - 1 authenticated connections of reconfigure uuid: {index: socket}."""
+        mine = {}
+        for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
+            self._admit(mine, conn, index, count, dig, n, digest)
+        while len(mine) < n - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [i for i in range(1, n) if i not in mine]
+                raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
+                                   "never connected to this rank, the first member")
+            self.sock.settimeout(min(left, 1.0))
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            try:
+                self._hello(conn, uuid, n, digest, mine)
+            except (OSError, ConnectionError, ValueError):
+                conn.close()
+        for conn in mine.values():
+            _reply(conn, 0, "")
+        return mine
+
+    def _hello(self, conn, uuid, n, digest, mine):
+        conn.settimeout(HELLO_SECONDS)
+        magic, secret, their_uuid, index, count, dig = _HELLO.unpack(_recv_exact(conn, _HELLO.size, "hello"))
+        if magic != MAGIC or not hmac.compare_digest(secret, self.secret):
+            raise ValueError("not a member: wrong magic or secret")
+        if their_uuid == uuid:
+            self._admit(mine, conn, index, count, dig, n, digest)
+        elif their_uuid in self.used:
+            _reply(conn, 1, f"uuid {their_uuid} was already used by this group's first member: pass a fresh uuid to "
+                            "every reconfigure")
+            conn.close()
+        elif sum(len(v) for v in self.parked.values()) < MAX_PARKED:
+            self.parked.setdefault(their_uuid, {})[index] = (conn, count, dig)
+        else:
+            conn.close()
+
+    @staticmethod
+    def _admit(mine, conn, index, count, dig, n, digest):
+        if count != n or dig != digest:
+            _reply(conn, 1, f"this reconfigure's first member was given {n} handles, and another list than "
+                            f"member {index}'s ({count} handles): every member must pass the same handles in the same "
+                            "order")
+            conn.close()
+        elif not 1 <= index < n or index in mine:
+            _reply(conn, 1, f"member index {index} is out of range or taken twice")
+            conn.close()
+        else:
+            conn.settimeout(None)
+            mine[index] = conn
+
+
+def _where(handle):
+    try:
+        addr, port, _ = parse_handle(handle)
+        return f"{addr}:{port}"
+    except HandleError:
+        return "?"
+
+
+def _reply(conn, status, text):
+    data = text.encode()
+    try:
+        conn.sendall(_REPLY.pack(status, len(data)) + data)
+    except OSError:
+        pass
+
+
+def _check_sizes(klen, vlen):
+    if klen > MAX_KEY or vlen > MAX_VALUE:
+        raise ValueError(f"a reconfigure store frame of {klen} + {vlen} bytes exceeds the bounds")
+
+
+class HubStore:
+    """The hub's key-value store: the hub's own calls in process, the members' over their connections,
+    each served by a thread of its own until the member closes it."""
+
+    def __init__(self, conns, deadline):
+        self.data = {}
+        self.cv = threading.Condition()
+        self.deadline = deadline
+        self.error = None
+        self.threads = [threading.Thread(target=self._serve, args=(c,), name="engine-reconfigure-hub", daemon=True)
+                        for c in conns.values()]
+        self.conns = list(conns.values())
+        for t in self.threads:
+            t.start()
+
+    def set(self, key, value):
+        with self.cv:
+            self.data[key] = bytes(value if isinstance(value, (bytes, bytearray)) else str(value).encode())
+            self.cv.notify_all()
+
+    def get(self, key):
+        with self.cv:
+            while key not in self.data:
+                left = self.deadline - time.monotonic()
+                if self.error is not None or left <= 0:
+                    raise TimeoutError(f"reconfigure: no member set {key!r} in time"
+                                       + (f" ({self.error})" if self.error else ""))
+                self.cv.wait(min(left, 0.5))
+            return self.data[key]
+
+    def check(self, keys):
+        with self.cv:
+            return all(k in self.data for k in keys)
+
+    def _serve(self, conn):
+        try:
+            while True:
+                try:
+                    head = conn.recv(_REQ.size, socket.MSG_WAITALL)
+                except OSError:
+                    return
+                if len(head) < _REQ.size:
+                    return   # the member is done (or gone: its own reconfigure reports that)
+                op, klen, vlen = _REQ.unpack(head)
+                _check_sizes(klen, vlen)
+                key = _recv_exact(conn, klen, "key").decode()
+                value = _recv_exact(conn, vlen, "value") if op == OP_SET else None
+                if op == OP_SET:
+                    self.set(key, value)
+                    conn.sendall(_REPLY.pack(0, 0))
+                elif op == OP_GET:
+                    try:
+                        data = self.get(key)
+                    except TimeoutError as exc:
+                        _reply(conn, 1, str(exc))
+                        return
+                    conn.sendall(_REPLY.pack(0, len(data)) + data)
+                elif op == OP_CHECK:
+                    conn.sendall(_REPLY.pack(0, 1) + b"\1" if self.check(key.split("\0")) else _REPLY.pack(0, 0))
+                else:
+                    return
+        except (OSError, ValueError, ConnectionError, UnicodeDecodeError) as exc:
+            with self.cv:
+                self.error = f"a member's connection failed: {exc}"
+                self.cv.notify_all()
+        finally:
+            conn.close()
+
+    def close(self, deadline):
+        """Waits (until deadline) for every member to close its connection: they may still read keys."""
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(1.0)
+
+
+class MemberStore:
+    """A member's side of the hub's store (torch's Store API as StoreBootstrap uses it)."""
+
+    def __init__(self, hub_handle, uuid, index, n, digest, deadline):
+        addr, port, secret = parse_handle(hub_handle)
+        self.where = f"{addr}:{port}"
+        self.deadline = deadline
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            self.sock = socket.create_connection((addr, port), timeout=left)
+        except OSError as exc:
+            raise ConnectionError(f"can't reach the first member's handle at {self.where} ({exc.strerror or exc}): "
+                                  "is that process gone?") from None
+        self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
+        self.sock.settimeout(max(0.1, deadline - time.monotonic()))
+        status, text = self._reply("the first member's answer to this rank's hello")
+        if status:
+            self.sock.close()
+            raise RuntimeError(text.decode(errors="replace"))
+
+    def _reply(self, what):
+        try:
+            status, length = _REPLY.unpack(_recv_exact(self.sock, _REPLY.size, what))
+            _check_sizes(0, length)
+            return status, _recv_exact(self.sock, length, what)
+        except socket.timeout:
+            raise TimeoutError(f"{what}: the first member ({self.where}) did not answer in time") from None
+        except ConnectionError:
+            raise ConnectionError(f"{what}: the first member ({self.where}) closed the connection: it failed or "
+                                  "was aborted") from None
+
+    def _call(self, op, key, value=b""):
+        k = key.encode()
+        _check_sizes(len(k), len(value))
+        self.sock.settimeout(max(0.1, self.deadline - time.monotonic()))
+        self.sock.sendall(_REQ.pack(op, len(k), len(value)) + k + value)
+        status, data = self._reply(f"reconfigure store {key!r}")
+        if status:
+            raise TimeoutError(data.decode(errors="replace"))
+        return data
+
+    def set(self, key, value):
+        self._call(OP_SET, key, bytes(value if isinstance(value, (bytes, bytearray)) else str(value).encode()))
+
+    def get(self, key):
+        return self._call(OP_GET, key)
+
+    def check(self, keys):
+        return self._call(OP_CHECK, "\0".join(keys)) != b""  # length 1 (yes) or 0 (no)
+
+    def close(self, deadline=None):
+        self.sock.close()
+
+
+def order(handles):
+    """The member list of a reconfigure: a list keeps its order (rank = position); a set is sorted, so
+    every member derives the same ranks. HandleError on a duplicate or a foreign handle."""
+    members = sorted(handles) if isinstance(handles, (set, frozenset)) else list(handles)
+    if not members:
+        raise HandleError("reconfigure needs at least one handle (this rank's own)")
+    if len(members) > MAX_MEMBERS:
+        raise HandleError(f"{len(members)} handles exceed the limit of {MAX_MEMBERS}")
+    seen = set()
+    for h in members:
+        parse_handle(h)
+        if h in seen:
+            raise HandleError(f"handle {h!r} is listed twice: each member's handle once")
+        seen.add(h)
+    return members
+
+
+def meet(listener, uuid, handles, timeout):
+    """(store, index, n): the rendezvous store of reconfigure `uuid` among `handles`, this process's
+    index among them, their count. The caller builds its communicator through the store, then calls
+    store.close(deadline)."""
+    members = order(handles)
+    if listener.handle not in members:
+        raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "
+                          "reconfigure: every member passes the same list, itself included")
+    index, n = members.index(listener.handle), len(members)
+    digest = hashlib.sha256("\n".join(members).encode()).digest()
+    deadline = time.monotonic() + timeout
+    if uuid in listener.used:
+        raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
+                           "reconfigure")
+    if index == 0:
+        conns = listener.accept_members(uuid, n, digest, deadline, members) if n > 1 else {}
+        listener.used.add(uuid)
+        return HubStore(conns, deadline), index, n
+    listener.used.add(uuid)
+    return MemberStore(members[0], uuid, index, n, digest, deadline), index, n

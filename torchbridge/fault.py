@@ -1,0 +1,226 @@
+"""Groups that survive failures: torch 2.14's reconfigure contract, an abort that unblocks, and the
+error state torch reads (get_error), for EngineProcessGroup.
+
+- abort(): every queued and running call of the group ends at once with EngineAborted (the engine's
+  waits read the group's abort flag every round of their back-off); hooks registered with
+  register_abort_hook run first; the group's memory and descriptors are freed as soon as no thread is
+  inside it any more (at once, or by a short-lived thread when a call is still on its way out).
+  Later calls are refused naming the abort until a reconfigure gives the group new members.
+- reconfigure(opts): the members named by opts.handles (this process's among them) build a new
+  communicator through engine.handles' rendezvous (shared memory on one host, TCP across hosts, MPI
+  never: an MPI communicator can't take in processes its launcher did not start); the group's rank and
+  size become this process's position in the list and its length. A uuid is taken once.
+- A group made with enable_reconfigure=True has no communicator until its first reconfigure (torch's
+  contract); its handle exists from the start.
+
+torch reaches all of this from Python (dist._reconfigure, dist.get_backend_impl(...).abort(), ...), so
+a Python ProcessGroup answers for itself as its own backend (see process_group.py).
+"""
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from engine import Communicator
+from engine._core import EngineAborted
+from engine.watch import Watch
+from engine import handles as _handles
+
+from .work import CompletedWork
+
+RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
+_reconfigured = False     # a group of this process was reconfigured: new groups meet through the store
+
+
+def reconfigured():
+    """Whether a group of this process was reconfigured (MPI's world then no longer says who is who)."""
+    return _reconfigured
+
+
+def _error_types():
+    try:
+        from torch._C._distributed_c10d import ErrorType
+        return ErrorType
+    except ImportError:   # torch 2.13: no ErrorType
+        return None
+
+
+class Unavailable:
+    """What a group without a communicator calls: every collective, message and progress call raises
+    the reason (no members before the first reconfigure, or aborted). It stands where the
+    communicator and its progress engine stand, so the latency path needs no test of its own."""
+
+    def __init__(self, error, rank, size):
+        self.error, self.rank, self.size = error, rank, size
+
+    def _refuse(self, *args, **kwargs):
+        raise self.error
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._refuse
+
+
+class FaultTolerance:
+    """The fault-tolerance half of EngineProcessGroup: the group's state is `_comm` (None: see
+    `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
+
+    def _init_fault_tolerance(self, listen):
+        self._listener = _handles.Listener() if listen else None
+        self._uuids = set()
+        self._abort_hooks = {}
+        self._aborted = False
+
+    # -- what torch asks --
+
+    @property
+    def supports_reconfigure(self):
+        return True
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def get_reconfigure_handle(self):
+        """This process's handle: give it to every member of a reconfigure (engine.handles)."""
+        if self._listener is None:
+            self._listener = _handles.Listener()
+        return self._listener.handle
+
+    def reconfigure(self, opts):
+        """Makes the group the members named by opts.handles (a list: rank = position; a set: sorted),
+        under the fresh opts.uuid, within opts.timeout (default: the group's). Returns a completed Work;
+        raises what failed (a missing member is named)."""
+        global _reconfigured
+        uuid = int(opts.uuid)
+        if uuid in self._uuids:
+            raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
+                               "reconfigure")
+        seconds = _seconds_of(getattr(opts, "timeout", None)) or self._timeout_seconds()
+        listener = self._listener if self._listener is not None else _handles.Listener()
+        self._listener = listener
+        try:
+            store, index, n = _handles.meet(listener, uuid, opts.handles, seconds)
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
+        deadline = time.monotonic() + seconds
+        try:
+            comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
+                                          timeout=self._timeout_seconds(), name=self._name)
+        except (TimeoutError, ConnectionError) as exc:
+            raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
+        finally:
+            store.close(deadline)
+        comm.watch.store = None   # the rendezvous store is gone: timeouts can't ask it who is missing
+        self._uuids.add(uuid)
+        _reconfigured = True
+        self._release(*self._detach(None))
+        self._rank, self._size = index, n
+        self._attach(comm)
+        self._aborted = False
+        return CompletedWork()
+
+    def abort(self):
+        """Ends every queued and running call of this group at once (EngineAborted), after running the
+        abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
+        fresh uuid, or make a new group."""
+        for hook in list(self._abort_hooks.values()):
+            hook()
+        error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
+                              "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
+        self._aborted = True
+        self._release(*self._detach(error))
+
+    def register_abort_hook(self, hook_id, hook):
+        self._abort_hooks[int(hook_id)] = hook
+
+    def unregister_abort_hook(self, hook_id):
+        self._abort_hooks.pop(int(hook_id), None)
+
+    def get_error(self):
+        """torch's ErrorType of this group: TIMEOUT once a call timed out, REMOTE_ERROR once a peer
+        failed or left (or called another collective), COMM_ERROR for a failure of the transport itself,
+        else SUCCESS (an abort asked for by the caller is not an error, as for Gloo)."""
+        kinds = _error_types()
+        comm = self._comm
+        broken = comm.watch.broken if comm is not None else None
+        if kinds is None:
+            return broken
+        if not broken:
+            return kinds.SUCCESS
+        if "Timed out" in broken:
+            return kinds.TIMEOUT
+        if any(s in broken for s in ("exited", "left the group", "different collective", "mismatch")):
+            return kinds.REMOTE_ERROR
+        return kinds.COMM_ERROR
+
+    def set_timeout(self, timeout):
+        self._timeout = timeout
+        if self._comm is not None:
+            self._comm.watch.timeout = self._timeout_seconds()
+
+    # -- helpers --
+
+    def _timeout_seconds(self):
+        return Watch.timeout_of(_seconds_of(self._timeout))
+
+    def _release(self, comm, cpu, devices, watchdog):
+        """Frees what _detach took off the group once nothing runs in it: now when idle, else from a
+        short-lived thread (the caller may be the very thread still inside: a signal handler's)."""
+        if cpu is None and comm is None:
+            return
+
+        def free():
+            for dev in devices:
+                dev.shutdown()
+            if watchdog is not None:
+                watchdog.close()
+            if cpu is not None:
+                cpu.shutdown()
+            elif comm is not None:
+                comm.free()
+
+        def idle():
+            return (comm is None or comm.busy == 0) and (cpu is None or cpu.progress.idle)
+
+        if idle():
+            free()
+            return
+
+        def reap():
+            until = time.monotonic() + RELEASE_SECONDS
+            while not idle() and time.monotonic() < until:
+                time.sleep(0.001)
+            if idle():
+                free()
+
+        threading.Thread(target=reap, name="engine-abort-release", daemon=True).start()
+
+    def _close_listener(self):
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _seconds_of(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+    else:
+        s = float(timeout)
+    return s if s > 0 else None
+
+
+def no_members_error(name):
+    return RuntimeError(f"process group {name!r} was made with enable_reconfigure=True and has no members until "
+                        "its first reconfigure: call dist._reconfigure(uuid, handles) with every member's "
+                        "dist._get_reconfigure_handle()")
+
+
+__all__ = ["FaultTolerance", "Unavailable", "no_members_error", "reconfigured", "torch"]
