@@ -26,6 +26,12 @@ def group_failed(why):
     _group_failure.append(why)
 
 
+def recovered():
+    """Every failed group of this process was replaced (a reconfigure succeeded): nothing is left to
+    end the job for."""
+    _group_failure.clear()
+
+
 def failure():
     """The first group failure of this process, or None."""
     return _group_failure[0] if _group_failure else None

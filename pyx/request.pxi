@@ -20,6 +20,8 @@ cdef class Request:
     def wait(self):
         """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
         cdef int ierr = 0
+        if not self.done and self.comm.aborted:   # the transport may be released already: not touched
+            raise self.comm.error(ENG_ERR_ABORTED, "irecv" if self.is_recv else "isend", self.tp)
         if not self.done:
             self.comm.busy += 1
             try:
@@ -36,6 +38,8 @@ cdef class Request:
         """True once complete (then wait() returns at once)."""
         cdef int ierr = 0
         cdef bint flag = False
+        if not self.done and self.comm.aborted:
+            raise self.comm.error(ENG_ERR_ABORTED, "irecv" if self.is_recv else "isend", self.tp)
         if not self.done:
             ierr = self.tp.test(&self.req, &flag, &self.st)
             if ierr:

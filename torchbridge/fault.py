@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from engine import Communicator
+from engine import Communicator, failure
 from engine._core import EngineAborted
 from engine.watch import Watch
 from engine import handles as _handles
@@ -119,6 +119,7 @@ class FaultTolerance:
         comm.watch.store = None   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
         _reconfigured = True
+        failure.recovered()
         self._release(*self._detach(None))
         self._rank, self._size = index, n
         self._attach(comm)

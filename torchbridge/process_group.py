@@ -19,6 +19,7 @@ completes. Without a profiler that costs one test of torch's own flag
 
 import functools
 import math
+import os
 import time
 from datetime import timedelta
 
@@ -116,16 +117,29 @@ def create_process_group(opts, backend_options=None):
     seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
+    store = attempt_store(opts.store)
     if getattr(opts, "enable_reconfigure", False):
-        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, opts.store, name,
-                                  listen=True)
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if detect_launcher() is None or reconfigured():
-        comm = Communicator.from_store(opts.store, opts.group_rank, opts.group_size, prefix="engine/boot",
+        comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name)
     else:
         mpi_comm = _mpi_group(opts, ranks)
-        comm = Communicator(mpi_comm, timeout=seconds, store=opts.store, name=name, _owned=mpi_comm)
-    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, opts.store, name)
+        comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
+    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
+
+
+def attempt_store(store):
+    """The part of torch's store that belongs to this attempt of the job. torchrun hands every attempt
+    of a restarted job the same store (its agent's: c10d and static rendezvous alike), and torch's own
+    keys for a group are the same in each, so a restarted worker would read what the attempt before it
+    wrote (a dead rank's segment, its addresses). Under torchrun the engine's keys go under the run and
+    the attempt (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT); other launches make their store anew
+    with the job (rank 0 hosts it)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if store is None or attempt is None:
+        return store
+    return dist.PrefixStore(f"engine/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
 
 
 def _mpi_group(opts, ranks):

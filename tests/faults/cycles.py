@@ -1,0 +1,69 @@
+"""Init/destroy and reconfigure cycles in one process: what each cycle leaves open.
+
+    python tests/faults/cycles.py RANK SIZE PORT CYCLES [shm|tcp]
+
+Each of CYCLES init/destroy cycles makes the default group through a new TCPStore (tcp://127.0.0.1:PORT+i),
+runs an all_reduce, makes a group with new_group and runs one on it, and destroys both; then one group
+is reconfigured CYCLES times (identity, a fresh uuid each, an all_reduce after each). After every cycle
+the process prints one line: `cycle KIND I fds N threads N tasks N rss_kib N` (threads: Python's;
+tasks: the kernel's, native threads included)."""
+
+import gc
+import os
+import sys
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+
+def usage(kind, i):
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    gc.collect()
+    print(f"cycle {kind} {i} fds {len(os.listdir('/proc/self/fd'))} threads {threading.active_count()} "
+          f"tasks {len(os.listdir('/proc/self/task'))} rss_kib {rss}", flush=True)
+
+
+def reconfigure(pg, uuid, handles):
+    if hasattr(dist, "_reconfigure"):
+        dist._reconfigure(uuid, handles, group=pg, timeout=timedelta(seconds=30)).wait()
+    else:
+        pg.reconfigure(SimpleNamespace(uuid=uuid, handles=handles, timeout=timedelta(seconds=30))).wait()
+
+
+def main():
+    rank, size, port, cycles = (int(a) for a in sys.argv[1:5])
+    if len(sys.argv) > 5:
+        os.environ["ENGINE_TRANSPORT"] = sys.argv[5]
+    timeout = timedelta(seconds=30)
+    for i in range(cycles):
+        dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=size,
+                                timeout=timeout)
+        t = torch.full((1000,), rank + 1.0)
+        dist.all_reduce(t)
+        assert t[0].item() == size * (size + 1) / 2, t[0]
+        sub = dist.new_group(list(range(size)))
+        dist.all_reduce(t, group=sub)
+        dist.destroy_process_group(sub)
+        dist.destroy_process_group()
+        usage("init", i)
+    dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port + cycles}", rank=rank, world_size=size,
+                            timeout=timeout)
+    pg = dist.distributed_c10d._get_default_group()
+    store = dist.distributed_c10d._get_default_store()
+    for i in range(cycles):
+        store.set(f"handle/{i}/{rank}", pg.get_reconfigure_handle())
+        handles = [store.get(f"handle/{i}/{r}").decode() for r in range(size)]
+        reconfigure(pg, 5000 + i, handles)
+        t = torch.full((1000,), rank + 1.0)
+        dist.all_reduce(t)
+        assert t[0].item() == size * (size + 1) / 2, t[0]
+        usage("reconfigure", i)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
