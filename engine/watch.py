@@ -244,18 +244,23 @@ class _Registry:
         # MPI's native collectives block in MPI: here they get their stall warning and, at the timeout, the end.
         while True:
             time.sleep(0.25)
-            for watch in list(self.watches):
-                core = watch.core
-                rec = core.current() if core is not None else None
-                if rec is None or not rec[NATIVE]:
-                    continue
-                elapsed = time.monotonic() - rec[START]
-                watch.check(rec, elapsed)
-                if elapsed >= watch.timeout:
-                    err = watch.timed_out(rec, elapsed)
-                    print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
-                          "aborting the job", file=sys.stderr, flush=True)
-                    failure.abort(3)
+            self._check_native()
+
+    def _check_native(self):
+        # (A frame of its own: a loop variable left in the thread's frame would keep the last group it saw,
+        # its segment, sockets and store, alive after the group is destroyed.)
+        for watch in list(self.watches):
+            core = watch.core
+            rec = core.current() if core is not None else None
+            if rec is None or not rec[NATIVE]:
+                continue
+            elapsed = time.monotonic() - rec[START]
+            watch.check(rec, elapsed)
+            if elapsed >= watch.timeout:
+                err = watch.timed_out(rec, elapsed)
+                print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
+                      "aborting the job", file=sys.stderr, flush=True)
+                failure.abort(3)
 
     def dump_all(self, reason):
         for watch in list(self.watches):

@@ -111,7 +111,8 @@ class FaultTolerance:
         deadline = time.monotonic() + seconds
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
-                                          timeout=self._timeout_seconds(), name=self._name)
+                                          transport=_own_transport(), timeout=self._timeout_seconds(),
+                                          name=self._name)
         except (TimeoutError, ConnectionError) as exc:
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
@@ -206,6 +207,15 @@ class FaultTolerance:
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
+
+
+def _own_transport():
+    """The transport of a reconfigured group: ENGINE_TRANSPORT's, except MPI (a reconfigure may take in
+    processes MPI's launcher did not start), which becomes the engine's own choice."""
+    from engine.bootstrap import TRANSPORTS
+    from engine.config import env_choice
+    wanted = env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
+    return "auto" if wanted == "mpi" else wanted
 
 
 def _seconds_of(timeout):

@@ -23,6 +23,29 @@ def usage(kind, i):
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
     gc.collect()
+    if os.environ.get("CYCLES_SHOW_FDS"):
+        kinds = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            kind_ = target.split(":")[0] if ":" in target else ("file" if target.startswith("/") else target)
+            kinds[kind_] = kinds.get(kind_, 0) + 1
+        print(f"fds {kind} {i} {sorted(kinds.items())}", flush=True)
+        if os.environ.get("CYCLES_SHOW_FDS") == "2":
+            socks = {}
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                for line in open(table).read().splitlines()[1:]:
+                    f = line.split()
+                    socks[f[9]] = (int(f[1].split(":")[1], 16), int(f[2].split(":")[1], 16), f[3])
+            for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                inode = target[8:-1] if target.startswith("socket:") else None
+                print("   ", fd, target, socks.get(inode, ""), flush=True)
     print(f"cycle {kind} {i} fds {len(os.listdir('/proc/self/fd'))} threads {threading.active_count()} "
           f"tasks {len(os.listdir('/proc/self/task'))} rss_kib {rss}", flush=True)
 
@@ -40,15 +63,16 @@ def main():
         os.environ["ENGINE_TRANSPORT"] = sys.argv[5]
     timeout = timedelta(seconds=30)
     for i in range(cycles):
-        dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=size,
+        dist.init_process_group(os.environ.get("CYCLES_BACKEND", "engine"), init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=size,
                                 timeout=timeout)
         t = torch.full((1000,), rank + 1.0)
         dist.all_reduce(t)
         assert t[0].item() == size * (size + 1) / 2, t[0]
         sub = dist.new_group(list(range(size)))
         dist.all_reduce(t, group=sub)
-        dist.destroy_process_group(sub)
-        dist.destroy_process_group()
+        if not os.environ.get("CYCLES_KEEP_SUBGROUP"):
+            dist.destroy_process_group(sub)
+        dist.destroy_process_group()   # (destroys what is left: every group)
         usage("init", i)
     dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port + cycles}", rank=rank, world_size=size,
                             timeout=timeout)

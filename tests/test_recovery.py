@@ -1,0 +1,91 @@
+"""Recovery as launchers see it: torchrun restarting a job after a SIGKILLed rank, an abort that ends a
+blocked call under torchrun (shared memory, TCP) and mpirun (shared memory, MPI's point-to-point), from
+another thread or a signal handler, and a process that makes, reconfigures and destroys groups over and
+over without keeping a descriptor, a thread or memory of any of them."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import mpi_env, mpiexec_command
+from torchrun import clean_env, free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAULTS = os.path.join(HERE, "faults")
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_torchrun_restart_after_a_killed_rank_trains_like_one_process(rendezvous):
+    """`torchrun --max-restarts 1`: rank 1 SIGKILLs itself at step 2 of the first attempt; the second
+    attempt meets through the same store (its agent's) and must not read the first one's keys."""
+    port = free_port()
+    where = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if rendezvous == "c10d"
+             else ["--master-addr", "127.0.0.1", "--master-port", str(port)])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                           "1", *where, os.path.join(FAULTS, "restarted_ddp.py")],
+                          env=clean_env(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    found = re.findall(r"attempt (\d+): largest difference from one process (\S+) \(2 ranks", out)
+    assert [a for a, _ in found] == ["1"], out[-6000:]
+    assert float(found[0][1]) <= 1e-6, found
+    assert not os.listdir("/dev/shm") or not any(f.startswith("engine") for f in os.listdir("/dev/shm"))
+
+
+def _abort_lines(out):
+    return re.findall(r"abort: rank (\d+) (\S+) over (\S+) ended (\S+) s after abort\(\) \((\w+)\): (\w+)", out)
+
+
+@pytest.mark.parametrize("launcher,transport,origin,op", [
+    ("torchrun", "shm", "thread", "all_reduce"), ("torchrun", "shm", "signal", "all_reduce"),
+    ("torchrun", "tcp", "thread", "all_reduce"), ("torchrun", "tcp", "thread", "recv"),
+    ("mpirun", "shm", "thread", "all_reduce"), ("mpirun", "mpi", "thread", "recv"),
+])
+def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transport, origin, op):
+    """3 ranks: the last never joins; 1 s in, abort() (from a thread, or a SIGUSR1 handler) must end the
+    others' call within 1 s, naming the abort; then a reconfigure of all three recovers the group."""
+    script = os.path.join(FAULTS, "abort_blocked.py")
+    extra = {"ENGINE_TRANSPORT": transport, "ABORT_FROM": origin, "ABORT_OP": op}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), script]
+        env = clean_env(**extra)
+    else:
+        cmd = mpiexec_command(3) + [sys.executable, script]
+        env = {**mpi_env(), **extra}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    lines = _abort_lines(out)
+    assert sorted(int(r) for r, *_ in lines) == [0, 1], out[-6000:]
+    for rank, what, over, seconds, how, error in lines:
+        assert (what, over, how) == (op, transport, origin)
+        assert error == "EngineAborted" or (transport == "tcp" and "left" in out), out[-3000:]
+        assert float(seconds) < 1.0, lines
+    assert out.count("reconfigured after abort") == 3, out[-3000:]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport):
+    """20 cycles of init_process_group (a new TCPStore each) + all_reduce + new_group + destroy, then
+    20 reconfigures of one group, 2 ranks: descriptors and threads the same after every cycle as after
+    the first, resident memory within 4 MiB of it."""
+    port = min(free_port(), 65000)   # (and the 20 after it: one TCPStore a cycle)
+    script = os.path.join(FAULTS, "cycles.py")
+    env = clean_env()
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), "20", transport], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-5000:]
+        for kind in ("init", "reconfigure"):
+            rows = [tuple(map(int, m)) for m in
+                    re.findall(rf"cycle {kind} \d+ fds (\d+) threads (\d+) tasks (\d+) rss_kib (\d+)", out)]
+            assert len(rows) == 20, out[-3000:]
+            first = rows[1]   # (the first cycle may load what every later one reuses)
+            for fds, threads, tasks, rss in rows[1:]:
+                assert (fds, threads, tasks) == first[:3], (kind, rows)
+                assert abs(rss - first[3]) < 4096, (kind, rows)
