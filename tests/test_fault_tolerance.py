@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 HAS_RECONFIGURE = hasattr(dist, "_reconfigure")
@@ -35,8 +36,8 @@ class FaultToleranceScenarios:
         return WORLD
 
     def setUp(self):
-        super().setUp()
-        self._spawn_processes()
+        super().setUp()   # (forked: a spawned rank spends most of its time importing torch again)
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
     def tearDown(self):
         super().tearDown()

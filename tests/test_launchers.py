@@ -67,7 +67,7 @@ TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_broadcast", "test_reduce_sum"
 
 
 def test_torch_distributed_suite_subset_with_gates_open():
-    ids = [f"{os.path.join(HERE, 'torch_suite.py')}::TestDistBackendWithSpawn::{name}" for name in TORCH_SUITE_SUBSET]
+    ids = [f"{os.path.join(HERE, 'torch_suite.py')}::TestDistBackendWithFork::{name}" for name in TORCH_SUITE_SUBSET]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ids],
                           env=clean_env(TORCH_SUITE_GATES="open", WORLD_SIZE="3"), capture_output=True, text=True,
                           timeout=900, cwd=ROOT)

@@ -95,6 +95,16 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         self._spawn_processes()
 
 
+class TestDistBackendWithFork(TestDistBackend, DistributedTest._DistTestBase):
+    """The same tests in forked processes (torch's test_distributed_fork): they start without importing
+    torch and the suite again, which is most of a spawned test's time on 2 cores."""
+
+    def setUp(self):
+        super().setUp()
+        import torch.multiprocessing
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+
 if __name__ == "__main__":
     from torch.testing._internal.common_utils import run_tests
     if not dist.is_available():
