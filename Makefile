@@ -1,15 +1,22 @@
-# make test  : create .venv, install MPI + the engine, run the whole suite (what .ci/run calls)
+# make test  : create .venv (torch 2.13) and .venv-torch2.14, install MPI + the engine in both, run the
+#              whole suite on torch 2.13, then the torch-facing suites on torch 2.14 (what .ci/run calls)
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The second torch every release is tested with: the suites that face torch run there too.
+VENV214 ?= .venv-torch2.14
+PY214 := $(VENV214)/bin/python
+TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
+	tests/test_fault_tolerance.py tests/test_recovery.py tests/test_torchft.py
 NRANKS ?= 2
 # Open MPI refuses root without these (tests/mpirun.py adds yielding for oversubscribed runs).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test clients-full demo ddp torch-suite clean
+.PHONY: setup setup-torch2.14 test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite clean
 setup: $(VENV)/.installed
+setup-torch2.14: $(VENV214)/.installed
 
 # constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
 # Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
@@ -20,8 +27,22 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-test: setup
+# The same sources, built once: the extensions import no torch, so both environments load the same ones.
+$(VENV214)/.installed: requirements-dev.txt requirements-clients.txt requirements-torch2.14.txt \
+		constraints-torch2.14.txt $(VENV)/.installed
+	test -x $(PY214) || python3 -m venv $(VENV214)
+	PIP_CONSTRAINT=$(CURDIR)/constraints-torch2.14.txt $(PY214) -m pip install -q -r requirements-dev.txt \
+		-r requirements-clients.txt -r requirements-torch2.14.txt
+	$(PY214) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test: test-torch2.13 test-torch2.14
+
+test-torch2.13: setup
 	$(PY) -m pytest tests --durations=40
+
+test-torch2.14: setup-torch2.14
+	$(PY214) -m pytest $(TORCH_FACING) --durations=20
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
 clients-full: setup
@@ -43,4 +64,4 @@ torch-suite: setup
 	BACKEND=gloo WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 
 clean:
-	rm -rf build engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed
+	rm -rf build engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV214)/.installed
