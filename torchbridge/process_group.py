@@ -770,8 +770,11 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     # -- lifetime --
 
     def shutdown(self):
-        """destroy_process_group: what is queued runs, then the group's memory, descriptors and threads go."""
+        """destroy_process_group: what is queued runs, then the group's memory, descriptors and threads go.
+        The store goes too: a destroyed group a caller still holds must not keep torch's store (its
+        sockets, and rank 0's server thread) alive."""
         self._close_listener()
+        self._store = None
         if self._comm is None:
             return
         self._release(*self._detach(RuntimeError(

@@ -86,6 +86,9 @@ def main():
         dist.all_reduce(t)
         assert t[0].item() == size * (size + 1) / 2, t[0]
         usage("reconfigure", i)
+    # No rank leaves before every rank counted its last cycle (a peer's exit closes its store connection).
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{r}" for r in range(size)])
     dist.destroy_process_group()
 
 
