@@ -96,11 +96,12 @@ cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil:
 
 
 cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
-    """The abort flag (every round: abort() must end a wait at once, whatever the wait sleeps on), then
-    the watch and the liveness check, when due."""
+    """The abort flag (every round past the spin: abort() must end a wait soon, whatever the wait sleeps
+    on; a spinning wait leaves the flag unread, at most the spin budget), then the watch and the
+    liveness check, when due."""
     cdef int rc
     if ctx != NULL:
-        if ctx.abort != NULL and eng_load32(ctx.abort):
+        if ctx.abort != NULL and t >= b.spin_until and eng_load32(ctx.abort):
             return ENG_ERR_ABORTED
         if ctx.hook != NULL and t >= ctx.next_check:
             ctx.next_check = t + ctx.interval
