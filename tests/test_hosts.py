@@ -4,6 +4,7 @@ transport between them, no MPI anywhere), and faults between them over TCP. Skip
 where namespaces can't be made."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -74,15 +75,22 @@ def _shm():
 
 
 def _ports(n):
-    """n distinct free ports (a namespace host has all of them free; distinct keeps the jobs apart)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports below the kernel's ephemeral range: the jobs run at once on the same hosts,
+    and a port from that range may be taken by another job's listening sockets (the TCP transport binds
+    port 0) before the job it was chosen for starts its store there."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = []
+    for port in random.sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports below {low}")
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +219,19 @@ def test_conformance_matrix_across_hosts(hosts, per_host, mode):
     hierarchical = {e.key for e in registry.ENTRIES if "hierarchy" in e.needs and e.transport == "mpi"}
     assert set(got.values()) == {"PASSED"}, got
     assert (hierarchical <= set(got)) == (per_host == 2 and mode != "off"), got
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_abort_then_reconfigure_across_hosts_under_torchrun(hosts, per_host):
+    """Across the two hosts over TCP (flat at 2x1, hierarchical at 2x2): the last rank never joins an
+    all_reduce, abort() from another thread ends the others' call within 1 s, and a reconfigure of every
+    rank (the members meeting through their handles, no store) gives a group over TCP that sums right."""
+    script = os.path.join(ROOT, "tests", "faults", "abort_blocked.py")
+    results = torchrun_across(hosts, per_host, [script], timeout=180)
+    text = "\n".join(out for _, out in results)
+    assert all(rc == 0 for rc, _ in results), text[-8000:]
+    ended = re.findall(r"abort: rank (\d+) all_reduce over (\w+) ended (\S+) s after abort\(\) \(thread\): (\w+)", text)
+    assert sorted(int(r) for r, *_ in ended) == list(range(2 * per_host - 1)), text[-5000:]
+    print(f"2x{per_host}: abort ended the blocked all_reduce after", ", ".join(f"rank {r}: {s} s" for r, _, s, _ in ended))
+    assert all(float(s) < 1.0 and over == "tcp" for _, over, s, _ in ended), ended
+    assert text.count("reconfigured after abort over tcp: all_reduce right") == 2 * per_host, text[-5000:]
