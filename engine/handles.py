@@ -21,7 +21,6 @@ reached yet is kept for that reconfigure; one for a uuid it already used is told
 import hashlib
 import hmac
 import os
-import selectors
 import socket
 import struct
 import threading
@@ -170,6 +169,10 @@ def _reply(conn, status, text):
         pass
 
 
+def _bytes(value):
+    return bytes(value if isinstance(value, (bytes, bytearray)) else str(value).encode())
+
+
 def _check_sizes(klen, vlen):
     if klen > MAX_KEY or vlen > MAX_VALUE:
         raise ValueError(f"a reconfigure store frame of {klen} + {vlen} bytes exceeds the bounds")
@@ -192,7 +195,7 @@ class HubStore:
 
     def set(self, key, value):
         with self.cv:
-            self.data[key] = bytes(value if isinstance(value, (bytes, bytearray)) else str(value).encode())
+            self.data[key] = _bytes(value)
             self.cv.notify_all()
 
     def get(self, key):
@@ -298,7 +301,7 @@ class MemberStore:
         return data
 
     def set(self, key, value):
-        self._call(OP_SET, key, bytes(value if isinstance(value, (bytes, bytearray)) else str(value).encode()))
+        self._call(OP_SET, key, _bytes(value))
 
     def get(self, key):
         return self._call(OP_GET, key)

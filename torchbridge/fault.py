@@ -21,8 +21,6 @@ import threading
 import time
 from datetime import timedelta
 
-import torch
-
 from engine import Communicator, failure
 from engine._core import EngineAborted
 from engine.watch import Watch
@@ -72,7 +70,6 @@ class FaultTolerance:
         self._listener = _handles.Listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
-        self._aborted = False
 
     # -- what torch asks --
 
@@ -124,7 +121,6 @@ class FaultTolerance:
         self._release(*self._detach(None))
         self._rank, self._size = index, n
         self._attach(comm)
-        self._aborted = False
         return CompletedWork()
 
     def abort(self):
@@ -135,7 +131,6 @@ class FaultTolerance:
             hook()
         error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
                               "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
-        self._aborted = True
         self._release(*self._detach(error))
 
     def register_abort_hook(self, hook_id, hook):
@@ -234,4 +229,4 @@ def no_members_error(name):
                         "dist._get_reconfigure_handle()")
 
 
-__all__ = ["FaultTolerance", "Unavailable", "no_members_error", "reconfigured", "torch"]
+__all__ = ["FaultTolerance", "Unavailable", "no_members_error", "reconfigured"]

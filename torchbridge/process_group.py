@@ -333,10 +333,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         if error is not None and abort:
             if comm is not None:
                 comm.abort()
-            for dev in devices:
-                abort = getattr(dev, "abort", None)
-                if abort is not None:
-                    abort()
             if cpu is not None:
                 cpu.progress.abort(error)
         stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
