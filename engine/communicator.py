@@ -218,8 +218,8 @@ class Communicator:
         """Ends every wait of this group, in any thread, within one round of its back-off (at most 50 ms
         asleep), with EngineAborted, and refuses every later call the same way. Frees nothing: call
         free() once `busy` is 0 (a wait may still be reading the group's memory until it returns).
-        MPI's own blocking collectives (ENGINE_TRANSPORT=mpi) can't be interrupted: they end at the
-        group's timeout (docs/fault-tolerance.md)."""
+        MPI's blocking collectives (its reductions and allgather, over ENGINE_TRANSPORT=mpi) can't be
+        interrupted: they end at the group's timeout (docs/fault-tolerance.md)."""
         for core in self._cores():
             core.abort()
 

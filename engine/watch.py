@@ -5,8 +5,9 @@ Chrome-trace timeline.
 
 Every wait of the engine's own (shared memory, the ring, recursive doubling, point-to-point) calls
 the watch while it polls; at the timeout it raises EngineTimeout and the operation is abandoned. MPI's
-native collectives block inside MPI, where nothing can interrupt them: a watchdog thread watches
-those and, at the timeout, reports, dumps the flight recorder and aborts the job (as torch's NCCL
+blocking collectives (its reductions and allgather; engine._mpi's `blocks`) block inside MPI, where
+nothing can interrupt them: a watchdog thread watches those and, at the timeout, reports, dumps the
+flight recorder and aborts the job (as torch's NCCL
 watchdog tears a job down). Ranks name themselves as arrived in a key-value store (torch's, for torch
 groups) once they have waited a second; at the timeout the ranks without that note are the missing ones.
 """
@@ -241,7 +242,7 @@ class _Registry:
                 _install_dump_signal()
 
     def _watchdog(self):
-        # MPI's native collectives block in MPI: here they get their stall warning and, at the timeout, the end.
+        # MPI's blocking collectives block in MPI: here they get their stall warning and, at the timeout, the end.
         while True:
             time.sleep(0.25)
             self._check_native()

@@ -9,6 +9,7 @@ import sys
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset
 from libc.stdint cimport uint64_t
+from libc.math cimport INFINITY
 
 from kernels cimport *
 from pthread cimport *

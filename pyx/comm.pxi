@@ -87,10 +87,6 @@ cdef class CoreComm:
         """The IMPL_* codes this transport implements (engine.registry checks its entries against them)."""
         return frozenset(i for i in range(NIMPLS) if self.impls & (1u << i))
 
-    @property
-    def blocking(self):
-        return self.blocking
-
     def set_watch(self, hook, double interval=1.0, p2p=None):
         """hook(elapsed_seconds) runs every `interval` s while a collective's wait polls; it may raise
         (a timeout) to abandon the operation. p2p.peer_timeout(what, peer, tag, elapsed) does the same
@@ -259,7 +255,7 @@ cdef class CoreComm:
         c.impl = rule.impl
         if self.aborted:
             raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
-        rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocking)
+        rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c))
         self.start(&ctx)
         self.busy += 1
         try:
@@ -280,10 +276,13 @@ cdef class CoreComm:
         return None
 
     cdef _keep(self, int impl, object keep):
-        # The point-to-point algorithms post into the user's buffers; whatever a cancel can't take
-        # back must not land in freed memory.
-        if keep is not None and (impl == IMPL_RING or impl == IMPL_RDOUBLE):
+        # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever a
+        # cancel can't take back must not land in freed memory.
+        if keep is not None and (impl == IMPL_RING or impl == IMPL_RDOUBLE or impl == IMPL_NATIVE):
             self.limbo.append(keep)
+
+    cdef bint blocks(self, Call *c) noexcept nogil:
+        return False
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:
         if c.op == OP_ALLREDUCE:

@@ -1,6 +1,13 @@
 # MPI's native collectives behind the communicator core (engine._core.CoreComm parses and checks;
-# this only calls MPI). Element-wise collectives go in pieces of at most `chunk` elements, so counts
-# past MPI's int limit work; the others take int counts (max_count says so before anything starts).
+# this only calls MPI). Broadcast, gather, scatter, alltoall and barrier are posted nonblocking (MPI_I*)
+# and waited on through the engine's one wait, so the group's watch (stall warnings, the timeout naming
+# who did not arrive), the peers' liveness check and abort() reach them as they reach every other wait.
+# The reductions and allgather block inside MPI, where nothing can interrupt them, and the watchdog
+# thread watches those (engine.watch; `blocks` says which): their nonblocking forms (Open MPI's libnbc)
+# measured up to 2-4x slower than the blocking ones (docs/robustness.md), and a user (Numba) op finds
+# its kernel in a thread-local, while MPI runs a nonblocking reduction in whichever thread progresses it.
+# Element-wise collectives go in pieces of at most `chunk` elements, so counts past MPI's int limit
+# work; the others take int counts (max_count says so before anything starts).
 
 
 cdef class MpiComm(CoreComm):
@@ -9,6 +16,7 @@ cdef class MpiComm(CoreComm):
     cdef MPI_Comm coll
     cdef int *ibuf              # 4 x size ints: counts and displacements as MPI takes them
     cdef readonly size_t chunk
+    cdef bint abandoned         # a collective was left posted (timeout, abort): MPI may still read ibuf
 
     def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes):
         self.coll = coll.ob_mpi
@@ -16,14 +24,29 @@ cdef class MpiComm(CoreComm):
         self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
         # COMPOSITE: a group spanning hosts runs the hierarchy's entries (engine.hierarchy) through the core.
         self.impls = (1u << IMPL_NATIVE) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE)
-        self.blocking = True
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()
         self.chunk = INT_MAX  # MPI counts are ints: larger messages are cut (engine.registry sets the piece)
 
     def __dealloc__(self):
-        free(self.ibuf)
+        if not self.abandoned:
+            free(self.ibuf)
+
+    cdef bint blocks(self, Call *c) noexcept nogil:
+        return c.red != NULL or c.op == OP_ALLGATHER
+
+    cdef int finish(self, int ierr, MPI_Request *req, WaitCtx *ctx) except -1 nogil:
+        """Waits for a posted collective (ierr: its posting's code). MPI moves it only inside MPI_Test,
+        so the wait yields between polls and never sleeps. One that ends early (a timeout, an abort)
+        stays posted: MPI forbids freeing a collective's request."""
+        if ierr:
+            return ierr
+        ctx.busy_poll = True
+        ierr = wait_until(_poll_mpi, NULL, req, ctx, NULL)
+        if ierr:
+            self.abandoned = True
+        return ierr
 
     def set_chunk(self, size_t elements):
         """Largest piece of an element-wise native collective (tests make it tiny to reach the loop)."""
@@ -69,9 +92,10 @@ cdef class MpiComm(CoreComm):
                            WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[dtype], off = 0
         cdef int n, ierr
+        cdef MPI_Request req
         while off < count:
             n = <int>min(self.chunk, count - off)
-            ierr = MPI_Bcast(buf + off * isz, n, MPI_TYPES[dtype], root, self.coll)
+            ierr = self.finish(MPI_Ibcast(buf + off * isz, n, MPI_TYPES[dtype], root, self.coll, &req), &req, ctx)
             if ierr:
                 return ierr
             off += n
@@ -121,14 +145,16 @@ cdef class MpiComm(CoreComm):
         cdef MPI_Datatype t = MPI_TYPES[dtype]
         cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
         cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
-        return MPI_Gatherv(src, <int>count, t, dst, c, d, t, root, self.coll)
+        cdef MPI_Request req
+        return self.finish(MPI_Igatherv(src, <int>count, t, dst, c, d, t, root, self.coll, &req), &req, ctx)
 
     cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                          const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
         cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
         cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
-        return MPI_Scatterv(src, c, d, t, dst, <int>count, t, root, self.coll)
+        cdef MPI_Request req
+        return self.finish(MPI_Iscatterv(src, c, d, t, dst, <int>count, t, root, self.coll, &req), &req, ctx)
 
     cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
@@ -146,13 +172,16 @@ cdef class MpiComm(CoreComm):
                           const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
                           bint even, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
+        cdef MPI_Request req
         if even:
-            return MPI_Alltoall(src, <int>scounts[0], t, dst, <int>rcounts[0], t, self.coll)
-        return MPI_Alltoallv(src, self.ints(scounts, 0), self.ints(sdispls, 1), t,
-                             dst, self.ints(rcounts, 2), self.ints(rdispls, 3), t, self.coll)
+            return self.finish(MPI_Ialltoall(src, <int>scounts[0], t, dst, <int>rcounts[0], t, self.coll, &req),
+                               &req, ctx)
+        return self.finish(MPI_Ialltoallv(src, self.ints(scounts, 0), self.ints(sdispls, 1), t, dst,
+                                          self.ints(rcounts, 2), self.ints(rdispls, 3), t, self.coll, &req), &req, ctx)
 
     cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
-        return MPI_Barrier(self.coll)
+        cdef MPI_Request req
+        return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
 
     def allgather_watched(self, sendbuf, recvbuf):
         """MPI_Iallgather waited on through the watch, not numbered: the debug-mode signature
@@ -167,9 +196,8 @@ cdef class MpiComm(CoreComm):
         self.start(&ctx)
         try:
             with nogil:
-                ierr = MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype], self.coll, &req)
-                if not ierr:
-                    ierr = wait_until(_poll_mpi, NULL, &req, &ctx, NULL)
+                ierr = self.finish(MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype],
+                                                  self.coll, &req), &req, &ctx)
         except BaseException:
             self.limbo.append((ms, mr))  # the request stays posted into them
             raise

@@ -66,6 +66,7 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.alive_arg = NULL
     ctx.spin = -1
     ctx.abort = NULL
+    ctx.busy_poll = False
 
 
 cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
@@ -74,6 +75,8 @@ cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
         spin = ctx.spin
     b.spin_until = now + spin
     b.yield_until = b.spin_until + _yield_s
+    if ctx != NULL and ctx.busy_poll:
+        b.yield_until = INFINITY   # a sleeping poller stalls the transfer: yield the core, as MPI's own waits do
     b.nap = 2e-6
     b.next_alive = now + _alive_interval_s
 

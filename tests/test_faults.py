@@ -72,14 +72,22 @@ def test_debug_mode_mismatch_raises_on_every_rank(transport):
         assert "rank 1: allreduce #1 with 200 float32 elements" in msg
 
 
-def test_native_collective_that_never_completes_aborts_the_job():
+@pytest.mark.parametrize("skip", ["broadcast", "reduce"])
+def test_native_collective_that_never_completes_ends_the_job(skip):
+    """MPI's own collectives: a broadcast is waited on by the engine (EngineTimeout, then the failure
+    policy ends the job); the root of a reduce blocks inside MPI (the watchdog ends the job)."""
     before = shm_files()
-    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi")
+    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi", SKIP_OP=skip)
     assert proc.returncode != 0, out[-3000:]
-    # rank 2 waits in the broadcast or, where MPI's tree gave it the data straight from the root, in the barrier
-    # (on a loaded machine rank 2 may itself still be on its way: "ranks 1, 2 did not arrive")
-    assert_rank_1_named_missing(out, r"broadcast #2|barrier #3")
+    # rank 2 waits in the collective or, where MPI gave it the data straight from the root or took its
+    # part at once, in the barrier (on a loaded machine rank 2 may itself still be on its way: "ranks 1,
+    # 2 did not arrive")
+    assert_rank_1_named_missing(out, rf"{skip} #2|barrier #3")
     assert "aborting the job" in out
+    if skip == "reduce":
+        assert "reduce #2 of group '0' (rank 0 of 3)" in out and "blocked inside MPI" in out, out[-3000:]
+    else:
+        assert "EngineTimeout" in out, out[-3000:]
     assert shm_files() <= before  # no shared-memory segment left behind
 
 

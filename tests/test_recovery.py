@@ -43,6 +43,7 @@ def _abort_lines(out):
     ("torchrun", "shm", "thread", "all_reduce"), ("torchrun", "shm", "signal", "all_reduce"),
     ("torchrun", "tcp", "thread", "all_reduce"), ("torchrun", "tcp", "thread", "recv"),
     ("mpirun", "shm", "thread", "all_reduce"), ("mpirun", "mpi", "thread", "recv"),
+    ("mpirun", "mpi", "thread", "barrier"),  # MPI_Ibarrier: MPI's own collective, waited on by the engine
 ])
 def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transport, origin, op):
     """3 ranks: the last never joins; 1 s in, abort() (from a thread, or a SIGUSR1 handler) must end the

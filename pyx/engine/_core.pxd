@@ -82,6 +82,7 @@ cdef struct WaitCtx:
     void *alive_arg
     double spin         # seconds to spin before yielding; < 0: the process's policy
     uint32_t *abort     # non-zero once the group is aborted: the wait ends with ENG_ERR_ABORTED; NULL: none
+    bint busy_poll      # the transport moves data only inside poll (MPI's collectives): yield, never sleep
 
 
 ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
@@ -308,7 +309,6 @@ cdef class CoreComm:
     cdef dict named_index       # (collective, entry name) -> index into named[collective]
     cdef unsigned impls         # bit mask of the IMPL_* this transport implements
     cdef object composite       # composite(entry, *args) runs an IMPL_COMPOSITE entry
-    cdef bint blocking          # its collectives block inside the transport (MPI's): the watchdog covers them
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
@@ -329,6 +329,7 @@ cdef class CoreComm:
     cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
     cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
+    cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,

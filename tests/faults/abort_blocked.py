@@ -6,7 +6,7 @@ engine). Each waiting rank prints `abort: rank R OP over TRANSPORT ended S s aft
 ERROR`; then the group is reconfigured with every rank and checked with an all_reduce.
 
 Under torchrun or mpirun (ENGINE_TRANSPORT picks the transport), 2 or more ranks; group timeout 60 s.
-OP: ABORT_OP=all_reduce (default) | recv."""
+OP: ABORT_OP=all_reduce (default) | barrier | recv."""
 
 import os
 import signal
@@ -45,6 +45,8 @@ def main():
         try:
             if op == "recv":
                 dist.recv(torch.zeros(4), src=size - 1)
+            elif op == "barrier":   # over MPI: MPI's own collective (MPI_Ibarrier), waited on by the engine
+                dist.barrier()
             else:
                 dist.all_reduce(torch.ones(1000))
             raise SystemExit(f"rank {rank}: the {op} returned although rank {size - 1} never joined")
