@@ -1,5 +1,7 @@
 # make test  : create .venv (torch 2.13) and .venv-torch2.14, install MPI + the engine in both, run the
 #              whole suite on torch 2.13, then the torch-facing suites on torch 2.14 (what .ci/run calls)
+# make check : the fast tier (about 2 minutes): kernels, schedules, registry, layout, the TCP transport,
+#              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo
 VENV ?= .venv
@@ -16,7 +18,7 @@ NRANKS ?= 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup setup-torch2.14 test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite clean
+.PHONY: setup setup-torch2.14 check test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite clean
 setup: $(VENV)/.installed
 setup-torch2.14: $(VENV214)/.installed
 
@@ -37,6 +39,13 @@ $(VENV214)/.installed: requirements-dev.txt requirements-clients.txt requirement
 		-r requirements-clients.txt -r requirements-torch2.14.txt
 	$(PY214) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
+
+CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py tests/test_fusion_plan.py \
+	tests/test_layout.py tests/test_tcp_transport.py "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" \
+	"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" "tests/test_launchers.py::test_torch_suites_under_torchrun[2]"
+
+check: setup
+	$(PY) -m pytest $(CHECK) --durations=5
 
 test: test-torch2.13 test-torch2.14
 

@@ -35,7 +35,7 @@ def extensions():
     progress = Extension("engine._progress", sources=["pyx/progress.pyx"], include_dirs=["pyx"],
                          extra_compile_args=CFLAGS)
     # The torch adapter's latency path (torchbridge/process_group.py stays plain Python).
-    fastpath = Extension("torchbridge._fastpath", sources=["pyx/torch_fastpath.pyx"])
+    fastpath = Extension("torchbridge._fastpath", sources=["pyx/torch_fastpath.pyx"], include_dirs=["pyx"])
     if MPICC is None:
         return [core, progress, fastpath]
     import mpi4py

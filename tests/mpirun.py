@@ -5,6 +5,7 @@ Used by tests/test_mpi_suites.py and usable by hand:  python tests/mpirun.py 3 t
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,21 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, *paths]
     return subprocess.run(cmd, env={**mpi_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_every_rank_passed(text, nranks, skips=True):
+    """Every rank's pytest summary against the count that rank collected (tests/mpi/conftest.py prints
+    it): each collected test passed, or, where skips is true, passed or skipped. Returns the
+    (passed, skipped) pairs."""
+    # (ranks' lines may share a line of the launcher's output: "[default1]:.[default0]:32 passed in ...")
+    collected = sorted(int(n) for n in re.findall(r"engine-suite: collected (\d+)", text))
+    summaries = [(int(p), int(s or 0)) for p, s in
+                 re.findall(r"(?:^|[:>\]. ])(\d+) passed(?:, (\d+) skipped)?(?:, \d+ warnings?)? in \d", text, re.M)]
+    assert len(collected) == len(summaries) == nranks, (collected, summaries, text[-3000:])
+    assert sorted(p + s for p, s in summaries) == collected, (collected, summaries, text[-3000:])
+    assert skips or not any(s for _, s in summaries), (summaries, text[-3000:])
+    assert min(collected) > 0, collected
+    return summaries
 
 
 if __name__ == "__main__":

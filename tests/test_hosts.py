@@ -14,6 +14,7 @@ import time
 import pytest
 
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
+from mpirun import assert_every_rank_passed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHY_NOT = Hosts.unavailable()
@@ -42,9 +43,7 @@ def test_torch_suites_across_hosts_under_torchrun(hosts):
                                          "addopts=", "--color=no", *paths], timeout=600, ENGINE_TIMEOUT="30")
     text = "\n".join(out for _, out in results)
     assert all(rc == 0 for rc, _ in results), text[-20000:]
-    summaries = re.findall(r"\] ?:?(\d+) passed(?:, (\d+) skipped)?(?:, \d+ warnings?)? in ", text)
-    assert len(summaries) == 4 and "failed" not in text, text[-5000:]
-    assert all(int(n) >= 60 for n, _ in summaries), summaries
+    assert_every_rank_passed(text, 4)
     assert "a TCP group's suite" not in text, text[-5000:]      # the group is on TCP,
     assert "needs hierarchy" not in text, text[-5000:]          # hierarchical,
     assert "needs ranks on two hosts" not in text, text[-5000:]  # and its flat groups span the hosts

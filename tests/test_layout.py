@@ -67,3 +67,18 @@ def test_every_compiled_module_in_the_tree_is_one_setup_py_builds():
     compiled = [so.relative_to(root) for package in ("engine", "torchbridge") for so in (root / package).rglob("*.so")]
     stale = [str(so) for so in compiled if ".".join(so.with_suffix("").with_suffix("").parts) not in built]
     assert not stale, f"compiled modules no source builds any more: {stale}; delete them (make clean)"
+
+
+def test_architecture_file_map_matches_the_tree():
+    """docs/architecture.md names every source file of pyx/, engine/ and torchbridge/, and every file it
+    names exists."""
+    root = PYX.parent
+    doc = (root / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"\b((?:pyx|engine|torchbridge)/[\w/]+\.(?:pyx|pxi|pxd|h|py))\b", doc))
+    missing = sorted(p for p in named if not (root / p).exists())
+    assert not missing, f"docs/architecture.md names files that are gone: {missing}"
+    sources = [p for pattern in ("pyx/*.pyx", "pyx/*.pxi", "pyx/*.pxd", "pyx/*.h", "pyx/engine/*.pxd",
+                                 "engine/*.py", "torchbridge/*.py") for p in root.glob(pattern)]
+    unnamed = sorted(str(p.relative_to(root)) for p in sources
+                     if not re.search(rf"(?<![\w.]){re.escape(p.name)}\b", doc) and p.name != "__init__.py")
+    assert not unnamed, f"docs/architecture.md's file map lacks {unnamed}"

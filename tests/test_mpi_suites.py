@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpirun import run_pytest
+from mpirun import assert_every_rank_passed, run_pytest
 
 HERE = os.path.dirname(__file__)
 SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
@@ -32,14 +32,15 @@ def test_suites_under_mpiexec(transport, nranks):
     AVX2 never runs otherwise (tests/mpi/conftest.py checks that every rank runs them;
     tests/test_kernels.py compares every kernel across ISAs bit for bit)."""
     isa = {"ENGINE_ISA": "baseline"} if (transport, nranks) == ("shm", 3) else {}
-    run(nranks, SUITES, ENGINE_TRANSPORT=transport, **isa)
+    proc = run(nranks, SUITES, ENGINE_TRANSPORT=transport, **isa)
+    assert_every_rank_passed(proc.stdout, nranks)
 
 
 @pytest.mark.parametrize("transport,nranks", [("shm", 3), ("mpi", 2)])
 def test_torch_parallelism_under_mpiexec(transport, nranks):
     """DeviceMesh, FSDP2, tensor and pipeline parallelism, DCP (tests/mpi/parallel_suite.py)."""
     proc = run(nranks, [os.path.join(HERE, "mpi", "parallel_suite.py")], ENGINE_TRANSPORT=transport)
-    assert proc.stdout.count("5 passed") == nranks, proc.stdout[-3000:]
+    assert_every_rank_passed(proc.stdout, nranks, skips=False)
 
 
 def test_collectives_with_tiny_mpi_chunks():

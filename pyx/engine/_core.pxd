@@ -103,18 +103,19 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept
 
 # ---- errors: transports return 0, -1 (a Python exception is set) or a positive code ----
 
-cdef enum:
-    ENG_ERR_BASE = 100000
-    ENG_ERR_PEER_DEAD = 100001   # a peer process exited
-    ENG_ERR_MISMATCH = 100002    # peers are in different collectives
-    ENG_ERR_CORRUPT = 100003     # a peer wrote something out of bounds into the segment
-    ENG_ERR_TRUNCATE = 100004    # a message longer than the receive buffer
-    ENG_ERR_NOMEM = 100005
-    ENG_ERR_CANCELLED = 100006
-    ENG_ERR_CMA = 100007         # a single copy from a peer's memory (process_vm_readv) failed
-    ENG_ERR_CONNECT = 100008     # a connection to a peer could not be made (TCP)
-    ENG_ERR_PEER_LEFT = 100009   # a peer left the group in order (TCP: its goodbye) while still needed
-    ENG_ERR_ABORTED = 100010     # the group was aborted (CoreComm.abort) while this rank waited
+cdef extern from "errors.h":   # the one list, shared with the C transports
+    enum:
+        ENG_ERR_BASE
+        ENG_ERR_PEER_DEAD       # a peer process exited
+        ENG_ERR_MISMATCH        # peers are in different collectives
+        ENG_ERR_CORRUPT         # a peer wrote something out of bounds into the segment
+        ENG_ERR_TRUNCATE        # a message longer than the receive buffer
+        ENG_ERR_NOMEM
+        ENG_ERR_CANCELLED
+        ENG_ERR_CMA             # a single copy from a peer's memory (process_vm_readv) failed
+        ENG_ERR_CONNECT         # a connection to a peer could not be made (TCP)
+        ENG_ERR_PEER_LEFT       # a peer left the group in order (TCP: its goodbye) while still needed
+        ENG_ERR_ABORTED         # the group was aborted (CoreComm.abort) while this rank waited
 
 
 # ---- the transport seam ----

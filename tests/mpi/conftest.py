@@ -17,3 +17,11 @@ def _kernels_of_engine_isa():
         assert engine.kernels.isa() == wanted
         assert mpi.core()._kernel_table() == _core._kernel_table()
     yield
+
+
+def pytest_collection_finish(session):
+    """Each rank says how many tests it collected, so a launcher's test derives the count it expects
+    (tests/mpirun.py: assert_every_rank_passed) instead of typing it in."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"engine-suite: collected {len(session.items)}")

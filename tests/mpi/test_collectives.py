@@ -1,6 +1,8 @@
 """Every collective against references each rank computes from every rank's deterministic data."""
 
 import os
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -232,9 +234,32 @@ def test_alltoall_equal_and_uneven():
     np.testing.assert_array_equal(out, np.concatenate([np.full(recv_counts[r], r * 100 + R, np.float32) for r in range(P)]))
 
 
-def test_barrier():
-    for _ in range(10):
+def test_barrier_holds_every_rank_until_all_arrive():
+    """Each round every rank marks its slot of a file all ranks map, then the barrier, then every slot
+    must be marked. One rank a round is late (a few ms), so a barrier that lets ranks through early
+    is seen; a right barrier passes however the ranks are scheduled."""
+    name = np.zeros(256, np.uint8)
+    if R == 0:
+        fd, path = tempfile.mkstemp(prefix="engine-test-barrier-", dir="/dev/shm")
+        os.ftruncate(fd, 8 * P)
+        os.close(fd)
+        name[:len(path)] = np.frombuffer(path.encode(), np.uint8)
+    WORLD.broadcast(name, root=0)
+    path = bytes(name).rstrip(b"\0").decode()
+    slots = np.memmap(path, np.int64, "r+", shape=(P,))
+    try:
+        for k in range(1, 11):
+            if R == k % P:
+                time.sleep(0.005)   # late: the others reach the barrier first
+            slots[R] = k
+            WORLD.barrier()
+            seen = slots.copy()
+            assert (seen >= k).all(), f"round {k}: rank {R} left the barrier before ranks {np.flatnonzero(seen < k)} arrived"
+    finally:
         WORLD.barrier()
+        del slots
+        if R == 0:
+            os.unlink(path)
 
 
 def test_send_recv_tags_and_any_source():

@@ -1,0 +1,18 @@
+/* The engine's error codes: a transport's calls return 0, -1 (a Python exception is set) or one of
+ * these (or the MPI library's own code). pyx/engine/_core.pxd reads them from here. */
+#ifndef ENGINE_ERRORS_H
+#define ENGINE_ERRORS_H
+
+#define ENG_ERR_BASE 100000
+#define ENG_ERR_PEER_DEAD 100001   /* a peer process exited */
+#define ENG_ERR_MISMATCH 100002    /* peers are in different collectives */
+#define ENG_ERR_CORRUPT 100003     /* a peer wrote something out of bounds (the segment, the wire) */
+#define ENG_ERR_TRUNCATE 100004    /* a message longer than the receive buffer */
+#define ENG_ERR_NOMEM 100005
+#define ENG_ERR_CANCELLED 100006
+#define ENG_ERR_CMA 100007         /* a single copy from a peer's memory (process_vm_readv) failed */
+#define ENG_ERR_CONNECT 100008     /* a connection to a peer could not be made (TCP) */
+#define ENG_ERR_PEER_LEFT 100009   /* a peer left the group in order (TCP: its goodbye) while still needed */
+#define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort) while this rank waited */
+
+#endif

@@ -1,0 +1,83 @@
+/* The TCP transport's accepted connections: nothing is parsed before a hello proves the group's token. */
+#ifndef ENGINE_TCP_ACCEPT_H
+#define ENGINE_TCP_ACCEPT_H
+
+#include "tcp_wire.h"
+
+/* ---- accepting ---- */
+
+static void tcp_drop_pending(eng_tcp *t, int i, int rejected) {
+  close(t->pending[i].fd);
+  t->pending[i] = t->pending[--t->npending];
+  t->rejected += rejected;
+}
+
+static void tcp_accept(eng_tcp *t) {
+  for (;;) {
+    int fd = accept4(t->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) t->sys_errno = errno;
+      return;
+    }
+    if (t->npending >= ENG_TCP_MAX_PENDING) {
+      close(fd);
+      t->rejected++;
+      continue;
+    }
+    tcp_sockopts(fd);
+    tcp_pending *q = &t->pending[t->npending++];
+    q->fd = fd;
+    q->got = 0;
+    q->deadline = eng_now() + ENG_TCP_HELLO_SECONDS;
+  }
+}
+
+/* Reads a pending connection's hello; a right one becomes an incoming stream, anything else is closed.
+ * Returns 1 when the pending entry i was consumed (the caller must not advance its index). */
+static int tcp_hello_progress(eng_tcp *t, int i) {
+  tcp_pending *q = &t->pending[i];
+  for (;;) {
+    ssize_t got = recv(q->fd, q->buf + q->got, ENG_TCP_HELLO - q->got, MSG_DONTWAIT);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if ((errno == EAGAIN || errno == EWOULDBLOCK) && eng_now() < q->deadline) return 0;
+      tcp_drop_pending(t, i, 1);
+      return 1;
+    }
+    if (got == 0) {
+      tcp_drop_pending(t, i, 1);
+      return 1;
+    }
+    q->got += (size_t)got;
+    if (q->got == ENG_TCP_HELLO) break;
+  }
+  tcp_hello h;
+  memcpy(&h, q->buf, sizeof h);
+  int ok = h.magic == ENG_TCP_MAGIC && h.version == ENG_TCP_VERSION && h.hdr == ENG_TCP_HDR &&
+           tcp_cmp_token(h.token, t->token) && h.to == (uint32_t)t->rank && h.from < (uint32_t)t->size &&
+           h.from != (uint32_t)t->rank && h.channel == (uint32_t)t->channel && h.size == (uint32_t)t->size &&
+           h.nstreams >= 1 && h.nstreams <= ENG_TCP_MAX_STREAMS && h.stream < h.nstreams;
+  if (ok) {
+    tcp_peer *p = &t->peers[h.from];
+    tcp_instream *in = &p->in[h.stream];
+    ok = !p->dead && in->fd < 0 && !in->eof && (p->nin == 0 || p->nin == (int)h.nstreams);
+    if (ok && in->stage == NULL) {
+      in->stage = (char *)malloc(ENG_TCP_STAGE);
+      ok = in->stage != NULL;
+    }
+    if (ok) {
+      in->fd = q->fd;
+      in->rpos = in->wpos = 0;
+      in->state = IN_HDR;
+      p->nin = (int)h.nstreams;
+      p->heard = eng_now();
+      t->pending[i] = t->pending[--t->npending];
+      return 1;
+    }
+  }
+  tcp_drop_pending(t, i, 1);
+  return 1;
+}
+
+#endif

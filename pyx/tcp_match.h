@@ -1,0 +1,106 @@
+/* MPI's matching over the TCP transport: posted receives, the unexpected queue, binding one to the other. */
+#ifndef ENGINE_TCP_MATCH_H
+#define ENGINE_TCP_MATCH_H
+
+#include "tcp_wire.h"
+
+/* ---- messages arriving ---- */
+
+static void tcp_unlink_unexpected(eng_tcp *t, tcp_in *m) {
+  tcp_in *prev = NULL, *x = t->unexp_head;
+  while (x != NULL && x != m) {
+    prev = x;
+    x = x->next;
+  }
+  if (x == NULL) return;
+  if (prev == NULL) t->unexp_head = m->next;
+  else prev->next = m->next;
+  if (t->unexp_tail == m) t->unexp_tail = prev;
+  m->next = NULL;
+}
+
+static void tcp_unlink_arriving(tcp_peer *p, tcp_in *m) {
+  tcp_in **at = &p->arriving;
+  while (*at != NULL && *at != m) at = &(*at)->pnext;
+  if (*at == m) *at = m->pnext;
+  m->pnext = NULL;
+}
+
+static int tcp_unlink_posted(eng_tcp *t, tcp_req *r) {
+  tcp_req *prev = NULL, *x = t->posted_head;
+  while (x != NULL && x != r) {
+    prev = x;
+    x = x->next;
+  }
+  if (x == NULL) return 0;
+  if (prev == NULL) t->posted_head = r->next;
+  else prev->next = r->next;
+  if (t->posted_tail == r) t->posted_tail = prev;
+  r->next = NULL;
+  return 1;
+}
+
+static inline int tcp_matches(const tcp_req *r, int peer, int tag) {
+  return (r->peer < 0 || r->peer == peer) && (r->tag < 0 || r->tag == tag);
+}
+
+static tcp_req *tcp_match_posted(eng_tcp *t, int peer, int tag) {
+  tcp_req *r = t->posted_head;
+  while (r != NULL && !tcp_matches(r, peer, tag)) r = r->next;
+  if (r != NULL) tcp_unlink_posted(t, r);
+  return r;
+}
+
+/* A whole message is in. */
+static void tcp_complete_in(eng_tcp *t, tcp_in *m) {
+  m->complete = 1;
+  if (m->req != NULL) {
+    tcp_req *r = m->req;
+    r->in = NULL;
+    tcp_finish_req(t, r, 0, -1);
+    free(m);
+  } else if (!m->owns) {   /* discarded (its receive was cancelled or too small) */
+    free(m);
+  }                        /* else: unexpected, waits in its list for a receive */
+}
+
+/* Receive r takes message m (unexpected, complete or still arriving), which the caller unlinked. */
+static void tcp_bind(eng_tcp *t, tcp_req *r, tcp_in *m) {
+  r->src = m->peer;
+  r->rtag = m->tag;
+  r->nbytes = m->total;
+  r->state = TCP_ACTIVE;
+  if (m->total > r->len) {
+    r->err = ENG_ERR_TRUNCATE;
+    r->err_peer = m->peer;
+    if (m->owns) free(m->buf);
+    m->buf = NULL;
+    m->owns = 0;
+    if (m->complete) free(m);
+    else m->req = NULL;           /* the rest is read and dropped */
+    tcp_finish_req(t, r, 0, -1);
+    return;
+  }
+  if (m->total) memcpy(r->buf, m->buf, m->total);   /* what arrived so far; the rest lands in r->buf */
+  if (m->owns) free(m->buf);
+  m->owns = 0;
+  m->buf = r->buf;
+  if (m->complete) {
+    free(m);
+    tcp_finish_req(t, r, 0, -1);
+  } else {
+    m->req = r;
+    r->in = m;
+  }
+}
+
+/* Whether a message of peer's that nobody asked for must be read now (so that what follows it can
+ * be): a posted receive could take messages of this peer, or the peer is closing. */
+static int tcp_must_read(eng_tcp *t, int peer) {
+  if (t->peers[peer].closing) return 1;
+  for (tcp_req *r = t->posted_head; r != NULL; r = r->next)
+    if (r->peer < 0 || r->peer == peer) return 1;
+  return 0;
+}
+
+#endif

@@ -1,0 +1,123 @@
+/* The TCP transport's outgoing streams: queued frames written until the socket would block; connecting. */
+#ifndef ENGINE_TCP_OUTSTREAM_H
+#define ENGINE_TCP_OUTSTREAM_H
+
+#include "tcp_wire.h"
+
+/* ---- sending ---- */
+
+static void tcp_item_done(eng_tcp *t, tcp_item *it) {
+  tcp_req *r = it->req;
+  free(it->owned);
+  free(it);
+  if (r != NULL && --r->items == 0) tcp_finish_req(t, r, 0, -1);
+}
+
+/* Writes what one outgoing stream has queued, until the socket would block. */
+static void tcp_out_progress(eng_tcp *t, int peer, int s) {
+  tcp_peer *p = &t->peers[peer];
+  tcp_out *o = &p->out[s];
+  if (o->fd < 0 || p->dead) return;
+  if (o->connecting) {
+    struct pollfd q = {o->fd, POLLOUT, 0};
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (poll(&q, 1, 0) <= 0) return;
+    if (getsockopt(o->fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    if (err) {
+      tcp_peer_failed(t, peer, ENG_ERR_CONNECT, err);
+      return;
+    }
+    o->connecting = 0;
+  }
+  for (;;) {
+    struct iovec iov[ENG_TCP_IOV];
+    int n = 0;
+    size_t offered = 0;
+    if (o->hello_done < ENG_TCP_HELLO) {
+      iov[n].iov_base = (char *)&o->hello + o->hello_done;
+      iov[n].iov_len = ENG_TCP_HELLO - o->hello_done;
+      offered += iov[n++].iov_len;
+    }
+    for (tcp_item *it = o->head; it != NULL && n + 2 <= ENG_TCP_IOV; it = it->next) {
+      if (it->hdr_done < ENG_TCP_HDR) {
+        iov[n].iov_base = (char *)&it->hdr + it->hdr_done;
+        iov[n].iov_len = ENG_TCP_HDR - it->hdr_done;
+        offered += iov[n++].iov_len;
+      }
+      if (it->done < it->len) {
+        iov[n].iov_base = (char *)it->data + it->done;
+        iov[n].iov_len = it->len - it->done;
+        offered += iov[n++].iov_len;
+      }
+    }
+    if (n == 0) return;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)n;
+    ssize_t w = sendmsg(o->fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN) return;
+      tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, errno);
+      return;
+    }
+    size_t left = (size_t)w;
+    if (o->hello_done < ENG_TCP_HELLO) {
+      size_t k = ENG_TCP_HELLO - o->hello_done;
+      if (k > left) k = left;
+      o->hello_done += k;
+      left -= k;
+    }
+    while (o->head != NULL) {
+      tcp_item *it = o->head;
+      size_t k = ENG_TCP_HDR - it->hdr_done;
+      if (k > left) k = left;
+      it->hdr_done += k;
+      left -= k;
+      k = it->len - it->done;
+      if (k > left) k = left;
+      it->done += k;
+      left -= k;
+      if (it->hdr_done < ENG_TCP_HDR || it->done < it->len) break;
+      o->head = it->next;
+      if (o->head == NULL) o->tail = NULL;
+      tcp_item_done(t, it);
+    }
+    if ((size_t)w < offered) return;   /* the socket is full */
+  }
+}
+
+/* Opens the connections to peer (nstreams of them), without waiting for them. */
+static int tcp_start_connect(eng_tcp *t, int peer) {
+  tcp_peer *p = &t->peers[peer];
+  if (p->nout) return 0;
+  if (!p->has_addr) return EINVAL;
+  for (int s = 0; s < t->nstreams; s++) {
+    tcp_out *o = &p->out[s];
+    int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return errno;
+    tcp_sockopts(fd);
+    o->fd = fd;
+    o->hello.magic = ENG_TCP_MAGIC;
+    o->hello.version = ENG_TCP_VERSION;
+    o->hello.hdr = ENG_TCP_HDR;
+    memcpy(o->hello.token, t->token, 16);
+    o->hello.from = (uint32_t)t->rank;
+    o->hello.to = (uint32_t)peer;
+    o->hello.channel = (uint32_t)t->channel;
+    o->hello.stream = (uint32_t)s;
+    o->hello.nstreams = (uint32_t)t->nstreams;
+    o->hello.size = (uint32_t)t->size;
+    o->hello_done = 0;
+    p->nout = s + 1;
+    if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
+      if (errno != EINPROGRESS && errno != EINTR) return errno;
+      o->connecting = 1;
+    }
+  }
+  return 0;
+}
+
+#endif

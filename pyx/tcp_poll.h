@@ -1,0 +1,230 @@
+/* The TCP transport's progress (one poll over every socket) and its failures (a peer gone, corrupt or left). */
+#ifndef ENGINE_TCP_POLL_H
+#define ENGINE_TCP_POLL_H
+
+#include "tcp_instream.h"
+#include "tcp_outstream.h"
+#include "tcp_accept.h"
+
+/* ---- failure ---- */
+
+static int tcp_corrupt(eng_tcp *t, int peer) {
+  tcp_peer_failed(t, peer, ENG_ERR_CORRUPT, 0);
+  return 1;
+}
+
+static void tcp_close_peer(eng_tcp *t, tcp_peer *p) {
+  for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
+    if (p->out[s].fd >= 0) close(p->out[s].fd);
+    p->out[s].fd = -1;
+    if (p->in[s].fd >= 0) close(p->in[s].fd);
+    p->in[s].fd = -1;
+    p->in[s].state = IN_HDR;
+    p->in[s].msg = NULL;
+  }
+  (void)t;
+}
+
+/* peer failed (code, errno): every request involving it ends with that error. */
+static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
+  tcp_peer *p = &t->peers[peer];
+  if (p->dead) return;
+  p->dead = code;
+  p->dead_errno = err;
+  if (t->dead_peer < 0 && code != ENG_ERR_PEER_LEFT) {
+    t->dead_peer = peer;
+    t->dead_code = code;
+  }
+  tcp_close_peer(t, p);
+  /* sends to it */
+  for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
+    tcp_out *o = &p->out[s];
+    while (o->head != NULL) {
+      tcp_item *it = o->head;
+      tcp_req *r = it->req;
+      o->head = it->next;
+      free(it->owned);
+      free(it);
+      if (r != NULL && --r->items == 0) tcp_finish_req(t, r, code, peer);
+      else if (r != NULL && !r->err) {
+        r->err = code;
+        r->err_peer = peer;
+      }
+    }
+    o->tail = NULL;
+  }
+  /* its messages still arriving */
+  while (p->arriving != NULL) {
+    tcp_in *m = p->arriving;
+    p->arriving = m->pnext;
+    if (m->req != NULL) {
+      m->req->in = NULL;
+      tcp_finish_req(t, m->req, code, peer);
+      free(m);
+    } else if (m->owns) {
+      tcp_unlink_unexpected(t, m);
+      free(m->buf);
+      free(m);
+    } else {
+      free(m);
+    }
+  }
+  /* receives posted for it */
+  tcp_req *r = t->posted_head;
+  while (r != NULL) {
+    tcp_req *next = r->next;
+    if (r->peer == peer) {
+      tcp_unlink_posted(t, r);
+      r->src = peer;
+      tcp_finish_req(t, r, code, peer);
+    }
+    r = next;
+  }
+  tcp_wake(t);
+}
+
+/* A closing peer whose every incoming stream has reached its end has nothing more to give. */
+static void tcp_check_closing(eng_tcp *t, int peer) {
+  tcp_peer *p = &t->peers[peer];
+  if (!p->closing || p->dead) return;
+  for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++)
+    if (p->in[s].fd >= 0) return;
+  tcp_peer_failed(t, peer, tcp_end_code(p), 0);
+}
+
+
+/* ---- progress ---- */
+
+static int tcp_pfd_reserve(eng_tcp *t, size_t n) {
+  if (n <= t->pcap) return 0;
+  size_t cap = n * 2;
+  struct pollfd *pfd = (struct pollfd *)realloc(t->pfd, cap * sizeof *pfd);
+  if (pfd == NULL) return ENOMEM;
+  t->pfd = pfd;
+  int *what = (int *)realloc(t->pwhat, cap * sizeof *what);
+  if (what == NULL) return ENOMEM;
+  t->pwhat = what;
+  t->pcap = cap;
+  return 0;
+}
+
+/* Fills t->pfd with what to watch; returns the count (or -1: out of memory). */
+static int tcp_poll_set(eng_tcp *t, int with_wake) {
+  size_t most = 2 + (size_t)t->npending + (size_t)t->size * 2 * ENG_TCP_MAX_STREAMS;
+  if (tcp_pfd_reserve(t, most)) return -1;
+  int n = 0;
+  t->pfd[n].fd = t->listen_fd;
+  t->pfd[n].events = POLLIN;
+  t->pwhat[n++] = PF_LISTEN << 24;
+  if (with_wake) {
+    t->pfd[n].fd = t->wake_fd;
+    t->pfd[n].events = POLLIN;
+    t->pwhat[n++] = PF_WAKE << 24;
+  }
+  for (int i = 0; i < t->npending; i++) {
+    t->pfd[n].fd = t->pending[i].fd;
+    t->pfd[n].events = POLLIN;
+    t->pwhat[n++] = PF_PENDING << 24 | i;
+  }
+  for (int q = 0; q < t->size; q++) {
+    tcp_peer *p = &t->peers[q];
+    if (p->dead) continue;
+    for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
+      tcp_instream *in = &p->in[s];
+      if (in->fd >= 0) {
+        /* A stream whose message waits for a receive is not read (nor watched: it would wake at once). */
+        t->pfd[n].fd = in->fd;
+        t->pfd[n].events = (in->state == IN_HELD || in->state == IN_WAIT) ? 0 : POLLIN;
+        t->pwhat[n++] = PF_IN << 24 | q << 4 | s;
+      }
+      tcp_out *o = &p->out[s];
+      if (o->fd >= 0) {
+        /* POLLIN on a sending socket: the peer closed it (it never writes to it). */
+        t->pfd[n].fd = o->fd;
+        t->pfd[n].events = POLLIN | ((o->connecting || o->head != NULL || o->hello_done < ENG_TCP_HELLO) ? POLLOUT : 0);
+        t->pwhat[n++] = PF_OUT << 24 | q << 4 | s;
+      }
+    }
+  }
+  return n;
+}
+
+/* Readable: a sending socket carries nothing back but the peer's goodbye, then its end. */
+static void tcp_out_closed(eng_tcp *t, int peer, int s) {
+  tcp_peer *p = &t->peers[peer];
+  tcp_out *o = &p->out[s];
+  char extra;
+  int full = o->back_got == ENG_TCP_HDR;
+  if (o->fd < 0) return;   /* closed earlier in this round, with the peer's other streams */
+  ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
+                     : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
+  if (got == 0) {
+    /* It will read nothing more: what is queued for it can't go; what it sent is still read. */
+    int queued = 0;
+    for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
+    p->closing = 1;
+    if (queued || (o->back_got && !full)) {
+      tcp_peer_failed(t, peer, queued ? tcp_end_code(p) : ENG_ERR_PEER_DEAD, 0);
+      return;
+    }
+    for (int k = 0; k < p->nout; k++) {
+      if (p->out[k].fd >= 0) close(p->out[k].fd);
+      p->out[k].fd = -1;
+    }
+  } else if (got > 0) {
+    tcp_hdr h;
+    if (full) {
+      tcp_corrupt(t, peer);
+      return;
+    }
+    o->back_got += (size_t)got;
+    if (o->back_got < ENG_TCP_HDR) return;
+    memcpy(&h, o->back, sizeof h);
+    if (h.kind != ENG_TCP_BYE || h.a || h.b) tcp_corrupt(t, peer);
+    else p->departed = 1;
+  } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
+    tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : ENG_ERR_PEER_DEAD, errno);
+  }
+}
+
+/* One round: poll (timeout 0) and handle whatever is ready. Called with the lock held. */
+static void tcp_progress(eng_tcp *t) {
+  int n = tcp_poll_set(t, 0);
+  if (n < 0) {
+    t->sys_errno = ENOMEM;
+    return;
+  }
+  int ready = poll(t->pfd, (nfds_t)n, 0);
+  if (ready < 0) ready = 0;
+  for (int i = 0; i < n && ready > 0; i++) {
+    short rev = t->pfd[i].revents;
+    if (!rev) continue;
+    ready--;
+    int kind = t->pwhat[i] >> 24, q = (t->pwhat[i] >> 4) & 0xfffff, s = t->pwhat[i] & 15;
+    if (kind == PF_LISTEN) {
+      tcp_accept(t);
+    } else if (kind == PF_IN) {
+      if (rev & (POLLHUP | POLLERR)) t->peers[q].closing = 1;   /* (a held stream is watched for these only) */
+      tcp_in_progress(t, q, &t->peers[q].in[s]);
+    } else if (kind == PF_OUT) {
+      if (rev & (POLLIN | POLLERR | POLLHUP)) {
+        if (t->peers[q].out[s].connecting) tcp_out_progress(t, q, s);
+        else tcp_out_closed(t, q, s);
+      }
+      if (rev & POLLOUT) tcp_out_progress(t, q, s);
+    }
+  }
+  /* connections still proving themselves (pending entries move: walk by index) */
+  for (int i = 0; i < t->npending;)
+    if (!tcp_hello_progress(t, i)) i++;
+  /* messages waiting for a receive (a receive may have been posted since), closing peers */
+  for (int q = 0; q < t->size; q++) {
+    tcp_peer *p = &t->peers[q];
+    if (p->dead) continue;
+    for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++)
+      if (p->in[s].fd >= 0 && (p->in[s].state == IN_HELD || p->in[s].state == IN_WAIT)) tcp_in_progress(t, q, &p->in[s]);
+    if (p->closing) tcp_check_closing(t, q);
+  }
+}
+
+#endif

@@ -1,0 +1,214 @@
+/* The TCP transport's wire format (frames, the hello), its limits, its types and small helpers (pyx/tcp.h). */
+#ifndef ENGINE_TCP_WIRE_H
+#define ENGINE_TCP_WIRE_H
+
+#include "shm.h"
+#include "errors.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define ENG_TCP_HDR 32
+#define ENG_TCP_HELLO 48
+#define ENG_TCP_MAGIC 0x54474e45u           /* "ENGT" */
+#define ENG_TCP_VERSION 1
+#define ENG_TCP_MAX_STREAMS 16
+#define ENG_TCP_STAGE (64u << 10)            /* staging buffer of each incoming stream */
+#define ENG_TCP_SINK (256u << 10)            /* where discarded bytes are read to */
+#define ENG_TCP_MAX_MESSAGE (1ULL << 48)
+#define ENG_TCP_MAX_PENDING 64              /* connections not yet through their hello */
+#define ENG_TCP_HELLO_SECONDS 30.0          /* how long one may take to send it */
+#define ENG_TCP_IOV 64
+#define ENG_TCP_PART_ALIGN 4096
+
+
+
+enum { ENG_TCP_MSG = 0x2147534d, ENG_TCP_PART = 0x54524150, ENG_TCP_BYE = 0x21455942 };  /* "MSG!", "PART", "BYE!" */
+enum { TCP_SEND = 1, TCP_RECV = 2 };
+enum { TCP_QUEUED = 0, TCP_ACTIVE = 1, TCP_DONE = 2 };
+enum { IN_HDR = 0, IN_BODY = 1, IN_HELD = 2, IN_WAIT = 3 };
+enum { PF_LISTEN = 1, PF_WAKE = 2, PF_PENDING = 3, PF_IN = 4, PF_OUT = 5 };
+
+typedef struct {
+  uint32_t kind;
+  int32_t tag;
+  uint64_t seq;
+  uint64_t a;     /* MSG: the message's bytes; PART: the offset */
+  uint64_t b;     /* payload bytes that follow this header */
+} tcp_hdr;
+
+typedef struct {
+  uint32_t magic;
+  uint16_t version, hdr;
+  unsigned char token[16];
+  uint32_t from, to, channel, stream, nstreams, size;
+} tcp_hello;
+
+typedef struct tcp_req tcp_req;
+typedef struct tcp_in tcp_in;
+
+struct tcp_req {
+  int kind, peer, tag, state, err, err_peer;
+  int orphan;               /* cancelled while under way: the transport frees it once done */
+  char *buf;
+  size_t len;
+  size_t items;             /* send: frames not yet written whole */
+  tcp_in *in;               /* receive: the message arriving into it */
+  int src, rtag;            /* receive: its status */
+  size_t nbytes;
+  tcp_req *next;            /* posted receives, in post order */
+};
+
+struct tcp_in {
+  int peer, tag;
+  uint64_t seq;
+  size_t total, arrived;
+  char *buf;                /* where its bytes go; NULL: discarded */
+  int owns;                 /* buf is the transport's (a message nobody asked for yet) */
+  int complete;
+  tcp_req *req;             /* the receive it completes (NULL: unexpected, or discarded) */
+  tcp_in *next;             /* unexpected messages, in arrival order */
+  tcp_in *pnext;            /* the peer's messages with parts still to come */
+};
+
+typedef struct tcp_item {
+  tcp_hdr hdr;
+  size_t hdr_done;
+  const char *data;
+  size_t len, done;
+  char *owned;              /* a cancelled send's rest, copied */
+  tcp_req *req;
+  struct tcp_item *next;
+} tcp_item;
+
+typedef struct {
+  int fd;                   /* -1: none */
+  int connecting;
+  size_t hello_done;        /* bytes of the hello written */
+  tcp_hello hello;
+  tcp_item *head, *tail;
+  unsigned char back[ENG_TCP_HDR];  /* what the peer wrote back: its goodbye, or nothing */
+  size_t back_got;
+} tcp_out;
+
+typedef struct {
+  int fd;                   /* -1: none (yet, or closed) */
+  int eof;                  /* the peer closed it */
+  char *stage;
+  size_t rpos, wpos;
+  int state;
+  tcp_hdr h;                /* IN_HELD, IN_WAIT: the header waiting for a receive / its message */
+  tcp_in *msg;              /* IN_BODY: the next `left` bytes go to msg->buf + off */
+  size_t off, left;
+} tcp_instream;
+
+typedef struct {
+  struct sockaddr_storage addr;
+  socklen_t addrlen;
+  int has_addr;
+  int nout;                 /* out-streams made (0 or the transport's nstreams) */
+  int nin;                  /* in-streams it announced (0 until its first hello) */
+  tcp_out out[ENG_TCP_MAX_STREAMS];
+  tcp_instream in[ENG_TCP_MAX_STREAMS];
+  uint64_t send_seq, recv_seq;
+  tcp_in *arriving;
+  int closing;              /* a connection of it closed: read what is left, then fail it */
+  int departed;             /* it said goodbye: its end fails only what involves it */
+  int dead;                 /* an ENG_ERR_* code once it failed */
+  int dead_errno;
+  double heard;             /* when bytes last came from it (its hello included); 0: never */
+} tcp_peer;
+
+typedef struct {
+  int fd;
+  double deadline;
+  size_t got;
+  unsigned char buf[ENG_TCP_HELLO];
+} tcp_pending;
+
+typedef struct eng_tcp {
+  int rank, size, channel, nstreams, fail_any;
+  size_t split_min, eager_max;
+  unsigned char token[16];
+  int listen_fd, wake_fd;
+  pthread_mutex_t lock;
+  tcp_peer *peers;
+  tcp_req *posted_head, *posted_tail;
+  tcp_in *unexp_head, *unexp_tail;
+  tcp_pending pending[ENG_TCP_MAX_PENDING];
+  int npending;
+  uint32_t gen;             /* completions so far: the channel's doorbell (a sleeper compares it before sleeping) */
+  int sleepers;
+  struct pollfd *pfd;
+  int *pwhat;               /* per pollfd: kind << 24 | peer << 4 | stream (or a pending index) */
+  size_t pcap;
+  char *sink;
+  int dead_peer, dead_code; /* the first peer that failed */
+  int rejected;             /* connections closed before or at their hello */
+  int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
+  int sys_errno;            /* the last system error outside any peer */
+} eng_tcp;
+
+
+/* Functions one part calls in another (every part includes this file first, so any order works). */
+static int tcp_corrupt(eng_tcp *t, int peer);
+static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err);
+static int tcp_start_connect(eng_tcp *t, int peer);
+static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
+static void tcp_out_progress(eng_tcp *t, int peer, int s);
+static void tcp_check_closing(eng_tcp *t, int peer);
+
+/* ---- small helpers ---- */
+
+static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq, uint64_t a, uint64_t b) {
+  h->kind = kind;
+  h->tag = tag;
+  h->seq = seq;
+  h->a = a;
+  h->b = b;
+}
+
+static inline int tcp_cmp_token(const unsigned char *a, const unsigned char *b) {
+  unsigned char d = 0;
+  for (int i = 0; i < 16; i++) d |= a[i] ^ b[i];
+  return d == 0;
+}
+
+static void tcp_sockopts(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+static inline void tcp_wake(eng_tcp *t) {
+  eng_add32(&t->gen);
+  if (t->sleepers) {
+    uint64_t one = 1;
+    ssize_t w = write(t->wake_fd, &one, sizeof one);
+    (void)w;
+  }
+}
+
+static void tcp_finish_req(eng_tcp *t, tcp_req *r, int err, int err_peer) {
+  if (r->state == TCP_DONE) return;
+  r->state = TCP_DONE;
+  if (err && !r->err) {
+    r->err = err;
+    r->err_peer = err_peer;
+  }
+  if (r->orphan) {
+    free(r);
+    return;
+  }
+  tcp_wake(t);
+}
+
+#endif
