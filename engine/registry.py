@@ -163,6 +163,43 @@ def _hierarchy(transport):
 _MPI_HIER, _TCP_HIER = _hierarchy("mpi"), _hierarchy("tcp")
 
 
+def _p2p(transport, auto=True):
+    """The algorithms over point-to-point (pyx/p2p_collectives.pxi), the same code on every transport:
+    TCP's own collectives (auto, the tree up to its threshold), and on shared memory and MPI entries
+    that run only when forced or tuned (auto=False)."""
+    tree_max = TCP_TREE_MAX if auto else EVERY
+    return {
+        "broadcast": (
+            Entry("broadcast", transport, "tree", Impl.TREE, "binomial tree", max_bytes=tree_max, auto=auto),
+            Entry("broadcast", transport, "pipeline", Impl.PIPELINE, "a chain from the root, in ring segments",
+                  params=(("segment_bytes", RING_SEGMENT),), auto=auto)),
+        "reduce": (
+            Entry("reduce", transport, "tree", Impl.TREE, "binomial tree to the root, children in rank order",
+                  max_bytes=tree_max, auto=auto),
+            Entry("reduce", transport, "rsag", Impl.RSAG, "ring reduce-scatter, then the root gathers the blocks",
+                  auto=auto)),
+        "allgather": (Entry("allgather", transport, "ring", Impl.RING, "the ring: each rank passes on what it received",
+                            auto=auto),),
+        "gather": (Entry("gather", transport, "linear", Impl.LINEAR, "every rank sends its part to the root at once",
+                         auto=auto),),
+        "scatter": (Entry("scatter", transport, "linear", Impl.LINEAR, "the root sends every rank its part at once",
+                          auto=auto),),
+        "reduce_scatter": (Entry("reduce_scatter", transport, "ring", Impl.RING,
+                                 "the ring: partial sums go round, each rank keeps its block", auto=auto),),
+        "alltoall": (Entry("alltoall", transport, "pairwise", Impl.PAIRWISE,
+                           "every pair exchanges its blocks directly, at once", auto=auto),),
+        "barrier": (Entry("barrier", transport, "dissemination", Impl.DISSEMINATION,
+                          "log2(P) rounds of empty messages", auto=auto),),
+    }
+
+
+def _every(p2p):
+    return tuple(e for entries in p2p.values() for e in entries)
+
+
+_TCP_P2P = _p2p("tcp")
+
+
 ENTRIES = (
     # -- shared memory (one host) --
     Entry("allreduce", "shm", "oneshot", Impl.ONESHOT, "every rank reduces every rank's slot (one sync)",
@@ -190,6 +227,7 @@ ENTRIES = (
           "rendezvous: the receiver copies straight from the sender's buffer", min_bytes=SINGLE_COPY_MIN,
           max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
     Entry("sendrecv", "shm", "queue", Impl.SEGMENT, "framed through the pair's byte ring"),
+    *_every(_p2p("shm", auto=False)),   # the same algorithms over the segment's queues
 
     # -- MPI (across hosts under mpirun with ENGINE_INTERHOST=mpi; one host with ENGINE_TRANSPORT=mpi) --
     *_MPI_HIER["allreduce"],
@@ -210,6 +248,7 @@ ENTRIES = (
     Entry("alltoall", "mpi", "native", Impl.NATIVE, "MPI_Alltoall(v)"),
     Entry("barrier", "mpi", "native", Impl.NATIVE, "MPI_Barrier"),
     Entry("sendrecv", "mpi", "native", Impl.NATIVE, "MPI_Isend / MPI_Irecv"),
+    *_every(_p2p("mpi", auto=False)),   # the same algorithms over MPI point-to-point
 
     # -- TCP (across hosts without MPI: torchrun, Kubernetes, Ray; under mpirun with ENGINE_INTERHOST=tcp;
     #    one host with ENGINE_TRANSPORT=tcp). Every collective is the engine's own over point-to-point. --
@@ -218,20 +257,16 @@ ENTRIES = (
           min_ranks=2),
     Entry("allreduce", "tcp", "ring", Impl.RING, "the pipelined ring over TCP", params=(("segment_bytes", RING_SEGMENT),)),
     *_TCP_HIER["broadcast"],
-    Entry("broadcast", "tcp", "tree", Impl.TREE, "binomial tree", max_bytes=TCP_TREE_MAX),
-    Entry("broadcast", "tcp", "pipeline", Impl.PIPELINE, "a chain from the root, in ring segments",
-          params=(("segment_bytes", RING_SEGMENT),)),
-    Entry("reduce", "tcp", "tree", Impl.TREE, "binomial tree to the root, children in rank order",
-          max_bytes=TCP_TREE_MAX),
-    Entry("reduce", "tcp", "rsag", Impl.RSAG, "ring reduce-scatter, then the root gathers the blocks"),
+    *_TCP_P2P["broadcast"],
+    *_TCP_P2P["reduce"],
     *_TCP_HIER["allgather"],
-    Entry("allgather", "tcp", "ring", Impl.RING, "the ring: each rank passes on what it received"),
-    Entry("gather", "tcp", "linear", Impl.LINEAR, "every rank sends its part to the root at once"),
-    Entry("scatter", "tcp", "linear", Impl.LINEAR, "the root sends every rank its part at once"),
+    *_TCP_P2P["allgather"],
+    *_TCP_P2P["gather"],
+    *_TCP_P2P["scatter"],
     *_TCP_HIER["reduce_scatter"],
-    Entry("reduce_scatter", "tcp", "ring", Impl.RING, "the ring: partial sums go round, each rank keeps its block"),
-    Entry("alltoall", "tcp", "pairwise", Impl.PAIRWISE, "every pair exchanges its blocks directly, at once"),
-    Entry("barrier", "tcp", "dissemination", Impl.DISSEMINATION, "log2(P) rounds of empty messages"),
+    *_TCP_P2P["reduce_scatter"],
+    *_TCP_P2P["alltoall"],
+    *_TCP_P2P["barrier"],
     Entry("sendrecv", "tcp", "stream", Impl.NATIVE,
           "framed over the pair's connections; into the posted receive's buffer, without a copy"),
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 from libc.stdint cimport uint64_t
 from libc.math cimport INFINITY
 

@@ -66,6 +66,8 @@ cdef class CoreComm:
         self.user_tp = user_tp
         self.ring = RingAllreduce(algo_tp, ring_segment_bytes)
         self.rdouble = RecursiveDoubling(algo_tp)
+        self.p2p = P2PCollectives(algo_tp, ring_segment_bytes)
+        self.impls = P2P_IMPLS | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)   # every transport's: over algo_tp
         self.cnt = <size_t*>malloc(4 * self.size * sizeof(size_t))
         if self.cnt == NULL:
             raise MemoryError()
@@ -278,13 +280,43 @@ cdef class CoreComm:
     cdef _keep(self, int impl, object keep):
         # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever a
         # cancel can't take back must not land in freed memory.
-        if keep is not None and (impl == IMPL_RING or impl == IMPL_RDOUBLE or impl == IMPL_NATIVE):
+        if keep is not None and impl != IMPL_COMPOSITE:
             self.limbo.append(keep)
 
     cdef bint blocks(self, Call *c) noexcept nogil:
         return False
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        """Runs the call, then AVG's division (for every transport and algorithm here, unless the
+        algorithm divided inside its reduction: avg_fused)."""
+        cdef int ierr = self.run_alone(c) if self.size == 1 and c.aux == NULL else self.run(c, ctx)
+        if (not ierr and c.red != NULL and c.red.avg and not (self.avg_fused & (1u << c.impl)) and c.dst != NULL
+                and (c.op != OP_REDUCE or self.rank == c.root)):
+            eng_scale(c.dst, c.count, c.dtype, self.size, 1)
+        return ierr
+
+    cdef int run_alone(self, Call *c) except -1 nogil:
+        """A group of one, whatever the transport and algorithm: this rank's data to its output."""
+        cdef size_t isz = eng_itemsize[c.dtype], n = c.count
+        cdef const char *src = c.src
+        cdef char *dst = c.dst
+        if c.op == OP_BROADCAST or c.op == OP_BARRIER or src == NULL or dst == NULL:
+            return 0
+        if c.counts != NULL and (c.op == OP_REDUCE_SCATTER or c.op == OP_SCATTER or c.op == OP_ALLTOALL):
+            src += c.displs[0] * isz
+            n = c.counts[0]
+        if c.op == OP_ALLTOALL and c.rdispls != NULL:
+            dst += c.rdispls[0] * isz
+        elif c.counts != NULL and (c.op == OP_ALLGATHER or c.op == OP_GATHER):
+            dst += c.displs[0] * isz
+        if src != dst and n:
+            memmove(dst, src, n * isz)
+        return 0
+
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        # The algorithms over point-to-point run on every transport, here; the rest are the transport's own.
+        if (P2P_IMPLS & (1u << c.impl)) or (c.impl == IMPL_RING and c.op != OP_ALLREDUCE):
+            return self.run_p2p(c, ctx)
         if c.op == OP_ALLREDUCE:
             return self.run_allreduce(c.src, c.dst, c.count, c.red, c.impl, ctx)
         if c.op == OP_BROADCAST:
@@ -621,19 +653,45 @@ cdef class CoreComm:
                      self._tag(sendtag, False), False, "send").wait()
         return r.wait()
 
-    # -- what each transport implements (the defaults: the engine's point-to-point algorithms) --
+    # -- the algorithms over point-to-point (pyx/p2p_collectives.pxi), the same on every transport --
+
+    cdef int run_p2p(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        cdef size_t isz = eng_itemsize[c.dtype]
+        cdef const size_t *counts = c.counts
+        cdef const size_t *displs = c.displs
+        if counts == NULL and (c.op == OP_ALLGATHER or c.op == OP_REDUCE_SCATTER):
+            counts = self.p2p.even_counts(c.count)
+            displs = counts + self.size
+        if c.op == OP_BROADCAST:
+            if c.impl == IMPL_PIPELINE:
+                return self.p2p.broadcast_pipeline(c.dst, c.count * isz, c.root, ctx)
+            return self.p2p.broadcast_tree(c.dst, c.count * isz, c.root, ctx)
+        if c.op == OP_REDUCE:
+            if c.impl == IMPL_RSAG:
+                return self.p2p.reduce_rsag(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
+            return self.p2p.reduce_tree(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
+        if c.op == OP_ALLGATHER:
+            return self.p2p.allgather_ring(c.src, c.dst, isz, counts, displs, ctx)
+        if c.op == OP_GATHER:
+            return self.p2p.gather_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+        if c.op == OP_SCATTER:
+            return self.p2p.scatter_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+        if c.op == OP_REDUCE_SCATTER:
+            return self.p2p.reduce_scatter_ring(c.src, c.dst, isz, c.red.fn, counts, displs, ctx)
+        if c.op == OP_ALLTOALL:
+            return self.p2p.alltoall_pairwise(c.src, c.dst, isz, c.counts, c.displs, c.rcounts, c.rdispls, ctx)
+        if c.op == OP_BARRIER:
+            return self.p2p.barrier_dissemination(ctx)
+        return self.unimplemented(b"this algorithm")
+
+    # -- what each transport implements (allreduce's default: the ring and recursive doubling) --
 
     cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil:
-        cdef int ierr
         cdef size_t isz = eng_itemsize[red.dtype]
         if impl == IMPL_RDOUBLE:
-            ierr = self.rdouble.run(src, dst, count, isz, red.fn, ctx)
-        else:
-            ierr = self.ring.run(src, dst, count, isz, red.fn, ctx)
-        if not ierr and red.avg:
-            eng_scale(dst, count, red.dtype, self.size, 1)
-        return ierr
+            return self.rdouble.run(src, dst, count, isz, red.fn, ctx)
+        return self.ring.run(src, dst, count, isz, red.fn, ctx)
 
     cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
                            WaitCtx *ctx) except -1 nogil:

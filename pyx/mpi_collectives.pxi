@@ -23,7 +23,7 @@ cdef class MpiComm(CoreComm):
         self.transport = "mpi"
         self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
         # COMPOSITE: a group spanning hosts runs the hierarchy's entries (engine.hierarchy) through the core.
-        self.impls = (1u << IMPL_NATIVE) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE)
+        self.impls |= (1u << IMPL_NATIVE) | (1u << IMPL_COMPOSITE)
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()
@@ -84,8 +84,6 @@ cdef class MpiComm(CoreComm):
             if ierr:
                 return ierr
             off += n
-        if red.avg:
-            eng_scale(dst, count, red.dtype, self.size, 1)
         return 0
 
     cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
@@ -113,8 +111,6 @@ cdef class MpiComm(CoreComm):
             if ierr:
                 return ierr
             off += n
-        if red.avg and dst != NULL:
-            eng_scale(dst, count, red.dtype, self.size, 1)
         return 0
 
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
@@ -164,8 +160,6 @@ cdef class MpiComm(CoreComm):
             ierr = MPI_Reduce_scatter_block(src, dst, <int>count, MPI_TYPES[red.dtype], op, self.coll)
         else:
             ierr = MPI_Reduce_scatter(src, dst, self.ints(counts, 0), MPI_TYPES[red.dtype], op, self.coll)
-        if not ierr and red.avg:
-            eng_scale(dst, count, red.dtype, self.size, 1)
         return ierr
 
     cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,

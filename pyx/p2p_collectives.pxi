@@ -126,7 +126,7 @@ cdef class P2PCollectives:
         cdef Req *rq
         cdef Status st
         cdef bint clean = False
-        if P == 1 or n == 0:
+        if n == 0:
             return 0
         self.reserve(nseg + PIPELINE_SLOTS, 0)
         rq = self.reqs + nseg                       # receives: a window of PIPELINE_SLOTS segments
@@ -287,10 +287,6 @@ cdef class P2PCollectives:
         cdef char *tmp
         cdef char *out
         cdef const char *sendp
-        if P == 1:
-            if counts[0] and dst != src + displs[0] * isz:
-                memcpy(dst, src + displs[0] * isz, counts[0] * isz)
-            return 0
         for i in range(P):
             largest = max(largest, counts[i] * isz)
         self.reserve(2, 3 * largest)

@@ -58,9 +58,7 @@ cdef class RingAllreduce:
         cdef size_t segc = self.seg_bytes // isz, total_r = 0, total_s = 0
         cdef size_t off, blen, soff, slen, pk = 0, ck = 0, posted = 0, processed = 0, k
         cdef char *buf
-        if P == 1 or count == 0:
-            if src != dst and count:
-                memcpy(dst, src, count * isz)
+        if count == 0:
             return 0
         if segc == 0:
             segc = 1
@@ -156,7 +154,7 @@ cdef class RecursiveDoubling:
         cdef char *grown
         if src != dst and nbytes:
             memcpy(dst, src, nbytes)
-        if P == 1 or count == 0:
+        if count == 0:
             return 0
         if nbytes > self.tmp_cap:
             grown = <char*>realloc(self.tmp, nbytes)

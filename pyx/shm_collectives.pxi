@@ -77,8 +77,8 @@ cdef class ShmComm(CoreComm):
         self.seg = seg
         self.transport = "shm"
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
-        self.impls = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)
-                      | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY))
+        self.impls |= (1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY)
+        self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | P2P_IMPLS)   # the kernels' divisor
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
@@ -225,22 +225,12 @@ cdef class ShmComm(CoreComm):
         cdef Mover mv
         if impl == IMPL_RING or impl == IMPL_RDOUBLE:
             return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
-        if self.size == 1:
-            if src != dst:
-                memcpy(dst, src, count * eng_itemsize[red.dtype])
-            return 0
         mv.src, mv.dst, mv.wdt, mv.wsz = src, dst, red.dtype, eng_itemsize[red.dtype]
         return self.reduce_steps(&mv, count, red, impl, -1, ctx)
 
     cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil:
         cdef Mover mv
-        if self.size == 1:
-            if src != dst:
-                memcpy(dst, src, count * eng_itemsize[red.dtype])
-            if red.avg:
-                eng_scale(dst, count, red.dtype, 1, 1)
-            return 0
         mv.src, mv.dst, mv.wdt, mv.wsz = src, dst, red.dtype, eng_itemsize[red.dtype]
         return self.reduce_steps(&mv, count, red, impl, root, ctx)
 
@@ -383,8 +373,6 @@ cdef class ShmComm(CoreComm):
 
     cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
                            WaitCtx *ctx) except -1 nogil:
-        if self.size == 1:
-            return 0
         if impl == IMPL_SINGLE_COPY:
             return self.cma_broadcast(buf, count, eng_itemsize[dtype], dtype, root, ctx)
         cdef int r = self.rank, q
@@ -493,12 +481,6 @@ cdef class ShmComm(CoreComm):
             c = count if counts == NULL else counts[q]
             total += c
             steps = max(steps, piece_steps(c, per, False))
-        if P == 1:
-            if src != dst:
-                memcpy(dst, src, count * isz)
-            if red.avg:
-                eng_scale(dst, count, red.dtype, 1, 1)
-            return 0
         self.sign(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SEGMENT, -1, total, _counts_hash(counts, P))
         if self.single_copy(OP_REDUCE_SCATTER, self._largest(count, counts) * isz, red.dtype):
             self.sig[0] = _sig_word(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SINGLE_COPY, -1)
@@ -570,8 +552,6 @@ cdef class ShmComm(CoreComm):
 
     cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
         cdef int ierr
-        if self.size == 1:
-            return 0
         self.sign(OP_BARRIER, -1, OPBIT_NONE, IMPL_SEGMENT, -1, 0, 0)
         ierr = self.open_step(0, ctx)
         if ierr:

@@ -247,19 +247,14 @@ cdef int _poll_mesh(void *t, void *arg, bint *done) except -1 nogil:
 
 
 cdef class TcpComm(CoreComm):
-    """A group over TCP: the engine's own point-to-point algorithms over `algo` (allreduce: the ring and
-    recursive doubling of pyx/ring.pxi; the rest: pyx/p2p_collectives.pxi); the user's send/recv over
-    `user` (two channels, so a user's any-tag receive never sees the algorithms' messages)."""
-    cdef P2PCollectives p2p
+    """A group over TCP: only the engine's algorithms over point-to-point on `algo` (the core's: the
+    ring and recursive doubling of pyx/ring.pxi, the rest of pyx/p2p_collectives.pxi); the user's
+    send/recv over `user` (two channels, so a user's any-tag receive never sees the algorithms' messages)."""
 
     def __cinit__(self, TcpTransport algo, TcpTransport user, size_t ring_segment_bytes):
         self.transport = "tcp"
         self.init_core(algo, user, ring_segment_bytes)
-        self.p2p = P2PCollectives(algo, ring_segment_bytes)
-        # NATIVE: point-to-point's one way (the sendrecv entry)
-        self.impls = ((1u << IMPL_NATIVE) | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_TREE)
-                      | (1u << IMPL_PIPELINE) | (1u << IMPL_RSAG) | (1u << IMPL_LINEAR) | (1u << IMPL_PAIRWISE)
-                      | (1u << IMPL_DISSEMINATION) | (1u << IMPL_COMPOSITE))
+        self.impls |= (1u << IMPL_NATIVE) | (1u << IMPL_COMPOSITE)   # NATIVE: the sendrecv entry
 
     @property
     def algo_transport(self):
@@ -284,55 +279,3 @@ cdef class TcpComm(CoreComm):
         return "; ".join(f"this rank waits on {tp._who(q)}, " + (f"from which nothing has arrived for {s:.1f} s"
                                                                   if s is not None else "from which nothing ever arrived")
                          for q, s in waits)
-
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        if impl == IMPL_PIPELINE:
-            return self.p2p.broadcast_pipeline(buf, count * eng_itemsize[dtype], root, ctx)
-        return self.p2p.broadcast_tree(buf, count * eng_itemsize[dtype], root, ctx)
-
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
-                        WaitCtx *ctx) except -1 nogil:
-        cdef int ierr
-        cdef size_t isz = eng_itemsize[red.dtype]
-        if impl == IMPL_RSAG:
-            ierr = self.p2p.reduce_rsag(src, dst, count, isz, red.fn, root, ctx)
-        else:
-            ierr = self.p2p.reduce_tree(src, dst, count, isz, red.fn, root, ctx)
-        if not ierr and red.avg and self.rank == root:
-            eng_scale(dst, count, red.dtype, self.size, 1)
-        return ierr
-
-    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        if counts == NULL:
-            counts = self.p2p.even_counts(count)
-            displs = counts + self.size
-        return self.p2p.allgather_ring(src, dst, eng_itemsize[dtype], counts, displs, ctx)
-
-    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.p2p.gather_linear(src, dst, count, eng_itemsize[dtype], counts, displs, root, ctx)
-
-    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.p2p.scatter_linear(src, dst, count, eng_itemsize[dtype], counts, displs, root, ctx)
-
-    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
-                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        cdef int ierr
-        if counts == NULL:
-            counts = self.p2p.even_counts(count)
-            displs = counts + self.size
-        ierr = self.p2p.reduce_scatter_ring(src, dst, eng_itemsize[red.dtype], red.fn, counts, displs, ctx)
-        if not ierr and red.avg:
-            eng_scale(dst, count, red.dtype, self.size, 1)
-        return ierr
-
-    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
-                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                          bint even, WaitCtx *ctx) except -1 nogil:
-        return self.p2p.alltoall_pairwise(src, dst, eng_itemsize[dtype], scounts, sdispls, rcounts, rdispls, ctx)
-
-    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
-        return self.p2p.barrier_dissemination(ctx)

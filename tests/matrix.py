@@ -1,8 +1,8 @@
 """The conformance matrix: every entry of the algorithm registry (engine/registry.py), forced in turn,
 on every configuration the engine runs in (tests/mpi/test_matrix.py is what each rank runs):
 
-    one host   mpiexec, shared memory, 1-4 ranks      mpiexec, ENGINE_TRANSPORT=mpi, 1-4 ranks
-               torchrun (no MPI), 1-4 ranks
+    one host   mpiexec, 1-4 ranks: shared memory, ENGINE_TRANSPORT=mpi, ENGINE_TRANSPORT=tcp
+               torchrun (no MPI), 1-4 ranks: shared memory, ENGINE_TRANSPORT=tcp
     hosts      namespace hosts (tests/hosts.py), 2x1 and 2x2, in every ENGINE_HIER mode (mpiexec)
 
     python tests/matrix.py                       # every configuration; the table on stdout
@@ -37,10 +37,11 @@ def configurations():
     import torchrun
     out = []
     for n in (1, 2, 3, 4):
-        for transport in ("shm", "mpi"):
+        for transport in ("shm", "mpi", "tcp"):
             out.append((f"mpiexec-{transport}-{n}", _launch(mpirun.run_pytest, n, ENGINE_TRANSPORT=transport)))
     for n in (1, 2, 3, 4):
-        out.append((f"torchrun-shm-{n}", _launch(torchrun.run_pytest, n)))
+        for transport in ("shm", "tcp"):
+            out.append((f"torchrun-{transport}-{n}", _launch(torchrun.run_pytest, n, ENGINE_TRANSPORT=transport)))
     for per_host in (1, 2):
         for mode in HIER_MODES:
             out.append((f"hosts-2x{per_host}-{mode}", _hosts(per_host, mode)))

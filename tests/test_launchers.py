@@ -25,6 +25,14 @@ def test_torch_suites_under_torchrun(nranks):
     assert_every_rank_passed(proc.stdout, nranks, skips=nranks == 1)
 
 
+def test_matrix_over_tcp_under_torchrun():
+    """The conformance matrix's TCP rows on one host without MPI (ENGINE_TRANSPORT=tcp), 3 ranks."""
+    proc = run_pytest(3, [os.path.join(HERE, "mpi", "test_matrix.py")], timeout=300,
+                      env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": "tcp"})
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert_every_rank_passed(proc.stdout, 3)
+
+
 def test_torch_parallelism_under_torchrun():
     """DeviceMesh (2-D at 4 ranks), FSDP2, tensor and pipeline parallelism, DCP, without MPI."""
     proc = run_pytest(4, [os.path.join(HERE, "mpi", "parallel_suite.py")], timeout=300, env={"ENGINE_TIMEOUT": "20"})

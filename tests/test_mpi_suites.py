@@ -43,6 +43,14 @@ def test_torch_parallelism_under_mpiexec(transport, nranks):
     assert_every_rank_passed(proc.stdout, nranks, skips=False)
 
 
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_matrix_over_tcp_on_one_host(nranks):
+    """The conformance matrix over the engine's own sockets on one host (ENGINE_TRANSPORT=tcp): every
+    TCP entry, the algorithms over point-to-point among them, at 1-4 ranks."""
+    proc = run(nranks, [os.path.join(HERE, "mpi", "test_matrix.py")], ENGINE_TRANSPORT="tcp")
+    assert_every_rank_passed(proc.stdout, nranks)
+
+
 def test_collectives_with_tiny_mpi_chunks():
     """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
     (the path of messages over 2**31 elements), on 3 ranks; on the baseline kernels (ENGINE_ISA), which

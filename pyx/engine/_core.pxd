@@ -289,6 +289,47 @@ cdef inline Call new_call(int op, const void *src, void *dst, size_t count, int 
     return c
 
 
+# ---- the point-to-point collectives (p2p_collectives.pxi): every CoreComm runs them over its algo_tp ----
+
+cdef class P2PCollectives:
+    cdef Transport tp
+    cdef int rank, size
+    cdef size_t seg_bytes       # the pipelined broadcast's segment
+    cdef Req *reqs              # grown, never shrunk
+    cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
+    cdef size_t cap
+    cdef size_t *even           # 2 x size: counts and displacements of an even split
+    cdef char *work             # workspace (grown, never shrunk)
+    cdef size_t work_cap
+    cdef size_t *even_counts(self, size_t count) noexcept nogil
+    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
+    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
+                         WaitCtx *ctx) except -1 nogil
+    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
+                            const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
+                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
+    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
+                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
+                               WaitCtx *ctx) except -1 nogil
+    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil
+
+
+# The implementations P2PCollectives runs (and the ring, for every collective but allreduce).
+cdef enum:
+    P2P_IMPLS = ((1u << IMPL_TREE) | (1u << IMPL_PIPELINE) | (1u << IMPL_RSAG) | (1u << IMPL_LINEAR)
+                 | (1u << IMPL_PAIRWISE) | (1u << IMPL_DISSEMINATION))
+
+
 cdef class CoreComm:
     cdef readonly int rank, size
     cdef readonly str transport
@@ -296,6 +337,7 @@ cdef class CoreComm:
     cdef Transport user_tp      # the user's send / recv (kept apart: ANY_TAG never sees ring traffic)
     cdef RingAllreduce ring
     cdef RecursiveDoubling rdouble
+    cdef P2PCollectives p2p     # every other collective over algo_tp (trees, pipelines, rings, pairwise)
     cdef Recorder log
     cdef object hook
     cdef double spin            # this group's spin budget (seconds; < 0: the process's policy)
@@ -309,6 +351,7 @@ cdef class CoreComm:
     cdef Rule *named[NOPKINDS]  # per collective, every entry this group can run (the algorithm= argument)
     cdef dict named_index       # (collective, entry name) -> index into named[collective]
     cdef unsigned impls         # bit mask of the IMPL_* this transport implements
+    cdef unsigned avg_fused     # the IMPL_* that divide AVG inside their reduction (dispatch divides the rest)
     cdef object composite       # composite(entry, *args) runs an IMPL_COMPOSITE entry
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
@@ -330,6 +373,9 @@ cdef class CoreComm:
     cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
     cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
+    cdef int run_alone(self, Call *c) except -1 nogil
+    cdef int run_p2p(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
@@ -464,36 +510,3 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef uint64_t peer_aux(self, int q) noexcept nogil
 
 
-# ---- the point-to-point collectives (p2p_collectives.pxi); TcpComm (tcp_transport.pxi) runs them ----
-
-cdef class P2PCollectives:
-    cdef Transport tp
-    cdef int rank, size
-    cdef size_t seg_bytes       # the pipelined broadcast's segment
-    cdef Req *reqs              # grown, never shrunk
-    cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
-    cdef size_t cap
-    cdef size_t *even           # 2 x size: counts and displacements of an even split
-    cdef char *work             # workspace (grown, never shrunk)
-    cdef size_t work_cap
-    cdef size_t *even_counts(self, size_t count) noexcept nogil
-    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
-    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
-    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
-    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
-    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
-                         WaitCtx *ctx) except -1 nogil
-    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
-                         WaitCtx *ctx) except -1 nogil
-    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
-                            const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
-                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
-                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                               WaitCtx *ctx) except -1 nogil
-    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil

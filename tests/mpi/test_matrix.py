@@ -13,6 +13,7 @@ computes itself, and the flight recorder must name the entry. An entry this conf
 the automatic choice at sizes around the thresholds must be the one the registry's rules name.
 Nothing here names an algorithm: a new entry adds its rows."""
 
+import os
 import warnings
 
 import numpy as np
@@ -309,6 +310,11 @@ def absmax_reference(stack):
 
 ENTRIES = registry.entries(transport=TRANSPORT)
 assert set(CHECKS) == set(registry.COLLECTIVES), "every collective of the registry needs a check here"
+
+
+def test_the_world_runs_the_transport_asked_for():
+    asked = os.environ.get("ENGINE_TRANSPORT", "auto")
+    assert asked in ("auto", TRANSPORT), f"ENGINE_TRANSPORT={asked}, but the world runs over {TRANSPORT}"
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.key)
