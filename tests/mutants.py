@@ -1,6 +1,7 @@
 """Mutation check of the schedules, the step primitives and the selection: each mutant alone, in a
 scratch checkout (never this one), is built, then timed to its first failure in tests/test_schedules.py
-and in the conformance matrix (shared memory, 3 ranks, under mpiexec, as CI runs it), then reverted.
+and in the conformance matrix (shared memory, or the mutant's transport, 3 ranks, under mpiexec, as CI
+runs it), then reverted.
 
     git worktree add ../mut HEAD
     python tests/mutants.py ../mut            # every mutant; or name some: ../mut M1 M4
@@ -26,10 +27,19 @@ MUTANTS = [
      "        memcpy(mv.dst + off * mv.wsz, frm, n * mv.wsz)", "        memcpy(mv.dst + off * mv.wsz, frm, (n - (n > 1)) * mv.wsz)"),
     ("M6 selection: a rule's lower byte bound made exclusive", "pyx/comm.pxi",
      "            if (r.lo <= nbytes <= r.hi and", "            if (r.lo < nbytes <= r.hi and"),
+    ("M7 AVG: divided twice (the matrix over TCP)", "pyx/comm.pxi",
+     "            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n",
+     "            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n",
+     "tcp"),
+    ("M8 point-to-point ring: allgather receives a block off by one (forced over shared memory)",
+     "pyx/p2p_collectives.pxi",
+     "dst + displs[rb] * isz, counts[rb] * isz, (r - 1 + P) % P, TAG_P2P_ALLGATHER, ctx)",
+     "dst + displs[(rb + 1) % P] * isz, counts[rb] * isz, (r - 1 + P) % P, TAG_P2P_ALLGATHER, ctx)"),
 ]
 only = sys.argv[2:]
 env = {**os.environ, "PYTHONPATH": MUT, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-for name, path, old, new in MUTANTS:
+for name, path, old, new, *where in MUTANTS:
+    transport = where[0] if where else "shm"
     if only and name.split()[0] not in only:
         continue
     p = os.path.join(MUT, path)
@@ -41,9 +51,9 @@ for name, path, old, new in MUTANTS:
         assert b.returncode == 0, b.stderr[-3000:]
         row = [name]
         for label, cmd in (("schedules", [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_schedules.py"]),
-                           ("matrix shm-3", [PY, "tests/mpirun.py", "3", "tests/mpi/test_matrix.py"])):
+                           (f"matrix {transport}-3", [PY, "tests/mpirun.py", "3", "tests/mpi/test_matrix.py"])):
             t = time.monotonic()
-            r = subprocess.run(cmd, cwd=MUT, env={**env, "ENGINE_TRANSPORT": "shm", "ENGINE_TIMEOUT": "10"},
+            r = subprocess.run(cmd, cwd=MUT, env={**env, "ENGINE_TRANSPORT": transport, "ENGINE_TIMEOUT": "10"},
                                capture_output=True, text=True, timeout=900)
             dt = time.monotonic() - t
             failed = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith(("FAILED", "[1,0]<stdout>: FAILED", "[1,1]<stdout>: FAILED", "[1,2]<stdout>: FAILED"))][:1]
