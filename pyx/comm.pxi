@@ -316,7 +316,7 @@ cdef class CoreComm:
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
         # The algorithms over point-to-point run on every transport, here; the rest are the transport's own.
         if (P2P_IMPLS & (1u << c.impl)) or (c.impl == IMPL_RING and c.op != OP_ALLREDUCE):
-            return self.run_p2p(c, ctx)
+            return self.p2p.run(c, ctx)
         if c.op == OP_ALLREDUCE:
             return self.run_allreduce(c.src, c.dst, c.count, c.red, c.impl, ctx)
         if c.op == OP_BROADCAST:
@@ -652,37 +652,6 @@ cdef class CoreComm:
         post_request(self, self.user_tp, sendbuf, self._peer(dest, False, "sendrecv: destination"),
                      self._tag(sendtag, False), False, "send").wait()
         return r.wait()
-
-    # -- the algorithms over point-to-point (pyx/p2p_collectives.pxi), the same on every transport --
-
-    cdef int run_p2p(self, Call *c, WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[c.dtype]
-        cdef const size_t *counts = c.counts
-        cdef const size_t *displs = c.displs
-        if counts == NULL and (c.op == OP_ALLGATHER or c.op == OP_REDUCE_SCATTER):
-            counts = self.p2p.even_counts(c.count)
-            displs = counts + self.size
-        if c.op == OP_BROADCAST:
-            if c.impl == IMPL_PIPELINE:
-                return self.p2p.broadcast_pipeline(c.dst, c.count * isz, c.root, ctx)
-            return self.p2p.broadcast_tree(c.dst, c.count * isz, c.root, ctx)
-        if c.op == OP_REDUCE:
-            if c.impl == IMPL_RSAG:
-                return self.p2p.reduce_rsag(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
-            return self.p2p.reduce_tree(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
-        if c.op == OP_ALLGATHER:
-            return self.p2p.allgather_ring(c.src, c.dst, isz, counts, displs, ctx)
-        if c.op == OP_GATHER:
-            return self.p2p.gather_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
-        if c.op == OP_SCATTER:
-            return self.p2p.scatter_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
-        if c.op == OP_REDUCE_SCATTER:
-            return self.p2p.reduce_scatter_ring(c.src, c.dst, isz, c.red.fn, counts, displs, ctx)
-        if c.op == OP_ALLTOALL:
-            return self.p2p.alltoall_pairwise(c.src, c.dst, isz, c.counts, c.displs, c.rcounts, c.rdispls, ctx)
-        if c.op == OP_BARRIER:
-            return self.p2p.barrier_dissemination(ctx)
-        return self.unimplemented(b"this algorithm")
 
     # -- what each transport implements (allreduce's default: the ring and recursive doubling) --
 

@@ -43,6 +43,34 @@ cdef class P2PCollectives:
         free(self.even)
         free(self.work)
 
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        """The call's entry (CoreComm.run sends every point-to-point entry here, on every transport)."""
+        cdef size_t isz = eng_itemsize[c.dtype]
+        cdef const size_t *counts = c.counts
+        cdef const size_t *displs = c.displs
+        if counts == NULL and (c.op == OP_ALLGATHER or c.op == OP_REDUCE_SCATTER):
+            counts = self.even_counts(c.count)
+            displs = counts + self.size
+        if c.op == OP_BROADCAST:
+            if c.impl == IMPL_PIPELINE:
+                return self.broadcast_pipeline(c.dst, c.count * isz, c.root, ctx)
+            return self.broadcast_tree(c.dst, c.count * isz, c.root, ctx)
+        if c.op == OP_REDUCE:
+            if c.impl == IMPL_RSAG:
+                return self.reduce_rsag(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
+            return self.reduce_tree(c.src, c.dst, c.count, isz, c.red.fn, c.root, ctx)
+        if c.op == OP_ALLGATHER:
+            return self.allgather_ring(c.src, c.dst, isz, counts, displs, ctx)
+        if c.op == OP_GATHER:
+            return self.gather_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+        if c.op == OP_SCATTER:
+            return self.scatter_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+        if c.op == OP_REDUCE_SCATTER:
+            return self.reduce_scatter_ring(c.src, c.dst, isz, c.red.fn, counts, displs, ctx)
+        if c.op == OP_ALLTOALL:
+            return self.alltoall_pairwise(c.src, c.dst, isz, c.counts, c.displs, c.rcounts, c.rdispls, ctx)
+        return self.barrier_dissemination(ctx)
+
     cdef size_t *even_counts(self, size_t count) noexcept nogil:
         """count for every rank, then the displacements (both in self.even)."""
         cdef int i

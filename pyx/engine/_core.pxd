@@ -301,6 +301,7 @@ cdef class P2PCollectives:
     cdef size_t *even           # 2 x size: counts and displacements of an even split
     cdef char *work             # workspace (grown, never shrunk)
     cdef size_t work_cap
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef size_t *even_counts(self, size_t count) noexcept nogil
     cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
     cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
@@ -375,7 +376,6 @@ cdef class CoreComm:
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run_alone(self, Call *c) except -1 nogil
-    cdef int run_p2p(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
