@@ -19,7 +19,9 @@ SIZED = [os.path.join(HERE, "mpi", f) for f in ("test_collectives.py", "test_fus
 COLLECTIVES = os.path.join(HERE, "mpi", "test_collectives.py")
 SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (ENGINE_TIMEOUT)
 # Two ranks first (the broadest check per second: `pytest -x` stops at a broken collective soonest).
-CASES = [(t, n) for n in (2, 3, 4, 1) for t in ("shm", "mpi")]
+# One rank on shared memory only: a group of one runs the same path on every transport (CoreComm.run_alone);
+# `python tests/matrix.py` runs MPI and TCP at one rank too.
+CASES = [(t, n) for n in (2, 3, 4) for t in ("shm", "mpi")] + [("shm", 1)]
 
 
 def run(nranks, paths, **env):
@@ -47,10 +49,10 @@ def test_torch_parallelism_under_mpiexec(transport, nranks):
     assert_every_rank_passed(proc.stdout, nranks, skips=False)
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("nranks", [2, 3, 4])
 def test_matrix_over_tcp_on_one_host(nranks):
     """The conformance matrix over the engine's own sockets on one host (ENGINE_TRANSPORT=tcp): every
-    TCP entry, the algorithms over point-to-point among them, at 1-4 ranks."""
+    TCP entry, the algorithms over point-to-point among them, at 2-4 ranks (one rank: CASES above)."""
     proc = run(nranks, [os.path.join(HERE, "mpi", "test_matrix.py")], ENGINE_TRANSPORT="tcp")
     assert_every_rank_passed(proc.stdout, nranks)
 
