@@ -1,6 +1,6 @@
 # make test  : create .venv (torch 2.13) and .venv-torch2.14, install MPI + the engine in both, run the
 #              whole suite on torch 2.13, then the torch-facing suites on torch 2.14 (what .ci/run calls)
-# make check : the fast tier (about 2 minutes): kernels, schedules, registry, layout, the TCP transport,
+# make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo

@@ -7,9 +7,9 @@ Every wait of the engine's own (shared memory, the ring, recursive doubling, poi
 the watch while it polls; at the timeout it raises EngineTimeout and the operation is abandoned. MPI's
 blocking collectives (its reductions and allgather; engine._mpi's `blocks`) block inside MPI, where
 nothing can interrupt them: a watchdog thread watches those and, at the timeout, reports, dumps the
-flight recorder and aborts the job (as torch's NCCL
-watchdog tears a job down). Ranks name themselves as arrived in a key-value store (torch's, for torch
-groups) once they have waited a second; at the timeout the ranks without that note are the missing ones.
+flight recorder and aborts the job (as torch's NCCL watchdog tears a job down). Ranks name themselves
+as arrived in a key-value store (torch's, for torch groups) once they have waited a second; at the
+timeout the ranks without that note are the missing ones.
 """
 
 import atexit

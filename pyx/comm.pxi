@@ -288,8 +288,11 @@ cdef class CoreComm:
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:
         """Runs the call, then AVG's division (for every transport and algorithm here, unless the
-        algorithm divided inside its reduction: avg_fused)."""
-        cdef int ierr = self.run_alone(c) if self.size == 1 and c.aux == NULL else self.run(c, ctx)
+        algorithm divided inside its reduction: avg_fused). A group of one has nothing to divide."""
+        cdef int ierr
+        if self.size == 1 and c.aux == NULL:
+            return self.run_alone(c)
+        ierr = self.run(c, ctx)
         if (not ierr and c.red != NULL and c.red.avg and not (self.avg_fused & (1u << c.impl)) and c.dst != NULL
                 and (c.op != OP_REDUCE or self.rank == c.root)):
             eng_scale(c.dst, c.count, c.dtype, self.size, 1)
