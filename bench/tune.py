@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine import tuning
+from engine import registry, tuning
 from engine.registry import EVERY
 
 from .busbw import parse_size, size_sweep
@@ -136,7 +136,7 @@ def main(argv):
            "timings_us": {str(s): {n: round(t * 1e6, 2) for n, t in timings[s].items()} for s in sorted(timings)}}
     with open(args.output, "w") as f:
         json.dump(doc, f, indent=1)
-    tuning.load(args.output)  # what the engine will read: a file it would refuse fails here, named
+    registry.tuned(args.output)  # what the engine will read: a file it would refuse fails here, named
     print(f"# allreduce, {comm.size} ranks, transport {comm.transport}, us per call (slowest rank, median of "
           f"{args.rounds} interleaved rounds)")
     print(f"{'bytes':>10} " + " ".join(f"{n:>9}" for n in names) + "   fastest")

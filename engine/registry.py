@@ -14,8 +14,8 @@ This is the one place that names an algorithm or holds a threshold. Its users:
   flight recorder and the trace name the entry;
 - ENGINE_<COLLECTIVE>_ALGO forces an entry: `auto`, a name (every group whose transport runs it),
   or `transport:name` items separated by commas (`shm:twoshot,mpi:ring,tcp:ring`);
-- a tuning file (ENGINE_TUNING_FILE, engine.tuning; written by `python -m engine.bench tune`) puts
-  measured rules ahead of the built-in ones and may set thresholds;
+- a tuning file (ENGINE_TUNING_FILE, read by engine.tuning, its names checked by tuned() here;
+  written by `python -m engine.bench tune`) puts measured rules ahead of the built-in ones and may set thresholds;
 - tests/mpi/test_matrix.py forces every entry in turn, on every configuration that can run it.
 """
 
@@ -23,12 +23,11 @@ import dataclasses
 import hashlib
 import os
 
-from . import _core
+from . import _core, tuning
 from ._core import DTYPE_NAMES, OP_KIND_NAMES, OPBITS, Impl
 from .config import env_choice, env_int
 
 EVERY = 1 << 62                 # no upper bound (bytes or ranks)
-MAX_TUNED_RULES = 32            # per collective and transport in a tuning file
 COLLECTIVES = OP_KIND_NAMES     # the core's order: allreduce .. barrier, then sendrecv (point-to-point)
 TRANSPORTS = ("shm", "mpi", "tcp", "nccl")
 REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
@@ -44,8 +43,8 @@ class Tunable:
     doc: str
 
     def value(self):
-        from . import tuning
-        return env_int(self.env, tuning.threshold(self.env, self.default))
+        doc = tuned()
+        return env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +327,38 @@ def tunables():
     return list(seen.values())
 
 
+_tuned = {}
+
+
+def tuned(path=None):
+    """The tuning file named by ENGINE_TUNING_FILE (or path), its names checked against this registry,
+    or None without one: {"rules": {(collective, transport): [(name, lo, hi, min_ranks, max_ranks)]},
+    "thresholds": {env: int}}."""
+    path = path or os.environ.get("ENGINE_TUNING_FILE") or None
+    if path is None:
+        return None
+    if path not in _tuned:
+        doc = tuning.parse(path)
+        for (coll, transport), rules in doc["rules"].items():
+            if coll not in COLLECTIVES:
+                raise tuning.fail(path, f"unknown collective {coll!r} (expected one of {', '.join(COLLECTIVES)})")
+            if transport not in TRANSPORTS:
+                raise tuning.fail(path, f"unknown transport {transport!r} (expected one of {', '.join(TRANSPORTS)})")
+            names = [e.name for e in entries(coll, transport)]
+            for i, (name, *bounds) in enumerate(rules):
+                if name not in names:
+                    raise tuning.fail(path, f"{coll}.{transport}[{i}]: algorithm {name!r} does not run on the "
+                                            f"{transport} transport (its {coll} runs {', '.join(names)})")
+            doc["rules"][coll, transport] = [(name, lo, EVERY if hi is None else hi, lo_r, EVERY if hi_r is None
+                                              else hi_r) for name, lo, hi, lo_r, hi_r in rules]
+        known = {t.env for t in tunables()}
+        for name in doc["thresholds"]:
+            if name not in known:
+                raise tuning.fail(path, f"unknown threshold {name!r} (the registry's: {', '.join(sorted(known))})")
+        _tuned[path] = doc
+    return _tuned[path]
+
+
 def force_variable(collective):
     return f"ENGINE_{collective.upper()}_ALGO"
 
@@ -369,16 +400,16 @@ class Plan:
     communicator ignore a forced name their transport does not run; a group a user made refuses it."""
 
     def __init__(self, transport, caps=(), *, stage=False, environ=None):
-        from . import tuning
+        measured = tuned()
         self.transport, self.caps = transport, frozenset(caps)
         self.rules, self.named = {}, {}
         for coll in COLLECTIVES:
             mine = entries(coll, transport)
             runnable = [e for e in mine if e.needs <= self.caps]
             forced = self._forced(coll, mine, stage, environ)
-            tuned = [(entry(transport, coll, name), lo, hi, lo_r, hi_r)
-                     for name, lo, hi, lo_r, hi_r in tuning.rules(coll, transport)]
-            rules = [r for r in tuned if r[0].needs <= self.caps]
+            from_file = measured["rules"].get((coll, transport), ()) if measured else ()
+            rules = [(entry(transport, coll, name), lo, hi, lo_r, hi_r) for name, lo, hi, lo_r, hi_r in from_file]
+            rules = [r for r in rules if r[0].needs <= self.caps]
             rules += [(e, *e.bytes_range(), e.min_ranks, e.max_ranks) for e in runnable
                       if e.auto is True or e.auto in self.caps]
             if forced is not None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.tune import rules_from
-from engine import tuning
+from engine import registry, tuning
 from mpirun import mpi_env, mpiexec_command
 from torchrun import clean_env, torchrun_command
 
@@ -48,12 +48,12 @@ def write(tmp_path, doc):
 ])
 def test_a_bad_tuning_file_is_named_with_what_is_wrong(tmp_path, doc, message):
     with pytest.raises(ValueError, match=message):
-        tuning.load(write(tmp_path, doc))
+        registry.tuned(write(tmp_path, doc))
 
 
 def test_a_missing_tuning_file_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="engine.bench tune"):
-        tuning.load(str(tmp_path / "nope.json"))
+        registry.tuned(str(tmp_path / "nope.json"))
 
 
 # Two ranks allreduce 1 KB and 1 MB with a trace on; the trace names the algorithm each call ran.
@@ -86,7 +86,7 @@ def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
     assert set(doc["timings_us"]) == {"1024", "32768", "1048576"}
     rules = doc["rules"]["allreduce"]["shm"]
     assert rules[0]["min_bytes"] == 0 and rules[-1]["max_bytes"] == EVERY
-    assert tuning.load(str(out))["rules"]["allreduce", "shm"]  # the engine reads what the tuner wrote
+    assert registry.tuned(str(out))["rules"]["allreduce", "shm"]  # the engine reads what the tuner wrote
 
     assert traced_algorithms(tmp_path, 2) == [(256, "oneshot"), (1 << 18, "twoshot")]  # the built-in rules
     # A file as the tuner writes it, saying the ring wins up to 64 KB and recursive doubling above, at 2 ranks.
@@ -108,4 +108,4 @@ def test_the_tuner_runs_under_torchrun_without_mpi(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["measured_on"]["transport"] == "shm" and doc["measured_on"]["ranks"] == 2
-    assert set(doc["timings_us"]) == {"1024", "65536"} and tuning.load(str(out))["rules"]["allreduce", "shm"]
+    assert set(doc["timings_us"]) == {"1024", "65536"} and registry.tuned(str(out))["rules"]["allreduce", "shm"]
