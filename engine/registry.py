@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import os
 
-from . import _core, tuning
+from . import tuning
 from ._core import DTYPE_NAMES, OP_KIND_NAMES, OPBITS, Impl
 from .config import env_choice, env_int
 
@@ -288,7 +288,6 @@ ENTRIES = (
     Entry("sendrecv", "nccl", "nccl", Impl.NATIVE, "ncclSend / ncclRecv in one group call"),
 )
 INDEX = {e.key: i for i, e in enumerate(ENTRIES)}
-_core.set_entry_names([e.name for e in ENTRIES])
 
 
 # ENGINE_HIER: whether groups spanning hosts build a hierarchy, and which of its allreduces runs by default.
@@ -448,11 +447,12 @@ class Plan:
 
     def configure(self, core, composite=None):
         """Hands every collective's rules to the compiled core."""
+        names = [e.name for e in ENTRIES]
         for coll in COLLECTIVES:
             def item(e, lo, hi, lo_r, hi_r):
                 return (e.index, e.impl, lo, hi, lo_r, hi_r, *e.masks(), e.uneven)
             core.set_rules(coll, [item(*r) for r in self.rules[coll]],
-                           [(e.name, item(e, 0, EVERY, 1, EVERY)) for e in self.named[coll]], composite)
+                           [(e.name, item(e, 0, EVERY, 1, EVERY)) for e in self.named[coll]], names, composite)
 
     def digest(self):
         """The plan in one string: every rank of a group must walk the same rules (their pieces must

@@ -12,6 +12,7 @@ from mpi4py.MPI cimport Comm
 
 from kernels cimport *
 from shm cimport eng_now
+from schedule cimport all_equal
 from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, wait_until, start_wait, Call,
                            Req, Status, Transport, req_active, CoreComm,
                            IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_COMPOSITE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,

@@ -152,12 +152,14 @@ cdef class CoreComm:
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
-    def set_rules(self, str collective, rules, named, composite=None):
+    def set_rules(self, str collective, rules, named, entry_names, composite=None):
         """How this group chooses for one collective: rules, walked in order for each call, the first
         that applies runs; named, every entry this group can run (for algorithm=). Each item: (entry,
         impl, lo_bytes, hi_bytes, min_ranks, max_ranks, dtype_mask, op_mask, takes_uneven_counts);
-        named items are (name, item). composite(entry, *args) runs IMPL_COMPOSITE entries."""
+        named items are (name, item); entry_names: every entry's name, as entry indexes them (for the
+        recorder and messages). composite(entry, *args) runs IMPL_COMPOSITE entries."""
         cdef int op = OP_KIND_NAMES.index(collective)
+        self.log.entry_names = tuple(entry_names)
         rules, named = list(rules), list(named)
         cdef Rule *r = self._rule_array(rules)
         cdef Rule *n = self._rule_array([rule for _, rule in named])
@@ -183,7 +185,7 @@ cdef class CoreComm:
         for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
             if not (self.impls & (1u << impl)):
                 free(out)
-                raise ValueError(f"entry {_entry_name(entry)}: the {self.transport} transport has no implementation "
+                raise ValueError(f"entry {self.log.entry_name(entry)}: the {self.transport} transport has no implementation "
                                  f"{impl}")
             out[i].entry, out[i].impl, out[i].lo, out[i].hi = entry, impl, lo, min(hi, SIZE_MAX)
             out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
@@ -234,7 +236,7 @@ cdef class CoreComm:
         cdef const Rule *r = self.choose(op, nbytes, DTYPE_CODES[dtype],
                                          ENG_SUM if op in (OP_ALLREDUCE, OP_REDUCE, OP_REDUCE_SCATTER) else OPBIT_NONE,
                                          False)
-        return _entry_name(r.entry) if r != NULL else None
+        return self.log.entry_name(r.entry) if r != NULL else None
 
     # -- one call: record, run without the GIL, finish --
 
@@ -305,12 +307,12 @@ cdef class CoreComm:
         cdef char *dst = c.dst
         if c.op == OP_BROADCAST or c.op == OP_BARRIER or src == NULL or dst == NULL:
             return 0
-        if c.counts != NULL and (c.op == OP_REDUCE_SCATTER or c.op == OP_SCATTER or c.op == OP_ALLTOALL):
+        if c.op == OP_REDUCE_SCATTER or c.op == OP_SCATTER or c.op == OP_ALLTOALL:
             src += c.displs[0] * isz
             n = c.counts[0]
-        if c.op == OP_ALLTOALL and c.rdispls != NULL:
+        if c.op == OP_ALLTOALL:
             dst += c.rdispls[0] * isz
-        elif c.counts != NULL and (c.op == OP_ALLGATHER or c.op == OP_GATHER):
+        elif c.op == OP_ALLGATHER or c.op == OP_GATHER:
             dst += c.displs[0] * isz
         if src != dst and n:
             memmove(dst, src, n * isz)
@@ -402,16 +404,16 @@ cdef class CoreComm:
                    str what) except -1:
         """The one check of a v-collective's sizes: without counts, whole holds mine x the group size;
         with them, mine holds counts[rank] and whole their sum (whole None: off the root, unchecked).
-        Fills c.counts / c.displs (NULL without counts)."""
+        Fills c.counts / c.displs: the given counts, or mine's count for every rank."""
         cdef size_t total
         self._fits(c.op, mine.count, what)
+        c.counts, c.displs = self.cnt, self.cnt + self.size
         if counts is None:
-            c.counts = c.displs = NULL
+            even_counts(self.cnt, self.cnt + self.size, self.size, mine.count)
             if whole is not None and whole.count != mine.count * self.size:
                 raise ValueError(f"{what}: {whole_role} has {whole.count} elements; it needs {mine_role}'s {mine.count} "
                                  f"x {self.size} ranks = {mine.count * self.size} (pass counts= for uneven sizes)")
             return 0
-        c.counts, c.displs = self.cnt, self.cnt + self.size
         total = self.fill_counts(counts, self.cnt, self.cnt + self.size, f"{what} counts")
         if self.cnt[self.rank] != mine.count:
             raise ValueError(f"{what}: counts[{self.rank}] is {self.cnt[self.rank]} but this rank's {mine_role} has "
@@ -536,7 +538,7 @@ cdef class CoreComm:
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
         self.sizes(&c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
-        for i in range(self.size if c.counts != NULL else 0):
+        for i in range(self.size):
             largest = max(largest, c.counts[i])
         result = self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
                                              counts is not None, None), ms.count, (sendbuf, recvbuf, op), None)
@@ -557,24 +559,11 @@ cdef class CoreComm:
         if ms.ptr == mr.ptr and ms.count:
             raise ValueError("alltoall: sendbuf and recvbuf are the same memory; pass separate buffers")
         cdef bint even = send_counts is None and recv_counts is None
-        if even:
-            if ms.count % self.size or mr.count != ms.count:
-                raise (NotDivisibleError if ms.count % self.size or mr.count % self.size else ValueError)(
-                    f"alltoall: sendbuf ({ms.count}) and recvbuf ({mr.count}) must have the same number of elements, "
-                    f"divisible by the group size {self.size} (pass send_counts= and recv_counts= for uneven splits)")
-            block = ms.count // self.size
-            for i in range(self.size):
-                sc[i] = rc[i] = block
-                sd[i] = rd[i] = i * block
-        else:
-            if send_counts is None or recv_counts is None:
-                raise ValueError("alltoall: uneven splits need both send_counts and recv_counts")
-            if self.fill_counts(send_counts, sc, sd, "alltoall send_counts") != ms.count:
-                raise ValueError(f"alltoall: send_counts add up to {sd[self.size - 1] + sc[self.size - 1]} but sendbuf "
-                                 f"has {ms.count} elements")
-            if self.fill_counts(recv_counts, rc, rd, "alltoall recv_counts") != mr.count:
-                raise ValueError(f"alltoall: recv_counts add up to {rd[self.size - 1] + rc[self.size - 1]} but recvbuf "
-                                 f"has {mr.count} elements")
+        self.split(send_counts, ms, sc, sd, "send")
+        self.split(recv_counts, mr, rc, rd, "recv")
+        if even and mr.count != ms.count:
+            raise ValueError(f"alltoall: sendbuf has {ms.count} elements but recvbuf {mr.count}; an even split needs "
+                             f"the same number (pass send_counts= and recv_counts= for uneven splits)")
         for i in range(self.size):
             largest = max(largest, sc[i], rc[i])
             sent = max(sent, sc[i])
@@ -584,6 +573,24 @@ cdef class CoreComm:
         self.invoke(&c, self.select(OP_ALLTOALL, sent * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None), ms.count,
                     (), None)
         return recvbuf
+
+    cdef int split(self, counts, Message m, size_t *out, size_t *displs, str side) except -1:
+        """One side of an alltoall: its counts, or m split evenly."""
+        if counts is None:
+            self.check_even_split(m.count, side)
+            even_counts(out, displs, self.size, m.count // self.size)
+        elif self.fill_counts(counts, out, displs, f"alltoall {side}_counts") != m.count:
+            raise ValueError(f"alltoall: {side}_counts add up to {displs[self.size - 1] + out[self.size - 1]} but "
+                             f"{side}buf has {m.count} elements")
+        return 0
+
+    def check_even_split(self, size_t count, str side):
+        """The one divisibility check of an alltoall without counts (side "send" or "recv"); torch's
+        adapter calls it too before it queues one."""
+        if count % self.size:
+            raise NotDivisibleError(
+                f"alltoall: {side}buf has {count} elements, not divisible by the group size {self.size}; pass "
+                f"{side}_counts= (torch's all_to_all_single: {'input' if side == 'send' else 'output'}_split_sizes)")
 
     def barrier(self):
         cdef Call c

@@ -211,22 +211,14 @@ static int ENG_FN(eng_scale)(void *data, size_t n, int dtype, double factor, int
 static int ENG_FN(eng_cast)(void *dst, int d, const void *src, int s, size_t n, double scale) {
   const float fs = (float)scale;
   const int scaled = scale != 1.0;
-  if (s == ENG_FLOAT32 && d == ENG_FLOAT16) {
-    if (scaled) ENG_NARROW(float_to_half, x * fs) else ENG_NARROW(float_to_half, x)
-    return 0;
-  }
-  if (s == ENG_FLOAT32 && d == ENG_BFLOAT16) {
-    if (scaled) ENG_NARROW(float_to_bf16, x * fs) else ENG_NARROW(float_to_bf16, x)
-    return 0;
-  }
-  if (d == ENG_FLOAT32 && s == ENG_FLOAT16) {
-    if (scaled) ENG_WIDEN(half_hi_to_float, x * fs) else ENG_WIDEN(half_hi_to_float, x)
-    return 0;
-  }
-  if (d == ENG_FLOAT32 && s == ENG_BFLOAT16) {
-    if (scaled) ENG_WIDEN(bf16_hi_to_float, x * fs) else ENG_WIDEN(bf16_hi_to_float, x)
-    return 0;
-  }
+/* one pair: its loop with and without the scale (no multiply where it is 1) */
+#define ENG_CAST(S, D, MOVE, FN) \
+  if (s == S && d == D) { if (scaled) MOVE(FN, x * fs) else MOVE(FN, x) return 0; }
+  ENG_CAST(ENG_FLOAT32, ENG_FLOAT16, ENG_NARROW, float_to_half)
+  ENG_CAST(ENG_FLOAT32, ENG_BFLOAT16, ENG_NARROW, float_to_bf16)
+  ENG_CAST(ENG_FLOAT16, ENG_FLOAT32, ENG_WIDEN, half_hi_to_float)
+  ENG_CAST(ENG_BFLOAT16, ENG_FLOAT32, ENG_WIDEN, bf16_hi_to_float)
+#undef ENG_CAST
   return -1;
 }
 

@@ -63,8 +63,6 @@ cdef class MpiComm(CoreComm):
         """counts as MPI's ints (in slot k of ibuf); the core checked that they fit."""
         cdef int i
         cdef int *out = self.ibuf + k * self.size
-        if counts == NULL:
-            return NULL
         for i in range(self.size):
             out[i] = <int>counts[i]
         return out
@@ -117,21 +115,11 @@ cdef class MpiComm(CoreComm):
                            const size_t *displs, WaitCtx *ctx) except -1 nogil:
         cdef size_t isz = eng_itemsize[dtype]
         cdef MPI_Datatype t = MPI_TYPES[dtype]
-        if counts == NULL:
+        if all_equal(counts, self.size):
             return MPI_Allgather(MPI_IN_PLACE if src == dst + self.rank * count * isz else src, <int>count, t,
                                  dst, <int>count, t, self.coll)
         return MPI_Allgatherv(MPI_IN_PLACE if src == dst + displs[self.rank] * isz else src, <int>count, t,
                               dst, self.ints(counts, 0), self.ints(displs, 1), t, self.coll)
-
-    cdef int *even(self, size_t count, int k) noexcept nogil:
-        """count for every rank, and its displacements, as MPI's ints (slots k and k + 1 of ibuf)."""
-        cdef int i
-        cdef int *c = self.ibuf + k * self.size
-        cdef int *d = self.ibuf + (k + 1) * self.size
-        for i in range(self.size):
-            c[i] = <int>count
-            d[i] = <int>(i * count)
-        return c
 
     # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
     # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
@@ -139,24 +127,22 @@ cdef class MpiComm(CoreComm):
     cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
-        cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
-        cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
         cdef MPI_Request req
-        return self.finish(MPI_Igatherv(src, <int>count, t, dst, c, d, t, root, self.coll, &req), &req, ctx)
+        return self.finish(MPI_Igatherv(src, <int>count, t, dst, self.ints(counts, 0), self.ints(displs, 1), t, root,
+                                        self.coll, &req), &req, ctx)
 
     cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                          const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         cdef MPI_Datatype t = MPI_TYPES[dtype]
-        cdef int *c = self.ints(counts, 0) if counts != NULL else self.even(count, 0)
-        cdef int *d = self.ints(displs, 1) if counts != NULL else self.ibuf + self.size
         cdef MPI_Request req
-        return self.finish(MPI_Iscatterv(src, c, d, t, dst, <int>count, t, root, self.coll, &req), &req, ctx)
+        return self.finish(MPI_Iscatterv(src, self.ints(counts, 0), self.ints(displs, 1), t, dst, <int>count, t, root,
+                                         self.coll, &req), &req, ctx)
 
     cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
         cdef int ierr
         cdef MPI_Op op = mpi_op(red)
-        if counts == NULL:
+        if all_equal(counts, self.size):
             ierr = MPI_Reduce_scatter_block(src, dst, <int>count, MPI_TYPES[red.dtype], op, self.coll)
         else:
             ierr = MPI_Reduce_scatter(src, dst, self.ints(counts, 0), MPI_TYPES[red.dtype], op, self.coll)

@@ -33,14 +33,14 @@ cdef class P2PCollectives:
         self.tp = tp
         self.rank, self.size = tp.rank, tp.size
         self.seg_bytes = max(seg_bytes, <size_t>4096)
-        self.even = <size_t*>malloc(2 * self.size * sizeof(size_t))
-        if self.even == NULL:
+        self.blocks = <size_t*>malloc(2 * self.size * sizeof(size_t))
+        if self.blocks == NULL:
             raise MemoryError()
 
     def __dealloc__(self):
         free(self.reqs)
         free(self.expect)
-        free(self.even)
+        free(self.blocks)
         free(self.work)
 
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
@@ -48,9 +48,6 @@ cdef class P2PCollectives:
         cdef size_t isz = eng_itemsize[c.dtype]
         cdef const size_t *counts = c.counts
         cdef const size_t *displs = c.displs
-        if counts == NULL and (c.op == OP_ALLGATHER or c.op == OP_REDUCE_SCATTER):
-            counts = self.even_counts(c.count)
-            displs = counts + self.size
         if c.op == OP_BROADCAST:
             if c.impl == IMPL_PIPELINE:
                 return self.broadcast_pipeline(c.dst, c.count * isz, c.root, ctx)
@@ -70,14 +67,6 @@ cdef class P2PCollectives:
         if c.op == OP_ALLTOALL:
             return self.alltoall_pairwise(c.src, c.dst, isz, c.counts, c.displs, c.rcounts, c.rdispls, ctx)
         return self.barrier_dissemination(ctx)
-
-    cdef size_t *even_counts(self, size_t count) noexcept nogil:
-        """count for every rank, then the displacements (both in self.even)."""
-        cdef int i
-        for i in range(self.size):
-            self.even[i] = count
-            self.even[self.size + i] = <size_t>i * count
-        return self.even
 
     cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil:
         """Room for nreqs requests (cleared, all sends) and work_bytes of workspace."""
@@ -228,8 +217,8 @@ cdef class P2PCollectives:
         them (each link carries about twice the message, not log2(P) times)."""
         cdef int P = self.size, i, ierr
         cdef size_t off, length, largest = 0
-        cdef size_t *counts = self.even
-        cdef size_t *displs = self.even + P
+        cdef size_t *counts = self.blocks
+        cdef size_t *displs = self.blocks + P
         cdef char *mine
         for i in range(P):
             block_range(count, P, i, &off, &length)
@@ -270,8 +259,7 @@ cdef class P2PCollectives:
             return peer_exchange(self.tp, src, count * isz, root, NULL, 0, -1, TAG_P2P_GATHER, ctx)
         self.reserve(P, 0)
         for q in range(P):
-            c = counts[q] if counts != NULL else count
-            d = displs[q] if counts != NULL else <size_t>q * count
+            c, d = counts[q], displs[q]
             if q == root:
                 if dst + d * isz != src and c:
                     memcpy(dst + d * isz, src, c * isz)
@@ -292,8 +280,7 @@ cdef class P2PCollectives:
             return peer_exchange(self.tp, NULL, 0, -1, dst, count * isz, root, TAG_P2P_SCATTER, ctx)
         self.reserve(P, 0)
         for q in range(P):
-            c = counts[q] if counts != NULL else count
-            d = displs[q] if counts != NULL else <size_t>q * count
+            c, d = counts[q], displs[q]
             if q == root:
                 if dst != src + d * isz and c:
                     memcpy(dst, src + d * isz, c * isz)

@@ -7,19 +7,11 @@
 STATE_NAMES = ("running", "done", "failed", "timed out")
 DEFAULT_RECORDS = 256
 
-cdef tuple _ENTRY_NAMES = ()    # what the recorder calls each registry entry (set by engine.registry)
-
-
-def set_entry_names(names):
-    """The registry's entry names, indexed as the rules' entries are (called once, by engine.registry)."""
-    global _ENTRY_NAMES
-    _ENTRY_NAMES = tuple(names)
-
-
 cdef class Recorder:
 
     def __cinit__(self):
         self.nrecs = DEFAULT_RECORDS
+        self.entry_names = ()
         self.recs = <OpRec*>calloc(self.nrecs, sizeof(OpRec))
         if self.recs == NULL:
             raise MemoryError()
@@ -68,25 +60,24 @@ cdef class Recorder:
         rec.state = 1 if exc is None else 3 if isinstance(exc, EngineTimeout) else 2
         self.cur = NULL
         if self.tracer is not None:
-            self.tracer(_record(rec))
+            self.tracer(self.record(rec))
         if exc is not None and self.on_failure is not None:
-            self.on_failure(_record(rec), exc)
+            self.on_failure(self.record(rec), exc)
         return 0
 
     def current(self):
         """The operation running now as a record tuple, or None."""
-        return _record(self.cur) if self.cur != NULL else None
+        return self.record(self.cur) if self.cur != NULL else None
 
     def records(self):
         """The recorded operations, oldest first: (seq, op, count, dtype, algorithm, start, end, state, native)."""
         cdef size_t i, n = min(self.seq, self.nrecs)
-        return [_record(&self.recs[(self.seq - n + 1 + i) % self.nrecs]) for i in range(n)]
+        return [self.record(&self.recs[(self.seq - n + 1 + i) % self.nrecs]) for i in range(n)]
 
 
-cdef tuple _record(OpRec *r):
-    return (r.seq, OP_KIND_NAMES[r.op], r.count, DTYPE_NAMES[r.dtype] if r.dtype >= 0 else None,
-            _entry_name(r.entry), r.start, r.end if r.end else None, STATE_NAMES[r.state], bool(r.native))
+    cdef tuple record(self, OpRec *r):
+        return (r.seq, OP_KIND_NAMES[r.op], r.count, DTYPE_NAMES[r.dtype] if r.dtype >= 0 else None,
+                self.entry_name(r.entry), r.start, r.end if r.end else None, STATE_NAMES[r.state], bool(r.native))
 
-
-cdef object _entry_name(int entry):
-    return _ENTRY_NAMES[entry] if 0 <= entry < len(_ENTRY_NAMES) else None
+    cdef object entry_name(self, int entry):
+        return self.entry_names[entry] if 0 <= entry < len(self.entry_names) else None

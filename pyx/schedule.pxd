@@ -10,6 +10,24 @@ cdef inline void block_range(size_t count, size_t nblocks, size_t b, size_t *off
     off[0] = b * base + (b if b < extra else extra)
 
 
+cdef inline void even_counts(size_t *counts, size_t *displs, int nranks, size_t count) noexcept nogil:
+    """The table of an even v-collective: count elements for every rank, back to back. The communicator
+    fills it for every call without counts, so no algorithm or transport has an even case of its own."""
+    cdef int i
+    for i in range(nranks):
+        counts[i] = count
+        displs[i] = <size_t>i * count
+
+
+cdef inline bint all_equal(const size_t *counts, int nranks) noexcept nogil:
+    """Every rank's count the same (a transport may then use its block form)."""
+    cdef int i
+    for i in range(1, nranks):
+        if counts[i] != counts[0]:
+            return False
+    return True
+
+
 cdef inline int mod(int a, int n) noexcept nogil:
     return ((a % n) + n) % n
 

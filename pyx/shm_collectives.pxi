@@ -26,8 +26,6 @@ cdef uint64_t _counts_hash(const size_t *counts, int n) noexcept nogil:
     """FNV-1a over the per-rank counts of an uneven collective (every rank must pass the same)."""
     cdef uint64_t h = 1469598103934665603ULL
     cdef int i
-    if counts == NULL:
-        return 0
     for i in range(n):
         h = (h ^ counts[i]) * 1099511628211ULL
     return h
@@ -99,19 +97,17 @@ cdef class ShmComm(CoreComm):
         return self.chunk_bytes
 
     cdef object error(self, int ierr, str what, Transport tp=None):
-        if ierr == ENG_ERR_MISMATCH and self.seg.err_peer >= 0:
-            q = self.seg.err_peer
-            text = (f"collective mismatch in this group: rank {self.rank}: {_describe_sig(self.seg.my_sig)}; "
-                    f"rank {q}: {_describe_sig(self.seg.err_sig)}")
-            self.log.broken = text
-            return EngineMismatch(f"{what} failed: {text}")
-        if ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer >= 0:
-            q = self.seg.err_peer
-            text = (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} waited for it in "
-                    f"{what} #{self.seq}")
-            self.log.broken = text
-            return EnginePeerLost(f"{what} failed: {text}")
-        return CoreComm.error(self, ierr, what, tp)
+        cdef int q = self.seg.err_peer
+        if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD):
+            return CoreComm.error(self, ierr, what, tp)
+        if ierr == ENG_ERR_MISMATCH:   # the segment holds both signatures: name what each rank called
+            kind, text = EngineMismatch, (f"collective mismatch in this group: rank {self.rank}: "
+                                          f"{_describe_sig(self.seg.my_sig)}; rank {q}: {_describe_sig(self.seg.err_sig)}")
+        else:
+            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
+                                          f"waited for it in {what} #{self.seq}")
+        self.log.broken = text
+        return kind(f"{what} failed: {text}")
 
     # -- the step primitives of this group's collectives --
 
@@ -421,11 +417,11 @@ cdef class ShmComm(CoreComm):
 
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                            const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        cdef size_t total = count * self.size if counts == NULL else displs[self.size - 1] + counts[self.size - 1]
+        cdef size_t total = displs[self.size - 1] + counts[self.size - 1]
         cdef int q
         self.sign(OP_ALLGATHER, dtype, OPBIT_NONE, IMPL_SEGMENT, -1, total, _counts_hash(counts, self.size))
         for q in range(self.size):
-            self.set_piece(q, count, 0, count if counts == NULL else counts[q], q * count if counts == NULL else displs[q])
+            self.set_piece(q, count, 0, counts[q], displs[q])
         return self.exchange(OP_ALLGATHER, src, dst, dtype, True, -1, True, ctx)
 
     cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
@@ -439,16 +435,16 @@ cdef class ShmComm(CoreComm):
     cdef int rooted(self, int op, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                     const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         """gather (every rank's count elements to the root, at displs) and scatter (the root's
-        pieces at displs, count elements to each rank), mirror images: only the root knows the
-        counts (counts is NULL elsewhere). A gather's piece is the same for every receiver (one
+        pieces at displs, count elements to each rank), mirror images: only the root's counts are
+        read (torch gives the others none). A gather's piece is the same for every receiver (one
         copy in the half); a scatter's differs per receiver."""
         cdef int r = self.rank, q
         cdef bint gather = op == OP_GATHER
         cdef size_t theirs, at, mine
         self.sign(op, dtype, OPBIT_NONE, IMPL_SEGMENT, root, 0, 0)
         for q in range(self.size):
-            theirs = (count if counts == NULL else counts[q]) if r == root else 0
-            at = q * count if counts == NULL else displs[q]
+            theirs = counts[q] if r == root else 0
+            at = displs[q]
             mine = count if q == root else 0
             if gather:
                 self.set_piece(q, mine, 0, theirs, at)
@@ -478,7 +474,7 @@ cdef class ShmComm(CoreComm):
         cdef uint64_t total = 0
         cdef char *mine
         for q in range(P):
-            c = count if counts == NULL else counts[q]
+            c = counts[q]
             total += c
             steps = max(steps, piece_steps(c, per, False))
         self.sign(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SEGMENT, -1, total, _counts_hash(counts, P))
@@ -492,8 +488,7 @@ cdef class ShmComm(CoreComm):
             mine = self.seg.half(r, self.seg.step)
             for q in range(P):
                 if q != r:
-                    c = count if counts == NULL else counts[q]
-                    d = q * count if counts == NULL else displs[q]
+                    c, d = counts[q], displs[q]
                     m = piece_share(c, k, per, False)
                     if m:
                         memcpy(mine + q * per * isz, src + (d + k * per) * isz, m * isz)
@@ -501,7 +496,7 @@ cdef class ShmComm(CoreComm):
             if ierr:
                 return ierr
             m = piece_share(count, k, per, False)
-            d = r * count if counts == NULL else displs[r]
+            d = displs[r]
             for q in range(P):
                 self.srcs[q] = (src + (d + k * per) * isz) if q == r else (self.seg.half(q, self.seg.step) + r * per * isz)
             if m:
@@ -513,9 +508,8 @@ cdef class ShmComm(CoreComm):
     cdef size_t _largest(self, size_t count, const size_t *counts) noexcept nogil:
         cdef size_t m = count
         cdef int q
-        if counts != NULL:
-            for q in range(self.size):
-                m = max(m, counts[q])
+        for q in range(self.size):
+            m = max(m, counts[q])
         return m
 
     cdef int pull_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red, const size_t *counts,
@@ -523,7 +517,7 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], per = max(1, min(self.seg.cap // (P - 1), self.pull_piece) // isz)
         cdef size_t off = 0, n
-        cdef size_t d = r * count if counts == NULL else displs[r]
+        cdef size_t d = displs[r]
         cdef uint64_t step
         ierr = self.open_step(0, ctx)
         if ierr:

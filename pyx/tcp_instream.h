@@ -123,6 +123,21 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   return tcp_corrupt(t, peer);
 }
 
+enum { TCP_READ_AGAIN, TCP_READ_NONE, TCP_READ_EOF, TCP_READ_DATA };
+
+/* What a nonblocking read of peer's stream returned (got): interrupted (read again), nothing now or
+ * the peer failed (recorded), its end, or data (heard from it now). */
+static int tcp_read_outcome(eng_tcp *t, int peer, ssize_t got) {
+  if (got < 0) {
+    if (errno == EINTR) return TCP_READ_AGAIN;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, errno);
+    return TCP_READ_NONE;
+  }
+  if (got == 0) return TCP_READ_EOF;
+  t->peers[peer].heard = eng_now();
+  return TCP_READ_DATA;
+}
+
 /* Reads what one incoming stream has (until it would block, or a message must wait). A read that
  * returned less than it asked for emptied the socket: no second read just to hear EAGAIN. */
 static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in) {
@@ -153,14 +168,10 @@ static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in) {
       mh.msg_iov = iov;
       mh.msg_iovlen = 2;
       ssize_t got = recvmsg(in->fd, &mh, MSG_DONTWAIT);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, errno);
-        return;
-      }
-      if (got == 0) goto eof;
-      p->heard = eng_now();
+      int outcome = tcp_read_outcome(t, peer, got);
+      if (outcome == TCP_READ_AGAIN) continue;
+      if (outcome == TCP_READ_NONE) return;
+      if (outcome == TCP_READ_EOF) goto eof;
       more = (size_t)got == cap + ENG_TCP_STAGE;
       size_t first = (size_t)got < cap ? (size_t)got : cap;
       in->wpos = (size_t)got - first;
@@ -190,14 +201,10 @@ static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in) {
     if (!more) return;
     size_t want = ENG_TCP_STAGE - in->wpos;
     ssize_t got = recv(in->fd, in->stage + in->wpos, want, MSG_DONTWAIT);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, errno);
-      return;
-    }
-    if (got == 0) goto eof;
-    p->heard = eng_now();
+    int outcome = tcp_read_outcome(t, peer, got);
+    if (outcome == TCP_READ_AGAIN) continue;
+    if (outcome == TCP_READ_NONE) return;
+    if (outcome == TCP_READ_EOF) goto eof;
     more = (size_t)got == want;
     in->wpos += (size_t)got;
   }

@@ -124,18 +124,18 @@ cdef class TcpTransport(Transport):
         cdef tcp_req *r = NULL
         cdef int ep = -1
         cdef int ierr = eng_tcp_isend(self.t, buf, nbytes, peer, tag, &r, &ep)
-        if ierr:
-            self.err_peer = ep
-            return ierr
-        req.w[0] = <size_t>r
-        return 0
+        return self.posted(ierr, r, ep, req)     # (r and ep read after the call sets them)
 
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         cdef tcp_req *r = NULL
         cdef int ep = -1
         cdef int ierr = eng_tcp_irecv(self.t, buf, nbytes, peer, tag, &r, &ep)
+        return self.posted(ierr, r, ep, req)
+
+    cdef inline int posted(self, int ierr, tcp_req *r, int err_peer, Req *req) noexcept nogil:
+        """The request in req, or the error and the peer it names."""
         if ierr:
-            self.err_peer = ep
+            self.err_peer = err_peer
             return ierr
         req.w[0] = <size_t>r
         return 0

@@ -97,27 +97,24 @@ cdef int _poll_request(void *tp, void *arg, bint *done) except -1 nogil:
     return (<Transport>tp).test(w.req, done, w.st)
 
 
+_ERROR_TEXTS = {   # {who}: the peer the transport blames
+    ENG_ERR_PEER_DEAD: "{who} exited (its process is gone) while this rank waited for it",
+    ENG_ERR_PEER_LEFT: "{who} left the group while this rank still waited for it",
+    ENG_ERR_TRUNCATE: ("message truncated: {who} sent more bytes than the receive buffer holds; the buffer sizes "
+                       "on the ranks do not match"),
+    ENG_ERR_CORRUPT: ("the shared segment holds an out-of-bounds entry written by {who}: refusing to read it (a "
+                      "bug, a dying peer, or another process of this user writing into it)"),
+    ENG_ERR_NOMEM: "out of memory",
+    ENG_ERR_ABORTED: "the group was aborted (ProcessGroup.abort() or Communicator.abort()) while this rank waited",
+    ENG_ERR_CANCELLED: "the operation was cancelled",
+    ENG_ERR_CMA: ("a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
+                  "to move data through the shared segment only"),
+    ENG_ERR_MISMATCH: "{who} is in a different collective",
+}
+
+
 cdef str _engine_error_text(int code, int peer):
-    who = f"rank {peer}" if peer >= 0 else "a peer"
-    if code == ENG_ERR_PEER_DEAD:
-        return f"{who} exited (its process is gone) while this rank waited for it"
-    if code == ENG_ERR_PEER_LEFT:
-        return f"{who} left the group while this rank still waited for it"
-    if code == ENG_ERR_TRUNCATE:
-        return (f"message truncated: {who} sent more bytes than the receive buffer holds; the buffer sizes on the "
-                "ranks do not match")
-    if code == ENG_ERR_CORRUPT:
-        return (f"the shared segment holds an out-of-bounds entry written by {who}: refusing to read it (a bug, "
-                "a dying peer, or another process of this user writing into it)")
-    if code == ENG_ERR_NOMEM:
-        return "out of memory"
-    if code == ENG_ERR_ABORTED:
-        return "the group was aborted (ProcessGroup.abort() or Communicator.abort()) while this rank waited"
-    if code == ENG_ERR_CANCELLED:
-        return "the operation was cancelled"
-    if code == ENG_ERR_CMA:
-        return (f"a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
-                "to move data through the shared segment only")
-    if code == ENG_ERR_MISMATCH:
-        return f"{who} is in a different collective"
-    return f"error code {code}"
+    text = _ERROR_TEXTS.get(code)
+    if text is None:
+        return f"error code {code}"
+    return text.format(who=f"rank {peer}" if peer >= 0 else "a peer")

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -21,10 +20,9 @@ TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "mpi"])
 
 
 def launch(script, nranks, timeout, **env):
-    start = time.monotonic()
     proc = subprocess.run(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)],
                           env={**mpi_env(), **env}, capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start, proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr
 
 
 def timed_out_after(text):
@@ -50,7 +48,7 @@ def shm_files():
 
 @TRANSPORTS
 def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_rank(transport):
-    proc, _, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", ENGINE_STALL_WARNING_SECONDS="1",
+    proc, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", ENGINE_STALL_WARNING_SECONDS="1",
                           ENGINE_TRANSPORT=transport)
     # the stall warning first, 1 s in (a rank itself late to the call, on a loaded machine, is named too:
     # "ranks 1, 2 did not arrive")
@@ -68,7 +66,7 @@ def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_
 
 @TRANSPORTS
 def test_debug_mode_mismatch_raises_on_every_rank(transport):
-    proc, elapsed, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1", ENGINE_TRANSPORT=transport)
+    proc, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1", ENGINE_TRANSPORT=transport)
     lines = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineMismatch: (.*)", out)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], out[-3000:]
     for _, seconds, msg in lines:
@@ -82,7 +80,7 @@ def test_native_collective_that_never_completes_ends_the_job(skip):
     """MPI's own collectives: a broadcast is waited on by the engine (EngineTimeout, then the failure
     policy ends the job); the root of a reduce blocks inside MPI (the watchdog ends the job)."""
     before = shm_files()
-    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi", SKIP_OP=skip)
+    proc, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="mpi", SKIP_OP=skip)
     assert proc.returncode != 0, out[-3000:]
     # rank 2 waits in the collective or, where MPI gave it the data straight from the root or took its
     # part at once, in the barrier (on a loaded machine rank 2 may itself still be on its way: "ranks 1,
@@ -101,7 +99,7 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     segment), rank 2 gets it too; both then time out in the barrier rank 1 never reaches, name it, and
     abort the job after a short grace (a rank that raised must not wait in MPI_Finalize for rank 1)."""
     before = shm_files()
-    proc, _, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
+    proc, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
     assert proc.returncode != 0, out[-3000:]
     assert_rank_1_named_missing(out, r"barrier #3")
     assert "aborting the job" in out
@@ -112,9 +110,9 @@ def test_shm_rank_that_never_arrives_ends_the_job():
 @TRANSPORTS
 def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing(transport):
     before = shm_files()
-    proc, elapsed, out = launch("killed_rank.py", 3, 120, KILL_RANK="1", ENGINE_TRANSPORT=transport)
+    # a group timeout past the launch's: only the loss of rank 1 can end the job in time
+    proc, out = launch("killed_rank.py", 3, 120, KILL_RANK="1", ENGINE_TRANSPORT=transport, ENGINE_TIMEOUT="600")
     assert proc.returncode != 0, out[-3000:]
-    assert elapsed < 40, f"mpirun took {elapsed:.1f} s"
     assert "SIGKILL at step 5" in out
     leftover = subprocess.run(["pgrep", "-f", "faults/killed_rank.py"], capture_output=True, text=True).stdout
     assert leftover.strip() == "", leftover
@@ -136,7 +134,7 @@ def test_point_to_point_recv_times_out_naming_the_peer(transport):
     with open(script, "w") as f:
         f.write(code)
     try:
-        proc, _, out = launch(os.path.basename(script), 2, 60, ENGINE_TRANSPORT=transport)
+        proc, out = launch(os.path.basename(script), 2, 60, ENGINE_TRANSPORT=transport)
     finally:
         os.remove(script)
     raised = re.search(r"RAISED recv from rank 1 \(tag 9\) in group '\w+' \(rank 0 of 2\): Timed out after [\d.]+ s "
@@ -149,7 +147,7 @@ def test_point_to_point_recv_times_out_naming_the_peer(transport):
 @TRANSPORTS
 def test_bad_inputs_get_clear_errors(tmp_path, transport):
     trace = tmp_path / "t.json"
-    proc, _, out = launch("bad_input.py", 2, 90, ENGINE_DEBUG="1", ENGINE_TRACE=str(trace), ENGINE_TRANSPORT=transport)
+    proc, out = launch("bad_input.py", 2, 90, ENGINE_DEBUG="1", ENGINE_TRACE=str(trace), ENGINE_TRANSPORT=transport)
     cases = dict(re.findall(r"CASE ([^:]+): (.*)", out))
     assert "EngineMismatch" in cases["dtype mismatch"] and "float32" in cases["dtype mismatch"] \
         and "float64" in cases["dtype mismatch"], cases

@@ -154,8 +154,8 @@ def test_a_message_split_over_streams_arrives_whole_whatever_comes_first(rank0):
                  + payload[half:].tobytes())    # the second part first, on stream 1
     out = np.zeros(payload.nbytes, np.uint8)
     r = core.irecv(out, 1, 7)
-    time.sleep(0.05)
-    r.test()
+    # stream 1's part is in before stream 0 connects: the channel has heard from rank 1
+    assert drive(r, lambda: [s is not None for p, s in core.user_transport.waiting_on() if p == 1] == [True])
     s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, payload.nbytes, half)
                  + payload[:half].tobytes())
     assert r.wait() == (1, 7, payload.nbytes)
@@ -182,18 +182,17 @@ def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
 def test_a_peer_closing_mid_message_fails_naming_it(rank0):
     core, _, ports = rank0
     s = connect(ports[1], hello() + header(MSG, 0, 0, 1000, 1000) + b"x" * 10)
-    threading.Timer(0.2, s.close).start()
-    start = time.monotonic()
+    r = core.irecv(np.zeros(1000, np.uint8), 1, 0)
+    assert drive(r, lambda: [s is not None for p, s in core.user_transport.waiting_on() if p == 1] == [True])
+    s.close()   # 10 of 1000 bytes in; a receive that missed the close would end in the Deadline's EngineTimeout
     with pytest.raises(EnginePeerLost, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) closed its connection"):
-        core.recv(np.zeros(1000, np.uint8), 1, 0)
-    assert time.monotonic() - start < 5
+        r.wait()
 
 
 def test_what_a_closed_peer_sent_is_still_received(rank0):
     core, _, ports = rank0
     s = connect(ports[1], hello() + header(MSG, 1, 0, 3, 3) + b"abc")
-    s.close()
-    time.sleep(0.1)
+    s.close()   # before the receive is posted: what it sent is queued ahead of its end
     out = np.zeros(3, np.uint8)
     assert core.recv(out, 1, 1) == (1, 1, 3) and out.tobytes() == b"abc"
     with pytest.raises(EnginePeerLost, match="rank 1"):

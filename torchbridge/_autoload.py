@@ -23,7 +23,7 @@ def _register():
 
 
 def _create_process_group(opts, backend_options):
-    from .process_group import create_process_group
+    from .creation import create_process_group
     return create_process_group(opts, backend_options)
 
 

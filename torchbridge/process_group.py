@@ -4,167 +4,32 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy).
 
-The latency path is compiled (torchbridge._fastpath, pyx/torch_fastpath.pyx): the methods torch calls
+The latency path is compiled (torchbridge._fastpath, torchbridge/_fastpath.pyx): the methods torch calls
 on every collective and message (allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single,
 all_to_all_single, barrier, send, recv, recv_anysource) are its functions. Each reads torch's options in
 one C call and makes one call into the communicator, the collective running in the calling thread
 (engine.progress.Progress.run) when the group is idle; anything else goes to the general method of the
 same collective here (`_broadcast` for broadcast, ...), which handles every case.
 
-Under torch's profiler every call records an event named as torch's own backends name theirs
-("engine:all_reduce", with the inputs' shapes when shapes are recorded), from the call until its work
-completes. Without a profiler that costs one test of torch's own flag
-(torch.autograd.profiler._is_profiler_enabled, what torch's compiler checks for the same reason).
+Beside it: torchbridge.creation makes groups, torchbridge.tracing records profiler events,
+torchbridge.sparse sums sparse tensors, engine.monitored_barrier is Gloo's monitored barrier.
 """
 
-import functools
-import math
-import os
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.autograd import profiler as _autograd_profiler
 
-from engine import Communicator, ReduceOp
-from engine.launcher import MPIRUN_HINT, detect_launcher
+from engine import ReduceOp
+from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
 from . import _fastpath
 from ._fastpath import PREMUL, op_of
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
-from .fault import FaultTolerance, Unavailable, no_members_error, reconfigured
-from .work import CollectiveWork, PointToPointWork
-
-_GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
-
-# -- profiler events --
-
-_RecordFunction = torch._C._profiler._RecordFunctionFast  # records the inputs' shapes when asked to
-
-
-def _traced(name, inputs=None):
-    """A c10d method that, under torch's profiler, records the event "engine:<name>" (with the shapes
-    of inputs(*args): the tensors torch's own backends record) from the call until its work completes.
-    Without a profiler: one test of torch's flag."""
-    title = "engine:" + name
-
-    def wrap(method):
-        @functools.wraps(method)
-        def traced(self, *args, **kwargs):
-            if not _autograd_profiler._is_profiler_enabled:
-                return method(self, *args, **kwargs)
-            return _record(title, inputs(*args) if inputs is not None else [], method, self, args, kwargs)
-
-        return traced
-
-    return wrap
-
-
-def _record(title, inputs, method, self, args, kwargs):
-    event = _RecordFunction(title, list(inputs))
-    event.__enter__()
-    try:
-        work = method(self, *args, **kwargs)
-    except BaseException:
-        _end(event)
-        raise
-    _end_when_done(work, event)
-    return work
-
-
-def _end(event, *_):
-    event.__exit__(None, None, None)
-
-
-def _end_when_done(work, event):
-    """Ends event when work completes, in the thread that completes it (the progress thread, or a
-    caller who waits), as torch's backends end theirs. Work already complete (a synchronous call ran in
-    place) ends it now, and so does CUDA work: that is enqueued on a stream, and the GPU's own activity
-    in the profile shows when it runs."""
-    if type(work) is CollectiveWork:
-        task = work._task
-        task.progress.add_done_callback(task, functools.partial(_end, event))
-    elif type(work) is PointToPointWork:
-        work.add_done_callback(functools.partial(_end, event))
-    else:
-        _end(event)
-
-
-def _first(tensors, *_):
-    return tensors
-
-
-def _second(_, tensors, *__):
-    return tensors
-
-
-def _second_one(_, tensor, *__):
-    return [tensor]
-
-
-def _root_inputs(_, input_lists, *__):
-    return input_lists[0] if input_lists else []
-
-
-def create_process_group(opts, backend_options=None):
-    """The creator torch calls (extended API) on each member of a new group. Under an MPI launcher the
-    group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store
-    (shared memory inside a host, the engine's TCP transport between hosts). After a reconfigure the
-    store is used under MPI too: MPI's world no longer says who the members are. A group made with
-    enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure."""
-    seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
-    name = opts.group_id or "default"
-    ranks = list(opts.global_ranks_in_group)
-    store = attempt_store(opts.store)
-    if getattr(opts, "enable_reconfigure", False):
-        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
-    if detect_launcher() is None or reconfigured():
-        comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
-                                       timeout=seconds, name=name)
-    else:
-        mpi_comm = _mpi_group(opts, ranks)
-        comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
-    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
-
-
-def attempt_store(store):
-    """The part of torch's store that belongs to this attempt of the job. torchrun hands every attempt
-    of a restarted job the same store (its agent's: c10d and static rendezvous alike), and torch's own
-    keys for a group are the same in each, so a restarted worker would read what the attempt before it
-    wrote (a dead rank's segment, its addresses). Under torchrun the engine's keys go under the run and
-    the attempt (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT); other launches make their store anew
-    with the job (rank 0 hosts it)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if store is None or attempt is None:
-        return store
-    return dist.PrefixStore(f"engine/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
-
-
-def _mpi_group(opts, ranks):
-    """An MPI communicator of the group's members (collective over them only)."""
-    from engine import mpi
-    MPI = mpi.load()
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise RuntimeError("backend 'engine' needs MPI_THREAD_MULTIPLE (its progress thread calls MPI); this MPI "
-                           f"was initialised with level {MPI.Query_thread()}: leave mpi4py.rc.thread_level at "
-                           "'multiple' and use an MPI built with thread support")
-    world = MPI.COMM_WORLD
-    if not ranks:  # the default group: everyone
-        if world.Get_size() != opts.group_size or world.Get_rank() != opts.group_rank:
-            raise RuntimeError(
-                f"torch.distributed says rank {opts.group_rank} of {opts.group_size}, but MPI says rank "
-                f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher; "
-                f"{MPIRUN_HINT}")
-        return world.Dup()
-    if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
-        raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
-    group = world.Get_group().Incl(ranks)
-    try:
-        return world.Create_group(group, tag=_GROUP_TAG)
-    finally:
-        group.Free()
+from .fault import FaultTolerance, Unavailable, no_members_error
+from .sparse import sparse_sum, uneven
+from .tracing import first, root_inputs, second, second_one, traced
 
 
 def _seconds(timeout, default):
@@ -218,34 +83,6 @@ def _write(out, fn):
         out.copy_(tmp)
 
 
-def _sparse_sum(t, comm):
-    """all_reduce (SUM) of a sparse COO tensor as Gloo does it: every rank's coalesced indices and values
-    are gathered, concatenated in rank order and summed by coalescing; the sum is written into t."""
-    mine = t.coalesce()
-    indices, values = mine.indices(), mine.values()
-    meta = torch.tensor([mine._nnz(), mine.sparse_dim(), mine.dim(), hash(tuple(mine.shape)), t.dtype.itemsize,
-                         t.dtype.is_floating_point, t.dtype.is_complex], dtype=torch.int64)
-    metas = torch.empty(comm.size * meta.numel(), dtype=torch.int64)
-    comm.allgather(meta, metas)
-    metas = metas.view(comm.size, -1)
-    if not bool((metas[:, 1:] == meta[1:]).all()):
-        differ = [r for r in range(comm.size) if not bool((metas[r, 1:] == meta[1:]).all())]
-        raise ValueError(f"engine all_reduce of a sparse tensor: ranks {', '.join(map(str, differ))} passed a "
-                         f"sparse tensor of another shape, sparse dimension or dtype than this rank's "
-                         f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions")
-    counts = metas[:, 0].tolist()
-    total = sum(counts)
-    if total == 0:
-        t.copy_(mine)
-        return
-    row = math.prod(values.shape[1:])
-    all_indices = indices.new_empty(total, indices.shape[0])  # rank-major: each rank's block is contiguous
-    comm.allgather(indices.t().contiguous(), all_indices, _uneven([n * indices.shape[0] for n in counts]))
-    all_values = values.new_empty((total,) + tuple(values.shape[1:]))
-    comm.allgather(values.contiguous(), all_values, _uneven([n * row for n in counts]))
-    t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape, check_invariants=False).coalesce())
-
-
 def _flat(tensors, like):
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else like.new_empty(0)
 
@@ -268,18 +105,13 @@ def _scatter_back(flat, outputs):
         out.copy_(piece.view(out.shape))
 
 
-def _uneven(counts):
-    return None if len(set(counts)) <= 1 else counts
-
-
-def all_to_all_counts(output, input, output_split_sizes, input_split_sizes, size):
-    """(send counts, receive counts) in elements for all_to_all_single, or (None, None) when even."""
+def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes):
+    """(send counts, receive counts) in elements for all_to_all_single; None for a side split evenly."""
+    size = comm.size
 
     def counts(t, splits, side):
         if not splits:
-            if t.numel() % size:
-                raise ValueError(f"all_to_all_single: {side} has {t.numel()} elements, not divisible by the "
-                                 f"group size {size}; pass {side}_split_sizes")
+            comm.check_even_split(t.numel(), "send" if side == "input" else "recv")
             return None
         if len(splits) != size:
             raise ValueError(f"all_to_all_single: {side}_split_sizes has {len(splits)} entries, needs {size}")
@@ -289,12 +121,7 @@ def all_to_all_counts(output, input, output_split_sizes, input_split_sizes, size
                              f"tensor has {t.shape[0] if t.dim() else t.numel()} rows")
         return [s * row for s in splits]
 
-    send_counts = counts(input, input_split_sizes, "input")
-    recv_counts = counts(output, output_split_sizes, "output")
-    if (send_counts is None) != (recv_counts is None):
-        send_counts = send_counts or [input.numel() // size] * size
-        recv_counts = recv_counts or [output.numel() // size] * size
-    return send_counts, recv_counts
+    return counts(input, input_split_sizes, "input"), counts(output, output_split_sizes, "output")
 
 
 class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
@@ -387,75 +214,20 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         raise RuntimeError(f"No backend type associated with device type {kind}: backend 'engine' serves "
                            f"{' and '.join(d.type for d in self._device_types)} tensors")
 
-    @_traced("monitored_barrier")
+    @traced("monitored_barrier")
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        """Gloo's monitored barrier: every rank reports to rank 0, which waits at most `timeout` (default:
-        the group's) and names in its error the ranks that did not arrive (the first, or with
-        wait_all_ranks every one); then it releases the others, or tells them it failed. The ranks
-        meet in the group's store, not on its transport, so a collective stuck on this group can't
-        hold it up. dist.monitored_barrier refuses every backend not named "gloo" (torch checks the
-        name): call it on the group, `(group or dist.group.WORLD).monitored_barrier(timeout)`."""
-        seconds = _seconds(timeout, self._timeout_seconds())
+        """Gloo's monitored barrier (engine.monitored_barrier), in the group's store: rank 0 waits at most
+        `timeout` (default: the group's) and names the ranks that did not arrive. dist.monitored_barrier
+        refuses every backend not named "gloo" (torch checks the name): call it on the group,
+        `(group or dist.group.WORLD).monitored_barrier(timeout)`."""
         seq = self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
         if self.size() == 1:
             return
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
-        key = f"engine/monitored-barrier/{seq}/"
-        if self.rank() != 0:
-            return self._report_to_rank_0(key, seq)
-        start = time.monotonic()
-        arrived, missing = [], []
-        for r in range(1, self.size()):
-            left = start + seconds - time.monotonic()
-            if self._arrives(key + str(r), left):
-                arrived.append(r)
-                continue
-            if wait_all_ranks:
-                missing.append(r)
-                continue
-            if left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
-                error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
-                         f"before rank {r} arrived (monitored barrier #{seq} of group {self._name!r}; ranks that "
-                         f"arrived: {', '.join(map(str, arrived)) or 'none'})")
-            else:
-                error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out "
-                         f"waiting for it (monitored barrier #{seq} of group {self._name!r})")
-            break
-        else:
-            error = None
-            if missing:
-                error = (f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} failed to "
-                         f"pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out waiting for "
-                         f"{'them' if len(missing) > 1 else 'it'} (monitored barrier #{seq} of group {self._name!r})")
-        self._store.set(key + "verdict", error or "ok")
-        if error is not None:
-            raise RuntimeError(error)
-
-    def _arrives(self, key, seconds):
-        """Whether key is set in the store within seconds (at once when seconds <= 0)."""
-        if seconds > 0:
-            try:
-                self._store.wait([key], timedelta(seconds=seconds))
-                return True
-            except RuntimeError:  # the store's timeout (its own exception type and wording)
-                pass
-        return self._store.check([key])
-
-    def _report_to_rank_0(self, key, seq):
-        rank = self.rank()
-        self._store.set(key + str(rank), "")
-        # Rank 0 answers when everyone arrived or its own timeout ran out; this rank waits as long as the
-        # group's timeout (as Gloo's other ranks do), rank 0 itself may be the one late.
-        seconds = self._timeout_seconds()
-        if not self._arrives(key + "verdict", seconds):
-            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
-                               f"for send/recv from rank 0: Timed out after {seconds:g} s waiting for rank 0's answer "
-                               f"(monitored barrier #{seq} of group {self._name!r}); rank 0 did not arrive")
-        verdict = self._store.get(key + "verdict").decode()
-        if verdict != "ok":
-            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
-                               f"for send/recv from rank 0: rank 0 reported: {verdict}")
+        monitored_barrier(self._store, f"engine/monitored-barrier/{seq}/", self.rank(), self.size(),
+                          _seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
+                          f"monitored barrier #{seq} of group {self._name!r}")
 
     # -- which device communicator --
 
@@ -519,7 +291,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     recv = _fastpath.recv
     recv_anysource = _fastpath.recv_anysource
 
-    @_traced("all_reduce", _first)
+    @traced("all_reduce", first)
     def _allreduce(self, tensors, opts):
         t = _one(tensors, "allreduce")
         if t.is_sparse:
@@ -544,9 +316,9 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         if t.is_cuda:
             raise RuntimeError("engine all_reduce of a sparse tensor: CUDA sparse tensors are not supported; move it "
                                "to the CPU (tensor.cpu()) or pass a dense tensor")
-        return self._cpu.launch("allreduce", _sparse_sum, t, self._cpu.comm, None, 2, tensors, opts)
+        return self._cpu.launch("allreduce", sparse_sum, t, self._cpu.comm, None, 2, tensors, opts)
 
-    @_traced("all_reduce_coalesced", _first)
+    @traced("all_reduce_coalesced", first)
     def allreduce_coalesced(self, tensors, opts=None):
         """Fused: tensors packed into buckets (engine.fusion), one allreduce per bucket."""
         op, factor = _reduce_op(opts)
@@ -558,7 +330,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         sync = opts is not None and not opts.asyncOp
         return self._device(tensors[0]).fused(tensors, op, None, factor or 1.0, "allreduce_coalesced", sync)
 
-    @_traced("fused_allreduce", _first)
+    @traced("fused_allreduce", first)
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
         """Queues a fused allreduce of tensors (in place) and returns its Work at once: the buckets of
         DistributedOptimizer and the DDP comm hooks."""
@@ -566,13 +338,13 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             return self._cpu.launch(name, _nothing, None, None, None, 0, [], None)
         return self._device(tensors[0]).fused(tensors, op, compression, 1.0, name)
 
-    @_traced("fused_allreduce", _first)
+    @traced("fused_allreduce", first)
     def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
         """Runs now (CUDA: enqueued on the current stream, what follows on it sees the result)."""
         if tensors:
             self._device(tensors[0]).fused(tensors, op, compression, prescale, "fused_allreduce", sync=True)
 
-    @_traced("reduce", _first)
+    @traced("reduce", first)
     def _reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         dev = self._device(t)
@@ -588,7 +360,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
         return dev.launch("reduce", run, None, None, None, 0, tensors, opts)
 
-    @_traced("reduce_scatter", _root_inputs)
+    @traced("reduce_scatter", root_inputs)
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         out = _one(output_tensors, "reduce_scatter")
         inputs = _one(input_lists, "reduce_scatter")
@@ -601,7 +373,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             flat = _flat(inputs, out)
             if factor is not None:
                 flat = _premul(flat, factor)
-            _write(out, lambda buf: comm.reduce_scatter(flat, buf, op, _uneven([i.numel() for i in inputs])))
+            _write(out, lambda buf: comm.reduce_scatter(flat, buf, op, uneven([i.numel() for i in inputs])))
 
         return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
 
@@ -616,9 +388,9 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
-    _reduce_scatter_tensor = _traced("reduce_scatter_tensor", _second_one)(_reduce_scatter_single)
+    _reduce_scatter_tensor = traced("reduce_scatter_tensor", second_one)(_reduce_scatter_single)
 
-    @_traced("reduce_scatter_tensor_coalesced", _second)
+    @traced("reduce_scatter_tensor_coalesced", second)
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else self._barrier()
@@ -627,7 +399,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
     # -- data movement --
 
-    @_traced("broadcast", _first)
+    @traced("broadcast", first)
     def _broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         dev = self._device(t)
@@ -646,12 +418,12 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         def run():
             counts = [o.numel() for o in outs]
             flat = inp.new_empty(sum(counts))
-            comm.allgather(contiguous(inp), flat, _uneven(counts))
+            comm.allgather(contiguous(inp), flat, uneven(counts))
             _scatter_back(flat, outs)
 
         return dev.launch("allgather", run, None, None, None, 0, output_lists, opts)
 
-    allgather = _traced("all_gather", _second)(_allgather)
+    allgather = traced("all_gather", second)(_allgather)
 
     def _all_gather_single(self, output, input, opts=None):
         dev = self._device(input)
@@ -659,22 +431,22 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         return dev.launch("all_gather_into_tensor", _write, output,
                           lambda buf: comm.allgather(contiguous(input), buf), None, 2, [output], opts)
 
-    _all_gather_into_tensor = _traced("all_gather_into_tensor", _second_one)(_all_gather_single)
+    _all_gather_into_tensor = traced("all_gather_into_tensor", second_one)(_all_gather_single)
 
-    @_traced("all_gather_into_tensor_coalesced", _second)
+    @traced("all_gather_into_tensor_coalesced", second)
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else self._barrier()
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    @_traced("all_gather_coalesced", _second)
+    @traced("all_gather_coalesced", second)
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][j] receives rank r's input_list[j]: one allgather per input."""
         works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
         return works[-1] if works else self._barrier()
 
-    @_traced("gather", _second)
+    @traced("gather", second)
     def gather(self, output_lists, input_tensors, opts):
         inp = _one(input_tensors, "gather")
         dev = self._device(inp)
@@ -689,12 +461,12 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
                 return
             counts = [o.numel() for o in outs]
             flat = inp.new_empty(sum(counts))
-            comm.gather(contiguous(inp), flat, root, _uneven(counts))
+            comm.gather(contiguous(inp), flat, root, uneven(counts))
             _scatter_back(flat, outs)
 
         return dev.launch("gather", run, None, None, None, 0, output_lists, opts)
 
-    @_traced("scatter", _root_inputs)
+    @traced("scatter", root_inputs)
     def scatter(self, output_tensors, input_lists, opts):
         out = _one(output_tensors, "scatter")
         dev = self._device(out)
@@ -706,13 +478,13 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         def run():
             if self.rank() == root:
                 flat = _flat(inputs, out)
-                _write(out, lambda buf: comm.scatter(flat, buf, root, _uneven([i.numel() for i in inputs])))
+                _write(out, lambda buf: comm.scatter(flat, buf, root, uneven([i.numel() for i in inputs])))
             else:
                 _write(out, lambda buf: comm.scatter(None, buf, root))
 
         return dev.launch("scatter", run, None, None, None, 0, output_tensors, opts)
 
-    @_traced("all_to_all", _second)
+    @traced("all_to_all", second)
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(f"all_to_all needs {self.size()} input and output tensors, got "
@@ -729,10 +501,10 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
         return dev.launch("alltoall", run, None, None, None, 0, output_tensors, opts)
 
-    @_traced("all_to_all_single", _second_one)
+    @traced("all_to_all_single", second_one)
     def _alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        send_counts, recv_counts = all_to_all_counts(output, input, output_split_sizes, input_split_sizes,
-                                                     self.size())
+        send_counts, recv_counts = all_to_all_counts(self._comm or self._cpu, output, input, output_split_sizes,
+                                                     input_split_sizes)
         dev = self._device(input)
         comm = dev.comm
         return dev.launch("alltoall_base", _write, output,
@@ -744,21 +516,21 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         # on the GPU); CUDA work already enqueued keeps its own order.
         return self._cpu.launch("barrier", getattr(self._comm, "barrier", None), None, None, None, 0, [], opts)
 
-    _traced_barrier = _traced("barrier")(_barrier)
+    _traced_barrier = traced("barrier")(_barrier)
 
     # -- point to point: posted now, never queued behind collectives --
 
-    @_traced("send", _first)
+    @traced("send", first)
     def _send(self, tensors, dst, tag):
         t = _one(tensors, "send")
         return self._device(t).send(t, dst, tag, tensors)
 
-    @_traced("recv", _first)
+    @traced("recv", first)
     def _recv(self, tensors, src, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, src, tag, tensors)
 
-    @_traced("recvAnySource", _first)
+    @traced("recvAnySource", first)
     def _recv_anysource(self, tensors, tag):
         t = _one(tensors, "recv")
         return self._device(t).recv(t, None, tag, tensors)

@@ -251,6 +251,9 @@ cdef class Recorder:
     cdef public object broken   # why the group is unusable, or None
     cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
     cdef object on_failure      # called with (record, exception) when an operation fails
+    cdef tuple entry_names      # the registry's entry names, as the rules index them (Plan.configure)
+    cdef tuple record(self, OpRec *r)
+    cdef object entry_name(self, int entry)
     cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL
     cdef int end(self, OpRec *rec, object exc) except -1
 
@@ -298,11 +301,10 @@ cdef class P2PCollectives:
     cdef Req *reqs              # grown, never shrunk
     cdef size_t *expect         # the bytes each posted receive must bring (SIZE_MAX: a send)
     cdef size_t cap
-    cdef size_t *even           # 2 x size: counts and displacements of an even split
+    cdef size_t *blocks         # 2 x size: counts and displacements of a large reduce's blocks
     cdef char *work             # workspace (grown, never shrunk)
     cdef size_t work_cap
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
-    cdef size_t *even_counts(self, size_t count) noexcept nogil
     cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
     cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
     cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
@@ -379,6 +381,7 @@ cdef class CoreComm:
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
     cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
+    cdef int split(self, counts, Message m, size_t *out, size_t *displs, str side) except -1
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1
     cdef size_t max_count(self, int op) noexcept
@@ -408,7 +411,6 @@ cdef class CoreComm:
 
 cdef str _engine_error_text(int code, int peer)     # transport.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi
-cdef object _entry_name(int entry)                  # recorder.pxi
 
 
 cdef class Request:      # request.pxi; comm.pxi posts them

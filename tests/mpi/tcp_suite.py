@@ -8,7 +8,6 @@ hosts (one rank per host; three ranks, uneven across them) through every TCP ent
 what the rank computes."""
 
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -135,20 +134,21 @@ def test_the_group_says_where_its_ranks_listen():
 
 def test_a_rank_that_leaves_after_its_part_does_not_fail_the_others():
     """Rank 1 gives its few bytes to a gather and destroys the group at once, while rank 2's large part
-    still waits for root 0, which comes a second later: rank 1 left in order (its goodbye), so rank 2's
-    wait goes on, where a crash of rank 1 would fail it."""
+    still waits for root 0, which comes only once rank 1 says (through the store) that it has left:
+    rank 1 left in order (its goodbye), so rank 2's wait goes on, where a crash of rank 1 would fail it."""
     groups = flat_groups()
     if len(groups) < 2:
         pytest.skip("needs three ranks")
     ranks = groups[1]
     pg = dist.new_group(ranks, backend="engine", timeout=torch_world.TIMEOUT)   # (every rank makes it)
+    store = dist.distributed_c10d._get_default_store()
     if R in ranks:
         comm, g = pg.communicator, ranks.index(R)
         tp = comm.core.algo_transport
         counts = [4, 4, 16 << 20]            # rank 2's part is held by TCP until the root reads it
         mine = np.full(counts[g], g + 1, np.uint8)
         if g == 0:
-            time.sleep(1.0)
+            store.wait(["tcp_suite:left"])
             out = np.zeros(sum(counts), np.uint8)
             comm.gather(mine, out, 0, counts)
             np.testing.assert_array_equal(out, np.repeat(np.arange(1, 4, dtype=np.uint8), counts))
@@ -157,6 +157,8 @@ def test_a_rank_that_leaves_after_its_part_does_not_fail_the_others():
         if g == 2:
             assert tp.departed == [1], tp.departed   # it did leave while this rank waited
         dist.destroy_process_group(pg)
+        if g == 1:
+            store.set("tcp_suite:left", "1")
     dist.barrier()
 
 

@@ -81,19 +81,24 @@ def test_point_to_point_is_a_profiler_event():
 
 @pytest.mark.skipif(P < 2, reason="needs a late peer")
 def test_async_work_is_an_event_until_it_completes():
-    """Rank 0 issues an asynchronous all_reduce at once, the others 0.3 s later: its event lasts until the
-    work completes (at least 0.3 s), not just the call that queued it."""
-    t = torch.ones(100)
+    """Rank 0 issues an asynchronous all_reduce, then (inside a marker range) tells the others to join it,
+    point to point: the all_reduce can't complete before the marker starts, so its event, which lasts
+    until the work completes and not just the call that queued it, ends after the marker's start."""
+    t, go = torch.ones(100), torch.zeros(1)
     dist.barrier()
     if R != 0:
-        time.sleep(0.3)
+        dist.recv(go, 0)
     with torch.profiler.profile() as prof:
         work = dist.all_reduce(t, async_op=True)
+        if R == 0:
+            with torch.profiler.record_function("peers-released"):
+                for peer in range(1, P):
+                    dist.send(go, peer)
         work.wait()
-    (event,) = engine_events(prof)
-    assert event.name == "engine:all_reduce"
+    (event,) = [e for e in engine_events(prof) if e.name == "engine:all_reduce"]
     if R == 0:
-        assert event.cpu_time_total >= 0.25e6, event.cpu_time_total  # microseconds
+        (marker,) = [e for e in prof.events() if e.name == "peers-released"]
+        assert event.time_range.end >= marker.time_range.start, (event.time_range, marker.time_range)
     assert torch.equal(t, torch.full((100,), float(P)))
 
 
@@ -148,11 +153,10 @@ def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all):
             dist.send(torch.empty(1), r)
         named = f"Rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
         assert f"[Rank 0]: {named} failed to pass monitoredBarrier in 1000 ms: Timed out waiting for" in message
-        assert 0.9 < elapsed < 5, elapsed
+        assert elapsed > 0.9, elapsed   # it waited its timeout (no upper bound: the machine may be busy)
     else:
         assert message.startswith(f"Rank {R} successfully reached monitoredBarrier, but received errors while waiting "
                                   f"for send/recv from rank 0: rank 0 reported: [Rank 0]: Rank"), message
-        assert elapsed < 5, elapsed
     dist.barrier()
     WORLD.monitored_barrier(timedelta(seconds=30))  # everyone in step again
 

@@ -238,6 +238,7 @@ cdef class FastPath:
     cdef int size
     cdef object run, submit
     cdef object allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, barrier, isend, irecv
+    cdef object check_even_split
     cdef object reduce_to_root      # self._reduce_to_root, bound once
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
     cdef Py_ssize_t next_work       # the slot of works the next new one takes
@@ -248,6 +249,7 @@ cdef class FastPath:
         self.run, self.submit = progress.run, progress.submit
         self.allreduce, self.broadcast, self.reduce = comm.allreduce, comm.broadcast, comm.reduce
         self.allgather, self.reduce_scatter, self.alltoall = comm.allgather, comm.reduce_scatter, comm.alltoall
+        self.check_even_split = comm.check_even_split
         self.barrier, self.isend, self.irecv = comm.barrier, comm.isend, comm.irecv
         self.reduce_to_root = self._reduce_to_root
         self.works = [None] * P2P_WORKS
@@ -265,7 +267,7 @@ cdef class FastPath:
         u where not None) isn't contiguous, or an even split's count isn't divisible by the group size
         (the general path says so in torch's terms). A run finds either out before anything moves; a
         queued call can't fall back once queued, so contiguity is checked here first, and
-        all_to_all_single, the one even split, checks divisibility before calling."""
+        all_to_all_single, the one even split, has the core check divisibility before queuing."""
         if call & 1:
             if t.is_contiguous() and (u is None or u.is_contiguous()):
                 return self.queue(fn, (a, b, c)[:nargs], name, outputs)
@@ -382,7 +384,10 @@ def alltoall_base(group, output, input, output_split_sizes, input_split_sizes, o
     cdef int call
     if not f.cuda and not output_split_sizes and not input_split_sizes and not _profiling():
         call = _read(_ALLTOALL, opts, &root)
-        if call >= 0 and (not (call & 1) or (input.numel() % f.size == 0 and output.numel() % f.size == 0)):
+        if call >= 0:
+            if call & 1:    # queued: can't fall back, so a count the group size doesn't divide is named here
+                f.check_even_split(input.numel(), "send")
+                f.check_even_split(output.numel(), "recv")
             work = f.collective(call, f.alltoall, input, output, None, 2, "alltoall_base", [output], input, output)
             if work is not None:
                 return work

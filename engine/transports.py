@@ -1,0 +1,82 @@
+"""The transports, one factory each, picked by name: a group's transport (bootstrap.choose_transport)
+opens its compiled core here, and nothing in the communicator knows a transport by name. Each says
+what an algorithm may count on (caps: single copy), whether its bytes cross the network (waits leave a
+core to the kernel's network processing, and a group spanning hosts may run in two levels), and which
+MPI communicators the group owns.
+
+- shm: one shared-memory segment on one host (engine._core.ShmComm; the segment: engine.bootstrap);
+- tcp: the engine's own sockets between hosts (engine._core.TcpComm; the mesh: engine.tcp);
+- mpi: MPI under an MPI launcher (engine._mpi.MpiComm, over three duplicates of the group's communicator).
+"""
+
+from . import _core, registry
+from .bootstrap import MpiBootstrap, make_segment
+
+
+class Opened:
+    """A transport's core for one group: core, caps (set), mpi_comms (the group's, freed with it)."""
+
+    def __init__(self, core, caps, mpi_comms):
+        self.core, self.caps, self.mpi_comms = core, caps, mpi_comms
+
+
+def _mpi_comm_of(boot, owned):
+    """Under MPI, a communicator of the group's ranks for subgroup() and mpi_comm (its own, or a Dup)."""
+    if owned is not None:
+        return [owned]
+    return [boot.comm.Dup()] if isinstance(boot, MpiBootstrap) else []
+
+
+class Shm:
+    network = False
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent):
+        seg = make_segment(boot, everyone)
+        core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
+        core.pull_piece = registry.SHM_PULL_PIECE.value()
+        return Opened(core, {"single_copy"} if seg.cma else set(), _mpi_comm_of(boot, owned))
+
+    @staticmethod
+    def configure(core, plan):
+        """Point-to-point's single-copy range, which the transport reads per message."""
+        sc = [(lo, hi) for e, lo, hi, _, _ in plan.rules["sendrecv"] if e.impl == _core.Impl.SINGLE_COPY]
+        core.seg.set_cma(core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
+
+
+class Tcp:
+    network = True
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent):
+        from . import tcp
+        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent), set(), _mpi_comm_of(boot, owned))
+
+    @staticmethod
+    def configure(core, plan):
+        pass
+
+
+class Mpi:
+    network = True
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent):
+        if not isinstance(boot, MpiBootstrap):
+            raise RuntimeError("the MPI transport needs an MPI launch (mpirun); this group was made without one")
+        from . import mpi
+        MPI = mpi.load()
+        # three: the collectives', the user's point-to-point and the algorithms' own messages never mix
+        comms = [boot.comm.Dup() if owned is None else owned, boot.comm.Dup(), boot.comm.Dup()]
+        for c in comms:
+            c.Set_errhandler(MPI.ERRORS_RETURN)
+        core = mpi.core().MpiComm(*comms, seg_bytes)
+        core.set_chunk(registry.MPI_CHUNK.value())
+        return Opened(core, set(), comms)
+
+    @staticmethod
+    def configure(core, plan):
+        pass
+
+
+TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

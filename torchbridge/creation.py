@@ -1,0 +1,73 @@
+"""Making a group: the creator torch calls for backend "engine", through MPI under an MPI launcher and
+through torch's store otherwise, and the part of the store that belongs to this attempt of the job."""
+
+import os
+
+import torch.distributed as dist
+
+from engine import Communicator
+from engine.launcher import MPIRUN_HINT, detect_launcher
+
+from .fault import reconfigured
+from .process_group import EngineProcessGroup
+
+_GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
+
+
+def create_process_group(opts, backend_options=None):
+    """The creator torch calls (extended API) on each member of a new group. Under an MPI launcher the
+    group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store
+    (shared memory inside a host, the engine's TCP transport between hosts). After a reconfigure the
+    store is used under MPI too: MPI's world no longer says who the members are. A group made with
+    enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure."""
+    seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
+    name = opts.group_id or "default"
+    ranks = list(opts.global_ranks_in_group)
+    store = attempt_store(opts.store)
+    if getattr(opts, "enable_reconfigure", False):
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
+    if detect_launcher() is None or reconfigured():
+        comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
+                                       timeout=seconds, name=name)
+    else:
+        mpi_comm = _mpi_group(opts, ranks)
+        comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
+    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
+
+
+def attempt_store(store):
+    """The part of torch's store that belongs to this attempt of the job. torchrun hands every attempt
+    of a restarted job the same store (its agent's: c10d and static rendezvous alike), and torch's own
+    keys for a group are the same in each, so a restarted worker would read what the attempt before it
+    wrote (a dead rank's segment, its addresses). Under torchrun the engine's keys go under the run and
+    the attempt (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT); other launches make their store anew
+    with the job (rank 0 hosts it)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if store is None or attempt is None:
+        return store
+    return dist.PrefixStore(f"engine/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
+
+
+def _mpi_group(opts, ranks):
+    """An MPI communicator of the group's members (collective over them only)."""
+    from engine import mpi
+    MPI = mpi.load()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("backend 'engine' needs MPI_THREAD_MULTIPLE (its progress thread calls MPI); this MPI "
+                           f"was initialised with level {MPI.Query_thread()}: leave mpi4py.rc.thread_level at "
+                           "'multiple' and use an MPI built with thread support")
+    world = MPI.COMM_WORLD
+    if not ranks:  # the default group: everyone
+        if world.Get_size() != opts.group_size or world.Get_rank() != opts.group_rank:
+            raise RuntimeError(
+                f"torch.distributed says rank {opts.group_rank} of {opts.group_size}, but MPI says rank "
+                f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher; "
+                f"{MPIRUN_HINT}")
+        return world.Dup()
+    if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
+        raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group, tag=_GROUP_TAG)
+    finally:
+        group.Free()

@@ -1,0 +1,38 @@
+"""all_reduce of a sparse COO tensor, which the engine's dense collectives carry in three allgathers."""
+
+import math
+
+import torch
+
+
+def uneven(counts):
+    """counts, or None where every rank's is the same (the engine's even form)."""
+    return None if len(set(counts)) <= 1 else counts
+
+
+def sparse_sum(t, comm):
+    """all_reduce (SUM) of a sparse COO tensor as Gloo does it: every rank's coalesced indices and values
+    are gathered, concatenated in rank order and summed by coalescing; the sum is written into t."""
+    mine = t.coalesce()
+    indices, values = mine.indices(), mine.values()
+    meta = torch.tensor([mine._nnz(), mine.sparse_dim(), mine.dim(), hash(tuple(mine.shape)), t.dtype.itemsize,
+                         t.dtype.is_floating_point, t.dtype.is_complex], dtype=torch.int64)
+    metas = torch.empty(comm.size * meta.numel(), dtype=torch.int64)
+    comm.allgather(meta, metas)
+    metas = metas.view(comm.size, -1)
+    if not bool((metas[:, 1:] == meta[1:]).all()):
+        differ = [r for r in range(comm.size) if not bool((metas[r, 1:] == meta[1:]).all())]
+        raise ValueError(f"engine all_reduce of a sparse tensor: ranks {', '.join(map(str, differ))} passed a "
+                         f"sparse tensor of another shape, sparse dimension or dtype than this rank's "
+                         f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions")
+    counts = metas[:, 0].tolist()
+    total = sum(counts)
+    if total == 0:
+        t.copy_(mine)
+        return
+    row = math.prod(values.shape[1:])
+    all_indices = indices.new_empty(total, indices.shape[0])  # rank-major: each rank's block is contiguous
+    comm.allgather(indices.t().contiguous(), all_indices, uneven([n * indices.shape[0] for n in counts]))
+    all_values = values.new_empty((total,) + tuple(values.shape[1:]))
+    comm.allgather(values.contiguous(), all_values, uneven([n * row for n in counts]))
+    t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape, check_invariants=False).coalesce())
