@@ -5,6 +5,7 @@ over without keeping a descriptor, a thread or memory of any of them."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -74,10 +75,15 @@ def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport):
     """20 cycles of init_process_group (a new TCPStore each) + all_reduce + new_group + destroy, then
     20 reconfigures of one group, 2 ranks: descriptors and threads the same after every cycle as after
     the first, resident memory within 4 MiB of it."""
-    port = min(free_port(), 65000)   # (and the 20 after it: one TCPStore a cycle)
+    sockets = [socket.socket() for _ in range(21)]   # a TCPStore a cycle, and the reconfigures': free at once
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
+    for s in sockets:
+        s.close()
     script = os.path.join(FAULTS, "cycles.py")
     env = clean_env()
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), "20", transport], env=env,
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", ports, "20", transport], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):

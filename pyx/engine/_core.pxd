@@ -277,7 +277,7 @@ cdef struct Call:     # one collective call, as the core hands it to its transpo
     RedC *red
     int root
     int impl
-    const size_t *counts    # per-rank counts and displacements (v-collectives; alltoall: its sends), or NULL
+    const size_t *counts    # per-rank counts and displacements (v-collectives, even ones too; alltoall: its sends)
     const size_t *displs
     const size_t *rcounts   # alltoall's receives
     const size_t *rdispls

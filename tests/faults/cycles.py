@@ -58,12 +58,15 @@ def reconfigure(pg, uuid, handles):
 
 
 def main():
-    rank, size, port, cycles = (int(a) for a in sys.argv[1:5])
+    rank, size, cycles = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
+    # one port per cycle and one for the reconfigures: a comma-separated list, or the first of consecutive ones
+    ports = [int(p) for p in sys.argv[3].split(",")]
+    ports = ports if len(ports) > cycles else [ports[0] + i for i in range(cycles + 1)]
     if len(sys.argv) > 5:
         os.environ["ENGINE_TRANSPORT"] = sys.argv[5]
     timeout = timedelta(seconds=30)
     for i in range(cycles):
-        dist.init_process_group(os.environ.get("CYCLES_BACKEND", "engine"), init_method=f"tcp://127.0.0.1:{port + i}", rank=rank, world_size=size,
+        dist.init_process_group(os.environ.get("CYCLES_BACKEND", "engine"), init_method=f"tcp://127.0.0.1:{ports[i]}", rank=rank, world_size=size,
                                 timeout=timeout)
         t = torch.full((1000,), rank + 1.0)
         dist.all_reduce(t)
@@ -74,7 +77,7 @@ def main():
             dist.destroy_process_group(sub)
         dist.destroy_process_group()   # (destroys what is left: every group)
         usage("init", i)
-    dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port + cycles}", rank=rank, world_size=size,
+    dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{ports[cycles]}", rank=rank, world_size=size,
                             timeout=timeout)
     pg = dist.distributed_c10d._get_default_group()
     store = dist.distributed_c10d._get_default_store()
