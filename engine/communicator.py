@@ -301,7 +301,7 @@ class Communicator:
         sig[7:7 + len(shape)] = shape
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
-            self._core.allgather_watched(sig, everyone)
+            _core.allgather_watched(self._core, sig, everyone)
         rows = everyone.reshape(self.size, _SIG_LEN)
         if (rows == rows[0]).all():
             return

@@ -8,7 +8,7 @@ from . import _core
 from ._core import pack, ring_block, ring_schedule, scale, unpack
 from .ops import op_code
 
-__all__ = ["isa", "isas", "pack", "reduce_into", "ring_block", "ring_schedule", "scale", "unpack", "use_isa"]
+__all__ = ["cpu", "isa", "isas", "pack", "reduce_into", "ring_block", "ring_schedule", "scale", "unpack", "use_isa"]
 
 
 def reduce_into(dst, a, b, op="sum"):
@@ -19,6 +19,24 @@ def reduce_into(dst, a, b, op="sum"):
 def isa():
     """The instruction set the kernels run: 'baseline', 'avx2' or 'avx512'."""
     return _core.kernel_isa()
+
+
+def cpu():
+    """This machine's CPU as the thresholds and benchmarks name it: {"model": /proc/cpuinfo's model name
+    (None where there is none), "flags": which of the vector extensions the kernels care about it has}."""
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve")
+    return {"model": model, "flags": [f for f in wanted if f in flags]}
 
 
 def isas():

@@ -597,38 +597,6 @@ cdef class CoreComm:
         c = new_call(OP_BARRIER, NULL, NULL, 0, -1)
         self.invoke(&c, self.select(OP_BARRIER, 0, -1, OPBIT_NONE, False, None), 0, (), None)
 
-    def allgather_watched(self, sendbuf, recvbuf):
-        """An allgather that is not numbered or recorded (the debug-mode signature exchange); its waits
-        go through the watch, so a rank that never arrives ends in an exception, not a hang."""
-        cdef Message ms = as_message(sendbuf, False, "sendbuf")
-        cdef Message mr = as_message(recvbuf, True, "recvbuf")
-        cdef int ierr = 0
-        cdef WaitCtx ctx
-        cdef Call c
-        if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
-            raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
-        if self.aborted:
-            raise self.error(ENG_ERR_ABORTED, "allgather")
-        # the point-to-point ring, which every transport runs, over a table of its own (the group's
-        # self.cnt belongs to the call this exchange checks)
-        c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        c.impl = IMPL_RING
-        c.counts = <size_t*>malloc(2 * self.size * sizeof(size_t))
-        if c.counts == NULL:
-            raise MemoryError()
-        c.displs = c.counts + self.size
-        even_counts(<size_t*>c.counts, <size_t*>c.displs, self.size, ms.count)
-        self.start(&ctx)
-        self.busy += 1
-        try:
-            with nogil:
-                ierr = self.run(&c, &ctx)
-        finally:
-            self.busy -= 1
-            free(<void*>c.counts)
-        if ierr:
-            raise self.error(ierr, "allgather")
-
     # -- point to point (not numbered: they need not match across all ranks) --
 
     cdef int _peer(self, int peer, bint any_ok, str what) except? -9999:

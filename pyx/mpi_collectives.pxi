@@ -163,29 +163,6 @@ cdef class MpiComm(CoreComm):
         cdef MPI_Request req
         return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
 
-    def allgather_watched(self, sendbuf, recvbuf):
-        """MPI_Iallgather waited on through the watch, not numbered: the debug-mode signature
-        exchange, which must end in an exception (not a hang) when a rank never arrives."""
-        cdef Message ms = as_message(sendbuf, False, "sendbuf")
-        cdef Message mr = as_message(recvbuf, True, "recvbuf")
-        cdef int n = <int>ms.count, ierr = 0
-        cdef MPI_Request req
-        cdef WaitCtx ctx
-        if mr.count != ms.count * self.size or mr.dtype != ms.dtype:
-            raise ValueError("allgather_watched: recvbuf must hold sendbuf's count x group size, same dtype")
-        self.start(&ctx)
-        try:
-            with nogil:
-                ierr = self.finish(MPI_Iallgather(ms.ptr, n, MPI_TYPES[ms.dtype], mr.ptr, n, MPI_TYPES[mr.dtype],
-                                                  self.coll, &req), &req, &ctx)
-        except BaseException:
-            self.limbo.append((ms, mr))  # the request stays posted into them
-            raise
-        if ierr == ENG_ERR_ABORTED:
-            raise self.error(ierr, "allgather")
-        if ierr > 0:
-            raise EngineError(f"allgather failed: {mpi_error_text(ierr)}")
-
 
 cdef int _poll_mpi(void *unused, void *req, bint *done) except -1 nogil:
     cdef int flag = 0, ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
