@@ -12,11 +12,19 @@ PY214 := $(VENV214)/bin/python
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
 	tests/test_fault_tolerance.py tests/test_recovery.py tests/test_torchft.py
 # The adapter's suites under torchrun run at 3 ranks on the second torch, at 1, 2 and 4 on the first (which
-# also runs them at 1-4 ranks under mpiexec): CI's 25 minutes.
-TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]")
+# also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles run on
+# the first only.
+TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]") \
+	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[c10d]" \
+	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]"
 # Fault tolerance runs whole on the second torch (the one whose c10d defines reconfigure); the first keeps
-# one abort per launcher and transport, the c10d restart and the shm cycles.
+# one abort per launcher and transport, the c10d restart and the shm cycles. The clients, torch's own
+# suite subset, the parallelism suite and the matrix under torchrun run on the second torch only.
 WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
+	--ignore=tests/test_clients.py \
+	--deselect "tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open" \
+	--deselect "tests/test_launchers.py::test_torch_parallelism_under_torchrun" \
+	--deselect "tests/test_launchers.py::test_matrix_over_tcp_under_torchrun" \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	$(foreach c,torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce,\
