@@ -83,7 +83,7 @@ def metadata(args, world_size):
         "backends": args.backends,
         "oversubscribed": world_size > (os.cpu_count() or 1),
         "kernel_isa": engine.kernels.isa(),
-        "cpu_model": engine.kernels.cpu()["model"], "cpu_flags": engine.kernels.cpu()["flags"],
+        **{f"cpu_{key}": value for key, value in engine.kernels.cpu().items()},   # cpu_model, cpu_flags
         "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
