@@ -3,10 +3,13 @@ instruction set this CPU runs (rounds interleaved, medians):
 
     python -m bench kernels                      # 64 KB, 1 MB, 16 MB; every ISA
     python -m bench kernels -b 16M -e 16M --isa avx2
+    python -m bench kernels -b 64M -e 64M --threads 1,2   # the threaded collectives' split (engine.kernels)
 
 A row's size is the bytes the kernel writes (a reduction's output, a cast's float32 side); GB/s is
 that size over the time, and "x memcpy" the kernel's time over memcpy's (glibc, through ctypes, the
-same Python call overhead as the kernels'). Every buffer comes from torch's allocator.
+same Python call overhead as the kernels'). With --threads, the bf16 and fp32 sums and a copy also run
+split over that many threads (engine.kernels.reduce_into/copy_into(threads=N): the team a threaded
+collective's steps use). Every buffer comes from torch's allocator.
 """
 
 import argparse
@@ -33,7 +36,10 @@ def _data(n, dtype, seed):
     return x.to(dtype) if dtype.is_floating_point else x.to(torch.int32)
 
 
-def cases(nbytes):
+THREADED = [torch.bfloat16, torch.float32]  # the sums that also run split over threads (--threads)
+
+
+def cases(nbytes, threads=(1,)):
     """{label: callable} for one size; buffers made once."""
     out = {}
     src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
@@ -45,6 +51,13 @@ def cases(nbytes):
         if op == "sum":  # keep the values bounded across repeated in-place sums
             b.zero_()
         out[f"{op} {str(dtype)[6:]}, in place"] = (lambda a=a, b=b, op=op: engine.reduce_into(a, a, b, op))
+        for k in threads:
+            if k > 1 and op == "sum" and dtype in THREADED:
+                out[f"{op} {str(dtype)[6:]}, in place, {k} threads"] = (
+                    lambda a=a, b=b, k=k: engine.kernels.reduce_into(a, a, b, "sum", threads=k))
+    for k in threads:
+        if k > 1:
+            out[f"copy, {k} threads"] = lambda k=k: engine.kernels.copy_into(dst, src, threads=k)
     for dtype in CASTS:
         n = nbytes // 4
         wide, narrow = _data(n, torch.float32, 3), torch.empty(n, dtype=dtype)
@@ -75,17 +88,19 @@ def main(argv):
     p.add_argument("--isa", default="all", help="all, or one of " + ", ".join(engine.kernels.isas()))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget", type=float, default=0.05, help="seconds per measurement")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts for the sums and a copy (1,2)")
     args = p.parse_args(argv)
+    threads = sorted({int(k) for k in args.threads.split(",")})
     isas = engine.kernels.isas() if args.isa == "all" else (args.isa,)
     torch.set_num_threads(1)
     previous = engine.kernels.isa()
-    print(f"# engine kernels vs memcpy, one core, torch {torch.__version__}; ISAs this CPU runs: "
-          f"{', '.join(engine.kernels.isas())}; median of {args.rounds} interleaved rounds")
+    print(f"# engine kernels vs memcpy (one thread), {engine.kernels.cpu()['model']}, torch {torch.__version__}; "
+          f"ISAs this CPU runs: {', '.join(engine.kernels.isas())}; median of {args.rounds} interleaved rounds")
     print("| size | kernel | " + " | ".join(f"{isa} GB/s | x memcpy" for isa in isas) + " |")
     print("| --- | --- | " + " | ".join("--- | ---" for _ in isas) + " |")
     try:
         for nbytes in size_sweep(args.minbytes, args.maxbytes, args.stepfactor):
-            made = cases(nbytes)
+            made = cases(nbytes, threads)
             samples = {(isa, k): [] for isa in isas for k in made}
             for _ in range(args.rounds):
                 for isa in isas:

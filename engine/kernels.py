@@ -5,15 +5,16 @@ the baseline) and the highest one this CPU runs is chosen at import; ENGINE_ISA 
 example `baseline`). Every ISA computes the same bits for the same inputs."""
 
 from . import _core
-from ._core import pack, ring_block, ring_schedule, scale, unpack
+from ._core import copy_into, pack, ring_block, ring_schedule, scale, unpack
 from .ops import op_code
 
-__all__ = ["cpu", "isa", "isas", "pack", "reduce_into", "ring_block", "ring_schedule", "scale", "unpack", "use_isa"]
+__all__ = ["copy_into", "cpu", "isa", "isas", "pack", "reduce_into", "ring_block", "ring_schedule", "scale", "unpack", "use_isa"]
 
 
-def reduce_into(dst, a, b, op="sum"):
-    """dst = a (op) b element-wise; dst may be a or b. float16/bfloat16 compute in float32 and round once."""
-    _core.reduce_into(dst, a, b, op_code(op))
+def reduce_into(dst, a, b, op="sum", threads=1):
+    """dst = a (op) b element-wise; dst may be a or b. float16/bfloat16 compute in float32 and round once.
+    threads > 1: split over that many threads (this one and helpers), as a threaded collective's kernels are."""
+    _core.reduce_into(dst, a, b, op_code(op), threads)
 
 
 def isa():

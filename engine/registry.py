@@ -101,6 +101,10 @@ SHM_ONESHOT_MAX = Tunable("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10, "largest one
 SHM_REDUCE_ONESHOT_MAX = Tunable("ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES", 256 << 10,
                                  "largest one-shot shm reduce (only the root reduces; the peers run ahead)")
 SHM_CHUNK = Tunable("ENGINE_SHM_CHUNK_BYTES", 512 << 10, "two-shot step size")
+SHM_THREADS_MIN = Tunable("ENGINE_SHM_THREADS_MIN_BYTES", 1 << 20,
+                          "smallest shm allreduce and reduce whose kernels split over the rank's threads")
+SHM_THREAD_SLICE = Tunable("ENGINE_SHM_THREAD_SLICE_BYTES", 16 << 10,
+                           "least bytes a thread's slice of a threaded kernel takes (fewer threads below)")
 SINGLE_COPY_MIN = Tunable("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10, "smallest piece that moves by single copy")
 SINGLE_COPY_MAX = Tunable("ENGINE_SHM_CMA_MAX_BYTES", EVERY, "largest piece that moves by single copy")
 RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring")
@@ -206,10 +210,18 @@ ENTRIES = (
     Entry("allreduce", "shm", "ring", Impl.RING, "the ring over the segment's point-to-point queues", auto=False,
           params=(("segment_bytes", RING_SEGMENT),)),
     Entry("allreduce", "shm", "rdouble", Impl.RDOUBLE, "recursive doubling over the segment's queues", auto=False),
+    Entry("allreduce", "shm", "twoshot_threads", Impl.THREADED,
+          "two-shot, each step's copies and reduction split over the rank's threads (blocking calls)",
+          min_bytes=SHM_THREADS_MIN, needs=frozenset({"threads"}),
+          params=(("chunk_bytes", SHM_CHUNK), ("slice_bytes", SHM_THREAD_SLICE))),
     Entry("allreduce", "shm", "twoshot", Impl.TWOSHOT, "reduce-scatter through the slots, then allgather",
           params=(("chunk_bytes", SHM_CHUNK),)),
     Entry("reduce", "shm", "oneshot", Impl.ONESHOT, "the peers copy in, the root reduces",
           max_bytes=SHM_REDUCE_ONESHOT_MAX),
+    Entry("reduce", "shm", "twoshot_threads", Impl.THREADED,
+          "two-shot, each step's copies and reduction split over the rank's threads (blocking calls)",
+          min_bytes=SHM_THREADS_MIN, needs=frozenset({"threads"}),
+          params=(("chunk_bytes", SHM_CHUNK), ("slice_bytes", SHM_THREAD_SLICE))),
     Entry("reduce", "shm", "twoshot", Impl.TWOSHOT, "every rank reduces a block, the root gathers them",
           params=(("chunk_bytes", SHM_CHUNK),)),
     *_movement("broadcast", "shm", "readers copy from the root's buffer while the root writes their tails"),
@@ -473,7 +485,9 @@ class Plan:
 def _why(missing):
     return "; ".join({"single_copy": "process_vm_readv between the ranks is not allowed here (ENGINE_SHM_CMA)",
                       "hierarchy": "its ranks are not on several hosts with the same number (2+) on each, or "
-                                   "ENGINE_HIER=off"}.get(m, m) for m in sorted(missing))
+                                   "ENGINE_HIER=off",
+                      "threads": "its host's ranks have one core each to share out; ENGINE_THREADS=N (2 or "
+                                 "more) gives each rank N threads"}.get(m, m) for m in sorted(missing))
 
 
 def markdown():

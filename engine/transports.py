@@ -9,8 +9,11 @@ MPI communicators the group owns.
 - mpi: MPI under an MPI launcher (engine._mpi.MpiComm, over three duplicates of the group's communicator).
 """
 
+import sys
+
 from . import _core, registry
 from .bootstrap import MpiBootstrap, make_segment
+from .config import env_int
 
 
 class Opened:
@@ -27,6 +30,24 @@ def _mpi_comm_of(boot, owned):
     return [boot.comm.Dup()] if isinstance(boot, MpiBootstrap) else []
 
 
+def threads(everyone, rank):
+    """(threads this rank's large blocking reductions split over, whether the group has "threads"):
+    ENGINE_THREADS where set; else the cores this host's ranks may use, shared out among them, at most
+    torch's intra-op threads where torch is loaded. The second is the same on every rank (it reads only
+    what every rank sees), so every rank walks the same rules."""
+    forced = env_int("ENGINE_THREADS", 0)
+    if forced < 0:
+        raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
+    if forced:
+        return forced, forced > 1
+    host = everyone[rank][0]
+    local = [cores for h, _, cores in everyone if h == host]
+    share = len(set().union(*local)) // len(local)
+    torch = sys.modules.get("torch")
+    mine = min(share, torch.get_num_threads()) if torch is not None and hasattr(torch, "get_num_threads") else share
+    return max(1, mine), share > 1
+
+
 class Shm:
     network = False
 
@@ -35,7 +56,11 @@ class Shm:
         seg = make_segment(boot, everyone)
         core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
         core.pull_piece = registry.SHM_PULL_PIECE.value()
-        return Opened(core, {"single_copy"} if seg.cma else set(), _mpi_comm_of(boot, owned))
+        count, has = threads(everyone, boot.rank)
+        core.set_threads(count)
+        core.thread_slice = registry.SHM_THREAD_SLICE.value()
+        caps = ({"single_copy"} if seg.cma else set()) | ({"threads"} if has else set())
+        return Opened(core, caps, _mpi_comm_of(boot, owned))
 
     @staticmethod
     def configure(core, plan):

@@ -5,6 +5,7 @@ point-to-point algorithms, the communicator core, the shared-memory transport an
 import errno
 import os
 import sys
+import threading
 
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -15,6 +16,7 @@ from kernels cimport *
 from pthread cimport *
 from shm cimport *
 from schedule cimport *
+from team cimport *
 
 include "errors.pxi"
 include "dtypes.pxi"

@@ -26,6 +26,7 @@ class Impl:
     LINEAR = IMPL_LINEAR
     PAIRWISE = IMPL_PAIRWISE
     DISSEMINATION = IMPL_DISSEMINATION
+    THREADED = IMPL_THREADED
 
 
 OPBITS = {"user": OPBIT_USER, "none": OPBIT_NONE}   # Rule.ops bits beyond the reduce op codes

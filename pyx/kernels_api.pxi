@@ -1,7 +1,50 @@
 # Python entry points to the C kernels: each parses its buffers, then runs one GIL-free call.
 
-def reduce_into(dst, a, b, op):
-    """dst = a (op) b element-wise; op is an int code from OP_NAMES (AVG excluded) or a user op."""
+cdef eng_team _kernel_team    # the kernel calls' own helpers (reduce_into, copy_into with threads > 1)
+cdef int _kernel_threads = 1
+_kernel_team_lock = threading.Lock()
+
+
+cdef eng_team *_team_of(int threads) except? NULL:
+    """The kernel calls' team of `threads` (NULL: one thread); the caller holds _kernel_team_lock."""
+    global _kernel_threads
+    cdef int rc
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    if threads == 1:
+        return NULL
+    if threads != _kernel_threads:
+        if _kernel_threads > 1:
+            eng_team_stop(&_kernel_team)
+            _kernel_threads = 1
+        rc = eng_team_start(&_kernel_team, threads, 2)
+        if rc:
+            eng_team_stop(&_kernel_team)
+            raise OSError(rc, f"could not start {threads - 1} helper threads: {os.strerror(rc)}")
+        _kernel_threads = threads
+    return &_kernel_team
+
+
+def copy_into(dst, src, int threads=1):
+    """dst[:] = src (memcpy), split over `threads` threads (the caller's and helpers)."""
+    cdef Message md = as_message(dst, True, "dst")
+    cdef Message ms = as_message(src, False, "src")
+    cdef size_t n = ms.count * ms.itemsize
+    cdef eng_team *tm
+    if md.count * md.itemsize != n:
+        raise ValueError(f"dst holds {md.count * md.itemsize} bytes, src {n}: they must match")
+    with _kernel_team_lock:
+        tm = _team_of(threads)
+        with nogil:
+            if tm == NULL:
+                memcpy(md.ptr, ms.ptr, n)
+            else:
+                eng_team_copy(tm, md.ptr, ms.ptr, n)
+
+
+def reduce_into(dst, a, b, op, int threads=1):
+    """dst = a (op) b element-wise; op is an int code from OP_NAMES (AVG excluded) or a user op;
+    threads > 1 splits it into slices over that many threads (the team a threaded collective uses)."""
     cdef Message md = as_message(dst, True, "dst")
     cdef Message ma = as_message(a, False, "a")
     cdef Message mb = as_message(b, False, "b")
@@ -11,8 +54,17 @@ def reduce_into(dst, a, b, op):
     cdef Reduction red = resolve_op(op, md.dtype)
     if red.c.avg:
         raise ValueError("AVG is SUM plus scale(); reduce_into takes SUM")
-    with nogil:
-        red.c.fn(md.ptr, ma.ptr, mb.ptr, md.count)
+    cdef const void *srcs[2]
+    cdef eng_team *tm
+    if threads == 1:
+        with nogil:
+            red.c.fn(md.ptr, ma.ptr, mb.ptr, md.count)
+        return
+    srcs[0], srcs[1] = ma.ptr, mb.ptr
+    with _kernel_team_lock:
+        tm = _team_of(threads)
+        with nogil:
+            eng_team_reduce(tm, red.c.fn, md.ptr, NULL, srcs, 2, md.count, md.itemsize, md.dtype, 0.0)
 
 
 def scale(buf, double factor, bint divide=False):

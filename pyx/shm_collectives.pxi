@@ -43,17 +43,23 @@ cdef struct Mover:      # how a reduction's data enters and leaves the slots: pl
     double before, after    # parts: scale on the way in and out
 
 
-cdef inline void mv_load(Mover *mv, char *to, size_t off, size_t n) noexcept nogil:
+cdef inline void mv_load(Mover *mv, char *to, size_t off, size_t n, eng_team *tm) noexcept nogil:
     if mv.src != NULL:
-        memcpy(to, mv.src + off * mv.wsz, n * mv.wsz)
+        if tm != NULL:
+            eng_team_copy(tm, to, mv.src + off * mv.wsz, n * mv.wsz)
+        else:
+            memcpy(to, mv.src + off * mv.wsz, n * mv.wsz)
     else:
         eng_pack_range(to, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
                        mv.before, off, n)
 
 
-cdef inline void mv_store(Mover *mv, const char *frm, size_t off, size_t n) noexcept nogil:
+cdef inline void mv_store(Mover *mv, const char *frm, size_t off, size_t n, eng_team *tm) noexcept nogil:
     if mv.src != NULL:
-        memcpy(mv.dst + off * mv.wsz, frm, n * mv.wsz)
+        if tm != NULL:
+            eng_team_copy(tm, mv.dst + off * mv.wsz, frm, n * mv.wsz)
+        else:
+            memcpy(mv.dst + off * mv.wsz, frm, n * mv.wsz)
     else:
         eng_unpack_range(frm, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
                          mv.after, off, n)
@@ -70,12 +76,17 @@ cdef class ShmComm(CoreComm):
     cdef size_t *ex                 # an exchange's pieces, 6 x P: send count, send displacement, receive
                                     # count, receive displacement (elements), sent and received by
                                     # single copy (0/1), per peer
+    cdef eng_team team              # the helper threads of IMPL_THREADED (started at its first call)
+    cdef bint team_started
+    cdef public int threads         # threads IMPL_THREADED splits a blocking call's kernels over (1: none)
+    cdef public size_t thread_slice # bytes: the least slice a thread takes (engine.registry's parameter)
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
         self.transport = "shm"
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
-        self.impls |= (1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_SEGMENT) | (1u << IMPL_SINGLE_COPY)
+        self.impls |= ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
+                       | (1u << IMPL_SINGLE_COPY))
         self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | P2P_IMPLS)   # the kernels' divisor
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
@@ -86,8 +97,11 @@ cdef class ShmComm(CoreComm):
             raise MemoryError()
         self.alive = peers_alive
         self.alive_arg = &self.seg.peers
+        self.threads = 1
+        self.thread_slice = 16384
 
     def __dealloc__(self):
+        self.stop_team()
         free(self.srcs)
         free(self.scratch)
         free(self.ex)
@@ -108,6 +122,39 @@ cdef class ShmComm(CoreComm):
                                           f"waited for it in {what} #{self.seq}")
         self.log.broken = text
         return kind(f"{what} failed: {text}")
+
+    cdef void stop_team(self) noexcept nogil:
+        if self.team_started:
+            eng_team_stop(&self.team)
+            self.team_started = False
+
+    def set_threads(self, int threads):
+        """Threads (the caller's included) that IMPL_THREADED splits a blocking call's copies and
+        reductions over; its helpers start at its first call. Asynchronous calls (the progress thread)
+        keep one thread: their caller's cores run the computation they overlap."""
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        if threads != self.threads:
+            self.stop_team()
+        self.threads = threads
+
+    @property
+    def threads_running(self):
+        """Threads of the started team, the caller's included (0: none started yet)."""
+        return self.team.n if self.team_started else 0
+
+    cdef eng_team *team_for(self, int impl, Mover *mv) noexcept nogil:
+        """The team a reduction's kernels run on, or NULL (one thread)."""
+        if impl != IMPL_THREADED or eng_polite_waits or mv.src == NULL or self.threads < 2:
+            return NULL
+        if not self.team_started:
+            if eng_team_start(&self.team, self.threads, self.size):
+                eng_team_stop(&self.team)
+                self.threads = 1          # no threads to be had: one, from now on
+                return NULL
+            self.team_started = True
+        self.team.slice_min = self.thread_slice
+        return &self.team
 
     # -- the step primitives of this group's collectives --
 
@@ -145,6 +192,7 @@ cdef class ShmComm(CoreComm):
         cdef bint reader = root < 0 or r == root, own_direct = mv.src != NULL
         cdef char *mine
         cdef char *out
+        cdef eng_team *tm = self.team_for(impl, mv)
         self.sign(OP_ALLREDUCE if root < 0 else OP_REDUCE, mv.wdt, opbit_of(red), impl, root, total, 0)
         while off < total:
             n = min(per, total - off)
@@ -155,7 +203,7 @@ cdef class ShmComm(CoreComm):
             if impl == IMPL_ONESHOT:
                 # Every rank's chunk in its half, but a reduce's root reduces its own where it lies.
                 if not (root == r and own_direct):
-                    mv_load(mv, mine, off, n)
+                    mv_load(mv, mine, off, n, NULL)
                 if not reader:          # a reduce's peer: done once its chunk is in
                     self.seg.post(PHASE_FINISHED)
                     off += n
@@ -170,14 +218,14 @@ cdef class ShmComm(CoreComm):
                 out = mv.dst + off * wsz if own_direct else self.scratch
                 eng_reduce_many(red.fn, out, NULL, self.srcs, P, n, wsz, mv.wdt, divisor)
                 if not own_direct:
-                    mv_store(mv, out, off, n)
+                    mv_store(mv, out, off, n, NULL)
             else:
                 # Two-shot: the blocks the peers reduce go into this rank's half (its own too where it
                 # can't be read where it lies); this rank reduces its block from every half.
                 for q in range(P):
                     if q != r or not own_direct:
                         block_range(n, P, q, &qo, &ql)
-                        mv_load(mv, mine + qo * wsz, off + qo, ql)
+                        mv_load(mv, mine + qo * wsz, off + qo, ql, tm)
                 ierr = self.publish_await(PHASE_POSTED, ctx)
                 if ierr:
                     return ierr
@@ -188,7 +236,7 @@ cdef class ShmComm(CoreComm):
                     self.srcs[r] = mv.src + (off + bo) * wsz
                 if root < 0:
                     # The reduced block goes to the output at once and into the half for the peers.
-                    eng_reduce_many(red.fn, mv.dst + (off + bo) * wsz if own_direct else mine + bo * wsz,
+                    eng_team_reduce(tm, red.fn, mv.dst + (off + bo) * wsz if own_direct else mine + bo * wsz,
                                     mine + bo * wsz if own_direct else NULL, self.srcs, P, bl, wsz, mv.wdt, divisor)
                     ierr = self.publish_await(PHASE_REDUCED, ctx)
                     if ierr:
@@ -196,21 +244,21 @@ cdef class ShmComm(CoreComm):
                     for q in range(P):
                         if q != r or not own_direct:
                             block_range(n, P, q, &qo, &ql)
-                            mv_store(mv, self.seg.half(q, self.seg.step) + qo * wsz, off + qo, ql)
+                            mv_store(mv, self.seg.half(q, self.seg.step) + qo * wsz, off + qo, ql, tm)
                 elif r != root:         # the root gathers this rank's reduced block from its half
-                    eng_reduce_many(red.fn, mine + bo * wsz, NULL, self.srcs, P, bl, wsz, mv.wdt, divisor)
+                    eng_team_reduce(tm, red.fn, mine + bo * wsz, NULL, self.srcs, P, bl, wsz, mv.wdt, divisor)
                 else:
-                    eng_reduce_many(red.fn, mv.dst + (off + bo) * wsz, NULL, self.srcs, P, bl, wsz, mv.wdt, divisor)
+                    eng_team_reduce(tm, red.fn, mv.dst + (off + bo) * wsz, NULL, self.srcs, P, bl, wsz, mv.wdt, divisor)
                     ierr = self.seg.wait_all(self.seg.step, PHASE_FINISHED, ctx, False)
                     if ierr:
                         return ierr
                     for q in range(P):
                         if q != r:
                             block_range(n, P, q, &qo, &ql)
-                            mv_store(mv, self.seg.half(q, self.seg.step) + qo * wsz, off + qo, ql)
+                            mv_store(mv, self.seg.half(q, self.seg.step) + qo * wsz, off + qo, ql, tm)
             self.seg.post(PHASE_FINISHED)
             off += n
-        if root >= 0 and r != root and impl == IMPL_TWOSHOT and total:
+        if root >= 0 and r != root and impl != IMPL_ONESHOT and total:
             # Two-shot peers stay in step with the root (running ahead into the next call's chunks
             # while it still gathers makes them contend for the cores it needs).
             return self.seg.wait_peer(root, self.seg.step, PHASE_FINISHED, ctx, False)

@@ -56,7 +56,7 @@ def assert_every_rank_passed(text, nranks, skips=True):
     # (ranks' lines may share a line of the launcher's output: "[default1]:.[default0]:32 passed in ...")
     collected = sorted(int(n) for n in re.findall(r"engine-suite: collected (\d+)", text))
     summaries = [(int(p), int(s or 0)) for p, s in
-                 re.findall(r"(?:^|[:>\]. ])(\d+) passed(?:, (\d+) skipped)?(?:, \d+ warnings?)? in \d", text, re.M)]
+                 re.findall(r"(?:^|[:>\]. ])(\d+) passed(?:, (\d+) skipped)?(?:, \d+ deselected)?(?:, \d+ warnings?)? in \d", text, re.M)]
     assert len(collected) == len(summaries) == nranks, (collected, summaries, text[-3000:])
     assert sorted(p + s for p, s in summaries) == collected, (collected, summaries, text[-3000:])
     assert skips or not any(s for _, s in summaries), (summaries, text[-3000:])

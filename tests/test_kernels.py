@@ -89,6 +89,26 @@ def test_in_place_aliasing():
     np.testing.assert_array_equal(a, np.arange(1000, dtype=np.float32) + 1)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threaded_kernels_give_the_one_thread_bits(threads):
+    """A reduction and a copy split over threads (the team of a threaded collective) equal the one
+    thread's, at sizes that split into uneven slices and sizes too small to split."""
+    for n in (1, 7, 4097, 100_003, (3 << 20) + 5):
+        for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "sum"), (torch.int64, "max")):
+            a = (torch.randn(n) * 100).to(dtype)
+            b = (torch.randn(n) * 100).to(dtype)
+            want, got = torch.empty_like(a), torch.empty_like(a)
+            engine.kernels.reduce_into(want, a, b, op)
+            engine.kernels.reduce_into(got, a, b, op, threads=threads)
+            assert torch.equal(got, want), (n, dtype, op)
+        dst = torch.empty(n, dtype=torch.uint8)
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        engine.kernels.copy_into(dst, src, threads=threads)
+        assert torch.equal(dst, src), n
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        engine.kernels.reduce_into(a, a, b, "sum", threads=0)
+
+
 def test_min_max_propagate_nan_like_torch():
     a = np.array([np.nan, 1, 2, np.nan], np.float32)
     b = np.array([0, np.nan, 3, np.nan], np.float32)

@@ -18,8 +18,10 @@ TORCH_SUITES = [os.path.join(HERE, "mpi", f) for f in ("test_torch_backend.py", 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_torch_suites_under_torchrun(nranks):
-    """The torch suites and the conformance matrix's shared-memory rows (tests/mpi/test_matrix.py)."""
-    proc = run_pytest(nranks, TORCH_SUITES, timeout=420, env={"ENGINE_TIMEOUT": "20"})
+    """The torch suites and the conformance matrix's shared-memory rows (tests/mpi/test_matrix.py), with
+    two threads a rank (ENGINE_THREADS): the threaded rows run, and the suites' large blocking
+    reductions split over them."""
+    proc = run_pytest(nranks, TORCH_SUITES, timeout=420, env={"ENGINE_TIMEOUT": "20", "ENGINE_THREADS": "2"})
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     # every rank ran what it collected, passes only (at one rank point-to-point and single copy skip: no peer)
     assert_every_rank_passed(proc.stdout, nranks, skips=nranks == 1)

@@ -23,8 +23,8 @@ SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (E
 CASES = [(t, n) for n in (2, 3, 4) for t in ("shm", "mpi")] + [("shm", 1)]
 
 
-def run(nranks, paths, **env):
-    proc = run_pytest(nranks, paths, timeout=420, env={"ENGINE_TIMEOUT": SUITE_TIMEOUT, **env})
+def run(nranks, paths, extra=(), **env):
+    proc = run_pytest(nranks, paths, timeout=420, extra=list(extra), env={"ENGINE_TIMEOUT": SUITE_TIMEOUT, **env})
     if proc.returncode != 0:
         pytest.fail(f"{nranks} ranks, {env}: exit {proc.returncode}:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}",
                     pytrace=False)
@@ -54,6 +54,15 @@ def test_matrix_over_tcp_on_one_host(nranks):
     TCP entry, the algorithms over point-to-point among them, at 2-4 ranks (one rank: CASES above)."""
     proc = run(nranks, [os.path.join(HERE, "mpi", "test_matrix.py")], ENGINE_TRANSPORT="tcp")
     assert_every_rank_passed(proc.stdout, nranks)
+
+
+def test_matrix_with_threads():
+    """ENGINE_THREADS=4 on 2 ranks (8 threads on 2 cores): the threaded entries, forced, through the
+    matrix, each kernel split over the rank's threads down to cache-line slices (the matrix's
+    ENGINE_SHM_THREAD_SLICE_BYTES); asynchronous calls keep one thread."""
+    proc = run(2, [os.path.join(HERE, "mpi", "test_matrix.py")], extra=["-k", "threads"], ENGINE_TRANSPORT="shm",
+               ENGINE_THREADS="4")
+    assert_every_rank_passed(proc.stdout, 2)
 
 
 def test_collectives_with_tiny_mpi_chunks():

@@ -126,3 +126,30 @@ def test_the_docs_table_is_the_registry():
     doc = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
     assert registry.markdown() in doc, "docs/algorithms.md's table differs from engine/registry.py: paste " \
         "registry.markdown() there"
+
+
+def test_threads_share_the_hosts_cores_the_same_way_on_every_rank(monkeypatch):
+    """The threaded entries need "threads": each rank of a host having 2+ cores of its share, read only
+    from what every rank sees (the same rules everywhere); ENGINE_THREADS forces a count."""
+    import torch
+
+    from engine.transports import threads
+    monkeypatch.delenv("ENGINE_THREADS", raising=False)
+    eight = frozenset(range(8))
+    two_ranks = [("h", 1, eight), ("h", 2, eight)]
+    assert threads(two_ranks, 0) == (min(4, torch.get_num_threads()), True)
+    assert threads([("h", r, frozenset({0, 1})) for r in range(4)], 1) == (1, False)   # oversubscribed
+    assert threads([("h", 1, frozenset({0})), ("h", 2, frozenset({1}))], 0) == (1, False)  # bound to a core each
+    monkeypatch.setenv("ENGINE_THREADS", "3")
+    assert threads([("h", 1, frozenset({0}))], 0) == (3, True)
+    monkeypatch.setenv("ENGINE_THREADS", "-1")
+    with pytest.raises(ValueError, match="ENGINE_THREADS"):
+        threads(two_ranks, 0)
+
+
+def test_forcing_a_threaded_entry_without_threads_says_how_to_get_them():
+    with pytest.raises(ValueError, match="ENGINE_THREADS=N"):
+        Plan("shm", {"single_copy"}, environ={"ENGINE_ALLREDUCE_ALGO": "shm:twoshot_threads"})
+    plan = Plan("shm", {"single_copy", "threads"})
+    assert plan.choose("allreduce", 1 << 20, 2).name == "twoshot_threads"
+    assert plan.choose("allreduce", (1 << 20) - 1, 2).name == "twoshot"

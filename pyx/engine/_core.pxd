@@ -203,6 +203,7 @@ cdef enum:
     IMPL_LINEAR = 11        # point-to-point: the root with every rank directly (gather, scatter)
     IMPL_PAIRWISE = 12      # point-to-point: every pair directly (alltoall)
     IMPL_DISSEMINATION = 13 # point-to-point: log2(P) rounds of empty messages (barrier)
+    IMPL_THREADED = 14      # shared memory: two-shot, each step's copies and reduction split over the rank's threads
     NIMPLS = 14
 
 

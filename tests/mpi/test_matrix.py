@@ -31,7 +31,8 @@ WORLD = dist.distributed_c10d._get_default_group()
 TRANSPORT = WORLD.communicator.transport
 CAPS = WORLD.communicator.plan.caps
 SLOT = 16 << 10
-SETTINGS = {"ENGINE_SHM_SLOT_BYTES": str(SLOT), "ENGINE_SHM_QUEUE_BYTES": str(SLOT)}
+SETTINGS = {"ENGINE_SHM_SLOT_BYTES": str(SLOT), "ENGINE_SHM_QUEUE_BYTES": str(SLOT),
+            "ENGINE_SHM_THREAD_SLICE_BYTES": "64"}  # threaded kernels split even these sizes
 BIG = 40_000  # bytes: more than two slots
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                 torch.bfloat16, torch.float32, torch.float64]
@@ -327,6 +328,10 @@ def test_entry(entry):
         pytest.skip(f"needs {', '.join(sorted(missing))}, which this configuration lacks")
     with group(entry) as (pg, comm):
         CHECKS[entry.collective](pg, comm, entry)
+        if entry.impl == registry.Impl.THREADED and P > 1:
+            # the blocking calls ran on the rank's threads, not on its one (a team that never started
+            # would still give right answers)
+            assert comm.core.threads_running == comm.core.threads > 1, (comm.core.threads_running, comm.core.threads)
 
 
 # The automatic choice: at every edge of the group's rules (and a step either side), the entry the

@@ -1,0 +1,13 @@
+# C declarations of team.h: a rank's helper threads for the kernels of a blocking collective.
+
+from kernels cimport eng_reduce_fn
+
+cdef extern from "team.h" nogil:
+    ctypedef struct eng_team:
+        int n
+        size_t slice_min
+    int eng_team_start(eng_team *t, int n, int maxsrc)
+    void eng_team_stop(eng_team *t)
+    void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,
+                         int nsrc, size_t n, size_t itemsize, int dtype, double divisor)
+    void eng_team_copy(eng_team *t, void *dst, const void *src, size_t nbytes)
