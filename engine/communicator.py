@@ -65,7 +65,8 @@ class Communicator:
         self.name = name
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
-        self._hier = self._hierarchy(_boot, everyone, seg_bytes, timeout, store)
+        # (a stage of another group's hierarchy is one level of it: never two levels itself)
+        self._hier = None if _stage else self._hierarchy(_boot, everyone, seg_bytes, timeout, store)
         if self._hier is not None:
             caps |= registry.hierarchy_caps(self._hier_mode)
         self.plan = registry.Plan(self.transport, caps, stage=_stage)
@@ -97,12 +98,15 @@ class Communicator:
     def _hierarchy(self, boot, everyone, seg_bytes, timeout, store):
         """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
         engine.hierarchy (shared memory inside each host; between them this group's transport, TCP
-        or MPI), made through this group's bootstrap (MPI, or torch's store). ENGINE_HIER=off keeps
-        the group flat."""
-        from .hierarchy import Hierarchy, topology
-        hosts = [h for h, _, _ in everyone]
+        or MPI), made through this group's bootstrap (MPI, or torch's store). A shared-memory group
+        whose ranks sit on several sockets, the same number (2 or more) on each, gets the same two
+        levels with sockets for hosts, shared memory on both. ENGINE_HIER=off keeps the group flat."""
+        from .hierarchy import Hierarchy, sockets_of, topology
         self._hier_mode = registry.hier_mode()
-        if not self._transport.network or len(set(hosts)) < 2 or self._hier_mode == "off":
+        if self._hier_mode == "off":
+            return None
+        hosts = [h for h, _, _ in everyone] if self._transport.network else sockets_of(everyone)
+        if hosts is None or len(set(hosts)) < 2:
             return None
         host_of, local_of, per_host = topology(hosts)
         if not per_host or per_host < 2:

@@ -1,5 +1,9 @@
 """Hierarchical collectives for groups spanning hosts with several ranks each: shared memory inside
-each host, the group's transport between hosts (the engine's TCP transport, or MPI under mpirun).
+each host, the group's transport between hosts (the engine's TCP transport, or MPI under mpirun). The
+same two levels serve a shared-memory group whose ranks sit on several sockets (NUMA nodes) of one
+host: shared memory inside each socket, then shared memory across sockets, so each stage's traffic
+stays on one socket's memory where it can (sockets_of: the nodes of the ranks' cores, or ENGINE_SOCKETS).
+Below, "host" is the place of the first level: a host, or a socket.
 
 Every rank carries a slice across hosts (measured better than one leader per host: docs/tuning.md), so
 all the ranks' links and cores work at once:
@@ -15,10 +19,60 @@ for the comparison and for ENGINE_HIER=leader. Workspaces are allocated once per
 Needs the same number of ranks on every host (otherwise the group stays flat).
 """
 
+import glob
+import os
+
 import numpy as np
 
 from . import _core
+from .config import env_int
 from .ops import ReduceOp, op_code
+
+NODES = "/sys/devices/system/node"
+
+
+def numa_nodes(root=NODES):
+    """{node: its CPUs} from sysfs ({} where the kernel shows none)."""
+    out = {}
+    for path in glob.glob(os.path.join(root, "node[0-9]*", "cpulist")):
+        with open(path) as f:
+            text = f.read().strip()
+        cpus = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        out[int(os.path.basename(os.path.dirname(path))[4:])] = cpus
+    return out
+
+
+def sockets_of(everyone, nodes=None):
+    """Each rank's place for a shared-memory group (everyone: every rank's (host, pid, cores)): its host,
+    and where the host's ranks sit on 2+ NUMA nodes, the node its cores lie in ("host/node1"). A rank
+    whose cores span nodes (not bound) leaves the group on one level (None). ENGINE_SOCKETS=N splits
+    each host's ranks, in group order, into N sockets of equal size instead (tests force two sockets
+    on one node so)."""
+    forced = env_int("ENGINE_SOCKETS", 0)
+    hosts = [h for h, _, _ in everyone]
+    if forced:
+        if forced < 0:
+            raise ValueError(f"ENGINE_SOCKETS={forced}: expected a number of sockets (0 or unset: the machine's)")
+        local = {h: hosts.count(h) for h in hosts}
+        seen = {}
+        out = []
+        for h in hosts:
+            i = seen[h] = seen.get(h, -1) + 1
+            out.append(f"{h}/socket{i * forced // local[h]}")
+        return out
+    nodes = numa_nodes() if nodes is None else nodes
+    if len(nodes) < 2:
+        return None
+    out = []
+    for h, _, cores in everyone:
+        homes = [n for n, cpus in nodes.items() if set(cores) <= cpus]
+        if not homes:
+            return None
+        out.append(f"{h}/node{homes[0]}")
+    return out
 
 
 def topology(hosts):

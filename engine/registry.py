@@ -141,29 +141,31 @@ def _movement(collective, transport, single_copy_doc):
 
 
 def _hier(transport, collective, runs, doc, name="hier", **kw):
-    """A composite entry of engine.hierarchy: shared memory inside each host, `transport` between them."""
+    """A composite entry of engine.hierarchy: shared memory inside each host (socket), `transport` between them."""
     return Entry(collective, transport, name, Impl.COMPOSITE, doc, min_bytes=HIER_MIN[collective],
                  needs=frozenset({"hierarchy"}), runs=runs, **kw)
 
 
-def _hierarchy(transport):
-    """The hierarchy's entries over `transport` between hosts, each first among its collective's."""
+def _hierarchy(transport, place="host"):
+    """The hierarchy's entries over `transport` between places (hosts; for shm, sockets), each first
+    among its collective's."""
     return {
         "allreduce": (
             _hier(transport, "allreduce", "allreduce_leader",
-                  "local reduce, an allreduce among one leader per host, local broadcast", name="leader",
+                  f"local reduce, an allreduce among one leader per {place}, local broadcast", name="leader",
                   auto="hier:leader"),
             _hier(transport, "allreduce", "allreduce",
-                  "local reduce_scatter, every rank's slice across hosts, local allgather", auto="hier:slice")),
+                  f"local reduce_scatter, every rank's slice across {place}s, local allgather", auto="hier:slice")),
         "broadcast": (_hier(transport, "broadcast", "broadcast",
-                            "across hosts among the root's local index, then inside each host"),),
-        "allgather": (_hier(transport, "allgather", "allgather", "across hosts, then inside each host", uneven=False),),
-        "reduce_scatter": (_hier(transport, "reduce_scatter", "reduce_scatter", "inside each host, then across hosts",
-                                 uneven=False),),
+                            f"across {place}s among the root's local index, then inside each {place}"),),
+        "allgather": (_hier(transport, "allgather", "allgather", f"across {place}s, then inside each {place}",
+                            uneven=False),),
+        "reduce_scatter": (_hier(transport, "reduce_scatter", "reduce_scatter",
+                                 f"inside each {place}, then across {place}s", uneven=False),),
     }
 
 
-_MPI_HIER, _TCP_HIER = _hierarchy("mpi"), _hierarchy("tcp")
+_MPI_HIER, _TCP_HIER, _SHM_HIER = _hierarchy("mpi"), _hierarchy("tcp"), _hierarchy("shm", "socket")
 
 
 def _p2p(transport, auto=True):
@@ -204,7 +206,8 @@ _TCP_P2P = _p2p("tcp")
 
 
 ENTRIES = (
-    # -- shared memory (one host) --
+    # -- shared memory (one host; a group on several sockets: the hierarchy first, sockets for hosts) --
+    *_SHM_HIER["allreduce"],
     Entry("allreduce", "shm", "oneshot", Impl.ONESHOT, "every rank reduces every rank's slot (one sync)",
           max_bytes=SHM_ONESHOT_MAX),
     Entry("allreduce", "shm", "ring", Impl.RING, "the ring over the segment's point-to-point queues", auto=False,
@@ -224,10 +227,13 @@ ENTRIES = (
           params=(("chunk_bytes", SHM_CHUNK), ("slice_bytes", SHM_THREAD_SLICE))),
     Entry("reduce", "shm", "twoshot", Impl.TWOSHOT, "every rank reduces a block, the root gathers them",
           params=(("chunk_bytes", SHM_CHUNK),)),
+    *_SHM_HIER["broadcast"],
     *_movement("broadcast", "shm", "readers copy from the root's buffer while the root writes their tails"),
+    *_SHM_HIER["allgather"],
     *_movement("allgather", "shm", "each rank reads every part from its owner's buffer"),
     *_movement("gather", "shm", "the root reads every part from its owner's buffer"),
     *_movement("scatter", "shm", "each rank reads its part from the root's buffer"),
+    *_SHM_HIER["reduce_scatter"],
     Entry("reduce_scatter", "shm", "single_copy", Impl.SINGLE_COPY,
           "each rank reads its block of every input and reduces it", min_bytes=SINGLE_COPY_MIN,
           max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"}), params=(("piece_bytes", SHM_PULL_PIECE),)),
@@ -484,8 +490,8 @@ class Plan:
 
 def _why(missing):
     return "; ".join({"single_copy": "process_vm_readv between the ranks is not allowed here (ENGINE_SHM_CMA)",
-                      "hierarchy": "its ranks are not on several hosts with the same number (2+) on each, or "
-                                   "ENGINE_HIER=off",
+                      "hierarchy": "its ranks are not on several hosts (shm: sockets, ENGINE_SOCKETS) with "
+                                   "the same number (2+) on each, or ENGINE_HIER=off",
                       "threads": "its host's ranks have one core each to share out; ENGINE_THREADS=N (2 or "
                                  "more) gives each rank N threads"}.get(m, m) for m in sorted(missing))
 

@@ -130,6 +130,18 @@ static int eng_seg_attach(int pid, int fd, size_t size, void **base_out) {
   return 0;
 }
 
+/* Faults in [addr, addr + size) of a shared mapping for writing, from the calling process: a rank
+ * populating its own slots places their pages on its NUMA node (first touch), before any peer reads
+ * them, and the group's first collective takes no page faults. Without MADV_POPULATE_WRITE (Linux
+ * < 5.14) the pages stay lazy; the owner's first write (every slot is written first by its owner)
+ * places them the same way. */
+static inline void eng_seg_populate(void *addr, size_t size) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  (void)madvise(addr, size, MADV_POPULATE_WRITE);
+}
+
 static inline void eng_seg_unmap(void *base, size_t size) {
   if (base != NULL) munmap(base, size);
 }

@@ -22,6 +22,7 @@ cdef extern from "shm.h" nogil:
     int eng_seg_create(size_t size, int *fd_out, void **base_out)
     int eng_seg_attach(int pid, int fd, size_t size, void **base_out)
     void eng_seg_unmap(void *base, size_t size)
+    void eng_seg_populate(void *addr, size_t size)
     void eng_close(int fd)
     int eng_random(void *buf, size_t n)
     size_t eng_cma_probe_addr()

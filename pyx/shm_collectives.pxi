@@ -85,8 +85,9 @@ cdef class ShmComm(CoreComm):
         self.seg = seg
         self.transport = "shm"
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
+        # COMPOSITE: a group on several sockets runs the hierarchy's entries (engine.hierarchy) through the core.
         self.impls |= ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
-                       | (1u << IMPL_SINGLE_COPY))
+                       | (1u << IMPL_SINGLE_COPY) | (1u << IMPL_COMPOSITE))
         self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | P2P_IMPLS)   # the kernels' divisor
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)

@@ -118,6 +118,8 @@ cdef class ShmSegment:
             raise MemoryError()
         for q in range(size):
             self.peers.pidfds[q] = -1
+        if not self.private:
+            eng_seg_populate(self.slots + <size_t>rank * self.slot_stride, self.slot_stride)
         return 0
 
     @staticmethod

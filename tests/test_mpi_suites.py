@@ -65,6 +65,15 @@ def test_matrix_with_threads():
     assert_every_rank_passed(proc.stdout, 2)
 
 
+def test_matrix_across_two_sockets():
+    """ENGINE_SOCKETS=2 splits 4 ranks into two "sockets" of two: the shared-memory group runs the
+    hierarchy (socket stage, then across sockets), every one of its entries forced through the matrix,
+    and the automatic choice at the edges of the rules."""
+    proc = run(4, [os.path.join(HERE, "mpi", "test_matrix.py")], extra=["-k", "hier or leader or automatic"],
+               ENGINE_TRANSPORT="shm", ENGINE_SOCKETS="2")
+    assert_every_rank_passed(proc.stdout, 4, skips=False)
+
+
 def test_collectives_with_tiny_mpi_chunks():
     """ENGINE_MPI_CHUNK_ELEMENTS=7 sends every element-wise native collective through its chunk loop
     (the path of messages over 2**31 elements), on 3 ranks; on the baseline kernels (ENGINE_ISA), which

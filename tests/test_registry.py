@@ -153,3 +153,21 @@ def test_forcing_a_threaded_entry_without_threads_says_how_to_get_them():
     plan = Plan("shm", {"single_copy", "threads"})
     assert plan.choose("allreduce", 1 << 20, 2).name == "twoshot_threads"
     assert plan.choose("allreduce", (1 << 20) - 1, 2).name == "twoshot"
+
+
+def test_sockets_come_from_the_numa_nodes_of_the_ranks_cores_or_engine_sockets(tmp_path, monkeypatch):
+    from engine.hierarchy import numa_nodes, sockets_of
+    for node, cpus in ((0, "0-1,4\n"), (1, "2-3,5-6\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus)
+    nodes = numa_nodes(str(tmp_path))
+    assert nodes == {0: {0, 1, 4}, 1: {2, 3, 5, 6}}
+    monkeypatch.delenv("ENGINE_SOCKETS", raising=False)
+    bound = [("h", 1, {0}), ("h", 2, {4}), ("h", 3, {2, 3}), ("h", 4, {6})]
+    assert sockets_of(bound, nodes) == ["h/node0", "h/node0", "h/node1", "h/node1"]
+    assert sockets_of(bound[:3] + [("h", 4, {1, 2})], nodes) is None    # a rank spanning nodes: one level
+    assert sockets_of(bound, {0: set(range(8))}) is None                  # one node
+    monkeypatch.setenv("ENGINE_SOCKETS", "2")
+    unbound = [("h", r, set(range(8))) for r in range(4)] + [("g", 9, {0}), ("g", 8, {0})]
+    assert sockets_of(unbound, {0: set(range(8))}) == ["h/socket0", "h/socket0", "h/socket1", "h/socket1",
+                                                       "g/socket0", "g/socket1"]
