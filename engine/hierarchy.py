@@ -106,7 +106,9 @@ def _flat(buf):
 
 class Hierarchy:
     """The two levels of one group: `local` (this host's ranks, shared memory) and `cross` (the ranks of
-    this local index on every host, TCP or MPI), with the rank maps to put blocks back in rank order."""
+    this local index on every host, TCP or MPI), with the rank maps to put blocks back in rank order.
+    The core calls its reductions with SUM for AVG and divides the result itself, as for every
+    algorithm (CoreComm.invoke)."""
 
     def __init__(self, local, cross, host_of, local_of, leaders=None):
         self.local, self.cross, self.leaders = local, cross, leaders
@@ -136,12 +138,8 @@ class Hierarchy:
         n, L = flat.shape[0], self.per_host
         counts = [_core.ring_block(n, L, i)[1] for i in range(L)]
         mine = self._buffer(flat, counts[self.local.rank], "slice")
-        avg = op == ReduceOp.AVG
-        red = ReduceOp.SUM if avg else op
-        self.local.reduce_scatter(flat, mine, red, counts)
-        self.cross.allreduce(mine, None, red)
-        if avg:
-            _core.scale(mine, self.hosts * L, True)
+        self.local.reduce_scatter(flat, mine, op, counts)
+        self.cross.allreduce(mine, None, op)
         self.local.allgather(mine, flat, counts)
         return buf
 
@@ -150,14 +148,9 @@ class Hierarchy:
         buf = sendbuf if recvbuf is None else recvbuf
         if recvbuf is not None:
             _copy(recvbuf, sendbuf)
-        avg = op == ReduceOp.AVG
-        red = ReduceOp.SUM if avg else op
-        self.local.reduce(buf, None, red, 0)
+        self.local.reduce(buf, None, op, 0)
         if self.leaders is not None:
-            # AVG: the leaders sum the hosts' sums, then divide by every rank (not by the hosts).
-            self.leaders.allreduce(buf, None, red)
-            if avg:
-                _core.scale(buf, self.hosts * self.per_host, True)
+            self.leaders.allreduce(buf, None, op)
         self.local.broadcast(buf, 0)
         return buf
 
@@ -196,13 +189,9 @@ class Hierarchy:
             for h in range(H):
                 g = self.place[h][i]
                 _copy(both[(i * H + h) * n:(i * H + h + 1) * n], src[g * n:(g + 1) * n])
-        avg = op == ReduceOp.AVG
-        red = ReduceOp.SUM if avg else op
         across = self._buffer(src, H * n, "across")
-        self.local.reduce_scatter(both, across, red)         # my local index's H blocks, summed over the host
-        self.cross.reduce_scatter(across, recvbuf, red)      # my block, summed over the hosts
-        if avg:
-            _core.scale(recvbuf, H * L, True)
+        self.local.reduce_scatter(both, across, op)          # my local index's H blocks, reduced over the host
+        self.cross.reduce_scatter(across, recvbuf, op)       # my block, reduced over the hosts
         return recvbuf
 
     def free(self):

@@ -248,10 +248,19 @@ cdef class CoreComm:
         cdef OpRec *rec
         cdef WaitCtx ctx
         cdef int ierr = 0
+        cdef bint avg
         if rule.impl == IMPL_COMPOSITE:
+            # AVG: the composite sums (its reductions' last argument is the op), and this core divides,
+            # as dispatch() does for every algorithm that doesn't divide inside its reduction.
+            avg = c.red != NULL and c.red.avg
+            if avg:
+                args = args[:-1] + (ENG_SUM,)
             rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False)
             try:
                 result = self.composite(rule.entry, *args)
+                if avg:
+                    with nogil:
+                        eng_scale(c.dst, c.count, c.dtype, self.size, 1)
             except BaseException as exc:
                 self.log.end(rec, exc)
                 raise
