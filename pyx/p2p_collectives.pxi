@@ -108,8 +108,7 @@ cdef class P2PCollectives:
                 st.nbytes = 0
                 ierr = self.tp.wait(&self.reqs[i], &st, ctx)
                 if not ierr and self.expect[i] != SIZE_MAX and st.nbytes != self.expect[i]:
-                    self.tp.err_peer = st.source
-                    ierr = ENG_ERR_MISMATCH
+                    ierr = self.tp.mismatch(st.source)
             clean = not ierr
         finally:
             if not clean:
@@ -166,8 +165,7 @@ cdef class P2PCollectives:
                 st.nbytes = 0
                 ierr = self.tp.wait(&rq[k % PIPELINE_SLOTS], &st, ctx)
                 if not ierr and st.nbytes != w:
-                    self.tp.err_peer = prev
-                    ierr = ENG_ERR_MISMATCH
+                    ierr = self.tp.mismatch(prev)
                 if ierr:
                     break
                 if vr < P - 1:

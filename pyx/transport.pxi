@@ -49,6 +49,12 @@ cdef class Transport:
             if req_active(&reqs[i]):
                 self.cancel(&reqs[i])
 
+    cdef int mismatch(self, int peer) noexcept nogil:
+        """What an algorithm returns when peer's message is not the size this rank expects (the call
+        differs there): ENG_ERR_MISMATCH, naming peer in the error."""
+        self.err_peer = peer
+        return ENG_ERR_MISMATCH
+
     cdef object error_text(self, int code):
         return _engine_error_text(code, self.err_peer)
 
@@ -76,8 +82,7 @@ cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *
         if not ierr:
             ierr = tp.wait(&reqs[0], &st, ctx)
         if not ierr and st.nbytes != rn:
-            tp.err_peer = frm
-            ierr = ENG_ERR_MISMATCH
+            ierr = tp.mismatch(frm)
         if not ierr:
             ierr = tp.wait(&reqs[1], NULL, ctx)
         clean = not ierr

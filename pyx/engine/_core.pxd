@@ -146,6 +146,7 @@ cdef class Transport:
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil
     cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
+    cdef int mismatch(self, int peer) noexcept nogil
     cdef object error_text(self, int code)
 
 
