@@ -3,11 +3,13 @@ on every configuration the engine runs in (tests/mpi/test_matrix.py is what each
 
     one host   mpiexec, 1-4 ranks: shared memory, ENGINE_TRANSPORT=mpi, ENGINE_TRANSPORT=tcp
                torchrun (no MPI), 1-4 ranks: shared memory, ENGINE_TRANSPORT=tcp
+               mpiexec on shared memory: 2 ranks x 4 threads (ENGINE_THREADS), 4 ranks on two
+               forced sockets (ENGINE_SOCKETS), 16 ranks
     hosts      namespace hosts (tests/hosts.py), 2x1 and 2x2, in every ENGINE_HIER mode (mpiexec)
 
     python tests/matrix.py                       # every configuration; the table on stdout
     python tests/matrix.py --table docs/matrix.md
-    python tests/matrix.py --only shm-2,hosts-2x2-leader
+    python tests/matrix.py --only mpiexec-shm-2,hosts-2x2-leader --table docs/matrix.md --merge
 
 Rows: the registry's entries, then the automatic choice of each collective; cells: `pass`, `-` (the
 configuration can't run it: the transport differs, or it lacks what the entry needs), `FAIL`. In CI
@@ -42,6 +44,9 @@ def configurations():
     for n in (1, 2, 3, 4):
         for transport in ("shm", "tcp"):
             out.append((f"torchrun-{transport}-{n}", _launch(torchrun.run_pytest, n, ENGINE_TRANSPORT=transport)))
+    out.append(("mpiexec-shm-2-threads4", _launch(mpirun.run_pytest, 2, ENGINE_TRANSPORT="shm", ENGINE_THREADS="4")))
+    out.append(("mpiexec-shm-4-sockets2", _launch(mpirun.run_pytest, 4, ENGINE_TRANSPORT="shm", ENGINE_SOCKETS="2")))
+    out.append(("mpiexec-shm-16", _launch(mpirun.run_pytest, 16, ENGINE_TRANSPORT="shm", ENGINE_TIMEOUT="60")))
     for per_host in (1, 2):
         for mode in HIER_MODES:
             out.append((f"hosts-2x{per_host}-{mode}", _hosts(per_host, mode)))
@@ -94,6 +99,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table", help="write the Markdown table here (else stdout)")
     p.add_argument("--only", help="comma-separated configuration names")
+    p.add_argument("--merge", action="store_true", help="keep the other configurations' columns of --table's file")
     args = p.parse_args(argv)
     configs = [(n, r) for n, r in configurations() if not args.only or n in args.only.split(",")]
     results, times, failed = {}, {}, []
@@ -111,6 +117,8 @@ def main(argv=None):
             print(out[-6000:], file=sys.stderr)
         counts = collections.Counter(results[name].values())
         print(f"[{i + 1}/{len(configs)}] {name}: exit {rc}, {dict(counts)} in {times[name]:.0f} s", flush=True)
+    if args.merge and args.table and os.path.exists(args.table):
+        configs, results, times = merged(args.table, configs, results, times)
     table = render(configs, results, times)
     if args.table:
         with open(args.table, "w") as f:
@@ -118,6 +126,29 @@ def main(argv=None):
     else:
         print(table)
     return 1 if failed else 0
+
+
+def merged(path, configs, results, times):
+    """The configurations of the table at path with those just run put in (replaced or appended): the
+    old columns' cells as they were, rows the old table lacked `-` there (a new entry: its skips)."""
+    with open(path) as f:
+        lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in f if line.startswith("|")]
+    names = lines[0][1:]
+    cells = {line[0]: line[1:] for line in lines[2:]}
+    back = {"pass": "PASSED", "FAIL": "FAILED"}
+    old = {}
+    for i, n in enumerate(names):
+        got = {}
+        for label, row in cells.items():
+            if label != "seconds" and row[i] in back:
+                got[label.replace(" (automatic choice)", "")] = back[row[i]]
+        old[n] = (got, float(cells["seconds"][i]) if "seconds" in cells else 0.0)
+    ran = dict(configs)
+    out_configs = [(n, ran.get(n)) for n in names] + [(n, r) for n, r in configs if n not in names]
+    for n in names:
+        if n not in ran:
+            results[n], times[n] = old[n]
+    return out_configs, results, times
 
 
 def render(configs, results, times):
