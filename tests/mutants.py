@@ -1,7 +1,7 @@
 """Mutation check of the schedules, the step primitives and the selection: each mutant alone, in a
 scratch checkout (never this one), is built, then timed to its first failure in tests/test_schedules.py
-and in the conformance matrix (shared memory, or the mutant's transport, 3 ranks, under mpiexec, as CI
-runs it), then reverted.
+and in the conformance matrix (shared memory, or the mutant's transport, 3 ranks or the mutant's, under
+mpiexec, with the mutant's settings), then reverted.
 
     git worktree add ../mut HEAD
     python tests/mutants.py ../mut            # every mutant; or name some: ../mut M1 M4
@@ -28,18 +28,27 @@ MUTANTS = [
     ("M6 selection: a rule's lower byte bound made exclusive", "pyx/comm.pxi",
      "            if (r.lo <= nbytes <= r.hi and", "            if (r.lo < nbytes <= r.hi and"),
     ("M7 AVG: divided twice (the matrix over TCP)", "pyx/comm.pxi",
+     "self.rank == c.root)):\n            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n",
+     "self.rank == c.root)):\n            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n"
      "            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n",
-     "            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n            eng_scale(c.dst, c.count, c.dtype, self.size, 1)\n",
      "tcp"),
     ("M8 point-to-point ring: allgather receives a block off by one (forced over shared memory)",
      "pyx/p2p_collectives.pxi",
      "dst + displs[rb] * isz, counts[rb] * isz, (r - 1 + P) % P, TAG_P2P_ALLGATHER, ctx)",
      "dst + displs[(rb + 1) % P] * isz, counts[rb] * isz, (r - 1 + P) % P, TAG_P2P_ALLGATHER, ctx)"),
+    ("M9 threads: the second thread of a rank's team skips its slice (4 threads a rank)", "pyx/team.h",
+     "  if (h->index >= j->parts) return;", "  if (h->index >= j->parts || h->index == 1) return;",
+     "shm", {"ENGINE_THREADS": "4"}),
+    ("M10 composite AVG: the core no longer divides a hierarchy's sum (two forced sockets)", "pyx/comm.pxi",
+     "                if avg:\n                    with nogil:", "                if False:\n                    with nogil:",
+     "shm", {"ENGINE_SOCKETS": "2"}, 4),
 ]
 only = sys.argv[2:]
 env = {**os.environ, "PYTHONPATH": MUT, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 for name, path, old, new, *where in MUTANTS:
     transport = where[0] if where else "shm"
+    extra_env = where[1] if len(where) > 1 else {}
+    nranks = where[2] if len(where) > 2 else 3
     if only and name.split()[0] not in only:
         continue
     p = os.path.join(MUT, path)
@@ -51,9 +60,9 @@ for name, path, old, new, *where in MUTANTS:
         assert b.returncode == 0, b.stderr[-3000:]
         row = [name]
         for label, cmd in (("schedules", [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_schedules.py"]),
-                           (f"matrix {transport}-3", [PY, "tests/mpirun.py", "3", "tests/mpi/test_matrix.py"])):
+                           (f"matrix {transport}-{nranks}", [PY, "tests/mpirun.py", str(nranks), "tests/mpi/test_matrix.py"])):
             t = time.monotonic()
-            r = subprocess.run(cmd, cwd=MUT, env={**env, "ENGINE_TRANSPORT": transport, "ENGINE_TIMEOUT": "10"},
+            r = subprocess.run(cmd, cwd=MUT, env={**env, "ENGINE_TRANSPORT": transport, "ENGINE_TIMEOUT": "10", **extra_env},
                                capture_output=True, text=True, timeout=900)
             dt = time.monotonic() - t
             failed = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith(("FAILED", "[1,0]<stdout>: FAILED", "[1,1]<stdout>: FAILED", "[1,2]<stdout>: FAILED"))][:1]
