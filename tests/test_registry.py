@@ -171,3 +171,11 @@ def test_sockets_come_from_the_numa_nodes_of_the_ranks_cores_or_engine_sockets(t
     unbound = [("h", r, set(range(8))) for r in range(4)] + [("g", 9, {0}), ("g", 8, {0})]
     assert sockets_of(unbound, {0: set(range(8))}) == ["h/socket0", "h/socket0", "h/socket1", "h/socket1",
                                                        "g/socket0", "g/socket1"]
+
+
+def test_the_shm_core_implements_every_shm_entry():
+    """Every shm entry's implementation code is one the compiled core says it runs (Impl codes and the
+    core's count of them agree)."""
+    import engine
+    core = engine.Communicator.from_store(None, 0, 1).core
+    assert {e.impl for e in registry.entries(transport="shm")} <= core.impls, core.impls

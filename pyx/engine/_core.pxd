@@ -205,7 +205,7 @@ cdef enum:
     IMPL_PAIRWISE = 12      # point-to-point: every pair directly (alltoall)
     IMPL_DISSEMINATION = 13 # point-to-point: log2(P) rounds of empty messages (barrier)
     IMPL_THREADED = 14      # shared memory: two-shot, each step's copies and reduction split over the rank's threads
-    NIMPLS = 14
+    NIMPLS = 15
 
 
 cdef enum:
