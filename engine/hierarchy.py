@@ -19,6 +19,7 @@ for the comparison and for ENGINE_HIER=leader. Workspaces are allocated once per
 Needs the same number of ranks on every host (otherwise the group stays flat).
 """
 
+import collections
 import glob
 import os
 
@@ -56,13 +57,9 @@ def sockets_of(everyone, nodes=None):
     if forced:
         if forced < 0:
             raise ValueError(f"ENGINE_SOCKETS={forced}: expected a number of sockets (0 or unset: the machine's)")
-        local = {h: hosts.count(h) for h in hosts}
-        seen = {}
-        out = []
-        for h in hosts:
-            i = seen[h] = seen.get(h, -1) + 1
-            out.append(f"{h}/socket{i * forced // local[h]}")
-        return out
+        _, local_of, _ = topology(hosts)
+        local = collections.Counter(hosts)
+        return [f"{h}/socket{i * forced // local[h]}" for h, i in zip(hosts, local_of)]
     nodes = numa_nodes() if nodes is None else nodes
     if len(nodes) < 2:
         return None

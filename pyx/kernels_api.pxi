@@ -19,7 +19,6 @@ cdef eng_team *_team_of(int threads) except? NULL:
             _kernel_threads = 1
         rc = eng_team_start(&_kernel_team, threads, 2)
         if rc:
-            eng_team_stop(&_kernel_team)
             raise OSError(rc, f"could not start {threads - 1} helper threads: {os.strerror(rc)}")
         _kernel_threads = threads
     return &_kernel_team
@@ -36,10 +35,7 @@ def copy_into(dst, src, int threads=1):
     with _kernel_team_lock:
         tm = _team_of(threads)
         with nogil:
-            if tm == NULL:
-                memcpy(md.ptr, ms.ptr, n)
-            else:
-                eng_team_copy(tm, md.ptr, ms.ptr, n)
+            eng_team_copy(tm, md.ptr, ms.ptr, n)
 
 
 def reduce_into(dst, a, b, op, int threads=1):

@@ -45,10 +45,7 @@ cdef struct Mover:      # how a reduction's data enters and leaves the slots: pl
 
 cdef inline void mv_load(Mover *mv, char *to, size_t off, size_t n, eng_team *tm) noexcept nogil:
     if mv.src != NULL:
-        if tm != NULL:
-            eng_team_copy(tm, to, mv.src + off * mv.wsz, n * mv.wsz)
-        else:
-            memcpy(to, mv.src + off * mv.wsz, n * mv.wsz)
+        eng_team_copy(tm, to, mv.src + off * mv.wsz, n * mv.wsz)
     else:
         eng_pack_range(to, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
                        mv.before, off, n)
@@ -56,10 +53,7 @@ cdef inline void mv_load(Mover *mv, char *to, size_t off, size_t n, eng_team *tm
 
 cdef inline void mv_store(Mover *mv, const char *frm, size_t off, size_t n, eng_team *tm) noexcept nogil:
     if mv.src != NULL:
-        if tm != NULL:
-            eng_team_copy(tm, mv.dst + off * mv.wsz, frm, n * mv.wsz)
-        else:
-            memcpy(mv.dst + off * mv.wsz, frm, n * mv.wsz)
+        eng_team_copy(tm, mv.dst + off * mv.wsz, frm, n * mv.wsz)
     else:
         eng_unpack_range(frm, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
                          mv.after, off, n)
@@ -150,7 +144,6 @@ cdef class ShmComm(CoreComm):
             return NULL
         if not self.team_started:
             if eng_team_start(&self.team, self.threads, self.size):
-                eng_team_stop(&self.team)
                 self.threads = 1          # no threads to be had: one, from now on
                 return NULL
             self.team_started = True

@@ -106,33 +106,7 @@ static void *eng_team_main(void *arg) {
   }
 }
 
-/* Starts n - 1 helpers for reductions of up to maxsrc sources. Returns 0, or an errno (no team:
- * the caller runs alone). */
-static int eng_team_start(eng_team *t, int n, int maxsrc) {
-  memset(t, 0, sizeof(*t));
-  t->n = 1;
-  t->maxsrc = maxsrc;
-  t->slice_min = ENG_TEAM_SLICE_MIN;
-  t->pid = getpid();
-  t->helpers = (eng_helper *)calloc((size_t)n, sizeof(eng_helper));
-  t->tids = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
-  if (t->helpers == NULL || t->tids == NULL) return ENOMEM;
-  t->slots = n;
-  for (int i = 0; i < n; i++) {
-    t->helpers[i].team = t;
-    t->helpers[i].index = i;
-    t->helpers[i].srcs = (const void **)calloc((size_t)maxsrc, sizeof(void *));
-    if (t->helpers[i].srcs == NULL) return ENOMEM;
-  }
-  for (int i = 1; i < n; i++) {
-    int rc = pthread_create(&t->tids[i], NULL, eng_team_main, &t->helpers[i]);
-    if (rc) return rc;   /* the caller stops the ones started */
-    t->n = i + 1;
-  }
-  return 0;
-}
-
-/* Stops and joins the helpers, frees the team (safe on a team that failed to start). */
+/* Stops and joins the helpers, frees the team (safe on one partly started). */
 static void eng_team_stop(eng_team *t) {
   if (t->n > 1 && t->pid == getpid()) {
     eng_store32(&t->stop, 1);
@@ -146,18 +120,45 @@ static void eng_team_stop(eng_team *t) {
   memset(t, 0, sizeof(*t));
 }
 
-/* Runs job over the team (t NULL, or one thread: in the caller alone). */
+/* Starts n - 1 helpers for reductions of up to maxsrc sources. Returns 0, or an errno, having
+ * stopped and freed whatever it started (no team: the caller runs alone). */
+static int eng_team_start(eng_team *t, int n, int maxsrc) {
+  int rc = 0;
+  memset(t, 0, sizeof(*t));
+  t->n = 1;
+  t->maxsrc = maxsrc;
+  t->slice_min = ENG_TEAM_SLICE_MIN;
+  t->pid = getpid();
+  t->helpers = (eng_helper *)calloc((size_t)n, sizeof(eng_helper));
+  t->tids = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
+  if (t->helpers == NULL || t->tids == NULL) rc = ENOMEM;
+  else t->slots = n;
+  for (int i = 0; i < t->slots && !rc; i++) {
+    t->helpers[i].team = t;
+    t->helpers[i].index = i;
+    t->helpers[i].srcs = (const void **)calloc((size_t)maxsrc, sizeof(void *));
+    if (t->helpers[i].srcs == NULL) rc = ENOMEM;
+  }
+  for (int i = 1; i < n && !rc; i++) {
+    rc = pthread_create(&t->tids[i], NULL, eng_team_main, &t->helpers[i]);
+    if (!rc) t->n = i + 1;
+  }
+  if (rc) eng_team_stop(t);
+  return rc;
+}
+
+/* The whole job in the calling thread. */
+static void eng_job_whole(const eng_job *j) {
+  if (j->kind == ENG_JOB_COPY) memcpy(j->dst, j->src, j->n);
+  else eng_reduce_many(j->fn, j->dst1, j->dst2, j->srcs, j->nsrc, j->n, j->itemsize, j->dtype, j->divisor);
+}
+
+/* Runs job over the team (alone where it is too small to split, or in a forked child). */
 static void eng_team_run(eng_team *t, eng_job *job) {
   const size_t bytes = job->kind == ENG_JOB_COPY ? job->n : job->n * job->itemsize;
-  size_t parts = t == NULL ? 0 : bytes / (t->slice_min ? t->slice_min : 1);
-  if (t == NULL || t->n < 2 || parts < 2 || t->pid != getpid()) {
-    job->parts = 1;
-    if (job->kind == ENG_JOB_COPY) {
-      memcpy(job->dst, job->src, job->n);
-    } else {
-      eng_reduce_many(job->fn, job->dst1, job->dst2, job->srcs, job->nsrc, job->n, job->itemsize, job->dtype,
-                      job->divisor);
-    }
+  const size_t parts = bytes / (t->slice_min ? t->slice_min : 1);
+  if (t->n < 2 || parts < 2 || t->pid != getpid()) {
+    eng_job_whole(job);
     return;
   }
   job->parts = parts < (size_t)t->n ? (int)parts : t->n;
@@ -173,10 +174,14 @@ static void eng_team_run(eng_team *t, eng_job *job) {
   }
 }
 
-/* The two jobs, as calls. */
+/* The two jobs, as calls; t NULL: in the caller alone. */
 static inline void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,
                                    int nsrc, size_t n, size_t itemsize, int dtype, double divisor) {
   eng_job j;
+  if (t == NULL) {
+    eng_reduce_many(fn, dst1, dst2, srcs, nsrc, n, itemsize, dtype, divisor);
+    return;
+  }
   memset(&j, 0, sizeof(j));
   j.kind = ENG_JOB_REDUCE;
   j.fn = fn;
@@ -193,6 +198,10 @@ static inline void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, vo
 
 static inline void eng_team_copy(eng_team *t, void *dst, const void *src, size_t bytes) {
   eng_job j;
+  if (t == NULL) {
+    memcpy(dst, src, bytes);
+    return;
+  }
   memset(&j, 0, sizeof(j));
   j.kind = ENG_JOB_COPY;
   j.dst = (char *)dst;
