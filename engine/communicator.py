@@ -14,11 +14,10 @@ ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
 """
 
 import os
-import weakref
 
 import numpy as np
 
-from . import _core, registry
+from . import _core, hierarchy, registry
 from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
@@ -66,9 +65,12 @@ class Communicator:
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
         self._debug = debug_enabled()
         # (a stage of another group's hierarchy is one level of it: never two levels itself)
-        self._hier = None if _stage else self._hierarchy(_boot, everyone, seg_bytes, timeout, store)
-        if self._hier is not None:
-            caps |= registry.hierarchy_caps(self._hier_mode)
+        self._hier, self._stages = None, ()
+        built = None if _stage else hierarchy.build(self, _boot, everyone,
+                                                    self._stage_maker(everyone, seg_bytes, timeout, store))
+        if built is not None:
+            self._hier, self._stages = built
+            caps |= registry.hierarchy_caps(registry.hier_mode())
         self.plan = registry.Plan(self.transport, caps, stage=_stage)
         self._configure(_boot)
         core = self._core
@@ -91,46 +93,23 @@ class Communicator:
             raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
                                f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): ENGINE_*_ALGO, the ENGINE_* "
                                "thresholds and ENGINE_TUNING_FILE must be the same on every rank")
-        composite = _composite_runner(self) if self._hier is not None else None
-        self.plan.configure(self._core, composite)
+        self.plan.configure(self._core)
+        self._core.set_hierarchy(self._hier)
         self._transport.configure(self._core, self.plan)
 
-    def _hierarchy(self, boot, everyone, seg_bytes, timeout, store):
-        """Across hosts with the same number (2 or more) of ranks on each: the two-level groups of
-        engine.hierarchy (shared memory inside each host; between them this group's transport, TCP
-        or MPI), made through this group's bootstrap (MPI, or torch's store). A shared-memory group
-        whose ranks sit on several sockets, the same number (2 or more) on each, gets the same two
-        levels with sockets for hosts, shared memory on both. ENGINE_HIER=off keeps the group flat."""
-        from .hierarchy import Hierarchy, sockets_of, topology
-        self._hier_mode = registry.hier_mode()
-        if self._hier_mode == "off":
-            return None
-        hosts = [h for h, _, _ in everyone] if self._transport.network else sockets_of(everyone)
-        if hosts is None or len(set(hosts)) < 2:
-            return None
-        host_of, local_of, per_host = topology(hosts)
-        if not per_host or per_host < 2:
-            return None
-        me = self.rank
-
-        def stage(color, key, part, transport, name):
-            sub = boot.split(color, key, part)
-            if sub is None:
-                return None
-            return Communicator(transport=transport, name=name, ring_segment_bytes=seg_bytes, timeout=timeout,
+    def _stage_maker(self, everyone, seg_bytes, timeout, store):
+        """make_stage for engine.hierarchy.build: a stage Communicator over a split of this group's
+        bootstrap (MPI, or torch's store)."""
+        def make(sub, transport, name):
+            part = Communicator(transport=transport, name=name, ring_segment_bytes=seg_bytes, timeout=timeout,
                                 store=store, _boot=sub, _owned=getattr(sub, "comm", None), _stage=True,
-                                _parent=(me, self.name))
-        local = stage(host_of[me], local_of[me], "host", "shm", f"{self.name}/host{host_of[me]}")
-        cross = stage(local_of[me], host_of[me], "cross", self.transport, f"{self.name}/cross{local_of[me]}")
-        leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", self.transport,
-                        f"{self.name}/leaders")
-        # Every stage waits as the whole group would: a cross stage holds one rank per host, but all of
-        # this host's ranks carry their slices between hosts at once, and the local stages wait while
-        # that traffic needs the kernel's network processing (measured: docs/tuning.md).
-        for part in (local, cross, leaders):
-            if part is not None:
-                _polite_waits(part._core, self._transport.network, everyone, me)
-        return Hierarchy(local, cross, host_of, local_of, leaders)
+                                _parent=(self.rank, self.name))
+            # Every stage waits as the whole group would: a cross stage holds one rank per host, but all of
+            # this host's ranks carry their slices between hosts at once, and the local stages wait while
+            # that traffic needs the kernel's network processing (measured: docs/tuning.md).
+            _polite_waits(part._core, self._transport.network, everyone, self.rank)
+            return part
+        return make
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
@@ -205,15 +184,16 @@ class Communicator:
         return sum(core.busy for core in self._cores())
 
     def _cores(self):
-        hier = getattr(self, "_hier", None)
-        stages = [] if hier is None else [s for s in (hier.local, hier.cross, hier.leaders) if s is not None]
-        return ([self._core] if self._core is not None else []) + [c for s in stages for c in s._cores()]
+        return ([self._core] if self._core is not None else []) + [
+            c for s in getattr(self, "_stages", ()) for c in s._cores()]
 
     def free(self):
         """Releases the group's resources; the object is unusable afterwards."""
-        if getattr(self, "_hier", None) is not None:
-            self._hier.free()
-            self._hier = None
+        if self._core is not None:
+            self._core.set_hierarchy(None)
+        for part in getattr(self, "_stages", ()):
+            part.free()
+        self._hier, self._stages = None, ()
         from_mpi = self._mpi_comms
         if self._core is not None:
             self._core.leave()
@@ -363,13 +343,3 @@ def _polite_waits(core, network, everyone, rank):
     cores = len(set().union(*local))
     if len(local) > cores or (network and len(local) >= cores):
         core.set_spin(0)
-
-
-def _composite_runner(comm):
-    """What the core calls to run a composite entry (engine.hierarchy): held weakly, so the core does
-    not keep its Communicator alive."""
-    ref = weakref.ref(comm)
-
-    def run(entry, *args):
-        return getattr(ref()._hier, registry.ENTRIES[entry].runs)(*args)
-    return run

@@ -1,33 +1,17 @@
-"""Hierarchical collectives for groups spanning hosts with several ranks each: shared memory inside
-each host, the group's transport between hosts (the engine's TCP transport, or MPI under mpirun). The
-same two levels serve a shared-memory group whose ranks sit on several sockets (NUMA nodes) of one
-host: shared memory inside each socket, then shared memory across sockets, so each stage's traffic
-stays on one socket's memory where it can (sockets_of: the nodes of the ranks' cores, or ENGINE_SOCKETS).
-Below, "host" is the place of the first level: a host, or a socket.
-
-Every rank carries a slice across hosts (measured better than one leader per host: docs/tuning.md), so
-all the ranks' links and cores work at once:
-
-    allreduce       local reduce_scatter (shm) -> cross allreduce of my slice (TCP or MPI, among the
-                    ranks of the same local index) -> local allgather (shm)
-    broadcast       cross broadcast among the root's local index -> local broadcast from it
-    allgather       cross allgather among my local index -> local allgather -> reorder to rank order
-    reduce_scatter  reorder -> local reduce_scatter -> cross reduce_scatter
-
-`leader` variants (local reduce to one rank per host, an allreduce among those, local broadcast) exist
-for the comparison and for ENGINE_HIER=leader. Workspaces are allocated once per group and grown.
-Needs the same number of ranks on every host (otherwise the group stays flat).
+"""Where a group's ranks sit, and the two levels made from it: the stage groups of the hierarchy
+(pyx/hierarchy.pxi runs its collectives). Across hosts with the same number (2 or more) of ranks on
+each: shared memory inside each host, the group's transport (TCP or MPI) between hosts. A
+shared-memory group whose ranks sit on several sockets (NUMA nodes), the same number on each, gets the
+same two levels with sockets for hosts, shared memory on both (sockets_of: the nodes of the ranks'
+cores, or ENGINE_SOCKETS). ENGINE_HIER=off keeps every group flat.
 """
 
 import collections
 import glob
 import os
 
-import numpy as np
-
-from . import _core
+from . import _core, registry
 from .config import env_int
-from .ops import ReduceOp, op_code
 
 NODES = "/sys/devices/system/node"
 
@@ -84,114 +68,28 @@ def topology(hosts):
     return host_of, local_of, (sizes.pop() if len(sizes) == 1 else None)
 
 
-def _empty_like(buf, count):
-    if type(buf).__module__.split(".")[0] == "torch":
-        return buf.new_empty(count)
-    return np.empty(count, dtype=buf.dtype)
+def build(comm, boot, everyone, make_stage):
+    """(the core's Hierarchy, the stage Communicators) of group comm, or None where it stays flat.
+    everyone: every rank's (host, pid, cores); make_stage(sub_bootstrap, transport, name) makes one
+    stage Communicator over a split of boot."""
+    mode = registry.hier_mode()
+    if mode == "off":
+        return None
+    hosts = [h for h, _, _ in everyone] if comm._transport.network else sockets_of(everyone)
+    if hosts is None or len(set(hosts)) < 2:
+        return None
+    host_of, local_of, per_host = topology(hosts)
+    if not per_host or per_host < 2:
+        return None
+    me = comm.rank
 
-
-def _copy(dst, src):
-    if hasattr(dst, "copy_"):
-        dst.copy_(src)
-    else:
-        dst[...] = src
-
-
-def _flat(buf):
-    return buf.reshape(-1)
-
-
-class Hierarchy:
-    """The two levels of one group: `local` (this host's ranks, shared memory) and `cross` (the ranks of
-    this local index on every host, TCP or MPI), with the rank maps to put blocks back in rank order.
-    The core calls its reductions with SUM for AVG and divides the result itself, as for every
-    algorithm (CoreComm.invoke)."""
-
-    def __init__(self, local, cross, host_of, local_of, leaders=None):
-        self.local, self.cross, self.leaders = local, cross, leaders
-        self.host_of, self.local_of = host_of, local_of
-        self.hosts, self.per_host = cross.size, local.size
-        # place[h][i] = the global rank at host h, local index i
-        self.place = [[0] * self.per_host for _ in range(self.hosts)]
-        for g, (h, i) in enumerate(zip(host_of, local_of)):
-            self.place[h][i] = g
-        self._work = {}
-
-    def _buffer(self, like, count, slot):
-        key = (slot, str(getattr(like, "dtype", "")), type(like))
-        buf = self._work.get(key)
-        if buf is None or buf.shape[0] < count:
-            buf = self._work[key] = _empty_like(like, max(count, 1))
-        return buf[:count]
-
-    # -- allreduce --
-
-    def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
-        op = op_code(op)
-        buf = sendbuf if recvbuf is None else recvbuf
-        if recvbuf is not None:
-            _copy(recvbuf, sendbuf)
-        flat = _flat(buf)
-        n, L = flat.shape[0], self.per_host
-        counts = [_core.ring_block(n, L, i)[1] for i in range(L)]
-        mine = self._buffer(flat, counts[self.local.rank], "slice")
-        self.local.reduce_scatter(flat, mine, op, counts)
-        self.cross.allreduce(mine, None, op)
-        self.local.allgather(mine, flat, counts)
-        return buf
-
-    def allreduce_leader(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
-        op = op_code(op)
-        buf = sendbuf if recvbuf is None else recvbuf
-        if recvbuf is not None:
-            _copy(recvbuf, sendbuf)
-        self.local.reduce(buf, None, op, 0)
-        if self.leaders is not None:
-            self.leaders.allreduce(buf, None, op)
-        self.local.broadcast(buf, 0)
-        return buf
-
-    # -- broadcast --
-
-    def broadcast(self, buf, root=0):
-        h, i = self.host_of[root], self.local_of[root]
-        if self.local.rank == i:
-            self.cross.broadcast(buf, h)
-        self.local.broadcast(buf, i)
-        return buf
-
-    # -- allgather / reduce_scatter (equal counts) --
-
-    def allgather(self, sendbuf, recvbuf):
-        n = _flat(sendbuf).shape[0]
-        H, L = self.hosts, self.per_host
-        across = self._buffer(_flat(sendbuf), H * n, "across")
-        self.cross.allgather(sendbuf, across)                 # [h] = rank (h, my local index)
-        both = self._buffer(_flat(sendbuf), L * H * n, "both")
-        self.local.allgather(across, both)                    # [i][h] = rank (h, i)
-        out = _flat(recvbuf)
-        for i in range(L):
-            for h in range(H):
-                g = self.place[h][i]
-                _copy(out[g * n:(g + 1) * n], both[(i * H + h) * n:(i * H + h + 1) * n])
-        return recvbuf
-
-    def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM):
-        op = op_code(op)
-        n = _flat(recvbuf).shape[0]
-        H, L = self.hosts, self.per_host
-        src = _flat(sendbuf)
-        both = self._buffer(src, L * H * n, "both")
-        for i in range(L):
-            for h in range(H):
-                g = self.place[h][i]
-                _copy(both[(i * H + h) * n:(i * H + h + 1) * n], src[g * n:(g + 1) * n])
-        across = self._buffer(src, H * n, "across")
-        self.local.reduce_scatter(both, across, op)          # my local index's H blocks, reduced over the host
-        self.cross.reduce_scatter(across, recvbuf, op)       # my block, reduced over the hosts
-        return recvbuf
-
-    def free(self):
-        for comm in (self.local, self.cross, self.leaders):
-            if comm is not None:
-                comm.free()
+    def stage(color, key, part, transport, name):
+        sub = boot.split(color, key, part)
+        return None if sub is None else make_stage(sub, transport, f"{comm.name}/{name}")
+    local = stage(host_of[me], local_of[me], "host", "shm", f"host{host_of[me]}")
+    cross = stage(local_of[me], host_of[me], "cross", comm.transport, f"cross{local_of[me]}")
+    leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", comm.transport, "leaders")
+    stages = tuple(s for s in (local, cross, leaders) if s is not None)
+    hier = _core.Hierarchy(local.core, cross.core, host_of, local_of, leaders.core if leaders else None,
+                           registry.LEADER_ENTRIES)
+    return hier, stages

@@ -65,7 +65,6 @@ class Entry:
     needs: frozenset = frozenset()  # what the group must have: "single_copy", "hierarchy"
     auto: object = True             # True; False: only forced or tuned; a name: where the group has it
     params: tuple = ()              # (name, Tunable) the implementation reads
-    runs: str = ""                  # IMPL_COMPOSITE: the engine.hierarchy method
 
     @property
     def key(self):
@@ -140,10 +139,11 @@ def _movement(collective, transport, single_copy_doc):
             Entry(collective, transport, "segment", Impl.SEGMENT, "through the segment's slots, step by step"))
 
 
-def _hier(transport, collective, runs, doc, name="hier", **kw):
-    """A composite entry of engine.hierarchy: shared memory inside each host (socket), `transport` between them."""
+def _hier(transport, collective, doc, name="hier", **kw):
+    """A composite entry (pyx/hierarchy.pxi): shared memory inside each host (socket), `transport`
+    between them. The one named "leader" runs the leader allreduce."""
     return Entry(collective, transport, name, Impl.COMPOSITE, doc, min_bytes=HIER_MIN[collective],
-                 needs=frozenset({"hierarchy"}), runs=runs, **kw)
+                 needs=frozenset({"hierarchy"}), **kw)
 
 
 def _hierarchy(transport, place="host"):
@@ -151,16 +151,16 @@ def _hierarchy(transport, place="host"):
     among its collective's."""
     return {
         "allreduce": (
-            _hier(transport, "allreduce", "allreduce_leader",
+            _hier(transport, "allreduce",
                   f"local reduce, an allreduce among one leader per {place}, local broadcast", name="leader",
                   auto="hier:leader"),
-            _hier(transport, "allreduce", "allreduce",
+            _hier(transport, "allreduce",
                   f"local reduce_scatter, every rank's slice across {place}s, local allgather", auto="hier:slice")),
-        "broadcast": (_hier(transport, "broadcast", "broadcast",
+        "broadcast": (_hier(transport, "broadcast",
                             f"across {place}s among the root's local index, then inside each {place}"),),
-        "allgather": (_hier(transport, "allgather", "allgather", f"across {place}s, then inside each {place}",
+        "allgather": (_hier(transport, "allgather", f"across {place}s, then inside each {place}",
                             uneven=False),),
-        "reduce_scatter": (_hier(transport, "reduce_scatter", "reduce_scatter",
+        "reduce_scatter": (_hier(transport, "reduce_scatter",
                                  f"inside each {place}, then across {place}s", uneven=False),),
     }
 
@@ -306,6 +306,8 @@ ENTRIES = (
     Entry("sendrecv", "nccl", "nccl", Impl.NATIVE, "ncclSend / ncclRecv in one group call"),
 )
 INDEX = {e.key: i for i, e in enumerate(ENTRIES)}
+# The composite entries that run the hierarchy's leader allreduce (the others run by their collective).
+LEADER_ENTRIES = frozenset(i for i, e in enumerate(ENTRIES) if e.impl == Impl.COMPOSITE and e.name == "leader")
 
 
 # ENGINE_HIER: whether groups spanning hosts build a hierarchy, and which of its allreduces runs by default.
@@ -463,14 +465,14 @@ class Plan:
                 return e
         return None
 
-    def configure(self, core, composite=None):
+    def configure(self, core):
         """Hands every collective's rules to the compiled core."""
         names = [e.name for e in ENTRIES]
         for coll in COLLECTIVES:
             def item(e, lo, hi, lo_r, hi_r):
                 return (e.index, e.impl, lo, hi, lo_r, hi_r, *e.masks(), e.uneven)
             core.set_rules(coll, [item(*r) for r in self.rules[coll]],
-                           [(e.name, item(e, 0, EVERY, 1, EVERY)) for e in self.named[coll]], names, composite)
+                           [(e.name, item(e, 0, EVERY, 1, EVERY)) for e in self.named[coll]], names)
 
     def digest(self):
         """The plan in one string: every rank of a group must walk the same rules (their pieces must

@@ -2,7 +2,7 @@
 # Each entry point parses its buffers (once), checks what can be checked locally, chooses the entry
 # its rules name (engine/registry.py), then invoke() records the operation in the flight recorder and
 # makes one GIL-free call to the transport's implementation (run_*, overridden by ShmComm and
-# engine._mpi.MpiComm), or runs a composite entry in Python.
+# engine._mpi.MpiComm), or runs a composite entry through its Hierarchy (hierarchy.pxi).
 
 from libc.stdint cimport SIZE_MAX
 
@@ -68,7 +68,8 @@ cdef class CoreComm:
         self.ring = RingAllreduce(algo_tp, ring_segment_bytes)
         self.rdouble = RecursiveDoubling(algo_tp)
         self.p2p = P2PCollectives(algo_tp, ring_segment_bytes)
-        self.impls = P2P_IMPLS | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE)   # every transport's: over algo_tp
+        # every transport's: over algo_tp, and the hierarchy over two stage groups
+        self.impls = P2P_IMPLS | (1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE)
         self.cnt = <size_t*>malloc(4 * self.size * sizeof(size_t))
         if self.cnt == NULL:
             raise MemoryError()
@@ -153,12 +154,16 @@ cdef class CoreComm:
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
-    def set_rules(self, str collective, rules, named, entry_names, composite=None):
+    def set_hierarchy(self, Hierarchy hier):
+        """The two levels that run this group's composite entries (None: none)."""
+        self.hier = hier
+
+    def set_rules(self, str collective, rules, named, entry_names):
         """How this group chooses for one collective: rules, walked in order for each call, the first
         that applies runs; named, every entry this group can run (for algorithm=). Each item: (entry,
         impl, lo_bytes, hi_bytes, min_ranks, max_ranks, dtype_mask, op_mask, takes_uneven_counts);
         named items are (name, item); entry_names: every entry's name, as entry indexes them (for the
-        recorder and messages). composite(entry, *args) runs IMPL_COMPOSITE entries."""
+        recorder and messages)."""
         cdef int op = OP_KIND_NAMES.index(collective)
         self.log.entry_names = tuple(entry_names)
         rules, named = list(rules), list(named)
@@ -172,8 +177,6 @@ cdef class CoreComm:
             del self.named_index[key]
         for i, (name, _) in enumerate(named):
             self.named_index[op, name] = i
-        if composite is not None:
-            self.composite = composite
 
     cdef Rule *_rule_array(self, list rules) except? NULL:
         cdef Rule *out
@@ -241,23 +244,25 @@ cdef class CoreComm:
 
     # -- one call: record, run without the GIL, finish --
 
-    cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep):
+    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
         """Runs call c with rule's implementation as one recorded operation of this group (a composite
-        entry: in Python, on args). keep: buffers a failed point-to-point algorithm may still have
+        entry: through its hierarchy). keep: buffers a failed point-to-point algorithm may still have
         posted into (kept alive for good)."""
         cdef OpRec *rec
         cdef WaitCtx ctx
         cdef int ierr = 0
         cdef bint avg
+        cdef Reduction total
         if rule.impl == IMPL_COMPOSITE:
-            # AVG: the composite sums (its reductions' last argument is the op), and this core divides,
-            # as dispatch() does for every algorithm that doesn't divide inside its reduction.
+            # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm
+            # that doesn't divide inside its reduction.
             avg = c.red != NULL and c.red.avg
             if avg:
-                args = args[:-1] + (ENG_SUM,)
+                total = resolve_op(ENG_SUM, c.dtype)
+                c.red = &total.c
             rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False)
             try:
-                result = self.composite(rule.entry, *args)
+                self.hier.run(c, rule.entry, keep)
                 if avg:
                     with nogil:
                         eng_scale(c.dst, c.count, c.dtype, self.size, 1)
@@ -265,7 +270,7 @@ cdef class CoreComm:
                 self.log.end(rec, exc)
                 raise
             self.log.end(rec, None)
-            return result
+            return 0
         c.impl = rule.impl
         if self.aborted:
             raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
@@ -287,7 +292,7 @@ cdef class CoreComm:
             self.log.end(rec, exc)
             raise exc
         self.log.end(rec, None)
-        return None
+        return 0
 
     cdef _keep(self, int impl, object keep):
         # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever a
@@ -312,11 +317,12 @@ cdef class CoreComm:
 
     cdef int run_alone(self, Call *c) except -1 nogil:
         """A group of one, whatever the transport and algorithm: this rank's data to its output."""
-        cdef size_t isz = eng_itemsize[c.dtype], n = c.count
+        cdef size_t isz, n = c.count
         cdef const char *src = c.src
         cdef char *dst = c.dst
         if c.op == OP_BROADCAST or c.op == OP_BARRIER or src == NULL or dst == NULL:
             return 0
+        isz = eng_itemsize[c.dtype]
         if c.op == OP_REDUCE_SCATTER or c.op == OP_SCATTER or c.op == OP_ALLTOALL:
             src += c.displs[0] * isz
             n = c.counts[0]
@@ -455,9 +461,9 @@ cdef class CoreComm:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.red = &red.c
-        result = self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
-                             ms.count, (sendbuf, recvbuf, op), (ms, mr))
-        return result if result is not None else (recvbuf if recvbuf is not None else sendbuf)
+        self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
+                    ms.count, (ms, mr))
+        return recvbuf if recvbuf is not None else sendbuf
 
     def broadcast(self, buf, int root=0):
         self._root(root)
@@ -465,9 +471,8 @@ cdef class CoreComm:
         cdef Call c
         c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
         c.root = root
-        result = self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count,
-                             (buf, root), None)
-        return result if result is not None else buf
+        self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, None)
+        return buf
 
     def reduce(self, sendbuf, recvbuf=None, op=0, int root=0):
         """On root recvbuf = reduce(op, sendbuf of every rank) (recvbuf None: in place on sendbuf)."""
@@ -484,8 +489,7 @@ cdef class CoreComm:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, root
-        self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
-                    (sendbuf, recvbuf, op, root), None)
+        self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count, None)
         return recvbuf if recvbuf is not None else sendbuf
 
     def allgather(self, sendbuf, recvbuf, counts=None):
@@ -496,9 +500,9 @@ cdef class CoreComm:
         CoreComm._same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
         self.sizes(&c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
-        result = self.invoke(&c, self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None),
-                             mr.count, (sendbuf, recvbuf), None)
-        return result if result is not None else recvbuf
+        self.invoke(&c, self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None),
+                    mr.count, None)
+        return recvbuf
 
     def gather(self, sendbuf, recvbuf=None, int root=0, counts=None):
         """On root recvbuf = concat(sendbuf of every rank); recvbuf is ignored elsewhere."""
@@ -533,7 +537,7 @@ cdef class CoreComm:
         c.root = root
         self.sizes(&c, counts, mine, mine_role, whole, whole_role, what)
         self.invoke(&c, self.select(op, _nbytes(mine), mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
-                    (sendbuf, recvbuf, root), None)
+                    None)
 
     def reduce_scatter(self, sendbuf, recvbuf, op=0, counts=None):
         """recvbuf = this rank's block of reduce(op, sendbuf of every rank); counts: block sizes when uneven."""
@@ -550,9 +554,9 @@ cdef class CoreComm:
         self.sizes(&c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
         for i in range(self.size):
             largest = max(largest, c.counts[i])
-        result = self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
-                                             counts is not None, None), ms.count, (sendbuf, recvbuf, op), None)
-        return result if result is not None else recvbuf
+        self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
+                                    counts is not None, None), ms.count, None)
+        return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
         """Block i of sendbuf goes to rank i; block j of recvbuf comes from rank j."""
@@ -581,7 +585,7 @@ cdef class CoreComm:
         c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
         self.invoke(&c, self.select(OP_ALLTOALL, sent * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None), ms.count,
-                    (), None)
+                    None)
         return recvbuf
 
     cdef int split(self, counts, Message m, size_t *out, size_t *displs, str side) except -1:
@@ -605,7 +609,7 @@ cdef class CoreComm:
     def barrier(self):
         cdef Call c
         c = new_call(OP_BARRIER, NULL, NULL, 0, -1)
-        self.invoke(&c, self.select(OP_BARRIER, 0, -1, OPBIT_NONE, False, None), 0, (), None)
+        self.invoke(&c, self.select(OP_BARRIER, 0, -1, OPBIT_NONE, False, None), 0, None)
 
     # -- point to point (not numbered: they need not match across all ranks) --
 

@@ -22,8 +22,7 @@ cdef class MpiComm(CoreComm):
         self.coll = coll.ob_mpi
         self.transport = "mpi"
         self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
-        # COMPOSITE: a group spanning hosts runs the hierarchy's entries (engine.hierarchy) through the core.
-        self.impls |= (1u << IMPL_NATIVE) | (1u << IMPL_COMPOSITE)
+        self.impls |= 1u << IMPL_NATIVE
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()

@@ -45,7 +45,7 @@ cdef class P2PCollectives:
 
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
         """The call's entry (CoreComm.run sends every point-to-point entry here, on every transport)."""
-        cdef size_t isz = eng_itemsize[c.dtype]
+        cdef size_t isz = eng_itemsize[c.dtype] if c.dtype >= 0 else 0     # (a barrier has no dtype: -1)
         cdef const size_t *counts = c.counts
         cdef const size_t *displs = c.displs
         if c.op == OP_BROADCAST:

@@ -79,10 +79,9 @@ cdef class ShmComm(CoreComm):
         self.seg = seg
         self.transport = "shm"
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
-        # COMPOSITE: a group on several sockets runs the hierarchy's entries (engine.hierarchy) through the core.
         self.impls |= ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
-                       | (1u << IMPL_SINGLE_COPY) | (1u << IMPL_COMPOSITE))
-        self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | P2P_IMPLS)   # the kernels' divisor
+                       | (1u << IMPL_SINGLE_COPY))
+        self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE) | P2P_IMPLS)
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
@@ -299,7 +298,7 @@ cdef class ShmComm(CoreComm):
             rule = self.named_impl(OP_ALLREDUCE, IMPL_TWOSHOT)
         c = new_call(OP_ALLREDUCE, NULL, NULL, pl.total, mv.wdt)
         c.red, c.aux = &red.c, &mv
-        self.invoke(&c, rule, pl.total, (), None)
+        self.invoke(&c, rule, pl.total, None)
         return parts
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:

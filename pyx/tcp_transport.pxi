@@ -254,7 +254,7 @@ cdef class TcpComm(CoreComm):
     def __cinit__(self, TcpTransport algo, TcpTransport user, size_t ring_segment_bytes):
         self.transport = "tcp"
         self.init_core(algo, user, ring_segment_bytes)
-        self.impls |= (1u << IMPL_NATIVE) | (1u << IMPL_COMPOSITE)   # NATIVE: the sendrecv entry
+        self.impls |= 1u << IMPL_NATIVE   # the sendrecv entry
 
     @property
     def algo_transport(self):

@@ -42,6 +42,9 @@ MUTANTS = [
     ("M10 composite AVG: the core no longer divides a hierarchy's sum (two forced sockets)", "pyx/comm.pxi",
      "                if avg:\n                    with nogil:", "                if False:\n                    with nogil:",
      "shm", {"ENGINE_SOCKETS": "2"}, 4),
+    ("M11 hierarchy: allgather puts each block back host-major (two forced sockets)", "pyx/hierarchy.pxi",
+     "memcpy(c.dst + g * blk, both + (i * H + h) * blk, blk)", "memcpy(c.dst + g * blk, both + (h * L + i) * blk, blk)",
+     "shm", {"ENGINE_SOCKETS": "2"}, 4),
 ]
 only = sys.argv[2:]
 env = {**os.environ, "PYTHONPATH": MUT, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

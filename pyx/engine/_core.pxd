@@ -197,7 +197,7 @@ cdef enum:
     IMPL_TWOSHOT = 4        # shared memory: reduce-scatter through the slots, then gather the blocks
     IMPL_SEGMENT = 5        # shared memory: data moves through the slots (two copies)
     IMPL_SINGLE_COPY = 6    # shared memory: data moves by one process_vm_readv from its owner's buffer
-    IMPL_COMPOSITE = 7      # composed in Python of other groups' collectives (the hierarchy across hosts)
+    IMPL_COMPOSITE = 7      # composed of two other groups' collectives: the hierarchy (hierarchy.pxi)
     IMPL_TREE = 8           # point-to-point: a binomial tree (broadcast, reduce)
     IMPL_PIPELINE = 9       # point-to-point: a chain from the root, in segments (broadcast)
     IMPL_RSAG = 10          # point-to-point: ring reduce-scatter, then the root gathers the blocks (reduce)
@@ -335,6 +335,9 @@ cdef enum:
                  | (1u << IMPL_PAIRWISE) | (1u << IMPL_DISSEMINATION))
 
 
+cdef class Hierarchy
+
+
 cdef class CoreComm:
     cdef readonly int rank, size
     cdef readonly str transport
@@ -357,7 +360,7 @@ cdef class CoreComm:
     cdef dict named_index       # (collective, entry name) -> index into named[collective]
     cdef unsigned impls         # bit mask of the IMPL_* this transport implements
     cdef unsigned avg_fused     # the IMPL_* that divide AVG inside their reduction (dispatch divides the rest)
-    cdef object composite       # composite(entry, *args) runs an IMPL_COMPOSITE entry
+    cdef Hierarchy hier         # runs the IMPL_COMPOSITE entries (None: the group has one level)
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
@@ -375,7 +378,7 @@ cdef class CoreComm:
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
     cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
     cdef Rule *_rule_array(self, list rules) except? NULL
-    cdef object invoke(self, Call *c, const Rule *rule, size_t recorded, tuple args, object keep)
+    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
     cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
@@ -407,6 +410,24 @@ cdef class CoreComm:
                           const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
                           bint even, WaitCtx *ctx) except -1 nogil
     cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil
+
+
+cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries through it
+    cdef CoreComm local         # this host's (socket's) ranks, shared memory
+    cdef CoreComm cross         # the ranks of this local index on every host
+    cdef CoreComm leaders       # local index 0 of every host (None elsewhere): the leader allreduce
+    cdef int hosts, per_host
+    cdef int *host_of           # per global rank
+    cdef int *local_of
+    cdef int *place             # place[h * per_host + i]: the global rank at host h, local index i
+    cdef frozenset leader_entries   # the entries that run the leader allreduce
+    cdef char *work             # the workspace, grown; dropped (never freed) after a failed stage
+    cdef size_t work_bytes
+
+    cdef int run(self, Call *c, int entry, object keep) except -1
+    cdef char *workspace(self, size_t nbytes) except NULL
+    cdef int stage(self, CoreComm g, int op, const char *src, char *dst, size_t count, int dtype, RedC *red,
+                   int root, object keep) except -1
 
 
 # ---- taken by one file from another (each defined in the file its comment names) ----
