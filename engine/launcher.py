@@ -25,6 +25,17 @@ def detect_launcher(environ=None):
     return None
 
 
+def local_size(environ=None):
+    """How many of the job's processes this host runs, as the launcher says (torchrun's
+    LOCAL_WORLD_SIZE, or an MPI launcher's local size), or None where none says."""
+    env = os.environ if environ is None else environ
+    ls = env.get("LOCAL_WORLD_SIZE", "")
+    if ls.isdigit():
+        return int(ls)
+    found = detect_launcher(env)
+    return found[4] if found else None
+
+
 def usable_cores():
     """The cores this process may run on (its affinity: a launcher that binds ranks narrows it)."""
     try:

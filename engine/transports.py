@@ -14,6 +14,7 @@ import sys
 from . import _core, registry
 from .bootstrap import MpiBootstrap, make_segment
 from .config import env_int
+from .launcher import local_size
 
 
 class Opened:
@@ -32,9 +33,11 @@ def _mpi_comm_of(boot, owned):
 
 def threads(everyone, rank):
     """(threads this rank's large blocking reductions split over, whether the group has "threads"):
-    ENGINE_THREADS where set; else the cores this host's ranks may use, shared out among them, at most
-    torch's intra-op threads where torch is loaded. The second is the same on every rank (it reads only
-    what every rank sees), so every rank walks the same rules."""
+    ENGINE_THREADS where set; else the cores this host's ranks may use, shared out among the job's
+    processes on the host (the launcher's local size where larger than the group's: a subgroup's
+    ranks share the host with the rest of the job), at most torch's intra-op threads where torch is
+    loaded. The second reads only what every rank of the group sees, so every rank walks the same
+    rules; the count may differ between ranks (it only splits each rank's own kernel calls)."""
     forced = env_int("ENGINE_THREADS", 0)
     if forced < 0:
         raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
@@ -42,9 +45,12 @@ def threads(everyone, rank):
         return forced, forced > 1
     host = everyone[rank][0]
     local = [cores for h, _, cores in everyone if h == host]
-    share = len(set().union(*local)) // len(local)
+    cores = len(set().union(*local))
+    share = cores // len(local)
+    mine = cores // max(len(local), local_size() or 0)
     torch = sys.modules.get("torch")
-    mine = min(share, torch.get_num_threads()) if torch is not None and hasattr(torch, "get_num_threads") else share
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        mine = min(mine, torch.get_num_threads())
     return max(1, mine), share > 1
 
 
