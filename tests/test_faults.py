@@ -115,6 +115,8 @@ def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing(transport):
     proc, out = launch("killed_rank.py", 3, 120, KILL_RANK="1", ENGINE_TRANSPORT=transport, ENGINE_TIMEOUT="600")
     assert proc.returncode != 0, out[-3000:]
     assert "SIGKILL at step 5" in out
+    # the survivors end in an error naming the lost rank, never a crash of their own
+    assert not re.search(r"signal (11|6)\b|Segmentation fault|Aborted", out), out[-3000:]
     leftover = subprocess.run(["pgrep", "-f", "faults/killed_rank.py"], capture_output=True, text=True).stdout
     assert leftover.strip() == "", leftover
     assert shm_files() <= before
@@ -167,3 +169,15 @@ def test_bad_inputs_get_clear_errors(tmp_path, transport):
         events = json.load(open(tmp_path / f"t.rank{r}.json"))["traceEvents"]
         names = {e["name"] for e in events if e.get("ph") == "X"}
         assert "allreduce" in names and "broadcast signature check" in names
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ddp_bucket_failing_in_flight_raises_naming_the_rank_instead_of_crashing(transport):
+    """A failed Work's future must fail in C++ too: torch.futures.Future.set_exception alone completed it
+    with the exception as its value, which DDP's reducer read as the bucket's tensors (SIGSEGV)."""
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ddp_dead_peer.py")], capture_output=True, text=True,
+                          timeout=180, env={**env, "ENGINE_TRANSPORT": transport})
+    out = proc.stdout + proc.stderr
+    assert "exit codes [0, 0]" in out, out[-3000:]
+    assert re.search(r"rank 0 raised: \w+: .*allreduce failed: rank 1\b", out), out[-3000:]

@@ -10,6 +10,20 @@ from engine.progress import DONE
 from engine.watch import EngineTimeout
 
 
+def _raise_or_value(fut):
+    return fut.value()     # (raises the exception set_exception gave it)
+
+
+def future_pair():
+    """(what the engine completes, what it hands out). torch.futures.Future.set_exception marks a
+    future failed for Python's wait() only: C++ sees it completed, with the exception object as its
+    value, and DDP's reducer, reading that as the bucket's tensors, crashes the process. The future
+    handed out is the first's then(): its callback raises, so it fails in C++ too, and Python's
+    wait() raises the same exception."""
+    completer = torch.futures.Future()
+    return completer, completer.then(_raise_or_value)
+
+
 class _OutputsWork(dist._Work):
     """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU."""
 
@@ -31,7 +45,7 @@ class CollectiveWork(dist._Work):
     holds everything in the task (its progress engine and outputs). Slots, not a __dict__: one
     allocation less per asynchronous call."""
 
-    __slots__ = ("_task", "_future")
+    __slots__ = ("_task", "_future", "_completer")
 
     @staticmethod
     def of(task):
@@ -71,15 +85,16 @@ class CollectiveWork(dist._Work):
     def get_future(self):
         fut = getattr(self, "_future", None)
         if fut is None:
-            fut = self._future = torch.futures.Future()
+            self._completer, fut = future_pair()
+            self._future = fut
             self._task.progress.add_done_callback(self._task, self._complete_future)
         return fut
 
     def _complete_future(self, task):
         if task.error is not None:
-            self._future.set_exception(task.error)
+            self._completer.set_exception(task.error)
         else:
-            self._future.set_result(list(task.outputs))
+            self._completer.set_result(list(task.outputs))
 
 
 class CompletedWork(dist._Work):
@@ -201,14 +216,14 @@ class PointToPointWork(_OutputsWork):
 
     def get_future(self):
         if self._future is None:
-            fut = self._future = torch.futures.Future()
+            completer, self._future = future_pair()
 
             def complete():
                 try:
                     self.wait()
-                    fut.set_result(list(self._outputs))
+                    completer.set_result(list(self._outputs))
                 except Exception as exc:
-                    fut.set_exception(exc)
+                    completer.set_exception(exc)
 
             threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
         return self._future
