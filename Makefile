@@ -4,6 +4,8 @@
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo
+# make asan  : the engine built with AddressSanitizer in .asan/ (a copy of the tracked files), the adapter's
+#              suites under torchrun and tests/mpi under mpiexec on it, 3 ranks each; fails on any report
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The second torch every release is tested with: the suites that face torch run there too.
@@ -34,7 +36,7 @@ NRANKS ?= 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup setup-torch2.14 check test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite clean
+.PHONY: setup setup-torch2.14 check test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite asan clean
 setup: $(VENV)/.installed
 setup-torch2.14: $(VENV214)/.installed
 
@@ -90,5 +92,19 @@ torch-suite: setup
 	TORCH_SUITE_GATES=open WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 	BACKEND=gloo WORLD_SIZE=3 $(PY) -m pytest tests/torch_suite.py -q -p no:cacheprovider -rfEs
 
+# libstdc++ is preloaded beside the sanitizer's runtime so that its interceptor finds __cxa_throw (torch's
+# libraries throw C++ exceptions while they load).
+ASAN_PRELOAD = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
+ASAN_RUN = LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$(CURDIR)/.asan/report
+
+asan: setup
+	rm -rf .asan && mkdir .asan && git ls-files -z | xargs -0 cp --parents -t .asan
+	cd .asan && CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" LDFLAGS="-fsanitize=address" \
+		$(CURDIR)/$(PY) setup.py -q build_ext --inplace
+	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) tests/torchrun.py 3 tests/mpi/test_torch_backend.py \
+		tests/mpi/test_torch_training.py tests/mpi/test_torch_observability.py tests/mpi/test_matrix.py
+	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) tests/mpirun.py 3 tests/mpi --ignore=tests/mpi/test_matrix.py
+	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
+
 clean:
-	rm -rf build engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV214)/.installed
+	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV214)/.installed

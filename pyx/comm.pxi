@@ -281,24 +281,18 @@ cdef class CoreComm:
             with nogil:
                 ierr = self.dispatch(c, &ctx)
         except BaseException as exc:
-            self.busy -= 1
-            self._keep(rule.impl, keep)
-            self.log.end(rec, exc)
-            raise
+            exc_ = exc
+        else:
+            exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
         self.busy -= 1
-        if ierr:
-            self._keep(rule.impl, keep)
-            exc = self.error(ierr, OP_KIND_NAMES[c.op])
-            self.log.end(rec, exc)
-            raise exc
-        self.log.end(rec, None)
-        return 0
-
-    cdef _keep(self, int impl, object keep):
-        # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever a
-        # cancel can't take back must not land in freed memory.
-        if keep is not None and impl != IMPL_COMPOSITE:
+        if exc_ is not None and keep is not None:
+            # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever
+            # a cancel can't take back must not land in freed memory.
             self.limbo.append(keep)
+        self.log.end(rec, exc_)
+        if exc_ is not None:
+            raise exc_
+        return 0
 
     cdef bint blocks(self, Call *c) noexcept nogil:
         return False

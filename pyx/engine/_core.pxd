@@ -371,7 +371,6 @@ cdef class CoreComm:
     cdef int _fits(self, int op, size_t n, str what) except -1
     @staticmethod
     cdef int _same_dtype(Message a, Message b, str what) except -1
-    cdef _keep(self, int impl, object keep)
     cdef int _peer(self, int peer, bint any_ok, str what) except? -9999
     cdef int _tag(self, int tag, bint any_ok) except? -9999
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
