@@ -5,7 +5,8 @@
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo
 # make asan  : the engine built with AddressSanitizer in .asan/ (a copy of the tracked files), the adapter's
-#              suites under torchrun and tests/mpi under mpiexec on it, 3 ranks each; fails on any report
+#              suites under torchrun and tests/mpi under mpiexec on it, 3 ranks each; the matrix over TCP,
+#              and with 2 threads a rank on two forced sockets at 4 ranks; the TCP wire tests. Fails on any report
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The second torch every release is tested with: the suites that face torch run there too.
@@ -104,6 +105,11 @@ asan: setup
 	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) tests/torchrun.py 3 tests/mpi/test_torch_backend.py \
 		tests/mpi/test_torch_training.py tests/mpi/test_torch_observability.py tests/mpi/test_matrix.py
 	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) tests/mpirun.py 3 tests/mpi --ignore=tests/mpi/test_matrix.py
+	cd .asan && $(ASAN_RUN) ENGINE_TRANSPORT=tcp $(CURDIR)/$(PY) tests/mpirun.py 3 tests/mpi/test_matrix.py \
+		tests/mpi/test_collectives.py
+	cd .asan && $(ASAN_RUN) ENGINE_THREADS=2 ENGINE_SOCKETS=2 $(CURDIR)/$(PY) tests/mpirun.py 4 tests/mpi/test_matrix.py \
+		tests/mpi/test_collectives.py
+	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_tcp_transport.py
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
