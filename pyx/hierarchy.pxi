@@ -56,18 +56,18 @@ cdef class Hierarchy:
         return self.work
 
     cdef int stage(self, CoreComm g, int op, const char *src, char *dst, size_t count, int dtype, RedC *red,
-                   int root, object keep) except -1:
+                   int root, object keep, bint blocks=False) except -1:
         """One collective of stage g, chosen by g's rules and recorded as g's operation. count: this
-        rank's piece of equal pieces; root < 0 (allgather, reduce_scatter): count is the whole, cut
+        rank's piece of equal pieces; with blocks (allgather, reduce_scatter), count is the whole, cut
         in the near-equal blocks of block_range (the slice allreduce's two local steps)."""
         cdef Call s = new_call(op, src, dst, count, dtype)
         cdef size_t isz = eng_itemsize[dtype], largest = count
         cdef bint uneven = False
         cdef int i
-        s.red, s.root = red, max(root, 0)
+        s.red, s.root = red, root
         if op == OP_ALLGATHER or op == OP_REDUCE_SCATTER:
             s.counts, s.displs = g.cnt, g.cnt + g.size
-            if root < 0:        # the blocks of the whole the slice allreduce cuts (ring_block's)
+            if blocks:
                 for i in range(g.size):
                     block_range(count, g.size, i, &g.cnt[g.size + i], &g.cnt[i])
                 s.count = g.cnt[g.rank]
@@ -102,9 +102,9 @@ cdef class Hierarchy:
                 # this rank's block of the whole (the local reduce_scatter's), carried across hosts
                 block_range(n, L, self.local.rank, &off, &mine)
                 across = self.workspace(mine * isz)
-                self.stage(self.local, OP_REDUCE_SCATTER, buf, across, n, c.dtype, c.red, -1, keep)
+                self.stage(self.local, OP_REDUCE_SCATTER, buf, across, n, c.dtype, c.red, 0, keep, True)
                 self.stage(self.cross, OP_ALLREDUCE, across, across, mine, c.dtype, c.red, 0, keep)
-                self.stage(self.local, OP_ALLGATHER, across, buf, n, c.dtype, NULL, -1, keep)
+                self.stage(self.local, OP_ALLGATHER, across, buf, n, c.dtype, NULL, 0, keep, True)
             elif c.op == OP_BROADCAST:
                 h, i = self.host_of[c.root], self.local_of[c.root]
                 if self.local.rank == i:

@@ -426,7 +426,7 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
     cdef int run(self, Call *c, int entry, object keep) except -1
     cdef char *workspace(self, size_t nbytes) except NULL
     cdef int stage(self, CoreComm g, int op, const char *src, char *dst, size_t count, int dtype, RedC *red,
-                   int root, object keep) except -1
+                   int root, object keep, bint blocks=*) except -1
 
 
 # ---- taken by one file from another (each defined in the file its comment names) ----
