@@ -31,6 +31,18 @@ __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
+# Store queries still running in their helper threads. Each blocks in torch's C++ store client without
+# the GIL; one that returns after Python began finalizing aborts the process as it takes the GIL back
+# (SIGABRT, "terminate called without an active exception"), so the exit waits for them, briefly.
+_store_queries = weakref.WeakSet()
+
+
+@atexit.register
+def _join_store_queries():
+    for helper in list(_store_queries):
+        helper.join(STORE_QUERY_SECONDS)
+
+
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native).
 SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
 
@@ -196,6 +208,7 @@ class Watch:
                            "have exited)")
         helper = threading.Thread(target=ask, name="engine-watch-store", daemon=True)
         helper.start()
+        _store_queries.add(helper)
         helper.join(STORE_QUERY_SECONDS)
         if not out:
             return (f"the store did not answer within {STORE_QUERY_SECONDS:g} s (the rank hosting it, or the link "

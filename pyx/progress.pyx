@@ -18,9 +18,11 @@ from shm cimport eng_now, eng_sleep
 #   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
 # Order is kept either way: only the head of the queue runs, and never two at once.
 
+import atexit
 import collections
 import threading
 import time as _time
+import weakref
 
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
@@ -45,6 +47,27 @@ cdef class Task:
         return self.state == TASK_DONE
 
 
+# Every live progress engine, drained when the process ends normally. A daemon thread still running
+# a task when Python finalizes dies as it takes the GIL back; where that is inside one of torch's C++
+# calls (a tensor op releases the GIL, as does completing a torch Future) the C++ runtime aborts the
+# process instead ("terminate called without an active exception", SIGABRT). So what is queued runs
+# to its end first, each task bounded by its group's timeout, as Gloo's destructor does.
+_live = weakref.WeakSet()
+
+
+def _drain_at_exit():
+    cdef Progress progress
+    for progress in list(_live):
+        if progress.refusal is None:
+            progress.refusal = RuntimeError(
+                "a collective was issued while the process exits, after the engine ran what its process groups "
+                "had queued (an exit hook registered before the group was made?); issue it before the script ends")
+        try:
+            progress.close()
+        except BaseException:   # one engine's failure must not keep the others from draining
+            pass
+
+
 cdef double ACTIVE_WINDOW = 0.02   # after the last submit the idle thread polls (no wake-up needed) this long,
 cdef double POLL = 1e-3            # every this often, without the GIL; then it sleeps until submit signals it
 
@@ -62,6 +85,7 @@ cdef class Progress:
     cdef object thread
     cdef object refusal             # what submit() raises once closed (abort's error), or None
     cdef public double grace
+    cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self.mtx, NULL)
@@ -77,6 +101,11 @@ cdef class Progress:
         self.grace = grace
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
+        _live.add(self)
+        # registered again with each engine, so it runs before the exit hooks registered since (atexit
+        # runs the newest first): the TCP transports' goodbye, MPI's finalize
+        atexit.unregister(_drain_at_exit)
+        atexit.register(_drain_at_exit)
 
     def run(self, fn, a=None, b=None, c=None, int nargs=3, str name="op"):
         """fn(a, b, c) (its first nargs of them) now, in this thread, after everything queued before
