@@ -1,13 +1,15 @@
 """The torch adapter's latency path, compiled (torchbridge._fastpath): the c10d methods torch calls on
 every collective and point-to-point message, each one C call away from the engine's communicator.
 
-EngineProcessGroup (torchbridge/process_group.py, plain Python) takes these functions as its methods
-allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single, all_to_all_single (and the
-older names _allgather_base, _reduce_scatter_base, alltoall_base), barrier, send, recv and
-recv_anysource. Each handles the common case, one CPU tensor (or an input and an output) with
-torch's own options and no profiler running, and hands everything else (CUDA tensors, PREMUL_SUM,
-uneven splits, tensors that aren't contiguous, a profiled call) to the group's general method of the
-same collective (`group._broadcast`, ...), which checks and converts.
+METHODS is one table of the c10d methods it serves: allreduce, broadcast, reduce,
+all_gather_single, reduce_scatter_single, all_to_all_single (and the older names _allgather_base,
+_reduce_scatter_base, alltoall_base), barrier, send, recv and recv_anysource. A row gives each one's
+shape, the communicator call it makes and with what, and its general form. EngineProcessGroup
+(torchbridge/process_group.py, plain Python) takes methods() as its methods. Each fast form handles the
+common case, one CPU tensor (or an input and an output) with torch's own options and no profiler
+running; the checks for it are written once (FastPath.collective, FastPath.message). Everything else
+(CUDA tensors, PREMUL_SUM, uneven splits, tensors that aren't contiguous, a profiled call) goes to the
+row's general form (`group._broadcast`, ...), which checks and converts.
 
 torch's options are read from the C++ struct behind their pybind object, in one C call: through
 pybind, each field read costs about what the whole rest of the adapter does (a wrapper object per read,
@@ -208,16 +210,74 @@ def read_options(_Layout lay, opts, bint pybind=False):
     return ReduceOp(call >> 1) if lay.has_op else None, root, bool(call & 1)
 
 
-# (type, reduce op, root, the struct's size in torch 2.13)
-cdef _Layout _ALLREDUCE = _layout(_c10d.AllreduceOptions, True, False, 48)
-cdef _Layout _BROADCAST = _layout(_c10d.BroadcastOptions, False, True, 32)
-cdef _Layout _REDUCE = _layout(_c10d.ReduceOptions, True, True, 64)
-cdef _Layout _ALLGATHER = _layout(_c10d.AllgatherOptions, False, False, 16)
-cdef _Layout _REDUCE_SCATTER = _layout(_c10d.ReduceScatterOptions, True, False, 48)
-cdef _Layout _ALLTOALL = _layout(_c10d.AllToAllOptions, False, False, 16)
-cdef _Layout _BARRIER = _layout(_c10d.BarrierOptions, False, False, 40)
-LAYOUTS = {"allreduce": _ALLREDUCE, "broadcast": _BROADCAST, "reduce": _REDUCE, "allgather": _ALLGATHER,
-           "reduce_scatter": _REDUCE_SCATTER, "alltoall": _ALLTOALL, "barrier": _BARRIER}
+# Each options type's layout: (type, reduce op, root, the struct's size in torch 2.13)
+LAYOUTS = {"allreduce": _layout(_c10d.AllreduceOptions, True, False, 48),
+           "broadcast": _layout(_c10d.BroadcastOptions, False, True, 32),
+           "reduce": _layout(_c10d.ReduceOptions, True, True, 64),
+           "allgather": _layout(_c10d.AllgatherOptions, False, False, 16),
+           "reduce_scatter": _layout(_c10d.ReduceScatterOptions, True, False, 48),
+           "alltoall": _layout(_c10d.AllToAllOptions, False, False, 16),
+           "barrier": _layout(_c10d.BarrierOptions, False, False, 40)}
+
+
+# ---- the c10d methods: one table ----
+
+# What a communicator call gets, in order (a row's "arguments"): the input tensor (the one tensor of a
+# list form), the output, the reduce op, the root; "-" passes None.
+cdef enum:
+    ARG_NONE, ARG_IN, ARG_OUT, ARG_OP, ARG_ROOT
+ARGUMENTS = {"-": ARG_NONE, "in": ARG_IN, "out": ARG_OUT, "op": ARG_OP, "root": ARG_ROOT}
+
+# The c10d methods the latency path serves, one row each: torch's names for the method, its shape
+# (its signature: `tensors` (tensors, opts), `pair` (output, input, opts), `splits` all_to_all_single's,
+# `none` (opts), `p2p` (tensors, peer, tag), `anysource` (tensors, tag)), the communicator call and its
+# arguments, the options it reads, the name it runs under (traces, the flight recorder), and the
+# group's general form that takes every case the fast form leaves (torchbridge/process_group.py).
+METHODS = (
+    # torch's names                                  shape        call              arguments      options           runs as                   general form
+    (("allreduce",),                                 "tensors",   "allreduce",      "in - op",     "allreduce",      "allreduce",              "_allreduce"),
+    (("broadcast",),                                 "tensors",   "broadcast",      "in root",     "broadcast",      "broadcast",              "_broadcast"),
+    (("reduce",),                                    "tensors",   "reduce_to_root", "in op root",  "reduce",         "reduce",                 "_reduce"),
+    (("all_gather_single", "_allgather_base"),       "pair",      "allgather",      "in out",      "allgather",      "all_gather_into_tensor", "_all_gather_into_tensor"),
+    (("reduce_scatter_single", "_reduce_scatter_base"), "pair",   "reduce_scatter", "in out op",   "reduce_scatter", "reduce_scatter_tensor",  "_reduce_scatter_tensor"),
+    (("all_to_all_single", "alltoall_base"),         "splits",    "alltoall",       "in out",      "alltoall",       "alltoall_base",          "_alltoall_base"),
+    (("barrier",),                                   "none",      "barrier",        "",            "barrier",        "barrier",                "_traced_barrier"),
+    (("send",),                                      "p2p",       "isend",          "",            None,             "send",                   "_send"),
+    (("recv",),                                      "p2p",       "irecv",          "",            None,             "recv",                   "_recv"),
+    (("recv_anysource",),                            "anysource", "irecv",          "",            None,             "recv",                   "_recv_anysource"),
+)
+
+
+cdef class Method:
+    """One row of METHODS: what its fast form needs at each call."""
+    cdef readonly str name, call, general
+    cdef readonly Py_ssize_t index      # its communicator call in FastPath.calls
+    cdef _Layout layout
+    cdef int nargs
+    cdef int args[3]
+    cdef bint host_only                 # moves no tensor: CUDA routing doesn't apply (barrier)
+    cdef bint even_split                # all_to_all_single: a queued call checks divisibility first
+
+    def __init__(self, Py_ssize_t index, str call, str arguments, str options, str name, str general):
+        words = arguments.split()
+        self.index, self.call, self.name, self.general = index, call, name, general
+        self.layout = LAYOUTS[options] if options else None
+        self.nargs = len(words)
+        self.args = [ARGUMENTS[w] for w in words] + [ARG_NONE] * (3 - len(words))
+        self.host_only = call == "barrier"
+        self.even_split = call == "alltoall"
+
+
+cdef inline object _arg(int which, t, u, int op, int64_t root):
+    if which == ARG_IN:
+        return t
+    if which == ARG_OUT:
+        return u
+    if which == ARG_OP:
+        return op
+    if which == ARG_ROOT:
+        return root
+    return None
 
 
 # ---- the latency path ----
@@ -233,49 +293,69 @@ cdef enum:
 
 
 cdef class FastPath:
-    """One group's state for the latency path: its CPU communicator's methods and progress engine."""
+    """One group's state for the latency path: its CPU communicator's calls (METHODS' order) and
+    progress engine."""
     cdef bint cuda
-    cdef int size
     cdef object run, submit
-    cdef object allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, barrier, isend, irecv
-    cdef object check_even_split
-    cdef object reduce_to_root      # self._reduce_to_root, bound once
+    cdef list calls
+    cdef object reduce, check_even_split
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
     cdef Py_ssize_t next_work       # the slot of works the next new one takes
 
     def __init__(self, comm, progress, bint cuda):
         self.cuda = cuda   # True: CUDA exists; every call takes the general path, which routes by device
-        self.size = comm.size
         self.run, self.submit = progress.run, progress.submit
-        self.allreduce, self.broadcast, self.reduce = comm.allreduce, comm.broadcast, comm.reduce
-        self.allgather, self.reduce_scatter, self.alltoall = comm.allgather, comm.reduce_scatter, comm.alltoall
+        self.calls = [self._reduce_to_root if call == "reduce_to_root" else getattr(comm, call)
+                      for _, _, call, _, _, _, _ in METHODS]
+        self.reduce = comm.reduce
         self.check_even_split = comm.check_even_split
-        self.barrier, self.isend, self.irecv = comm.barrier, comm.isend, comm.irecv
-        self.reduce_to_root = self._reduce_to_root
         self.works = [None] * P2P_WORKS
         self.next_work = 0
 
     def _reduce_to_root(self, t, op, root):
         self.reduce(t, None, op, root)
 
-    cdef object queue(self, fn, tuple args, str name, outputs):
-        return CollectiveWork.of(self.submit(fn, args, name, outputs))
-
-    cdef object collective(self, int call, fn, a, b, c, int nargs, str name, outputs, t, u):
-        """fn on the first nargs of (a, b, c): run now (COMPLETED), or queued where torch asked for
-        async_op (call & 1: a CollectiveWork). None: the general path takes it, because a tensor (t, or
-        u where not None) isn't contiguous, or an even split's count isn't divisible by the group size
-        (the general path says so in torch's terms). A run finds either out before anything moves; a
-        queued call can't fall back once queued, so contiguity is checked here first, and
-        all_to_all_single, the one even split, has the core check divisibility before queuing."""
-        if call & 1:
-            if t.is_contiguous() and (u is None or u.is_contiguous()):
-                return self.queue(fn, (a, b, c)[:nargs], name, outputs)
+    cdef object collective(self, Method m, t, u, opts, outputs):
+        """m's call on t (input) and u (output), with the op and root torch's options give: run now
+        (COMPLETED), or queued where torch asked for async_op (a CollectiveWork). None: the general
+        form takes it: CUDA, the profiler, options it doesn't read (PREMUL_SUM), a tensor that isn't
+        contiguous, or an even split's count the group size doesn't divide (the general form says so
+        in torch's terms). A run finds either out before anything moves; a queued call can't fall back
+        once queued, so contiguity is checked here first, and all_to_all_single, the one even split,
+        has the core check divisibility before queuing."""
+        cdef int64_t root = 0
+        cdef int call, op
+        if (self.cuda and not m.host_only) or _profiling():
             return None
+        call = _read(m.layout, opts, &root)
+        if call < 0:
+            return None
+        op = call >> 1
+        fn = self.calls[m.index]
+        a = _arg(m.args[0], t, u, op, root)
+        b = _arg(m.args[1], t, u, op, root)
+        c = _arg(m.args[2], t, u, op, root)
+        if call & 1:
+            if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
+                return None
+            if m.even_split:   # queued: can't fall back, so a count the group size doesn't divide is named here
+                self.check_even_split(t.numel(), "send")
+                self.check_even_split(u.numel(), "recv")
+            return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))
         try:
-            self.run(fn, a, b, c, nargs, name)
+            self.run(fn, a, b, c, m.nargs, m.name)
             return COMPLETED
         except (NotContiguousError, NotDivisibleError):
+            return None
+
+    cdef object message(self, Method m, tensors, peer, tag):
+        """m's point-to-point call, posted at once (never queued behind collectives, as the general
+        form does); None: the general form takes it."""
+        if len(tensors) != 1 or self.cuda or _profiling():
+            return None
+        try:
+            return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)
+        except NotContiguousError:
             return None
 
     cdef object _p2p_work(self, request, outputs):
@@ -297,148 +377,54 @@ cdef class FastPath:
         return work
 
 
-cdef inline FastPath _fast(group):
-    return <FastPath?>group._fast
+# The fast form of each shape: a c10d method of the group (its first argument), falling back to the
+# group's general form of the same method.
+
+def _fast_form(Method m, str shape, str title):
+    general = m.general
+
+    if shape == "tensors":
+        def method(group, tensors, opts=None):
+            if len(tensors) == 1:
+                work = (<FastPath?>group._fast).collective(m, tensors[0], None, opts, tensors)
+                if work is not None:
+                    return work
+            return getattr(group, general)(tensors, opts)
+    elif shape == "pair":
+        def method(group, output, input, opts=None):
+            work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
+            return work if work is not None else getattr(group, general)(output, input, opts)
+    elif shape == "splits":
+        def method(group, output, input, output_split_sizes, input_split_sizes, opts=None):
+            if not output_split_sizes and not input_split_sizes:
+                work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
+                if work is not None:
+                    return work
+            return getattr(group, general)(output, input, output_split_sizes, input_split_sizes, opts)
+    elif shape == "none":
+        def method(group, opts=None):
+            work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
+            return work if work is not None else getattr(group, general)(opts)
+    elif shape == "p2p":
+        def method(group, tensors, peer, tag):
+            work = (<FastPath?>group._fast).message(m, tensors, peer, tag)
+            return work if work is not None else getattr(group, general)(tensors, peer, tag)
+    elif shape == "anysource":
+        def method(group, tensors, tag):
+            work = (<FastPath?>group._fast).message(m, tensors, None, tag)
+            return work if work is not None else getattr(group, general)(tensors, tag)
+    else:
+        raise ValueError(f"unknown shape {shape!r} of c10d method {m.name}")
+    method.__name__ = method.__qualname__ = title
+    method.__doc__ = f"{title}, compiled; falls back to the group's {general}"
+    return method
 
 
-def allreduce(group, tensors, opts=None):
-    """Falls back to group._allreduce."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        call = _read(_ALLREDUCE, opts, &root)
-        if call >= 0:
-            t = tensors[0]
-            work = f.collective(call, f.allreduce, t, None, call >> 1, 3, "allreduce", tensors, t, None)
-            if work is not None:
-                return work
-    return group._allreduce(tensors, opts)
-
-
-def broadcast(group, tensors, opts):
-    """Falls back to group._broadcast."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        call = _read(_BROADCAST, opts, &root)
-        if call >= 0:
-            t = tensors[0]
-            work = f.collective(call, f.broadcast, t, root, None, 2, "broadcast", tensors, t, None)
-            if work is not None:
-                return work
-    return group._broadcast(tensors, opts)
-
-
-def reduce(group, tensors, opts):
-    """Falls back to group._reduce."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        call = _read(_REDUCE, opts, &root)
-        if call >= 0:
-            t = tensors[0]
-            work = f.collective(call, f.reduce_to_root, t, call >> 1, root, 3, "reduce", tensors, t, None)
-            if work is not None:
-                return work
-    return group._reduce(tensors, opts)
-
-
-def all_gather_single(group, output, input, opts=None):
-    """all_gather_into_tensor; falls back to group._all_gather_into_tensor."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if not f.cuda and not _profiling():
-        call = _read(_ALLGATHER, opts, &root)
-        if call >= 0:
-            work = f.collective(call, f.allgather, input, output, None, 2, "all_gather_into_tensor", [output],
-                                input, output)
-            if work is not None:
-                return work
-    return group._all_gather_into_tensor(output, input, opts)
-
-
-def reduce_scatter_single(group, output, input, opts=None):
-    """reduce_scatter_tensor; falls back to group._reduce_scatter_tensor."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if not f.cuda and not _profiling():
-        call = _read(_REDUCE_SCATTER, opts, &root)
-        if call >= 0:
-            work = f.collective(call, f.reduce_scatter, input, output, call >> 1, 3, "reduce_scatter_tensor",
-                                [output], input, output)
-            if work is not None:
-                return work
-    return group._reduce_scatter_tensor(output, input, opts)
-
-
-def alltoall_base(group, output, input, output_split_sizes, input_split_sizes, opts=None):
-    """all_to_all_single without split sizes; falls back to group._alltoall_base (which also names
-    what is wrong with counts the group size doesn't divide)."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if not f.cuda and not output_split_sizes and not input_split_sizes and not _profiling():
-        call = _read(_ALLTOALL, opts, &root)
-        if call >= 0:
-            if call & 1:    # queued: can't fall back, so a count the group size doesn't divide is named here
-                f.check_even_split(input.numel(), "send")
-                f.check_even_split(output.numel(), "recv")
-            work = f.collective(call, f.alltoall, input, output, None, 2, "alltoall_base", [output], input, output)
-            if work is not None:
-                return work
-    return group._alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-
-
-def barrier(group, opts=None):
-    """Falls back to group._traced_barrier (no options: queued, as the general path does)."""
-    cdef FastPath f = _fast(group)
-    cdef int64_t root
-    cdef int call
-    if not _profiling():
-        call = _read(_BARRIER, opts, &root)
-        if call == 0:
-            f.run(f.barrier, None, None, None, 0, "barrier")
-            return COMPLETED
-        if call == 1:
-            return f.queue(f.barrier, (), "barrier", [])
-    return group._traced_barrier(opts)
-
-
-# Point-to-point is posted at once, never queued behind collectives (as the general path does).
-
-def send(group, tensors, dst, tag):
-    """Falls back to group._send."""
-    cdef FastPath f = _fast(group)
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        try:
-            return f._p2p_work(f.isend(tensors[0], dst, tag), tensors)
-        except NotContiguousError:
-            pass
-    return group._send(tensors, dst, tag)
-
-
-def recv(group, tensors, src, tag):
-    """Falls back to group._recv."""
-    cdef FastPath f = _fast(group)
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        try:
-            return f._p2p_work(f.irecv(tensors[0], src, tag), tensors)
-        except NotContiguousError:
-            pass
-    return group._recv(tensors, src, tag)
-
-
-def recv_anysource(group, tensors, tag):
-    """Falls back to group._recv_anysource."""
-    cdef FastPath f = _fast(group)
-    if len(tensors) == 1 and not f.cuda and not _profiling():
-        try:
-            return f._p2p_work(f.irecv(tensors[0], None, tag), tensors)
-        except NotContiguousError:
-            pass
-    return group._recv_anysource(tensors, tag)
+def methods():
+    """{torch's method name: its fast form}, every row of METHODS, to set on the group class."""
+    out = {}
+    for index, (names, shape, call, arguments, options, name, general) in enumerate(METHODS):
+        form = _fast_form(Method(index, call, arguments, options, name, general), shape, names[0])
+        for torch_name in names:
+            out[torch_name] = form
+    return out

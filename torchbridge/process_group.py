@@ -6,7 +6,8 @@ NCCL or through host memory. Inputs are never modified; outputs are written in p
 
 The latency path is compiled (torchbridge._fastpath, torchbridge/_fastpath.pyx): the methods torch calls
 on every collective and message (allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single,
-all_to_all_single, barrier, send, recv, recv_anysource) are its functions. Each reads torch's options in
+all_to_all_single, barrier, send, recv, recv_anysource) come from its one table (METHODS), a row
+each with the general form here that takes what the fast form leaves. Each reads torch's options in
 one C call and makes one call into the communicator, the collective running in the calling thread
 (engine.progress.Progress.run) when the group is idle; anything else goes to the general method of the
 same collective here (`_broadcast` for broadcast, ...), which handles every case.
@@ -279,18 +280,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
     # -- reductions --
 
-    # The latency path, compiled: each falls back to the general method named with an underscore.
-    allreduce = _fastpath.allreduce
-    broadcast = _fastpath.broadcast
-    reduce = _fastpath.reduce
-    all_gather_single = _allgather_base = _fastpath.all_gather_single
-    reduce_scatter_single = _reduce_scatter_base = _fastpath.reduce_scatter_single
-    all_to_all_single = alltoall_base = _fastpath.alltoall_base  # (torch 2.13 calls the first)
-    barrier = _fastpath.barrier
-    send = _fastpath.send
-    recv = _fastpath.recv
-    recv_anysource = _fastpath.recv_anysource
-
     @traced("all_reduce", first)
     def _allreduce(self, tensors, opts):
         t = _one(tensors, "allreduce")
@@ -547,3 +536,9 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             return
         self._release(*self._detach(RuntimeError(
             f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))
+
+
+# The latency path, compiled: every method in torchbridge/_fastpath.pyx's table (METHODS) is its fast
+# form, which falls back to the general form the table names (`_allreduce` for allreduce, ...).
+for _name, _method in _fastpath.methods().items():
+    setattr(EngineProcessGroup, _name, _method)
