@@ -63,6 +63,8 @@ def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transp
     assert proc.returncode == 0, out[-6000:]
     lines = _abort_lines(out)
     assert sorted(int(r) for r, *_ in lines) == [0, 1], out[-6000:]
+    print(f"abort {launcher} {transport} {origin} {op}: seconds from abort() to the call's end",
+          sorted(float(seconds) for *_, seconds, _, _ in lines))   # (shown by pytest -rA)
     for rank, what, over, seconds, how, error in lines:
         assert (what, over, how) == (op, transport, origin)
         assert error == "EngineAborted" or (transport == "tcp" and "left" in out), out[-3000:]
