@@ -181,3 +181,11 @@ def test_ddp_bucket_failing_in_flight_raises_naming_the_rank_instead_of_crashing
     out = proc.stdout + proc.stderr
     assert "exit codes [0, 0]" in out, out[-3000:]
     assert re.search(r"rank 0 raised: \w+: .*allreduce failed: rank 1\b", out), out[-3000:]
+
+
+def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
+    """tests/faults/exit_in_flight.py (see tests/test_launchers.py for torchrun) over MPI's transport:
+    the engine's exit hook must run what is queued before mpi4py's MPI_Finalize, on every rank."""
+    proc, out = launch("exit_in_flight.py", 3, 300, ENGINE_TRANSPORT="mpi")
+    assert proc.returncode == 0 and "terminate called" not in out, out[-5000:]
+    assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]
