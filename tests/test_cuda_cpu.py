@@ -124,3 +124,23 @@ def test_cpu_only_machines_never_route_to_cuda():
     group = pg.EngineProcessGroup.__new__(pg.EngineProcessGroup)
     group._cuda, group._cpu, group._devices = False, "cpu-device", {}
     assert group._device(torch.ones(2)) == "cpu-device" and group._devices == {}
+
+
+def test_the_cuda_communicator_reads_the_cores_count_tables():
+    """The CUDA communicator checks a v-collective's sizes through the core's one table: the same
+    counts, displacements and errors as a CPU group."""
+    from engine._core import NotDivisibleError, alltoall_table, count_table
+    assert count_table(3, 1, None, 5, "sendbuf", 15, "recvbuf", "allgather") == ([5, 5, 5], [0, 5, 10])
+    assert count_table(3, 2, [1, 0, 4], 4, "recvbuf", 5, "sendbuf", "reduce_scatter") == ([1, 0, 4], [0, 1, 1])
+    assert count_table(2, 1, [3, 2], 2, "sendbuf", None, "recvbuf", "gather") == ([3, 2], [0, 3])
+    with pytest.raises(ValueError, match=r"allgather: recvbuf has 14 elements; it needs sendbuf's 5 x 3 ranks"):
+        count_table(3, 0, None, 5, "sendbuf", 14, "recvbuf", "allgather")
+    with pytest.raises(ValueError, match=r"scatter: counts\[1\] is 2 but this rank's recvbuf has 3"):
+        count_table(2, 1, [1, 2], 3, "recvbuf", 3, "sendbuf", "scatter")
+    with pytest.raises(ValueError, match="gather counts has 2 entries; it needs one per rank"):
+        count_table(3, 0, [1, 2], 1, "sendbuf", 3, "recvbuf", "gather")
+    assert alltoall_table(3, None, 6, [1, 1, 3], 5) == ([2, 2, 2], [0, 2, 4], [1, 1, 3], [0, 1, 2])
+    with pytest.raises(NotDivisibleError, match="alltoall: sendbuf has 7 elements, not divisible by the group size 3"):
+        alltoall_table(3, None, 7, None, 7)
+    with pytest.raises(ValueError, match="alltoall: recv_counts add up to 4 but recvbuf has 5"):
+        alltoall_table(2, None, 4, [2, 2], 5)

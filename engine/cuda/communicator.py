@@ -8,7 +8,7 @@ cupy's stream-ordered pool: reused across calls, never freed while the stream st
 """
 
 from .. import registry
-from .._core import Impl
+from .._core import Impl, alltoall_table, count_table
 from ..ops import ReduceOp, op_code
 from .buffers import device_message
 from .kernels import GpuKernels
@@ -115,19 +115,18 @@ class CudaCommunicator:
         rptr, rcount = self._message(recvbuf)[:2]
         code = op_code(op)
         check_reduction(dtype, code)
-        counts = counts or [total // self.size] * self.size
-        if sum(counts) != total or counts[self.rank] != rcount:
-            raise ValueError(f"reduce_scatter: input of {total} elements and output of {rcount} do not match "
-                             f"blocks {counts} over {self.size} ranks")
+        counts, displs = count_table(self.size, self.rank, counts, rcount, "recvbuf", total, "sendbuf",
+                                     "reduce_scatter")
+        uneven = len(set(counts)) > 1
         if total == 0:
             return
-        if self._choose("reduce_scatter", rcount * itemsize, dtype, code, len(set(counts)) > 1).impl == Impl.NATIVE:
+        if self._choose("reduce_scatter", rcount * itemsize, dtype, code, uneven).impl == Impl.NATIVE:
             self.comm.reduce_scatter(sptr, rptr, rcount, *nccl_reduction(dtype, code), stream)
             return
         tmp = self._scratch(total * itemsize, stream)  # uneven or NCCL-less op: allreduce, keep our block
         self._copy(tmp.data.ptr, sptr, total * itemsize, stream)
         self._allreduce(tmp.data.ptr, total, itemsize, dtype, code, stream)
-        self._copy(rptr, tmp.data.ptr + sum(counts[:self.rank]) * itemsize, rcount * itemsize, stream)
+        self._copy(rptr, tmp.data.ptr + displs[self.rank] * itemsize, rcount * itemsize, stream)
 
     # -- data movement --
 
@@ -142,15 +141,14 @@ class CudaCommunicator:
         """recvbuf = concat over ranks of sendbuf; `counts` elements per rank when uneven."""
         sptr, scount, itemsize, _, _ = self._message(sendbuf)
         rptr, rcount = self._message(recvbuf)[:2]
-        counts = counts or [scount] * self.size
-        if sum(counts) != rcount or counts[self.rank] != scount:
-            raise ValueError(f"all_gather: output of {rcount} elements does not hold the inputs {counts}")
+        counts, displs = count_table(self.size, self.rank, counts, scount, "sendbuf", rcount, "recvbuf", "allgather")
+        uneven = len(set(counts)) > 1
         if rcount == 0:
             return
-        if self._choose("allgather", scount * itemsize, None, None, len(set(counts)) > 1).impl == Impl.NATIVE:
+        if self._choose("allgather", scount * itemsize, None, None, uneven).impl == Impl.NATIVE:
             self.comm.allgather(sptr, rptr, scount * itemsize, stream)
             return
-        offs = _offsets(counts, itemsize)
+        offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr, rptr + offs[self.rank], scount * itemsize,
                                  [(sptr, scount * itemsize, p) for p in self._peers()],
                                  [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
@@ -158,12 +156,8 @@ class CudaCommunicator:
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None, *, stream):
         sptr, scount, itemsize, _, _ = self._message(sendbuf)
         rptr, rcount = self._message(recvbuf)[:2]
-        send_counts = send_counts or [scount // self.size] * self.size
-        recv_counts = recv_counts or [rcount // self.size] * self.size
-        if sum(send_counts) != scount or sum(recv_counts) != rcount:
-            raise ValueError(f"all_to_all: counts {send_counts} / {recv_counts} do not add up to the buffers' "
-                             f"{scount} / {rcount} elements")
-        so, ro = _offsets(send_counts, itemsize), _offsets(recv_counts, itemsize)
+        send_counts, so, recv_counts, ro = alltoall_table(self.size, send_counts, scount, recv_counts, rcount)
+        so, ro = [d * itemsize for d in so], [d * itemsize for d in ro]
         me = self.rank
         if send_counts[me] != recv_counts[me]:
             raise ValueError(f"all_to_all: rank {me} sends itself {send_counts[me]} elements but expects "
@@ -178,10 +172,8 @@ class CudaCommunicator:
             self.comm.exchange([(sptr, scount * itemsize, root)], [], stream)
             return
         rptr, rcount = self._message(recvbuf)[:2]
-        counts = counts or [scount] * self.size
-        if sum(counts) != rcount:
-            raise ValueError(f"gather: output of {rcount} elements does not hold the inputs {counts}")
-        offs = _offsets(counts, itemsize)
+        counts, displs = count_table(self.size, self.rank, counts, scount, "sendbuf", rcount, "recvbuf", "gather")
+        offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr, rptr + offs[root], scount * itemsize, [],
                                  [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
 
@@ -191,10 +183,8 @@ class CudaCommunicator:
             self.comm.exchange([], [(rptr, rcount * itemsize, root)], stream)
             return
         sptr, scount = self._message(sendbuf)[:2]
-        counts = counts or [rcount] * self.size
-        if sum(counts) != scount:
-            raise ValueError(f"scatter: input of {scount} elements does not split into {counts}")
-        offs = _offsets(counts, itemsize)
+        counts, displs = count_table(self.size, self.rank, counts, rcount, "recvbuf", scount, "sendbuf", "scatter")
+        offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr + offs[root], rptr, rcount * itemsize,
                                  [(sptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], [], stream)
 
@@ -237,11 +227,3 @@ class CudaCommunicator:
 
     def free(self):
         self.comm.destroy()
-
-
-def _offsets(counts, itemsize):
-    offs, total = [], 0
-    for c in counts:
-        offs.append(total * itemsize)
-        total += c
-    return offs

@@ -384,8 +384,6 @@ cdef class CoreComm:
     cdef int run_alone(self, Call *c) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
-    cdef size_t fill_counts(self, object counts, size_t *out, size_t *displs, str role) except? 0
-    cdef int split(self, counts, Message m, size_t *out, size_t *displs, str side) except -1
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1
     cdef size_t max_count(self, int op) noexcept
