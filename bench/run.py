@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import torchbridge  # noqa: F401  (registers backend "engine" where the checkout is run uninstalled)
 from .backends import DTYPES, Problem, make_backends
 from .busbw import REDUCING, ROOTED, bandwidths, bytes_moved, per_rank_count, size_sweep
 from .progress import Progress

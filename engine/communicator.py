@@ -329,11 +329,15 @@ class Communicator:
 
 
 def _polite_waits(core, network, everyone, rank):
-    """A group's waits spin (the lowest latency) only where that costs no peer its core. Over shared
-    memory, with more ranks on this host than the cores they may use between them, spinning would take
-    the core a peer needs: waits yield at once. Between hosts (MPI or TCP), from as many ranks as
-    cores: the kernel's network processing needs a core too (measured: 4 ms per message otherwise).
-    ENGINE_SPIN_US sets the budget for every group instead."""
+    """A group's waits spin (the lowest latency) only where that costs no peer its core. With more
+    ranks on this host than the cores they may use between them, spinning would take the core a peer
+    needs: waits yield at once. So too where they fill the cores exactly, from 3 ranks up: the launcher,
+    the kernel and each rank's helper threads then have no core but a spinner's (measured: 16 ranks on
+    16 cores, 4-256 KB allreduce 3-5x slower spinning than yielding), and between hosts (MPI or TCP)
+    from 2, since the kernel's network processing needs a core too (4 ms per message otherwise). Two
+    ranks on two cores over shared memory keep spinning: yielding there was 10-20% slower up to 64 KB,
+    and a yield in mid-step has run whole sizes 4x slower (docs/tuning.md). ENGINE_SPIN_US sets the
+    budget for every group instead."""
     spin = os.environ.get("ENGINE_SPIN_US")
     if spin:
         core.set_spin(float(spin))
@@ -341,5 +345,5 @@ def _polite_waits(core, network, everyone, rank):
     host = everyone[rank][0]
     local = [cores for h, _, cores in everyone if h == host]
     cores = len(set().union(*local))
-    if len(local) > cores or (network and len(local) >= cores):
+    if len(local) > cores or (len(local) == cores and (network or len(local) > 2)):
         core.set_spin(0)

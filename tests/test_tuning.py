@@ -109,3 +109,31 @@ def test_the_tuner_runs_under_torchrun_without_mpi(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["measured_on"]["transport"] == "shm" and doc["measured_on"]["ranks"] == 2
     assert set(doc["timings_us"]) == {"1024", "65536"} and registry.tuned(str(out))["rules"]["allreduce", "shm"]
+
+
+class _SpinRecorder:
+    spin = None
+
+    def set_spin(self, microseconds):
+        self.spin = microseconds
+
+
+@pytest.mark.parametrize("ranks, cores, network, spins", [
+    (2, 2, False, True),     # two ranks on two cores over shared memory: spinning measured faster
+    (3, 3, False, False),    # ranks fill the cores: launcher and helpers would have none but a spinner's
+    (16, 16, False, False),
+    (8, 16, False, True),    # a spare core for each rank's helpers
+    (2, 2, True, False),     # the kernel's network processing needs a core
+    (3, 2, False, False),    # oversubscribed
+    (1, 1, False, True),
+])
+def test_waits_spin_only_where_no_peer_needs_the_core(monkeypatch, ranks, cores, network, spins):
+    from engine.communicator import _polite_waits
+    monkeypatch.delenv("ENGINE_SPIN_US", raising=False)
+    everyone = [("host", r, frozenset(range(cores))) for r in range(ranks)] + [("other", 0, frozenset({0}))]
+    core = _SpinRecorder()
+    _polite_waits(core, network, everyone, 0)
+    assert (core.spin is None) == spins
+    monkeypatch.setenv("ENGINE_SPIN_US", "7")
+    _polite_waits(core, network, everyone, 0)
+    assert core.spin == 7.0

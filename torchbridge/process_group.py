@@ -55,7 +55,12 @@ def _reduce_op(opts):
     if op is not None:
         return op, None
     if code == PREMUL:
-        return ReduceOp.SUM, red.factor
+        factor = getattr(red, "factor", None)
+        if factor is None:  # torch before 2.13 keeps it in C++ only
+            raise RuntimeError(f"backend 'engine' reads PREMUL_SUM's factor from ReduceOp.factor, which torch "
+                               f"{torch.__version__} does not expose: use torch 2.13 or newer, or multiply the "
+                               f"tensor yourself and reduce with SUM")
+        return ReduceOp.SUM, factor
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 
 
