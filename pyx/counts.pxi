@@ -1,0 +1,102 @@
+# The count tables of the v-collectives: every size check of allgather, gather, scatter,
+# reduce_scatter and alltoall, once. CoreComm fills its call's tables here; the CUDA communicator
+# (engine/cuda/communicator.py) reads the same tables through count_table and alltoall_table.
+
+from libc.stdlib cimport free, malloc
+
+from schedule cimport even_counts
+
+cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, str role) except? 0:
+    """Fills out/displs from a list of per-rank element counts; returns their sum."""
+    cdef size_t total = 0
+    cdef int i
+    if len(counts) != size:
+        raise ValueError(f"{role} has {len(counts)} entries; it needs one per rank ({size})")
+    for i in range(size):
+        c = counts[i]
+        if c < 0:
+            raise ValueError(f"{role}[{i}] is negative ({c})")
+        out[i] = <size_t>c
+        displs[i] = total
+        total += <size_t>c
+    return total
+
+
+cdef int v_sizes(int size, int rank, object counts, size_t mine, str mine_role, Py_ssize_t whole, str whole_role,
+                 str what, size_t *out, size_t *displs) except -1:
+    """The one check of a v-collective's sizes: without counts, whole holds mine x the group size;
+    with them, mine holds counts[rank] and whole their sum (whole -1: off the root, unchecked).
+    Fills out / displs: the given counts, or mine for every rank."""
+    cdef size_t total
+    if counts is None:
+        even_counts(out, displs, size, mine)
+        if whole >= 0 and <size_t>whole != mine * size:
+            raise ValueError(f"{what}: {whole_role} has {whole} elements; it needs {mine_role}'s {mine} "
+                             f"x {size} ranks = {mine * size} (pass counts= for uneven sizes)")
+        return 0
+    total = fill_counts(size, counts, out, displs, f"{what} counts")
+    if out[rank] != mine:
+        raise ValueError(f"{what}: counts[{rank}] is {out[rank]} but this rank's {mine_role} has {mine} elements")
+    if whole >= 0 and total != <size_t>whole:
+        raise ValueError(f"{what}: counts add up to {total} but {whole_role} has {whole} elements")
+    return 0
+
+
+def check_even_split(int size, size_t count, str side):
+    """The one divisibility check of an alltoall without counts (side "send" or "recv")."""
+    if count % size:
+        raise NotDivisibleError(
+            f"alltoall: {side}buf has {count} elements, not divisible by the group size {size}; pass "
+            f"{side}_counts= (torch's all_to_all_single: {'input' if side == 'send' else 'output'}_split_sizes)")
+
+
+cdef int _alltoall_side(int size, counts, size_t n, size_t *out, size_t *displs, str side) except -1:
+    """One side of an alltoall: its counts, or its buffer of n elements split evenly."""
+    if counts is None:
+        check_even_split(size, n, side)
+        even_counts(out, displs, size, n // size)
+    elif fill_counts(size, counts, out, displs, f"alltoall {side}_counts") != n:
+        raise ValueError(f"alltoall: {side}_counts add up to {displs[size - 1] + out[size - 1]} but {side}buf has "
+                         f"{n} elements")
+    return 0
+
+
+cdef int alltoall_sizes(int size, send_counts, size_t scount, recv_counts, size_t rcount, size_t *sc, size_t *sd,
+                        size_t *rc, size_t *rd) except -1:
+    """The one check of an alltoall's sizes: each side's counts, or its buffer split evenly."""
+    _alltoall_side(size, send_counts, scount, sc, sd, "send")
+    _alltoall_side(size, recv_counts, rcount, rc, rd, "recv")
+    if send_counts is None and recv_counts is None and rcount != scount:
+        raise ValueError(f"alltoall: sendbuf has {scount} elements but recvbuf {rcount}; an even split needs "
+                         f"the same number (pass send_counts= and recv_counts= for uneven splits)")
+    return 0
+
+
+cdef list _table(const size_t *values, int size):
+    return [values[i] for i in range(size)]
+
+
+def count_table(int size, int rank, counts, size_t mine, str mine_role, whole, str whole_role, str what):
+    """v_sizes for a communicator outside the core (the CUDA one): (counts, element displacements);
+    whole None off the root."""
+    cdef size_t *t = <size_t*>malloc(2 * max(size, 1) * sizeof(size_t))
+    if t == NULL:
+        raise MemoryError()
+    try:
+        v_sizes(size, rank, counts, mine, mine_role, -1 if whole is None else whole, whole_role, what, t, t + size)
+        return _table(t, size), _table(t + size, size)
+    finally:
+        free(t)
+
+
+def alltoall_table(int size, send_counts, size_t scount, recv_counts, size_t rcount):
+    """alltoall_sizes for a communicator outside the core: (send counts, send displacements, receive
+    counts, receive displacements), in elements."""
+    cdef size_t *t = <size_t*>malloc(4 * max(size, 1) * sizeof(size_t))
+    if t == NULL:
+        raise MemoryError()
+    try:
+        alltoall_sizes(size, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
+        return _table(t, size), _table(t + size, size), _table(t + 2 * size, size), _table(t + 3 * size, size)
+    finally:
+        free(t)
