@@ -22,14 +22,17 @@ TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]"
 # Fault tolerance runs whole on the second torch (the one whose c10d defines reconfigure); the first keeps
 # one abort per launcher and transport, the c10d restart and the shm cycles. The clients, torch's own
-# suite subset, the parallelism suite, the matrix under torchrun and the torchrun exit in flight (the first torch
-# runs it under mpirun, tests/test_faults.py) run on the second torch only.
+# suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
+# runs it under mpirun, tests/test_faults.py), DDP over mp.spawn and every collective under torchrun without
+# MPI (the first runs the same collectives under torchrun in the torch suites) run on the second torch only.
 WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
 	--ignore=tests/test_clients.py \
 	--deselect "tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open" \
 	--deselect "tests/test_launchers.py::test_torch_parallelism_under_torchrun" \
 	--deselect "tests/test_launchers.py::test_matrix_over_tcp_under_torchrun" \
 	--deselect "tests/test_launchers.py::test_script_ending_with_collectives_in_flight_exits_cleanly_on_every_rank" \
+	--deselect "tests/test_launchers.py::test_ddp_over_mp_spawn_trains_like_one_process" \
+	--deselect "tests/test_launchers.py::test_every_collective_under_torchrun_without_mpi" \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	$(foreach c,torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce,\

@@ -15,7 +15,7 @@ HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.abspath(HERE))
 SUITES = sorted(glob.glob(os.path.join(HERE, "mpi", "test_*.py")))
 # At 4 ranks (twice the cores) the suites whose schedules depend on the group size; the others (errors,
-# large counts, observability, training, user ops) run at 1-3 ranks.
+# large counts, observability, training, user ops) run at 1-3 ranks (SUITES_AT).
 SIZED = [os.path.join(HERE, "mpi", f) for f in ("test_collectives.py", "test_fusion.py", "test_matrix.py",
                                                 "test_torch_backend.py")]
 COLLECTIVES = os.path.join(HERE, "mpi", "test_collectives.py")
@@ -24,6 +24,12 @@ SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (E
 # One rank on shared memory only: a group of one runs the same path on every transport (CoreComm.run_alone);
 # `python tests/matrix.py` runs MPI and TCP at one rank too.
 CASES = [(t, n) for n in (2, 3, 4) for t in ("shm", "mpi")] + [("shm", 1)]
+# Which suites a case runs where not all: at 4 ranks the sized ones; over MPI at 3 ranks the sized ones
+# too (the others run over MPI at 2 and over shared memory at 3); at one rank all but the torch suites
+# and the matrix, which tests/test_launchers.py runs at one rank under torchrun.
+SUITES_AT = {("shm", 4): SIZED, ("mpi", 4): SIZED, ("mpi", 3): SIZED,
+             ("shm", 1): [s for s in SUITES if os.path.basename(s) not in
+                          ("test_torch_backend.py", "test_torch_training.py", "test_matrix.py")]}
 
 
 def run(nranks, paths, extra=(), **env):
@@ -36,11 +42,11 @@ def run(nranks, paths, extra=(), **env):
 
 @pytest.mark.parametrize("transport,nranks", CASES, ids=[f"{t}-{n}" for t, n in CASES])
 def test_suites_under_mpiexec(transport, nranks):
-    """Every suite (at 4 ranks those of SIZED); at 3 ranks on shared memory, on the baseline kernels (ENGINE_ISA), which a CPU with
+    """The suites of SUITES_AT (every suite where it names none); at 3 ranks on shared memory, on the baseline kernels (ENGINE_ISA), which a CPU with
     AVX2 never runs otherwise (tests/mpi/conftest.py checks that every rank runs them;
     tests/test_kernels.py compares every kernel across ISAs bit for bit)."""
     isa = {"ENGINE_ISA": "baseline"} if (transport, nranks) == ("shm", 3) else {}
-    proc = run(nranks, SIZED if nranks == 4 else SUITES, ENGINE_TRANSPORT=transport, **isa)
+    proc = run(nranks, SUITES_AT.get((transport, nranks), SUITES), ENGINE_TRANSPORT=transport, **isa)
     assert_every_rank_passed(proc.stdout, nranks)
 
 

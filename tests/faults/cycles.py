@@ -12,11 +12,29 @@ import gc
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+
+_last_tasks = {}
+
+
+def settled_tasks(kind):
+    """The kernel's task count once threads already on their way out have gone: a count above the last
+    cycle's is read again for up to 1 s. A leaked thread stays, and the caller's comparison sees it; a
+    thread that was exiting when the cycle ended (a store's, a group freed off the caller's thread)
+    does not make a cycle look leaky."""
+    n = len(os.listdir("/proc/self/task"))
+    start = time.monotonic()
+    while n > _last_tasks.get(kind, n) and time.monotonic() < start + 1.0:
+        time.sleep(0.02)
+        n = len(os.listdir("/proc/self/task"))
+    _last_tasks[kind] = n
+    return n, round((time.monotonic() - start) * 1000)
 
 
 def usage(kind, i):
@@ -46,8 +64,9 @@ def usage(kind, i):
                     continue
                 inode = target[8:-1] if target.startswith("socket:") else None
                 print("   ", fd, target, socks.get(inode, ""), flush=True)
+    tasks, settled_ms = settled_tasks(kind)
     print(f"cycle {kind} {i} fds {len(os.listdir('/proc/self/fd'))} threads {threading.active_count()} "
-          f"tasks {len(os.listdir('/proc/self/task'))} rss_kib {rss}", flush=True)
+          f"tasks {tasks} rss_kib {rss} settled_ms {settled_ms}", flush=True)
 
 
 def reconfigure(pg, uuid, handles):

@@ -409,7 +409,7 @@ def test_ddp_matches_gloo_to_1e6():
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + R)
         losses = []
-        for _ in range(20):
+        for _ in range(10):
             x = torch.randn(8, 16, generator=gen)
             y = torch.randn(8, 4, generator=gen)
             opt.zero_grad()
