@@ -334,7 +334,7 @@ def _polite_waits(core, network, everyone, rank):
     needs: waits yield at once. So too where they fill the cores exactly, from 3 ranks up: the launcher,
     the kernel and each rank's helper threads then have no core but a spinner's (measured: 16 ranks on
     16 cores, 4-256 KB allreduce 3-5x slower spinning than yielding), and between hosts (MPI or TCP)
-    from 2, since the kernel's network processing needs a core too (4 ms per message otherwise). Two
+    at any count, since the kernel's network processing needs a core too (4 ms per message otherwise). Two
     ranks on two cores over shared memory keep spinning: yielding there was 10-20% slower up to 64 KB,
     and a yield in mid-step has run whole sizes 4x slower (docs/tuning.md). ENGINE_SPIN_US sets the
     budget for every group instead."""

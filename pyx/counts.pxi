@@ -42,8 +42,16 @@ cdef int v_sizes(int size, int rank, object counts, size_t mine, str mine_role, 
     return 0
 
 
+cdef int _group_args(int size, int rank) except -1:
+    """The group a caller outside the core names (the division and the table index trust it)."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"a group of {size} ranks has no rank {rank}")
+    return 0
+
+
 def check_even_split(int size, size_t count, str side):
     """The one divisibility check of an alltoall without counts (side "send" or "recv")."""
+    _group_args(size, 0)
     if count % size:
         raise NotDivisibleError(
             f"alltoall: {side}buf has {count} elements, not divisible by the group size {size}; pass "
@@ -79,7 +87,8 @@ cdef list _table(const size_t *values, int size):
 def count_table(int size, int rank, counts, size_t mine, str mine_role, whole, str whole_role, str what):
     """v_sizes for a communicator outside the core (the CUDA one): (counts, element displacements);
     whole None off the root."""
-    cdef size_t *t = <size_t*>malloc(2 * max(size, 1) * sizeof(size_t))
+    _group_args(size, rank)
+    cdef size_t *t = <size_t*>malloc(2 * size * sizeof(size_t))
     if t == NULL:
         raise MemoryError()
     try:
@@ -92,7 +101,8 @@ def count_table(int size, int rank, counts, size_t mine, str mine_role, whole, s
 def alltoall_table(int size, send_counts, size_t scount, recv_counts, size_t rcount):
     """alltoall_sizes for a communicator outside the core: (send counts, send displacements, receive
     counts, receive displacements), in elements."""
-    cdef size_t *t = <size_t*>malloc(4 * max(size, 1) * sizeof(size_t))
+    _group_args(size, 0)
+    cdef size_t *t = <size_t*>malloc(4 * size * sizeof(size_t))
     if t == NULL:
         raise MemoryError()
     try:

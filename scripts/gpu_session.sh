@@ -59,21 +59,23 @@ g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspe
         timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
         echo "=== $name: exit $? after $((SECONDS - start)) s" >> "$LOG"
     }
-    stage 150 "gpu tests" python -m pytest -ra -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_cpu.py \
+    stage 90 "gpu tests" python -m pytest -ra -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_cpu.py \
         tests/test_gpu_suites.py
     wait $ds; echo "deepspeed build: $(tail -1 "$OUT/deepspeed_build.txt")" >> "$LOG"
     # The CPU on its cores: one thread per rank at 4, 8 and 16 ranks, and 2 ranks of 8 threads each;
     # unbound, since the VM's cores may be hardware threads that a core binding would count as half.
     BENCH="python -m bench all_reduce -b 1K -e 64M -f 4 -w 5 --rounds 3 --budget 0.2 -c 1"
     BACKENDS=engine,engine-direct,deepspeed-shm,mpi4py
-    stage 75 "cpu 2 ranks x 8 threads" env ENGINE_THREADS=8 OMP_NUM_THREADS=8 mpirun -n 2 --bind-to none \
+    stage 45 "cpu 2 ranks x 8 threads" env ENGINE_THREADS=8 OMP_NUM_THREADS=8 mpirun -n 2 --bind-to none \
         $BENCH --backends $BACKENDS --json "$OUT/cpu_2x8.json"
-    for n in 16 4 8; do  # 16 ranks took 77 s there, 8 ranks 43 s
-        stage $((n == 16 ? 200 : 75)) "cpu $n ranks x 1 thread" env ENGINE_THREADS=1 OMP_NUM_THREADS=1 mpirun -n $n \
+    # Limits about twice what each took on the lent H100 machine (2x8: 19 s, 16 ranks: 77 s, 4: 33 s,
+    # 8: 43 s, the GPU sweep 19 s, the GPU tests 32 s), within one call's 600 s with the build (103 s).
+    for n in 16 4 8; do
+        stage $((n == 16 ? 120 : 60)) "cpu $n ranks x 1 thread" env ENGINE_THREADS=1 OMP_NUM_THREADS=1 mpirun -n $n \
             --oversubscribe --bind-to none $BENCH --backends $BACKENDS --json "$OUT/cpu_${n}x1.json"
     done
     # World size 1 without a launcher (under mpirun -n 1 this printed nothing within 45 s, cause not found).
-    stage 80 "gpu allreduce, world size 1" env MASTER_ADDR=127.0.0.1 MASTER_PORT=29531 RANK=0 WORLD_SIZE=1 \
+    stage 45 "gpu allreduce, world size 1" env MASTER_ADDR=127.0.0.1 MASTER_PORT=29531 RANK=0 WORLD_SIZE=1 \
         LOCAL_RANK=0 python -m bench all_reduce --device cuda -b 1M -e 1G -f 4 -w 5 --rounds 3 -c 1 \
         --json "$OUT/gpu_ws1.json"
     ls /dev/shm >> "$LOG" 2>&1

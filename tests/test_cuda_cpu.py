@@ -144,3 +144,8 @@ def test_the_cuda_communicator_reads_the_cores_count_tables():
         alltoall_table(3, None, 7, None, 7)
     with pytest.raises(ValueError, match="alltoall: recv_counts add up to 4 but recvbuf has 5"):
         alltoall_table(2, None, 4, [2, 2], 5)
+    for bad in (lambda: count_table(0, 0, None, 1, "sendbuf", 0, "recvbuf", "allgather"),
+                lambda: count_table(2, 2, None, 1, "sendbuf", 2, "recvbuf", "allgather"),
+                lambda: alltoall_table(0, None, 4, None, 4)):
+        with pytest.raises(ValueError, match="a group of . ranks has no rank"):
+            bad()

@@ -5,8 +5,8 @@
 Each of CYCLES init/destroy cycles makes the default group through a new TCPStore (tcp://127.0.0.1:PORT+i),
 runs an all_reduce, makes a group with new_group and runs one on it, and destroys both; then one group
 is reconfigured CYCLES times (identity, a fresh uuid each, an all_reduce after each). After every cycle
-the process prints one line: `cycle KIND I fds N threads N tasks N rss_kib N` (threads: Python's;
-tasks: the kernel's, native threads included)."""
+the process prints one line: `cycle KIND I fds N threads N tasks N rss_kib N settled_ms N` (threads:
+Python's; tasks: the kernel's, native threads included; settled_ms: how long the task count was read)."""
 
 import gc
 import os
@@ -20,20 +20,21 @@ import torch
 import torch.distributed as dist
 
 
-_last_tasks = {}
+_lowest_tasks = {}
 
 
 def settled_tasks(kind):
-    """The kernel's task count once threads already on their way out have gone: a count above the last
-    cycle's is read again for up to 1 s. A leaked thread stays, and the caller's comparison sees it; a
-    thread that was exiting when the cycle ended (a store's, a group freed off the caller's thread)
-    does not make a cycle look leaky."""
-    n = len(os.listdir("/proc/self/task"))
+    """The kernel's task count with threads already on their way out gone: the least of the reads over
+    50 ms, and while that is above the lowest count of this kind so far, over up to 1 s. A leaked
+    thread stays in every read, and the caller's comparison sees it; a thread that was exiting when the
+    cycle ended (a store's, a group freed off the caller's thread) does not make a cycle look leaky.
+    Returns (count, milliseconds read)."""
     start = time.monotonic()
-    while n > _last_tasks.get(kind, n) and time.monotonic() < start + 1.0:
-        time.sleep(0.02)
-        n = len(os.listdir("/proc/self/task"))
-    _last_tasks[kind] = n
+    n = len(os.listdir("/proc/self/task"))
+    while time.monotonic() < start + 0.05 or (n > _lowest_tasks.get(kind, n) and time.monotonic() < start + 1.0):
+        time.sleep(0.01)
+        n = min(n, len(os.listdir("/proc/self/task")))
+    _lowest_tasks[kind] = min(n, _lowest_tasks.get(kind, n))
     return n, round((time.monotonic() - start) * 1000)
 
 

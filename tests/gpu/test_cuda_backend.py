@@ -100,7 +100,7 @@ def test_future_then_chain():
 def test_premul_sum_and_non_contiguous():
     t = data(R, 64, torch.float32)
     premul = dist._make_nccl_premul_sum(0.5)
-    if hasattr(premul, "factor"):
+    if getattr(premul, "factor", None) is not None:
         dist.all_reduce(t, op=premul)
         assert torch.equal(t, ref("sum", 64, torch.float32) * 0.5)
     else:  # torch before 2.13 (the lent GPU machine's image): a clear error, not a wrong sum
