@@ -398,12 +398,13 @@ cdef class CoreComm:
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1:
         """v_sizes for this group's call; fills c.counts / c.displs."""
+        cdef size_t total
         self._fits(c.op, mine.count, what)
         c.counts, c.displs = self.cnt, self.cnt + self.size
-        v_sizes(self.size, self.rank, counts, mine.count, mine_role, -1 if whole is None else <Py_ssize_t>whole.count,
-                whole_role, what, self.cnt, self.cnt + self.size)
+        total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
+                        -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
         if counts is not None:
-            self._fits(c.op, self.cnt[self.size + self.size - 1] + self.cnt[self.size - 1], what)
+            self._fits(c.op, total, what)
         return 0
 
     @staticmethod

@@ -22,24 +22,24 @@ cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, st
     return total
 
 
-cdef int v_sizes(int size, int rank, object counts, size_t mine, str mine_role, Py_ssize_t whole, str whole_role,
-                 str what, size_t *out, size_t *displs) except -1:
+cdef size_t v_sizes(int size, int rank, object counts, size_t mine, str mine_role, Py_ssize_t whole,
+                    str whole_role, str what, size_t *out, size_t *displs) except? 0:
     """The one check of a v-collective's sizes: without counts, whole holds mine x the group size;
     with them, mine holds counts[rank] and whole their sum (whole -1: off the root, unchecked).
-    Fills out / displs: the given counts, or mine for every rank."""
+    Fills out / displs: the given counts, or mine for every rank. Returns the counts' sum."""
     cdef size_t total
     if counts is None:
         even_counts(out, displs, size, mine)
         if whole >= 0 and <size_t>whole != mine * size:
             raise ValueError(f"{what}: {whole_role} has {whole} elements; it needs {mine_role}'s {mine} "
                              f"x {size} ranks = {mine * size} (pass counts= for uneven sizes)")
-        return 0
+        return mine * size
     total = fill_counts(size, counts, out, displs, f"{what} counts")
     if out[rank] != mine:
         raise ValueError(f"{what}: counts[{rank}] is {out[rank]} but this rank's {mine_role} has {mine} elements")
     if whole >= 0 and total != <size_t>whole:
         raise ValueError(f"{what}: counts add up to {total} but {whole_role} has {whole} elements")
-    return 0
+    return total
 
 
 cdef int _group_args(int size, int rank) except -1:
