@@ -2,8 +2,7 @@
 """engine._mpi: the MPI transport (point-to-point for the engine's algorithms and the user's
 send/recv) and MPI's native collectives, behind engine._core's seam."""
 
-from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy, memset
+from libc.stdlib cimport malloc, free
 from libc.limits cimport INT_MAX
 from libc.stdint cimport SIZE_MAX
 
@@ -13,10 +12,9 @@ from mpi4py.MPI cimport Comm
 from kernels cimport *
 from shm cimport eng_now
 from schedule cimport all_equal
-from engine._core cimport (Message, as_message, RedC, Reduction, resolve_op, WaitCtx, wait_until, start_wait, Call,
-                           Req, Status, Transport, req_active, CoreComm,
-                           IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_COMPOSITE, OP_ALLGATHER, OP_GATHER, OP_SCATTER,
-                           OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_, ENG_ERR_BASE, ENG_ERR_ABORTED)
+from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, CoreComm, IMPL_NATIVE,
+                           OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER, OP_ALLTOALL, ANY_PEER, ANY_TAG_,
+                           ENG_ERR_BASE)
 
 from engine._core import EngineError, _kernel_slot
 

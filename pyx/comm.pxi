@@ -4,7 +4,6 @@
 # makes one GIL-free call to the transport's implementation (run_*, overridden by ShmComm and
 # engine._mpi.MpiComm), or runs a composite entry through its Hierarchy (hierarchy.pxi).
 
-from libc.stdint cimport SIZE_MAX
 
 OP_KIND_NAMES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
                  "alltoall", "barrier", "sendrecv")

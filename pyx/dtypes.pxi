@@ -19,10 +19,6 @@ cdef inline bint _is_float(int dtype) noexcept nogil:
 cdef class Reduction:
     """A reduce op resolved for one dtype: the engine kernel (and, for MPI, which MPI op matches)."""
 
-    @property
-    def code(self):
-        return self.c.code
-
 
 cdef list _BUILTIN = [None] * ((OP_AVG + 1) * ENG_NDTYPES)   # (op, dtype) -> Reduction, filled on use
 
@@ -79,9 +75,3 @@ cdef Reduction resolve_op(object op, int dtype):
     red.c.dtype = dtype
     red.keep = op
     return red
-
-
-def reduction_info(op, dtype):
-    """(engine op code or -1 for a user op, averages) of op on dtype; raises what a collective would."""
-    cdef Reduction red = resolve_op(op, DTYPE_CODES[dtype])
-    return red.c.code, bool(red.c.avg)

@@ -9,7 +9,6 @@
 #define ENG_ERR_CORRUPT 100003     /* a peer wrote something out of bounds (the segment, the wire) */
 #define ENG_ERR_TRUNCATE 100004    /* a message longer than the receive buffer */
 #define ENG_ERR_NOMEM 100005
-#define ENG_ERR_CANCELLED 100006
 #define ENG_ERR_CMA 100007         /* a single copy from a peer's memory (process_vm_readv) failed */
 #define ENG_ERR_CONNECT 100008     /* a connection to a peer could not be made (TCP) */
 #define ENG_ERR_PEER_LEFT 100009   /* a peer left the group in order (TCP: its goodbye) while still needed */

@@ -139,8 +139,3 @@ cdef class Hierarchy:
             self.work, self.work_bytes = NULL, 0
             raise
         return 0
-
-    @property
-    def stages(self):
-        """(local, cross, leaders): the stage groups' cores."""
-        return self.local, self.cross, self.leaders

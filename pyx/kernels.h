@@ -189,29 +189,6 @@ static int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_i
   return 0;
 }
 
-/* flat <- concat(parts), each part converted from dtype s to the flat buffer's dtype d. */
-static inline int eng_pack(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                           size_t nparts, int s, size_t s_itemsize, double scale) {
-  return eng_move_range(1, flat, d, d_itemsize, parts, counts, nparts, s, s_itemsize, scale, 0, SIZE_MAX);
-}
-
-/* parts <- split(flat), each converted from the flat dtype s back to the parts' dtype d. */
-static inline int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
-                             size_t nparts, int d, size_t d_itemsize, double scale) {
-  return eng_move_range(0, (void *)flat, s, s_itemsize, parts, counts, nparts, d, d_itemsize, scale, 0, SIZE_MAX);
-}
-
-static inline int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                                 size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n) {
-  return eng_move_range(1, flat, d, d_itemsize, parts, counts, nparts, s, s_itemsize, scale, off, n);
-}
-
-static inline int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts,
-                                   const size_t *counts, size_t nparts, int d, size_t d_itemsize, double scale,
-                                   size_t off, size_t n) {
-  return eng_move_range(0, (void *)flat, s, s_itemsize, parts, counts, nparts, d, d_itemsize, scale, off, n);
-}
-
 /* ---- many-input reduction (the shared-memory collectives) ---- */
 
 #define ENG_REDUCE_BLOCK 8192 /* bytes: an L1-resident staging block */

@@ -28,13 +28,8 @@ cdef extern from "kernels.h" nogil:
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
     int eng_scale(void *data, size_t n, int dtype, double factor, int divide)
     int eng_convertible(int d, int s, double scale)
-    int eng_pack(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                 size_t nparts, int s, size_t s_itemsize, double scale)
-    int eng_unpack(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
-                   size_t nparts, int d, size_t d_itemsize, double scale)
-    int eng_pack_range(void *flat, int d, size_t d_itemsize, void *const *parts, const size_t *counts,
-                       size_t nparts, int s, size_t s_itemsize, double scale, size_t off, size_t n)
-    int eng_unpack_range(const void *flat, int s, size_t s_itemsize, void *const *parts, const size_t *counts,
-                         size_t nparts, int d, size_t d_itemsize, double scale, size_t off, size_t n)
+    int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_itemsize, void *const *parts,
+                       const size_t *counts, size_t nparts, int part_dtype, size_t part_itemsize, double scale,
+                       size_t off, size_t n)
     void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs, int nsrc,
                          size_t n, size_t itemsize, int dtype, double divisor)

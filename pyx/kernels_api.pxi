@@ -175,10 +175,8 @@ cdef size_t _pack_or_unpack(parts, flat, double scale, bint unpacking) except? 0
     if pl.n == 0:
         return 0
     with nogil:
-        if unpacking:
-            rc = eng_unpack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
-        else:
-            rc = eng_pack(mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype, eng_itemsize[pl.dtype], scale)
+        rc = eng_move_range(not unpacking, mf.ptr, mf.dtype, mf.itemsize, pl.ptrs, pl.counts, pl.n, pl.dtype,
+                            eng_itemsize[pl.dtype], scale, 0, SIZE_MAX)
     if rc:
         frm, to = (mf.dtype, pl.dtype) if unpacking else (pl.dtype, mf.dtype)
         raise TypeError(f"{name}: unsupported conversion {DTYPE_NAMES[frm]} -> {DTYPE_NAMES[to]}")

@@ -16,18 +16,6 @@ cdef class Message:
         if self.managed != NULL and self.managed.deleter != NULL:
             self.managed.deleter(self.managed)
 
-    @property
-    def count(self):
-        return self.count
-
-    @property
-    def dtype(self):
-        return DTYPE_NAMES[self.dtype]
-
-    @property
-    def address(self):
-        return <size_t>self.ptr
-
 
 cdef dict _TORCH_DTYPES = None   # torch.dtype -> engine dtype code, filled on first torch tensor
 cdef object _TorchTensor = None

@@ -70,29 +70,13 @@ cdef class P2PCollectives:
 
     cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil:
         """Room for nreqs requests (cleared, all sends) and work_bytes of workspace."""
-        cdef void *grown
-        if nreqs > self.cap:
-            grown = realloc(self.reqs, nreqs * sizeof(Req))
-            if grown == NULL:
-                with gil:
-                    raise MemoryError("point-to-point collective: out of memory for requests")
-            self.reqs = <Req*>grown
-            grown = realloc(self.expect, nreqs * sizeof(size_t))
-            if grown == NULL:
-                with gil:
-                    raise MemoryError("point-to-point collective: out of memory for requests")
-            self.expect = <size_t*>grown
-            self.cap = nreqs
+        cdef size_t reqs_cap = self.cap     # both arrays hold self.cap; expect's growth sets it
+        grow(<void**>&self.reqs, &reqs_cap, nreqs, sizeof(Req), "point-to-point collective")
+        grow(<void**>&self.expect, &self.cap, nreqs, sizeof(size_t), "point-to-point collective")
         if nreqs:
             memset(self.reqs, 0, nreqs * sizeof(Req))
             memset(self.expect, 0xff, nreqs * sizeof(size_t))
-        if work_bytes > self.work_cap:
-            grown = realloc(self.work, work_bytes)
-            if grown == NULL:
-                with gil:
-                    raise MemoryError(f"point-to-point collective: out of memory for {work_bytes} bytes of workspace")
-            self.work = <char*>grown
-            self.work_cap = work_bytes
+        grow(<void**>&self.work, &self.work_cap, work_bytes, 1, "point-to-point collective")
         return 0
 
     cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil:

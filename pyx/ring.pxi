@@ -70,13 +70,7 @@ cdef class RingAllreduce:
             block_range(count, P, ring_send_block(r, j, P), &off, &blen)
             total_s += segments(blen, segc)
         self.rbase[steps] = total_r
-        if total_s > self.sreq_cap:
-            buf = <char*>realloc(self.sreqs, total_s * sizeof(Req))
-            if buf == NULL:
-                with gil:
-                    raise MemoryError("ring allreduce: out of memory for send requests")
-            self.sreqs = <Req*>buf
-            self.sreq_cap = total_s
+        grow(<void**>&self.sreqs, &self.sreq_cap, total_s, sizeof(Req), "ring allreduce")
         memset(self.sreqs, 0, self.sreq_cap * sizeof(Req))
         memset(self.rreqs, 0, RING_SLOTS * sizeof(Req))
 
@@ -151,18 +145,11 @@ cdef class RecursiveDoubling:
         cdef int P = self.size, r = self.rank, ierr = 0
         cdef int p2 = pow2_below(P), rem = P - p2, newrank = rdouble_rank(r, P), mask, peer
         cdef size_t nbytes = count * isz
-        cdef char *grown
         if src != dst and nbytes:
             memcpy(dst, src, nbytes)
         if count == 0:
             return 0
-        if nbytes > self.tmp_cap:
-            grown = <char*>realloc(self.tmp, nbytes)
-            if grown == NULL:
-                with gil:
-                    raise MemoryError("recursive doubling: out of memory")
-            self.tmp = grown
-            self.tmp_cap = nbytes
+        grow(<void**>&self.tmp, &self.tmp_cap, nbytes, 1, "recursive doubling")
         if r < 2 * rem:                 # fold: the even rank of each leading pair hands its data on
             if newrank < 0:
                 ierr = peer_exchange(self.tp, dst, nbytes, r + 1, NULL, 0, -1, 1, ctx)

@@ -27,7 +27,6 @@
 static inline uint64_t eng_load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline uint64_t eng_load_relaxed(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 static inline void eng_store_release(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-static inline void eng_store_relaxed(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 
 static inline uint32_t eng_load32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void eng_store32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
@@ -202,14 +201,6 @@ static int eng_cma_copy(int pid, void *local, uintptr_t remote, size_t n, int wr
     n -= (size_t)done;
   }
   return 0;
-}
-
-static inline int eng_cma_read(int pid, void *local, uintptr_t remote, size_t n) {
-  return eng_cma_copy(pid, local, remote, n, 0);
-}
-
-static inline int eng_cma_write(int pid, const void *local, uintptr_t remote, size_t n) {
-  return eng_cma_copy(pid, (void *)local, remote, n, 1);
 }
 
 /* ---- peer liveness ---- */

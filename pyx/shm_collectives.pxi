@@ -47,7 +47,7 @@ cdef inline void mv_load(Mover *mv, char *to, size_t off, size_t n, eng_team *tm
     if mv.src != NULL:
         eng_team_copy(tm, to, mv.src + off * mv.wsz, n * mv.wsz)
     else:
-        eng_pack_range(to, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
+        eng_move_range(1, to, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
                        mv.before, off, n)
 
 
@@ -55,8 +55,8 @@ cdef inline void mv_store(Mover *mv, const char *frm, size_t off, size_t n, eng_
     if mv.src != NULL:
         eng_team_copy(tm, mv.dst + off * mv.wsz, frm, n * mv.wsz)
     else:
-        eng_unpack_range(frm, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype, eng_itemsize[mv.pdtype],
-                         mv.after, off, n)
+        eng_move_range(0, <char*>frm, mv.wdt, mv.wsz, mv.ptrs, mv.counts, mv.nparts, mv.pdtype,
+                       eng_itemsize[mv.pdtype], mv.after, off, n)
 
 
 cdef class ShmComm(CoreComm):
@@ -99,10 +99,6 @@ cdef class ShmComm(CoreComm):
         free(self.srcs)
         free(self.scratch)
         free(self.ex)
-
-    @property
-    def chunk_bytes(self):
-        return self.chunk_bytes
 
     cdef object error(self, int ierr, str what, Transport tp=None):
         cdef int q = self.seg.err_peer
@@ -452,7 +448,6 @@ cdef class ShmComm(CoreComm):
         err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
         if not ierr and not err and self.seg.table(root, step)[P + 1]:
             self.seg.err_peer = root
-            self.seg.err_errno = 0
             return ENG_ERR_CMA
         return ierr if ierr else err
 

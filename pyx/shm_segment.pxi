@@ -201,10 +201,6 @@ cdef class ShmSegment:
             if q != self.rank and self.peers.pidfds[q] < 0:
                 self.peers.pidfds[q] = eng_pidfd_open(pids[q])
 
-    @property
-    def total_bytes(self):
-        return self.total
-
     def cma_probe(self, pids, addresses):
         """Whether this rank can read every peer's memory with process_vm_readv (same user, and the
         kernel's ptrace policy allows it): each peer's probe word is read and compared."""
@@ -214,7 +210,7 @@ cdef class ShmSegment:
             if q == self.rank:
                 continue
             word = 0
-            if eng_cma_read(pids[q], &word, addresses[q], sizeof(word)) or word != eng_cma_probe_value():
+            if eng_cma_copy(pids[q], &word, addresses[q], sizeof(word), 0) or word != eng_cma_probe_value():
                 return False
         return True
 
@@ -239,7 +235,6 @@ cdef class ShmSegment:
         err = eng_cma_copy(self.peers.pids[q], local, remote, n, write)
         if err:
             self.err_peer = q
-            self.err_errno = err
             return ENG_ERR_CMA
         return 0
 

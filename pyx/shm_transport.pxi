@@ -112,6 +112,16 @@ cdef inline bint _unlink(MsgList *l, PMsg *m) noexcept nogil:
     return True
 
 
+cdef struct PeerState:             # this channel's state of one peer
+    MsgList sendq                   # sends in order; the head is the one moving
+    MsgList awaiting                # RTS sends waiting for their ACK
+    MsgList acks                    # ACKs waiting for room in the ring
+    uint64_t next_id                # the next RTS id
+    PMsg *incoming                  # where the current message's frames go (NULL: none)
+    size_t incoming_left            # its bytes still to come
+    bint discarding                 # the current message's receive was cancelled
+
+
 cdef class ShmTransport(Transport):
     """One point-to-point channel of a group's segment."""
     cdef ShmSegment seg
@@ -121,13 +131,7 @@ cdef class ShmTransport(Transport):
     cdef pthread_mutex_t lock
     cdef MsgList posted             # receives not yet matched, in post order
     cdef MsgList unexpected         # messages nobody asked for yet, in arrival order
-    cdef MsgList *sendq             # per peer: sends in order; the head is the one moving
-    cdef MsgList *awaiting          # per peer: RTS sends waiting for their ACK
-    cdef MsgList *acks              # per peer: ACKs waiting for room in the ring
-    cdef uint64_t *next_id          # per peer: the next RTS id
-    cdef PMsg **incoming            # per peer: where the current message's frames go (NULL: none)
-    cdef size_t *incoming_left      # per peer: its bytes still to come
-    cdef bint *discarding           # per peer: the current message's receive was cancelled
+    cdef PeerState *pr              # per peer
     cdef int corrupt_peer
 
     def __cinit__(self, ShmSegment seg, int channel):
@@ -141,15 +145,8 @@ cdef class ShmTransport(Transport):
         self.q = seg.queue_bytes
         self.door = &seg.door           # its waits sleep on this rank's doorbell
         self.maxfrag = (self.q // 4 // LINE) * LINE - FRAME_HDR
-        self.sendq = <MsgList*>calloc(P, sizeof(MsgList))
-        self.awaiting = <MsgList*>calloc(P, sizeof(MsgList))
-        self.acks = <MsgList*>calloc(P, sizeof(MsgList))
-        self.next_id = <uint64_t*>calloc(P, sizeof(uint64_t))
-        self.incoming = <PMsg**>calloc(P, sizeof(PMsg*))
-        self.incoming_left = <size_t*>calloc(P, sizeof(size_t))
-        self.discarding = <bint*>calloc(P, sizeof(bint))
-        if (self.sendq == NULL or self.awaiting == NULL or self.acks == NULL or self.next_id == NULL
-                or self.incoming == NULL or self.incoming_left == NULL or self.discarding == NULL):
+        self.pr = <PeerState*>calloc(P, sizeof(PeerState))
+        if self.pr == NULL:
             raise MemoryError()
         pthread_mutex_init(&self.lock, NULL)
 
@@ -158,18 +155,12 @@ cdef class ShmTransport(Transport):
         # pending ACKs, and cancelled sends still under way.
         cdef int p
         _free_list(&self.unexpected, False)
-        if self.sendq != NULL:
+        if self.pr != NULL:
             for p in range(self.size):
-                _free_list(&self.sendq[p], True)
-                _free_list(&self.awaiting[p], True)
-                _free_list(&self.acks[p], False)
-        free(self.sendq)
-        free(self.awaiting)
-        free(self.acks)
-        free(self.next_id)
-        free(self.incoming)
-        free(self.incoming_left)
-        free(self.discarding)
+                _free_list(&self.pr[p].sendq, True)
+                _free_list(&self.pr[p].awaiting, True)
+                _free_list(&self.pr[p].acks, False)
+        free(self.pr)
         pthread_mutex_destroy(&self.lock)
 
     # -- ring addresses --
@@ -226,27 +217,23 @@ cdef class ShmTransport(Transport):
         cdef uint64_t head = eng_load_relaxed(self.head(self.rank, peer))
         cdef PMsg *m
         cdef size_t n
-        while self.acks[peer].head != NULL:
+        while self.pr[peer].acks.head != NULL:
             if self.room(peer, &head, 0) == SIZE_MAX:
                 return
-            m = self.acks[peer].head
+            m = self.pr[peer].acks.head
             self.put(peer, &head, FRAME_ACK, 0, 0, NULL, 0, 0, m.id)
-            self.acks[peer].head = m.next
-            if m.next == NULL:
-                self.acks[peer].tail = NULL
+            _unlink(&self.pr[peer].acks, m)
             free(m)
-        m = self.sendq[peer].head
+        m = self.pr[peer].sendq.head
         while m != NULL:
             if m.rts:
                 if self.room(peer, &head, 0) == SIZE_MAX:
                     return
                 self.put(peer, &head, FRAME_RTS, m.tag, m.len, NULL, 0, <uint64_t>m.buf, m.id)
-                self.sendq[peer].head = m.next
-                if m.next == NULL:
-                    self.sendq[peer].tail = NULL
+                _unlink(&self.pr[peer].sendq, m)
                 m.state = PS_ACTIVE
-                _push(&self.awaiting[peer], m)
-                m = self.sendq[peer].head
+                _push(&self.pr[peer].awaiting, m)
+                m = self.pr[peer].sendq.head
                 continue
             n = self.room(peer, &head, min(m.len - m.done, self.maxfrag))
             if n == SIZE_MAX or (n == 0 and m.len != m.done):
@@ -256,21 +243,18 @@ cdef class ShmTransport(Transport):
             m.done += n
             m.state = PS_ACTIVE
             if m.done == m.len:
-                self.sendq[peer].head = m.next
-                if m.next == NULL:
-                    self.sendq[peer].tail = NULL
+                _unlink(&self.pr[peer].sendq, m)
                 m.state = PS_DONE
                 if m.orphan:
                     _free_msg(m)
-                m = self.sendq[peer].head
+                m = self.pr[peer].sendq.head
 
     cdef int ack(self, int peer, uint64_t id) noexcept nogil:
-        cdef PMsg *a = <PMsg*>calloc(1, sizeof(PMsg))
+        cdef PMsg *a = _new_msg(PM_ACK, NULL, 0, peer, 0)
         if a == NULL:
             return ENG_ERR_NOMEM
-        a.kind = PM_ACK
         a.id = id
-        _push(&self.acks[peer], a)
+        _push(&self.pr[peer].acks, a)
         return 0
 
     # -- receiving (called with the lock held) --
@@ -319,7 +303,7 @@ cdef class ShmTransport(Transport):
     cdef int _data(self, int peer, Frame *f, const char *payload) noexcept nogil:
         cdef PMsg *m
         if f.kind == FRAME_FIRST:
-            if self.incoming[peer] != NULL or self.discarding[peer] or f.total < f.len or f.total > MAX_MESSAGE:
+            if self.pr[peer].incoming != NULL or self.pr[peer].discarding or f.total < f.len or f.total > MAX_MESSAGE:
                 return self._corrupt(peer)
             m = self._match_posted(peer, f.tag)
             if m == NULL:
@@ -330,47 +314,40 @@ cdef class ShmTransport(Transport):
                 m.err = ENG_ERR_TRUNCATE
                 m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
                 m.state = PS_DONE
-                self.discarding[peer] = True
+                self.pr[peer].discarding = True
                 m = NULL
             else:
                 m.state = PS_ACTIVE
                 m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
-            self.incoming[peer] = m
-            self.incoming_left[peer] = f.total
-        elif self.incoming[peer] == NULL and not self.discarding[peer]:
+            self.pr[peer].incoming = m
+            self.pr[peer].incoming_left = f.total
+        elif self.pr[peer].incoming == NULL and not self.pr[peer].discarding:
             return self._corrupt(peer)
-        if f.len > self.incoming_left[peer]:
+        if f.len > self.pr[peer].incoming_left:
             return self._corrupt(peer)
-        m = self.incoming[peer]
+        m = self.pr[peer].incoming
         if m != NULL:
             memcpy(m.buf + m.done, payload, f.len)
             m.done += f.len
-        self.incoming_left[peer] -= f.len
-        if self.incoming_left[peer] == 0:
-            self.incoming[peer] = NULL
-            self.discarding[peer] = False
+        self.pr[peer].incoming_left -= f.len
+        if self.pr[peer].incoming_left == 0:
+            self.pr[peer].incoming = NULL
+            self.pr[peer].discarding = False
             if m != NULL:
                 self._arrived(m)
         return 0
 
     cdef int _rts(self, int peer, Frame *f) noexcept nogil:
         cdef PMsg *m
-        if self.incoming[peer] != NULL or self.discarding[peer] or f.total > MAX_MESSAGE or f.len:
+        if self.pr[peer].incoming != NULL or self.pr[peer].discarding or f.total > MAX_MESSAGE or f.len:
             return self._corrupt(peer)
         m = self._match_posted(peer, f.tag)
         if m != NULL:
             return self._pull(m, peer, f.tag, f.total, f.addr, f.id)
-        m = <PMsg*>calloc(1, sizeof(PMsg))
+        m = _new_msg(PM_UNEXPECTED, NULL, f.total, peer, f.tag)
         if m == NULL:
             return ENG_ERR_NOMEM
-        m.kind = PM_UNEXPECTED
-        m.rts = True
-        m.peer = peer
-        m.tag = f.tag
-        m.len = f.total
-        m.addr = f.addr
-        m.id = f.id
-        m.state = PS_DONE
+        m.rts, m.addr, m.id, m.state = True, f.addr, f.id, PS_DONE
         _push(&self.unexpected, m)
         return 0
 
@@ -388,12 +365,12 @@ cdef class ShmTransport(Transport):
         return self.ack(peer, id)
 
     cdef int _acked(self, int peer, uint64_t id) noexcept nogil:
-        cdef PMsg *m = self.awaiting[peer].head
+        cdef PMsg *m = self.pr[peer].awaiting.head
         while m != NULL and m.id != id:
             m = m.next
         if m == NULL:
             return self._corrupt(peer)
-        _unlink(&self.awaiting[peer], m)
+        _unlink(&self.pr[peer].awaiting, m)
         m.state = PS_DONE
         if m.orphan:
             _free_msg(m)
@@ -463,7 +440,7 @@ cdef class ShmTransport(Transport):
                 self.err_peer = p
                 return ierr
         for p in range(self.size):
-            if self.sendq[p].head != NULL or self.acks[p].head != NULL:
+            if self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL:
                 self.progress_send(p)
         return 0
 
@@ -476,9 +453,9 @@ cdef class ShmTransport(Transport):
         pthread_mutex_lock(&self.lock)
         if peer != self.rank and self.seg.use_cma(nbytes):
             m.rts = True
-            m.id = self.next_id[peer]
-            self.next_id[peer] += 1
-        _push(&self.sendq[peer], m)
+            m.id = self.pr[peer].next_id
+            self.pr[peer].next_id += 1
+        _push(&self.pr[peer].sendq, m)
         self.progress_send(peer)   # a small message is usually in the ring before isend returns
         pthread_mutex_unlock(&self.lock)
         req.w[0] = <size_t>m
@@ -546,11 +523,11 @@ cdef class ShmTransport(Transport):
             elif m.bound != NULL:               # bound to an unexpected message still arriving
                 m.bound.bound = NULL
             else:                               # frames arriving into it: drop the rest
-                self.incoming[m.st.source] = NULL
-                self.discarding[m.st.source] = True
+                self.pr[m.st.source].incoming = NULL
+                self.pr[m.st.source].discarding = True
             free(m)
         elif m.state == PS_QUEUED:              # a send nothing of which moved: withdraw it
-            _unlink(&self.sendq[m.peer], m)
+            _unlink(&self.pr[m.peer].sendq, m)
             free(m)
         elif m.rts:                             # the receiver may still read its buffer
             m.orphan = True

@@ -177,36 +177,21 @@ static void eng_team_run(eng_team *t, eng_job *job) {
 /* The two jobs, as calls; t NULL: in the caller alone. */
 static inline void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,
                                    int nsrc, size_t n, size_t itemsize, int dtype, double divisor) {
-  eng_job j;
   if (t == NULL) {
     eng_reduce_many(fn, dst1, dst2, srcs, nsrc, n, itemsize, dtype, divisor);
     return;
   }
-  memset(&j, 0, sizeof(j));
-  j.kind = ENG_JOB_REDUCE;
-  j.fn = fn;
-  j.dst1 = (char *)dst1;
-  j.dst2 = (char *)dst2;
-  j.srcs = srcs;
-  j.nsrc = nsrc;
-  j.n = n;
-  j.itemsize = itemsize;
-  j.dtype = dtype;
-  j.divisor = divisor;
+  eng_job j = {.kind = ENG_JOB_REDUCE, .fn = fn, .dst1 = (char *)dst1, .dst2 = (char *)dst2, .srcs = srcs,
+               .nsrc = nsrc, .n = n, .itemsize = itemsize, .dtype = dtype, .divisor = divisor};
   eng_team_run(t, &j);
 }
 
 static inline void eng_team_copy(eng_team *t, void *dst, const void *src, size_t bytes) {
-  eng_job j;
   if (t == NULL) {
     memcpy(dst, src, bytes);
     return;
   }
-  memset(&j, 0, sizeof(j));
-  j.kind = ENG_JOB_COPY;
-  j.dst = (char *)dst;
-  j.src = (const char *)src;
-  j.n = bytes;
+  eng_job j = {.kind = ENG_JOB_COPY, .dst = (char *)dst, .src = (const char *)src, .n = bytes};
   eng_team_run(t, &j);
 }
 

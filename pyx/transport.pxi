@@ -58,10 +58,6 @@ cdef class Transport:
     cdef object error_text(self, int code):
         return _engine_error_text(code, self.err_peer)
 
-    @property
-    def kind(self):
-        return type(self).__name__
-
 
 cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *rbuf, size_t rn, int frm,
                        int tag, WaitCtx *ctx) except -1 nogil:
@@ -111,7 +107,6 @@ _ERROR_TEXTS = {   # {who}: the peer the transport blames
                       "bug, a dying peer, or another process of this user writing into it)"),
     ENG_ERR_NOMEM: "out of memory",
     ENG_ERR_ABORTED: "the group was aborted (ProcessGroup.abort() or Communicator.abort()) while this rank waited",
-    ENG_ERR_CANCELLED: "the operation was cancelled",
     ENG_ERR_CMA: ("a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
                   "to move data through the shared segment only"),
     ENG_ERR_MISMATCH: "{who} is in a different collective",

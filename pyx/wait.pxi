@@ -19,7 +19,7 @@ cdef extern from *:
     """
     int eng_polite_waits
 
-# Seconds; set_wait_policy() changes them (tests, oversubscribed hosts, ENGINE_SPIN_US).
+# Seconds (a communicator's set_spin() sets its own spin budget: ENGINE_SPIN_US).
 # The spin budget outlasts a whole step of the segment's chunks: a wait that yields in the middle of
 # a step hands the core to any runnable thread for a full slice, stalling the peers that wait on it.
 cdef double _spin_s = 250e-6
@@ -35,19 +35,6 @@ def set_thread_polite(bint polite):
     progress thread then leaves the core to the computation it overlaps with."""
     global eng_polite_waits
     eng_polite_waits = polite
-
-
-def set_wait_policy(spin_us=None, yield_us=None, nap_max_us=None):
-    """Process-wide back-off of every wait: spin budget, yield phase, longest sleep (microseconds)."""
-    global _spin_s, _yield_s, _nap_max_s, _polite_spin_s
-    if spin_us is not None:
-        _spin_s = max(0.0, spin_us) * 1e-6
-        _polite_spin_s = min(_polite_spin_s, _spin_s)
-    if yield_us is not None:
-        _yield_s = max(0.0, yield_us) * 1e-6
-    if nap_max_us is not None:
-        _nap_max_s = max(1.0, nap_max_us) * 1e-6
-    return _spin_s * 1e6, _yield_s * 1e6, _nap_max_s * 1e6
 
 
 cdef struct Backoff:

@@ -8,6 +8,7 @@
 #   shared-memory collectives)  ->  Transport (post / test / wait / cancel of byte messages)  ->  kernels.
 
 from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport realloc
 from libc.string cimport memset
 from cpython.buffer cimport Py_buffer
 
@@ -111,7 +112,6 @@ cdef extern from "errors.h":   # the one list, shared with the C transports
         ENG_ERR_CORRUPT         # a peer wrote something out of bounds into the segment
         ENG_ERR_TRUNCATE        # a message longer than the receive buffer
         ENG_ERR_NOMEM
-        ENG_ERR_CANCELLED
         ENG_ERR_CMA             # a single copy from a peer's memory (process_vm_readv) failed
         ENG_ERR_CONNECT         # a connection to a peer could not be made (TCP)
         ENG_ERR_PEER_LEFT       # a peer left the group in order (TCP: its goodbye) while still needed
@@ -494,6 +494,18 @@ cdef inline size_t _align(size_t n, size_t a) noexcept nogil:
     return (n + a - 1) // a * a
 
 
+cdef inline int grow(void **buf, size_t *cap, size_t need, size_t unit, const char *what) except -1 nogil:
+    """Makes *buf hold at least `need` items of `unit` bytes (a workspace kept between calls)."""
+    cdef void *bigger
+    if need > cap[0]:
+        bigger = realloc(buf[0], need * unit)
+        if bigger == NULL:
+            with gil:
+                raise MemoryError(f"{what.decode()}: out of memory for {need * unit} bytes of workspace")
+        buf[0], cap[0] = bigger, need
+    return 0
+
+
 cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_transport.pxi and shm_collectives.pxi
     cdef char *base
     cdef size_t total
@@ -511,7 +523,6 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef uint64_t my_sig[SIGW]
     cdef uint64_t err_sig[SIGW]
     cdef int err_peer
-    cdef int err_errno
     cdef readonly bytes token
     cdef readonly bint cma          # process_vm_readv works between every pair of the group
     cdef readonly size_t cma_min, cma_max
