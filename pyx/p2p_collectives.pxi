@@ -1,5 +1,5 @@
-# The collectives over point-to-point, for transports without native ones (the TCP transport): one
-# method per algorithm over a Transport; which rank talks to which in each step is schedule.pxd's (pure
+# The collectives over point-to-point, the same code on every transport (TCP's own; forced or tuned
+# over shm and MPI): one method per algorithm over a Transport; which rank talks to which in each step is schedule.pxd's (pure
 # functions, played rank by rank in tests/test_schedules.py). The allreduce's ring and recursive
 # doubling are pyx/ring.pxi's.
 #
@@ -59,9 +59,9 @@ cdef class P2PCollectives:
         if c.op == OP_ALLGATHER:
             return self.allgather_ring(c.src, c.dst, isz, counts, displs, ctx)
         if c.op == OP_GATHER:
-            return self.gather_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+            return self.linear(True, c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
         if c.op == OP_SCATTER:
-            return self.scatter_linear(c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
+            return self.linear(False, c.src, c.dst, c.count, isz, counts, displs, c.root, ctx)
         if c.op == OP_REDUCE_SCATTER:
             return self.reduce_scatter_ring(c.src, c.dst, isz, c.red.fn, counts, displs, ctx)
         if c.op == OP_ALLTOALL:
@@ -214,7 +214,7 @@ cdef class P2PCollectives:
         ierr = self.reduce_scatter_ring(src, mine, isz, fn, counts, displs, ctx)
         if ierr:
             return ierr
-        return self.gather_linear(mine, dst, counts[self.rank], isz, counts, displs, root, ctx)
+        return self.linear(True, mine, dst, counts[self.rank], isz, counts, displs, root, ctx)
 
     cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
                             const size_t *displs, WaitCtx *ctx) except -1 nogil:
@@ -231,43 +231,32 @@ cdef class P2PCollectives:
                 return ierr
         return 0
 
-    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        """Every rank sends its part to the root, which receives them all at once. Only the root needs
-        the counts (torch's gather of parts of different sizes gives the others none)."""
-        cdef int P = self.size, q, ierr = 0
-        cdef size_t k = 0, c, d
+    cdef int linear(self, bint gather, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                    const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
+        """Gather: every rank sends its part to the root, which receives them all at once. Only the root
+        needs the counts (torch's gather of parts of different sizes gives the others none). Scatter:
+        the root sends every rank its part at once."""
+        cdef int P = self.size, q, ierr = 0, tag = TAG_P2P_GATHER if gather else TAG_P2P_SCATTER
+        cdef size_t k = 0, n
+        cdef char *part
         if self.rank != root:
-            return peer_exchange(self.tp, src, count * isz, root, NULL, 0, -1, TAG_P2P_GATHER, ctx)
+            if gather:
+                return peer_exchange(self.tp, src, count * isz, root, NULL, 0, -1, tag, ctx)
+            return peer_exchange(self.tp, NULL, 0, -1, dst, count * isz, root, tag, ctx)
         self.reserve(P, 0)
         for q in range(P):
-            c, d = counts[q], displs[q]
+            n, part = counts[q] * isz, (dst if gather else <char*>src) + displs[q] * isz
             if q == root:
-                if dst + d * isz != src and c:
-                    memcpy(dst + d * isz, src, c * isz)
+                if n and gather and part != src:
+                    memcpy(part, src, n)
+                elif n and not gather and part != dst:
+                    memcpy(dst, part, n)
                 continue
-            ierr = self.tp.irecv(dst + d * isz, c * isz, q, TAG_P2P_GATHER, &self.reqs[k])
-            if ierr:
-                break
-            self.expect[k] = c * isz
-            k += 1
-        return self.finish(k, ierr, ctx)
-
-    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        """The root sends every rank its part at once."""
-        cdef int P = self.size, q, ierr = 0
-        cdef size_t k = 0, c, d
-        if self.rank != root:
-            return peer_exchange(self.tp, NULL, 0, -1, dst, count * isz, root, TAG_P2P_SCATTER, ctx)
-        self.reserve(P, 0)
-        for q in range(P):
-            c, d = counts[q], displs[q]
-            if q == root:
-                if dst != src + d * isz and c:
-                    memcpy(dst, src + d * isz, c * isz)
-                continue
-            ierr = self.tp.isend(src + d * isz, c * isz, q, TAG_P2P_SCATTER, &self.reqs[k])
+            if gather:
+                ierr = self.tp.irecv(part, n, q, tag, &self.reqs[k])
+                self.expect[k] = n
+            else:
+                ierr = self.tp.isend(part, n, q, tag, &self.reqs[k])
             if ierr:
                 break
             k += 1

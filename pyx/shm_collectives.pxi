@@ -1,21 +1,9 @@
-# Every collective on the segment, each a short loop over the step primitives of the segment
-# (shm_segment.pxi: open a step, publish a phase, await the peers' phase, finish), as NCCL writes its
-# algorithms over a few primitives. Three loops carry them all:
-#
-#   reduce_steps  allreduce, reduce and the fused allreduce. One-shot: every rank's chunk goes into
-#                 its half, and the ranks that need the result reduce every half (reduce: the root
-#                 alone; its peers run a call ahead). Two-shot: each rank reduces its 1/P block of the
-#                 chunk from every half, then the blocks are gathered (allreduce: by everyone, reduce:
-#                 by the root). A Mover says how data enters and leaves the slots: plain copies, or
-#                 pack and unpack with cast and scale (the fused path).
-#   exchange      broadcast, allgather, gather, scatter, alltoall: pieces from senders to receivers,
-#                 through the sender's half (one copy for every receiver, or one per receiver) or read
-#                 straight from the sender's buffer by single copy; each sender states every piece's
-#                 length in its table and each receiver checks it against what it expects.
-#   reduce_scatter, and broadcast by single copy with the root helping, have their own.
-#
-# Reductions run in rank order 0..P-1 on whichever rank computes a block, so every rank gets the
-# same bits. Every schedule (chunks, blocks, pieces, steps) is a pure function of schedule.pxd.
+# Every collective on the segment, each a short loop over the step primitives of shm_segment.pxi, as
+# NCCL writes its algorithms over a few primitives: reduce_steps (allreduce, reduce, the fused
+# allreduce; one-shot and two-shot; a Mover says how data enters and leaves the slots), exchange
+# (broadcast, allgather, gather, scatter, alltoall) and reduce_scatter (docs/architecture.md, "Step
+# primitives"). Reductions run in rank order 0..P-1 on whichever rank computes a block, so every rank
+# gets the same bits. Every schedule (chunks, blocks, pieces, steps) is a pure function of schedule.pxd.
 
 cdef inline uint64_t _sig_word(int op, int dtype, int opbit, int impl, int root) noexcept nogil:
     return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opbit & 0xff) << 16)

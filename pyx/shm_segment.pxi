@@ -14,20 +14,8 @@
 #                             the addresses single-copy readers read from), then data
 #   queues                    one byte ring per (channel, sender, receiver) for point-to-point
 #
-# Steps: a collective is a sequence of steps numbered alike on every rank. In step s a rank writes only
-# into its half (s & 1), publishes progress by storing 4s + phase into its flag with release semantics
-# (POSTED: its data is in; REDUCED: its reduced block is in; FINISHED: it has read what it needed), and
-# reads a peer's half after loading the peer's flag with acquire semantics. Before writing half (s & 1)
-# it waits until every peer finished step s - 2, the last step that used that half: two halves, no
-# second barrier, no locks and no system calls on the fast path. Each step carries a signature (op,
-# dtype, count, root, sequence number); a peer whose signature differs is in another collective, which
-# raises EngineMismatch instead of mixing data. Sizes read from the segment are checked against its bounds.
-#
-# Sleeping: a rank that has spun and yielded for a while marks itself asleep, checks its condition once
-# more, and sleeps on its doorbell (a futex). Whoever publishes something (a flag, a frame, an ACK)
-# then rings the doorbells of the peers marked asleep. The mark and the publication are both ordered
-# by full fences, so one of them always sees the other: no wake-up is lost, and a rank that waits long
-# costs no CPU and still wakes at once.
+# Steps (a flag per rank, two halves by step parity, a signature per step) and sleeping on the
+# doorbell are described in docs/architecture.md, "The shared-memory transport".
 
 from libc.stdint cimport uint32_t, int32_t
 

@@ -1,15 +1,9 @@
 # Waiting: one loop, wait_until(), for every wait of every transport (a posted request, a peer's step
-# flag, MPI's own request, a TCP socket). It polls, and between polls backs off in three stages: spin
-# (the pause instruction) for a short budget while a peer is likely about to answer, then
-# sched_yield() (an oversubscribed core goes to whoever needs it), then sleep: on a futex the peers
-# ring where there is one (shared memory: woken at once, no core burnt), in the transport's own sleep
-# where it has one (TCP: poll() on its sockets, which the kernel wakes as data arrives; its yield stage
-# is short, _doze_yield_s: a reply due within it comes sooner than the scheduler wakes a sleeper on a
-# busy core, but yielding longer keeps a rank runnable while the kernel's network processing needs
-# the core), else in naps doubling up to a cap. Once per
-# check interval the wait calls the communicator's watch with the GIL (stall warnings, arrival notes,
-# the timeout: it may raise to abandon the wait), and asks whether the peers' processes still live
-# where it can. So a peer that never arrives ends in an exception, whatever the transport.
+# flag, MPI's own request, a TCP socket). A transport that sleeps in its own poll (TCP) yields only
+# briefly first, _doze_yield_s: a reply due within it comes sooner than the scheduler wakes a sleeper on
+# a busy core, but yielding longer keeps a rank runnable while the kernel's network processing needs
+# the core. The watch and the peers' liveness are checked when due, so a peer that never arrives ends
+# in an exception, whatever the transport.
 
 cdef extern from *:
     """
@@ -128,8 +122,8 @@ cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *
     off between polls: spin, yield, then sleep, on door where there is one (its futex: a publisher
     rings it, the asleep mark and the publication ordered by full fences; or its transport's doze,
     which returns at once once the bell moved from what it read before the last poll: either way no
-    wake-up is lost), else in naps. The watch and the liveness check run when due. Returns 0, -1 (the watch raised) or an
-    error code."""
+    wake-up is lost), else in naps. The watch and the liveness check run when due. Returns 0, -1
+    (the watch raised) or an error code."""
     cdef bint done = False
     cdef int ierr = poll(obj, arg, &done)
     cdef Backoff b

@@ -104,18 +104,9 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept
 
 # ---- errors: transports return 0, -1 (a Python exception is set) or a positive code ----
 
-cdef extern from "errors.h":   # the one list, shared with the C transports
-    enum:
-        ENG_ERR_BASE
-        ENG_ERR_PEER_DEAD       # a peer process exited
-        ENG_ERR_MISMATCH        # peers are in different collectives
-        ENG_ERR_CORRUPT         # a peer wrote something out of bounds into the segment
-        ENG_ERR_TRUNCATE        # a message longer than the receive buffer
-        ENG_ERR_NOMEM
-        ENG_ERR_CMA             # a single copy from a peer's memory (process_vm_readv) failed
-        ENG_ERR_CONNECT         # a connection to a peer could not be made (TCP)
-        ENG_ERR_PEER_LEFT       # a peer left the group in order (TCP: its goodbye) while still needed
-        ENG_ERR_ABORTED         # the group was aborted (CoreComm.abort) while this rank waited
+cdef extern from "errors.h":   # the one list, each code's meaning there, shared with the C transports
+    enum: ENG_ERR_BASE, ENG_ERR_PEER_DEAD, ENG_ERR_MISMATCH, ENG_ERR_CORRUPT, ENG_ERR_TRUNCATE, ENG_ERR_NOMEM, \
+          ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED
 
 
 # ---- the transport seam ----
@@ -323,10 +314,8 @@ cdef class P2PCollectives:
                          WaitCtx *ctx) except -1 nogil
     cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
                             const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int gather_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                           const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int scatter_linear(self, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                            const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
+    cdef int linear(self, bint gather, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
+                    const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
     cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
                                  const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
     cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
