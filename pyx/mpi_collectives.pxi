@@ -68,16 +68,24 @@ cdef class MpiComm(CoreComm):
 
     cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
                            WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[red.dtype], off = 0
-        cdef int n, ierr = 0
-        cdef MPI_Op op
         if impl != IMPL_NATIVE:
             return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
-        op = mpi_op(red)
+        return self.reduction(src, dst, count, red, -1)
+
+    cdef int reduction(self, const char *src, char *dst, size_t count, RedC *red, int root) except -1 nogil:
+        """MPI's own allreduce (root < 0) or reduce, in pieces whose counts fit MPI's int."""
+        cdef size_t isz = eng_itemsize[red.dtype], off = 0
+        cdef int n, ierr
+        cdef MPI_Op op = mpi_op(red)
+        cdef const void *s
+        cdef void *d
         while off < count:
             n = <int>min(self.chunk, count - off)
-            ierr = MPI_Allreduce(MPI_IN_PLACE if src == dst else src + off * isz, dst + off * isz, n,
-                                 MPI_TYPES[red.dtype], op, self.coll)
+            s, d = MPI_IN_PLACE if src == dst else src + off * isz, NULL if dst == NULL else dst + off * isz
+            if root < 0:
+                ierr = MPI_Allreduce(s, d, n, MPI_TYPES[red.dtype], op, self.coll)
+            else:
+                ierr = MPI_Reduce(s, d, n, MPI_TYPES[red.dtype], op, root, self.coll)
             if ierr:
                 return ierr
             off += n
@@ -98,17 +106,7 @@ cdef class MpiComm(CoreComm):
 
     cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
                         WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[red.dtype], off = 0
-        cdef int n, ierr
-        cdef MPI_Op op = mpi_op(red)
-        while off < count:
-            n = <int>min(self.chunk, count - off)
-            ierr = MPI_Reduce(MPI_IN_PLACE if src == dst else src + off * isz,
-                              NULL if dst == NULL else dst + off * isz, n, MPI_TYPES[red.dtype], op, root, self.coll)
-            if ierr:
-                return ierr
-            off += n
-        return 0
+        return self.reduction(src, dst, count, red, root)
 
     cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                            const size_t *displs, WaitCtx *ctx) except -1 nogil:

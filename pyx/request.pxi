@@ -59,9 +59,8 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     cdef int ierr
     r.msg = as_message(buf, recv, "buffer")
     r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
-    start_wait(&r.ctx, r, comm.interval)
-    r.ctx.alive, r.ctx.alive_arg, r.ctx.spin = comm.alive, comm.alive_arg, comm.spin
-    r.ctx.abort = &comm.aborted
+    comm.start(&r.ctx)
+    r.ctx.hook = <void*>r
     if comm.aborted:
         raise comm.error(ENG_ERR_ABORTED, what, tp)
     if recv:
