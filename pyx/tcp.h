@@ -52,10 +52,12 @@
 
 static void eng_tcp_free(eng_tcp *t);
 
-/* A channel of rank `rank` of `size`, listening on listen_fd (taken over). NULL: out of memory. */
+/* A channel of rank `rank` of `size`, listening on listen_fd (taken over only when this succeeds).
+ * NULL: *err is ENOMEM or eventfd's errno, and listen_fd is still the caller's. */
 static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
-                            size_t eager_max, const unsigned char *token, int listen_fd) {
+                            size_t eager_max, const unsigned char *token, int listen_fd, int *err) {
   eng_tcp *t = (eng_tcp *)calloc(1, sizeof(eng_tcp));
+  *err = ENOMEM;
   if (t == NULL) return NULL;
   t->rank = rank;
   t->size = size;
@@ -65,21 +67,23 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
   t->split_min = split_min;
   t->eager_max = eager_max;
   memcpy(t->token, token, 16);
-  t->listen_fd = listen_fd;
+  t->listen_fd = t->wake_fd = -1;   /* so that a failure below closes nothing it did not open */
   t->dead_peer = -1;
-  t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   pthread_mutex_init(&t->lock, NULL);
   t->peers = (tcp_peer *)calloc((size_t)size, sizeof(tcp_peer));
   t->sink = (char *)malloc(ENG_TCP_SINK);
-  if (t->peers == NULL || t->sink == NULL || t->wake_fd < 0) {
+  if (t->peers != NULL)
+    for (int q = 0; q < size; q++)
+      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) t->peers[q].out[s].fd = t->peers[q].in[s].fd = -1;
+  if (t->peers != NULL && t->sink != NULL) {
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    *err = t->wake_fd < 0 ? errno : 0;
+  }
+  if (*err) {
     eng_tcp_free(t);
     return NULL;
   }
-  for (int q = 0; q < size; q++)
-    for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
-      t->peers[q].out[s].fd = -1;
-      t->peers[q].in[s].fd = -1;
-    }
+  t->listen_fd = listen_fd;
   return t;
 }
 

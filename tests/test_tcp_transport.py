@@ -4,8 +4,12 @@ send is read; every length on the wire is checked; messages split over streams, 
 or from a peer that dies mid-message end as the protocol says. The transport's behaviour between
 real ranks is tests/mpi/tcp_suite.py's (tests/test_hosts.py)."""
 
+import gc
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -220,6 +224,70 @@ def test_interfaces_and_listening_on_ipv4_and_ipv6():
         _core.close_fd(fd)
     with pytest.raises(OSError, match="can't listen on 203.0.113.7"):
         _core.tcp_listen("203.0.113.7")     # not this host's address
+
+
+OUT_OF_FDS = r"""
+import errno, os, resource
+from engine import _core
+
+
+def ident(fd):
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    except OSError as exc:
+        return exc.strerror
+
+
+std = [ident(fd) for fd in (0, 1, 2)]
+fd, port = _core.tcp_listen("127.0.0.1")
+listener = ident(fd)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))
+held = []
+while True:                 # every free number below the limit taken: the transport's eventfd gets none
+    try:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE, exc
+        break
+try:
+    _core.TcpTransport(0, 2, 1, fd, bytes(16), [("127.0.0.1", port, "r0"), ("127.0.0.1", 9, "r1")])
+    print(None, "made")
+except Exception as exc:
+    print(getattr(exc, "errno", None) == errno.EMFILE, repr(exc))
+for h in held:
+    os.close(h)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print([ident(fd) for fd in (0, 1, 2)] == std, ident(fd) == listener)
+_core.close_fd(fd)
+"""
+
+
+def test_a_transport_made_out_of_descriptors_fails_closing_only_what_it_made():
+    """EMFILE at the transport's eventfd (the process's descriptor limit, in a child): an OSError naming
+    the eventfd; nothing written to or closed of descriptors it never opened (stdin here, a socket whose
+    other end this test reads); the listener still open, its caller's."""
+    here, child = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(_core.__file__))))
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_FDS], stdin=child, capture_output=True, text=True,
+                          env=env, timeout=60)
+    child.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised, kept = proc.stdout.splitlines()
+    assert raised.startswith("True ") and "wake-up eventfd: Too many open files" in raised, raised
+    assert kept == "True True", "stdin, stdout, stderr and the listener the same after it? " + kept
+    assert here.recv(64) == b""     # nothing came before the child's exit closed its stdin
+    here.close()
+
+
+def test_a_transport_refusing_an_address_leaves_the_listener_to_its_caller():
+    fd, port = _core.tcp_listen("127.0.0.1")
+    with pytest.raises(ValueError, match="rank 1's address 'nowhere'"):
+        _core.TcpTransport(0, 2, 1, fd, TOKEN, [("127.0.0.1", port, "r0"), ("nowhere", 1, "r1")])
+    gc.collect()
+    os.fstat(fd)
+    _core.close_fd(fd)
 
 
 def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
