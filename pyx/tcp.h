@@ -240,36 +240,25 @@ static void tcp_queue(tcp_out *o, tcp_item *it) {
   o->tail = it;
 }
 
-/* A message to this rank itself: matched (or kept) at once. Called with the lock held. */
+/* A message to this rank itself, complete at once: a posted receive copies it from the sender's
+ * buffer; otherwise it is kept in a copy, since the send completes now. Called with the lock held. */
 static int tcp_self_send(eng_tcp *t, const void *buf, size_t n, int tag) {
-  tcp_req *r = tcp_match_posted(t, t->rank, tag);
-  if (r != NULL) {
-    r->src = t->rank;
-    r->rtag = tag;
-    r->nbytes = n;
-    if (n > r->len) tcp_finish_req(t, r, ENG_ERR_TRUNCATE, t->rank);
-    else {
-      if (n) memcpy(r->buf, buf, n);
-      tcp_finish_req(t, r, 0, -1);
-    }
-    return 0;
-  }
   tcp_in *m = (tcp_in *)calloc(1, sizeof(tcp_in));
   if (m == NULL) return ENG_ERR_NOMEM;
-  m->buf = (char *)malloc(n ? n : 1);
-  if (m->buf == NULL) {
+  tcp_req *r = tcp_match_posted(t, t->rank, tag);
+  m->owns = r == NULL;
+  m->buf = m->owns ? (char *)malloc(n ? n : 1) : (char *)buf;
+  if (m->owns && m->buf == NULL) {
     free(m);
     return ENG_ERR_NOMEM;
   }
-  if (n) memcpy(m->buf, buf, n);
-  m->owns = 1;
+  if (m->owns && n) memcpy(m->buf, buf, n);
   m->complete = 1;
   m->peer = t->rank;
   m->tag = tag;
   m->total = m->arrived = n;
-  if (t->unexp_tail == NULL) t->unexp_head = m;
-  else t->unexp_tail->next = m;
-  t->unexp_tail = m;
+  if (r != NULL) tcp_bind(t, r, m);
+  else tcp_push_unexpected(t, m);
   return 0;
 }
 

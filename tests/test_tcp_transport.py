@@ -168,6 +168,44 @@ def test_a_message_split_over_streams_arrives_whole_whatever_comes_first(rank0):
     s1.close()
 
 
+def test_a_split_message_read_ahead_out_of_order_is_whole_in_a_receive_posted_later(rank0):
+    """Read ahead (a receive for another tag of the same peer is posted), its second part in before
+    most of its first: the receive posted then gets every byte, whichever stream brought it."""
+    core, _, ports = rank0
+    payload = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    half = payload.nbytes // 2
+    other = core.irecv(np.zeros(2, np.uint8), 1, 8)
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, half, payload.nbytes - half)
+                 + payload[half:].tobytes())
+    s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, payload.nbytes, half)
+                 + payload[:1000].tobytes())
+    assert keeps_waiting(other)     # meanwhile both streams are read into the message's own buffer
+    out = np.zeros(payload.nbytes, np.uint8)
+    r = core.irecv(out, 1, 7)
+    s0.sendall(payload[1000:half].tobytes() + header(MSG, 8, 1, 2, 2) + b"ok")
+    assert r.wait() == (1, 7, payload.nbytes)
+    np.testing.assert_array_equal(out, payload)
+    assert other.wait() == (1, 8, 2)
+    s0.close()
+    s1.close()
+
+
+def test_a_send_to_itself_is_matched_like_any_other(rank0):
+    core = rank0[0]
+    out = np.zeros(5, np.uint8)
+    r = core.irecv(out, 0, 4)
+    core.send(np.arange(5, dtype=np.uint8), 0, 4)
+    assert r.wait() == (0, 4, 5) and out.tolist() == [0, 1, 2, 3, 4]
+    r = core.irecv(np.zeros(2, np.uint8), -1, 4)
+    core.send(np.arange(5, dtype=np.uint8), 0, 4)
+    with pytest.raises(EngineError, match="truncated"):
+        r.wait()
+    core.send(np.arange(3, dtype=np.uint8), 0, 6)     # nobody asked yet: kept, in order
+    core.send(np.arange(2, dtype=np.uint8), 0, 6)
+    assert core.recv(out, -1, -1) == (0, 6, 3) and out[:3].tolist() == [0, 1, 2]
+    assert core.recv(out, 0, 6) == (0, 6, 2)
+
+
 @pytest.mark.parametrize("frame", ["too long", "part longer than message", "part on stream 0", "unknown kind",
                                    "negative tag", "numbers going back"])
 def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
