@@ -347,7 +347,7 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   if (r == NULL) return ENG_ERR_NOMEM;
   pthread_mutex_lock(&t->lock);
   tcp_in *m = t->unexp_head;
-  while (m != NULL && !((peer < 0 || peer == m->peer) && (tag < 0 || tag == m->tag))) m = m->next;
+  while (m != NULL && !tcp_matches(r, m->peer, m->tag)) m = m->next;
   if (m != NULL) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
