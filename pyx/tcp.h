@@ -118,28 +118,13 @@ static void eng_tcp_goodbye(eng_tcp *t) {
 
 static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
+  /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
+   * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
   eng_tcp_goodbye(t);
   if (t->peers != NULL) {
     for (int q = 0; q < t->size; q++) {
-      tcp_peer *p = &t->peers[q];
-      tcp_close_peer(t, p);
-      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
-        free(p->in[s].stage);
-        tcp_item *it = p->out[s].head;
-        while (it != NULL) {      /* only orphans are left (live requests hold the transport) */
-          tcp_item *next = it->next;
-          tcp_req *r = it->req;
-          free(it->owned);
-          free(it);
-          if (r != NULL && --r->items == 0 && r->orphan) free(r);
-          it = next;
-        }
-      }
-      while (p->arriving != NULL) {
-        tcp_in *m = p->arriving;
-        p->arriving = m->pnext;
-        if (!m->owns) free(m);    /* unexpected ones are freed below */
-      }
+      tcp_close_peer(t, &t->peers[q]);
+      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) free(t->peers[q].in[s].stage);
     }
     free(t->peers);
   }
