@@ -8,36 +8,16 @@
  * large message at once). Connections are made when a message first goes to a peer, or for every
  * peer at once when the group is made (eng_tcp_connect_all, the mesh).
  *
- * Trust. An accepted connection must first send a 48-byte hello proving the group's random token
- * (from the store); until then nothing it sends is parsed, and a connection whose hello is wrong,
- * late or a duplicate is closed. Every length read from the wire is checked before it is used.
- *
  * Frames. A 32-byte header, then its payload. MSG opens message `seq` (numbered per sender and
  * receiver) with its tag, its length and the length of the first part, which follows; PART carries
  * bytes [offset, offset + len) of a message already opened, on another stream. MSG headers travel on
  * stream 0 in order, so matching follows MPI's rules: receives match in post order, by source and tag
  * or their wildcards, and messages of one sender are matched in the order it sent them.
  *
- * Zero copy. Sends go from the user's buffer into the socket (sendmsg: header and payload in one
- * call). A message that matches a posted receive is read straight into its buffer (recvmsg: the rest
- * of the payload into the buffer, whatever follows into the stream's staging buffer). A message
- * nobody asked for yet is read into a buffer of its own if it is small (up to eager_max) or if a
- * posted receive waits behind it; a larger one is left in the kernel (TCP's flow control holds its
- * sender) until a receive matches it.
- *
- * Progress. Only inside the caller's test and wait (eng_tcp_test, eng_tcp_sleep: poll), under one
- * mutex per channel; a thread sleeping in poll is woken through an eventfd when another completes
- * its request.
- *
- * Leaving. A rank that destroys the group, or whose process ends normally, first writes a BYE header on
- * every connection it has, both ways (eng_tcp_goodbye), then closes them. A rank that finished its part
- * of a collective may leave while others still finish theirs: its goodbye tells them it left in
- * order, so only what still involves it fails.
- *
- * Failure. A peer that closes a connection is read to the end of what it sent; then every request that
- * involves it fails naming it. A peer that closed without its goodbye (it crashed, was killed, lost the
- * link) fails, on a channel marked fail_any (the engine's collectives), every request of the channel:
- * whoever waits on a third rank that waits on it would otherwise wait out the timeout.
+ * docs/architecture.md says how connections are trusted, messages read (into the receive's buffer
+ * where one waits), progress made and failures reported; docs/hosts.md what a peer's goodbye changes.
+ * A channel's requests and sockets are touched only under its mutex; a thread sleeping in poll is
+ * woken through an eventfd when another completes its request.
  *
  * Files, one concern each, static functions of one translation unit: tcp_wire.h (frames, limits,
  * types), tcp_match.h (matching), tcp_instream.h and tcp_outstream.h (the two directions of a
