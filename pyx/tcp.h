@@ -8,36 +8,16 @@
  * large message at once). Connections are made when a message first goes to a peer, or for every
  * peer at once when the group is made (eng_tcp_connect_all, the mesh).
  *
- * Trust. An accepted connection must first send a 48-byte hello proving the group's random token
- * (from the store); until then nothing it sends is parsed, and a connection whose hello is wrong,
- * late or a duplicate is closed. Every length read from the wire is checked before it is used.
- *
  * Frames. A 32-byte header, then its payload. MSG opens message `seq` (numbered per sender and
  * receiver) with its tag, its length and the length of the first part, which follows; PART carries
  * bytes [offset, offset + len) of a message already opened, on another stream. MSG headers travel on
  * stream 0 in order, so matching follows MPI's rules: receives match in post order, by source and tag
  * or their wildcards, and messages of one sender are matched in the order it sent them.
  *
- * Zero copy. Sends go from the user's buffer into the socket (sendmsg: header and payload in one
- * call). A message that matches a posted receive is read straight into its buffer (recvmsg: the rest
- * of the payload into the buffer, whatever follows into the stream's staging buffer). A message
- * nobody asked for yet is read into a buffer of its own if it is small (up to eager_max) or if a
- * posted receive waits behind it; a larger one is left in the kernel (TCP's flow control holds its
- * sender) until a receive matches it.
- *
- * Progress. Only inside the caller's test and wait (eng_tcp_test, eng_tcp_sleep: poll), under one
- * mutex per channel; a thread sleeping in poll is woken through an eventfd when another completes
- * its request.
- *
- * Leaving. A rank that destroys the group, or whose process ends normally, first writes a BYE header on
- * every connection it has, both ways (eng_tcp_goodbye), then closes them. A rank that finished its part
- * of a collective may leave while others still finish theirs: its goodbye tells them it left in
- * order, so only what still involves it fails.
- *
- * Failure. A peer that closes a connection is read to the end of what it sent; then every request that
- * involves it fails naming it. A peer that closed without its goodbye (it crashed, was killed, lost the
- * link) fails, on a channel marked fail_any (the engine's collectives), every request of the channel:
- * whoever waits on a third rank that waits on it would otherwise wait out the timeout.
+ * docs/architecture.md says how connections are trusted, messages read (into the receive's buffer
+ * where one waits), progress made and failures reported; docs/hosts.md what a peer's goodbye changes.
+ * A channel's requests and sockets are touched only under its mutex; a thread sleeping in poll is
+ * woken through an eventfd when another completes its request.
  *
  * Files, one concern each, static functions of one translation unit: tcp_wire.h (frames, limits,
  * types), tcp_match.h (matching), tcp_instream.h and tcp_outstream.h (the two directions of a
@@ -52,10 +32,12 @@
 
 static void eng_tcp_free(eng_tcp *t);
 
-/* A channel of rank `rank` of `size`, listening on listen_fd (taken over). NULL: out of memory. */
+/* A channel of rank `rank` of `size`, listening on listen_fd (taken over only when this succeeds).
+ * NULL: *err is ENOMEM or eventfd's errno, and listen_fd is still the caller's. */
 static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
-                            size_t eager_max, const unsigned char *token, int listen_fd) {
+                            size_t eager_max, const unsigned char *token, int listen_fd, int *err) {
   eng_tcp *t = (eng_tcp *)calloc(1, sizeof(eng_tcp));
+  *err = ENOMEM;
   if (t == NULL) return NULL;
   t->rank = rank;
   t->size = size;
@@ -65,21 +47,23 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
   t->split_min = split_min;
   t->eager_max = eager_max;
   memcpy(t->token, token, 16);
-  t->listen_fd = listen_fd;
+  t->listen_fd = t->wake_fd = -1;   /* so that a failure below closes nothing it did not open */
   t->dead_peer = -1;
-  t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   pthread_mutex_init(&t->lock, NULL);
   t->peers = (tcp_peer *)calloc((size_t)size, sizeof(tcp_peer));
   t->sink = (char *)malloc(ENG_TCP_SINK);
-  if (t->peers == NULL || t->sink == NULL || t->wake_fd < 0) {
+  if (t->peers != NULL)
+    for (int q = 0; q < size; q++)
+      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) t->peers[q].out[s].fd = t->peers[q].in[s].fd = -1;
+  if (t->peers != NULL && t->sink != NULL) {
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    *err = t->wake_fd < 0 ? errno : 0;
+  }
+  if (*err) {
     eng_tcp_free(t);
     return NULL;
   }
-  for (int q = 0; q < size; q++)
-    for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
-      t->peers[q].out[s].fd = -1;
-      t->peers[q].in[s].fd = -1;
-    }
+  t->listen_fd = listen_fd;
   return t;
 }
 
@@ -114,28 +98,13 @@ static void eng_tcp_goodbye(eng_tcp *t) {
 
 static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
+  /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
+   * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
   eng_tcp_goodbye(t);
   if (t->peers != NULL) {
     for (int q = 0; q < t->size; q++) {
-      tcp_peer *p = &t->peers[q];
-      tcp_close_peer(t, p);
-      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
-        free(p->in[s].stage);
-        tcp_item *it = p->out[s].head;
-        while (it != NULL) {      /* only orphans are left (live requests hold the transport) */
-          tcp_item *next = it->next;
-          tcp_req *r = it->req;
-          free(it->owned);
-          free(it);
-          if (r != NULL && --r->items == 0 && r->orphan) free(r);
-          it = next;
-        }
-      }
-      while (p->arriving != NULL) {
-        tcp_in *m = p->arriving;
-        p->arriving = m->pnext;
-        if (!m->owns) free(m);    /* unexpected ones are freed below */
-      }
+      tcp_close_peer(t, &t->peers[q]);
+      for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) free(t->peers[q].in[s].stage);
     }
     free(t->peers);
   }
@@ -236,36 +205,25 @@ static void tcp_queue(tcp_out *o, tcp_item *it) {
   o->tail = it;
 }
 
-/* A message to this rank itself: matched (or kept) at once. Called with the lock held. */
+/* A message to this rank itself, complete at once: a posted receive copies it from the sender's
+ * buffer; otherwise it is kept in a copy, since the send completes now. Called with the lock held. */
 static int tcp_self_send(eng_tcp *t, const void *buf, size_t n, int tag) {
-  tcp_req *r = tcp_match_posted(t, t->rank, tag);
-  if (r != NULL) {
-    r->src = t->rank;
-    r->rtag = tag;
-    r->nbytes = n;
-    if (n > r->len) tcp_finish_req(t, r, ENG_ERR_TRUNCATE, t->rank);
-    else {
-      if (n) memcpy(r->buf, buf, n);
-      tcp_finish_req(t, r, 0, -1);
-    }
-    return 0;
-  }
   tcp_in *m = (tcp_in *)calloc(1, sizeof(tcp_in));
   if (m == NULL) return ENG_ERR_NOMEM;
-  m->buf = (char *)malloc(n ? n : 1);
-  if (m->buf == NULL) {
+  tcp_req *r = tcp_match_posted(t, t->rank, tag);
+  m->owns = r == NULL;
+  m->buf = m->owns ? (char *)malloc(n ? n : 1) : (char *)buf;
+  if (m->owns && m->buf == NULL) {
     free(m);
     return ENG_ERR_NOMEM;
   }
-  if (n) memcpy(m->buf, buf, n);
-  m->owns = 1;
+  if (m->owns && n) memcpy(m->buf, buf, n);
   m->complete = 1;
   m->peer = t->rank;
   m->tag = tag;
   m->total = m->arrived = n;
-  if (t->unexp_tail == NULL) t->unexp_head = m;
-  else t->unexp_tail->next = m;
-  t->unexp_tail = m;
+  if (r != NULL) tcp_bind(t, r, m);
+  else tcp_push_unexpected(t, m);
   return 0;
 }
 
@@ -354,7 +312,7 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   if (r == NULL) return ENG_ERR_NOMEM;
   pthread_mutex_lock(&t->lock);
   tcp_in *m = t->unexp_head;
-  while (m != NULL && !((peer < 0 || peer == m->peer) && (tag < 0 || tag == m->tag))) m = m->next;
+  while (m != NULL && !tcp_matches(r, m->peer, m->tag)) m = m->next;
   if (m != NULL) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);

@@ -6,10 +6,11 @@
 
 /* ---- accepting ---- */
 
-static void tcp_drop_pending(eng_tcp *t, int i, int rejected) {
+static int tcp_drop_pending(eng_tcp *t, int i) {
   close(t->pending[i].fd);
   t->pending[i] = t->pending[--t->npending];
-  t->rejected += rejected;
+  t->rejected++;
+  return 1;
 }
 
 static void tcp_accept(eng_tcp *t) {
@@ -39,16 +40,9 @@ static int tcp_hello_progress(eng_tcp *t, int i) {
   tcp_pending *q = &t->pending[i];
   for (;;) {
     ssize_t got = recv(q->fd, q->buf + q->got, ENG_TCP_HELLO - q->got, MSG_DONTWAIT);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if ((errno == EAGAIN || errno == EWOULDBLOCK) && eng_now() < q->deadline) return 0;
-      tcp_drop_pending(t, i, 1);
-      return 1;
-    }
-    if (got == 0) {
-      tcp_drop_pending(t, i, 1);
-      return 1;
-    }
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && eng_now() < q->deadline) return 0;
+    if (got <= 0) return tcp_drop_pending(t, i);   /* an error, its end, or too late */
     q->got += (size_t)got;
     if (q->got == ENG_TCP_HELLO) break;
   }
@@ -76,8 +70,7 @@ static int tcp_hello_progress(eng_tcp *t, int i) {
       return 1;
     }
   }
-  tcp_drop_pending(t, i, 1);
-  return 1;
+  return tcp_drop_pending(t, i);
 }
 
 #endif

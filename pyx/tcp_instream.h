@@ -21,21 +21,8 @@ static int tcp_open_message(eng_tcp *t, int peer, tcp_instream *in) {
   m->tag = h->tag;
   m->seq = h->seq;
   m->total = (size_t)h->a;
-  if (r != NULL) {
-    r->src = peer;
-    r->rtag = h->tag;
-    r->nbytes = m->total;
-    r->state = TCP_ACTIVE;
-    if (m->total > r->len) {
-      r->err = ENG_ERR_TRUNCATE;
-      r->err_peer = peer;
-      tcp_finish_req(t, r, 0, -1);
-    } else {
-      m->buf = r->buf;
-      m->req = r;
-      r->in = m;
-    }
-  } else {
+  if (r != NULL) tcp_bind(t, r, m);
+  else {
     m->buf = (char *)malloc(m->total ? m->total : 1);
     if (m->buf == NULL) {
       free(m);
@@ -43,9 +30,7 @@ static int tcp_open_message(eng_tcp *t, int peer, tcp_instream *in) {
       return 1;
     }
     m->owns = 1;
-    if (t->unexp_tail == NULL) t->unexp_head = m;
-    else t->unexp_tail->next = m;
-    t->unexp_tail = m;
+    tcp_push_unexpected(t, m);
   }
   p->recv_seq = h->seq + 1;   /* numbers only grow (a send withdrawn before any byte went leaves a gap) */
   m->pnext = p->arriving;     /* every message under way, so a failure finds them all */

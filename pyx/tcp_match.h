@@ -64,7 +64,16 @@ static void tcp_complete_in(eng_tcp *t, tcp_in *m) {
   }                        /* else: unexpected, waits in its list for a receive */
 }
 
-/* Receive r takes message m (unexpected, complete or still arriving), which the caller unlinked. */
+static void tcp_push_unexpected(eng_tcp *t, tcp_in *m) {
+  m->next = NULL;
+  if (t->unexp_tail == NULL) t->unexp_head = m;
+  else t->unexp_tail->next = m;
+  t->unexp_tail = m;
+}
+
+/* Receive r takes message m: an unexpected one (complete or still arriving) the caller unlinked, one
+ * whose header was just read (nothing of it in a buffer: m->buf is NULL), or a send to this rank
+ * itself (m->buf is the sender's). */
 static void tcp_bind(eng_tcp *t, tcp_req *r, tcp_in *m) {
   r->src = m->peer;
   r->rtag = m->tag;
@@ -81,7 +90,9 @@ static void tcp_bind(eng_tcp *t, tcp_req *r, tcp_in *m) {
     tcp_finish_req(t, r, 0, -1);
     return;
   }
-  if (m->total) memcpy(r->buf, m->buf, m->total);   /* what arrived so far; the rest lands in r->buf */
+  /* The whole buffer, not m->arrived bytes: parts on other streams may have filled any range of it.
+   * The rest lands in r->buf. */
+  if (m->buf != NULL && m->total) memcpy(r->buf, m->buf, m->total);
   if (m->owns) free(m->buf);
   m->owns = 0;
   m->buf = r->buf;

@@ -108,42 +108,32 @@ static int tcp_pfd_reserve(eng_tcp *t, size_t n) {
   return 0;
 }
 
+static inline void tcp_pfd_add(eng_tcp *t, int *n, int fd, short events, int what) {
+  t->pfd[*n].fd = fd;
+  t->pfd[*n].events = events;
+  t->pwhat[(*n)++] = what;
+}
+
 /* Fills t->pfd with what to watch; returns the count (or -1: out of memory). */
 static int tcp_poll_set(eng_tcp *t, int with_wake) {
   size_t most = 2 + (size_t)t->npending + (size_t)t->size * 2 * ENG_TCP_MAX_STREAMS;
   if (tcp_pfd_reserve(t, most)) return -1;
   int n = 0;
-  t->pfd[n].fd = t->listen_fd;
-  t->pfd[n].events = POLLIN;
-  t->pwhat[n++] = PF_LISTEN << 24;
-  if (with_wake) {
-    t->pfd[n].fd = t->wake_fd;
-    t->pfd[n].events = POLLIN;
-    t->pwhat[n++] = PF_WAKE << 24;
-  }
-  for (int i = 0; i < t->npending; i++) {
-    t->pfd[n].fd = t->pending[i].fd;
-    t->pfd[n].events = POLLIN;
-    t->pwhat[n++] = PF_PENDING << 24 | i;
-  }
+  tcp_pfd_add(t, &n, t->listen_fd, POLLIN, PF_LISTEN << 24);
+  if (with_wake) tcp_pfd_add(t, &n, t->wake_fd, POLLIN, PF_WAKE << 24);
+  for (int i = 0; i < t->npending; i++) tcp_pfd_add(t, &n, t->pending[i].fd, POLLIN, PF_PENDING << 24 | i);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (p->dead) continue;
     for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
       tcp_instream *in = &p->in[s];
-      if (in->fd >= 0) {
-        /* A stream whose message waits for a receive is not read (nor watched: it would wake at once). */
-        t->pfd[n].fd = in->fd;
-        t->pfd[n].events = (in->state == IN_HELD || in->state == IN_WAIT) ? 0 : POLLIN;
-        t->pwhat[n++] = PF_IN << 24 | q << 4 | s;
-      }
       tcp_out *o = &p->out[s];
-      if (o->fd >= 0) {
-        /* POLLIN on a sending socket: the peer closed it (it never writes to it). */
-        t->pfd[n].fd = o->fd;
-        t->pfd[n].events = POLLIN | ((o->connecting || o->head != NULL || o->hello_done < ENG_TCP_HELLO) ? POLLOUT : 0);
-        t->pwhat[n++] = PF_OUT << 24 | q << 4 | s;
-      }
+      int held = in->state == IN_HELD || in->state == IN_WAIT;
+      int writing = o->connecting || o->head != NULL || o->hello_done < ENG_TCP_HELLO;
+      /* A stream whose message waits for a receive is not read (nor watched: it would wake at once). */
+      if (in->fd >= 0) tcp_pfd_add(t, &n, in->fd, held ? 0 : POLLIN, PF_IN << 24 | q << 4 | s);
+      /* POLLIN on a sending socket: the peer closed it (it never writes to it). */
+      if (o->fd >= 0) tcp_pfd_add(t, &n, o->fd, POLLIN | (writing ? POLLOUT : 0), PF_OUT << 24 | q << 4 | s);
     }
   }
   return n;

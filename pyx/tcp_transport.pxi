@@ -11,7 +11,7 @@ from libc.string cimport strerror
 cdef extern from "tcp.h" nogil:
     ctypedef struct eng_tcp:
         int dead_peer
-        int dead_code
+        int listen_fd
         int rejected
         int said_bye
         uint32_t gen
@@ -20,7 +20,7 @@ cdef extern from "tcp.h" nogil:
     enum:
         ENG_TCP_MAX_STREAMS
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
-                         size_t eager_max, const unsigned char *token, int listen_fd)
+                         size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
     void eng_tcp_goodbye(eng_tcp *t)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
@@ -77,9 +77,10 @@ cdef void _tcp_doze(void *t, uint32_t gen, double seconds) noexcept nogil:
 
 
 cdef class TcpTransport(Transport):
-    """One channel of a group over TCP: listen_fd (from tcp_listen, taken over), the group's token,
-    and every rank's (host, port, name) to connect to. fail_any: a peer's end without its goodbye (a
-    crash) fails every request (the engine's collectives need every rank)."""
+    """One channel of a group over TCP: listen_fd (from tcp_listen, taken over once this returns: if it
+    raises, the fd is still the caller's to close), the group's token, and every rank's (host, port,
+    name) to connect to. fail_any: a peer's end without its goodbye (a crash) fails every request (the
+    engine's collectives need every rank)."""
     cdef eng_tcp *t
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
@@ -97,10 +98,12 @@ cdef class TcpTransport(Transport):
         self.rank, self.size, self.channel, self.nstreams = rank, size, channel, nstreams
         self.err_peer = -1
         self.peers = list(peers)
-        self.t = eng_tcp_new(rank, size, channel, nstreams, fail_any, split_min, eager_max, token, listen_fd)
-        if self.t == NULL:
-            eng_close(listen_fd)
-            raise MemoryError()
+        cdef int err = 0
+        self.t = eng_tcp_new(rank, size, channel, nstreams, fail_any, split_min, eager_max, token, listen_fd, &err)
+        if err == errno.ENOMEM:
+            raise MemoryError(f"engine: no memory for TCP channel {channel}'s transport")
+        if err:
+            raise OSError(err, f"engine: TCP channel {channel} can't make its wake-up eventfd: {strerror(err).decode()}")
         self.bell.bell = &self.t.gen
         self.bell.doze = _tcp_doze
         self.bell.doze_obj = self.t
@@ -108,6 +111,7 @@ cdef class TcpTransport(Transport):
         for q, (addr, port, _) in enumerate(peers):
             rc = eng_tcp_set_peer(self.t, q, addr.encode(), port)
             if rc:
+                self.t.listen_fd = -1       # raising: the fd stays the caller's (engine/tcp.py closes it)
                 raise ValueError(f"engine: rank {q}'s address {addr!r} port {port}: {gai_strerror(rc).decode()}")
 
     def __dealloc__(self):

@@ -4,8 +4,12 @@ send is read; every length on the wire is checked; messages split over streams, 
 or from a peer that dies mid-message end as the protocol says. The transport's behaviour between
 real ranks is tests/mpi/tcp_suite.py's (tests/test_hosts.py)."""
 
+import gc
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -164,6 +168,44 @@ def test_a_message_split_over_streams_arrives_whole_whatever_comes_first(rank0):
     s1.close()
 
 
+def test_a_split_message_read_ahead_out_of_order_is_whole_in_a_receive_posted_later(rank0):
+    """Read ahead (a receive for another tag of the same peer is posted), its second part in before
+    most of its first: the receive posted then gets every byte, whichever stream brought it."""
+    core, _, ports = rank0
+    payload = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    half = payload.nbytes // 2
+    other = core.irecv(np.zeros(2, np.uint8), 1, 8)
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, half, payload.nbytes - half)
+                 + payload[half:].tobytes())
+    s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, payload.nbytes, half)
+                 + payload[:1000].tobytes())
+    assert keeps_waiting(other)     # meanwhile both streams are read into the message's own buffer
+    out = np.zeros(payload.nbytes, np.uint8)
+    r = core.irecv(out, 1, 7)
+    s0.sendall(payload[1000:half].tobytes() + header(MSG, 8, 1, 2, 2) + b"ok")
+    assert r.wait() == (1, 7, payload.nbytes)
+    np.testing.assert_array_equal(out, payload)
+    assert other.wait() == (1, 8, 2)
+    s0.close()
+    s1.close()
+
+
+def test_a_send_to_itself_is_matched_like_any_other(rank0):
+    core = rank0[0]
+    out = np.zeros(5, np.uint8)
+    r = core.irecv(out, 0, 4)
+    core.send(np.arange(5, dtype=np.uint8), 0, 4)
+    assert r.wait() == (0, 4, 5) and out.tolist() == [0, 1, 2, 3, 4]
+    r = core.irecv(np.zeros(2, np.uint8), -1, 4)
+    core.send(np.arange(5, dtype=np.uint8), 0, 4)
+    with pytest.raises(EngineError, match="truncated"):
+        r.wait()
+    core.send(np.arange(3, dtype=np.uint8), 0, 6)     # nobody asked yet: kept, in order
+    core.send(np.arange(2, dtype=np.uint8), 0, 6)
+    assert core.recv(out, -1, -1) == (0, 6, 3) and out[:3].tolist() == [0, 1, 2]
+    assert core.recv(out, 0, 6) == (0, 6, 2)
+
+
 @pytest.mark.parametrize("frame", ["too long", "part longer than message", "part on stream 0", "unknown kind",
                                    "negative tag", "numbers going back"])
 def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
@@ -220,6 +262,70 @@ def test_interfaces_and_listening_on_ipv4_and_ipv6():
         _core.close_fd(fd)
     with pytest.raises(OSError, match="can't listen on 203.0.113.7"):
         _core.tcp_listen("203.0.113.7")     # not this host's address
+
+
+OUT_OF_FDS = r"""
+import errno, os, resource
+from engine import _core
+
+
+def ident(fd):
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    except OSError as exc:
+        return exc.strerror
+
+
+std = [ident(fd) for fd in (0, 1, 2)]
+fd, port = _core.tcp_listen("127.0.0.1")
+listener = ident(fd)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))
+held = []
+while True:                 # every free number below the limit taken: the transport's eventfd gets none
+    try:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE, exc
+        break
+try:
+    _core.TcpTransport(0, 2, 1, fd, bytes(16), [("127.0.0.1", port, "r0"), ("127.0.0.1", 9, "r1")])
+    print(None, "made")
+except Exception as exc:
+    print(getattr(exc, "errno", None) == errno.EMFILE, repr(exc))
+for h in held:
+    os.close(h)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print([ident(fd) for fd in (0, 1, 2)] == std, ident(fd) == listener)
+_core.close_fd(fd)
+"""
+
+
+def test_a_transport_made_out_of_descriptors_fails_closing_only_what_it_made():
+    """EMFILE at the transport's eventfd (the process's descriptor limit, in a child): an OSError naming
+    the eventfd; nothing written to or closed of descriptors it never opened (stdin here, a socket whose
+    other end this test reads); the listener still open, its caller's."""
+    here, child = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(_core.__file__))))
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_FDS], stdin=child, capture_output=True, text=True,
+                          env=env, timeout=60)
+    child.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised, kept = proc.stdout.splitlines()
+    assert raised.startswith("True ") and "wake-up eventfd: Too many open files" in raised, raised
+    assert kept == "True True", "stdin, stdout, stderr and the listener the same after it? " + kept
+    assert here.recv(64) == b""     # nothing came before the child's exit closed its stdin
+    here.close()
+
+
+def test_a_transport_refusing_an_address_leaves_the_listener_to_its_caller():
+    fd, port = _core.tcp_listen("127.0.0.1")
+    with pytest.raises(ValueError, match="rank 1's address 'nowhere'"):
+        _core.TcpTransport(0, 2, 1, fd, TOKEN, [("127.0.0.1", port, "r0"), ("nowhere", 1, "r1")])
+    gc.collect()
+    os.fstat(fd)
+    _core.close_fd(fd)
 
 
 def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
