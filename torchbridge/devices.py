@@ -52,10 +52,6 @@ class CpuDevice:
             return COMPLETED
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
 
-    def submit(self, name, fn, args, outputs):
-        """An asynchronous call: queued, its Work returned at once."""
-        return CollectiveWork.of(self.progress.submit(fn, args, name, outputs))
-
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         if sync:
             self.progress.run(self._fused, tensors, op, (compression, prescale), 3, name)
@@ -98,7 +94,6 @@ class _StreamOps:
 
     def __init__(self, cc, device):
         self.cc, self.device = cc, device
-        self.rank, self.size = cc.rank, cc.size
 
     def _stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream

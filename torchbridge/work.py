@@ -1,7 +1,6 @@
 """Work objects: what every call of the process group returns (torch's c10d Work contract)."""
 
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -261,13 +260,6 @@ class CudaWork(_OutputsWork):
 
     def synchronize(self):
         self.wait()
-
-    def synchronize_host(self):
-        """Blocks the host until the GPU finished the collective (barrier), polling for failure."""
-        while not self._event.query():
-            self._raise_failure()
-            time.sleep(0.0005)
-        self._raise_failure()
 
     def is_completed(self):
         self._post()
