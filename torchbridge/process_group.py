@@ -4,13 +4,9 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy).
 
-The latency path is compiled (torchbridge._fastpath, torchbridge/_fastpath.pyx): the methods torch calls
-on every collective and message (allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single,
-all_to_all_single, barrier, send, recv, recv_anysource) come from its one table (METHODS), a row
-each with the general form here that takes what the fast form leaves. Each reads torch's options in
-one C call and makes one call into the communicator, the collective running in the calling thread
-(engine.progress.Progress.run) when the group is idle; anything else goes to the general method of the
-same collective here (`_broadcast` for broadcast, ...), which handles every case.
+The methods torch calls on every collective and message have a compiled fast form (the latency path:
+torchbridge/_fastpath.pyx) that leaves every other case to the general form of the same method here
+(`_broadcast` for broadcast, ...).
 
 Beside it: torchbridge.creation makes groups, torchbridge.tracing records profiler events,
 torchbridge.sparse sums sparse tensors, engine.monitored_barrier is Gloo's monitored barrier.
@@ -543,7 +539,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))
 
 
-# The latency path, compiled: every method in torchbridge/_fastpath.pyx's table (METHODS) is its fast
-# form, which falls back to the general form the table names (`_allreduce` for allreduce, ...).
+# The latency path's fast forms (torchbridge/_fastpath.pyx).
 for _name, _method in _fastpath.methods().items():
     setattr(EngineProcessGroup, _name, _method)
