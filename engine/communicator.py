@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from . import _core, hierarchy, registry
-from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity
+from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, local_cores
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -338,8 +338,6 @@ def _polite_waits(core, network, everyone, rank):
     if spin:
         core.set_spin(float(spin))
         return
-    host = everyone[rank][0]
-    local = [cores for h, _, cores in everyone if h == host]
-    cores = len(set().union(*local))
+    local, cores = local_cores(everyone, rank)
     if len(local) > cores or (len(local) == cores and (network or len(local) > 2)):
         core.set_spin(0)
