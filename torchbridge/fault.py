@@ -73,9 +73,7 @@ class FaultTolerance:
 
     # -- what torch asks --
 
-    @property
-    def supports_reconfigure(self):
-        return True
+    supports_reconfigure = True
 
     def rank(self):
         return self._rank
