@@ -24,7 +24,8 @@ def future_pair():
 
 
 class _OutputsWork(dist._Work):
-    """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU."""
+    """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU,
+    success as completion without an exception."""
 
     __slots__ = ()
 
@@ -34,8 +35,11 @@ class _OutputsWork(dist._Work):
     def synchronize(self):
         pass
 
+    def is_success(self):
+        return self.is_completed() and self.exception() is None
 
-class CollectiveWork(dist._Work):
+
+class CollectiveWork(_OutputsWork):
     """A queued collective. wait() runs it inline when it is next in line (no thread hand-off), or
     blocks until the group's progress thread has run it; get_future() completes when it is done,
     with the output tensors as value (as Gloo's and NCCL's futures do).
@@ -69,17 +73,11 @@ class CollectiveWork(dist._Work):
     def is_completed(self):
         return self._task.state == DONE
 
-    def is_success(self):
-        return self._task.state == DONE and self._task.error is None
-
     def exception(self):
         return self._task.error
 
     def result(self):
         return list(self._task.outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         fut = getattr(self, "_future", None)
@@ -96,7 +94,7 @@ class CollectiveWork(dist._Work):
             self._completer.set_result(list(task.outputs))
 
 
-class CompletedWork(dist._Work):
+class CompletedWork(_OutputsWork):
     """What a synchronous call (async_op=False) returns: it already ran, in the caller's thread, and
     raised there if it failed. torch waits on it once and drops it, so one shared instance serves the
     CPU path; the staged CUDA path gives its outputs, which the future then holds (DDP hooks read them)."""
@@ -111,17 +109,8 @@ class CompletedWork(dist._Work):
     def is_completed(self):
         return True
 
-    def is_success(self):
-        return True
-
     def exception(self):
         return None
-
-    def result(self):
-        return list(self._outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
@@ -198,9 +187,6 @@ class PointToPointWork(_OutputsWork):
 
     def is_completed(self):
         return self._status is not None or self._error is not None or (self._request.test() and self.wait())
-
-    def is_success(self):
-        return self.is_completed() and self._error is None
 
     def exception(self):
         return self._error
