@@ -12,8 +12,6 @@ Beside it: torchbridge.creation makes groups, torchbridge.tracing records profil
 torchbridge.sparse sums sparse tensors, engine.monitored_barrier is Gloo's monitored barrier.
 """
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -27,13 +25,7 @@ from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import first, root_inputs, second, second_one, traced
-
-
-def _seconds(timeout, default):
-    """A timeout (timedelta, seconds or None: `default`) in seconds."""
-    if timeout is None:
-        return default
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+from .work import in_seconds
 
 
 def _one(tensors, what):
@@ -228,7 +220,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
         monitored_barrier(self._store, f"engine/monitored-barrier/{seq}/", self.rank(), self.size(),
-                          _seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
+                          in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}")
 
     # -- which device communicator --
@@ -259,7 +251,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
-            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+            seconds = in_seconds(self._timeout, 1800.0)
             self._watchdog = Watchdog(self._name, rank, size, seconds)
         return CudaDevice(cc, index, self._watchdog)
 

@@ -1,12 +1,20 @@
 """Work objects: what every call of the process group returns (torch's c10d Work contract)."""
 
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.progress import DONE
 from engine.watch import EngineTimeout
+
+
+def in_seconds(timeout, default=None):
+    """A timeout (timedelta or seconds) in seconds; `default` for None."""
+    if timeout is None:
+        return default
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 def _raise_or_value(fut):
@@ -61,7 +69,7 @@ class CollectiveWork(_OutputsWork):
         if timeout is None or not timeout:
             task.progress.wait(task)
         else:
-            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            seconds = in_seconds(timeout)
             if not task.progress.wait(task, seconds if seconds > 0 else None):
                 raise EngineTimeout(f"Work.wait: Timed out after {seconds:g} s waiting for {task.name} to complete "
                                     f"(it is still queued or running; the group's own timeout ends it if a rank "
