@@ -67,6 +67,11 @@ def _premul(t, factor):
     return t * factor
 
 
+def _source(t, factor):
+    """What a reduction sends: t scaled for PREMUL_SUM (factor not None), else t, contiguous."""
+    return _premul(t, factor) if factor is not None else contiguous(t)
+
+
 def _write(out, fn):
     """Runs fn on out, through a contiguous copy written back when out is not contiguous."""
     if out.is_contiguous():
@@ -97,6 +102,15 @@ def _check_dtypes(tensors, dtype, what):
 def _scatter_back(flat, outputs):
     for out, piece in zip(outputs, flat.split([o.numel() for o in outputs])):
         out.copy_(piece.view(out.shape))
+
+
+def _coalesced(single, name):
+    """The coalesced form of pair method `single`, traced as `name`: the last pair's Work (a barrier's for none)."""
+    @traced(name, second)
+    def coalesced(self, outputs, inputs, opts=None):
+        works = [single(self, o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._barrier()
+    return coalesced
 
 
 def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes):
@@ -334,7 +348,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         root, comm = opts.rootRank, dev.comm
 
         def run():
-            src = _premul(t, factor) if factor is not None else contiguous(t)
+            src = _source(t, factor)
             if self.rank() == root:
                 _write(t, lambda buf: comm.reduce(src, buf if src is not buf else None, op, root))
             else:
@@ -352,9 +366,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         comm = dev.comm
 
         def run():
-            flat = _flat(inputs, out)
-            if factor is not None:
-                flat = _premul(flat, factor)
+            flat = _source(_flat(inputs, out), factor)
             _write(out, lambda buf: comm.reduce_scatter(flat, buf, op, uneven([i.numel() for i in inputs])))
 
         return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
@@ -365,18 +377,14 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         comm = dev.comm
 
         def run():
-            src = _premul(input, factor) if factor is not None else contiguous(input)
+            src = _source(input, factor)
             _write(output, lambda buf: comm.reduce_scatter(src, buf, op))
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
     _reduce_scatter_tensor = traced("reduce_scatter_tensor", second_one)(_reduce_scatter_single)
 
-    @traced("reduce_scatter_tensor_coalesced", second)
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self._reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._barrier()
-
+    reduce_scatter_single_coalesced = _coalesced(_reduce_scatter_single, "reduce_scatter_tensor_coalesced")
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement --
@@ -415,11 +423,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
     _all_gather_into_tensor = traced("all_gather_into_tensor", second_one)(_all_gather_single)
 
-    @traced("all_gather_into_tensor_coalesced", second)
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self._all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._barrier()
-
+    all_gather_single_coalesced = _coalesced(_all_gather_single, "all_gather_into_tensor_coalesced")
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @traced("all_gather_coalesced", second)
