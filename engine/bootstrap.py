@@ -93,6 +93,14 @@ def host_identity():
     return (f"{socket.gethostname()}/{_boot_id()}", os.getpid(), usable_cores())
 
 
+def local_cores(everyone, rank):
+    """(the usable cores of each rank on rank's host, how many cores those are together); everyone:
+    each rank's host_identity()."""
+    host = everyone[rank][0]
+    local = [cores for h, _, cores in everyone if h == host]
+    return local, len(set().union(*local))
+
+
 def choose_transport(requested, hosts, mpi=True):
     """'shm', 'mpi' or 'tcp' for a group whose ranks run on `hosts` (one entry per rank); mpi: whether
     the group was made through MPI (an MPI launch). On one host: shared memory. Across hosts: TCP

@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from . import _core, hierarchy, registry
-from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity
+from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, local_cores
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -27,6 +27,12 @@ ANY_SOURCE = -1
 ANY_TAG = -1
 _OP_IDS = {name: i for i, name in enumerate(_core.OP_KIND_NAMES)}
 _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
+# The compiled core's calls, bound straight onto each instance (no Python frame per call); the methods
+# of the same names below document them. Debug mode keeps the collectives' methods, which compare
+# signatures first; point-to-point is never numbered or compared.
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
+_CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
+               "barrier") + _POINT_TO_POINT
 
 
 def debug_enabled():
@@ -73,15 +79,8 @@ class Communicator:
             caps |= registry.hierarchy_caps(registry.hier_mode())
         self.plan = registry.Plan(self.transport, caps, stage=_stage)
         self._configure(_boot)
-        core = self._core
-        if not self._debug:
-            # The compiled core's methods, bound straight onto the instance: no Python frame per call.
-            self.allreduce, self.broadcast, self.reduce = core.allreduce, core.broadcast, core.reduce
-            self.allgather, self.gather, self.scatter = core.allgather, core.gather, core.scatter
-            self.reduce_scatter, self.alltoall, self.barrier = core.reduce_scatter, core.alltoall, core.barrier
-        # Point-to-point is never numbered or compared: always the core's methods.
-        self.send, self.recv, self.isend, self.irecv = core.send, core.recv, core.isend, core.irecv
-        self.sendrecv = core.sendrecv
+        for name in _POINT_TO_POINT if self._debug else _CORE_CALLS:
+            setattr(self, name, getattr(self._core, name))
 
     def _configure(self, boot):
         """Hands the plan to the core, after checking that every rank walks the same rules."""
@@ -198,8 +197,7 @@ class Communicator:
         if self._core is not None:
             self._core.leave()
         self._core = None
-        for name in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
-                     "alltoall", "barrier", "send", "recv", "isend", "irecv", "sendrecv"):
+        for name in _CORE_CALLS:
             self.__dict__.pop(name, None)
         if from_mpi:
             from . import mpi
@@ -209,8 +207,7 @@ class Communicator:
                     c.Free()
         self._mpi_comms = []
 
-    # -- collectives (debug mode compares signatures first; otherwise the core's methods are bound
-    #    onto the instance in __init__ and these are not called) --
+    # -- collectives (see _CORE_CALLS) --
 
     def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM, *, algorithm=None):
         """recvbuf = op(sendbuf of all ranks); in place on sendbuf when recvbuf is None.
@@ -305,8 +302,7 @@ class Communicator:
         detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}" for d, rs in groups.items())
         raise self.watch.mismatch(f"collective mismatch in group {self.name!r}: {detail}")
 
-    # -- point to point (not numbered: they need not match across all ranks; bound to the core's
-    #    methods in __init__, these document them) --
+    # -- point to point (not numbered: they need not match across all ranks) --
 
     def send(self, buf, dest, tag=0):
         self._core.send(buf, dest, tag)
@@ -342,8 +338,6 @@ def _polite_waits(core, network, everyone, rank):
     if spin:
         core.set_spin(float(spin))
         return
-    host = everyone[rank][0]
-    local = [cores for h, _, cores in everyone if h == host]
-    cores = len(set().union(*local))
+    local, cores = local_cores(everyone, rank)
     if len(local) > cores or (len(local) == cores and (network or len(local) > 2)):
         core.set_spin(0)

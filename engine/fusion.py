@@ -111,39 +111,42 @@ class FusedAllreduce:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
-        if getattr(self.comm, "packs_in_segment", False):
+        summed = ReduceOp.SUM if code == ReduceOp.AVG else code  # (AVG's division: on pack or unpack)
+        in_segment = getattr(self.comm, "packs_in_segment", False)
+        if in_segment:
             # Read once, in C: where every tensor is of one dtype, none travels alone and all fit one
             # bucket (many small tensors: all_reduce_coalesced), that bucket is plan_buckets' plan.
             parts = _core.parse_parts(tensors)
             if (parts is not None and parts.largest_bytes < min(self.direct_bytes, self.bucket_bytes)
                     and parts.total_bytes <= self.bucket_bytes):
                 if parts.total_bytes:
-                    wire = wire_dtype(parts.dtype_name, compression)
-                    before, after = bucket_scales(code, wire, parts.dtype_name, self.comm.size, prescale)
-                    self.comm.allreduce_parts(parts, ReduceOp.SUM if code == ReduceOp.AVG else code, wire, before,
-                                              after)
+                    self._reduce_in_segment(parts, parts.dtype_name, code, summed, compression, prescale)
                 return tensors
         specs = [_spec(t) for t in tensors]
         buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
         if not buckets:
             return tensors
-        if getattr(self.comm, "packs_in_segment", False):
-            reduce_code = ReduceOp.SUM if code == ReduceOp.AVG else code
+        if in_segment:
             for bucket in buckets:
-                wire = wire_dtype(bucket.dtype, compression)
-                before, after = bucket_scales(code, wire, bucket.dtype, self.comm.size, prescale)
-                self.comm.allreduce_parts([tensors[i] for i in bucket.indices], reduce_code, wire, before, after)
+                self._reduce_in_segment([tensors[i] for i in bucket.indices], bucket.dtype, code, summed,
+                                        compression, prescale)
             return tensors
         with self._lock:  # the flat buffers are shared by the calls of this object
             if len(buckets) == 1:  # nothing to pipeline: no helper thread
                 flat, scale_after = self._pack(tensors, buckets[0], 0, code, compression, prescale)
-                self._reduce(flat, code)
+                self.comm.allreduce(flat, op=summed)
                 self._unpack(flat, scale_after, tensors, buckets[0])
             else:
-                self._pipelined(tensors, buckets, code, compression, prescale)
+                self._pipelined(tensors, buckets, code, summed, compression, prescale)
         return tensors
 
-    def _pipelined(self, tensors, buckets, code, compression, prescale):
+    def _reduce_in_segment(self, parts, dtype, code, summed, compression, prescale):
+        """One bucket's parts (of `dtype`), packed straight into the shared segment and out of it."""
+        wire = wire_dtype(dtype, compression)
+        before, after = bucket_scales(code, wire, dtype, self.comm.size, prescale)
+        self.comm.allreduce_parts(parts, summed, wire, before, after)
+
+    def _pipelined(self, tensors, buckets, code, summed, compression, prescale):
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="engine-fusion")
         pending = [None] * len(buckets)
@@ -154,7 +157,7 @@ class FusedAllreduce:
             if k + 1 < len(buckets):  # packs into the other slot, after that slot's unpack (same worker)
                 pending[k + 1] = self._worker.submit(self._pack, tensors, buckets[k + 1], (k + 1) % 2, code,
                                                      compression, prescale)
-            self._reduce(flat, code)
+            self.comm.allreduce(flat, op=summed)
             unpacked.append(self._worker.submit(self._unpack, flat, scale_after, tensors, bucket))
         for f in unpacked:
             f.result()
@@ -169,9 +172,6 @@ class FusedAllreduce:
         flat = self._buffer(parts[0], wire, slot, bucket.count)
         _core.pack(parts, flat, before)
         return flat, after
-
-    def _reduce(self, flat, code):
-        self.comm.allreduce(flat, op=ReduceOp.SUM if code == ReduceOp.AVG else code)
 
     def _unpack(self, flat, scale_after, tensors, bucket):
         parts = [tensors[i] for i in bucket.indices]

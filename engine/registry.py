@@ -481,14 +481,6 @@ class Plan:
                         for c in COLLECTIVES)
         return hashlib.sha1(text.encode()).hexdigest()[:16], text
 
-    def param(self, collective, name):
-        """A parameter of the collective's entries (the first that has it)."""
-        for e in self.named[collective]:
-            for pname, tunable in e.params:
-                if pname == name:
-                    return tunable.value()
-        raise KeyError(f"no {collective} entry of the {self.transport} transport has parameter {name!r}")
-
 
 def _why(missing):
     return "; ".join({"single_copy": "process_vm_readv between the ranks is not allowed here (ENGINE_SHM_CMA)",

@@ -12,7 +12,7 @@ MPI communicators the group owns.
 import sys
 
 from . import _core, registry
-from .bootstrap import MpiBootstrap, make_segment
+from .bootstrap import MpiBootstrap, local_cores, make_segment
 from .config import env_int
 from .launcher import local_size
 
@@ -43,9 +43,7 @@ def threads(everyone, rank):
         raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
     if forced:
         return forced, forced > 1
-    host = everyone[rank][0]
-    local = [cores for h, _, cores in everyone if h == host]
-    cores = len(set().union(*local))
+    local, cores = local_cores(everyone, rank)
     share = cores // len(local)
     mine = cores // max(len(local), local_size() or 0)
     torch = sys.modules.get("torch")
@@ -54,7 +52,13 @@ def threads(everyone, rank):
     return max(1, mine), share > 1
 
 
-class Shm:
+class _Transport:
+    @staticmethod
+    def configure(core, plan):
+        """The plan's settings the transport itself reads, beyond the rules the core takes: none by default."""
+
+
+class Shm(_Transport):
     network = False
 
     @staticmethod
@@ -75,7 +79,7 @@ class Shm:
         core.seg.set_cma(core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
 
 
-class Tcp:
+class Tcp(_Transport):
     network = True
 
     @staticmethod
@@ -83,12 +87,8 @@ class Tcp:
         from . import tcp
         return Opened(tcp.make_core(boot, seg_bytes, timeout, parent), set(), _mpi_comm_of(boot, owned))
 
-    @staticmethod
-    def configure(core, plan):
-        pass
 
-
-class Mpi:
+class Mpi(_Transport):
     network = True
 
     @staticmethod
@@ -104,10 +104,6 @@ class Mpi:
         core = mpi.core().MpiComm(*comms, seg_bytes)
         core.set_chunk(registry.MPI_CHUNK.value())
         return Opened(core, set(), comms)
-
-    @staticmethod
-    def configure(core, plan):
-        pass
 
 
 TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

@@ -90,10 +90,6 @@ class Watch:
         return timeout if timeout is not None else _env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
 
     @property
-    def seq(self):
-        return self.core.seq
-
-    @property
     def broken(self):
         return self.core.broken
 

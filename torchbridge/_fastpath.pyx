@@ -1,15 +1,13 @@
 """The torch adapter's latency path, compiled (torchbridge._fastpath): the c10d methods torch calls on
 every collective and point-to-point message, each one C call away from the engine's communicator.
 
-METHODS is one table of the c10d methods it serves: allreduce, broadcast, reduce,
-all_gather_single, reduce_scatter_single, all_to_all_single (and the older names _allgather_base,
-_reduce_scatter_base, alltoall_base), barrier, send, recv and recv_anysource. A row gives each one's
-shape, the communicator call it makes and with what, and its general form. EngineProcessGroup
-(torchbridge/process_group.py, plain Python) takes methods() as its methods. Each fast form handles the
-common case, one CPU tensor (or an input and an output) with torch's own options and no profiler
-running; the checks for it are written once (FastPath.collective, FastPath.message). Everything else
-(CUDA tensors, PREMUL_SUM, uneven splits, tensors that aren't contiguous, a profiled call) goes to the
-row's general form (`group._broadcast`, ...), which checks and converts.
+METHODS is one table of the c10d methods it serves: a row gives each one's shape, the communicator
+call it makes and with what, and its general form. EngineProcessGroup (torchbridge/process_group.py,
+plain Python) takes methods() as its methods. Each fast form handles the common case, one CPU tensor
+(or an input and an output) with torch's own options and no profiler running; the checks for it are
+written once (FastPath.collective, FastPath.message). Everything else (CUDA tensors, PREMUL_SUM,
+uneven splits, tensors that aren't contiguous, a profiled call) goes to the row's general form
+(`group._broadcast`, ...), which checks and converts.
 
 torch's options are read from the C++ struct behind their pybind object, in one C call: through
 pybind, each field read costs about what the whole rest of the adapter does (a wrapper object per read,
@@ -228,11 +226,9 @@ cdef enum:
     ARG_NONE, ARG_IN, ARG_OUT, ARG_OP, ARG_ROOT
 ARGUMENTS = {"-": ARG_NONE, "in": ARG_IN, "out": ARG_OUT, "op": ARG_OP, "root": ARG_ROOT}
 
-# The c10d methods the latency path serves, one row each: torch's names for the method, its shape
-# (its signature: `tensors` (tensors, opts), `pair` (output, input, opts), `splits` all_to_all_single's,
-# `none` (opts), `p2p` (tensors, peer, tag), `anysource` (tensors, tag)), the communicator call and its
-# arguments, the options it reads, the name it runs under (traces, the flight recorder), and the
-# group's general form that takes every case the fast form leaves (torchbridge/process_group.py).
+# A row's shape is its method's signature: `tensors` (tensors, opts), `pair` (output, input, opts),
+# `splits` all_to_all_single's, `none` (opts), `p2p` (tensors, peer, tag), `anysource` (tensors, tag);
+# it runs as the name traces and the flight recorder give it.
 METHODS = (
     # torch's names                                  shape        call              arguments      options           runs as                   general form
     (("allreduce",),                                 "tensors",   "allreduce",      "in - op",     "allreduce",      "allreduce",              "_allreduce"),
@@ -316,13 +312,10 @@ cdef class FastPath:
         self.reduce(t, None, op, root)
 
     cdef object collective(self, Method m, t, u, opts, outputs):
-        """m's call on t (input) and u (output), with the op and root torch's options give: run now
-        (COMPLETED), or queued where torch asked for async_op (a CollectiveWork). None: the general
-        form takes it: CUDA, the profiler, options it doesn't read (PREMUL_SUM), a tensor that isn't
-        contiguous, or an even split's count the group size doesn't divide (the general form says so
-        in torch's terms). A run finds either out before anything moves; a queued call can't fall back
-        once queued, so contiguity is checked here first, and all_to_all_single, the one even split,
-        has the core check divisibility before queuing."""
+        """m's call on t (input) and u (output): run now (COMPLETED), or queued where torch asked for
+        async_op (a CollectiveWork); None: the general form takes it. A run meets a tensor that isn't
+        contiguous, or an even split's count the group size doesn't divide, before anything moves, and
+        falls back; a queued call can't fall back once queued, so it checks both first."""
         cdef int64_t root = 0
         cdef int call, op
         if (self.cuda and not m.host_only) or _profiling():
@@ -338,7 +331,7 @@ cdef class FastPath:
         if call & 1:
             if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
                 return None
-            if m.even_split:   # queued: can't fall back, so a count the group size doesn't divide is named here
+            if m.even_split:
                 self.check_even_split(t.numel(), "send")
                 self.check_even_split(u.numel(), "recv")
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))

@@ -10,6 +10,7 @@ from engine.launcher import MPIRUN_HINT, detect_launcher
 
 from .fault import reconfigured
 from .process_group import EngineProcessGroup
+from .work import in_seconds
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
 
@@ -20,7 +21,7 @@ def create_process_group(opts, backend_options=None):
     (shared memory inside a host, the engine's TCP transport between hosts). After a reconfigure the
     store is used under MPI too: MPI's world no longer says who the members are. A group made with
     enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure."""
-    seconds = opts.timeout.total_seconds() if opts.timeout is not None else None
+    seconds = in_seconds(opts.timeout)
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)

@@ -38,6 +38,19 @@ def contiguous(t):
     return t.contiguous()
 
 
+def _through_contiguous(fn, tensors, *args, **kwargs):
+    """fn(tensors, ...), through contiguous copies of those that are not, written back after."""
+    work = [contiguous(t) for t in tensors]
+    fn(work, *args, **kwargs)
+    for t, w in zip(tensors, work):
+        if w is not t:
+            t.copy_(w)
+
+
+def _pinned(t):
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 class CpuDevice:
     def __init__(self, comm, progress):
         self.comm = comm
@@ -51,10 +64,6 @@ class CpuDevice:
             self.progress.run(fn, a, b, c, nargs, name)
             return COMPLETED
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
-
-    def submit(self, name, fn, args, outputs):
-        """An asynchronous call: queued, its Work returned at once."""
-        return CollectiveWork.of(self.progress.submit(fn, args, name, outputs))
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         if sync:
@@ -70,11 +79,7 @@ class CpuDevice:
             return
         except NotContiguousError:
             pass
-        work = [contiguous(t) for t in tensors]
-        self._fusion.run(work, op, compression=compression, prescale=prescale)
-        for t, w in zip(tensors, work):
-            if w is not t:
-                t.copy_(w)
+        _through_contiguous(self._fusion.run, tensors, op, compression=compression, prescale=prescale)
 
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
@@ -98,7 +103,6 @@ class _StreamOps:
 
     def __init__(self, cc, device):
         self.cc, self.device = cc, device
-        self.rank, self.size = cc.rank, cc.size
 
     def _stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -170,11 +174,8 @@ class CudaDevice:
             self.flush()
         if self._fusion is None:
             self._fusion = CudaFusedAllreduce(self.cc)
-        work = [contiguous(t) for t in tensors]
-        self._fusion.run(work, op, stream=self.comm._stream(), compression=compression, prescale=prescale)
-        for t, w in zip(tensors, work):
-            if w is not t:
-                t.copy_(w)
+        _through_contiguous(self._fusion.run, tensors, op, stream=self.comm._stream(), compression=compression,
+                            prescale=prescale)
         return self._work(name, tensors)
 
     def send(self, t, dst, tag, outputs):
@@ -229,8 +230,7 @@ class _HostOps:
 
             def host(obj):
                 if isinstance(obj, torch.Tensor) and obj.is_cuda:
-                    h = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-                    h.copy_(obj)
+                    h = _pinned(obj).copy_(obj)
                     pairs.append((obj, h))
                     return h
                 return obj
@@ -257,7 +257,7 @@ class StagedDevice:
         return CompletedWork(outputs)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors]
+        hosts = [_pinned(t).copy_(t) for t in tensors]
         self.cpu.fused(hosts, op, compression, prescale, name, sync=True)
         for t, h in zip(tensors, hosts):
             t.copy_(h)
@@ -267,7 +267,7 @@ class StagedDevice:
         return self.cpu.send(t.cpu(), dst, tag, outputs)
 
     def recv(self, t, src, tag, outputs):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = _pinned(t)
         return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
 
     def shutdown(self):

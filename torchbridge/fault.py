@@ -19,14 +19,13 @@ a Python ProcessGroup answers for itself as its own backend (see process_group.p
 
 import threading
 import time
-from datetime import timedelta
 
 from engine import Communicator, failure
 from engine._core import EngineAborted
 from engine.watch import Watch
 from engine import handles as _handles
 
-from .work import CompletedWork
+from .work import CompletedWork, in_seconds
 
 RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
 _reconfigured = False     # a group of this process was reconfigured: new groups meet through the store
@@ -73,9 +72,7 @@ class FaultTolerance:
 
     # -- what torch asks --
 
-    @property
-    def supports_reconfigure(self):
-        return True
+    supports_reconfigure = True
 
     def rank(self):
         return self._rank
@@ -214,13 +211,9 @@ def _own_transport():
 
 
 def _seconds_of(timeout):
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        s = timeout.total_seconds()
-    else:
-        s = float(timeout)
-    return s if s > 0 else None
+    """A timeout in seconds; None where it is unset or not positive."""
+    seconds = in_seconds(timeout, 0.0)
+    return seconds if seconds > 0 else None
 
 
 def no_members_error(name):

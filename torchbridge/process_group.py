@@ -4,19 +4,13 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy).
 
-The latency path is compiled (torchbridge._fastpath, torchbridge/_fastpath.pyx): the methods torch calls
-on every collective and message (allreduce, broadcast, reduce, all_gather_single, reduce_scatter_single,
-all_to_all_single, barrier, send, recv, recv_anysource) come from its one table (METHODS), a row
-each with the general form here that takes what the fast form leaves. Each reads torch's options in
-one C call and makes one call into the communicator, the collective running in the calling thread
-(engine.progress.Progress.run) when the group is idle; anything else goes to the general method of the
-same collective here (`_broadcast` for broadcast, ...), which handles every case.
+The methods torch calls on every collective and message have a compiled fast form (the latency path:
+torchbridge/_fastpath.pyx) that leaves every other case to the general form of the same method here
+(`_broadcast` for broadcast, ...).
 
 Beside it: torchbridge.creation makes groups, torchbridge.tracing records profiler events,
 torchbridge.sparse sums sparse tensors, engine.monitored_barrier is Gloo's monitored barrier.
 """
-
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,13 +25,7 @@ from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import first, root_inputs, second, second_one, traced
-
-
-def _seconds(timeout, default):
-    """A timeout (timedelta, seconds or None: `default`) in seconds."""
-    if timeout is None:
-        return default
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+from .work import in_seconds
 
 
 def _one(tensors, what):
@@ -79,6 +67,11 @@ def _premul(t, factor):
     return t * factor
 
 
+def _source(t, factor):
+    """What a reduction sends: t scaled for PREMUL_SUM (factor not None), else t, contiguous."""
+    return _premul(t, factor) if factor is not None else contiguous(t)
+
+
 def _write(out, fn):
     """Runs fn on out, through a contiguous copy written back when out is not contiguous."""
     if out.is_contiguous():
@@ -109,6 +102,15 @@ def _check_dtypes(tensors, dtype, what):
 def _scatter_back(flat, outputs):
     for out, piece in zip(outputs, flat.split([o.numel() for o in outputs])):
         out.copy_(piece.view(out.shape))
+
+
+def _coalesced(single, name):
+    """The coalesced form of pair method `single`, traced as `name`: the last pair's Work (a barrier's for none)."""
+    @traced(name, second)
+    def coalesced(self, outputs, inputs, opts=None):
+        works = [single(self, o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._barrier()
+    return coalesced
 
 
 def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes):
@@ -232,7 +234,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
         monitored_barrier(self._store, f"engine/monitored-barrier/{seq}/", self.rank(), self.size(),
-                          _seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
+                          in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}")
 
     # -- which device communicator --
@@ -263,7 +265,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
-            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+            seconds = in_seconds(self._timeout, 1800.0)
             self._watchdog = Watchdog(self._name, rank, size, seconds)
         return CudaDevice(cc, index, self._watchdog)
 
@@ -346,7 +348,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         root, comm = opts.rootRank, dev.comm
 
         def run():
-            src = _premul(t, factor) if factor is not None else contiguous(t)
+            src = _source(t, factor)
             if self.rank() == root:
                 _write(t, lambda buf: comm.reduce(src, buf if src is not buf else None, op, root))
             else:
@@ -364,9 +366,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         comm = dev.comm
 
         def run():
-            flat = _flat(inputs, out)
-            if factor is not None:
-                flat = _premul(flat, factor)
+            flat = _source(_flat(inputs, out), factor)
             _write(out, lambda buf: comm.reduce_scatter(flat, buf, op, uneven([i.numel() for i in inputs])))
 
         return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
@@ -377,18 +377,14 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         comm = dev.comm
 
         def run():
-            src = _premul(input, factor) if factor is not None else contiguous(input)
+            src = _source(input, factor)
             _write(output, lambda buf: comm.reduce_scatter(src, buf, op))
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 
     _reduce_scatter_tensor = traced("reduce_scatter_tensor", second_one)(_reduce_scatter_single)
 
-    @traced("reduce_scatter_tensor_coalesced", second)
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self._reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._barrier()
-
+    reduce_scatter_single_coalesced = _coalesced(_reduce_scatter_single, "reduce_scatter_tensor_coalesced")
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement --
@@ -427,11 +423,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
 
     _all_gather_into_tensor = traced("all_gather_into_tensor", second_one)(_all_gather_single)
 
-    @traced("all_gather_into_tensor_coalesced", second)
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self._all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._barrier()
-
+    all_gather_single_coalesced = _coalesced(_all_gather_single, "all_gather_into_tensor_coalesced")
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @traced("all_gather_coalesced", second)
@@ -543,7 +535,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))
 
 
-# The latency path, compiled: every method in torchbridge/_fastpath.pyx's table (METHODS) is its fast
-# form, which falls back to the general form the table names (`_allreduce` for allreduce, ...).
+# The latency path's fast forms (torchbridge/_fastpath.pyx).
 for _name, _method in _fastpath.methods().items():
     setattr(EngineProcessGroup, _name, _method)

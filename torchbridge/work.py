@@ -1,13 +1,20 @@
 """Work objects: what every call of the process group returns (torch's c10d Work contract)."""
 
 import threading
-import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.progress import DONE
 from engine.watch import EngineTimeout
+
+
+def in_seconds(timeout, default=None):
+    """A timeout (timedelta or seconds) in seconds; `default` for None."""
+    if timeout is None:
+        return default
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 def _raise_or_value(fut):
@@ -25,7 +32,8 @@ def future_pair():
 
 
 class _OutputsWork(dist._Work):
-    """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU."""
+    """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU,
+    success as completion without an exception."""
 
     __slots__ = ()
 
@@ -35,8 +43,11 @@ class _OutputsWork(dist._Work):
     def synchronize(self):
         pass
 
+    def is_success(self):
+        return self.is_completed() and self.exception() is None
 
-class CollectiveWork(dist._Work):
+
+class CollectiveWork(_OutputsWork):
     """A queued collective. wait() runs it inline when it is next in line (no thread hand-off), or
     blocks until the group's progress thread has run it; get_future() completes when it is done,
     with the output tensors as value (as Gloo's and NCCL's futures do).
@@ -58,7 +69,7 @@ class CollectiveWork(dist._Work):
         if timeout is None or not timeout:
             task.progress.wait(task)
         else:
-            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            seconds = in_seconds(timeout)
             if not task.progress.wait(task, seconds if seconds > 0 else None):
                 raise EngineTimeout(f"Work.wait: Timed out after {seconds:g} s waiting for {task.name} to complete "
                                     f"(it is still queued or running; the group's own timeout ends it if a rank "
@@ -70,17 +81,11 @@ class CollectiveWork(dist._Work):
     def is_completed(self):
         return self._task.state == DONE
 
-    def is_success(self):
-        return self._task.state == DONE and self._task.error is None
-
     def exception(self):
         return self._task.error
 
     def result(self):
         return list(self._task.outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         fut = getattr(self, "_future", None)
@@ -97,7 +102,7 @@ class CollectiveWork(dist._Work):
             self._completer.set_result(list(task.outputs))
 
 
-class CompletedWork(dist._Work):
+class CompletedWork(_OutputsWork):
     """What a synchronous call (async_op=False) returns: it already ran, in the caller's thread, and
     raised there if it failed. torch waits on it once and drops it, so one shared instance serves the
     CPU path; the staged CUDA path gives its outputs, which the future then holds (DDP hooks read them)."""
@@ -112,17 +117,8 @@ class CompletedWork(dist._Work):
     def is_completed(self):
         return True
 
-    def is_success(self):
-        return True
-
     def exception(self):
         return None
-
-    def result(self):
-        return list(self._outputs)
-
-    def synchronize(self):
-        pass
 
     def get_future(self):
         cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
@@ -200,9 +196,6 @@ class PointToPointWork(_OutputsWork):
     def is_completed(self):
         return self._status is not None or self._error is not None or (self._request.test() and self.wait())
 
-    def is_success(self):
-        return self.is_completed() and self._error is None
-
     def exception(self):
         return self._error
 
@@ -261,13 +254,6 @@ class CudaWork(_OutputsWork):
 
     def synchronize(self):
         self.wait()
-
-    def synchronize_host(self):
-        """Blocks the host until the GPU finished the collective (barrier), polling for failure."""
-        while not self._event.query():
-            self._raise_failure()
-            time.sleep(0.0005)
-        self._raise_failure()
 
     def is_completed(self):
         self._post()

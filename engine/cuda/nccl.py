@@ -1,5 +1,5 @@
 """One NCCL communicator (cupy.cuda.nccl.NcclCommunicator) for one group on one device, and how its
-unique id reaches every rank: over MPI under an MPI launch, through torch's store otherwise (torchrun).
+unique id reaches every rank: through torch's store (unique_id_over_store).
 
 Calls take pointers, counts and NCCL codes (tables.py) and enqueue on the given CUDA stream; none
 blocks the host. Movement collectives send bytes (ncclInt8), so every dtype moves, complex included.
@@ -25,11 +25,6 @@ def _for_cupy(uid, cupy):
     if int(cupy.__version__.split(".")[0]) >= 14:
         return bytes(uid)
     return tuple(b - 256 if b > 127 else b for b in uid)
-
-
-def unique_id_over_mpi(mpi_comm):
-    """Rank 0's ncclUniqueId, broadcast over an mpi4py communicator."""
-    return mpi_comm.bcast(new_unique_id() if mpi_comm.Get_rank() == 0 else None, root=0)
 
 
 def unique_id_over_store(store, key, rank):
