@@ -2,8 +2,10 @@
 must agree with pybind's own getters for every op, root and asyncOp, whatever the other fields hold,
 and leave everything else to the general path."""
 
+import ctypes
 import datetime
 import random
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,28 @@ OPS = [name for name in dist.ReduceOp.RedOpType.__members__ if name not in ("PRE
 def test_every_struct_is_read_directly_on_this_torch():
     for name, lay in LAYOUTS.items():
         assert lay.type is TYPES[name] and lay.direct, f"{name}: offsets not found, read through pybind"
+
+
+def test_a_padding_byte_that_matches_the_samples_is_not_taken_for_asyncop(monkeypatch):
+    """The bytes after asyncOp are padding, and hold whatever the allocator left there: a byte that
+    happens to be nonzero exactly where the samples' asyncOp is (seen once on torch 2.14, from freed
+    objects of the same pattern) must not make the flag's offset ambiguous. Planted here in every
+    sample's padding; the layout must still be found, and only the setter-driven byte taken."""
+    lay = LAYOUTS["broadcast"]
+    pad = lay.async_at + 1
+    assert pad < 32 and pad not in range(lay.root_at, lay.root_at + 8)
+    made = _fastpath._samples
+
+    def planted(*args):
+        samples = made(*args)
+        for o, _, a, _ in samples:      # the C++ object: just past pybind's PyObject header
+            value = ctypes.c_void_p.from_address(id(o) + sys.getsizeof(object())).value
+            ctypes.c_ubyte.from_address(value + pad).value = 0x5a if a else 0
+        return samples
+
+    monkeypatch.setattr(_fastpath, "_samples", planted)
+    found = _fastpath._layout(c10d.BroadcastOptions, False, True, 32)
+    assert found.direct and (found.root_at, found.async_at) == (lay.root_at, lay.async_at)
 
 
 def _options(kind, rng):

@@ -181,8 +181,18 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
         if len(found) != 1:
             return lay
         root_at = found[0]
-    found = [i for i in range(size) if i != op_at and not (root_at <= i < root_at + 8)
-             and all((byte(o, i) != 0) == a for o, _, a, _ in samples)]
+    def follows_async(Py_ssize_t i):
+        """Byte i is asyncOp: it follows the flag when pybind's setter flips it. (A padding byte left
+        over from freed objects of the same pattern can match the samples, but no setter moves it.)"""
+        for o, _, a, _ in samples:
+            o.asyncOp = not a
+            flipped = (byte(o, i) != 0) == (not a)
+            o.asyncOp = a
+            if not flipped or (byte(o, i) != 0) != a:
+                return False
+        return True
+
+    found = [i for i in range(size) if i != op_at and not (root_at <= i < root_at + 8) and follows_async(i)]
     if len(found) != 1:
         return lay
     async_at = found[0]
