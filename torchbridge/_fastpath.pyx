@@ -192,7 +192,7 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
                 return False
         return True
 
-    found = [i for i in range(size) if i != op_at and not (root_at <= i < root_at + 8) and follows_async(i)]
+    found = [i for i in range(size) if i != op_at and not (0 <= root_at <= i < root_at + 8) and follows_async(i)]
     if len(found) != 1:
         return lay
     async_at = found[0]
