@@ -1,7 +1,7 @@
 # The collectives over point-to-point, the same code on every transport (TCP's own; forced or tuned
-# over shm and MPI): one method per algorithm over a Transport; which rank talks to which in each step is schedule.pxd's (pure
-# functions, played rank by rank in tests/test_schedules.py). The allreduce's ring and recursive
-# doubling are pyx/ring.pxi's.
+# over shm and MPI): one method per algorithm over a Transport; which rank talks to which in each step
+# is schedule.pxd's (pure functions, played rank by rank in tests/test_schedules.py). The allreduce's
+# ring and recursive doubling are pyx/ring.pxi's.
 #
 # Each algorithm posts into this object's requests, waits through the watch, checks that every message
 # brought exactly the bytes this rank expects (a rank whose counts differ is named, not read past), and

@@ -217,23 +217,24 @@ cdef class ShmTransport(Transport):
         cdef uint64_t head = eng_load_relaxed(self.head(self.rank, peer))
         cdef PMsg *m
         cdef size_t n
-        while self.pr[peer].acks.head != NULL:
+        cdef PeerState *ps = &self.pr[peer]
+        while ps.acks.head != NULL:
             if self.room(peer, &head, 0) == SIZE_MAX:
                 return
-            m = self.pr[peer].acks.head
+            m = ps.acks.head
             self.put(peer, &head, FRAME_ACK, 0, 0, NULL, 0, 0, m.id)
-            _unlink(&self.pr[peer].acks, m)
+            _unlink(&ps.acks, m)
             free(m)
-        m = self.pr[peer].sendq.head
+        m = ps.sendq.head
         while m != NULL:
             if m.rts:
                 if self.room(peer, &head, 0) == SIZE_MAX:
                     return
                 self.put(peer, &head, FRAME_RTS, m.tag, m.len, NULL, 0, <uint64_t>m.buf, m.id)
-                _unlink(&self.pr[peer].sendq, m)
+                _unlink(&ps.sendq, m)
                 m.state = PS_ACTIVE
-                _push(&self.pr[peer].awaiting, m)
-                m = self.pr[peer].sendq.head
+                _push(&ps.awaiting, m)
+                m = ps.sendq.head
                 continue
             n = self.room(peer, &head, min(m.len - m.done, self.maxfrag))
             if n == SIZE_MAX or (n == 0 and m.len != m.done):
@@ -243,11 +244,11 @@ cdef class ShmTransport(Transport):
             m.done += n
             m.state = PS_ACTIVE
             if m.done == m.len:
-                _unlink(&self.pr[peer].sendq, m)
+                _unlink(&ps.sendq, m)
                 m.state = PS_DONE
                 if m.orphan:
                     _free_msg(m)
-                m = self.pr[peer].sendq.head
+                m = ps.sendq.head
 
     cdef int ack(self, int peer, uint64_t id) noexcept nogil:
         cdef PMsg *a = _new_msg(PM_ACK, NULL, 0, peer, 0)
@@ -302,8 +303,9 @@ cdef class ShmTransport(Transport):
 
     cdef int _data(self, int peer, Frame *f, const char *payload) noexcept nogil:
         cdef PMsg *m
+        cdef PeerState *ps = &self.pr[peer]
         if f.kind == FRAME_FIRST:
-            if self.pr[peer].incoming != NULL or self.pr[peer].discarding or f.total < f.len or f.total > MAX_MESSAGE:
+            if ps.incoming != NULL or ps.discarding or f.total < f.len or f.total > MAX_MESSAGE:
                 return self._corrupt(peer)
             m = self._match_posted(peer, f.tag)
             if m == NULL:
@@ -314,25 +316,25 @@ cdef class ShmTransport(Transport):
                 m.err = ENG_ERR_TRUNCATE
                 m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
                 m.state = PS_DONE
-                self.pr[peer].discarding = True
+                ps.discarding = True
                 m = NULL
             else:
                 m.state = PS_ACTIVE
                 m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
-            self.pr[peer].incoming = m
-            self.pr[peer].incoming_left = f.total
-        elif self.pr[peer].incoming == NULL and not self.pr[peer].discarding:
+            ps.incoming = m
+            ps.incoming_left = f.total
+        elif ps.incoming == NULL and not ps.discarding:
             return self._corrupt(peer)
-        if f.len > self.pr[peer].incoming_left:
+        if f.len > ps.incoming_left:
             return self._corrupt(peer)
-        m = self.pr[peer].incoming
+        m = ps.incoming
         if m != NULL:
             memcpy(m.buf + m.done, payload, f.len)
             m.done += f.len
-        self.pr[peer].incoming_left -= f.len
-        if self.pr[peer].incoming_left == 0:
-            self.pr[peer].incoming = NULL
-            self.pr[peer].discarding = False
+        ps.incoming_left -= f.len
+        if ps.incoming_left == 0:
+            ps.incoming = NULL
+            ps.discarding = False
             if m != NULL:
                 self._arrived(m)
         return 0
