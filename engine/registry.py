@@ -96,7 +96,7 @@ class Entry:
 
 # -- thresholds and parameters (measured on this project's machines: docs/tuning.md) --
 
-SHM_ONESHOT_MAX = Tunable("ENGINE_SHM_ONESHOT_MAX_BYTES", 64 << 10, "largest one-shot shm allreduce")
+SHM_ONESHOT_MAX = Tunable("ENGINE_SHM_ONESHOT_MAX_BYTES", 16 << 10, "largest one-shot shm allreduce")
 SHM_REDUCE_ONESHOT_MAX = Tunable("ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES", 256 << 10,
                                  "largest one-shot shm reduce (only the root reduces; the peers run ahead)")
 SHM_CHUNK = Tunable("ENGINE_SHM_CHUNK_BYTES", 512 << 10, "two-shot step size")

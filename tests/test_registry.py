@@ -30,8 +30,8 @@ def test_entries_are_unique_and_indexed():
 
 def test_the_default_plans_choose_what_docs_tuning_says():
     shm = Plan("shm", {"single_copy"})
-    assert shm.choose("allreduce", 64 << 10, 2).name == "oneshot"
-    assert shm.choose("allreduce", (64 << 10) + 1, 2).name == "twoshot"
+    assert shm.choose("allreduce", 16 << 10, 2).name == "oneshot"
+    assert shm.choose("allreduce", (16 << 10) + 1, 2).name == "twoshot"
     assert shm.choose("reduce", 256 << 10, 2).name == "oneshot"
     assert shm.choose("broadcast", (32 << 10) - 1, 2).name == "segment"
     assert shm.choose("broadcast", 32 << 10, 2).name == "single_copy"
