@@ -7,8 +7,10 @@ replicas, which torchft's own Gloo group refuses. Skipped where torchft is not i
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -59,16 +61,41 @@ def _replica(replica, address, steps, out, mode, kill_at=-1, incarnation=0):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _alone_after(proc, step):
+    """Reads proc's output on a thread; the returned event is set once proc commits a step after `step`
+    with no other replica. Returns (event, lines, thread)."""
+    alone, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.match(r"committed step (\d+) with 1 replicas", line)
+            if m and int(m.group(1)) > step:
+                alone.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return alone, lines, reader
+
+
 def test_a_killed_replica_is_restarted_and_rejoins(lighthouse, tmp_path):
     """Replica 1 SIGKILLs itself at step 4; replica 0 goes on alone (min_replica_size 1), replica 1 is
-    started again, heals from replica 0 and trains with it to step 40: both end with the same parameters."""
+    started again once replica 0 has committed a step alone, heals from replica 0 and trains with it to
+    step 40: both end with the same parameters."""
     address = lighthouse(1)
     outs = [str(tmp_path / f"r{i}.json") for i in range(2)]
     first = [_replica(0, address, 40, outs[0], "ddp"), _replica(1, address, 40, outs[1], "ddp", kill_at=4)]
+    alone, lines, reader = _alone_after(first[0], 4)
     first[1].wait(timeout=120)
     assert first[1].returncode == -9, first[1].stdout.read()[-3000:]
+    # The lighthouse gives replica 0 a quorum of its own once replica 1's heartbeat times out (2 s);
+    # a restart faster than that would rejoin at the step of the kill, before anyone went on alone.
+    assert alone.wait(timeout=120), "".join(lines)[-4000:]
     restarted = _replica(1, address, 40, outs[1], "ddp", incarnation=1)
-    logs = [p.communicate(timeout=180)[0] for p in (first[0], restarted)]
+    log1 = restarted.communicate(timeout=180)[0]
+    first[0].wait(timeout=180)
+    reader.join(timeout=60)
+    logs = ["".join(lines), log1]
     assert first[0].returncode == 0 and restarted.returncode == 0, logs[0][-4000:] + logs[1][-4000:]
     results = [json.load(open(o)) for o in outs]
     killed = json.load(open(outs[1] + ".killed"))

@@ -12,7 +12,8 @@ hsdp: the gradients are reduce-scattered across the replicas (each replica owns 
       sharded step torchft's Gloo group can't take (its reduce_scatter raises).
 
 OUT.json gets the parameters, the step reached, and the time of this incarnation's first committed
-step (a rejoining replica's rejoin)."""
+step (a rejoining replica's rejoin). In ddp mode each committed step is also printed ("committed step
+S with N replicas"), so a test can wait for a replica to go on alone."""
 
 import json
 import os
@@ -76,8 +77,10 @@ def main():
             x, y = batch(step, replica)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()   # commits (the manager's step advances) unless a replica failed during it
-            if manager.current_step() > step and first_commit is None:
-                first_commit = (time.time(), step)
+            if manager.current_step() > step:
+                if first_commit is None:
+                    first_commit = (time.time(), step)
+                print(f"committed step {step} with {manager.num_participants()} replicas", flush=True)
             # A step of real work; a replica left alone takes longer over each (the lost replica's work is
             # its own now), so the killed one comes back before this one reaches the last step.
             time.sleep(0.05 if manager.num_participants() > 1 else 0.5)
