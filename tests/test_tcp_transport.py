@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np

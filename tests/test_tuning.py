@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.tune import rules_from
-from engine import registry, tuning
+from engine import registry
 from mpirun import mpi_env, mpiexec_command
 from torchrun import clean_env, torchrun_command
 

@@ -4,7 +4,6 @@ torch's store and runs over shared memory). Used by tests/test_launchers.py and 
     python tests/torchrun.py 3 tests/mpi/test_torch_backend.py
 """
 
-import os
 import socket
 import subprocess
 import sys

@@ -5,7 +5,6 @@ one process on the full batches.
     torchrun --nproc-per-node 3 tests/clients/compiled.py [inductor|aot_eager]
 """
 
-import os
 import sys
 
 import torch

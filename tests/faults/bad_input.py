@@ -2,7 +2,6 @@
 Run with ENGINE_DEBUG=1 on 2 ranks; prints one 'CASE name: ExceptionType: message' line per case."""
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist

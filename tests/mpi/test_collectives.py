@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import engine
-from refdata import FLOAT_DTYPES, NUMPY_DTYPES, OPS, bf16, op_supported, rank_data, reference
+from refdata import NUMPY_DTYPES, OPS, bf16, op_supported, rank_data, reference
 
 WORLD = engine.world()
 R, P = WORLD.rank, WORLD.size

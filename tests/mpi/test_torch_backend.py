@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import torch_world
 
-from refdata import rank_data, reference, torch_data as data, torch_op_supported as supported
+from refdata import torch_data as data, torch_op_supported as supported
 from refdata import torch_reference
 
 R, P, GLOO = torch_world.init()
