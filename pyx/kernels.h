@@ -79,14 +79,13 @@ ENG_TARGET_BEGIN("avx2,bmi,bmi2,popcnt,lzcnt,f16c")
 #undef ENG_ISA
 ENG_TARGET_END
 
+ENG_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,bmi,bmi2,popcnt,lzcnt,f16c")
+#if !defined(__clang__)
 /* GCC: 256-bit vectors with AVX-512's instructions (masks, wider shuffles), as GCC's own tunings for
  * Intel's AVX-512 CPUs choose. On an AMD EPYC that runs AVX-512 as two 256-bit halves, 512-bit loops
- * ran the float and integer sums 5-20% below the AVX2 table's; at 256 bits they match it, and the
- * bfloat16 kernels stay ahead of AVX2 (docs/tuning.md, "The kernels against memcpy"). */
-#if defined(__clang__)
-ENG_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,bmi,bmi2,popcnt,lzcnt,f16c")
-#else
-ENG_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,bmi,bmi2,popcnt,lzcnt,f16c,prefer-vector-width=256")
+ * ran the float and integer sums below the AVX2 table's; at 256 bits they match it, and the bfloat16
+ * kernels stay ahead of AVX2 (docs/tuning.md, "The kernels against memcpy"). */
+#pragma GCC target("prefer-vector-width=256")
 #endif
 #define ENG_ISA avx512
 #include "kernels_body.h"
