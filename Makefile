@@ -1,5 +1,6 @@
-# make test  : create .venv (torch 2.13) and .venv-torch2.14, install MPI + the engine in both, run the
-#              whole suite on torch 2.13, then the torch-facing suites on torch 2.14 (what .ci/run calls)
+# make test  : create .venv (torch 2.13), .venv-torch2.14 and .venv-torch2.15, install MPI + the engine in
+#              each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15 and
+#              their version-bound part on torch 2.14 (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
@@ -9,22 +10,28 @@
 #              and with 2 threads a rank on two forced sockets at 4 ranks; the TCP wire tests. Fails on any report
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The second torch every release is tested with: the suites that face torch run there too.
-VENV214 ?= .venv-torch2.14
-PY214 := $(VENV214)/bin/python
+# The suites that face torch, with the bench's own torch groups, run on the newest torch tested (2.15). The
+# release before it (2.14) runs their part that changes with torch's version: the options' layouts, the
+# adapter's suites, torch's own suite subset, reconfigure and torchft, torch.compile, the bench's groups.
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
-	tests/test_fault_tolerance.py tests/test_recovery.py tests/test_torchft.py
-# The adapter's suites under torchrun run at 3 ranks on the second torch, at 1, 2 and 4 on the first (which
+	tests/test_fault_tolerance.py tests/test_recovery.py tests/test_torchft.py \
+	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
+TORCH_PREVIOUS := tests/test_torch_options.py "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
+	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
+	tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp \
+	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
+# The adapter's suites under torchrun run at 3 ranks on the later torches, at 1, 2 and 4 on the first (which
 # also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles run on
 # the first only.
 TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]") \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[c10d]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]"
-# Fault tolerance runs whole on the second torch (the one whose c10d defines reconfigure); the first keeps
+# Fault tolerance runs whole on the later torches (whose c10d defines reconfigure); the first keeps
 # one abort per launcher and transport, the c10d restart and the shm cycles. The clients, torch's own
 # suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
 # runs it under mpirun, tests/test_faults.py), DDP over mp.spawn and every collective under torchrun without
-# MPI (the first runs the same collectives under torchrun in the torch suites) run on the second torch only.
+# MPI (the first runs the same collectives under torchrun in the torch suites) run on 2.15 only (TORCH_FACING;
+# TORCH_PREVIOUS names what 2.14 runs too).
 WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
 	--ignore=tests/test_clients.py \
 	--deselect "tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open" \
@@ -42,9 +49,10 @@ NRANKS ?= 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup setup-torch2.14 check test test-torch2.13 test-torch2.14 clients-full demo ddp torch-suite asan clean
+.PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 \
+	clients-full demo ddp torch-suite asan clean
 setup: $(VENV)/.installed
-setup-torch2.14: $(VENV214)/.installed
+setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 
 # constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
 # Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
@@ -55,13 +63,13 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The same sources, built once: the extensions import no torch, so both environments load the same ones.
-$(VENV214)/.installed: requirements-dev.txt requirements-clients.txt requirements-torch2.14.txt \
-		constraints-torch2.14.txt $(VENV)/.installed
-	test -x $(PY214) || python3 -m venv $(VENV214)
-	PIP_CONSTRAINT=$(CURDIR)/constraints-torch2.14.txt $(PY214) -m pip install -q -r requirements-dev.txt \
-		-r requirements-clients.txt -r requirements-torch2.14.txt
-	$(PY214) -m pip install -q --no-build-isolation --no-deps -e .
+# The same sources, built once: the extensions import no torch, so every environment loads the same ones.
+.venv-torch%/.installed: requirements-dev.txt requirements-clients.txt requirements-torchft.txt \
+		constraints-torch%.txt $(VENV)/.installed
+	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
+	PIP_CONSTRAINT=$(CURDIR)/constraints-torch$*.txt .venv-torch$*/bin/python -m pip install -q \
+		-r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
+	.venv-torch$*/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py tests/test_fusion_plan.py \
@@ -71,13 +79,16 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-test: test-torch2.13 test-torch2.14
+test: test-torch2.13 test-torch2.14 test-torch2.15
 
 test-torch2.13: setup
 	$(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
 
 test-torch2.14: setup-torch2.14
-	$(PY214) -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
+	.venv-torch2.14/bin/python -m pytest $(TORCH_PREVIOUS) --durations=10
+
+test-torch2.15: setup-torch2.15
+	.venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
 clients-full: setup
@@ -118,4 +129,4 @@ asan: setup
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
-	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV214)/.installed
+	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed .venv-torch*/.installed

@@ -24,7 +24,17 @@ class _Done(dist._Work):
 _DONE = _Done()
 
 
-class NopProcessGroup(dist.ProcessGroup):
+class _PythonGroup(dist.ProcessGroup):
+    """A group made in Python is its own backend: torch 2.15's batch_isend_irecv asks a group for its
+    device's backend before it sends, and C++ knows none for a Python group."""
+
+    supports_coalescing = False
+
+    def _get_backend(self, device):
+        return self
+
+
+class NopProcessGroup(_PythonGroup):
     def getBackendName(self):
         return "nop"
 
@@ -36,7 +46,7 @@ class NopProcessGroup(dist.ProcessGroup):
     send = recv = recv_anysource = allreduce_coalesced = _nothing
 
 
-class DirectProcessGroup(dist.ProcessGroup):
+class DirectProcessGroup(_PythonGroup):
     """A group whose collectives run the one call it was made with (the engine's direct call on the
     bench case's own buffers: nothing read from torch's options, no Work made) and whose send/recv are
     the communicator's blocking ones. Unlike nop's call followed by the direct one, the wait sits
