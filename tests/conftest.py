@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
@@ -8,6 +10,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # test_gpu_suites.py (mpirun.py / torchrun.py set ENGINE_MPI_SUITE / ENGINE_TORCHRUN_SUITE), not directly.
 if not (os.environ.get("ENGINE_MPI_SUITE") or os.environ.get("ENGINE_TORCHRUN_SUITE")):
     collect_ignore = ["mpi", "gpu"]
+
+# What launchers and torch's harnesses leave in the temporary directory (torchrun's torchelastic_* logs,
+# FileStore files, Open MPI's session directories) goes into one directory per session, removed at its
+# end. The engine itself writes nothing there (its segments are in /dev/shm, which the tests check).
+# A pytest run inside a launched suite inherits its parent's directory and leaves it to the parent.
+OWN_TMPDIR = None
+if "ENGINE_TESTS_TMPDIR" not in os.environ:
+    OWN_TMPDIR = os.environ["TMPDIR"] = os.environ["ENGINE_TESTS_TMPDIR"] = tempfile.mkdtemp(prefix="engine-tests-")
+    tempfile.tempdir = None   # read TMPDIR again
+
+
+def pytest_unconfigure(config):
+    if OWN_TMPDIR is not None:
+        shutil.rmtree(OWN_TMPDIR, ignore_errors=True)
 
 # The fast, broad checks run first: a broken kernel, algorithm or collective fails `pytest -x` within
 # its first minute or two, before the slower launcher, host and fault scenarios.
