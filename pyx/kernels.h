@@ -60,10 +60,14 @@ enum eng_isa { ENG_ISA_BASELINE, ENG_ISA_AVX2, ENG_ISA_AVX512, ENG_NISAS };
 static const char *const eng_isa_names[ENG_NISAS] = {"baseline", "avx2", "avx512"};
 
 #define ENG_ISA baseline
+#define ENG_F16C 0
 #include "kernels_body.h"
+#undef ENG_F16C
 #undef ENG_ISA
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>   /* F16C's conversions (kernels_body.h's float16 loops); both x86 ISAs have them */
+#define ENG_F16C 1
 #define ENG_STR(...) #__VA_ARGS__
 #if defined(__clang__)
 #define ENG_TARGET_BEGIN(T) _Pragma(ENG_STR(clang attribute push (__attribute__((target(T))), apply_to = function)))
@@ -91,6 +95,8 @@ ENG_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,bmi,bmi2,popcnt,lzcnt,
 #include "kernels_body.h"
 #undef ENG_ISA
 ENG_TARGET_END
+
+#undef ENG_F16C
 
 static const struct eng_kernel_table *const eng_isa_tables[ENG_NISAS] = {
   &eng_kernels_baseline, &eng_kernels_avx2, &eng_kernels_avx512};
