@@ -89,25 +89,13 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 )
 
 
-class _RemovesItsFileStore:
-    """torch's harness names a file in /tmp for each test's FileStore and never removes it; the store
-    removes it only when every rank closes it, and a rank that exits with its group alive does not."""
-
-    def tearDown(self):
-        super().tearDown()
-        try:
-            os.remove(self.file_name)
-        except OSError:
-            pass
-
-
-class TestDistBackendWithSpawn(_RemovesItsFileStore, TestDistBackend, DistributedTest._DistTestBase):
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._spawn_processes()
 
 
-class TestDistBackendWithFork(_RemovesItsFileStore, TestDistBackend, DistributedTest._DistTestBase):
+class TestDistBackendWithFork(TestDistBackend, DistributedTest._DistTestBase):
     """The same tests in forked processes (torch's test_distributed_fork): they start without importing
     torch and the suite again, which is most of a spawned test's time on 2 cores."""
 
