@@ -3,12 +3,13 @@
  * kernels.h includes this file once for each ISA it builds (baseline, and on x86-64 also AVX2 and
  * AVX-512, each under its own `#pragma GCC target`), with ENG_ISA naming the copy: every function
  * here is suffixed with it and the file ends with that ISA's table, eng_kernels_<ISA>. The loops are
- * plain C the compiler vectorises for the target; nothing here is ISA-specific, so every ISA computes
- * the same bits (IEEE arithmetic is exact per element, and the build passes -ffp-contract=off so no
- * ISA fuses a multiply and an add that another rounds twice).
+ * plain C the compiler vectorises for the target, so every ISA computes the same bits (IEEE arithmetic
+ * is exact per element, and the build passes -ffp-contract=off so no ISA fuses a multiply and an add
+ * that another rounds twice). The one ISA-specific part, float16's reductions through F16C where
+ * kernels.h sets ENG_F16C, gives the same bits as the portable loop (see there).
  *
- * float16 and bfloat16 are reduced in float32 and rounded once, as torch's half arithmetic does. Their
- * loops take two elements per 32-bit word: an element shifted into the high half of a word *is* its
+ * float16 and bfloat16 are reduced in float32 and rounded once, as torch's half arithmetic does. The
+ * portable loops take two elements per 32-bit word: an element shifted into the high half of a word *is* its
  * float32 (bfloat16) or the input of the half -> float conversion (float16), and two results merge
  * back into one word with a shift and an OR. So the vectorised loop needs no widening or narrowing
  * shuffles, which cost more than the arithmetic (measured: about twice the throughput of per-element

@@ -1,9 +1,9 @@
-"""torchft (torchft-nightly, on torch 2.14) over backend "engine": its own resize worker (three
+"""torchft (torchft-nightly, on torch 2.14 and 2.15) over backend "engine": its own resize worker (three
 generations of members through reconfigure_with_store, then abort and recovery), a training job of two
 replica groups under torchft's Manager and lighthouse where one replica is SIGKILLed, restarted and
 rejoins (healed from the other), and a sharded (HSDP-style) job whose reduce_scatter crosses the
 replicas, which torchft's own Gloo group refuses. Skipped where torchft is not installed (the torch
-2.13 environment); `make test` runs it in the torch 2.14 one (docs/fault-tolerance.md)."""
+2.13 environment); `make test` runs it in the torch 2.14 and 2.15 ones (docs/fault-tolerance.md)."""
 
 import json
 import os

@@ -16,12 +16,14 @@ def register():
 
 def _register():
     import torch.distributed as dist
-    if not dist.is_available() or BACKEND in dist.Backend.backend_list:
+    if not dist.is_available():
         return
-    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu", "cuda"])
     # torch 2.15 hooks a flight recorder onto the groups of backends missing from this set, and the hook
     # asks C++ for the group's name, which a Python group keeps in Python. The engine records itself.
     getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", set()).add(BACKEND)
+    if BACKEND in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND, _create_process_group, extended_api=True, devices=["cpu", "cuda"])
     _wrap_init_process_group(dist)
 
 
