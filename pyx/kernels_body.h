@@ -5,7 +5,7 @@
  * here is suffixed with it and the file ends with that ISA's table, eng_kernels_<ISA>. The loops are
  * plain C the compiler vectorises for the target, so every ISA computes the same bits (IEEE arithmetic
  * is exact per element, and the build passes -ffp-contract=off so no ISA fuses a multiply and an add
- * that another rounds twice). The one ISA-specific part, float16's reductions through F16C where
+ * that another rounds twice). The one ISA-specific part, float16 through F16C where
  * kernels.h sets ENG_F16C, gives the same bits as the portable loop (see there).
  *
  * float16 and bfloat16 are reduced in float32 and rounded once, as torch's half arithmetic does. The
@@ -131,24 +131,28 @@ ENG_FLOAT_KERNELS(f64, double)
   ENG_LOOP16(eng_max_##SUFFIX, HI_TO_F, F_TO_LO, ENG_MAX_EXPR)
 
 #if ENG_F16C
-/* float16 through F16C's conversions, eight elements at a time, then the loops above for the rest:
+/* float16 through F16C's conversions, eight elements at a time, then the portable loops for the rest:
  * GCC doesn't vectorise conversions of C's _Float16, and the branch-free ones above make a float16
- * sum cost several times a memcpy. Same bits: the instructions round to nearest even like
- * float_to_half, and a NaN result becomes the quiet float NaN with its sign and no payload, which
- * converts to float_to_half's 0x7E00 with that sign. VOP combines __m256 x and y as EXPR does. */
+ * kernel cost several times a memcpy. Same bits: the instructions round to nearest even like
+ * float_to_half and keep a NaN's payload like half_hi_to_float, and f16c_store makes a NaN the quiet
+ * float NaN with its sign and no payload, which converts to float_to_half's 0x7E00 with that sign. */
+static inline __m256 ENG_FN(f16c_load)(const char *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void ENG_FN(f16c_store)(char *p, __m256 r) {
+  const __m256 quiet = _mm256_or_ps(_mm256_and_ps(r, _mm256_set1_ps(-0.0f)),
+                                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
+  r = _mm256_blendv_ps(r, quiet, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+  _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* VOP combines __m256 x and y as EXPR does. */
 #define ENG_F16C_LOOP(NAME, VOP)                                                               \
   static void ENG_FN(eng_##NAME##_f16)(void *dst_, const void *a_, const void *b_, size_t n) { \
     char *dst = (char *)dst_; const char *a = (const char *)a_, *b = (const char *)b_;         \
-    const __m256 sign = _mm256_set1_ps(-0.0f);                                                 \
-    const __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));                   \
     size_t i = 0;                                                                              \
     for (; i + 8 <= n; i += 8) {                                                               \
-      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + 2 * i)));        \
-      const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 2 * i)));        \
-      __m256 r = (VOP);                                                                        \
-      const __m256 nan = _mm256_cmp_ps(r, r, _CMP_UNORD_Q);                                    \
-      r = _mm256_blendv_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), quiet), nan);               \
-      _mm_storeu_si128((__m128i *)(dst + 2 * i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT)); \
+      const __m256 x = ENG_FN(f16c_load)(a + 2 * i), y = ENG_FN(f16c_load)(b + 2 * i);         \
+      ENG_FN(f16c_store)(dst + 2 * i, (VOP));                                                  \
     }                                                                                          \
     if (i < n) ENG_FN(eng_##NAME##_f16_tail)(dst + 2 * i, a + 2 * i, b + 2 * i, n - i);       \
   }
@@ -161,6 +165,38 @@ ENG_F16C_LOOP(min, ENG_PICK(_CMP_LT_OQ))
 ENG_F16C_LOOP(max, ENG_PICK(_CMP_GT_OQ))
 #undef ENG_PICK
 #undef ENG_F16C_LOOP
+
+/* The scale (AVG's division) and the casts: the first multiple of eight elements of n, in place (scale)
+ * or from in to out; each returns how many it did, and the portable loop does the rest. */
+static size_t ENG_FN(f16c_scale)(char *p, size_t n, float f, int divide) {
+  const __m256 vf = _mm256_set1_ps(f);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = ENG_FN(f16c_load)(p + 2 * i);
+    ENG_FN(f16c_store)(p + 2 * i, divide ? _mm256_div_ps(x, vf) : _mm256_mul_ps(x, vf));
+  }
+  return i;
+}
+
+static size_t ENG_FN(f16c_narrow)(char *out, const float *in, size_t n, float scale, int scaled) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    ENG_FN(f16c_store)(out + 2 * i, scaled ? _mm256_mul_ps(x, vs) : x);
+  }
+  return i;
+}
+
+static size_t ENG_FN(f16c_widen)(float *out, const char *in, size_t n, float scale, int scaled) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = ENG_FN(f16c_load)(in + 2 * i);
+    _mm256_storeu_ps(out + i, scaled ? _mm256_mul_ps(x, vs) : x);
+  }
+  return i;
+}
 #else
 ENG_HALF_KERNELS(f16, half_hi_to_float, float_to_half)
 #endif
@@ -206,7 +242,14 @@ static int ENG_FN(eng_scale)(void *data, size_t n, int dtype, double factor, int
   switch (dtype) {
   case ENG_FLOAT32: ENG_SCALE_LOOP(float, float) return 0;
   case ENG_FLOAT64: ENG_SCALE_LOOP(double, double) return 0;
-  case ENG_FLOAT16: (divide ? ENG_FN(eng_div_f16) : ENG_FN(eng_mul_f16))(data, n, (float)factor); return 0;
+  case ENG_FLOAT16: {
+    size_t done = 0;
+#if ENG_F16C
+    done = ENG_FN(f16c_scale)((char *)data, n, (float)factor, divide);
+#endif
+    (divide ? ENG_FN(eng_div_f16) : ENG_FN(eng_mul_f16))((char *)data + 2 * done, n - done, (float)factor);
+    return 0;
+  }
   case ENG_BFLOAT16: (divide ? ENG_FN(eng_div_bf16) : ENG_FN(eng_mul_bf16))(data, n, (float)factor); return 0;
   default: return -1;
   }
@@ -245,6 +288,14 @@ static int ENG_FN(eng_scale)(void *data, size_t n, int dtype, double factor, int
 static int ENG_FN(eng_cast)(void *dst, int d, const void *src, int s, size_t n, double scale) {
   const float fs = (float)scale;
   const int scaled = scale != 1.0;
+#if ENG_F16C
+  size_t done = 0;
+  if (s == ENG_FLOAT32 && d == ENG_FLOAT16) done = ENG_FN(f16c_narrow)((char *)dst, (const float *)src, n, fs, scaled);
+  if (s == ENG_FLOAT16 && d == ENG_FLOAT32) done = ENG_FN(f16c_widen)((float *)dst, (const char *)src, n, fs, scaled);
+  dst = (char *)dst + done * eng_itemsize[d];
+  src = (const char *)src + done * eng_itemsize[s];
+  n -= done;
+#endif
 /* one pair: its loop with and without the scale (no multiply where it is 1) */
 #define ENG_CAST(S, D, MOVE, FN) \
   if (s == S && d == D) { if (scaled) MOVE(FN, x * fs) else MOVE(FN, x) return 0; }

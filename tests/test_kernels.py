@@ -332,6 +332,19 @@ def _kernel_outputs(rng_seed=7):
                 engine.unpack(narrow, [wide[:1], wide[1:]], scale=factor)
                 out[("pack", tdtype, factor, n)] = (_bits(narrow), None)
                 out[("unpack", tdtype, factor, n)] = (_bits(wide), None)
+    # every 16-bit pattern (NaNs with payloads, denormals) widened, and scaled in its own dtype
+    every = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
+    for tdtype in (torch.float16, torch.bfloat16):
+        half = every.view(tdtype)
+        for factor in (1.0, 0.25, 3.0):
+            wide = torch.empty(len(half), dtype=torch.float32)
+            engine.unpack(half, [wide], scale=factor)
+            out[("unpack every", tdtype, factor)] = (_bits(wide), None)
+        # (dividing by 0.3 and multiplying by its reciprocal round differently: by 3, never in float16)
+        for factor, divide in ((3.0, True), (0.3, True), (0.1, False)):
+            x = half.clone()
+            engine.scale(x, factor, divide=divide)
+            out[("scale every", tdtype, factor, divide)] = (_bits(x), None)
     return out
 
 
