@@ -1,5 +1,6 @@
 """Environment variables that tune the engine, read in one place. Documented in README.md."""
 
+import math
 import os
 
 
@@ -18,3 +19,18 @@ def env_choice(name, choices, default):
     if raw not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return raw
+
+
+def env_seconds(name, default):
+    """A duration in seconds (inf: never); a negative value or NaN would turn a timeout into a wait
+    that never ends, so they are refused here, naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds >= 0")
+    return value

@@ -7,8 +7,9 @@ no peer sees it lost). Instead, after a short grace for the other ranks to repor
 (ENGINE_ABORT_GRACE_SECONDS, 2 s), it aborts the job: the launcher ends every rank, as it would have
 had MPI not been up. A native MPI collective that passes the timeout aborts at once (engine.watch).
 
-This module imports no MPI and nothing of the engine: engine.mpi arms the policy (arm) when MPI
-starts, engine.watch reports group failures, torchbridge reports failures at init.
+This module imports no MPI and nothing of the engine but its settings (engine.config): engine.mpi
+arms the policy (arm) when MPI starts, engine.watch reports group failures, torchbridge reports
+failures at init.
 """
 
 import atexit
@@ -16,9 +17,12 @@ import os
 import sys
 import time
 
+from .config import env_seconds
+
 _group_failure = []  # why a group of this process failed, if one did (the first failure)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
+_grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS, read when the policy is armed
 
 
 def group_failed(why):
@@ -56,7 +60,9 @@ def describe(exc):
 
 def arm(MPI):
     """Called once MPI is up: the exit hook (registered after mpi4py's MPI_Finalize, so it runs
-    first) and the note of an uncaught exception."""
+    first) and the note of an uncaught exception. A bad grace is refused here, while MPI starts, not
+    at exit, where the error would skip the abort and leave the job waiting."""
+    _grace[0] = env_seconds("ENGINE_ABORT_GRACE_SECONDS", 2.0)
     atexit.register(_at_exit, MPI)
     sys.excepthook = _noting_uncaught(sys.excepthook)
 
@@ -81,9 +87,10 @@ def _at_exit(MPI):
             why, what = _uncaught[0], "an uncaught exception"
     if why is None:
         return
-    time.sleep(float(os.environ.get("ENGINE_ABORT_GRACE_SECONDS", "2")))
-    print(f"engine: rank {MPI.COMM_WORLD.Get_rank()} exits after {what} ({why}): aborting the job so "
-          "that no rank waits for it forever", file=sys.stderr, flush=True)
+    time.sleep(_grace[0])
+    print(f"engine: rank {MPI.COMM_WORLD.Get_rank()} exits after {what} ({why}): aborting the job, after "
+          f"{_grace[0]:g} s of grace (ENGINE_ABORT_GRACE_SECONDS), so that no rank waits for it forever",
+          file=sys.stderr, flush=True)
     sys.stdout.flush()
     abort(1)
 

@@ -24,6 +24,19 @@ DEFAULT_DIRECT_BYTES = 256 << 10
 COMPRESSIONS = (None, "float16", "bfloat16")
 
 
+def bucket_sizes(bucket_bytes=None, direct_bytes=None):
+    """(bucket cap, direct size) in bytes: the arguments, else ENGINE_BUCKET_BYTES and
+    ENGINE_FUSION_DIRECT_BYTES, else the defaults; the CPU and CUDA fusions both read them here."""
+    sizes = []
+    for given, var, default in ((bucket_bytes, "ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES),
+                                (direct_bytes, "ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)):
+        value = given or env_int(var, default)
+        if value <= 0:
+            raise ValueError(f"{var}={value}: a fusion size must be a positive number of bytes")
+        sizes.append(value)
+    return tuple(sizes)
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Tensors (by index into the caller's list) that travel in one flat buffer."""
@@ -99,8 +112,7 @@ class FusedAllreduce:
 
     def __init__(self, comm, bucket_bytes=None, direct_bytes=None):
         self.comm = comm
-        self.bucket_bytes = bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
-        self.direct_bytes = direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
+        self.bucket_bytes, self.direct_bytes = bucket_sizes(bucket_bytes, direct_bytes)
         self._buffers = {}  # (wire dtype, slot) -> flat buffer, grown on demand
         self._worker = None
         self._lock = threading.Lock()

@@ -24,7 +24,7 @@ import weakref
 
 from . import failure
 from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
-from .config import env_int
+from .config import env_int, env_seconds
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
@@ -54,23 +54,13 @@ def record_line(rec, t0):
             f"start {rec[START] - t0:10.4f}s {dur} {rec[STATE]}")
 
 
-def _env_seconds(name, default):
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-
-
 class Watch:
     """The per-communicator policy: timeouts, stall warnings, arrival notes, dumps, the trace."""
 
     def __init__(self, group, rank, size, timeout=None, store=None, core=None):
         self.group, self.rank, self.size = group, rank, size
         self.timeout = Watch.timeout_of(timeout)
-        self.stall = _env_seconds("ENGINE_STALL_WARNING_SECONDS", 60.0)
+        self.stall = env_seconds("ENGINE_STALL_WARNING_SECONDS", 60.0)
         self.note_after = min(1.0, self.timeout / 4)
         self.interval = max(0.05, min(0.5, self.timeout / 10))
         self.store = store
@@ -78,7 +68,10 @@ class Watch:
         self.t0 = time.monotonic()
         self.trace = _Trace.get(rank)
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
-        core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256),
+        keep = env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256)
+        if keep < 1:
+            raise ValueError(f"ENGINE_FLIGHT_RECORDER_SIZE={keep}: the flight recorder keeps at least 1 operation")
+        core.set_recorder(keep,
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
         core.set_watch(self, self.interval, p2p=self)
@@ -87,7 +80,7 @@ class Watch:
     @staticmethod
     def timeout_of(timeout):
         """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default."""
-        return timeout if timeout is not None else _env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+        return timeout if timeout is not None else env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
 
     @property
     def broken(self):

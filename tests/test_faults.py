@@ -100,10 +100,10 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     segment), rank 2 gets it too; both then time out in the barrier rank 1 never reaches, name it, and
     abort the job after a short grace (a rank that raised must not wait in MPI_Finalize for rank 1)."""
     before = shm_files()
-    proc, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm")
+    proc, out = launch("skip_broadcast.py", 3, 90, ENGINE_TRANSPORT="shm", ENGINE_ABORT_GRACE_SECONDS="0.5")
     assert proc.returncode != 0, out[-3000:]
     assert_rank_1_named_missing(out, r"barrier #3")
-    assert "aborting the job" in out
+    assert "aborting the job, after 0.5 s of grace" in out
     assert "returned (unexpected)" not in out
     assert shm_files() <= before
 

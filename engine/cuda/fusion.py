@@ -2,9 +2,7 @@
 per bucket whatever its tensor count, with the compression cast and the AVG/PREMUL scale fused in),
 one allreduce per bucket, all enqueued on one stream."""
 
-from ..config import env_int
-from ..fusion import (COMPRESSIONS, DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, ITEMSIZE, bucket_scales,
-                      plan_buckets, wire_dtype)
+from ..fusion import COMPRESSIONS, ITEMSIZE, bucket_scales, bucket_sizes, plan_buckets, wire_dtype
 from ..ops import ReduceOp, op_code
 from .tables import check_reduction
 
@@ -12,8 +10,7 @@ from .tables import check_reduction
 class CudaFusedAllreduce:
     def __init__(self, cuda_comm, bucket_bytes=None, direct_bytes=None):
         self.comm = cuda_comm
-        self.bucket_bytes = bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
-        self.direct_bytes = direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
+        self.bucket_bytes, self.direct_bytes = bucket_sizes(bucket_bytes, direct_bytes)
 
     def run(self, buffers, op=ReduceOp.SUM, *, stream, compression=None, prescale=1.0):
         """buffers[i] = op over ranks of buffers[i], in place, for every i (contiguous CUDA buffers)."""

@@ -77,10 +77,17 @@ def test_user_op_on_float16_is_a_clear_error():
     assert np.all(x == P)
 
 
-def test_compiled_kernels_are_cached_on_disk():
+def test_compiled_kernels_are_cached_on_disk(tmp_path, monkeypatch):
     import os
-    from engine.udf import cache_dir
-    absmax._address("float32")
-    names = os.listdir(cache_dir())
-    assert any(n.startswith("engine_udf_") and n.endswith(".py") for n in names)
-    assert os.listdir(os.path.join(cache_dir(), "__pycache__"))
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+
+    @engine.reduction
+    def absmin(a, b):
+        return a if abs(a) < abs(b) or (abs(a) == abs(b) and a <= b) else b
+
+    x = data(R, 9, "float64")
+    WORLD.allreduce(x, op=absmin)
+    np.testing.assert_array_equal(x, ref(absmin, [data(r, 9, "float64") for r in range(P)]))
+    names = os.listdir(tmp_path)
+    assert any(n.startswith("engine_udf_") and n.endswith(".py") for n in names), names
+    assert os.listdir(tmp_path / "__pycache__")

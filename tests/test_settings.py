@@ -1,0 +1,111 @@
+"""The engine's settings (README's table of environment variables): each one is set by a test, and a
+value the engine can't use is refused with an error that names the variable."""
+
+import io
+import os
+import re
+
+import numpy as np
+import pytest
+
+import engine
+from engine import config, failure, registry
+from engine.fusion import FusedAllreduce, plan_buckets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _tests_text():
+    text = []
+    for folder, _, files in os.walk(HERE):
+        text += [open(os.path.join(folder, f)).read() for f in files if f.endswith(".py")]
+    return "\n".join(text)
+
+
+def test_every_setting_in_the_readme_is_set_by_a_test():
+    """A documented setting no test runs is a bug waiting. The registry's thresholds are all set by
+    test_every_threshold_follows_its_variable (they are read through one class); every other setting
+    must be named in a test."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    rows = re.findall(r"^\| (`ENGINE_[^|]*)\|", readme, re.M)
+    names = {n for row in rows for n in re.findall(r"`(ENGINE_[A-Z0-9_]+)`", row)}
+    assert len(names) > 30, rows   # (the table was found)
+    thresholds = {t.env for t in registry.tunables()}
+    tests = _tests_text()
+    unset = sorted(n for n in names - thresholds if n not in tests)
+    assert not unset, f"documented in README.md, set by no test: {unset}"
+
+
+def test_every_threshold_follows_its_variable(monkeypatch):
+    for t in registry.tunables():
+        monkeypatch.setenv(t.env, "12K")
+        assert t.value() == 12 << 10, t.env
+        monkeypatch.setenv(t.env, "12 KiB")
+        with pytest.raises(ValueError, match=t.env):
+            t.value()
+        monkeypatch.delenv(t.env)
+        assert t.value() == t.default or registry.tuned() is not None, t.env
+
+
+def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
+    monkeypatch.setenv("ENGINE_X", "1.5M")
+    assert config.env_int("ENGINE_X", 7) == 3 << 19
+    monkeypatch.setenv("ENGINE_X", "")
+    assert config.env_int("ENGINE_X", 7) == 7 and config.env_seconds("ENGINE_X", 2.0) == 2.0
+    for ok, seconds in (("0", 0.0), ("2.5", 2.5), ("inf", float("inf"))):
+        monkeypatch.setenv("ENGINE_X", ok)
+        assert config.env_seconds("ENGINE_X", 1.0) == seconds
+    # a negative or NaN timeout would be a wait that never ends (NaN >= timeout is never true)
+    for bad in ("-1", "nan", "ten", "5s"):
+        monkeypatch.setenv("ENGINE_X", bad)
+        with pytest.raises(ValueError, match=r"ENGINE_X=.* is not a number of seconds >= 0"):
+            config.env_seconds("ENGINE_X", 1.0)
+
+
+@pytest.mark.parametrize("name", ["ENGINE_TIMEOUT", "ENGINE_STALL_WARNING_SECONDS"])
+def test_a_group_refuses_a_timeout_that_would_never_end(monkeypatch, name):
+    monkeypatch.setenv(name, "nan")
+    with pytest.raises(ValueError, match=name):
+        engine.Communicator.from_store(None, 0, 1)
+
+
+def test_the_abort_grace_is_checked_when_mpi_starts_not_at_exit(monkeypatch):
+    """At exit the error would skip the abort, and the job would wait for this rank in MPI_Finalize;
+    tests/test_faults.py sees a valid grace used."""
+    monkeypatch.setenv("ENGINE_ABORT_GRACE_SECONDS", "-2")
+    with pytest.raises(ValueError, match="ENGINE_ABORT_GRACE_SECONDS='-2'"):
+        failure.arm(None)   # (refused before it touches MPI)
+
+
+def test_the_flight_recorder_keeps_the_operations_it_is_told_to(monkeypatch):
+    monkeypatch.setenv("ENGINE_FLIGHT_RECORDER_SIZE", "3")
+    comm = engine.Communicator.from_store(None, 0, 1)
+    x = np.ones(5, np.float32)
+    for _ in range(7):
+        comm.allreduce(x)
+    out = io.StringIO()
+    comm.watch.dump("asked", out=out)
+    kept = re.findall(r"engine:   #(\d+) +allreduce", out.getvalue())
+    assert kept == ["5", "6", "7"] and "last 3 operations" in out.getvalue(), out.getvalue()
+    monkeypatch.setenv("ENGINE_FLIGHT_RECORDER_SIZE", "0")
+    with pytest.raises(ValueError, match="ENGINE_FLIGHT_RECORDER_SIZE=0"):
+        engine.Communicator.from_store(None, 0, 1)
+
+
+def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
+    monkeypatch.setenv("ENGINE_BUCKET_BYTES", "1K")
+    monkeypatch.setenv("ENGINE_FUSION_DIRECT_BYTES", "256")
+    comm = engine.Communicator.from_store(None, 0, 1)
+    fused = FusedAllreduce(comm)
+    assert (fused.bucket_bytes, fused.direct_bytes) == (1024, 256)
+    tensors = [np.full(n, float(k), np.float32) for k, n in enumerate([60] * 6 + [64])]  # 240 B, then 256 B
+    specs = [(t.size, "float32", 4, "cpu") for t in tensors]
+    buckets = [b.indices for b in plan_buckets(specs, fused.bucket_bytes, direct_bytes=fused.direct_bytes)]
+    assert buckets == [(0, 1, 2, 3), (4, 5), (6,)], buckets   # four fit in 1K; 256 bytes travel alone
+    fused.run(tensors, engine.ReduceOp.SUM)
+    for k, t in enumerate(tensors):
+        assert np.all(t == k)
+    monkeypatch.setenv("ENGINE_BUCKET_BYTES", "-1")
+    with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES=-1"):
+        FusedAllreduce(comm)
