@@ -139,8 +139,8 @@ def make_segment(boot, everyone):
     all succeeded (so none is left waiting), then rank 0 drops its descriptor."""
     from . import _core
     size, rank = boot.size, boot.rank
-    half = env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20)
-    queue = env_int("ENGINE_SHM_QUEUE_BYTES", default_queue_bytes(size))
+    half = env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20, minimum=0)   # (the segment checks the least it needs)
+    queue = env_int("ENGINE_SHM_QUEUE_BYTES", default_queue_bytes(size), minimum=0)
     seg = desc = error = None
     if rank == 0:
         try:

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _core, hierarchy, registry
 from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, local_cores
+from .config import env_duration
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -334,9 +335,9 @@ def _polite_waits(core, network, everyone, rank):
     ranks on two cores over shared memory keep spinning: yielding there was 10-20% slower up to 64 KB,
     and a yield in mid-step has run whole sizes 4x slower (docs/tuning.md). ENGINE_SPIN_US sets the
     budget for every group instead."""
-    spin = os.environ.get("ENGINE_SPIN_US")
-    if spin:
-        core.set_spin(float(spin))
+    spin = env_duration("ENGINE_SPIN_US", None, unit="microseconds")
+    if spin is not None:
+        core.set_spin(spin)
         return
     local, cores = local_cores(everyone, rank)
     if len(local) > cores or (len(local) == cores and (network or len(local) > 2)):

@@ -4,14 +4,18 @@ import math
 import os
 
 
-def env_int(name, default):
+def env_int(name, default, minimum=None):
+    """A count or a size (K/M/G suffixes), at least `minimum` where one is given."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(float(raw.rstrip("kKmMgG")) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1))
+        value = int(float(raw.rstrip("kKmMgG")) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1))
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number (sizes accept K/M/G suffixes)") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected at least {minimum}")
+    return value
 
 
 def env_choice(name, choices, default):
@@ -21,9 +25,9 @@ def env_choice(name, choices, default):
     return raw
 
 
-def env_seconds(name, default):
-    """A duration in seconds (inf: never); a negative value or NaN would turn a timeout into a wait
-    that never ends, so they are refused here, naming the variable."""
+def env_duration(name, default, unit="seconds"):
+    """A duration (inf: never); a negative value or NaN would turn a timeout into a wait that never
+    ends, so they are refused here, naming the variable."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -32,5 +36,5 @@ def env_seconds(name, default):
     except ValueError:
         value = math.nan
     if not value >= 0:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds >= 0")
+        raise ValueError(f"{name}={raw!r} is not a number of {unit} >= 0")
     return value

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from .config import env_seconds
+from .config import env_duration
 
 _group_failure = []  # why a group of this process failed, if one did (the first failure)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
@@ -62,7 +62,7 @@ def arm(MPI):
     """Called once MPI is up: the exit hook (registered after mpi4py's MPI_Finalize, so it runs
     first) and the note of an uncaught exception. A bad grace is refused here, while MPI starts, not
     at exit, where the error would skip the abort and leave the job waiting."""
-    _grace[0] = env_seconds("ENGINE_ABORT_GRACE_SECONDS", 2.0)
+    _grace[0] = env_duration("ENGINE_ABORT_GRACE_SECONDS", 2.0)
     atexit.register(_at_exit, MPI)
     sys.excepthook = _noting_uncaught(sys.excepthook)
 

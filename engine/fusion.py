@@ -27,14 +27,8 @@ COMPRESSIONS = (None, "float16", "bfloat16")
 def bucket_sizes(bucket_bytes=None, direct_bytes=None):
     """(bucket cap, direct size) in bytes: the arguments, else ENGINE_BUCKET_BYTES and
     ENGINE_FUSION_DIRECT_BYTES, else the defaults; the CPU and CUDA fusions both read them here."""
-    sizes = []
-    for given, var, default in ((bucket_bytes, "ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES),
-                                (direct_bytes, "ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)):
-        value = given or env_int(var, default)
-        if value <= 0:
-            raise ValueError(f"{var}={value}: a fusion size must be a positive number of bytes")
-        sizes.append(value)
-    return tuple(sizes)
+    return (bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1),
+            direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=1))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import weakref
 
 from . import failure
 from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
-from .config import env_int, env_seconds
+from .config import env_int, env_duration
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
@@ -60,7 +60,7 @@ class Watch:
     def __init__(self, group, rank, size, timeout=None, store=None, core=None):
         self.group, self.rank, self.size = group, rank, size
         self.timeout = Watch.timeout_of(timeout)
-        self.stall = env_seconds("ENGINE_STALL_WARNING_SECONDS", 60.0)
+        self.stall = env_duration("ENGINE_STALL_WARNING_SECONDS", 60.0)
         self.note_after = min(1.0, self.timeout / 4)
         self.interval = max(0.05, min(0.5, self.timeout / 10))
         self.store = store
@@ -68,10 +68,7 @@ class Watch:
         self.t0 = time.monotonic()
         self.trace = _Trace.get(rank)
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
-        keep = env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256)
-        if keep < 1:
-            raise ValueError(f"ENGINE_FLIGHT_RECORDER_SIZE={keep}: the flight recorder keeps at least 1 operation")
-        core.set_recorder(keep,
+        core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
         core.set_watch(self, self.interval, p2p=self)
@@ -80,7 +77,7 @@ class Watch:
     @staticmethod
     def timeout_of(timeout):
         """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default."""
-        return timeout if timeout is not None else env_seconds("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+        return timeout if timeout is not None else env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
 
     @property
     def broken(self):

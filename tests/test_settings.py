@@ -50,23 +50,26 @@ def test_every_threshold_follows_its_variable(monkeypatch):
 
 def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
     monkeypatch.setenv("ENGINE_X", "1.5M")
-    assert config.env_int("ENGINE_X", 7) == 3 << 19
+    assert config.env_int("ENGINE_X", 7) == 3 << 19 == config.env_int("ENGINE_X", 7, minimum=3 << 19)
+    with pytest.raises(ValueError, match=r"ENGINE_X='1.5M': expected at least 1572865"):
+        config.env_int("ENGINE_X", 7, minimum=(3 << 19) + 1)
     monkeypatch.setenv("ENGINE_X", "")
-    assert config.env_int("ENGINE_X", 7) == 7 and config.env_seconds("ENGINE_X", 2.0) == 2.0
+    assert config.env_int("ENGINE_X", 7) == 7 and config.env_duration("ENGINE_X", 2.0) == 2.0
     for ok, seconds in (("0", 0.0), ("2.5", 2.5), ("inf", float("inf"))):
         monkeypatch.setenv("ENGINE_X", ok)
-        assert config.env_seconds("ENGINE_X", 1.0) == seconds
+        assert config.env_duration("ENGINE_X", 1.0) == seconds
     # a negative or NaN timeout would be a wait that never ends (NaN >= timeout is never true)
     for bad in ("-1", "nan", "ten", "5s"):
         monkeypatch.setenv("ENGINE_X", bad)
         with pytest.raises(ValueError, match=r"ENGINE_X=.* is not a number of seconds >= 0"):
-            config.env_seconds("ENGINE_X", 1.0)
+            config.env_duration("ENGINE_X", 1.0)
 
 
-@pytest.mark.parametrize("name", ["ENGINE_TIMEOUT", "ENGINE_STALL_WARNING_SECONDS"])
-def test_a_group_refuses_a_timeout_that_would_never_end(monkeypatch, name):
-    monkeypatch.setenv(name, "nan")
-    with pytest.raises(ValueError, match=name):
+@pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),
+                                         ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M")])
+def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}'"):
         engine.Communicator.from_store(None, 0, 1)
 
 
@@ -89,7 +92,7 @@ def test_the_flight_recorder_keeps_the_operations_it_is_told_to(monkeypatch):
     kept = re.findall(r"engine:   #(\d+) +allreduce", out.getvalue())
     assert kept == ["5", "6", "7"] and "last 3 operations" in out.getvalue(), out.getvalue()
     monkeypatch.setenv("ENGINE_FLIGHT_RECORDER_SIZE", "0")
-    with pytest.raises(ValueError, match="ENGINE_FLIGHT_RECORDER_SIZE=0"):
+    with pytest.raises(ValueError, match="ENGINE_FLIGHT_RECORDER_SIZE='0': expected at least 1"):
         engine.Communicator.from_store(None, 0, 1)
 
 
@@ -107,5 +110,5 @@ def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
     for k, t in enumerate(tensors):
         assert np.all(t == k)
     monkeypatch.setenv("ENGINE_BUCKET_BYTES", "-1")
-    with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES=-1"):
+    with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES='-1': expected at least 1"):
         FusedAllreduce(comm)
