@@ -7,7 +7,8 @@
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo
 # make asan  : the engine built with AddressSanitizer in .asan/ (a copy of the tracked files), the adapter's
 #              suites under torchrun and tests/mpi under mpiexec on it, 3 ranks each; the matrix over TCP,
-#              and with 2 threads a rank on two forced sockets at 4 ranks; the TCP wire tests. Fails on any report
+#              and with 2 threads a rank on two forced sockets at 4 ranks; the TCP wire tests and every ISA's
+#              kernels on every tail and unaligned start. Fails on any report
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The suites that face torch, with the bench's own torch groups, run on the newest torch tested (2.15). The
@@ -126,7 +127,7 @@ asan: setup
 		tests/mpi/test_collectives.py
 	cd .asan && $(ASAN_RUN) ENGINE_THREADS=2 ENGINE_SOCKETS=2 $(CURDIR)/$(PY) tests/mpirun.py 4 tests/mpi/test_matrix.py \
 		tests/mpi/test_collectives.py
-	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_tcp_transport.py
+	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_tcp_transport.py tests/test_kernels.py
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
