@@ -41,10 +41,15 @@ class Tunable:
     env: str
     default: int
     doc: str
+    minimum: int = 0    # the least value that means something (the core refuses less)
 
     def value(self):
         doc = tuned()
-        return env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default)
+        value = env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default,
+                        minimum=self.minimum)
+        if value < self.minimum:   # (from the tuning file)
+            raise ValueError(f"{self.env}={value} in ENGINE_TUNING_FILE: expected at least {self.minimum}")
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +111,13 @@ SHM_THREAD_SLICE = Tunable("ENGINE_SHM_THREAD_SLICE_BYTES", 16 << 10,
                            "least bytes a thread's slice of a threaded kernel takes (fewer threads below)")
 SINGLE_COPY_MIN = Tunable("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10, "smallest piece that moves by single copy")
 SINGLE_COPY_MAX = Tunable("ENGINE_SHM_CMA_MAX_BYTES", EVERY, "largest piece that moves by single copy")
-RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring")
+RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring", minimum=16)
 RDOUBLE_MAX = Tunable("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10, "largest recursive-doubling allreduce over MPI")
 RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce over MPI")
 SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
                          "bytes of each peer's input a single-copy reduce_scatter reads at once")
-MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast")
+MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast",
+                    minimum=1)
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
             for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
 TCP_RDOUBLE_MAX = Tunable("ENGINE_TCP_RDOUBLE_MAX_BYTES", 64 << 10, "largest recursive-doubling allreduce over TCP")
