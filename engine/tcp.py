@@ -108,8 +108,8 @@ def settings():
     streams = env_int("ENGINE_TCP_STREAMS", DEFAULT_STREAMS)
     if not 1 <= streams <= 16:
         raise ValueError(f"ENGINE_TCP_STREAMS={streams}: expected 1..16")
-    return dict(streams=streams, stream_min=max(1, env_int("ENGINE_TCP_STREAM_MIN_BYTES", DEFAULT_STREAM_MIN)),
-                eager=env_int("ENGINE_TCP_EAGER_BYTES", DEFAULT_EAGER),
+    stream_min = max(1, env_int("ENGINE_TCP_STREAM_MIN_BYTES", DEFAULT_STREAM_MIN, minimum=0))
+    return dict(streams=streams, stream_min=stream_min, eager=env_int("ENGINE_TCP_EAGER_BYTES", DEFAULT_EAGER, minimum=0),
                 connect=env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh"))
 
 

@@ -303,6 +303,11 @@ class _Trace:
         else:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{rank}{ext or '.json'}"
+        try:   # (here, not at exit, where the whole run's timeline would be lost)
+            open(path, "w").close()
+        except OSError as exc:
+            raise ValueError(f"ENGINE_TRACE={os.environ.get('ENGINE_TRACE')!r}: can't write this rank's trace "
+                             f"{path!r} ({exc.strerror})") from None
         self.path, self.rank = path, rank
         self.events = []
         self.epoch = time.monotonic()

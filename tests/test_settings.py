@@ -67,8 +67,10 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
 
 
 @pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),
-                                         ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M")])
+                                         ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M"),
+                                         ("ENGINE_TRACE", "/proc/no/such/folder/t.json")])
 def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value):
+    """At the group's creation, not later (an unwritable trace was found at exit, its timeline lost)."""
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         engine.Communicator.from_store(None, 0, 1)
