@@ -289,12 +289,14 @@ static int ENG_FN(eng_cast)(void *dst, int d, const void *src, int s, size_t n, 
   const float fs = (float)scale;
   const int scaled = scale != 1.0;
 #if ENG_F16C
-  size_t done = 0;
-  if (s == ENG_FLOAT32 && d == ENG_FLOAT16) done = ENG_FN(f16c_narrow)((char *)dst, (const float *)src, n, fs, scaled);
-  if (s == ENG_FLOAT16 && d == ENG_FLOAT32) done = ENG_FN(f16c_widen)((float *)dst, (const char *)src, n, fs, scaled);
-  dst = (char *)dst + done * eng_itemsize[d];
-  src = (const char *)src + done * eng_itemsize[s];
-  n -= done;
+  /* float16 <-> float32 through F16C, the rest below */
+  if (s == ENG_FLOAT32 && d == ENG_FLOAT16) {
+    const size_t done = ENG_FN(f16c_narrow)((char *)dst, (const float *)src, n, fs, scaled);
+    dst = (char *)dst + 2 * done; src = (const float *)src + done; n -= done;
+  } else if (s == ENG_FLOAT16 && d == ENG_FLOAT32) {
+    const size_t done = ENG_FN(f16c_widen)((float *)dst, (const char *)src, n, fs, scaled);
+    dst = (float *)dst + done; src = (const char *)src + 2 * done; n -= done;
+  }
 #endif
 /* one pair: its loop with and without the scale (no multiply where it is 1) */
 #define ENG_CAST(S, D, MOVE, FN) \
