@@ -11,7 +11,7 @@ def env_int(name, default, minimum=None):
         return default
     try:
         value = int(float(raw.rstrip("kKmMgG")) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1))
-    except ValueError:
+    except (ValueError, OverflowError):   # (inf, nan)
         raise ValueError(f"{name}={raw!r} is not a number (sizes accept K/M/G suffixes)") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={raw!r}: expected at least {minimum}")
@@ -25,9 +25,9 @@ def env_choice(name, choices, default):
     return raw
 
 
-def env_duration(name, default, unit="seconds"):
-    """A duration (inf: never); a negative value or NaN would turn a timeout into a wait that never
-    ends, so they are refused here, naming the variable."""
+def env_duration(name, default, unit="seconds", maximum=math.inf):
+    """A duration (inf: never, where maximum allows it); a negative value or NaN would turn a timeout
+    into a wait that never ends, so they are refused here, naming the variable."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -37,4 +37,6 @@ def env_duration(name, default, unit="seconds"):
         value = math.nan
     if not value >= 0:
         raise ValueError(f"{name}={raw!r} is not a number of {unit} >= 0")
+    if value > maximum:
+        raise ValueError(f"{name}={raw!r}: expected at most {maximum:g} {unit}")
     return value

@@ -22,7 +22,7 @@ from .config import env_duration
 _group_failure = []  # why a group of this process failed, if one did (the first failure)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
-_grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS, read when the policy is armed
+_grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS (configure)
 
 
 def group_failed(why):
@@ -58,11 +58,15 @@ def describe(exc):
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+def configure():
+    """Reads ENGINE_ABORT_GRACE_SECONDS; engine.mpi calls it before MPI starts, so that a bad value is
+    refused then, not at exit, where the error would skip the abort and leave the job waiting."""
+    _grace[0] = env_duration("ENGINE_ABORT_GRACE_SECONDS", 2.0, maximum=3600.0)
+
+
 def arm(MPI):
     """Called once MPI is up: the exit hook (registered after mpi4py's MPI_Finalize, so it runs
-    first) and the note of an uncaught exception. A bad grace is refused here, while MPI starts, not
-    at exit, where the error would skip the abort and leave the job waiting."""
-    _grace[0] = env_duration("ENGINE_ABORT_GRACE_SECONDS", 2.0)
+    first) and the note of an uncaught exception."""
     atexit.register(_at_exit, MPI)
     sys.excepthook = _noting_uncaught(sys.excepthook)
 

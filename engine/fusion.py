@@ -26,9 +26,11 @@ COMPRESSIONS = (None, "float16", "bfloat16")
 
 def bucket_sizes(bucket_bytes=None, direct_bytes=None):
     """(bucket cap, direct size) in bytes: the arguments, else ENGINE_BUCKET_BYTES and
-    ENGINE_FUSION_DIRECT_BYTES, else the defaults; the CPU and CUDA fusions both read them here."""
+    ENGINE_FUSION_DIRECT_BYTES, else the defaults; the fusions (CPU, CUDA) and DistributedOptimizer read
+    them here. A direct size of 0 sends every tensor alone (no packing)."""
     return (bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1),
-            direct_bytes or env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=1))
+            env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=0) if direct_bytes is None
+            else direct_bytes)
 
 
 @dataclass(frozen=True)

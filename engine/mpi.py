@@ -42,6 +42,7 @@ def load():
     """mpi4py's MPI module, initialised with MPI_THREAD_MULTIPLE (the progress threads call MPI)."""
     if _loaded:
         return _loaded[0]
+    failure.configure()
     if "mpi4py.MPI" not in sys.modules:
         singleton_env()
         note = polite_env()

@@ -23,10 +23,10 @@ def _tests_text():
     return "\n".join(text)
 
 
-def test_every_setting_in_the_readme_is_set_by_a_test():
+def test_every_setting_in_the_readme_is_named_by_a_test():
     """A documented setting no test runs is a bug waiting. The registry's thresholds are all set by
     test_every_threshold_follows_its_variable (they are read through one class); every other setting
-    must be named in a test."""
+    must at least be named in a test (a guard for new settings: the tests below set each one)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     rows = re.findall(r"^\| (`ENGINE_[^|]*)\|", readme, re.M)
     names = {n for row in rows for n in re.findall(r"`(ENGINE_[A-Z0-9_]+)`", row)}
@@ -34,7 +34,7 @@ def test_every_setting_in_the_readme_is_set_by_a_test():
     thresholds = {t.env for t in registry.tunables()}
     tests = _tests_text()
     unset = sorted(n for n in names - thresholds if n not in tests)
-    assert not unset, f"documented in README.md, set by no test: {unset}"
+    assert not unset, f"documented in README.md, named by no test: {unset}"
 
 
 def test_every_threshold_follows_its_variable(monkeypatch):
@@ -56,6 +56,10 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
         config.env_int("ENGINE_X", 7, minimum=(3 << 19) + 1)
     monkeypatch.setenv("ENGINE_X", "")
     assert config.env_int("ENGINE_X", 7) == 7 and config.env_duration("ENGINE_X", 2.0) == 2.0
+    for bad in ("inf", "nan", "1e400"):   # (inf reached int() as a bare OverflowError)
+        monkeypatch.setenv("ENGINE_X", bad)
+        with pytest.raises(ValueError, match=r"ENGINE_X=.* is not a number \(sizes"):
+            config.env_int("ENGINE_X", 7)
     for ok, seconds in (("0", 0.0), ("2.5", 2.5), ("inf", float("inf"))):
         monkeypatch.setenv("ENGINE_X", ok)
         assert config.env_duration("ENGINE_X", 1.0) == seconds
@@ -64,6 +68,9 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
         monkeypatch.setenv("ENGINE_X", bad)
         with pytest.raises(ValueError, match=r"ENGINE_X=.* is not a number of seconds >= 0"):
             config.env_duration("ENGINE_X", 1.0)
+    monkeypatch.setenv("ENGINE_X", "inf")
+    with pytest.raises(ValueError, match=r"ENGINE_X='inf': expected at most 60 seconds"):
+        config.env_duration("ENGINE_X", 1.0, maximum=60.0)
 
 
 @pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),
@@ -71,17 +78,25 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
                                          ("ENGINE_TRACE", "/proc/no/such/folder/t.json")])
 def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value):
     """At the group's creation, not later (an unwritable trace was found at exit, its timeline lost)."""
+    from engine.watch import _Trace
+    monkeypatch.setattr(_Trace, "_instance", None)   # (the process's trace is made once)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         engine.Communicator.from_store(None, 0, 1)
 
 
-def test_the_abort_grace_is_checked_when_mpi_starts_not_at_exit(monkeypatch):
-    """At exit the error would skip the abort, and the job would wait for this rank in MPI_Finalize;
-    tests/test_faults.py sees a valid grace used."""
-    monkeypatch.setenv("ENGINE_ABORT_GRACE_SECONDS", "-2")
-    with pytest.raises(ValueError, match="ENGINE_ABORT_GRACE_SECONDS='-2'"):
-        failure.arm(None)   # (refused before it touches MPI)
+def test_the_abort_grace_is_checked_before_mpi_starts_not_at_exit(monkeypatch):
+    """At exit the error would skip the abort, and the job would wait for this rank in MPI_Finalize
+    (time.sleep(inf) raises too); tests/test_faults.py sees a valid grace used."""
+    for bad in ("-2", "inf"):
+        monkeypatch.setenv("ENGINE_ABORT_GRACE_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"ENGINE_ABORT_GRACE_SECONDS='{bad}'"):
+            failure.configure()   # (engine.mpi.load calls it before it imports mpi4py.MPI)
+    monkeypatch.setenv("ENGINE_ABORT_GRACE_SECONDS", "0.5")
+    failure.configure()
+    assert failure._grace == [0.5]
+    monkeypatch.delenv("ENGINE_ABORT_GRACE_SECONDS")
+    failure.configure()
 
 
 def test_the_flight_recorder_keeps_the_operations_it_is_told_to(monkeypatch):
@@ -112,6 +127,9 @@ def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
     fused.run(tensors, engine.ReduceOp.SUM)
     for k, t in enumerate(tensors):
         assert np.all(t == k)
+    monkeypatch.setenv("ENGINE_FUSION_DIRECT_BYTES", "0")   # every tensor alone: no packing
+    assert FusedAllreduce(comm).direct_bytes == 0
+    assert [b.indices for b in plan_buckets(specs, 1024, direct_bytes=0)] == [(k,) for k in range(7)]
     monkeypatch.setenv("ENGINE_BUCKET_BYTES", "-1")
     with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES='-1': expected at least 1"):
         FusedAllreduce(comm)

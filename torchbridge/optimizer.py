@@ -20,14 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.fusion import DEFAULT_BUCKET_BYTES, plan_buckets
+from engine.fusion import bucket_sizes, plan_buckets
 from engine.ops import ReduceOp
 
 
 class DistributedOptimizer:
     """Wraps an optimizer: gradients are averaged over `group` (default: the world) before step()."""
 
-    def __init__(self, optimizer, model=None, *, params=None, group=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
+    def __init__(self, optimizer, model=None, *, params=None, group=None, bucket_bytes=None,
                  compression=None, backward_passes_per_step=1, overlap=True):
         self.optimizer = optimizer
         self.group = group or dist.group.WORLD
@@ -43,7 +43,8 @@ class DistributedOptimizer:
         self.overlap = overlap
         order = list(reversed(self.params))  # gradients of late layers are ready first
         specs = [(p.numel(), str(p.dtype), p.element_size(), str(p.device)) for p in order]
-        self.buckets = [[order[i] for i in b.indices] for b in plan_buckets(specs, bucket_bytes)]
+        cap, _ = bucket_sizes(bucket_bytes)   # (ENGINE_BUCKET_BYTES when not given)
+        self.buckets = [[order[i] for i in b.indices] for b in plan_buckets(specs, cap)]
         self.bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self.launch_times = []  # (bucket index, time.perf_counter()) of the last step, for overlap reports
         self._reset()

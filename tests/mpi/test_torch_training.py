@@ -86,6 +86,18 @@ def test_first_buckets_launch_before_backward_ends():
     assert len(launched_during_backward) >= len(opt.buckets) - 1  # all but the last are in flight by then
 
 
+def test_bucket_cap_follows_engine_bucket_bytes(monkeypatch):
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    given = torchbridge.DistributedOptimizer(sgd, model, bucket_bytes=256)
+    monkeypatch.setenv("ENGINE_BUCKET_BYTES", "256")
+    from_env = torchbridge.DistributedOptimizer(sgd, model)
+    for opt in (given, from_env):
+        opt.remove_hooks()
+    assert len(given.buckets) >= 3
+    assert [[id(p) for p in b] for b in from_env.buckets] == [[id(p) for p in b] for b in given.buckets]
+
+
 def test_step_without_backward_is_an_error():
     model = make_model()
     opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
