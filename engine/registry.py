@@ -44,12 +44,9 @@ class Tunable:
     minimum: int = 0    # the least value that means something (the core refuses less)
 
     def value(self):
-        doc = tuned()
-        value = env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default,
-                        minimum=self.minimum)
-        if value < self.minimum:   # (from the tuning file)
-            raise ValueError(f"{self.env}={value} in ENGINE_TUNING_FILE: expected at least {self.minimum}")
-        return value
+        doc = tuned()   # (its thresholds were checked against the same minimum when it was read)
+        return env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default,
+                       minimum=self.minimum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,10 +373,12 @@ def tuned(path=None):
                                             f"{transport} transport (its {coll} runs {', '.join(names)})")
             doc["rules"][coll, transport] = [(name, lo, EVERY if hi is None else hi, lo_r, EVERY if hi_r is None
                                               else hi_r) for name, lo, hi, lo_r, hi_r in rules]
-        known = {t.env for t in tunables()}
-        for name in doc["thresholds"]:
+        known = {t.env: t for t in tunables()}
+        for name, value in doc["thresholds"].items():
             if name not in known:
                 raise tuning.fail(path, f"unknown threshold {name!r} (the registry's: {', '.join(sorted(known))})")
+            if value < known[name].minimum:
+                raise tuning.fail(path, f"threshold {name} must be at least {known[name].minimum}, not {value}")
         _tuned[path] = doc
     return _tuned[path]
 
