@@ -27,8 +27,7 @@ from .busbw import parse_size, size_sweep
 # (label, dtype the size counts, run(size) -> callable)
 REDUCTIONS = [("sum", torch.bfloat16), ("sum", torch.float16), ("sum", torch.float32), ("sum", torch.float64),
               ("sum", torch.int32), ("max", torch.bfloat16), ("max", torch.float32)]
-CASTS = [torch.bfloat16, torch.float16]
-SCALED = [torch.bfloat16, torch.float16]  # AVG's division in the 16-bit floats
+HALVES = [torch.bfloat16, torch.float16]  # the 16-bit floats: AVG's division, and their casts with float32
 
 
 def _data(n, dtype, seed):
@@ -56,13 +55,13 @@ def cases(nbytes, threads=(1,)):
             if k > 1 and op == "sum" and dtype in THREADED:
                 out[f"{op} {str(dtype)[6:]}, in place, {k} threads"] = (
                     lambda a=a, b=b, k=k: engine.kernels.reduce_into(a, a, b, "sum", threads=k))
-    for dtype in SCALED:  # (divided by 1, so repeated calls keep the values)
+    for dtype in HALVES:  # (divided by 1, so repeated calls keep the values)
         x = _data(nbytes // 2, dtype, 4)
         out[f"divide {str(dtype)[6:]} (AVG), in place"] = lambda x=x: engine.scale(x, 1.0, divide=True)
     for k in threads:
         if k > 1:
             out[f"copy, {k} threads"] = lambda k=k: engine.kernels.copy_into(dst, src, threads=k)
-    for dtype in CASTS:
+    for dtype in HALVES:
         n = nbytes // 4
         wide, narrow = _data(n, torch.float32, 3), torch.empty(n, dtype=dtype)
         name = str(dtype)[6:]
