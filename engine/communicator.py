@@ -334,8 +334,8 @@ def _polite_waits(core, network, everyone, rank):
     at any count, since the kernel's network processing needs a core too (4 ms per message otherwise). Two
     ranks on two cores over shared memory keep spinning: yielding there was 10-20% slower up to 64 KB,
     and a yield in mid-step has run whole sizes 4x slower (docs/tuning.md). ENGINE_SPIN_US sets the
-    budget for every group instead."""
-    spin = env_duration("ENGINE_SPIN_US", None, unit="microseconds")
+    budget for every group instead, for its waits and its helper threads alike (at most 1 s)."""
+    spin = env_duration("ENGINE_SPIN_US", None, unit="microseconds", maximum=1e6)
     if spin is not None:
         core.set_spin(spin)
         return

@@ -101,8 +101,14 @@ cdef class CoreComm:
         self.p2p_watch = p2p
 
     def set_spin(self, double microseconds):
-        """This group's waits spin at most this long before yielding (< 0: the process's policy)."""
+        """This group's waits, and its helper threads between jobs, spin this long before yielding (< 0:
+        the process's policy, 250 us)."""
         self.spin = microseconds * 1e-6 if microseconds >= 0 else -1
+
+    @property
+    def spin_budget(self):
+        """Seconds a wait of this group spins on the calling thread before it yields."""
+        return spin_budget(self.spin)
 
     cdef void start(self, WaitCtx *ctx) noexcept:
         start_wait(ctx, self.hook, self.interval)

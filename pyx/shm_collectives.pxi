@@ -117,6 +117,11 @@ cdef class ShmComm(CoreComm):
         self.threads = threads
 
     @property
+    def team_spin(self):
+        """Seconds the started team's helpers spin between jobs (None: none started yet)."""
+        return self.team.spin if self.team_started else None
+
+    @property
     def threads_running(self):
         """Threads of the started team, the caller's included (0: none started yet)."""
         return self.team.n if self.team_started else 0
@@ -131,6 +136,7 @@ cdef class ShmComm(CoreComm):
                 return NULL
             self.team_started = True
         self.team.slice_min = self.thread_slice
+        self.team.spin = spin_budget(self.spin)   # the helpers wait for the next step as the caller would
         return &self.team
 
     # -- the step primitives of this group's collectives --

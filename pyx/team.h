@@ -4,8 +4,8 @@
  * reduction far below a socket's; the rank's idle cores lift it.
  *
  * The caller posts a job by bumping `gen`, runs slice 0 itself and waits until every helper has
- * counted itself `done`. Helpers spin briefly for the next job (a collective's steps follow each
- * other within microseconds), then sleep on `gen` (a futex). Every helper acknowledges every job, so
+ * counted itself `done`. Helpers spin for the next job (a collective's steps follow each other within
+ * microseconds) as long as the group's waits spin (`spin`), then sleep on `gen` (a futex). Every helper acknowledges every job, so
  * none can read a job that was already replaced. A job is pure memory work with no wait on a peer:
  * a team never blocks a collective's timeout or abort. Plain C; the caller holds no GIL. */
 #ifndef ENGINE_TEAM_H
@@ -18,13 +18,13 @@
 #include "kernels.h"
 
 #define ENG_TEAM_SLICE_MIN 16384 /* bytes: a thread's least slice by default; smaller jobs use fewer threads */
-#define ENG_TEAM_SPIN 50e-6     /* seconds a helper (and the caller's join) spins before sleeping (yielding) */
 
 enum { ENG_JOB_REDUCE = 1, ENG_JOB_COPY = 2 };
 
 typedef struct {
   int kind;
   int parts;               /* threads that take a slice (the rest only acknowledge) */
+  double spin;             /* seconds a helper spins for the next job after this one (the team's spin) */
   /* ENG_JOB_REDUCE: dst1 (and dst2) = the reduction of srcs[0..nsrc), n elements (eng_reduce_many) */
   eng_reduce_fn fn;
   char *dst1, *dst2;
@@ -50,6 +50,8 @@ typedef struct eng_team {
   int slots;               /* helpers allocated */
   int maxsrc;              /* the most sources a reduction may have (the group size) */
   size_t slice_min;        /* bytes: a thread's least slice (tests make it a cache line to reach the helpers) */
+  double spin;             /* seconds a helper (and the caller's join) spins before sleeping (yielding); the
+                              caller's to set: a helper reads it from each job it acknowledges */
   pid_t pid;               /* the process that started the helpers (a forked child has none) */
   uint32_t gen, done, stop;
   eng_job job;
@@ -89,11 +91,12 @@ static void *eng_team_main(void *arg) {
   eng_helper *h = (eng_helper *)arg;
   eng_team *t = h->team;
   uint32_t seen = 0;
+  double spin = t->spin; /* set before the thread started */
   sigset_t all;
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the process's own threads */
   for (;;) {
-    const double spin_until = eng_now() + ENG_TEAM_SPIN;
+    const double spin_until = eng_now() + spin;
     uint32_t g;
     while ((g = eng_load32(&t->gen)) == seen) {
       if (eng_now() < spin_until) eng_cpu_relax();
@@ -102,6 +105,7 @@ static void *eng_team_main(void *arg) {
     seen = g;
     if (eng_load32(&t->stop)) return NULL;
     eng_job_slice(&t->job, h);
+    spin = t->job.spin; /* read before done: the caller may then replace the job */
     eng_add32(&t->done);
   }
 }
@@ -128,6 +132,7 @@ static int eng_team_start(eng_team *t, int n, int maxsrc) {
   t->n = 1;
   t->maxsrc = maxsrc;
   t->slice_min = ENG_TEAM_SLICE_MIN;
+  t->spin = 250e-6;
   t->pid = getpid();
   t->helpers = (eng_helper *)calloc((size_t)n, sizeof(eng_helper));
   t->tids = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
@@ -162,12 +167,13 @@ static void eng_team_run(eng_team *t, eng_job *job) {
     return;
   }
   job->parts = parts < (size_t)t->n ? (int)parts : t->n;
+  job->spin = t->spin;
   t->job = *job;
   eng_store32(&t->done, 0);
   eng_add32(&t->gen); /* seq_cst: the job above is visible to a helper that sees the new gen */
   eng_futex_wake(&t->gen);
   eng_job_slice(&t->job, &t->helpers[0]);
-  const double spin_until = eng_now() + ENG_TEAM_SPIN;
+  const double spin_until = eng_now() + t->spin;
   while (eng_load32(&t->done) < (uint32_t)(t->n - 1)) {
     if (eng_now() < spin_until) eng_cpu_relax();
     else eng_yield(); /* a helper without a core of its own needs this one */

@@ -6,6 +6,7 @@ cdef extern from "team.h" nogil:
     ctypedef struct eng_team:
         int n
         size_t slice_min
+        double spin
     int eng_team_start(eng_team *t, int n, int maxsrc)
     void eng_team_stop(eng_team *t)
     void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,

@@ -50,11 +50,15 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.busy_poll = False
 
 
+cdef inline double spin_budget(double group_spin) noexcept nogil:
+    """Seconds a wait on this thread spins before yielding: the group's own budget (ENGINE_SPIN_US, or 0
+    where its ranks fill the cores), else the process's; a polite thread never spins longer than its own."""
+    cdef double spin = group_spin if group_spin >= 0 else _spin_s
+    return min(spin, _polite_spin_s) if eng_polite_waits else spin
+
+
 cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
-    cdef double spin = _polite_spin_s if eng_polite_waits else _spin_s
-    if ctx != NULL and ctx.spin >= 0 and ctx.spin < spin:
-        spin = ctx.spin
-    b.spin_until = now + spin
+    b.spin_until = now + spin_budget(ctx.spin if ctx != NULL else -1)
     b.yield_until = b.spin_until + _yield_s
     if ctx != NULL and ctx.busy_poll:
         b.yield_until = INFINITY   # a sleeping poller stalls the transfer: yield the core, as MPI's own waits do

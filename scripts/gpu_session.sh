@@ -5,6 +5,7 @@
 #
 #   here, once:   bash scripts/gpu_session.sh fetch   # into .gpu-wheels/ (git-ignored)
 #   there:        bash scripts/gpu_session.sh run     # with carry: [".gpu-wheels"]
+#   or:           bash scripts/gpu_session.sh threads # the threads-below-1-MiB experiment alone
 #
 # The GPU image has torch, cupy and pytest but no MPI, and fetches nothing: Open MPI, mpi4py, the
 # build's setuptools and Cython, and DeepSpeed (the package as installed here, pure Python and its C++
@@ -28,7 +29,7 @@ fetch)
     tar -C "$site" --exclude=__pycache__ -cf - deepspeed | tar -C "$WHEELS/site" -xf -
     du -sh "$WHEELS"
     ;;
-run)
+run|threads)
     OUT=${OUT:-/tmp/engine-gpu-out}
     mkdir -p "$OUT"
     LOG=$OUT/log.txt
@@ -44,15 +45,15 @@ run)
     { date; nproc; lscpu | grep -E "Model name|Socket|NUMA node|Thread|Flags" | cut -c1-400; nvidia-smi -L
       python -c "import torch, cupy; from cupy.cuda import nccl; print('torch', torch.__version__, 'cupy',
       cupy.__version__, 'nccl', nccl.get_version(), 'threads', torch.get_num_threads())"; } > "$LOG" 2>&1 || true
-    t0=$SECONDS
-    python setup.py build_ext --inplace -j 8 > "$OUT/build.txt" 2>&1 &&
-        pip install -q --no-build-isolation --no-deps -e . >> "$OUT/build.txt" 2>&1 || { tail -60 "$OUT/build.txt"; exit 1; }
-    echo "build: $((SECONDS - t0)) s" >> "$LOG"
-    # DeepSpeed's shm op builds on first use; build it now, beside the GPU stage.
+    # DeepSpeed's shm op builds on first use; build it now, beside the engine's build and the GPU stage.
     (DS_ACCELERATOR=cpu timeout 240 python -c "from deepspeed.accelerator import get_accelerator as g
 g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspeed shm op built')" \
         > /tmp/deepspeed_build.txt 2>&1) &
     ds=$!
+    t0=$SECONDS
+    python setup.py build_ext --inplace -j 8 > "$OUT/build.txt" 2>&1 &&
+        pip install -q --no-build-isolation --no-deps -e . >> "$OUT/build.txt" 2>&1 || { tail -60 "$OUT/build.txt"; exit 1; }
+    echo "build: $((SECONDS - t0)) s" >> "$LOG"
     set +e
     stage() {  # stage SECONDS NAME command...: runs it under a limit, its output appended to the log
         local limit=$1 name=$2 start=$SECONDS; shift 2
@@ -60,6 +61,24 @@ g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspe
         timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
         echo "=== $name: exit $? after $((SECONDS - start)) s" >> "$LOG"
     }
+    if [ "$1" = threads ]; then
+        # 2 ranks x 8 threads below the 1 MiB threshold: threads from 64 KB, with the helpers' spin
+        # between steps (the group's, ENGINE_SPIN_US) at 50 us, the default 250 us and 1 ms, against
+        # one thread a rank (the default); each launch twice, alternated. One tar: 8 files come back.
+        wait $ds; echo "deepspeed build: $(tail -1 /tmp/deepspeed_build.txt)" >> "$LOG"
+        mkdir -p /tmp/threads
+        for round in 1 2; do
+            for cfg in default:1048576:250 t64k:65536:250 t64k-spin50:65536:50 t64k-spin1000:65536:1000; do
+                IFS=: read -r name minb spin <<< "$cfg"
+                stage 40 "2x8 $name round $round" env ENGINE_THREADS=8 OMP_NUM_THREADS=8 \
+                    ENGINE_SHM_THREADS_MIN_BYTES=$minb ENGINE_SPIN_US=$spin mpirun -n 2 --bind-to none \
+                    python -m bench all_reduce -b 16K -e 4M -f 4 -w 5 --rounds 5 --budget 0.2 -c 1 \
+                    --backends engine-direct,deepspeed-shm --json "/tmp/threads/${name}_$round.json"
+            done
+        done
+        tar -C /tmp -cf "$OUT/threads.tar" threads
+        exit 0
+    fi
     stage 90 "gpu tests" python -m pytest -ra -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_cpu.py \
         tests/test_gpu_suites.py
     wait $ds; echo "deepspeed build: $(tail -1 /tmp/deepspeed_build.txt)" >> "$LOG"
@@ -86,7 +105,7 @@ g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspe
     ls /dev/shm >> "$LOG" 2>&1
     ;;
 *)
-    echo "usage: $0 fetch|run" >&2
+    echo "usage: $0 fetch|run|threads" >&2
     exit 2
     ;;
 esac

@@ -99,6 +99,32 @@ def test_the_abort_grace_is_checked_before_mpi_starts_not_at_exit(monkeypatch):
     failure.configure()
 
 
+def test_the_spin_budget_is_what_engine_spin_us_says(monkeypatch):
+    """Above the default as well as below (it was once only a cap), and a polite thread (a progress
+    thread overlapping compute) spins no longer than its own short budget whatever the group's."""
+    import threading
+    from engine import _core
+    for raw, seconds in (("2000", 2e-3), ("7", 7e-6), ("0", 0.0), (None, 250e-6)):
+        if raw is None:
+            monkeypatch.delenv("ENGINE_SPIN_US")
+        else:
+            monkeypatch.setenv("ENGINE_SPIN_US", raw)
+        core = engine.Communicator.from_store(None, 0, 1).core
+        assert core.spin_budget == pytest.approx(seconds), raw
+        polite = []
+
+        def probe():
+            _core.set_thread_polite(True)
+            polite.append(core.spin_budget)
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        assert polite[0] == pytest.approx(min(seconds, 5e-6)), raw
+    monkeypatch.setenv("ENGINE_SPIN_US", "2e6")
+    with pytest.raises(ValueError, match="ENGINE_SPIN_US='2e6': expected at most 1e"):
+        engine.Communicator.from_store(None, 0, 1)
+
+
 def test_the_flight_recorder_keeps_the_operations_it_is_told_to(monkeypatch):
     monkeypatch.setenv("ENGINE_FLIGHT_RECORDER_SIZE", "3")
     comm = engine.Communicator.from_store(None, 0, 1)

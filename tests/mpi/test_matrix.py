@@ -332,6 +332,7 @@ def test_entry(entry):
             # the blocking calls ran on the rank's threads, not on its one (a team that never started
             # would still give right answers)
             assert comm.core.threads_running == comm.core.threads > 1, (comm.core.threads_running, comm.core.threads)
+            assert comm.core.team_spin == comm.core.spin_budget   # the helpers wait as the group's waits do
 
 
 # The automatic choice: at every edge of the group's rules (and a step either side), the entry the
