@@ -102,7 +102,7 @@ SHM_ONESHOT_MAX = Tunable("ENGINE_SHM_ONESHOT_MAX_BYTES", 16 << 10, "largest one
 SHM_REDUCE_ONESHOT_MAX = Tunable("ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES", 256 << 10,
                                  "largest one-shot shm reduce (only the root reduces; the peers run ahead)")
 SHM_CHUNK = Tunable("ENGINE_SHM_CHUNK_BYTES", 512 << 10, "two-shot step size")
-SHM_THREADS_MIN = Tunable("ENGINE_SHM_THREADS_MIN_BYTES", 1 << 20,
+SHM_THREADS_MIN = Tunable("ENGINE_SHM_THREADS_MIN_BYTES", 256 << 10,
                           "smallest shm allreduce and reduce whose kernels split over the rank's threads")
 SHM_THREAD_SLICE = Tunable("ENGINE_SHM_THREAD_SLICE_BYTES", 16 << 10,
                            "least bytes a thread's slice of a threaded kernel takes (fewer threads below)")

@@ -50,7 +50,7 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.busy_poll = False
 
 
-cdef inline double spin_budget(double group_spin) noexcept nogil:
+cdef double spin_budget(double group_spin) noexcept nogil:
     """Seconds a wait on this thread spins before yielding: the group's own budget (ENGINE_SPIN_US, or 0
     where its ranks fill the cores), else the process's; a polite thread never spins longer than its own."""
     cdef double spin = group_spin if group_spin >= 0 else _spin_s

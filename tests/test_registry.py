@@ -165,8 +165,9 @@ def test_forcing_a_threaded_entry_without_threads_says_how_to_get_them():
     with pytest.raises(ValueError, match="ENGINE_THREADS=N"):
         Plan("shm", {"single_copy"}, environ={"ENGINE_ALLREDUCE_ALGO": "shm:twoshot_threads"})
     plan = Plan("shm", {"single_copy", "threads"})
-    assert plan.choose("allreduce", 1 << 20, 2).name == "twoshot_threads"
-    assert plan.choose("allreduce", (1 << 20) - 1, 2).name == "twoshot"
+    least = registry.SHM_THREADS_MIN.default
+    assert plan.choose("allreduce", least, 2).name == "twoshot_threads"
+    assert plan.choose("allreduce", least - 1, 2).name == "twoshot"
 
 
 def test_sockets_come_from_the_numa_nodes_of_the_ranks_cores_or_engine_sockets(tmp_path, monkeypatch):

@@ -100,6 +100,7 @@ ctypedef int (*poll_fn)(void *obj, void *arg, bint *done) except -1 nogil
 
 cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *door) except -1 nogil
 cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept
+cdef double spin_budget(double group_spin) noexcept nogil   # seconds a wait on this thread spins first
 
 
 # ---- errors: transports return 0, -1 (a Python exception is set) or a positive code ----
