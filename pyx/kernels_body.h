@@ -200,7 +200,9 @@ static size_t ENG_FN(f16c_widen)(float *out, const char *in, size_t n, float sca
 #else
 ENG_HALF_KERNELS(f16, half_hi_to_float, float_to_half)
 #endif
+ENG_WIDE_BEGIN
 ENG_HALF_KERNELS(bf16, bf16_hi_to_float, float_to_bf16)
+ENG_WIDE_END
 
 /* ---- scaling: x = x * factor, or x = x / factor (AVG divides, like torch's sum / world_size) ---- */
 
