@@ -17,7 +17,7 @@ cdef eng_team *_team_of(int threads) except? NULL:
         if _kernel_threads > 1:
             eng_team_stop(&_kernel_team)
             _kernel_threads = 1
-        rc = eng_team_start(&_kernel_team, threads, 2)
+        rc = eng_team_start(&_kernel_team, threads, 2, spin_budget(-1))
         if rc:
             raise OSError(rc, f"could not start {threads - 1} helper threads: {os.strerror(rc)}")
         _kernel_threads = threads

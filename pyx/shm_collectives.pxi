@@ -131,12 +131,12 @@ cdef class ShmComm(CoreComm):
         if impl != IMPL_THREADED or eng_polite_waits or mv.src == NULL or self.threads < 2:
             return NULL
         if not self.team_started:
-            if eng_team_start(&self.team, self.threads, self.size):
+            if eng_team_start(&self.team, self.threads, self.size, spin_budget(self.spin)):
                 self.threads = 1          # no threads to be had: one, from now on
                 return NULL
             self.team_started = True
         self.team.slice_min = self.thread_slice
-        self.team.spin = spin_budget(self.spin)   # the helpers wait for the next step as the caller would
+        self.team.spin = spin_budget(self.spin)   # the helpers wait for a step as the caller does (set_spin)
         return &self.team
 
     # -- the step primitives of this group's collectives --

@@ -5,9 +5,10 @@
  *
  * The caller posts a job by bumping `gen`, runs slice 0 itself and waits until every helper has
  * counted itself `done`. Helpers spin for the next job (a collective's steps follow each other within
- * microseconds) as long as the group's waits spin (`spin`), then sleep on `gen` (a futex). Every helper acknowledges every job, so
- * none can read a job that was already replaced. A job is pure memory work with no wait on a peer:
- * a team never blocks a collective's timeout or abort. Plain C; the caller holds no GIL. */
+ * microseconds) as long as the group's waits spin (`spin`), then sleep on `gen` (a futex). Every
+ * helper acknowledges every job, so none can read a job that was already replaced. A job is pure
+ * memory work with no wait on a peer: a team never blocks a collective's timeout or abort. Plain C;
+ * the caller holds no GIL. */
 #ifndef ENGINE_TEAM_H
 #define ENGINE_TEAM_H
 
@@ -124,15 +125,15 @@ static void eng_team_stop(eng_team *t) {
   memset(t, 0, sizeof(*t));
 }
 
-/* Starts n - 1 helpers for reductions of up to maxsrc sources. Returns 0, or an errno, having
- * stopped and freed whatever it started (no team: the caller runs alone). */
-static int eng_team_start(eng_team *t, int n, int maxsrc) {
+/* Starts n - 1 helpers for reductions of up to maxsrc sources, spinning `spin` seconds between jobs.
+ * Returns 0, or an errno, having stopped and freed whatever it started (no team: the caller runs alone). */
+static int eng_team_start(eng_team *t, int n, int maxsrc, double spin) {
   int rc = 0;
   memset(t, 0, sizeof(*t));
   t->n = 1;
   t->maxsrc = maxsrc;
   t->slice_min = ENG_TEAM_SLICE_MIN;
-  t->spin = 250e-6;
+  t->spin = spin;
   t->pid = getpid();
   t->helpers = (eng_helper *)calloc((size_t)n, sizeof(eng_helper));
   t->tids = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));

@@ -7,7 +7,7 @@ cdef extern from "team.h" nogil:
         int n
         size_t slice_min
         double spin
-    int eng_team_start(eng_team *t, int n, int maxsrc)
+    int eng_team_start(eng_team *t, int n, int maxsrc, double spin)
     void eng_team_stop(eng_team *t)
     void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,
                          int nsrc, size_t n, size_t itemsize, int dtype, double divisor)
