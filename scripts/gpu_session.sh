@@ -5,14 +5,14 @@
 #
 #   here, once:   bash scripts/gpu_session.sh fetch   # into .gpu-wheels/ (git-ignored)
 #   there:        bash scripts/gpu_session.sh run     # with carry: [".gpu-wheels"]
-#   or:           bash scripts/gpu_session.sh threads # the threads-below-1-MiB experiment alone
+#   or:           bash scripts/gpu_session.sh threads # the threads-and-spin experiment alone
 #
 # The GPU image has torch, cupy and pytest but no MPI, and fetches nothing: Open MPI, mpi4py, the
 # build's setuptools and Cython, and DeepSpeed (the package as installed here, pure Python and its C++
 # sources, which it builds there on first use) with the dependencies the image lacks travel with the
 # tree. `run` builds the engine, then runs each stage under its own time limit, so that one stage that
 # hangs costs only its share; every log lands in $OUT (at most 8 files come back: the log, the build
-# log and six JSON files).
+# log and five JSON files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
@@ -62,13 +62,14 @@ g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspe
         echo "=== $name: exit $? after $((SECONDS - start)) s" >> "$LOG"
     }
     if [ "$1" = threads ]; then
-        # 2 ranks x 8 threads below the 1 MiB threshold: threads from 64 KB, with the helpers' spin
-        # between steps (the group's, ENGINE_SPIN_US) at 50 us, the default 250 us and 1 ms, against
-        # one thread a rank (the default); each launch twice, alternated. One tar: 8 files come back.
+        # 2 ranks x 8 threads, 16 KB-4 MB: threads from 64 KB, with the helpers' spin between steps
+        # (the group's, ENGINE_SPIN_US) at 50 us, the default 250 us and 1 ms, against one thread a
+        # rank below 1 MiB (the threshold before these runs set it to 256 KiB); each launch twice,
+        # alternated. One tar: 8 files come back.
         wait $ds; echo "deepspeed build: $(tail -1 /tmp/deepspeed_build.txt)" >> "$LOG"
         mkdir -p /tmp/threads
         for round in 1 2; do
-            for cfg in default:1048576:250 t64k:65536:250 t64k-spin50:65536:50 t64k-spin1000:65536:1000; do
+            for cfg in t1m:1048576:250 t64k:65536:250 t64k-spin50:65536:50 t64k-spin1000:65536:1000; do
                 IFS=: read -r name minb spin <<< "$cfg"
                 stage 40 "2x8 $name round $round" env ENGINE_THREADS=8 OMP_NUM_THREADS=8 \
                     ENGINE_SHM_THREADS_MIN_BYTES=$minb ENGINE_SPIN_US=$spin mpirun -n 2 --bind-to none \
@@ -90,10 +91,6 @@ g().create_op_builder('ShareMemCommBuilder').load(verbose=False); print('deepspe
         $BENCH --backends $BACKENDS --json "$OUT/cpu_2x8.json"
     # Limits about twice what each took on the lent H100 machine (2x8: 19 s, 16 ranks: 77 s, 4: 33 s,
     # 8: 43 s, the GPU sweep 19 s, the GPU tests 32 s), within one call's 600 s with the build (103 s).
-    # The threshold below which one thread a rank does the work, lowered to 64 KB (DeepSpeed led at 64-256 KB).
-    stage 45 "cpu 2 ranks x 8 threads, threads from 64 KB" env ENGINE_THREADS=8 OMP_NUM_THREADS=8 \
-        ENGINE_SHM_THREADS_MIN_BYTES=65536 mpirun -n 2 --bind-to none python -m bench all_reduce -b 16K -e 4M -f 4 \
-        -w 5 --rounds 5 --budget 0.2 -c 1 --backends engine-direct,deepspeed-shm --json "$OUT/cpu_2x8_threads64k.json"
     for n in 16 4 8; do
         stage $((n == 16 ? 120 : 60)) "cpu $n ranks x 1 thread" env ENGINE_THREADS=1 OMP_NUM_THREADS=1 mpirun -n $n \
             --oversubscribe --bind-to none $BENCH --backends $BACKENDS --json "$OUT/cpu_${n}x1.json"
