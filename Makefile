@@ -1,5 +1,5 @@
-# make test  : create .venv (torch 2.13), .venv-torch2.14 and .venv-torch2.15, install MPI + the engine in
-#              each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15 and
+# make test  : create .venv (torch 2.13), .venv-torch2.14 and .venv-torch2.15 at once, install MPI + the
+#              engine in each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15 and
 #              their version-bound part on torch 2.14 (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
@@ -64,12 +64,17 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The same sources, built once: the extensions import no torch, so every environment loads the same ones.
-.venv-torch%/.installed: requirements-dev.txt requirements-clients.txt requirements-torchft.txt \
-		constraints-torch%.txt $(VENV)/.installed
+# The later environments' packages install beside .venv's (make test runs the three at once: pip waits
+# on downloads and unpacking more than on the cores); the engine goes into each after .venv built it once:
+# the extensions import no torch, so every environment loads the same ones.
+.PRECIOUS: .venv-torch%/.packages
+.venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
 	PIP_CONSTRAINT=$(CURDIR)/constraints-torch$*.txt .venv-torch$*/bin/python -m pip install -q \
 		-r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
+	touch $@
+
+.venv-torch%/.installed: .venv-torch%/.packages $(VENV)/.installed
 	.venv-torch$*/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -81,7 +86,11 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-test: test-torch2.13 test-torch2.14 test-torch2.15
+# The three environments' installs run at once (each line of their output whole: --output-sync), the
+# suites one after another.
+test:
+	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages
+	$(MAKE) test-torch2.13 test-torch2.14 test-torch2.15
 
 test-torch2.13: setup
 	$(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
@@ -131,4 +140,4 @@ asan: setup
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
-	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed .venv-torch*/.installed
+	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed .venv-torch*/.installed .venv-torch*/.packages
