@@ -65,8 +65,9 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	touch $@
 
 # The later environments' packages install beside .venv's (make test runs the three at once: pip waits
-# on downloads and unpacking more than on the cores); the engine goes into each after .venv built it once:
-# the extensions import no torch, so every environment loads the same ones.
+# on downloads and unpacking more than on the cores). The engine goes into each just before its suite:
+# the editable install builds the extensions again, in place, linked to that environment's MPI (they
+# import no torch, so the same sources serve every torch).
 .PRECIOUS: .venv-torch%/.packages
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*

@@ -7,6 +7,7 @@
     mpirun -n 2 python -m engine.bench tune -o tuning.json    # a tuning file for ENGINE_TUNING_FILE
     python -m engine.bench table out.json                     # Markdown tables of a run
     python -m engine.bench kernels                            # the kernels' GB/s against memcpy, per ISA
+    python -m engine.bench floor                              # a bare 2-thread two-shot: this machine's floor
 """
 
 import argparse
@@ -88,6 +89,9 @@ def main(argv=None):
     if argv[:1] == ["kernels"]:
         from .kernels import main as kernels
         return kernels(argv[1:])
+    if argv[:1] == ["floor"]:
+        from .floor import main as floor
+        return floor(argv[1:])
     if argv[:1] == ["tune"]:
         from .tune import main as tune
         return tune(argv[1:])

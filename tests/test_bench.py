@@ -125,3 +125,14 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
     assert plot.returncode == 0, plot.stderr
     assert png.stat().st_size > 10000
     json.loads(out.read_text())  # plain JSON for other tools
+
+
+def test_two_shot_floor_builds_runs_and_checks_its_result():
+    """python -m bench floor: its C program compiled here, an odd count and a step that doesn't divide
+    the size, the one checked allreduce right."""
+    out = subprocess.run([sys.executable, "-m", "bench", "floor", "-b", "1004", "-e", "64K", "-f", "64",
+                          "--step", "24K", "--rounds", "3", "--budget", "0.01"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert [int(r[0]) for r in rows] == [1004, 64256] and all(r[3] == "OK" and float(r[1]) > 0 for r in rows)
