@@ -58,6 +58,8 @@ def main(argv):
         p.error("--rounds must be 1 to 64")
     if args.step < 8:
         p.error("--step must be at least 8 bytes")
+    if len(os.sched_getaffinity(0)) < 2:   # its threads spin: on one core each waits out the other's slices
+        sys.exit("python -m bench floor needs two cores (its two threads stand for two ranks on their own cores)")
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

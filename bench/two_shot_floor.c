@@ -11,7 +11,6 @@
  *
  * usage: two_shot_floor BYTES STEP_BYTES ITERS ROUNDS -> "BYTES MEDIAN_US OK|WRONG" */
 #define _GNU_SOURCE
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -26,6 +25,15 @@ static float *input[2], *half[2];
 static double seconds[2][64];
 static atomic_int arrived, generation;
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ volatile("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
 static void barrier(void) {
     int g = atomic_load(&generation);
     if (atomic_fetch_add(&arrived, 1) == 1) {
@@ -33,7 +41,7 @@ static void barrier(void) {
         atomic_fetch_add(&generation, 1);
     } else {
         while (atomic_load(&generation) == g)
-            _mm_pause();
+            cpu_relax();
     }
 }
 
