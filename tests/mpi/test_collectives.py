@@ -51,6 +51,28 @@ def test_allreduce_bfloat16_torch_tensors(algo):
             assert torch.equal(t, bf16(ref)), (algo, op, n, t[:8], ref[:8])
 
 
+@pytest.mark.parametrize("algo", [a for a in ALGOS if a in ("oneshot", "twoshot", "twoshot_threads")] + [None])
+def test_allreduce_reduces_a_step_of_many_blocks(algo):
+    """The segment's reductions run block by block (8 KiB, eng_reduce_many in pyx/kernels.h), each
+    block into the output and the slot: a rank's part of a two-shot step here spans a dozen blocks
+    and a tail (the matrix's small slots and the counts above give it at most one), SUM and AVG, in
+    place and out."""
+    n = 12 * 2048 * P + 5
+    for op in ("sum", "avg"):
+        for dtype in ("float32", "float64"):
+            ref = reference(op, everyone(n, dtype))
+            out = np.full(n, 99, dtype=dtype)
+            WORLD.allreduce(rank_data(R, n, dtype), out, op=op, algorithm=algo)
+            np.testing.assert_array_equal(out, ref, err_msg=f"{algo} {op} {dtype} out-of-place")
+            buf = rank_data(R, n, dtype)
+            WORLD.allreduce(buf, op=op, algorithm=algo)
+            np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} in place")
+        want = np.add.reduce(np.stack(everyone(n, "float32")), axis=0)
+        t = bf16(rank_data(R, n, "float32"))
+        WORLD.allreduce(t, op=op, algorithm=algo)
+        assert torch.equal(t, bf16(want if op == "sum" else want / P)), (algo, op)
+
+
 def test_allreduce_torch_tensors_without_copies():
     t = torch.arange(10, dtype=torch.float32) * (R + 1)
     ptr = t.data_ptr()
