@@ -23,6 +23,17 @@ def everyone(n, dtype, salt=0):
     return [rank_data(r, n, dtype, salt) for r in range(P)]
 
 
+def check_allreduce(comm, algo, op, dtype, n):
+    """comm's allreduce of every rank's data against the reference, out of place and in place."""
+    ref = reference(op, everyone(n, dtype))
+    out = np.full(n, 99, dtype=dtype)
+    comm.allreduce(rank_data(R, n, dtype), out, op=op, algorithm=algo)
+    np.testing.assert_array_equal(out, ref, err_msg=f"{algo} {op} {dtype} n={n} out-of-place")
+    buf = rank_data(R, n, dtype)
+    comm.allreduce(buf, op=op, algorithm=algo)
+    np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} n={n} in place")
+
+
 @pytest.mark.parametrize("comm", [WORLD, TINY], ids=["default-seg", "64B-seg"])
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", NUMPY_DTYPES)
@@ -31,13 +42,7 @@ def test_allreduce_every_op_count_algorithm(comm, algo, dtype):
         if not op_supported(op, dtype):
             continue
         for n in COUNTS:
-            ref = reference(op, everyone(n, dtype))
-            out = np.full(n, 99, dtype=dtype)
-            comm.allreduce(rank_data(R, n, dtype), out, op=op, algorithm=algo)
-            np.testing.assert_array_equal(out, ref, err_msg=f"{algo} {op} {dtype} n={n} out-of-place")
-            buf = rank_data(R, n, dtype)
-            comm.allreduce(buf, op=op, algorithm=algo)
-            np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} n={n} in place")
+            check_allreduce(comm, algo, op, dtype, n)
 
 
 @pytest.mark.parametrize("algo", ALGOS + [None])
@@ -60,13 +65,7 @@ def test_allreduce_reduces_a_step_of_many_blocks(algo):
     n = 12 * 2048 * P + 5
     for op in ("sum", "avg"):
         for dtype in ("float32", "float64"):
-            ref = reference(op, everyone(n, dtype))
-            out = np.full(n, 99, dtype=dtype)
-            WORLD.allreduce(rank_data(R, n, dtype), out, op=op, algorithm=algo)
-            np.testing.assert_array_equal(out, ref, err_msg=f"{algo} {op} {dtype} out-of-place")
-            buf = rank_data(R, n, dtype)
-            WORLD.allreduce(buf, op=op, algorithm=algo)
-            np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} in place")
+            check_allreduce(WORLD, algo, op, dtype, n)
         want = np.add.reduce(np.stack(everyone(n, "float32")), axis=0)
         t = bf16(rank_data(R, n, "float32"))
         WORLD.allreduce(t, op=op, algorithm=algo)
