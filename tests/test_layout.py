@@ -3,7 +3,11 @@
 nothing. Cython itself resolves module-level names in any order, so no compile shows a missing
 declaration: this test reads the sources instead."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 PYX = Path(__file__).resolve().parent.parent / "pyx"
@@ -67,6 +71,19 @@ def test_every_compiled_module_in_the_tree_is_one_setup_py_builds():
     compiled = [so.relative_to(root) for package in ("engine", "torchbridge") for so in (root / package).rglob("*.so")]
     stale = [str(so) for so in compiled if ".".join(so.with_suffix("").with_suffix("").parts) not in built]
     assert not stale, f"compiled modules no source builds any more: {stale}; delete them (make clean)"
+
+
+def test_an_install_without_a_build_takes_the_trees_modules_or_names_what_it_lacks(tmp_path):
+    """ENGINE_BUILD_EXTENSIONS=0 (the Makefile's later torch environments): setup.py builds nothing
+    where the tree holds every compiled module, and refuses, naming them, where it holds none."""
+    root = PYX.parent
+    env = {**os.environ, "ENGINE_BUILD_EXTENSIONS": "0"}
+    here = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True)
+    assert here.returncode == 0 and here.stdout.split()[-1] == "engine", here.stderr[-2000:]
+    for name in ("setup.py", "build_backend.py"):
+        shutil.copy(root / name, tmp_path / name)
+    bare = subprocess.run([sys.executable, "setup.py", "--name"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bare.returncode != 0 and "lacks engine._core, engine._progress" in bare.stderr, bare.stderr[-2000:]
 
 
 def test_architecture_file_map_matches_the_tree():
