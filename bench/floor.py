@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+import engine.kernels
+
 from .busbw import format_size, parse_size, size_sweep
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_shot_floor.c")
@@ -60,12 +62,7 @@ def main(argv):
         p.error("--step must be at least 8 bytes")
     if len(os.sched_getaffinity(0)) < 2:   # its threads spin: on one core each waits out the other's slices
         sys.exit("python -m bench floor needs two cores (its two threads stand for two ranks on their own cores)")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = engine.kernels.cpu()["model"] or platform.machine()
     print(f"# two-shot floor: 2 threads of one process, float32 SUM in place, step {format_size(args.step)}, "
           f"{os.cpu_count()} cores of {cpu}; median of {args.rounds} rounds")
     print(f"# {'size':>10} {'us':>10} {'GB/s':>7} {'check':>6}")

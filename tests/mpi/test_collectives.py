@@ -34,6 +34,16 @@ def check_allreduce(comm, algo, op, dtype, n):
     np.testing.assert_array_equal(buf, ref, err_msg=f"{algo} {op} {dtype} n={n} in place")
 
 
+def check_bf16_allreduce(comm, algo, op, n):
+    """comm's allreduce of bfloat16 tensors (holding every rank's data exactly) against the float32
+    reference rounded once."""
+    arrays = everyone(n, "float32")
+    ref = reference(op, arrays) if op != "avg" else np.add.reduce(np.stack(arrays), axis=0) / P
+    t = bf16(rank_data(R, n, "float32"))
+    comm.allreduce(t, op=op, algorithm=algo)
+    assert torch.equal(t, bf16(ref)), (algo, op, n, t[:8], ref[:8])
+
+
 @pytest.mark.parametrize("comm", [WORLD, TINY], ids=["default-seg", "64B-seg"])
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", NUMPY_DTYPES)
@@ -49,11 +59,7 @@ def test_allreduce_every_op_count_algorithm(comm, algo, dtype):
 def test_allreduce_bfloat16_torch_tensors(algo):
     for op in ["sum", "product", "min", "max", "avg"]:
         for n in COUNTS:
-            arrays = everyone(n, "float32")
-            ref = reference(op, arrays) if op != "avg" else np.add.reduce(np.stack(arrays), axis=0) / P
-            t = bf16(rank_data(R, n, "float32"))
-            TINY.allreduce(t, op=op, algorithm=algo)
-            assert torch.equal(t, bf16(ref)), (algo, op, n, t[:8], ref[:8])
+            check_bf16_allreduce(TINY, algo, op, n)
 
 
 @pytest.mark.parametrize("algo", [a for a in ALGOS if a in ("oneshot", "twoshot", "twoshot_threads")] + [None])
@@ -66,10 +72,7 @@ def test_allreduce_reduces_a_step_of_many_blocks(algo):
     for op in ("sum", "avg"):
         for dtype in ("float32", "float64"):
             check_allreduce(WORLD, algo, op, dtype, n)
-        want = np.add.reduce(np.stack(everyone(n, "float32")), axis=0)
-        t = bf16(rank_data(R, n, "float32"))
-        WORLD.allreduce(t, op=op, algorithm=algo)
-        assert torch.equal(t, bf16(want if op == "sum" else want / P)), (algo, op)
+        check_bf16_allreduce(WORLD, algo, op, n)
 
 
 def test_allreduce_torch_tensors_without_copies():
