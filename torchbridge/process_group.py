@@ -206,7 +206,9 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     supports_coalescing = False
     supports_time_estimate = False
     supports_shrinking = False
-    supports_tensor_alloc = False
+
+    def supports_tensor_alloc(self, device):  # a method on torch's Backend: FSDP2 calls it
+        return False
 
     @property
     def _device_types(self):

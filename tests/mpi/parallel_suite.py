@@ -66,6 +66,10 @@ def test_fsdp2_trains_like_one_process_on_the_full_batch():
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # FSDP2 then asks the group's backend whether it allocates the staging buffers
+    # (backend.supports_tensor_alloc(device)); the DCP test below keeps FSDP2's default
+    for module in (model[0], model[2], model[4]):
+        module.set_allocate_memory_from_process_group_for_comm(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in batches:
         mine = slice(R * len(x) // P, (R + 1) * len(x) // P)  # equal shares: 48 rows, P in 1..4
