@@ -14,7 +14,6 @@ TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 # transport existed, until `python -m bench` with backends engine-interhost-tcp,engine-interhost-mpi
 # across hosts shows TCP at least as fast at every size.
 INTERHOST = ("mpi", "tcp")
-DEFAULT_INTERHOST = "mpi"
 
 
 class MpiBootstrap:
@@ -55,7 +54,6 @@ class StoreBootstrap:
         return out
 
     def split(self, color, key, name):
-        """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
         everyone = self.allgather((color, key))
         if color is None:
             return None
@@ -125,13 +123,7 @@ def choose_transport(requested, hosts, mpi=True):
 
 def interhost():
     """What carries bytes between hosts under an MPI launch: ENGINE_INTERHOST=mpi|tcp."""
-    return env_choice("ENGINE_INTERHOST", INTERHOST, DEFAULT_INTERHOST)
-
-
-def default_queue_bytes(size):
-    # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
-    # the pages are touched only by pairs that talk).
-    return max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+    return env_choice("ENGINE_INTERHOST", INTERHOST, "mpi")
 
 
 def make_segment(boot, everyone):
@@ -140,7 +132,10 @@ def make_segment(boot, everyone):
     from . import _core
     size, rank = boot.size, boot.rank
     half = env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20, minimum=0)   # (the segment checks the least it needs)
-    queue = env_int("ENGINE_SHM_QUEUE_BYTES", default_queue_bytes(size), minimum=0)
+    # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
+    # the pages are touched only by pairs that talk).
+    queue = env_int("ENGINE_SHM_QUEUE_BYTES", max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size))),
+                    minimum=0)
     seg = desc = error = None
     if rank == 0:
         try:

@@ -2,15 +2,9 @@
 
 Buffers are numpy arrays, torch CPU tensors, bytearrays or DLPack objects, read without copies.
 Output arguments are written in place; a missing recvbuf means "in place on sendbuf" where that is
-allowed. Every transfer and kernel runs without the GIL.
-
-The transport is chosen per group (ENGINE_TRANSPORT=auto|shm|mpi|tcp): ranks that all share one
-host talk through one shared-memory segment (engine._core.ShmComm); across hosts the engine's own
-TCP transport (engine._core.TcpComm) or, under an MPI launcher, MPI (engine._mpi.MpiComm) carries the
-data (ENGINE_INTERHOST), in two levels where hosts have several ranks each (engine.hierarchy). Either
-way the same compiled core parses buffers, checks arguments and records every operation for the
-group's Watch (engine/watch.py): timeouts, stall warnings, flight recorder, trace. With
-ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
+allowed. Every transfer and kernel runs without the GIL. Whatever the group's transport (engine/transports.py),
+one compiled core parses buffers, checks arguments and records every operation for the group's Watch
+(engine/watch.py). With ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
 """
 
 import os
@@ -34,11 +28,6 @@ _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
 _CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
                "barrier") + _POINT_TO_POINT
-
-
-def debug_enabled():
-    return os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
-        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
 class Communicator:
@@ -70,7 +59,8 @@ class Communicator:
         self.size = self._core.size
         self.name = name
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
-        self._debug = debug_enabled()
+        self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         # (a stage of another group's hierarchy is one level of it: never two levels itself)
         self._hier, self._stages = None, ()
         built = None if _stage else hierarchy.build(self, _boot, everyone,
@@ -194,16 +184,15 @@ class Communicator:
         for part in getattr(self, "_stages", ()):
             part.free()
         self._hier, self._stages = None, ()
-        from_mpi = self._mpi_comms
         if self._core is not None:
             self._core.leave()
         self._core = None
         for name in _CORE_CALLS:
             self.__dict__.pop(name, None)
-        if from_mpi:
+        if self._mpi_comms:
             from . import mpi
             MPI = mpi.load()
-            for c in from_mpi:
+            for c in self._mpi_comms:
                 if c != MPI.COMM_NULL:
                     c.Free()
         self._mpi_comms = []

@@ -96,13 +96,6 @@ def bucket_scales(code, wire, dtype, size, prescale):
     return before, after
 
 
-def _spec(t):
-    # The MPI path takes host memory only (the buffer layer refuses device tensors), so every
-    # bucket here is a "cpu" one; the device field keeps plans ready for device-side fusion.
-    count, itemsize, dtype = _core.message_shape(t)
-    return count, dtype, itemsize, "cpu"
-
-
 class FusedAllreduce:
     """Allreduce of a list of tensors/arrays through fused buckets, in place."""
 
@@ -130,7 +123,9 @@ class FusedAllreduce:
                 if parts.total_bytes:
                     self._reduce_in_segment(parts, parts.dtype_name, code, summed, compression, prescale)
                 return tensors
-        specs = [_spec(t) for t in tensors]
+        # The MPI path takes host memory only (the buffer layer refuses device tensors), so every
+        # bucket here is a "cpu" one; the device field keeps plans ready for device-side fusion.
+        specs = [(count, dtype, itemsize, "cpu") for count, itemsize, dtype in map(_core.message_shape, tensors)]
         buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
         if not buckets:
             return tensors

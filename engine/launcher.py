@@ -42,8 +42,3 @@ def usable_cores():
         return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return tuple(range(os.cpu_count() or 1))
-
-
-def host_cores():
-    """The cores of this host (before MPI starts, the affinity a launcher set says one rank's share)."""
-    return os.cpu_count() or 1

@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import failure
-from .launcher import detect_launcher, host_cores
+from .launcher import detect_launcher
 
 _YIELD = "OMPI_MCA_mpi_yield_when_idle"
 
@@ -27,7 +27,8 @@ def polite_env(environ=None, cores=None):
     launched = detect_launcher(env)
     if launched is None or launched[4] is None or _YIELD in env:
         return None
-    cores = cores or host_cores()
+    # this host's cores (before MPI starts, the affinity a launcher set says one rank's share)
+    cores = cores or os.cpu_count() or 1
     if launched[4] < cores:
         return None
     env[_YIELD] = "1"

@@ -168,7 +168,7 @@ def _hierarchy(transport, place="host"):
     }
 
 
-_MPI_HIER, _TCP_HIER, _SHM_HIER = _hierarchy("mpi"), _hierarchy("tcp"), _hierarchy("shm", "socket")
+_SHM_HIER = _hierarchy("shm", "socket")
 
 
 def _p2p(transport, auto=True):
@@ -201,11 +201,18 @@ def _p2p(transport, auto=True):
     }
 
 
-def _every(p2p):
-    return tuple(e for entries in p2p.values() for e in entries)
+def _by_collective(*tables):
+    """The entries of {collective: entries} tables in COLLECTIVES order, each collective's table by table."""
+    return tuple(e for c in COLLECTIVES for table in tables for e in table.get(c, ()))
 
 
-_TCP_P2P = _p2p("tcp")
+_MPI_NATIVE = {c: (Entry(c, "mpi", "native", Impl.NATIVE, doc,
+                         params=(("chunk_elements", MPI_CHUNK),) if c in ("allreduce", "broadcast", "reduce") else ()),)
+               for c, doc in (("allreduce", "MPI_Allreduce"), ("broadcast", "MPI_Bcast"), ("reduce", "MPI_Reduce"),
+                              ("allgather", "MPI_Allgather(v)"), ("gather", "MPI_Gather(v)"),
+                              ("scatter", "MPI_Scatter(v)"), ("reduce_scatter", "MPI_Reduce_scatter(_block)"),
+                              ("alltoall", "MPI_Alltoall(v)"), ("barrier", "MPI_Barrier"),
+                              ("sendrecv", "MPI_Isend / MPI_Irecv"))}
 
 
 ENTRIES = (
@@ -247,48 +254,27 @@ ENTRIES = (
           "rendezvous: the receiver copies straight from the sender's buffer", min_bytes=SINGLE_COPY_MIN,
           max_bytes=SINGLE_COPY_MAX, needs=frozenset({"single_copy"})),
     Entry("sendrecv", "shm", "queue", Impl.SEGMENT, "framed through the pair's byte ring"),
-    *_every(_p2p("shm", auto=False)),   # the same algorithms over the segment's queues
+    *_by_collective(_p2p("shm", auto=False)),   # the same algorithms over the segment's queues
 
     # -- MPI (across hosts under mpirun with ENGINE_INTERHOST=mpi; one host with ENGINE_TRANSPORT=mpi) --
-    *_MPI_HIER["allreduce"],
-    Entry("allreduce", "mpi", "rdouble", Impl.RDOUBLE, "recursive doubling over MPI point-to-point",
-          max_bytes=RDOUBLE_MAX, min_ranks=2),
-    Entry("allreduce", "mpi", "ring", Impl.RING, "the pipelined ring over MPI point-to-point", min_bytes=RING_MIN,
-          min_ranks=2, params=(("segment_bytes", RING_SEGMENT),)),
-    Entry("allreduce", "mpi", "native", Impl.NATIVE, "MPI_Allreduce", params=(("chunk_elements", MPI_CHUNK),)),
-    *_MPI_HIER["broadcast"],
-    Entry("broadcast", "mpi", "native", Impl.NATIVE, "MPI_Bcast", params=(("chunk_elements", MPI_CHUNK),)),
-    Entry("reduce", "mpi", "native", Impl.NATIVE, "MPI_Reduce", params=(("chunk_elements", MPI_CHUNK),)),
-    *_MPI_HIER["allgather"],
-    Entry("allgather", "mpi", "native", Impl.NATIVE, "MPI_Allgather(v)"),
-    Entry("gather", "mpi", "native", Impl.NATIVE, "MPI_Gather(v)"),
-    Entry("scatter", "mpi", "native", Impl.NATIVE, "MPI_Scatter(v)"),
-    *_MPI_HIER["reduce_scatter"],
-    Entry("reduce_scatter", "mpi", "native", Impl.NATIVE, "MPI_Reduce_scatter(_block)"),
-    Entry("alltoall", "mpi", "native", Impl.NATIVE, "MPI_Alltoall(v)"),
-    Entry("barrier", "mpi", "native", Impl.NATIVE, "MPI_Barrier"),
-    Entry("sendrecv", "mpi", "native", Impl.NATIVE, "MPI_Isend / MPI_Irecv"),
-    *_every(_p2p("mpi", auto=False)),   # the same algorithms over MPI point-to-point
+    *_by_collective(_hierarchy("mpi"), {"allreduce": (
+        Entry("allreduce", "mpi", "rdouble", Impl.RDOUBLE, "recursive doubling over MPI point-to-point",
+              max_bytes=RDOUBLE_MAX, min_ranks=2),
+        Entry("allreduce", "mpi", "ring", Impl.RING, "the pipelined ring over MPI point-to-point", min_bytes=RING_MIN,
+              min_ranks=2, params=(("segment_bytes", RING_SEGMENT),)))}, _MPI_NATIVE),
+    *_by_collective(_p2p("mpi", auto=False)),   # the same algorithms over MPI point-to-point
 
     # -- TCP (across hosts without MPI: torchrun, Kubernetes, Ray; under mpirun with ENGINE_INTERHOST=tcp;
     #    one host with ENGINE_TRANSPORT=tcp). Every collective is the engine's own over point-to-point. --
-    *_TCP_HIER["allreduce"],
-    Entry("allreduce", "tcp", "rdouble", Impl.RDOUBLE, "recursive doubling over TCP", max_bytes=TCP_RDOUBLE_MAX,
-          min_ranks=2),
-    Entry("allreduce", "tcp", "ring", Impl.RING, "the pipelined ring over TCP", params=(("segment_bytes", RING_SEGMENT),)),
-    *_TCP_HIER["broadcast"],
-    *_TCP_P2P["broadcast"],
-    *_TCP_P2P["reduce"],
-    *_TCP_HIER["allgather"],
-    *_TCP_P2P["allgather"],
-    *_TCP_P2P["gather"],
-    *_TCP_P2P["scatter"],
-    *_TCP_HIER["reduce_scatter"],
-    *_TCP_P2P["reduce_scatter"],
-    *_TCP_P2P["alltoall"],
-    *_TCP_P2P["barrier"],
-    Entry("sendrecv", "tcp", "stream", Impl.NATIVE,
-          "framed over the pair's connections; into the posted receive's buffer, without a copy"),
+    *_by_collective(_hierarchy("tcp"), {
+        "allreduce": (
+            Entry("allreduce", "tcp", "rdouble", Impl.RDOUBLE, "recursive doubling over TCP",
+                  max_bytes=TCP_RDOUBLE_MAX, min_ranks=2),
+            Entry("allreduce", "tcp", "ring", Impl.RING, "the pipelined ring over TCP",
+                  params=(("segment_bytes", RING_SEGMENT),))),
+        "sendrecv": (Entry("sendrecv", "tcp", "stream", Impl.NATIVE,
+                           "framed over the pair's connections; into the posted receive's buffer, without a copy"),),
+    }, _p2p("tcp")),
 
     # -- NCCL (CUDA tensors, engine.cuda) --
     Entry("allreduce", "nccl", "nccl", Impl.NATIVE, "ncclAllReduce", takes=_nccl_reduces),

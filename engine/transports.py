@@ -10,6 +10,7 @@ MPI communicators the group owns.
 """
 
 import sys
+from collections import namedtuple
 
 from . import _core, registry
 from .bootstrap import MpiBootstrap, local_cores, make_segment
@@ -17,11 +18,8 @@ from .config import env_int
 from .launcher import local_size
 
 
-class Opened:
-    """A transport's core for one group: core, caps (set), mpi_comms (the group's, freed with it)."""
-
-    def __init__(self, core, caps, mpi_comms):
-        self.core, self.caps, self.mpi_comms = core, caps, mpi_comms
+# A transport's core for one group: core, caps (set), mpi_comms (the group's, freed with it).
+Opened = namedtuple("Opened", "core caps mpi_comms")
 
 
 def _mpi_comm_of(boot, owned):
@@ -93,8 +91,6 @@ class Mpi(_Transport):
 
     @staticmethod
     def open(boot, everyone, seg_bytes, timeout, owned, parent):
-        if not isinstance(boot, MpiBootstrap):
-            raise RuntimeError("the MPI transport needs an MPI launch (mpirun); this group was made without one")
         from . import mpi
         MPI = mpi.load()
         # three: the collectives', the user's point-to-point and the algorithms' own messages never mix

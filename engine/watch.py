@@ -47,13 +47,6 @@ def _join_store_queries():
 SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
 
 
-def record_line(rec, t0):
-    dur = f"{(rec[END] - rec[START]) * 1e3:10.3f} ms" if rec[END] is not None else \
-        f"{'running':>10} {time.monotonic() - rec[START]:.1f}s"
-    return (f"#{rec[SEQ]:<6} {rec[OP]:<16} {rec[COUNT]!s:>12} {rec[DTYPE]!s:<9} {rec[ALGO] or '-':<8} "
-            f"start {rec[START] - t0:10.4f}s {dur} {rec[STATE]}")
-
-
 class Watch:
     """The per-communicator policy: timeouts, stall warnings, arrival notes, dumps, the trace."""
 
@@ -111,20 +104,20 @@ class Watch:
 
     def timed_out(self, rec, elapsed):
         missing = self.missing(rec)
-        waits = self.core.waiting_on() if self.core is not None else None
+        waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}"
                + (f"; {waits}" if waits else ""))
-        self.core.set_broken(msg)
-        failure.group_failed(msg)
-        self.dump(msg)
-        return EngineTimeout(msg)
+        return self._break(msg, EngineTimeout)
 
     def mismatch(self, msg):
+        return self._break(msg, EngineMismatch)
+
+    def _break(self, msg, error):
         self.core.set_broken(msg)
         failure.group_failed(msg)
         self.dump(msg)
-        return EngineMismatch(msg)
+        return error(msg)
 
     def _failed(self, rec, exc):
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
@@ -215,10 +208,14 @@ class Watch:
 
     def dump(self, reason, out=None):
         out = out or sys.stderr
-        recs = self.core.records() if self.core is not None else []
+        recs = self.core.records()
         lines = [f"engine: flight recorder of group {self.group!r}, rank {self.rank} of {self.size}: {reason}",
                  f"engine:   last {len(recs)} operations (seq, op, count, dtype, algorithm, start, duration, state)"]
-        lines += [f"engine:   {record_line(r, self.t0)}" for r in recs]
+        for rec in recs:
+            dur = f"{(rec[END] - rec[START]) * 1e3:10.3f} ms" if rec[END] is not None else \
+                f"{'running':>10} {time.monotonic() - rec[START]:.1f}s"
+            lines.append(f"engine:   #{rec[SEQ]:<6} {rec[OP]:<16} {rec[COUNT]!s:>12} {rec[DTYPE]!s:<9} "
+                         f"{rec[ALGO] or '-':<8} start {rec[START] - self.t0:10.4f}s {dur} {rec[STATE]}")
         print("\n".join(lines), file=out, flush=True)
         if self.trace is not None:
             self.trace.write()
@@ -250,8 +247,7 @@ class _Registry:
         # (A frame of its own: a loop variable left in the thread's frame would keep the last group it saw,
         # its segment, sockets and store, alive after the group is destroyed.)
         for watch in list(self.watches):
-            core = watch.core
-            rec = core.current() if core is not None else None
+            rec = watch.core.current()
             if rec is None or not rec[NATIVE]:
                 continue
             elapsed = time.monotonic() - rec[START]
@@ -261,10 +257,6 @@ class _Registry:
                 print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
                       "aborting the job", file=sys.stderr, flush=True)
                 failure.abort(3)
-
-    def dump_all(self, reason):
-        for watch in list(self.watches):
-            watch.dump(reason)
 
 
 _registry = _Registry()
@@ -277,7 +269,7 @@ def _install_dump_signal():
         return
     try:
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, lambda *_: _registry.dump_all("SIGUSR1"))
+            signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in list(_registry.watches)])
     except (ValueError, OSError):
         pass
 

@@ -55,9 +55,6 @@ class CudaCommunicator:
         self._allreduce(ptr, count, itemsize, dtype, op_code(op), stream, algorithm)
         return buf
 
-    def algorithm_for(self, dtype, op, nbytes, collective="allreduce"):
-        return self._choose(collective, nbytes, dtype, op_code(op)).name
-
     def _choose(self, collective, nbytes, dtype, op, uneven=False, algorithm=None):
         """The registry entry this call runs (algorithm: a name of one, as the tests force it)."""
         name = ReduceOp(op).name.lower() if isinstance(op, int) else None
@@ -85,12 +82,6 @@ class CudaCommunicator:
                        scratch.data.ptr, stream)
         if op == ReduceOp.AVG and self.size > 1:
             self.kernels.scale(ptr, count, dtype, self.size, stream, divide=True)
-
-    def scale(self, buf, factor, *, stream):
-        """buf *= factor, in place (PREMUL_SUM's premultiplication)."""
-        ptr, count, _, dtype, _ = self._message(buf)
-        self.kernels.scale(ptr, count, dtype, factor, stream)
-        return buf
 
     def reduce(self, sendbuf, recvbuf, op, root, *, stream):
         """recvbuf on root = op over ranks of sendbuf (recvbuf may be sendbuf; ignored off the root)."""
@@ -187,12 +178,6 @@ class CudaCommunicator:
         offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr + offs[root], rptr, rcount * itemsize,
                                  [(sptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], [], stream)
-
-    def send(self, buf, peer, *, stream):
-        self.sendrecv([(buf, peer)], [], stream=stream)
-
-    def recv(self, buf, peer, *, stream):
-        self.sendrecv([], [(buf, peer)], stream=stream)
 
     def sendrecv(self, sends, recvs, *, stream):
         """Sends [(buffer, peer)] and receives [(buffer, peer)] posted in one NCCL group call, so

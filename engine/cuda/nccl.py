@@ -5,7 +5,6 @@ Calls take pointers, counts and NCCL codes (tables.py) and enqueue on the given 
 blocks the host. Movement collectives send bytes (ncclInt8), so every dtype moves, complex included.
 """
 
-import contextlib
 import threading
 
 from . import load_cupy
@@ -56,52 +55,42 @@ class NcclComm:
         if self._comm is None:
             raise RuntimeError("the NCCL communicator was destroyed (process group shut down)")
 
-    @contextlib.contextmanager
-    def group(self):
-        """ncclGroupStart/End around the calls made inside: sends and receives posted together."""
+    def _call(self, name, *args):
         with self.lock:
             self._check()
-            self._nccl.groupStart()
-            try:
-                yield self._comm
-            finally:
-                self._nccl.groupEnd()
+            getattr(self._comm, name)(*args)
 
     def allreduce(self, send, recv, count, nccl_dtype, nccl_op, stream):
-        with self.lock:
-            self._check()
-            self._comm.allReduce(send, recv, count, nccl_dtype, nccl_op, stream)
+        self._call("allReduce", send, recv, count, nccl_dtype, nccl_op, stream)
 
     def reduce(self, send, recv, count, nccl_dtype, nccl_op, root, stream):
-        with self.lock:
-            self._check()
-            self._comm.reduce(send, recv, count, nccl_dtype, nccl_op, root, stream)
+        self._call("reduce", send, recv, count, nccl_dtype, nccl_op, root, stream)
 
     def reduce_scatter(self, send, recv, recv_count, nccl_dtype, nccl_op, stream):
-        with self.lock:
-            self._check()
-            self._comm.reduceScatter(send, recv, recv_count, nccl_dtype, nccl_op, stream)
+        self._call("reduceScatter", send, recv, recv_count, nccl_dtype, nccl_op, stream)
 
     def broadcast(self, send, recv, nbytes, root, stream):
-        with self.lock:
-            self._check()
-            self._comm.broadcast(send, recv, nbytes, NCCL_INT8, root, stream)
+        self._call("broadcast", send, recv, nbytes, NCCL_INT8, root, stream)
 
     def allgather(self, send, recv, nbytes, stream):
-        with self.lock:
-            self._check()
-            self._comm.allGather(send, recv, nbytes, NCCL_INT8, stream)
+        self._call("allGather", send, recv, nbytes, NCCL_INT8, stream)
 
     def exchange(self, sends, recvs, stream):
-        """Posts, in one group call, sends [(pointer, bytes, peer)] and receives [(pointer, bytes, peer)]:
-        the building block of all-to-all, gather, scatter and uneven all-gather."""
-        with self.group() as comm:
-            for ptr, nbytes, peer in sends:
-                if nbytes:
-                    comm.send(ptr, nbytes, NCCL_INT8, peer, stream)
-            for ptr, nbytes, peer in recvs:
-                if nbytes:
-                    comm.recv(ptr, nbytes, NCCL_INT8, peer, stream)
+        """Posts, in one group call (ncclGroupStart/End), sends [(pointer, bytes, peer)] and receives
+        [(pointer, bytes, peer)]: the building block of all-to-all, gather, scatter and uneven all-gather."""
+        with self.lock:
+            self._check()
+            comm = self._comm
+            self._nccl.groupStart()
+            try:
+                for ptr, nbytes, peer in sends:
+                    if nbytes:
+                        comm.send(ptr, nbytes, NCCL_INT8, peer, stream)
+                for ptr, nbytes, peer in recvs:
+                    if nbytes:
+                        comm.recv(ptr, nbytes, NCCL_INT8, peer, stream)
+            finally:
+                self._nccl.groupEnd()
 
     def check_async_error(self):
         """Raises NcclError when NCCL hit an asynchronous error (a peer vanished, a network failure)."""
