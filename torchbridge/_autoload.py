@@ -42,7 +42,8 @@ def _wrap_init_process_group(dist):
 
     @functools.wraps(original)
     def init_process_group(backend=None, init_method=None, *args, **kwargs):
-        if not _names_engine(backend) or dist.is_initialized():  # a second init: torch refuses it at once
+        named = backend is not None and BACKEND in str(backend).lower().replace(":", ",").split(",")
+        if not named or dist.is_initialized():  # a second init: torch refuses it at once
             return original(backend, init_method, *args, **kwargs)
         try:
             if init_method in (None, "env://") and kwargs.get("store") is None:
@@ -77,24 +78,15 @@ def _bounded_init(dist, original, backend, init_method, args, kwargs):
     return original(*call.args, **call.kwargs)
 
 
-def _mpi_up():
-    """mpi4py's MPI module when MPI is initialised in this process and not finalised, else None.
-    Looked up, never imported: `import torch` must not load MPI."""
-    import sys
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
-        return None
-    return MPI
-
-
 def _failed_at_init(exc):
     """A rank whose init_process_group fails (a RANK that disagrees with the launcher, a rendezvous
     error, anything) must not leave the others waiting for it. Without MPI up the launcher sees the
     process exit non-zero and ends the job (mpirun, torchrun); with MPI up (the engine's own bootstrap,
     or a script or library that initialised MPI first) the rank would wait in MPI_Finalize for ranks
     that wait for it: it aborts the job at exit instead (engine.failure)."""
-    MPI = _mpi_up()
-    if MPI is None or MPI.COMM_WORLD.Get_size() == 1:
+    import sys
+    MPI = sys.modules.get("mpi4py.MPI")   # looked up, never imported: `import torch` must not load MPI
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     from engine import failure, mpi
     mpi.load()  # arms the failure policy where MPI was started by someone else
@@ -106,7 +98,3 @@ def _succeeded_at_init():
     failure = sys.modules.get("engine.failure")
     if failure is not None:
         failure.init_succeeded()
-
-
-def _names_engine(backend):
-    return backend is not None and BACKEND in str(backend).lower().replace(":", ",").split(",")

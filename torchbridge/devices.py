@@ -39,7 +39,6 @@ def contiguous(t):
 
 
 def _through_contiguous(fn, tensors, *args, **kwargs):
-    """fn(tensors, ...), through contiguous copies of those that are not, written back after."""
     work = [contiguous(t) for t in tensors]
     fn(work, *args, **kwargs)
     for t, w in zip(tensors, work):
@@ -162,16 +161,14 @@ class CudaDevice:
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         self._check()
-        if self._pending:
-            self.flush()  # point-to-point issued earlier goes first
+        self.flush()  # point-to-point issued earlier goes first
         (fn(a, b, c) if nargs == 3 else fn(a, b) if nargs == 2 else fn(a) if nargs == 1 else fn())
         return self._work(name, outputs)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         from engine.cuda.fusion import CudaFusedAllreduce
         self._check()
-        if self._pending:
-            self.flush()
+        self.flush()
         if self._fusion is None:
             self._fusion = CudaFusedAllreduce(self.cc)
         _through_contiguous(self._fusion.run, tensors, op, stream=self.comm._stream(), compression=compression,
@@ -210,8 +207,7 @@ class CudaDevice:
             self.watchdog.watch(event, kind, self.cc)
 
     def shutdown(self):
-        if self._pending:
-            self.flush()
+        self.flush()
         self.cc.free()
 
 

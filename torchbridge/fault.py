@@ -1,21 +1,8 @@
-"""Groups that survive failures: torch 2.14's reconfigure contract, an abort that unblocks, and the
-error state torch reads (get_error), for EngineProcessGroup.
-
-- abort(): every queued and running call of the group ends at once with EngineAborted (the engine's
-  waits read the group's abort flag every round of their back-off); hooks registered with
-  register_abort_hook run first; the group's memory and descriptors are freed as soon as no thread is
-  inside it any more (at once, or by a short-lived thread when a call is still on its way out).
-  Later calls are refused naming the abort until a reconfigure gives the group new members.
-- reconfigure(opts): the members named by opts.handles (this process's among them) build a new
-  communicator through engine.handles' rendezvous (shared memory on one host, TCP across hosts, MPI
-  never: an MPI communicator can't take in processes its launcher did not start); the group's rank and
-  size become this process's position in the list and its length. A uuid is taken once.
-- A group made with enable_reconfigure=True has no communicator until its first reconfigure (torch's
-  contract); its handle exists from the start.
-
+"""Groups that survive failures, for EngineProcessGroup: torch 2.14's reconfigure contract, an abort
+that unblocks, and the error state torch reads (get_error). A group made with enable_reconfigure=True
+has no communicator until its first reconfigure (torch's contract); its handle exists from the start.
 torch reaches all of this from Python (dist._reconfigure, dist.get_backend_impl(...).abort(), ...), so
-a Python ProcessGroup answers for itself as its own backend (see process_group.py).
-"""
+a Python ProcessGroup answers for itself as its own backend (see process_group.py)."""
 
 import threading
 import time
@@ -34,14 +21,6 @@ _reconfigured = False     # a group of this process was reconfigured: new groups
 def reconfigured():
     """Whether a group of this process was reconfigured (MPI's world then no longer says who is who)."""
     return _reconfigured
-
-
-def _error_types():
-    try:
-        from torch._C._distributed_c10d import ErrorType
-        return ErrorType
-    except ImportError:   # torch 2.13: no ErrorType
-        return None
 
 
 class Unavailable:
@@ -140,7 +119,10 @@ class FaultTolerance:
         """torch's ErrorType of this group: TIMEOUT once a call timed out, REMOTE_ERROR once a peer
         failed or left (or called another collective), COMM_ERROR for a failure of the transport itself,
         else SUCCESS (an abort asked for by the caller is not an error, as for Gloo)."""
-        kinds = _error_types()
+        try:
+            from torch._C._distributed_c10d import ErrorType as kinds
+        except ImportError:   # torch 2.13: no ErrorType
+            kinds = None
         comm = self._comm
         broken = comm.watch.broken if comm is not None else None
         if kinds is None:
@@ -163,10 +145,10 @@ class FaultTolerance:
     def _timeout_seconds(self):
         return Watch.timeout_of(_seconds_of(self._timeout))
 
-    def _release(self, comm, cpu, devices, watchdog):
+    def _release(self, cpu, devices, watchdog):
         """Frees what _detach took off the group once nothing runs in it: now when idle, else from a
         short-lived thread (the caller may be the very thread still inside: a signal handler's)."""
-        if cpu is None and comm is None:
+        if cpu is None:
             return
 
         def free():
@@ -174,13 +156,10 @@ class FaultTolerance:
                 dev.shutdown()
             if watchdog is not None:
                 watchdog.close()
-            if cpu is not None:
-                cpu.shutdown()
-            elif comm is not None:
-                comm.free()
+            cpu.shutdown()   # (its comm's too)
 
         def idle():
-            return (comm is None or comm.busy == 0) and (cpu is None or cpu.progress.idle)
+            return cpu.comm.busy == 0 and cpu.progress.idle
 
         if idle():
             free()
@@ -211,7 +190,6 @@ def _own_transport():
 
 
 def _seconds_of(timeout):
-    """A timeout in seconds; None where it is unset or not positive."""
     seconds = in_seconds(timeout, 0.0)
     return seconds if seconds > 0 else None
 
@@ -220,6 +198,3 @@ def no_members_error(name):
     return RuntimeError(f"process group {name!r} was made with enable_reconfigure=True and has no members until "
                         "its first reconfigure: call dist._reconfigure(uuid, handles) with every member's "
                         "dist._get_reconfigure_handle()")
-
-
-__all__ = ["FaultTolerance", "Unavailable", "no_members_error", "reconfigured"]

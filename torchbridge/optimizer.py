@@ -68,7 +68,10 @@ class DistributedOptimizer:
     def _launch_ready(self, force=False):
         while self._next < len(self.buckets) and (force or self._ready[self._next] == len(self.buckets[self._next])):
             k = self._next
-            grads = [p.grad if p.grad is not None else _zero_grad(p) for p in self.buckets[k]]
+            for p in self.buckets[k]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self.buckets[k]]
             self.launch_times.append((k, time.perf_counter()))
             self._works[k] = self.group.fused_allreduce_async(grads, ReduceOp.AVG, compression=self.compression,
                                                               name=f"gradient bucket {k}")
@@ -81,8 +84,7 @@ class DistributedOptimizer:
             w.wait()
 
     def step(self, closure=None):
-        done = sum(self._ready) + sum(1 for n in self._counts.values() if n < self.passes)
-        if done == 0 and not self._counts:
+        if not self._counts:   # (a gradient counted in _ready is in _counts)
             raise RuntimeError("DistributedOptimizer.step() before any backward(): nothing to reduce")
         if any(n < self.passes for n in self._counts.values()):
             raise RuntimeError(f"DistributedOptimizer.step() after {min(self._counts.values())} of "
@@ -107,11 +109,6 @@ class DistributedOptimizer:
     def remove_hooks(self):
         for h in self._hooks:
             h.remove()
-
-
-def _zero_grad(p):
-    p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 def broadcast_parameters(model, optimizer=None, root=0, group=None):

@@ -2,15 +2,7 @@
 is written once, over the device communicator of its tensors (torchbridge.devices): CPU tensors go
 to the group's engine.Communicator (shared memory on one host, TCP or MPI across hosts), CUDA tensors to
 NCCL or through host memory. Inputs are never modified; outputs are written in place
-(non-contiguous ones through a contiguous copy).
-
-The methods torch calls on every collective and message have a compiled fast form (the latency path:
-torchbridge/_fastpath.pyx) that leaves every other case to the general form of the same method here
-(`_broadcast` for broadcast, ...).
-
-Beside it: torchbridge.creation makes groups, torchbridge.tracing records profiler events,
-torchbridge.sparse sums sparse tensors, engine.monitored_barrier is Gloo's monitored barrier.
-"""
+(non-contiguous ones through a contiguous copy)."""
 
 import torch
 import torch.distributed as dist
@@ -52,10 +44,6 @@ def _reduce_op(opts):
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 
 
-def _nothing():
-    pass
-
-
 def _check_premul(t):
     if not t.is_floating_point():
         raise RuntimeError(f"PREMUL_SUM needs a floating dtype, got {t.dtype}")
@@ -68,12 +56,10 @@ def _premul(t, factor):
 
 
 def _source(t, factor):
-    """What a reduction sends: t scaled for PREMUL_SUM (factor not None), else t, contiguous."""
     return _premul(t, factor) if factor is not None else contiguous(t)
 
 
 def _write(out, fn):
-    """Runs fn on out, through a contiguous copy written back when out is not contiguous."""
     if out.is_contiguous():
         fn(out)
     else:
@@ -87,7 +73,6 @@ def _flat(tensors, like):
 
 
 def _check_per_rank(tensors, size, dtype, what, kind, where=""):
-    """A list argument with one tensor per rank, all of one dtype."""
     if len(tensors) != size:
         raise ValueError(f"{what} needs one {kind} tensor per rank ({size}){where}, got {len(tensors)}")
     _check_dtypes(tensors, dtype, what)
@@ -151,9 +136,9 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     def _attach(self, comm):
         """Runs the group's calls on comm from now on."""
         self._comm = comm
-        self._progress = Progress(name=f"engine-progress-{self._name}")
-        self._cpu = CpuDevice(comm, self._progress)
-        self._fast = _fastpath.FastPath(comm, self._progress, self._cuda)
+        progress = Progress(name=f"engine-progress-{self._name}")
+        self._cpu = CpuDevice(comm, progress)
+        self._fast = _fastpath.FastPath(comm, progress, self._cuda)
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
         self._watchdog = None
 
@@ -161,22 +146,19 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         """Takes the communicator off the group; every later call raises `error` (None: this is a
         swap, the caller attaches another at once). With an error and abort, what is queued and running
         ends with it; without abort, what is queued still runs before the release frees the group.
-        Returns (comm, cpu device, CUDA devices, watchdog) for _release."""
+        Returns (cpu device holding the communicator, or None without one; CUDA devices; watchdog) for _release."""
         comm = getattr(self, "_comm", None)
         cpu = self._cpu if comm is not None else None   # (without a communicator: the stand-in)
         devices, watchdog = list(getattr(self, "_devices", {}).values()), getattr(self, "_watchdog", None)
-        if error is not None and abort:
-            if comm is not None:
-                comm.abort()
-            if cpu is not None:
-                cpu.progress.abort(error)
+        if error is not None and abort and comm is not None:
+            comm.abort()
+            cpu.progress.abort(error)
         stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
         self._comm = None
         self._cpu = stand_in
-        self._progress = stand_in
         self._fast = _fastpath.FastPath(stand_in, stand_in, self._cuda)
         self._devices, self._watchdog = {}, None
-        return comm, cpu, devices, watchdog
+        return cpu, devices, watchdog
 
     def getBackendName(self):
         return "engine"
@@ -214,15 +196,14 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     def _device_types(self):
         return [torch.device("cpu"), torch.device("cuda")] if self._cuda else [torch.device("cpu")]
 
-    def get_backend(self, device):
-        return self._get_backend(device)
-
     def _get_backend(self, device):
         kind = device.type if isinstance(device, torch.device) else torch.device(device).type
         if kind == "cpu" or (kind == "cuda" and self._cuda):
             return self
         raise RuntimeError(f"No backend type associated with device type {kind}: backend 'engine' serves "
                            f"{' and '.join(d.type for d in self._device_types)} tensors")
+
+    get_backend = _get_backend
 
     @traced("monitored_barrier")
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
@@ -333,14 +314,8 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         """Queues a fused allreduce of tensors (in place) and returns its Work at once: the buckets of
         DistributedOptimizer and the DDP comm hooks."""
         if not tensors:
-            return self._cpu.launch(name, _nothing, None, None, None, 0, [], None)
+            return self._cpu.launch(name, lambda: None, None, None, None, 0, [], None)
         return self._device(tensors[0]).fused(tensors, op, compression, 1.0, name)
-
-    @traced("fused_allreduce", first)
-    def fused_allreduce(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
-        """Runs now (CUDA: enqueued on the current stream, what follows on it sees the result)."""
-        if tensors:
-            self._device(tensors[0]).fused(tensors, op, compression, prescale, "fused_allreduce", sync=True)
 
     @traced("reduce", first)
     def _reduce(self, tensors, opts):
@@ -537,6 +512,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
             f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))
 
 
-# The latency path's fast forms (torchbridge/_fastpath.pyx).
+# The latency path's fast forms (torchbridge/_fastpath.pyx), falling back to the general forms here.
 for _name, _method in _fastpath.methods().items():
     setattr(EngineProcessGroup, _name, _method)

@@ -25,21 +25,13 @@ def bounded(url):
     return url is None or str(url).startswith(("env://", "tcp://"))
 
 
-def store_address(url, environ=None):
-    """(host, port) of the store url names (env://: MASTER_ADDR, MASTER_PORT), as given."""
-    env = os.environ if environ is None else environ
-    if url is None or str(url).startswith("env://"):
-        return env.get("MASTER_ADDR", "?"), env.get("MASTER_PORT", "?")
+def store_address(url):
+    """(host, port, both as the user gave them) of the store url names (env://: MASTER_ADDR, MASTER_PORT)."""
+    if str(url).startswith("env://"):
+        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        return host, port, f"MASTER_ADDR={host} MASTER_PORT={port}"
     parsed = urlparse(str(url))
-    return parsed.hostname, parsed.port
-
-
-def where(url, environ=None):
-    """The store's address and port as the user gave them."""
-    host, port = store_address(url, environ)
-    if url is None or str(url).startswith("env://"):
-        return f"MASTER_ADDR={host} MASTER_PORT={port}"
-    return f"{host}:{port}"
+    return parsed.hostname, parsed.port, f"{parsed.hostname}:{parsed.port}"
 
 
 def _plain(ip):
@@ -94,14 +86,15 @@ def rendezvous(url, rank, world_size, timeout):
     seconds = timeout.total_seconds()
     helper.join(seconds + GRACE_SECONDS)
     if not result:
-        connected = _shut_connections_to(*store_address(url))
+        host, port, where = store_address(url)
+        connected = _shut_connections_to(host, port)
         helper.join(GRACE_SECONDS)
         who = f"rank {rank}" if rank not in (None, -1) else f"rank {os.environ.get('RANK', '?')}"
         if connected:
-            raise RuntimeError(f"engine: {who} connected to torch's store at {where(url)} but got no answer within "
+            raise RuntimeError(f"engine: {who} connected to torch's store at {where} but got no answer within "
                                f"{seconds:g} s (the group's timeout): something else listens on that port (then "
                                f"rank 0 could not start the store there), or rank 0 is stuck; choose a free port")
-        raise RuntimeError(f"engine: {who} could not reach torch's store at {where(url)} within {seconds:g} s (the "
+        raise RuntimeError(f"engine: {who} could not reach torch's store at {where} within {seconds:g} s (the "
                            f"group's timeout): is that address right and reachable from this host, and did rank 0 "
                            f"start?")
     ok, value = result[0]

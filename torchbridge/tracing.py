@@ -15,8 +15,7 @@ _RecordFunction = torch._C._profiler._RecordFunctionFast  # records the inputs' 
 
 def traced(name, inputs=None):
     """A c10d method that, under torch's profiler, records the event "engine:<name>" (with the shapes
-    of inputs(*args): the tensors torch's own backends record) from the call until its work completes.
-    Without a profiler: one test of torch's flag."""
+    of inputs(*args): the tensors torch's own backends record) from the call until its work completes."""
     title = "engine:" + name
 
     def wrap(method):
@@ -24,23 +23,19 @@ def traced(name, inputs=None):
         def traced(self, *args, **kwargs):
             if not _autograd_profiler._is_profiler_enabled:
                 return method(self, *args, **kwargs)
-            return _record(title, inputs(*args) if inputs is not None else [], method, self, args, kwargs)
+            event = _RecordFunction(title, list(inputs(*args)) if inputs is not None else [])
+            event.__enter__()
+            try:
+                work = method(self, *args, **kwargs)
+            except BaseException:
+                _end(event)
+                raise
+            _end_when_done(work, event)
+            return work
 
         return traced
 
     return wrap
-
-
-def _record(title, inputs, method, self, args, kwargs):
-    event = _RecordFunction(title, list(inputs))
-    event.__enter__()
-    try:
-        work = method(self, *args, **kwargs)
-    except BaseException:
-        _end(event)
-        raise
-    _end_when_done(work, event)
-    return work
 
 
 def _end(event, *_):
@@ -61,17 +56,8 @@ def _end_when_done(work, event):
         _end(event)
 
 
-def first(tensors, *_):
-    return tensors
-
-
-def second(_, tensors, *__):
-    return tensors
-
-
-def second_one(_, tensor, *__):
-    return [tensor]
-
-
-def root_inputs(_, input_lists, *__):
-    return input_lists[0] if input_lists else []
+# traced's inputs: the tensors of a c10d method's arguments that torch's own backends record.
+def first(tensors, *_): return tensors
+def second(_, tensors, *__): return tensors
+def second_one(_, tensor, *__): return [tensor]
+def root_inputs(_, input_lists, *__): return input_lists[0] if input_lists else []

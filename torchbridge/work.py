@@ -11,14 +11,9 @@ from engine.watch import EngineTimeout
 
 
 def in_seconds(timeout, default=None):
-    """A timeout (timedelta or seconds) in seconds; `default` for None."""
     if timeout is None:
         return default
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-
-
-def _raise_or_value(fut):
-    return fut.value()     # (raises the exception set_exception gave it)
 
 
 def future_pair():
@@ -28,7 +23,7 @@ def future_pair():
     handed out is the first's then(): its callback raises, so it fails in C++ too, and Python's
     wait() raises the same exception."""
     completer = torch.futures.Future()
-    return completer, completer.then(_raise_or_value)
+    return completer, completer.then(lambda fut: fut.value())   # (value() raises what set_exception gave)
 
 
 class _OutputsWork(dist._Work):
