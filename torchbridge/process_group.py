@@ -248,7 +248,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
-            seconds = in_seconds(self._timeout, 1800.0)
+            seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
             self._watchdog = Watchdog(self._name, rank, size, seconds)
         return CudaDevice(cc, index, self._watchdog)
 
