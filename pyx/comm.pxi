@@ -1,7 +1,7 @@
 # The communicator core: every collective and point-to-point call, written once for every transport.
 # Each entry point parses its buffers (once), checks what can be checked locally, chooses the entry
 # its rules name (engine/registry.py), then invoke() records the operation in the flight recorder and
-# makes one GIL-free call to the transport's implementation (run_*, overridden by ShmComm and
+# makes one GIL-free call to the transport's implementation (run, overridden by ShmComm and
 # engine._mpi.MpiComm), or runs a composite entry through its Hierarchy (hierarchy.pxi).
 
 
@@ -334,26 +334,16 @@ cdef class CoreComm:
         return 0
 
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
-        # The algorithms over point-to-point run on every transport, here; the rest are the transport's own.
+        """The algorithms over point-to-point, on every transport; a transport's own implementations
+        are its override's, which hands every other call here."""
         if (P2P_IMPLS & (1u << c.impl)) or (c.impl == IMPL_RING and c.op != OP_ALLREDUCE):
             return self.p2p.run(c, ctx)
+        if c.op == OP_ALLREDUCE and c.impl == IMPL_RDOUBLE:
+            return self.rdouble.run(c.src, c.dst, c.count, eng_itemsize[c.red.dtype], c.red.fn, ctx)
         if c.op == OP_ALLREDUCE:
-            return self.run_allreduce(c.src, c.dst, c.count, c.red, c.impl, ctx)
-        if c.op == OP_BROADCAST:
-            return self.run_broadcast(c.dst, c.count, c.dtype, c.root, c.impl, ctx)
-        if c.op == OP_REDUCE:
-            return self.run_reduce(c.src, c.dst, c.count, c.red, c.root, c.impl, ctx)
-        if c.op == OP_ALLGATHER:
-            return self.run_allgather(c.src, c.dst, c.count, c.dtype, c.counts, c.displs, ctx)
-        if c.op == OP_GATHER:
-            return self.run_gather(c.src, c.dst, c.count, c.dtype, c.counts, c.displs, c.root, ctx)
-        if c.op == OP_SCATTER:
-            return self.run_scatter(c.src, c.dst, c.count, c.dtype, c.counts, c.displs, c.root, ctx)
-        if c.op == OP_REDUCE_SCATTER:
-            return self.run_reduce_scatter(c.src, c.dst, c.count, c.red, c.counts, c.displs, ctx)
-        if c.op == OP_ALLTOALL:
-            return self.run_alltoall(c.src, c.dst, c.dtype, c.counts, c.displs, c.rcounts, c.rdispls, c.even, ctx)
-        return self.run_barrier(ctx)
+            return self.ring.run(c.src, c.dst, c.count, eng_itemsize[c.red.dtype], c.red.fn, ctx)
+        with gil:
+            raise NotImplementedError(f"the {self.transport} transport has no {OP_KIND_NAMES[c.op]}")
 
     def waiting_on(self):
         """Whom this rank's running collective waits on, as its transport sees it, for a timeout's report
@@ -610,47 +600,3 @@ cdef class CoreComm:
         post_request(self, self.user_tp, sendbuf, self._peer(dest, False, "sendrecv: destination"),
                      self._tag(sendtag, False), False, "send").wait()
         return r.wait()
-
-    # -- what each transport implements (allreduce's default: the ring and recursive doubling) --
-
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[red.dtype]
-        if impl == IMPL_RDOUBLE:
-            return self.rdouble.run(src, dst, count, isz, red.fn, ctx)
-        return self.ring.run(src, dst, count, isz, red.fn, ctx)
-
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"broadcast")
-
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
-                        WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"reduce")
-
-    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"allgather")
-
-    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"gather")
-
-    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"scatter")
-
-    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
-                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"reduce_scatter")
-
-    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
-                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                          bint even, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"alltoall")
-
-    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
-        return self.unimplemented(b"barrier")
-
-    cdef int unimplemented(self, const char *what) except -1 with gil:
-        raise NotImplementedError(f"the {self.transport} transport has no {what.decode()}")

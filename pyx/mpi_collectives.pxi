@@ -66,99 +66,65 @@ cdef class MpiComm(CoreComm):
             out[i] = <int>counts[i]
         return out
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        if impl != IMPL_NATIVE:
-            return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
-        return self.reduction(src, dst, count, red, -1)
-
-    cdef int reduction(self, const char *src, char *dst, size_t count, RedC *red, int root) except -1 nogil:
-        """MPI's own allreduce (root < 0) or reduce, in pieces whose counts fit MPI's int."""
-        cdef size_t isz = eng_itemsize[red.dtype], off = 0
-        cdef int n, ierr
-        cdef MPI_Op op = mpi_op(red)
-        cdef const void *s
-        cdef void *d
-        while off < count:
-            n = <int>min(self.chunk, count - off)
-            s, d = MPI_IN_PLACE if src == dst else src + off * isz, NULL if dst == NULL else dst + off * isz
-            if root < 0:
-                ierr = MPI_Allreduce(s, d, n, MPI_TYPES[red.dtype], op, self.coll)
-            else:
-                ierr = MPI_Reduce(s, d, n, MPI_TYPES[red.dtype], op, root, self.coll)
-            if ierr:
-                return ierr
-            off += n
-        return 0
-
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[dtype], off = 0
-        cdef int n, ierr
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        """MPI's own collectives (IMPL_NATIVE); the engine's algorithms over MPI are CoreComm's."""
+        cdef MPI_Datatype t
         cdef MPI_Request req
-        while off < count:
-            n = <int>min(self.chunk, count - off)
-            ierr = self.finish(MPI_Ibcast(buf + off * isz, n, MPI_TYPES[dtype], root, self.coll, &req), &req, ctx)
-            if ierr:
-                return ierr
-            off += n
-        return 0
-
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
-                        WaitCtx *ctx) except -1 nogil:
-        return self.reduction(src, dst, count, red, root)
-
-    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        cdef size_t isz = eng_itemsize[dtype]
-        cdef MPI_Datatype t = MPI_TYPES[dtype]
-        if all_equal(counts, self.size):
-            return MPI_Allgather(MPI_IN_PLACE if src == dst + self.rank * count * isz else src, <int>count, t,
-                                 dst, <int>count, t, self.coll)
-        return MPI_Allgatherv(MPI_IN_PLACE if src == dst + displs[self.rank] * isz else src, <int>count, t,
-                              dst, self.ints(counts, 0), self.ints(displs, 1), t, self.coll)
-
-    # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
-    # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
-    # root alone, so every rank's call matches whatever the root's counts are.
-    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        cdef MPI_Datatype t = MPI_TYPES[dtype]
-        cdef MPI_Request req
-        return self.finish(MPI_Igatherv(src, <int>count, t, dst, self.ints(counts, 0), self.ints(displs, 1), t, root,
-                                        self.coll, &req), &req, ctx)
-
-    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        cdef MPI_Datatype t = MPI_TYPES[dtype]
-        cdef MPI_Request req
-        return self.finish(MPI_Iscatterv(src, self.ints(counts, 0), self.ints(displs, 1), t, dst, <int>count, t, root,
-                                         self.coll, &req), &req, ctx)
-
-    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
-                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        cdef int ierr
-        cdef MPI_Op op = mpi_op(red)
-        if all_equal(counts, self.size):
-            ierr = MPI_Reduce_scatter_block(src, dst, <int>count, MPI_TYPES[red.dtype], op, self.coll)
-        else:
-            ierr = MPI_Reduce_scatter(src, dst, self.ints(counts, 0), MPI_TYPES[red.dtype], op, self.coll)
-        return ierr
-
-    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
-                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                          bint even, WaitCtx *ctx) except -1 nogil:
-        cdef MPI_Datatype t = MPI_TYPES[dtype]
-        cdef MPI_Request req
-        if even:
-            return self.finish(MPI_Ialltoall(src, <int>scounts[0], t, dst, <int>rcounts[0], t, self.coll, &req),
+        cdef size_t isz
+        if c.impl != IMPL_NATIVE:
+            return CoreComm.run(self, c, ctx)
+        if c.op == OP_ALLREDUCE or c.op == OP_REDUCE or c.op == OP_BROADCAST:
+            return self.chunked(c, ctx)
+        if c.op == OP_BARRIER:
+            return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
+        t, isz = MPI_TYPES[c.dtype], eng_itemsize[c.dtype]
+        if c.op == OP_ALLGATHER and all_equal(c.counts, self.size):
+            return MPI_Allgather(MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src, <int>c.count, t,
+                                 c.dst, <int>c.count, t, self.coll)
+        if c.op == OP_ALLGATHER:
+            return MPI_Allgatherv(MPI_IN_PLACE if c.src == c.dst + c.displs[self.rank] * isz else c.src, <int>c.count, t,
+                                  c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1), t, self.coll)
+        # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
+        # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
+        # root alone, so every rank's call matches whatever the root's counts are.
+        if c.op == OP_GATHER:
+            return self.finish(MPI_Igatherv(c.src, <int>c.count, t, c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1),
+                                            t, c.root, self.coll, &req), &req, ctx)
+        if c.op == OP_SCATTER:
+            return self.finish(MPI_Iscatterv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, c.dst, <int>c.count,
+                                             t, c.root, self.coll, &req), &req, ctx)
+        if c.op == OP_REDUCE_SCATTER and all_equal(c.counts, self.size):
+            return MPI_Reduce_scatter_block(c.src, c.dst, <int>c.count, t, mpi_op(c.red), self.coll)
+        if c.op == OP_REDUCE_SCATTER:
+            return MPI_Reduce_scatter(c.src, c.dst, self.ints(c.counts, 0), t, mpi_op(c.red), self.coll)
+        if c.even:
+            return self.finish(MPI_Ialltoall(c.src, <int>c.counts[0], t, c.dst, <int>c.rcounts[0], t, self.coll, &req),
                                &req, ctx)
-        return self.finish(MPI_Ialltoallv(src, self.ints(scounts, 0), self.ints(sdispls, 1), t, dst,
-                                          self.ints(rcounts, 2), self.ints(rdispls, 3), t, self.coll, &req), &req, ctx)
+        return self.finish(MPI_Ialltoallv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, c.dst,
+                                          self.ints(c.rcounts, 2), self.ints(c.rdispls, 3), t, self.coll, &req), &req, ctx)
 
-    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
+    cdef int chunked(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        """MPI's own allreduce, reduce (blocking) or broadcast (posted, then waited on), in pieces whose
+        counts fit MPI's int."""
+        cdef size_t isz = eng_itemsize[c.dtype], off = 0
+        cdef int n, ierr
+        cdef MPI_Datatype t = MPI_TYPES[c.dtype]
+        cdef MPI_Op op = mpi_op(c.red) if c.red != NULL else MPI_OP_NULL
         cdef MPI_Request req
-        return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
+        cdef void *d
+        while off < c.count:
+            n = <int>min(self.chunk, c.count - off)
+            d = NULL if c.dst == NULL else c.dst + off * isz
+            if c.op == OP_BROADCAST:
+                ierr = self.finish(MPI_Ibcast(d, n, t, c.root, self.coll, &req), &req, ctx)
+            elif c.op == OP_ALLREDUCE:
+                ierr = MPI_Allreduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op, self.coll)
+            else:
+                ierr = MPI_Reduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op, c.root, self.coll)
+            if ierr:
+                return ierr
+            off += n
+        return 0
 
 
 cdef int _poll_mpi(void *unused, void *req, bint *done) except -1 nogil:

@@ -47,6 +47,11 @@ cdef inline void mv_store(Mover *mv, const char *frm, size_t off, size_t n, eng_
                        eng_itemsize[mv.pdtype], mv.after, off, n)
 
 
+cdef enum:   # what ShmComm runs itself (the rest: CoreComm.run, over the segment's queues)
+    SHM_IMPLS = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
+                 | (1u << IMPL_SINGLE_COPY))
+
+
 cdef class ShmComm(CoreComm):
     """A group whose ranks share one host: every collective through one segment."""
     cdef readonly ShmSegment seg
@@ -67,9 +72,8 @@ cdef class ShmComm(CoreComm):
         self.seg = seg
         self.transport = "shm"
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
-        self.impls |= ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
-                       | (1u << IMPL_SINGLE_COPY))
-        self.avg_fused = self.impls & ~((1u << IMPL_RING) | (1u << IMPL_RDOUBLE) | (1u << IMPL_COMPOSITE) | P2P_IMPLS)
+        self.impls |= SHM_IMPLS
+        self.avg_fused = SHM_IMPLS    # each of its own divides AVG inside its reduction
         self.chunk_bytes = max(LINE * <size_t>self.seg.size, min(chunk_bytes, self.seg.cap))
         self.pull_piece = self.seg.cap    # engine.registry's parameter replaces it (Communicator)
         self.srcs = <const void**>malloc(self.seg.size * sizeof(void*))
@@ -247,19 +251,47 @@ cdef class ShmComm(CoreComm):
             return self.seg.wait_peer(root, self.seg.step, PHASE_FINISHED, ctx, False)
         return 0
 
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
-                           WaitCtx *ctx) except -1 nogil:
+    cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil:
+        """The segment's own implementations (SHM_IMPLS); the engine's algorithms over the segment's
+        queues are CoreComm's."""
         cdef Mover mv
-        if impl == IMPL_RING or impl == IMPL_RDOUBLE:
-            return CoreComm.run_allreduce(self, src, dst, count, red, impl, ctx)
-        mv.src, mv.dst, mv.wdt, mv.wsz = src, dst, red.dtype, eng_itemsize[red.dtype]
-        return self.reduce_steps(&mv, count, red, impl, -1, ctx)
-
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
-                        WaitCtx *ctx) except -1 nogil:
-        cdef Mover mv
-        mv.src, mv.dst, mv.wdt, mv.wsz = src, dst, red.dtype, eng_itemsize[red.dtype]
-        return self.reduce_steps(&mv, count, red, impl, root, ctx)
+        cdef int r = self.rank, q, ierr
+        cdef size_t total
+        if not (SHM_IMPLS & (1u << c.impl)):
+            return CoreComm.run(self, c, ctx)
+        if c.op == OP_ALLREDUCE or c.op == OP_REDUCE:
+            mv.src, mv.dst, mv.wdt, mv.wsz = c.src, c.dst, c.red.dtype, eng_itemsize[c.red.dtype]
+            return self.reduce_steps(&mv, c.count, c.red, c.impl, -1 if c.op == OP_ALLREDUCE else c.root, ctx)
+        if c.op == OP_BROADCAST and c.impl == IMPL_SINGLE_COPY:
+            return self.cma_broadcast(c.dst, c.count, eng_itemsize[c.dtype], c.dtype, c.root, ctx)
+        if c.op == OP_BROADCAST:
+            self.sign(OP_BROADCAST, c.dtype, OPBIT_NONE, IMPL_SEGMENT, c.root, c.count, 0)
+            for q in range(self.size):
+                self.set_piece(q, c.count if r == c.root else 0, 0, c.count if q == c.root and r != c.root else 0, 0)
+            return self.exchange(OP_BROADCAST, c.dst, c.dst, c.dtype, True, c.root, True, ctx)
+        if c.op == OP_ALLGATHER:
+            total = c.displs[self.size - 1] + c.counts[self.size - 1]
+            self.sign(OP_ALLGATHER, c.dtype, OPBIT_NONE, IMPL_SEGMENT, -1, total, _counts_hash(c.counts, self.size))
+            for q in range(self.size):
+                self.set_piece(q, c.count, 0, c.counts[q], c.displs[q])
+            return self.exchange(OP_ALLGATHER, c.src, c.dst, c.dtype, True, -1, True, ctx)
+        if c.op == OP_GATHER or c.op == OP_SCATTER:
+            return self.rooted(c.op, c.src, c.dst, c.count, c.dtype, c.counts, c.displs, c.root, ctx)
+        if c.op == OP_ALLTOALL:
+            self.sign(OP_ALLTOALL, c.dtype, OPBIT_NONE, IMPL_SEGMENT, -1, 0, 0)
+            for q in range(self.size):
+                self.set_piece(q, c.counts[q], c.displs[q], c.rcounts[q], c.rdispls[q])
+            return self.exchange(OP_ALLTOALL, c.src, c.dst, c.dtype, False, -1, False, ctx)
+        if c.op == OP_REDUCE_SCATTER:
+            return self.reduce_scatter_steps(c.src, c.dst, c.count, c.red, c.counts, c.displs, ctx)
+        # the barrier: every rank's step flag
+        self.sign(OP_BARRIER, -1, OPBIT_NONE, IMPL_SEGMENT, -1, 0, 0)
+        ierr = self.open_step(0, ctx)
+        if not ierr:
+            ierr = self.publish_await(PHASE_POSTED, ctx)
+        if not ierr:
+            self.seg.post(PHASE_FINISHED)
+        return ierr
 
     def allreduce_parts(self, parts, op=0, wire=None, double before=1.0, double after=1.0):
         """parts[i] = reduce(op) over ranks of parts[i] (in place, all of one dtype): each chunk is
@@ -270,6 +302,7 @@ cdef class ShmComm(CoreComm):
         cdef const Rule *rule
         cdef Mover mv
         cdef Call c
+        cdef int i
         if pl.n == 0 or pl.total == 0:
             return parts
         mv.wdt = pl.dtype if wire is None else DTYPE_CODES[wire]
@@ -284,8 +317,13 @@ cdef class ShmComm(CoreComm):
         mv.before, mv.after = before, after
         # Packed straight into the slots: one-shot or two-shot (a rule naming another runs two-shot).
         rule = self.select(OP_ALLREDUCE, pl.total * mv.wsz, mv.wdt, opbit_of(&red.c), False, None)
-        if rule.impl != IMPL_ONESHOT:
-            rule = self.named_impl(OP_ALLREDUCE, IMPL_TWOSHOT)
+        if rule.impl != IMPL_ONESHOT:   # the entry this group runs with two-shot
+            for i in range(len([k for k in self.named_index if k[0] == OP_ALLREDUCE])):
+                if self.named[OP_ALLREDUCE][i].impl == IMPL_TWOSHOT:
+                    rule = &self.named[OP_ALLREDUCE][i]
+                    break
+            else:
+                raise ValueError(f"this group has no allreduce entry with implementation {IMPL_TWOSHOT}")
         c = new_call(OP_ALLREDUCE, NULL, NULL, pl.total, mv.wdt)
         c.red, c.aux = &red.c, &mv
         self.invoke(&c, rule, pl.total, None)
@@ -295,14 +333,6 @@ cdef class ShmComm(CoreComm):
         if c.aux != NULL:               # the fused path: parts packed through the slots
             return self.reduce_steps(<Mover*>c.aux, c.count, c.red, c.impl, -1, ctx)
         return CoreComm.dispatch(self, c, ctx)
-
-    cdef const Rule *named_impl(self, int op, int impl) except NULL:
-        """The entry of op this group runs with impl (the fused path's two-shot)."""
-        cdef int i
-        for i in range(len([k for k in self.named_index if k[0] == op])):
-            if self.named[op][i].impl == impl:
-                return &self.named[op][i]
-        raise ValueError(f"this group has no {OP_KIND_NAMES[op]} entry with implementation {impl}")
 
     # -- data movement: pieces from senders to receivers --
 
@@ -398,16 +428,6 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size
         self.ex[q], self.ex[P + q], self.ex[2 * P + q], self.ex[3 * P + q] = send, send_at, recv, recv_at
 
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
-                           WaitCtx *ctx) except -1 nogil:
-        if impl == IMPL_SINGLE_COPY:
-            return self.cma_broadcast(buf, count, eng_itemsize[dtype], dtype, root, ctx)
-        cdef int r = self.rank, q
-        self.sign(OP_BROADCAST, dtype, OPBIT_NONE, IMPL_SEGMENT, root, count, 0)
-        for q in range(self.size):
-            self.set_piece(q, count if r == root else 0, 0, count if q == root and r != root else 0, 0)
-        return self.exchange(OP_BROADCAST, buf, buf, dtype, True, root, True, ctx)
-
     cdef int cma_broadcast(self, char *buf, size_t count, size_t isz, int dtype, int root,
                            WaitCtx *ctx) except -1 nogil:
         """One step by single copy, the root helping: each other rank reads the head of the message
@@ -445,23 +465,6 @@ cdef class ShmComm(CoreComm):
             return ENG_ERR_CMA
         return ierr if ierr else err
 
-    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                           const size_t *displs, WaitCtx *ctx) except -1 nogil:
-        cdef size_t total = displs[self.size - 1] + counts[self.size - 1]
-        cdef int q
-        self.sign(OP_ALLGATHER, dtype, OPBIT_NONE, IMPL_SEGMENT, -1, total, _counts_hash(counts, self.size))
-        for q in range(self.size):
-            self.set_piece(q, count, 0, counts[q], displs[q])
-        return self.exchange(OP_ALLGATHER, src, dst, dtype, True, -1, True, ctx)
-
-    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.rooted(OP_GATHER, src, dst, count, dtype, counts, displs, root, ctx)
-
-    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
-        return self.rooted(OP_SCATTER, src, dst, count, dtype, counts, displs, root, ctx)
-
     cdef int rooted(self, int op, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                     const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
         """gather (every rank's count elements to the root, at displs) and scatter (the root's
@@ -482,24 +485,16 @@ cdef class ShmComm(CoreComm):
                 self.set_piece(q, theirs, at, mine, 0)
         return self.exchange(op, src, dst, dtype, gather, -1 if gather else root, False, ctx)
 
-    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
-                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                          bint even, WaitCtx *ctx) except -1 nogil:
-        cdef int q
-        self.sign(OP_ALLTOALL, dtype, OPBIT_NONE, IMPL_SEGMENT, -1, 0, 0)
-        for q in range(self.size):
-            self.set_piece(q, scounts[q], sdispls[q], rcounts[q], rdispls[q])
-        return self.exchange(OP_ALLTOALL, src, dst, dtype, False, -1, False, ctx)
-
     # -- reduce_scatter --
 
-    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
-                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
+    cdef int reduce_scatter_steps(self, const char *src, char *dst, size_t count, RedC *red,
+                                  const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil:
         """Through the slots: each rank writes every peer's block into its half (at the peer's 1/P),
         then reduces its own block from every half. By single copy: each rank reads its block straight
         out of every peer's input, piece by piece, and reduces it."""
         cdef int P = self.size, r = self.rank, q, ierr
         cdef size_t isz = eng_itemsize[red.dtype], per = (self.seg.cap // P) // isz, k = 0, steps = 0, m, c, d
+        cdef size_t largest = count
         cdef double divisor = P if red.avg else 0.0
         cdef uint64_t total = 0
         cdef char *mine
@@ -507,8 +502,9 @@ cdef class ShmComm(CoreComm):
             c = counts[q]
             total += c
             steps = max(steps, piece_steps(c, per, False))
+            largest = max(largest, c)
         self.sign(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SEGMENT, -1, total, _counts_hash(counts, P))
-        if self.single_copy(OP_REDUCE_SCATTER, self._largest(count, counts) * isz, red.dtype):
+        if self.single_copy(OP_REDUCE_SCATTER, largest * isz, red.dtype):
             self.sig[0] = _sig_word(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SINGLE_COPY, -1)
             return self.pull_reduce_scatter(src, dst, count, red, counts, displs, divisor, ctx)
         while k < steps:
@@ -534,13 +530,6 @@ cdef class ShmComm(CoreComm):
             self.seg.post(PHASE_FINISHED)
             k += 1
         return 0
-
-    cdef size_t _largest(self, size_t count, const size_t *counts) noexcept nogil:
-        cdef size_t m = count
-        cdef int q
-        for q in range(self.size):
-            m = max(m, counts[q])
-        return m
 
     cdef int pull_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red, const size_t *counts,
                                  const size_t *displs, double divisor, WaitCtx *ctx) except -1 nogil:
@@ -573,18 +562,6 @@ cdef class ShmComm(CoreComm):
         if ierr:
             return ierr
         return self.seg.wait_all(step, PHASE_FINISHED, ctx, False)   # the others read this rank's input
-
-    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil:
-        cdef int ierr
-        self.sign(OP_BARRIER, -1, OPBIT_NONE, IMPL_SEGMENT, -1, 0, 0)
-        ierr = self.open_step(0, ctx)
-        if ierr:
-            return ierr
-        ierr = self.publish_await(PHASE_POSTED, ctx)
-        if ierr:
-            return ierr
-        self.seg.post(PHASE_FINISHED)
-        return 0
 
 
 cdef str _describe_sig(const uint64_t *s):

@@ -383,26 +383,6 @@ cdef class CoreComm:
     cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
                    str what) except -1
     cdef size_t max_count(self, int op) noexcept
-    cdef int unimplemented(self, const char *what) except -1 with gil
-
-    cdef int run_allreduce(self, const char *src, char *dst, size_t count, RedC *red, int impl,
-                           WaitCtx *ctx) except -1 nogil
-    cdef int run_broadcast(self, char *buf, size_t count, int dtype, int root, int impl,
-                           WaitCtx *ctx) except -1 nogil
-    cdef int run_reduce(self, const char *src, char *dst, size_t count, RedC *red, int root, int impl,
-                        WaitCtx *ctx) except -1 nogil
-    cdef int run_allgather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                           const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int run_gather(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                        const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int run_scatter(self, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
-                         const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int run_reduce_scatter(self, const char *src, char *dst, size_t count, RedC *red,
-                                const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int run_alltoall(self, const char *src, char *dst, int dtype, const size_t *scounts,
-                          const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                          bint even, WaitCtx *ctx) except -1 nogil
-    cdef int run_barrier(self, WaitCtx *ctx) except -1 nogil
 
 
 cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries through it
