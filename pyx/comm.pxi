@@ -172,8 +172,8 @@ cdef class CoreComm:
         cdef int op = OP_KIND_NAMES.index(collective)
         self.log.entry_names = tuple(entry_names)
         rules, named = list(rules), list(named)
-        cdef Rule *r = self._rule_array(rules)
-        cdef Rule *n = self._rule_array([rule for _, rule in named])
+        cdef Rule *r = _rule_array(self, rules)
+        cdef Rule *n = _rule_array(self, [rule for _, rule in named])
         free(self.rules[op])
         free(self.named[op])
         self.rules[op], self.nrules[op] = r, len(rules)
@@ -182,24 +182,6 @@ cdef class CoreComm:
             del self.named_index[key]
         for i, (name, _) in enumerate(named):
             self.named_index[op, name] = i
-
-    cdef Rule *_rule_array(self, list rules) except? NULL:
-        cdef Rule *out
-        cdef int i
-        if not rules:
-            return NULL
-        out = <Rule*>calloc(len(rules), sizeof(Rule))
-        if out == NULL:
-            raise MemoryError()
-        for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
-            if not (self.impls & (1u << impl)):
-                free(out)
-                raise ValueError(f"entry {self.log.entry_name(entry)}: the {self.transport} transport has no implementation "
-                                 f"{impl}")
-            out[i].entry, out[i].impl, out[i].lo, out[i].hi = entry, impl, lo, min(hi, SIZE_MAX)
-            out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
-            out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
-        return out
 
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil:
         """The first of op's rules that applies to a message of nbytes (one rank's piece), or NULL."""
@@ -372,42 +354,9 @@ cdef class CoreComm:
             self.log.broken = text
         return EngineError(f"{what} failed: {text}")
 
-    # -- argument checks shared by every transport --
-
-    cdef int _root(self, int root) except -1:
-        if root < 0 or root >= self.size:
-            raise ValueError(f"root {root} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
-        return 0
-
-    cdef int _fits(self, int op, size_t n, str what) except -1:
-        if n > self.max_count(op):
-            raise ValueError(f"{what}: {n} elements exceed the {self.transport} transport's limit of "
-                             f"{self.max_count(op)} for this collective; allreduce, broadcast and reduce take any "
-                             "size; split this buffer into smaller calls")
-        return 0
-
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""
         return SIZE_MAX
-
-    cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
-                   str what) except -1:
-        """v_sizes for this group's call; fills c.counts / c.displs."""
-        cdef size_t total
-        self._fits(c.op, mine.count, what)
-        c.counts, c.displs = self.cnt, self.cnt + self.size
-        total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
-                        -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
-        if counts is not None:
-            self._fits(c.op, total, what)
-        return 0
-
-    @staticmethod
-    cdef int _same_dtype(Message a, Message b, str what) except -1:
-        if a.dtype != b.dtype:
-            raise TypeError(f"{what}: send buffer is {DTYPE_NAMES[a.dtype]} but receive buffer is "
-                            f"{DTYPE_NAMES[b.dtype]}; they must have the same dtype")
-        return 0
 
     # -- collectives --
 
@@ -419,7 +368,7 @@ cdef class CoreComm:
         cdef Reduction red = resolve_op(op, ms.dtype)
         cdef Call c
         if mr is not ms:
-            CoreComm._same_dtype(ms, mr, "allreduce")
+            _same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
@@ -429,7 +378,7 @@ cdef class CoreComm:
         return recvbuf if recvbuf is not None else sendbuf
 
     def broadcast(self, buf, int root=0):
-        self._root(root)
+        _check_root(self, root)
         cdef Message m = as_message(buf, True, "buffer")
         cdef Call c
         c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
@@ -439,7 +388,7 @@ cdef class CoreComm:
 
     def reduce(self, sendbuf, recvbuf=None, op=0, int root=0):
         """On root recvbuf = reduce(op, sendbuf of every rank) (recvbuf None: in place on sendbuf)."""
-        self._root(root)
+        _check_root(self, root)
         cdef bint is_root = self.rank == root, inplace = recvbuf is None
         cdef Message ms = as_message(sendbuf, is_root and inplace, "sendbuf")
         cdef Message mr = ms
@@ -447,7 +396,7 @@ cdef class CoreComm:
         cdef Call c
         if is_root and not inplace:
             mr = as_message(recvbuf, True, "recvbuf")
-            CoreComm._same_dtype(ms, mr, "reduce")
+            _same_dtype(ms, mr, "reduce")
             if mr.count != ms.count:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
@@ -460,47 +409,22 @@ cdef class CoreComm:
         cdef Message ms = as_message(sendbuf, False, "sendbuf")
         cdef Message mr = as_message(recvbuf, True, "recvbuf")
         cdef Call c
-        CoreComm._same_dtype(ms, mr, "allgather")
+        _same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        self.sizes(&c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
+        _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
         self.invoke(&c, self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None),
                     mr.count, None)
         return recvbuf
 
     def gather(self, sendbuf, recvbuf=None, int root=0, counts=None):
         """On root recvbuf = concat(sendbuf of every rank); recvbuf is ignored elsewhere."""
-        self._rooted(OP_GATHER, sendbuf, recvbuf, root, counts)
+        _rooted(self, OP_GATHER, sendbuf, recvbuf, root, counts)
         return recvbuf
 
     def scatter(self, sendbuf, recvbuf, int root=0, counts=None):
         """recvbuf = this rank's slice of root's sendbuf; sendbuf is ignored off the root."""
-        self._rooted(OP_SCATTER, sendbuf, recvbuf, root, counts)
+        _rooted(self, OP_SCATTER, sendbuf, recvbuf, root, counts)
         return recvbuf
-
-    cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts):
-        """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's
-        recvbuf) and the root's whole (gather's recvbuf, scatter's sendbuf), needed on the root only."""
-        cdef bint gather = op == OP_GATHER
-        cdef str what = OP_KIND_NAMES[op], mine_role = "sendbuf" if gather else "recvbuf"
-        cdef str whole_role = "recvbuf" if gather else "sendbuf"
-        cdef Message mine, whole = None, ms, mr
-        cdef Call c
-        self._root(root)
-        mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
-        if self.rank == root:
-            wbuf = recvbuf if gather else sendbuf
-            if wbuf is None:
-                raise ValueError(f"{what}: the root needs a {whole_role}")
-            whole = as_message(wbuf, gather, whole_role)
-        ms, mr = (mine, whole) if gather else (whole, mine)
-        if whole is not None:
-            CoreComm._same_dtype(ms, mr, what)
-        c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
-                     mine.dtype)
-        c.root = root
-        self.sizes(&c, counts, mine, mine_role, whole, whole_role, what)
-        self.invoke(&c, self.select(op, _nbytes(mine), mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
-                    None)
 
     def reduce_scatter(self, sendbuf, recvbuf, op=0, counts=None):
         """recvbuf = this rank's block of reduce(op, sendbuf of every rank); counts: block sizes when uneven."""
@@ -510,11 +434,11 @@ cdef class CoreComm:
         cdef size_t largest = mr.count
         cdef int i
         cdef Call c
-        CoreComm._same_dtype(ms, mr, "reduce_scatter")
+        _same_dtype(ms, mr, "reduce_scatter")
         red = resolve_op(op, ms.dtype)
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
-        self.sizes(&c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
+        _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
         for i in range(self.size):
             largest = max(largest, c.counts[i])
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
@@ -532,7 +456,7 @@ cdef class CoreComm:
         cdef size_t block, largest = 0, sent = 0
         cdef int i
         cdef Call c
-        CoreComm._same_dtype(ms, mr, "alltoall")
+        _same_dtype(ms, mr, "alltoall")
         if ms.ptr == mr.ptr and ms.count:
             raise ValueError("alltoall: sendbuf and recvbuf are the same memory; pass separate buffers")
         cdef bint even = send_counts is None and recv_counts is None
@@ -540,7 +464,7 @@ cdef class CoreComm:
         for i in range(self.size):
             largest = max(largest, sc[i], rc[i])
             sent = max(sent, sc[i])
-        self._fits(OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")
+        _check_fits(self, OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")
         c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
         self.invoke(&c, self.select(OP_ALLTOALL, sent * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None), ms.count,
@@ -558,45 +482,117 @@ cdef class CoreComm:
 
     # -- point to point (not numbered: they need not match across all ranks) --
 
-    cdef int _peer(self, int peer, bint any_ok, str what) except? -9999:
-        if any_ok and peer == -1:
-            return ANY_PEER
-        if peer < 0 or peer >= self.size:
-            raise ValueError(f"{what} rank {peer} is out of range for a group of size {self.size}"
-                             + (" (use None for any source)" if any_ok else ""))
-        return peer
-
-    cdef int _tag(self, int tag, bint any_ok) except? -9999:
-        if any_ok and tag == -1:
-            return ANY_TAG_
-        if tag < 0 or tag > 32767:   # MPI guarantees tags up to 32767
-            raise ValueError(f"tag {tag} is out of range; use 0..32767")
-        return tag
-
     def isend(self, buf, int dest, int tag=0):
         """Returns a Request: .wait(), .test()."""
-        return post_request(self, self.user_tp, buf, self._peer(dest, False, "isend: destination"),
-                            self._tag(tag, False), False, "isend")
+        return _post_user(self, buf, dest, tag, False, "isend", "isend")
 
     def irecv(self, buf, source=-1, tag=-1):
         """Returns a Request whose .wait() gives (source, tag, count); source / tag None or -1: any."""
-        return post_request(self, self.user_tp, buf, self._peer(_any(source), True, "irecv: source"),
-                            self._tag(_any(tag), True), True, "irecv")
+        return _post_user(self, buf, _any(source), _any(tag), True, "irecv", "irecv")
 
     def send(self, buf, int dest, int tag=0):
-        post_request(self, self.user_tp, buf, self._peer(dest, False, "send: destination"), self._tag(tag, False),
-                     False, "send").wait()
+        _post_user(self, buf, dest, tag, False, "send", "send").wait()
 
     def recv(self, buf, source=-1, tag=-1):
         """Returns (source, tag, count) of the message received; source / tag None or -1: any."""
-        return post_request(self, self.user_tp, buf, self._peer(_any(source), True, "recv: source"),
-                            self._tag(_any(tag), True), True, "recv").wait()
+        return _post_user(self, buf, _any(source), _any(tag), True, "recv", "recv").wait()
 
     def sendrecv(self, sendbuf, int dest, recvbuf, source=-1, int sendtag=0, recvtag=-1):
         """Sends sendbuf to dest and receives recvbuf at once (MPI_Sendrecv); returns the receive's
         (source, tag, count)."""
-        r = post_request(self, self.user_tp, recvbuf, self._peer(_any(source), True, "sendrecv: source"),
-                         self._tag(_any(recvtag), True), True, "recv")
-        post_request(self, self.user_tp, sendbuf, self._peer(dest, False, "sendrecv: destination"),
-                     self._tag(sendtag, False), False, "send").wait()
+        r = _post_user(self, recvbuf, _any(source), _any(recvtag), True, "sendrecv", "recv")
+        _post_user(self, sendbuf, dest, sendtag, False, "sendrecv", "send").wait()
         return r.wait()
+
+
+# ---- the checks and the pieces of CoreComm's entry points (this file's only) ----
+
+cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
+    cdef Rule *out
+    cdef int i
+    if not rules:
+        return NULL
+    out = <Rule*>calloc(len(rules), sizeof(Rule))
+    if out == NULL:
+        raise MemoryError()
+    for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
+        if not (self.impls & (1u << impl)):
+            free(out)
+            raise ValueError(f"entry {self.log.entry_name(entry)}: the {self.transport} transport has no implementation "
+                             f"{impl}")
+        out[i].entry, out[i].impl, out[i].lo, out[i].hi = entry, impl, lo, min(hi, SIZE_MAX)
+        out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
+        out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
+    return out
+
+
+cdef int _check_root(CoreComm self, int root) except -1:
+    if root < 0 or root >= self.size:
+        raise ValueError(f"root {root} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
+    return 0
+
+
+cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1:
+    if n > self.max_count(op):
+        raise ValueError(f"{what}: {n} elements exceed the {self.transport} transport's limit of "
+                         f"{self.max_count(op)} for this collective; allreduce, broadcast and reduce take any "
+                         "size; split this buffer into smaller calls")
+    return 0
+
+
+cdef int _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
+                     str whole_role, str what) except -1:
+    """v_sizes for this group's call; fills c.counts / c.displs."""
+    cdef size_t total
+    _check_fits(self, c.op, mine.count, what)
+    c.counts, c.displs = self.cnt, self.cnt + self.size
+    total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
+                    -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
+    if counts is not None:
+        _check_fits(self, c.op, total, what)
+    return 0
+
+
+cdef int _same_dtype(Message a, Message b, str what) except -1:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{what}: send buffer is {DTYPE_NAMES[a.dtype]} but receive buffer is "
+                        f"{DTYPE_NAMES[b.dtype]}; they must have the same dtype")
+    return 0
+
+
+cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
+    """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's
+    recvbuf) and the root's whole (gather's recvbuf, scatter's sendbuf), needed on the root only."""
+    cdef bint gather = op == OP_GATHER
+    cdef str what = OP_KIND_NAMES[op], mine_role = "sendbuf" if gather else "recvbuf"
+    cdef str whole_role = "recvbuf" if gather else "sendbuf"
+    cdef Message mine, whole = None, ms, mr
+    cdef Call c
+    _check_root(self, root)
+    mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
+    if self.rank == root:
+        wbuf = recvbuf if gather else sendbuf
+        if wbuf is None:
+            raise ValueError(f"{what}: the root needs a {whole_role}")
+        whole = as_message(wbuf, gather, whole_role)
+    ms, mr = (mine, whole) if gather else (whole, mine)
+    if whole is not None:
+        _same_dtype(ms, mr, what)
+    c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
+                 mine.dtype)
+    c.root = root
+    _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
+    self.invoke(&c, self.select(op, _nbytes(mine), mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
+                None)
+
+
+cdef Request _post_user(CoreComm self, object buf, int peer, object tag_, bint recv, str call, str what):
+    """The user's isend / irecv on the group's user channel, peer and tag checked (`call` names the entry
+    point in the errors; a receive takes -1 for any source or tag; the tag is converted once the peer passed)."""
+    if not (recv and peer == ANY_PEER) and (peer < 0 or peer >= self.size):
+        raise ValueError(f"{call}: {'source' if recv else 'destination'} rank {peer} is out of range for a group "
+                         f"of size {self.size}" + (" (use None for any source)" if recv else ""))
+    cdef int tag = tag_
+    if not (recv and tag == ANY_TAG_) and (tag < 0 or tag > 32767):   # MPI guarantees tags up to 32767
+        raise ValueError(f"tag {tag} is out of range; use 0..32767")
+    return post_request(self, self.user_tp, buf, peer, tag, recv, what)

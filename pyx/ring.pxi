@@ -44,87 +44,88 @@ cdef class RingAllreduce:
                  WaitCtx *ctx) except -1 nogil:
         """Returns 0 or a transport error code; raises (returns -1) when out of memory or the watch
         raises. Whatever is still posted when it fails is cancelled first."""
-        cdef int ierr = self._run(src, dst, count, isz, fn, ctx)
+        cdef int ierr = _ring_run(self, src, dst, count, isz, fn, ctx)
         if ierr:
             self.tp.cancel_all(self.rreqs, RING_SLOTS)
             self.tp.cancel_all(self.sreqs, self.sreq_cap)
         return ierr
 
-    cdef int _run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
-                  WaitCtx *ctx) except -1 nogil:
-        cdef int P = self.size, r = self.rank, ierr = 0
-        cdef int left = mod(r - 1, P), right = mod(r + 1, P)
-        cdef int steps = 2 * (P - 1), j, t, pj = 0, cj = 0
-        cdef size_t segc = self.seg_bytes // isz, total_r = 0, total_s = 0
-        cdef size_t off, blen, soff, slen, pk = 0, ck = 0, posted = 0, processed = 0, k
-        cdef char *buf
-        if count == 0:
-            return 0
-        if segc == 0:
-            segc = 1
-        for j in range(steps):
-            self.rbase[j] = total_r
-            block_range(count, P, ring_recv_block(r, j, P), &off, &blen)
-            total_r += segments(blen, segc)
-            self.sbase[j] = total_s
-            block_range(count, P, ring_send_block(r, j, P), &off, &blen)
-            total_s += segments(blen, segc)
-        self.rbase[steps] = total_r
-        grow(<void**>&self.sreqs, &self.sreq_cap, total_s, sizeof(Req), "ring allreduce")
-        memset(self.sreqs, 0, self.sreq_cap * sizeof(Req))
-        memset(self.rreqs, 0, RING_SLOTS * sizeof(Req))
 
-        # Step 0 sends this rank's own block, straight from the input.
-        block_range(count, P, r, &off, &blen)
-        for k in range(segments(blen, segc)):
-            slen = min(segc, blen - k * segc)
-            ierr = self.tp.isend(src + (off + k * segc) * isz, slen * isz, right, 0, &self.sreqs[k])
-            if ierr:
-                return ierr
+cdef int _ring_run(RingAllreduce self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
+                   WaitCtx *ctx) except -1 nogil:
+    cdef int P = self.size, r = self.rank, ierr = 0
+    cdef int left = mod(r - 1, P), right = mod(r + 1, P)
+    cdef int steps = 2 * (P - 1), j, t, pj = 0, cj = 0
+    cdef size_t segc = self.seg_bytes // isz, total_r = 0, total_s = 0
+    cdef size_t off, blen, soff, slen, pk = 0, ck = 0, posted = 0, processed = 0, k
+    cdef char *buf
+    if count == 0:
+        return 0
+    if segc == 0:
+        segc = 1
+    for j in range(steps):
+        self.rbase[j] = total_r
+        block_range(count, P, ring_recv_block(r, j, P), &off, &blen)
+        total_r += segments(blen, segc)
+        self.sbase[j] = total_s
+        block_range(count, P, ring_send_block(r, j, P), &off, &blen)
+        total_s += segments(blen, segc)
+    self.rbase[steps] = total_r
+    grow(<void**>&self.sreqs, &self.sreq_cap, total_s, sizeof(Req), "ring allreduce")
+    memset(self.sreqs, 0, self.sreq_cap * sizeof(Req))
+    memset(self.rreqs, 0, RING_SLOTS * sizeof(Req))
 
-        while processed < total_r:
-            # Post receives ahead, in the order the left neighbour sends.
-            while posted < total_r and posted < processed + RING_SLOTS:
-                while self.rbase[pj + 1] <= posted:
-                    pj += 1
-                pk = posted - self.rbase[pj]
-                block_range(count, P, ring_recv_block(r, pj, P), &off, &blen)
-                slen = min(segc, blen - pk * segc)
-                if pj < P - 1:
-                    buf = self.tmp + (posted % RING_SLOTS) * self.seg_bytes
-                else:
-                    # Allgather receives in place: the segment's reduce-scatter send (step t) must
-                    # have been posted (it is, once step t-1's segment pk was processed) and be done.
-                    t = pj - (P - 1)
-                    if t > 0 and self.rbase[t - 1] + pk >= processed:
-                        break
-                    ierr = self.tp.wait(&self.sreqs[self.sbase[t] + pk], NULL, ctx)
-                    if ierr:
-                        return ierr
-                    buf = dst + (off + pk * segc) * isz
-                ierr = self.tp.irecv(buf, slen * isz, left, 0, &self.rreqs[posted % RING_SLOTS])
+    # Step 0 sends this rank's own block, straight from the input.
+    block_range(count, P, r, &off, &blen)
+    for k in range(segments(blen, segc)):
+        slen = min(segc, blen - k * segc)
+        ierr = self.tp.isend(src + (off + k * segc) * isz, slen * isz, right, 0, &self.sreqs[k])
+        if ierr:
+            return ierr
+
+    while processed < total_r:
+        # Post receives ahead, in the order the left neighbour sends.
+        while posted < total_r and posted < processed + RING_SLOTS:
+            while self.rbase[pj + 1] <= posted:
+                pj += 1
+            pk = posted - self.rbase[pj]
+            block_range(count, P, ring_recv_block(r, pj, P), &off, &blen)
+            slen = min(segc, blen - pk * segc)
+            if pj < P - 1:
+                buf = self.tmp + (posted % RING_SLOTS) * self.seg_bytes
+            else:
+                # Allgather receives in place: the segment's reduce-scatter send (step t) must
+                # have been posted (it is, once step t-1's segment pk was processed) and be done.
+                t = pj - (P - 1)
+                if t > 0 and self.rbase[t - 1] + pk >= processed:
+                    break
+                ierr = self.tp.wait(&self.sreqs[self.sbase[t] + pk], NULL, ctx)
                 if ierr:
                     return ierr
-                posted += 1
-
-            while self.rbase[cj + 1] <= processed:
-                cj += 1
-            ck = processed - self.rbase[cj]
-            block_range(count, P, ring_recv_block(r, cj, P), &off, &blen)
-            soff = off + ck * segc
-            slen = min(segc, blen - ck * segc)
-            ierr = self.tp.wait(&self.rreqs[processed % RING_SLOTS], NULL, ctx)
+                buf = dst + (off + pk * segc) * isz
+            ierr = self.tp.irecv(buf, slen * isz, left, 0, &self.rreqs[posted % RING_SLOTS])
             if ierr:
                 return ierr
-            if cj < P - 1:
-                fn(dst + soff * isz, self.tmp + (processed % RING_SLOTS) * self.seg_bytes,
-                   src + soff * isz, slen)
-            if cj + 1 < steps:
-                ierr = self.tp.isend(dst + soff * isz, slen * isz, right, 0, &self.sreqs[self.sbase[cj + 1] + ck])
-                if ierr:
-                    return ierr
-            processed += 1
-        return self.tp.waitall(self.sreqs, total_s, ctx)
+            posted += 1
+
+        while self.rbase[cj + 1] <= processed:
+            cj += 1
+        ck = processed - self.rbase[cj]
+        block_range(count, P, ring_recv_block(r, cj, P), &off, &blen)
+        soff = off + ck * segc
+        slen = min(segc, blen - ck * segc)
+        ierr = self.tp.wait(&self.rreqs[processed % RING_SLOTS], NULL, ctx)
+        if ierr:
+            return ierr
+        if cj < P - 1:
+            fn(dst + soff * isz, self.tmp + (processed % RING_SLOTS) * self.seg_bytes,
+               src + soff * isz, slen)
+        if cj + 1 < steps:
+            ierr = self.tp.isend(dst + soff * isz, slen * isz, right, 0, &self.sreqs[self.sbase[cj + 1] + ck])
+            if ierr:
+                return ierr
+        processed += 1
+    return self.tp.waitall(self.sreqs, total_s, ctx)
 
 
 cdef class RecursiveDoubling:

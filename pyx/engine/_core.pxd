@@ -160,8 +160,6 @@ cdef class RingAllreduce:
     cdef size_t *sbase
     cdef int run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
                  WaitCtx *ctx) except -1 nogil
-    cdef int _run(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn,
-                  WaitCtx *ctx) except -1 nogil
 
 
 cdef class RecursiveDoubling:
@@ -305,24 +303,6 @@ cdef class P2PCollectives:
     cdef char *work             # workspace (grown, never shrunk)
     cdef size_t work_cap
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
-    cdef int reserve(self, size_t nreqs, size_t work_bytes) except -1 nogil
-    cdef int finish(self, size_t n, int ierr, WaitCtx *ctx) except -1 nogil
-    cdef int broadcast_tree(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
-    cdef int broadcast_pipeline(self, char *buf, size_t n, int root, WaitCtx *ctx) except -1 nogil
-    cdef int reduce_tree(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
-                         WaitCtx *ctx) except -1 nogil
-    cdef int reduce_rsag(self, const char *src, char *dst, size_t count, size_t isz, eng_reduce_fn fn, int root,
-                         WaitCtx *ctx) except -1 nogil
-    cdef int allgather_ring(self, const char *src, char *dst, size_t isz, const size_t *counts,
-                            const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int linear(self, bint gather, const char *src, char *dst, size_t count, size_t isz, const size_t *counts,
-                    const size_t *displs, int root, WaitCtx *ctx) except -1 nogil
-    cdef int reduce_scatter_ring(self, const char *src, char *dst, size_t isz, eng_reduce_fn fn,
-                                 const size_t *counts, const size_t *displs, WaitCtx *ctx) except -1 nogil
-    cdef int alltoall_pairwise(self, const char *src, char *dst, size_t isz, const size_t *scounts,
-                               const size_t *sdispls, const size_t *rcounts, const size_t *rdispls,
-                               WaitCtx *ctx) except -1 nogil
-    cdef int barrier_dissemination(self, WaitCtx *ctx) except -1 nogil
 
 
 # The implementations P2PCollectives runs (and the ring, for every collective but allreduce).
@@ -363,25 +343,15 @@ cdef class CoreComm:
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void start(self, WaitCtx *ctx) noexcept
-    cdef int _root(self, int root) except -1
-    cdef int _fits(self, int op, size_t n, str what) except -1
-    @staticmethod
-    cdef int _same_dtype(Message a, Message b, str what) except -1
-    cdef int _peer(self, int peer, bint any_ok, str what) except? -9999
-    cdef int _tag(self, int tag, bint any_ok) except? -9999
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
     cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
-    cdef Rule *_rule_array(self, list rules) except? NULL
     cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
-    cdef _rooted(self, int op, sendbuf, recvbuf, int root, counts)
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run_alone(self, Call *c) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
-    cdef int sizes(self, Call *c, object counts, Message mine, str mine_role, Message whole, str whole_role,
-                   str what) except -1
     cdef size_t max_count(self, int op) noexcept
 
 
