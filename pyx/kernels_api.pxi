@@ -146,15 +146,6 @@ def parse_parts(parts):
     return pl if pl.dtype >= 0 else None
 
 
-cdef _check_flat(Message flat, _PartList pl, double factor, str verb):
-    if pl.n and not eng_convertible(flat.dtype, pl.dtype, factor) and not eng_convertible(pl.dtype, flat.dtype, factor):
-        raise TypeError(f"cannot {verb} {DTYPE_NAMES[pl.dtype]} parts with a {DTYPE_NAMES[flat.dtype]} flat buffer"
-                        + (f" and scale {factor}" if factor != 1.0 else "")
-                        + "; supported: same dtype, or float32 with float16/bfloat16 (scaling: floating dtypes)")
-    if flat.count < pl.total:
-        raise ValueError(f"flat buffer holds {flat.count} elements but the parts need {pl.total}")
-
-
 def pack(parts, flat, double scale=1.0):
     """Copies parts (a list of buffers of one dtype) back to back into flat, casting to flat's dtype
     and multiplying by scale, in one GIL-free call. Returns the number of elements written."""
@@ -171,7 +162,12 @@ cdef size_t _pack_or_unpack(parts, flat, double scale, bint unpacking) except? 0
     cdef Message mf = as_message(flat, not unpacking, "flat")
     cdef int rc
     name = "unpack" if unpacking else "pack"
-    _check_flat(mf, pl, scale, name)
+    if pl.n and not eng_convertible(mf.dtype, pl.dtype, scale) and not eng_convertible(pl.dtype, mf.dtype, scale):
+        raise TypeError(f"cannot {name} {DTYPE_NAMES[pl.dtype]} parts with a {DTYPE_NAMES[mf.dtype]} flat buffer"
+                        + (f" and scale {scale}" if scale != 1.0 else "")
+                        + "; supported: same dtype, or float32 with float16/bfloat16 (scaling: floating dtypes)")
+    if mf.count < pl.total:
+        raise ValueError(f"flat buffer holds {mf.count} elements but the parts need {pl.total}")
     if pl.n == 0:
         return 0
     with nogil:

@@ -81,14 +81,6 @@ cdef inline MPI_Op mpi_op(RedC *red) noexcept nogil:
     return MPI_OPS_STD[red.code]
 
 
-cdef str error_string(int ierr):
-    cdef char msg[512]
-    cdef int n = 0
-    if MPI_Error_string(ierr, msg, &n) != 0:
-        return f"MPI error {ierr}"
-    return msg[:n].decode(errors="replace")
-
-
 cdef int check(int ierr, str what) except -1:
     if ierr == 0:
         return 0
@@ -96,9 +88,12 @@ cdef int check(int ierr, str what) except -1:
 
 
 cdef str mpi_error_text(int ierr):
-    cdef int cls = ierr
+    cdef int cls = ierr, n = 0
+    cdef char msg[512]
     MPI_Error_class(ierr, &cls)
     if cls == MPI_ERR_TRUNCATE:
         return ("message truncated: a peer sent more elements than the receive buffer holds; the buffer sizes "
                 "on the ranks do not match")
-    return error_string(ierr)
+    if MPI_Error_string(ierr, msg, &n) != 0:
+        return f"MPI error {ierr}"
+    return msg[:n].decode(errors="replace")

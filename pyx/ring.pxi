@@ -125,7 +125,11 @@ cdef int _ring_run(RingAllreduce self, const char *src, char *dst, size_t count,
             if ierr:
                 return ierr
         processed += 1
-    return self.tp.waitall(self.sreqs, total_s, ctx)
+    for k in range(total_s):
+        ierr = self.tp.wait(&self.sreqs[k], NULL, ctx)
+        if ierr:
+            return ierr
+    return 0
 
 
 cdef class RecursiveDoubling:

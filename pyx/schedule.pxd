@@ -73,13 +73,6 @@ cdef inline int rdouble_peer(int newrank, int mask, int nranks) noexcept nogil:
 
 # -- the shared segment's steps (shm_collectives.pxi) --
 
-cdef inline size_t piece(size_t total, size_t k, size_t cap) noexcept nogil:
-    """Elements of step k's piece of a part of `total` elements cut in pieces of `cap`."""
-    if total <= k * cap:
-        return 0
-    return min(cap, total - k * cap)
-
-
 cdef inline size_t piece_steps(size_t count, size_t per, bint single_copy) noexcept nogil:
     """Steps a part of count elements needs: one when it moves by single copy, else ceil(count / per)."""
     if count == 0:
@@ -88,10 +81,12 @@ cdef inline size_t piece_steps(size_t count, size_t per, bint single_copy) noexc
 
 
 cdef inline size_t piece_share(size_t count, size_t k, size_t per, bint single_copy) noexcept nogil:
-    """Elements of a part that step k moves (a single-copy part moves whole in step 0)."""
+    """Elements of a part that step k moves: its k-th piece of `per` (a single-copy part moves whole in step 0)."""
     if single_copy:
         return count if k == 0 else 0
-    return piece(count, k, per)
+    if count <= k * per:
+        return 0
+    return min(per, count - k * per)
 
 
 cdef inline size_t chunk_elements(bint oneshot, size_t cap, size_t chunk_bytes, size_t itemsize,

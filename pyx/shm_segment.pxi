@@ -228,9 +228,6 @@ cdef class ShmSegment:
 
     # -- the step protocol --
 
-    cdef inline uint64_t *flag(self, int r) noexcept nogil:
-        return <uint64_t*>(self.ctrl + <size_t>r * CTRL_BYTES)
-
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil:
         return <uint64_t*>(self.ctrl + <size_t>r * CTRL_BYTES + LINE + (step & 1) * LINE)
 
@@ -262,8 +259,14 @@ cdef class ShmSegment:
         return 0
 
     cdef inline void post(self, int phase) noexcept nogil:
-        eng_store_release(self.flag(self.rank), 4 * self.step + phase)
-        self.ring_all()
+        """Sets this rank's step flag (line 0 of its control) to phase of this step; wakes the sleepers."""
+        cdef int q
+        eng_store_release(<uint64_t*>(self.ctrl + <size_t>self.rank * CTRL_BYTES), 4 * self.step + phase)
+        eng_fence()
+        for q in range(self.size):
+            if q != self.rank and eng_load32(self.asleep(q)):
+                eng_add32(self.bell(q))
+                eng_futex_wake(self.bell(q))
 
     # -- doorbells --
 
@@ -280,38 +283,26 @@ cdef class ShmSegment:
             eng_add32(self.bell(q))
             eng_futex_wake(self.bell(q))
 
-    cdef inline void ring_all(self) noexcept nogil:
-        cdef int q
-        eng_fence()
-        for q in range(self.size):
-            if q != self.rank and eng_load32(self.asleep(q)):
-                eng_add32(self.bell(q))
-                eng_futex_wake(self.bell(q))
-
-    cdef int _check_sig(self, int q) noexcept nogil:
-        cdef uint64_t *s = self.sig(q, self.step)
-        cdef int i
-        for i in range(SIG_COMPARED):
-            if s[i] != self.my_sig[i]:
-                memcpy(self.err_sig, s, sizeof(self.err_sig))
-                self.err_peer = q
-                return ENG_ERR_MISMATCH
-        return 0
-
     cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
         """Until rank `only` (-1: every peer) reached `phase` of `step`; check: their signatures must
         equal ours."""
         cdef FlagWait w
-        cdef int q, ierr
+        cdef int q, i, ierr
+        cdef uint64_t *s
         w.ctrl, w.size, w.me, w.only, w.next, w.target = self.ctrl, self.size, self.rank, only, 0, 4 * step + phase
         ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
+        if ierr == ENG_ERR_PEER_DEAD:
+            self.err_peer = self.peers.dead
         if ierr:
-            return self._failed(ierr)
+            return ierr
         for q in range(self.size if check else 0):
             if q != self.rank and (only < 0 or q == only):
-                ierr = self._check_sig(q)
-                if ierr:
-                    return ierr
+                s = self.sig(q, self.step)
+                for i in range(SIG_COMPARED):
+                    if s[i] != self.my_sig[i]:
+                        memcpy(self.err_sig, s, sizeof(self.err_sig))
+                        self.err_peer = q
+                        return ENG_ERR_MISMATCH
         return 0
 
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
@@ -319,11 +310,6 @@ cdef class ShmSegment:
 
     cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
         return self.wait_for(-1, step, phase, ctx, check)
-
-    cdef int _failed(self, int ierr) noexcept nogil:
-        if ierr == ENG_ERR_PEER_DEAD:
-            self.err_peer = self.peers.dead
-        return ierr
 
     cdef uint64_t peer_aux(self, int q) noexcept nogil:
         return self.sig(q, self.step)[4]

@@ -250,14 +250,6 @@ cdef class ShmTransport(Transport):
                     _free_msg(m)
                 m = ps.sendq.head
 
-    cdef int ack(self, int peer, uint64_t id) noexcept nogil:
-        cdef PMsg *a = _new_msg(PM_ACK, NULL, 0, peer, 0)
-        if a == NULL:
-            return ENG_ERR_NOMEM
-        a.id = id
-        _push(&self.pr[peer].acks, a)
-        return 0
-
     # -- receiving (called with the lock held) --
 
     cdef int progress_recv(self, int peer) noexcept nogil:
@@ -303,15 +295,21 @@ cdef class ShmTransport(Transport):
 
     cdef int _data(self, int peer, Frame *f, const char *payload) noexcept nogil:
         cdef PMsg *m
+        cdef char *buf
         cdef PeerState *ps = &self.pr[peer]
         if f.kind == FRAME_FIRST:
             if ps.incoming != NULL or ps.discarding or f.total < f.len or f.total > MAX_MESSAGE:
                 return self._corrupt(peer)
             m = self._match_posted(peer, f.tag)
-            if m == NULL:
-                m = self._new_unexpected(peer, f.tag, f.total)
+            if m == NULL:               # unexpected: into a buffer of its own until a receive takes it
+                buf = <char*>malloc(f.total if f.total else 1)
+                m = _new_msg(PM_UNEXPECTED, buf, f.total, peer, f.tag) if buf != NULL else NULL
                 if m == NULL:
+                    free(buf)
                     return ENG_ERR_NOMEM
+                m.owns_buf = True
+                m.state = PS_ACTIVE
+                _push(&self.unexpected, m)
             elif f.total > m.len:
                 m.err = ENG_ERR_TRUNCATE
                 m.st.source, m.st.tag, m.st.nbytes = peer, f.tag, f.total
@@ -355,6 +353,7 @@ cdef class ShmTransport(Transport):
 
     cdef int _pull(self, PMsg *r, int peer, int tag, size_t nbytes, uint64_t addr, uint64_t id) noexcept nogil:
         """Receive r takes an RTS message: one copy out of the sender's memory, then the ACK."""
+        cdef PMsg *ack
         r.st.source, r.st.tag, r.st.nbytes = peer, tag, nbytes
         if nbytes > r.len:
             r.err = ENG_ERR_TRUNCATE
@@ -364,7 +363,12 @@ cdef class ShmTransport(Transport):
         r.state = PS_DONE
         r.bound = NULL
         self._release_if_orphan(r)
-        return self.ack(peer, id)
+        ack = _new_msg(PM_ACK, NULL, 0, peer, 0)     # sent once the ring has room (progress_send)
+        if ack == NULL:
+            return ENG_ERR_NOMEM
+        ack.id = id
+        _push(&self.pr[peer].acks, ack)
+        return 0
 
     cdef int _acked(self, int peer, uint64_t id) noexcept nogil:
         cdef PMsg *m = self.pr[peer].awaiting.head
@@ -422,17 +426,6 @@ cdef class ShmTransport(Transport):
         if m != NULL:
             _unlink(&self.posted, m)
         return m
-
-    cdef PMsg *_new_unexpected(self, int peer, int tag, size_t nbytes) noexcept nogil:
-        cdef char *buf = <char*>malloc(nbytes if nbytes else 1)
-        cdef PMsg *u = _new_msg(PM_UNEXPECTED, buf, nbytes, peer, tag) if buf != NULL else NULL
-        if u == NULL:
-            free(buf)
-            return NULL
-        u.owns_buf = True
-        u.state = PS_ACTIVE
-        _push(&self.unexpected, u)
-        return u
 
     cdef int progress(self) noexcept nogil:
         cdef int p, ierr

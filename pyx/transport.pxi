@@ -34,15 +34,6 @@ cdef class Transport:
         w.req, w.st = req, st
         return wait_until(_poll_request, <void*>self, &w, ctx, self.door)
 
-    cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil:
-        cdef size_t i
-        cdef int ierr
-        for i in range(n):
-            ierr = self.wait(&reqs[i], NULL, ctx)
-            if ierr:
-                return ierr
-        return 0
-
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil:
         cdef size_t i
         for i in range(n):

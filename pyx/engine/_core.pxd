@@ -136,7 +136,6 @@ cdef class Transport:
     cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil
     cdef int cancel(self, Req *req) noexcept nogil
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil
-    cdef int waitall(self, Req *reqs, size_t n, WaitCtx *ctx) except -1 nogil
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
     cdef int mismatch(self, int peer) noexcept nogil
     cdef object error_text(self, int code)
@@ -470,7 +469,6 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef int _setup(self, int rank, int size) except -1
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil
-    cdef inline uint64_t *flag(self, int r) noexcept nogil
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
     cdef inline char *half(self, int r, uint64_t step) noexcept nogil
     cdef inline uint64_t *table(self, int r, uint64_t step) noexcept nogil
@@ -480,12 +478,9 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline uint32_t *bell(self, int r) noexcept nogil
     cdef inline uint32_t *asleep(self, int r) noexcept nogil
     cdef inline void ring(self, int q) noexcept nogil
-    cdef inline void ring_all(self) noexcept nogil
-    cdef int _check_sig(self, int q) noexcept nogil
     cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
-    cdef int _failed(self, int ierr) noexcept nogil
     cdef uint64_t peer_aux(self, int q) noexcept nogil
 
 
