@@ -8,7 +8,7 @@ import sys
 import threading
 
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memmove, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY
 

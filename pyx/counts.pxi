@@ -2,8 +2,6 @@
 # reduce_scatter and alltoall, once. CoreComm fills its call's tables here; the CUDA communicator
 # (engine/cuda/communicator.py) reads the same tables through count_table and alltoall_table.
 
-from libc.stdlib cimport free, malloc
-
 from schedule cimport even_counts
 
 cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, str role) except? 0:
@@ -80,33 +78,27 @@ cdef int alltoall_sizes(int size, send_counts, size_t scount, recv_counts, size_
     return 0
 
 
-cdef list _table(const size_t *values, int size):
-    return [values[i] for i in range(size)]
+cdef tuple _tables(bytearray buf, int size):
+    """The tables a count_table / alltoall_table filled into buf, size counts each, as lists."""
+    cdef const size_t *t = <const size_t*><char*>buf
+    return tuple([[t[k * size + i] for i in range(size)] for k in range(len(buf) // sizeof(size_t) // size)])
 
 
 def count_table(int size, int rank, counts, size_t mine, str mine_role, whole, str whole_role, str what):
     """v_sizes for a communicator outside the core (the CUDA one): (counts, element displacements);
     whole None off the root."""
     _group_args(size, rank)
-    cdef size_t *t = <size_t*>malloc(2 * size * sizeof(size_t))
-    if t == NULL:
-        raise MemoryError()
-    try:
-        v_sizes(size, rank, counts, mine, mine_role, -1 if whole is None else whole, whole_role, what, t, t + size)
-        return _table(t, size), _table(t + size, size)
-    finally:
-        free(t)
+    cdef bytearray buf = bytearray(2 * size * sizeof(size_t))
+    cdef size_t *t = <size_t*><char*>buf
+    v_sizes(size, rank, counts, mine, mine_role, -1 if whole is None else whole, whole_role, what, t, t + size)
+    return _tables(buf, size)
 
 
 def alltoall_table(int size, send_counts, size_t scount, recv_counts, size_t rcount):
     """alltoall_sizes for a communicator outside the core: (send counts, send displacements, receive
     counts, receive displacements), in elements."""
     _group_args(size, 0)
-    cdef size_t *t = <size_t*>malloc(4 * size * sizeof(size_t))
-    if t == NULL:
-        raise MemoryError()
-    try:
-        alltoall_sizes(size, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
-        return _table(t, size), _table(t + size, size), _table(t + 2 * size, size), _table(t + 3 * size, size)
-    finally:
-        free(t)
+    cdef bytearray buf = bytearray(4 * size * sizeof(size_t))
+    cdef size_t *t = <size_t*><char*>buf
+    alltoall_sizes(size, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
+    return _tables(buf, size)

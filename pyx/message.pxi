@@ -36,6 +36,10 @@ cdef bint _is_torch_tensor(object obj):
 # Formats whose dtype doesn't depend on the item size (the integer codes' do: 'l' is 4 or 8 bytes).
 _FIXED_FORMATS = {b"?": ENG_BOOL, b"e": ENG_FLOAT16, b"f": ENG_FLOAT32, b"d": ENG_FLOAT64,
                   b"Zf": ENG_COMPLEX64, b"Zd": ENG_COMPLEX128}
+# (DLPack type code, bits) -> dtype: each dtype's kind in DLPack's terms, in the order of kernels.h's codes.
+cdef dict _DLPACK_DTYPES = {(kind, 8 * eng_itemsize[d]): d for d, kind in enumerate((
+    kDLBool, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLFloat,
+    kDLFloat, kDLComplex, kDLComplex))}
 
 
 cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
@@ -47,28 +51,8 @@ cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
         return -1
     if f in _FIXED_FORMATS:
         return _FIXED_FORMATS[f]
-    if len(f) == 1 and f in b"bhilq":
-        return {1: ENG_INT8, 2: ENG_INT16, 4: ENG_INT32, 8: ENG_INT64}.get(itemsize, -1)
-    if len(f) == 1 and f in b"BHILQc":
-        return {1: ENG_UINT8, 2: ENG_UINT16, 4: ENG_UINT32, 8: ENG_UINT64}.get(itemsize, -1)
-    return -1
-
-
-cdef int _dlpack_dtype(DLDataType t) noexcept:
-    if t.lanes != 1:
-        return -1
-    if t.code == kDLBool and t.bits == 8:
-        return ENG_BOOL
-    if t.code == kDLInt:
-        return {8: ENG_INT8, 16: ENG_INT16, 32: ENG_INT32, 64: ENG_INT64}.get(t.bits, -1)
-    if t.code == kDLUInt:
-        return {8: ENG_UINT8, 16: ENG_UINT16, 32: ENG_UINT32, 64: ENG_UINT64}.get(t.bits, -1)
-    if t.code == kDLFloat:
-        return {16: ENG_FLOAT16, 32: ENG_FLOAT32, 64: ENG_FLOAT64}.get(t.bits, -1)
-    if t.code == kDLBfloat and t.bits == 16:
-        return ENG_BFLOAT16
-    if t.code == kDLComplex:
-        return {64: ENG_COMPLEX64, 128: ENG_COMPLEX128}.get(t.bits, -1)
+    if len(f) == 1 and f in b"bhilqBHILQc":    # integers: signed or not, of the item size
+        return _DLPACK_DTYPES.get((kDLInt if f in b"bhilq" else kDLUInt, 8 * itemsize), -1)
     return -1
 
 
@@ -99,10 +83,7 @@ cdef Message as_message(object obj, bint writable, str role):
                              "(and copy the result back if it is an output)")
         m.ptr = <void*><size_t>obj.data_ptr()
         m.count = obj.numel()
-        m.dtype = code
-        m.itemsize = eng_itemsize[code]
-        return m
-    if PyObject_CheckBuffer(obj):
+    elif PyObject_CheckBuffer(obj):
         flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
         try:
             PyObject_GetBuffer(obj, &m.view, flags)
@@ -121,10 +102,7 @@ cdef Message as_message(object obj, bint writable, str role):
                             f"supported dtypes: {', '.join(DTYPE_NAMES)} (native byte order)")
         m.ptr = m.view.buf
         m.count = <size_t>(m.view.len // m.view.itemsize)
-        m.dtype = code
-        m.itemsize = eng_itemsize[code]
-        return m
-    if hasattr(obj, "__dlpack__"):
+    elif hasattr(obj, "__dlpack__"):
         capsule = obj.__dlpack__()
         if not PyCapsule_IsValid(capsule, b"dltensor"):
             raise TypeError(f"{role}: __dlpack__ returned an unexpected capsule")
@@ -135,7 +113,7 @@ cdef Message as_message(object obj, bint writable, str role):
         if t.device.device_type != kDLCPU and t.device.device_type != kDLCUDAHost:
             raise ValueError(f"{role} lives on DLPack device type {t.device.device_type}; "
                              "the MPI path moves host memory only")
-        code = _dlpack_dtype(t.dtype)
+        code = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits), -1) if t.dtype.lanes == 1 else -1
         if code < 0:
             raise TypeError(f"{role} has an unsupported DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits)")
         m.count = 1
@@ -148,11 +126,12 @@ cdef Message as_message(object obj, bint writable, str role):
                     raise ValueError(f"{role} is not C-contiguous; pass a contiguous copy")
                 expect *= t.shape[i]
         m.ptr = <char*>t.data + t.byte_offset
-        m.dtype = code
-        m.itemsize = eng_itemsize[code]
-        return m
-    raise TypeError(f"{role} must be a buffer (numpy array, torch CPU tensor, bytearray or a DLPack "
-                    f"object), got {_describe(obj)}")
+    else:
+        raise TypeError(f"{role} must be a buffer (numpy array, torch CPU tensor, bytearray or a DLPack "
+                        f"object), got {_describe(obj)}")
+    m.dtype = code
+    m.itemsize = eng_itemsize[code]
+    return m
 
 
 def message_info(obj, bint writable=False):

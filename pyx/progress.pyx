@@ -270,10 +270,7 @@ cdef class Progress:
         task = self.queue[0]
         if task.submitted + self.grace > eng_now() and not self.closed:
             return None
-        self.queue.popleft()
-        self.pending -= 1
-        task.state = TASK_RUNNING
-        self.running = True
+        self._claim(task)
         return task
 
     cdef void _idle(self) noexcept nogil:

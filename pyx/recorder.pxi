@@ -42,15 +42,8 @@ cdef class Recorder:
                               f"({self.broken}); destroy it and create a new one, or exit")
         self.seq += 1
         rec = &self.recs[self.seq % self.nrecs]
-        rec.seq = self.seq
-        rec.op = op
-        rec.dtype = dtype
-        rec.count = count
-        rec.entry = entry
-        rec.state = 0
-        rec.native = native
-        rec.start = eng_now()
-        rec.end = 0
+        rec[0] = OpRec(seq=self.seq, op=op, dtype=dtype, count=count, entry=entry, state=0, native=native,
+                       start=eng_now(), end=0)
         self.cur = rec
         return rec
 

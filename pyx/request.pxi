@@ -20,30 +20,23 @@ cdef class Request:
     def wait(self):
         """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
         cdef int ierr = 0
-        if not self.done and self.comm.aborted:   # the transport may be released already: not touched
-            raise self.comm.error(ENG_ERR_ABORTED, "irecv" if self.is_recv else "isend", self.tp)
-        if not self.done:
+        if not self.done:   # aborted: the transport may be released already, so it is not touched
+            _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else 0)
             self.comm.busy += 1
             try:
                 with nogil:
                     ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
             finally:
                 self.comm.busy -= 1
-            if ierr:
-                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend", self.tp)
+            _request_check(self, ierr)
             self.done = True
         return self._result()
 
     def test(self):
         """True once complete (then wait() returns at once)."""
-        cdef int ierr = 0
         cdef bint flag = False
-        if not self.done and self.comm.aborted:
-            raise self.comm.error(ENG_ERR_ABORTED, "irecv" if self.is_recv else "isend", self.tp)
         if not self.done:
-            ierr = self.tp.test(&self.req, &flag, &self.st)
-            if ierr:
-                raise self.comm.error(ierr, "irecv" if self.is_recv else "isend", self.tp)
+            _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else self.tp.test(&self.req, &flag, &self.st))
             self.done = flag
         return self.done
 
@@ -51,6 +44,12 @@ cdef class Request:
         if not self.is_recv:
             return None
         return (self.st.source, self.st.tag, self.st.nbytes // self.msg.itemsize)
+
+
+cdef int _request_check(Request r, int ierr) except -1:   # raises the request's error for ierr (0: none)
+    if ierr:
+        raise r.comm.error(ierr, "irecv" if r.is_recv else "isend", r.tp)
+    return 0
 
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what):

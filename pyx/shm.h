@@ -48,12 +48,11 @@ static inline double eng_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static inline void eng_sleep(double seconds) {
-  struct timespec ts;
-  ts.tv_sec = (time_t)seconds;
-  ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-  nanosleep(&ts, NULL);
-}
+/* A relative timeout of `seconds` (a variable), for nanosleep, a futex wait or ppoll: a compound literal, alive
+ * to the end of the caller's block. */
+#define ENG_TIMEOUT(seconds) (&(struct timespec){(time_t)(seconds), (long)(((seconds) - (double)(time_t)(seconds)) * 1e9)})
+
+static inline void eng_sleep(double seconds) { nanosleep(ENG_TIMEOUT(seconds), NULL); }
 
 static inline void eng_yield(void) { sched_yield(); }
 
@@ -64,10 +63,7 @@ static inline void eng_yield(void) { sched_yield(); }
 
 /* Sleeps while *addr == val, at most `seconds`; returns at once if *addr changed. */
 static inline void eng_futex_wait(uint32_t *addr, uint32_t val, double seconds) {
-  struct timespec ts;
-  ts.tv_sec = (time_t)seconds;
-  ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-  syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+  syscall(SYS_futex, addr, FUTEX_WAIT, val, ENG_TIMEOUT(seconds), NULL, 0);
 }
 
 static inline void eng_futex_wake(uint32_t *addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }

@@ -198,13 +198,6 @@ static int eng_tcp_interfaces(char *out, size_t cap) {
   return 0;
 }
 
-static void tcp_queue(tcp_out *o, tcp_item *it) {
-  it->next = NULL;
-  if (o->tail == NULL) o->head = it;
-  else o->tail->next = it;
-  o->tail = it;
-}
-
 /* A message to this rank itself, complete at once: a posted receive copies it from the sender's
  * buffer; otherwise it is kept in a copy, since the send completes now. Called with the lock held. */
 static int tcp_self_send(eng_tcp *t, const void *buf, size_t n, int tag) {
@@ -290,7 +283,7 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
     }
     r->items = (size_t)k;
     r->state = TCP_ACTIVE;
-    for (int j = 0; j < k; j++) tcp_queue(&p->out[j], items[j]);
+    for (int j = 0; j < k; j++) TCP_PUSH(p->out[j].head, p->out[j].tail, items[j]);
     for (int j = 0; j < k; j++) tcp_out_progress(t, peer, j);   /* a small message is usually out now */
   }
 out:
@@ -322,10 +315,7 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
     free(r);
     return rc;
   } else {
-    r->next = NULL;
-    if (t->posted_tail == NULL) t->posted_head = r;
-    else t->posted_tail->next = r;
-    t->posted_tail = r;
+    TCP_PUSH(t->posted_head, t->posted_tail, r);
     /* Waiting on a peer not yet connected: connect to it, so its end is noticed if it dies. */
     if (peer >= 0 && peer != t->rank && !t->peers[peer].nout && t->peers[peer].has_addr) {
       int rc = tcp_start_connect(t, peer);
@@ -381,10 +371,7 @@ static void eng_tcp_sleep(eng_tcp *t, uint32_t gen, double seconds) {
   memcpy(mine, t->pfd, (size_t)n * sizeof *mine);
   t->sleepers++;
   pthread_mutex_unlock(&t->lock);
-  struct timespec ts;
-  ts.tv_sec = (time_t)seconds;
-  ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-  ppoll(mine, (nfds_t)n, &ts, NULL);
+  ppoll(mine, (nfds_t)n, ENG_TIMEOUT(seconds), NULL);
   free(mine);
   pthread_mutex_lock(&t->lock);
   t->sleepers--;

@@ -6,18 +6,9 @@
 
 /* ---- messages arriving ---- */
 
-static void tcp_unlink_unexpected(eng_tcp *t, tcp_in *m) {
-  tcp_in *prev = NULL, *x = t->unexp_head;
-  while (x != NULL && x != m) {
-    prev = x;
-    x = x->next;
-  }
-  if (x == NULL) return;
-  if (prev == NULL) t->unexp_head = m->next;
-  else prev->next = m->next;
-  if (t->unexp_tail == m) t->unexp_tail = prev;
-  m->next = NULL;
-}
+static void tcp_unlink_unexpected(eng_tcp *t, tcp_in *m) { TCP_UNLINK(tcp_in, t->unexp_head, t->unexp_tail, m); }
+
+static void tcp_push_unexpected(eng_tcp *t, tcp_in *m) { TCP_PUSH(t->unexp_head, t->unexp_tail, m); }
 
 static void tcp_unlink_arriving(tcp_peer *p, tcp_in *m) {
   tcp_in **at = &p->arriving;
@@ -26,19 +17,7 @@ static void tcp_unlink_arriving(tcp_peer *p, tcp_in *m) {
   m->pnext = NULL;
 }
 
-static int tcp_unlink_posted(eng_tcp *t, tcp_req *r) {
-  tcp_req *prev = NULL, *x = t->posted_head;
-  while (x != NULL && x != r) {
-    prev = x;
-    x = x->next;
-  }
-  if (x == NULL) return 0;
-  if (prev == NULL) t->posted_head = r->next;
-  else prev->next = r->next;
-  if (t->posted_tail == r) t->posted_tail = prev;
-  r->next = NULL;
-  return 1;
-}
+static void tcp_unlink_posted(eng_tcp *t, tcp_req *r) { TCP_UNLINK(tcp_req, t->posted_head, t->posted_tail, r); }
 
 static inline int tcp_matches(const tcp_req *r, int peer, int tag) {
   return (r->peer < 0 || r->peer == peer) && (r->tag < 0 || r->tag == tag);
@@ -62,13 +41,6 @@ static void tcp_complete_in(eng_tcp *t, tcp_in *m) {
   } else if (!m->owns) {   /* discarded (its receive was cancelled or too small) */
     free(m);
   }                        /* else: unexpected, waits in its list for a receive */
-}
-
-static void tcp_push_unexpected(eng_tcp *t, tcp_in *m) {
-  m->next = NULL;
-  if (t->unexp_tail == NULL) t->unexp_head = m;
-  else t->unexp_tail->next = m;
-  t->unexp_tail = m;
 }
 
 /* Receive r takes message m: an unexpected one (complete or still arriving) the caller unlinked, one

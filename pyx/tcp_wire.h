@@ -177,6 +177,20 @@ static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq,
   h->b = b;
 }
 
+/* Lists linked through ->next with a head and a tail: x appended, or x unlinked (nothing if it is not there). */
+#define TCP_PUSH(head, tail, x) \
+  do { (x)->next = NULL; if ((tail) == NULL) (head) = (x); else (tail)->next = (x); (tail) = (x); } while (0)
+#define TCP_UNLINK(type, head, tail, x) \
+  do { \
+    type *prev_ = NULL, *at_ = (head); \
+    while (at_ != NULL && at_ != (x)) prev_ = at_, at_ = at_->next; \
+    if (at_ == NULL) break; \
+    if (prev_ == NULL) (head) = (x)->next; \
+    else prev_->next = (x)->next; \
+    if ((tail) == (x)) (tail) = prev_; \
+    (x)->next = NULL; \
+  } while (0)
+
 static inline int tcp_cmp_token(const unsigned char *a, const unsigned char *b) {
   unsigned char d = 0;
   for (int i = 0; i < 16; i++) d |= a[i] ^ b[i];

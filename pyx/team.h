@@ -154,7 +154,7 @@ static int eng_team_start(eng_team *t, int n, int maxsrc, double spin) {
 }
 
 /* The whole job in the calling thread. */
-static void eng_job_whole(const eng_job *j) {
+static inline void eng_job_whole(const eng_job *j) {
   if (j->kind == ENG_JOB_COPY) memcpy(j->dst, j->src, j->n);
   else eng_reduce_many(j->fn, j->dst1, j->dst2, j->srcs, j->nsrc, j->n, j->itemsize, j->dtype, j->divisor);
 }
@@ -184,22 +184,16 @@ static void eng_team_run(eng_team *t, eng_job *job) {
 /* The two jobs, as calls; t NULL: in the caller alone. */
 static inline void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,
                                    int nsrc, size_t n, size_t itemsize, int dtype, double divisor) {
-  if (t == NULL) {
-    eng_reduce_many(fn, dst1, dst2, srcs, nsrc, n, itemsize, dtype, divisor);
-    return;
-  }
   eng_job j = {.kind = ENG_JOB_REDUCE, .fn = fn, .dst1 = (char *)dst1, .dst2 = (char *)dst2, .srcs = srcs,
                .nsrc = nsrc, .n = n, .itemsize = itemsize, .dtype = dtype, .divisor = divisor};
-  eng_team_run(t, &j);
+  if (t == NULL) eng_job_whole(&j);
+  else eng_team_run(t, &j);
 }
 
 static inline void eng_team_copy(eng_team *t, void *dst, const void *src, size_t bytes) {
-  if (t == NULL) {
-    memcpy(dst, src, bytes);
-    return;
-  }
   eng_job j = {.kind = ENG_JOB_COPY, .dst = (char *)dst, .src = (const char *)src, .n = bytes};
-  eng_team_run(t, &j);
+  if (t == NULL) eng_job_whole(&j);
+  else eng_team_run(t, &j);
 }
 
 #endif
