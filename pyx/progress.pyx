@@ -21,7 +21,6 @@ from shm cimport eng_now, eng_sleep
 import atexit
 import collections
 import threading
-import time as _time
 import weakref
 
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)

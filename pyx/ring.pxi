@@ -61,8 +61,6 @@ cdef int _ring_run(RingAllreduce self, const char *src, char *dst, size_t count,
     cdef char *buf
     if count == 0:
         return 0
-    if segc == 0:
-        segc = 1
     for j in range(steps):
         self.rbase[j] = total_r
         block_range(count, P, ring_recv_block(r, j, P), &off, &blen)

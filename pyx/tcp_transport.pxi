@@ -84,7 +84,6 @@ cdef class TcpTransport(Transport):
     cdef eng_tcp *t
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
-    cdef readonly int channel, nstreams
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
@@ -95,7 +94,7 @@ cdef class TcpTransport(Transport):
             raise ValueError(f"{len(peers)} peer addresses for a group of {size}")
         if not 1 <= nstreams <= ENG_TCP_MAX_STREAMS:
             raise ValueError(f"streams per peer must be in 1..{ENG_TCP_MAX_STREAMS}, got {nstreams}")
-        self.rank, self.size, self.channel, self.nstreams = rank, size, channel, nstreams
+        self.rank, self.size = rank, size
         self.err_peer = -1
         self.peers = list(peers)
         cdef int err = 0
