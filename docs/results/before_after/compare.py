@@ -2,7 +2,7 @@
 import glob, json, statistics, sys
 from collections import defaultdict
 import os
-OUT = os.path.dirname(os.path.abspath(__file__))
+OUT = os.environ.get("OUT") or os.path.dirname(os.path.abspath(__file__))
 trees = sys.argv[1:] or ["before20", "new"]
 for kind in ("all", "ar"):
     s = defaultdict(list)       # (tree, coll, mode, size, backend) -> samples
