@@ -36,10 +36,13 @@ cdef bint _is_torch_tensor(object obj):
 # Formats whose dtype doesn't depend on the item size (the integer codes' do: 'l' is 4 or 8 bytes).
 _FIXED_FORMATS = {b"?": ENG_BOOL, b"e": ENG_FLOAT16, b"f": ENG_FLOAT32, b"d": ENG_FLOAT64,
                   b"Zf": ENG_COMPLEX64, b"Zd": ENG_COMPLEX128}
-# (DLPack type code, bits) -> dtype: each dtype's kind in DLPack's terms, in the order of kernels.h's codes.
-cdef dict _DLPACK_DTYPES = {(kind, 8 * eng_itemsize[d]): d for d, kind in enumerate((
-    kDLBool, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLFloat,
-    kDLFloat, kDLComplex, kDLComplex))}
+# (DLPack type code, bits) -> dtype (the buffer protocol's integer formats are looked up here too).
+cdef dict _DLPACK_DTYPES = {
+    (kDLBool, 8): ENG_BOOL, (kDLInt, 8): ENG_INT8, (kDLUInt, 8): ENG_UINT8, (kDLInt, 16): ENG_INT16,
+    (kDLUInt, 16): ENG_UINT16, (kDLInt, 32): ENG_INT32, (kDLUInt, 32): ENG_UINT32, (kDLInt, 64): ENG_INT64,
+    (kDLUInt, 64): ENG_UINT64, (kDLFloat, 16): ENG_FLOAT16, (kDLBfloat, 16): ENG_BFLOAT16,
+    (kDLFloat, 32): ENG_FLOAT32, (kDLFloat, 64): ENG_FLOAT64, (kDLComplex, 64): ENG_COMPLEX64,
+    (kDLComplex, 128): ENG_COMPLEX128}
 
 
 cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
