@@ -49,6 +49,9 @@ NRANKS ?= 2
 # Open MPI refuses root without these (tests/mpirun.py adds yielding for oversubscribed runs).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+# pip installs without byte-compiling every package (--no-compile, most of an install's time on 2 cores);
+# each module a run imports is compiled once, on its first import, so the runs here may write bytecode.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 \
 	clients-full demo ddp torch-suite asan clean
