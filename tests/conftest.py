@@ -21,6 +21,11 @@ if "ENGINE_TESTS_TMPDIR" not in os.environ:
     tempfile.tempdir = None   # read TMPDIR again
 
 
+# The pytest inside each launched rank loads no plugins from entry points: hypothesis's and anyio's
+# imports take about a second of a rank's start. The suites there use hypothesis as a library only.
+os.environ.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 def pytest_unconfigure(config):
     if OWN_TMPDIR is not None:
         shutil.rmtree(OWN_TMPDIR, ignore_errors=True)
