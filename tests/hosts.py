@@ -131,13 +131,13 @@ class Hosts:
 
 def mpirun_across(hosts, per_host, argv, timeout=300, capture=True, **env):
     """mpirun started on host 0, ranks on every host (per_host each), through the namespace agent."""
-    from mpirun import mpi_env
+    from mpirun import NO_LIBFABRIC, mpi_env
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     cmd = [mpirun, "--host", ",".join(f"{n}:{per_host}" for n in hosts.names), "--prtemca", "plm_ssh_agent",
            hosts.agent, "--mca", "btl_tcp_if_include", "10.77.0.0/24", "--prtemca", "oob_tcp_if_include",
            "10.77.0.0/24", "--bind-to", "none", "--map-by", "ppr:%d:node" % per_host,
            "-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
-           "-n", str(per_host * len(hosts.names)), *argv]
+           *NO_LIBFABRIC, "-n", str(per_host * len(hosts.names)), *argv]
     # Gloo (the reference in the benchmarks) would bind to the address the hostname resolves to (the decoy)
     env = {"GLOO_SOCKET_IFNAME": "eth0", **env}
     cmd[1:1] = _forward(env)

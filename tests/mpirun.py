@@ -18,6 +18,11 @@ def _is_open_mpi(exe):
     return "Open MPI" in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
 
 
+# Open MPI's libfabric component (btl ofi) waits about a second in MPI_Init on a machine without a
+# fabric before it stands down; every launch here would pay it (docs/tuning.md).
+NO_LIBFABRIC = ["--mca", "btl", "^ofi"]
+
+
 def mpiexec_command(nranks):
     exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
@@ -25,7 +30,7 @@ def mpiexec_command(nranks):
     cmd = [exe, "-n", str(nranks)]
     if _is_open_mpi(exe):  # Open MPI takes extra flags
         # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
-        cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"]
+        cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"] + NO_LIBFABRIC
     return cmd
 
 
