@@ -70,12 +70,16 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 # The later environments' packages install beside .venv's (make test runs the three at once: pip waits
 # on downloads and unpacking more than on the cores). The engine goes into each as the modules .venv
 # built (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the
-# same Open MPI and mpi4py.
+# same Open MPI and mpi4py. torch 2.14.1 lies on this machine's disk, where only pip looks; 2.15.0 is a
+# download of several GB from PyPI, which uv fetches and unpacks in parallel (about half a minute here,
+# where pip took about three).
+INSTALL_2.14 = PIP_CONSTRAINT=$(CURDIR)/constraints-torch2.14.txt .venv-torch2.14/bin/python -m pip install -q --no-compile
+INSTALL_2.15 = .venv-torch2.15/bin/python -m pip install -q uv==0.13.9 && \
+	.venv-torch2.15/bin/uv pip install -q --python .venv-torch2.15/bin/python -c constraints-torch2.15.txt
 .PRECIOUS: .venv-torch%/.packages
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
-	PIP_CONSTRAINT=$(CURDIR)/constraints-torch$*.txt .venv-torch$*/bin/python -m pip install -q --no-compile \
-		-r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
+	$(INSTALL_$*) -r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
 	touch $@
 
 .venv-torch%/.installed: .venv-torch%/.packages $(VENV)/.installed
