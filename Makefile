@@ -49,8 +49,8 @@ NRANKS ?= 2
 # Open MPI refuses root without these (tests/mpirun.py adds yielding for oversubscribed runs).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
-# pip installs without byte-compiling every package (--no-compile, most of an install's time on 2 cores);
-# each module a run imports is compiled once, on its first import, so the runs here may write bytecode.
+# The installs byte-compile nothing (uv's way; pip's took most of an install's time on 2 cores): each
+# module a run imports is compiled once, on its first import, so the runs here may write bytecode.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 \
@@ -58,28 +58,31 @@ unexport PYTHONDONTWRITEBYTECODE
 setup: $(VENV)/.installed
 setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 
-# constraints.txt pins torch for every package pip resolves or builds (a build runs in its own pip).
+# The packages install with uv, which downloads and unpacks in parallel (10-25 s an environment here,
+# where pip took 2-4 minutes). uv reads no pip configuration, so pip's find-links (this machine's
+# /opt/wheels, which holds torch's CPU wheel) are passed on. The constraints file pins torch for every
+# package uv resolves or builds (-b: a package built from source builds in an environment of its own).
+FIND_LINKS := $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
+packages = $(1)/bin/python -m pip install -q uv==0.13.9 && \
+	$(1)/bin/uv pip install -q --python $(1)/bin/python -c $(2) -b $(2) $(FIND_LINKS)
 # Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
 $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py \
 		$(wildcard pyx/*.pyx pyx/*.pxi pyx/*.pxd pyx/*.h pyx/engine/*.pxd)
 	test -x $(PY) || python3 -m venv $(VENV)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-compile -r requirements-dev.txt -r requirements-clients.txt
+	$(call packages,$(VENV),constraints.txt) -r requirements-dev.txt -r requirements-clients.txt
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The later environments' packages install beside .venv's (make test runs the three at once: pip waits
-# on downloads and unpacking more than on the cores). The engine goes into each as the modules .venv
-# built (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the
-# same Open MPI and mpi4py. torch 2.14.1 lies on this machine's disk, where only pip looks; 2.15.0 is a
-# download of several GB from PyPI, which uv fetches and unpacks in parallel (about half a minute here,
-# where pip took about three).
-INSTALL_2.14 = PIP_CONSTRAINT=$(CURDIR)/constraints-torch2.14.txt .venv-torch2.14/bin/python -m pip install -q --no-compile
-INSTALL_2.15 = .venv-torch2.15/bin/python -m pip install -q uv==0.13.9 && \
-	.venv-torch2.15/bin/uv pip install -q --python .venv-torch2.15/bin/python -c constraints-torch2.15.txt
+# The later environments' packages install beside .venv's (make test runs the three at once: the
+# installs wait on downloads and unpacking more than on the cores). torch 2.14.1 and 2.15.0 are CUDA
+# builds of several GB from PyPI. The engine goes into each as the modules .venv built
+# (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the same
+# Open MPI and mpi4py.
 .PRECIOUS: .venv-torch%/.packages
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
-	$(INSTALL_$*) -r requirements-dev.txt -r requirements-clients.txt -r requirements-torchft.txt
+	$(call packages,.venv-torch$*,constraints-torch$*.txt) -r requirements-dev.txt -r requirements-clients.txt \
+		-r requirements-torchft.txt
 	touch $@
 
 .venv-torch%/.installed: .venv-torch%/.packages $(VENV)/.installed
