@@ -62,7 +62,8 @@ setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 # where pip took 2-4 minutes). uv reads no pip configuration, so pip's find-links (this machine's
 # /opt/wheels, which holds torch's CPU wheel) are passed on. The constraints file pins torch for every
 # package uv resolves or builds (-b: a package built from source builds in an environment of its own).
-FIND_LINKS := $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
+# (FIND_LINKS asks pip only when an install runs, not at every make.)
+FIND_LINKS = $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
 packages = $(1)/bin/python -m pip install -q uv==0.13.9 && \
 	$(1)/bin/uv pip install -q --python $(1)/bin/python -c $(2) -b $(2) $(FIND_LINKS)
 # Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
