@@ -113,15 +113,13 @@ def main():
         elif kind == "barrier":
             work = dist.barrier(group=group, async_op=asynchronous)
             pending.append((work, lambda: None))
-        else:  # sendrecv around the group's ring
+        elif g > 1:  # sendrecv around the group's ring (a group of one has no peer to send to)
             right, left = ranks[(me + 1) % g], ranks[(me - 1) % g]
             inbox = torch.empty(n, dtype=dtype)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, value(rank, n, dtype, salt), right, group),
-                                            dist.P2POp(dist.irecv, inbox, left, group)]) if g > 1 else []
-            want = value(left, n, dtype, salt) if g > 1 else inbox
-            for w in works:
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, value(rank, n, dtype, salt), right, group),
+                                             dist.P2POp(dist.irecv, inbox, left, group)]):
                 w.wait()
-            check(inbox, want, f"op {i} sendrecv")
+            check(inbox, value(left, n, dtype, salt), f"op {i} sendrecv")
         if not asynchronous or len(pending) > 16:
             drain()
     drain()

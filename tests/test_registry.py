@@ -47,6 +47,30 @@ def test_the_default_plans_choose_what_docs_tuning_says():
     assert Plan("mpi", registry.hierarchy_caps("leader")).choose("allreduce", 1 << 20, 4).name == "leader"
 
 
+def test_every_threshold_moves_the_edge_of_the_entries_it_bounds(monkeypatch):
+    """Each ENGINE_*_MIN/MAX_BYTES variable, set, is where its entries start or stop being chosen, on
+    the transport and with the capabilities each entry needs (the core walks the same numbers:
+    Plan.configure, checked by the matrix's test_automatic_choice_follows_the_registry). 300000 bytes
+    lies above every other default edge, so no entry earlier in a list shadows the one under test."""
+    moved = 300000
+    monkeypatch.delenv("ENGINE_TUNING_FILE", raising=False)
+    walked = set()
+    for e in registry.ENTRIES:
+        for side, bound in (("min", e.min_bytes), ("max", e.max_bytes)):
+            if not isinstance(bound, registry.Tunable) or e.auto is False:
+                continue
+            caps = set(e.needs) | ({e.auto} if isinstance(e.auto, str) else set())
+            monkeypatch.setenv(bound.env, str(moved))
+            plan = Plan(e.transport, caps)
+            outside = moved - 1 if side == "min" else moved + 1
+            assert plan.choose(e.collective, moved, 4) is e, (bound.env, e.key)
+            assert plan.choose(e.collective, outside, 4) is not e, (bound.env, e.key, outside)
+            monkeypatch.delenv(bound.env)
+            walked.add(bound.env)
+    bounds = {t.env for e in registry.ENTRIES for t in (e.min_bytes, e.max_bytes) if isinstance(t, registry.Tunable)}
+    assert walked == bounds and len(bounds) >= 12, sorted(bounds - walked)
+
+
 def test_auto_and_slice_make_the_same_plan():
     assert Plan("mpi", registry.hierarchy_caps("auto")).digest() == \
         Plan("mpi", registry.hierarchy_caps("slice")).digest()

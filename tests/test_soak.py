@@ -1,4 +1,4 @@
-"""The short soak: 3,000 mixed operations on 3 ranks, every result checked, memory and fds steady.
+"""The short soak: 3,000 mixed operations on 2-3 ranks and every transport, every result checked, memory and fds steady.
 The long one (20,000) is scripts/soak.py; its result is in docs/robustness.md."""
 
 import json
@@ -13,9 +13,10 @@ from mpirun import mpi_env, mpiexec_command
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("transport", ["shm", "mpi"])
-def test_short_soak_three_ranks(transport):
-    cmd = mpiexec_command(3) + [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "soak.py"),
+@pytest.mark.parametrize("transport, nranks", [("shm", 3), ("mpi", 3), ("tcp", 3), ("tcp", 2)])
+def test_short_soak(transport, nranks):
+    """On 2 ranks the second group (the even ranks) is a group of one."""
+    cmd = mpiexec_command(nranks) + [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "soak.py"),
                                 "--ops", "3000", "--seed", "7"]
     proc = subprocess.run(cmd, env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
                           timeout=300)
