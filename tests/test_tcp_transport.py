@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine import _core
 from engine.watch import EngineError, EnginePeerLost, EngineTimeout
@@ -220,12 +222,66 @@ def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
     s.close()
 
 
+# A frame as the fuzz writes it: kinds valid and not, tags and numbers in and out of order, sizes from
+# none to past ENG_TCP_MAX_MESSAGE and uint64's top, and up to 64 payload bytes whatever the header says.
+SIZES = st.sampled_from([0, 1, 7, 8, 4096, 70_000, 1 << 48, (1 << 64) - 1])
+FRAMES = st.lists(st.tuples(st.sampled_from([MSG, MSG, PART, BYE, 0, 0xFFFFFFFF]), st.integers(-2, 3),
+                            st.integers(0, 3), SIZES, SIZES, st.binary(max_size=64)), max_size=4)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams=st.lists(st.one_of(st.none(), FRAMES), min_size=1, max_size=2).filter(lambda s: s != [None] * len(s)),
+       tail=st.binary(max_size=40),
+       first=st.sampled_from([0, 1]))
+def test_whatever_a_peer_that_proved_the_token_sends_ends_in_messages_or_an_error_naming_it(streams, tail, first):
+    """Past the hello, every length is read from the peer: random frames on each of its two streams (or
+    none: a stream never connected), then the peer's close. Each receive ends whole, truncated, or in an
+    error naming rank 1 - at once (never a crash or the 3 s deadline's timeout), and never more messages
+    come than whole frames were sent."""
+    core, fakes, ports = group_of(2)
+    core.set_watch(Deadline(3.0), 0.05, p2p=Deadline(3.0))
+    sent = [(k, hello(stream=k, nstreams=2) + b"".join(header(*f[:5]) + f[5] for f in frames) + tail)
+            for k, frames in enumerate(streams) if frames is not None]
+    for _, data in sorted(sent, key=lambda kd: kd[0] != first):
+        connect(ports[1], data).close()
+    out = np.zeros(1 << 17, np.uint8)
+    frames = sum(len(f) for f in streams if f is not None)
+    try:
+        for _ in range(frames + 1):
+            try:
+                core.recv(out, 1, -1)
+            except EngineTimeout:
+                raise
+            except EngineError as exc:
+                if "truncated" in str(exc):
+                    continue
+                assert "rank 1 (rank1, 127.0.0.1 port" in str(exc), exc
+                break
+        else:
+            raise AssertionError(f"{frames + 1} messages from {frames} frames")
+    finally:
+        fakes[1].close()
+
+
 def test_a_peer_closing_mid_message_fails_naming_it(rank0):
     core, _, ports = rank0
     s = connect(ports[1], hello() + header(MSG, 0, 0, 1000, 1000) + b"x" * 10)
     r = core.irecv(np.zeros(1000, np.uint8), 1, 0)
     assert drive(r, lambda: [s is not None for p, s in core.user_transport.waiting_on() if p == 1] == [True])
     s.close()   # 10 of 1000 bytes in; a receive that missed the close would end in the Deadline's EngineTimeout
+    with pytest.raises(EnginePeerLost, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) closed its connection"):
+        r.wait()
+
+
+def test_a_part_whose_header_can_no_longer_come_fails_at_the_peers_close(rank0):
+    """A part read ahead of its message's header (stream 1 before stream 0) is held, its stream no
+    longer read; the peer's end of that stream, with stream 0 never made, is its end, not a wait for
+    the timeout."""
+    core, _, ports = rank0
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, 8, 8) + b"x" * 8)
+    r = core.irecv(np.zeros(16, np.uint8), 1, 7)
+    assert keeps_waiting(r)     # stream 0 may still bring the header
+    s1.close()
     with pytest.raises(EnginePeerLost, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) closed its connection"):
         r.wait()
 
