@@ -1,0 +1,143 @@
+"""The shared-memory transport's point-to-point queues (pyx/shm_transport.pxi), read by rank 0 of a
+group of 2 whose rank 1 is this test, writing rank 1's byte ring and its head index in the segment
+by hand: every length and index read from the segment is checked, so whatever a peer writes ends in
+whole messages, a truncation, an error naming the peer, or (for a message left half written) the
+watch's timeout; never a crash, never more messages than frames. The queues between real ranks are
+the suites' (tests/mpi/)."""
+
+import mmap
+import os
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import _core
+from engine.watch import EngineError, EngineTimeout
+
+FIRST, CONT, WRAP, RTS, ACK = 0x46495253, 0x434F4E54, 0x57524150, 0x52545320, 0x41434B20
+LINE, NCHANNELS, USER = 64, 2, 1
+QUEUE = 4096
+
+
+class Deadline:
+    """The p2p watch: a wait past `seconds` raises (a message left half written ends here)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __call__(self, elapsed):
+        pass
+
+    def peer_timeout(self, what, peer, tag, elapsed):
+        if elapsed > self.seconds:
+            raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
+
+
+class Peer:
+    """Rank 1's side of the user channel's ring to rank 0, in the segment rank 0 created."""
+
+    def __init__(self, seg):
+        desc = seg.descriptor()
+        fd = os.open(f"/proc/self/fd/{desc['fd']}", os.O_RDWR)
+        try:
+            self.mem = mmap.mmap(fd, desc["total"])
+        finally:
+            os.close(fd)
+        (_, _, _, size, _, self.q, nch, _, _, index, _, queues) = struct.unpack_from("<12Q", self.mem, 0)
+        assert (size, nch, self.q) == (2, NCHANNELS, QUEUE)
+        src, dst = 1, 0
+        self.head_at = index + ((src * 2 * NCHANNELS + USER) * size + dst) * LINE
+        self.ring_at = queues + ((USER * size + src) * size + dst) * self.q
+        self.head = 0
+
+    def write(self, frame, payload, advance):
+        """A 64-byte frame header and its payload at the head (wrapping as bytes do), then the head
+        moved by `advance` bytes (None: the frame's whole size, rounded up to a line)."""
+        data = struct.pack("<IiQQQQ24x", *frame) + payload
+        for i in range(0, len(data), LINE):
+            at = (self.head + i) % self.q
+            chunk = data[i:i + LINE]
+            self.mem[self.ring_at + at:self.ring_at + at + len(chunk)] = chunk
+        self.head += -(-len(data) // LINE) * LINE if advance is None else advance
+        struct.pack_into("<Q", self.mem, self.head_at, self.head % (1 << 64))
+
+
+def made():
+    seg = _core.ShmSegment.create(2, 8192, QUEUE)
+    core = _core.ShmComm(seg, 1 << 16, 4096)
+    core.set_watch(Deadline(0.2), 0.05, p2p=Deadline(0.2))
+    return core, Peer(seg)
+
+
+@pytest.fixture
+def pair():
+    core, peer = made()
+    yield core, peer
+    peer.mem.close()
+
+
+def test_a_whole_message_written_by_hand_is_received(pair):
+    core, peer = pair
+    peer.write((FIRST, 5, 3, 3, 0, 0), b"abc", None)
+    out = np.zeros(8, np.uint8)
+    assert core.recv(out, 1, 5) == (1, 5, 3) and out[:3].tobytes() == b"abc"
+
+
+@pytest.mark.parametrize("frame, payload, advance", [
+    ((FIRST, 0, 1 << 50, 8, 0, 0), b"x" * 8, None),          # a message over the limit
+    ((FIRST, 0, 4, 8, 0, 0), b"x" * 8, None),                # a frame longer than its message
+    ((CONT, 0, 0, 8, 0, 0), b"x" * 8, None),                 # more of a message never opened
+    ((ACK, 0, 0, 0, 0, 99), b"", None),                      # an answer to no message
+    ((0x41414141, 0, 0, 0, 0, 0), b"", None),                # an unknown kind
+    ((FIRST, 0, 8, QUEUE, 0, 0), b"", None),                 # a payload past the ring's end
+    ((FIRST, 0, 8, 8, 0, 0), b"x" * 8, 72),                  # a head off the line grid
+    ((FIRST, 0, 8, 8, 0, 0), b"x" * 8, QUEUE + LINE),        # a head past the ring's size
+])
+def test_an_out_of_bounds_entry_fails_naming_the_peer(pair, frame, payload, advance):
+    core, peer = pair
+    peer.write(frame, payload, advance)
+    with pytest.raises(EngineError, match="out-of-bounds entry written by rank 1"):
+        core.recv(np.zeros(16, np.uint8), 1, -1)
+
+
+SIZES = st.sampled_from([0, 1, 8, 63, 64, 1000, QUEUE - 64, QUEUE, 1 << 48, (1 << 64) - 1])
+# Frames as a sender writes them (a message whole in one frame, or its first part and the rest), and
+# any other: kinds valid and not, lengths from none to past the ring and uint64's top, heads moved by
+# the frame's size or by anything.
+WHOLE = st.builds(lambda tag, data: ((FIRST, tag, len(data), len(data), 0, 0), data, None),
+                  st.integers(0, 2), st.binary(max_size=300))
+SPLIT = st.builds(lambda tag, data, rest: ((FIRST, tag, len(data) + rest, len(data), 0, 0), data, None),
+                  st.integers(0, 2), st.binary(max_size=300), st.integers(1, 400))
+REST = st.builds(lambda data: ((CONT, 0, 0, len(data), 0, 0), data, None), st.binary(min_size=1, max_size=400))
+ANY = st.tuples(st.tuples(st.sampled_from([FIRST, CONT, WRAP, RTS, ACK, 0]), st.integers(-1, 2), SIZES, SIZES,
+                          st.sampled_from([0, 64, (1 << 64) - 1]), st.integers(0, 2)),
+                st.binary(max_size=200),
+                st.one_of(st.none(), st.sampled_from([0, 8, 64, 128, QUEUE - 64, QUEUE, 1 << 63])))
+FRAMES = st.lists(st.one_of(WHOLE, SPLIT, REST, ANY), min_size=1, max_size=5)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames=FRAMES)
+def test_whatever_a_peer_writes_in_its_queue_ends_in_messages_or_an_error(frames):
+    core, peer = made()
+    try:
+        for frame, payload, advance in frames:
+            if peer.head < (1 << 62):
+                peer.write(frame, payload, advance)
+        out = np.zeros(QUEUE, np.uint8)
+        for _ in range(len(frames) + 1):
+            try:
+                core.recv(out, 1, -1)
+            except EngineTimeout:
+                return          # a message left half written: the watch ends the wait
+            except EngineError as exc:
+                if "truncated" in str(exc):
+                    continue
+                assert "rank 1" in str(exc), exc
+                return
+        raise AssertionError(f"{len(frames) + 1} messages from {len(frames)} frames")
+    finally:
+        peer.mem.close()
