@@ -148,7 +148,7 @@ asan: setup
 		tests/mpi/test_collectives.py
 	cd .asan && $(ASAN_RUN) ENGINE_THREADS=2 ENGINE_SOCKETS=2 $(CURDIR)/$(PY) tests/mpirun.py 4 tests/mpi/test_matrix.py \
 		tests/mpi/test_collectives.py
-	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_tcp_transport.py tests/test_kernels.py
+	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_tcp_transport.py tests/test_shm_queues.py tests/test_kernels.py
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
