@@ -124,19 +124,40 @@ def closed_by_peer(sock):
         return True
 
 
-@pytest.mark.parametrize("what", ["junk", "wrong token", "wrong rank", "wrong channel", "wrong size"])
-def test_a_connection_without_the_right_hello_is_closed_unread(rank0, what):
-    core, _, ports = rank0
-    data = {"junk": b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64, "wrong token": hello(token=b"\x01" * 16),
-            "wrong rank": hello(to=1), "wrong channel": hello(channel=0), "wrong size": hello(size=3)}[what]
-    stray = connect(ports[1], data + header(MSG, 0, 0, 4, 4) + b"evil")
-    r = core.irecv(np.zeros(4, np.uint8), None, None)
-    assert drive(r, lambda: closed_by_peer(stray)), "the stray connection was not closed"
-    assert core.user_transport.rejected == 1 and not r.test()
-    # the group still works: a proper peer's message arrives into the posted receive
-    good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
-    assert r.wait() == (1, 5, 4)
-    good.close()
+# Each field of a hello, right (rank 1 to rank 0 of a group of 2, on the user's channel) or wrong.
+HELLO_FIELDS = {"magic": [MAGIC, MAGIC ^ 1], "version": [VERSION, 2], "hdr": [HDR, 16],
+                "token": [TOKEN, bytes(16)], "frm": [1, 0, 2, 1 << 31], "to": [0, 1, 7], "channel": [1, 0, 2],
+                "stream": [0, 1, 2, 16], "nstreams": [1, 0, 17], "size": [2, 1, 3]}
+
+
+@settings(max_examples=100, deadline=None)
+@given(wrong=st.sampled_from([None, *HELLO_FIELDS]), pick=st.integers(1, 3),
+       cut=st.one_of(st.none(), st.none(), st.integers(0, HELLO - 1)))
+def test_a_hello_is_taken_only_whole_and_right_in_every_field(wrong, pick, cut):
+    """A hello with any one field wrong, or cut short, is closed before a byte past it is read; then a
+    proper peer still gets through. The right one, whole, is taken."""
+    core, fakes, ports = group_of(2)
+    try:
+        fields = {k: v[0] for k, v in HELLO_FIELDS.items()}
+        if wrong is not None:
+            fields[wrong] = HELLO_FIELDS[wrong][1 + (pick - 1) % (len(HELLO_FIELDS[wrong]) - 1)]
+        data = struct.pack("<IHH16sIIIIII", *fields.values())[:cut]
+        sock = connect(ports[1], data + (header(MSG, 3, 0, 4, 4) + b"evil" if cut is None else b""))
+        if cut is not None:
+            sock.close()
+        r = core.irecv(np.zeros(4, np.uint8), None, None)
+        if wrong is None and cut is None:
+            assert r.wait() == (1, 3, 4)
+        else:
+            assert drive(r, lambda: core.user_transport.rejected == 1 and (cut is not None or closed_by_peer(sock))), \
+                "the connection was not closed"
+            assert not r.test()
+            good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
+            assert r.wait() == (1, 5, 4)
+            good.close()
+        sock.close()
+    finally:
+        fakes[1].close()
 
 
 def test_a_message_arrives_whole_from_a_conforming_peer(rank0):
