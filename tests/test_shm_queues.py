@@ -16,24 +16,11 @@ from hypothesis import strategies as st
 
 from engine import _core
 from engine.watch import EngineError, EngineTimeout
+from p2p_watch import Deadline
 
 FIRST, CONT, WRAP, RTS, ACK = 0x46495253, 0x434F4E54, 0x57524150, 0x52545320, 0x41434B20
 LINE, NCHANNELS, USER = 64, 2, 1
 QUEUE = 4096
-
-
-class Deadline:
-    """The p2p watch: a wait past `seconds` raises (a message left half written ends here)."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def __call__(self, elapsed):
-        pass
-
-    def peer_timeout(self, what, peer, tag, elapsed):
-        if elapsed > self.seconds:
-            raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
 
 
 class Peer:

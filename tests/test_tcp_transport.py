@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from engine import _core
 from engine.watch import EngineError, EnginePeerLost, EngineTimeout
+from p2p_watch import Deadline
 
 MAGIC, VERSION, HDR = 0x54474E45, 1, 32
 MSG, PART, BYE = 0x2147534D, 0x54524150, 0x21455942
@@ -32,20 +33,6 @@ def hello(token=TOKEN, frm=1, to=0, channel=1, stream=0, nstreams=1, size=2):
 
 def header(kind, tag, seq, a, b):
     return struct.pack("<IiQQQ", kind, tag, seq, a, b)
-
-
-class Deadline:
-    """The p2p watch: a wait past `seconds` raises (a broken transport fails the test, not hangs it)."""
-
-    def __init__(self, seconds=10.0):
-        self.seconds = seconds
-
-    def __call__(self, elapsed):
-        pass
-
-    def peer_timeout(self, what, peer, tag, elapsed):
-        if elapsed > self.seconds:
-            raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
 
 
 def group_of(size, collective_user_channel=False):
