@@ -55,7 +55,7 @@ class Peer:
 def made():
     seg = _core.ShmSegment.create(2, 8192, QUEUE)
     core = _core.ShmComm(seg, 1 << 16, 4096)
-    core.set_watch(Deadline(0.2), 0.05, p2p=Deadline(0.2))
+    core.set_watch(Deadline(0.05), 0.01, p2p=Deadline(0.05))
     return core, Peer(seg)
 
 
