@@ -84,12 +84,13 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
 }
 
 /* A closing peer whose every incoming stream has reached its end has nothing more to give; nor has one
- * whose only open streams hold parts of messages whose headers can't come (stream 0 carries them all). */
+ * whose other streams hold only parts of messages whose headers can't come: stream 0, which carries
+ * every header, has ended (a part's stream is held, not read, until its header is in). */
 static void tcp_check_closing(eng_tcp *t, int peer) {
   tcp_peer *p = &t->peers[peer];
   if (!p->closing || p->dead) return;
   for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++)
-    if (p->in[s].fd >= 0 && !(p->in[s].state == IN_WAIT && p->in[0].fd < 0)) return;
+    if (p->in[s].fd >= 0 && !(p->in[s].state == IN_WAIT && p->in[0].eof)) return;
   tcp_peer_failed(t, peer, tcp_end_code(p), 0);
 }
 
@@ -131,9 +132,8 @@ static int tcp_poll_set(eng_tcp *t, int with_wake) {
       tcp_out *o = &p->out[s];
       int held = in->state == IN_HELD || in->state == IN_WAIT;
       int writing = o->connecting || o->head != NULL || o->hello_done < ENG_TCP_HELLO;
-      /* A stream whose message waits for a receive (or a part for its header) is not read, nor watched
-       * for data (it would wake at once): only for the peer's end of it, once. */
-      if (in->fd >= 0) tcp_pfd_add(t, &n, in->fd, held ? (in->hup ? 0 : POLLRDHUP) : POLLIN, PF_IN << 24 | q << 4 | s);
+      /* A stream whose message waits for a receive is not read (nor watched: it would wake at once). */
+      if (in->fd >= 0) tcp_pfd_add(t, &n, in->fd, held ? 0 : POLLIN, PF_IN << 24 | q << 4 | s);
       /* POLLIN on a sending socket: the peer closed it (it never writes to it). */
       if (o->fd >= 0) tcp_pfd_add(t, &n, o->fd, POLLIN | (writing ? POLLOUT : 0), PF_OUT << 24 | q << 4 | s);
     }
@@ -196,10 +196,7 @@ static void tcp_progress(eng_tcp *t) {
     if (kind == PF_LISTEN) {
       tcp_accept(t);
     } else if (kind == PF_IN) {
-      if (rev & (POLLHUP | POLLERR | POLLRDHUP)) {   /* (a held stream is watched for these only) */
-        t->peers[q].closing = 1;
-        t->peers[q].in[s].hup = 1;
-      }
+      if (rev & (POLLHUP | POLLERR)) t->peers[q].closing = 1;   /* (a held stream is watched for these only) */
       tcp_in_progress(t, q, &t->peers[q].in[s]);
     } else if (kind == PF_OUT) {
       if (rev & (POLLIN | POLLERR | POLLHUP)) {

@@ -103,7 +103,6 @@ typedef struct {
 typedef struct {
   int fd;                   /* -1: none (yet, or closed) */
   int eof;                  /* the peer closed it */
-  int hup;                  /* held (not read) when the peer shut its end: not watched again */
   char *stage;
   size_t rpos, wpos;
   int state;
