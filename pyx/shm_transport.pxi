@@ -306,7 +306,6 @@ cdef class ShmTransport(Transport):
                 m = _new_msg(PM_UNEXPECTED, buf, f.total, peer, f.tag) if buf != NULL else NULL
                 if m == NULL:
                     free(buf)
-                    self.err_peer = peer        # (the size its frame says; held whole until received)
                     return ENG_ERR_NOMEM
                 m.owns_buf = True
                 m.state = PS_ACTIVE
@@ -545,7 +544,7 @@ cdef class ShmTransport(Transport):
     cdef object error_text(self, int code):
         if code == ENG_ERR_CORRUPT:
             return _engine_error_text(code, self.corrupt_peer)
-        if code == ENG_ERR_NOMEM and self.err_peer >= 0:
+        if code == ENG_ERR_NOMEM and self.err_peer >= 0:   # (progress() names the peer whose frame failed)
             return (f"out of memory for a message from rank {self.err_peer} that no receive had asked for yet "
                     "(it is held whole, the size its first frame says)")
         return _engine_error_text(code, self.err_peer)

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import _core
-from engine.watch import EngineError, EngineTimeout
-from p2p_watch import Deadline
+from engine.watch import EngineError
+from p2p_watch import Deadline, receive_until_it_ends
 
 FIRST, CONT, WRAP, RTS, ACK = 0x46495253, 0x434F4E54, 0x57524150, 0x52545320, 0x41434B20
 LINE, NCHANNELS, USER = 64, 2, 1
@@ -90,6 +90,14 @@ def test_an_out_of_bounds_entry_fails_naming_the_peer(pair, frame, payload, adva
         core.recv(np.zeros(16, np.uint8), 1, -1)
 
 
+def test_a_message_too_large_to_hold_fails_naming_its_sender(pair):
+    """An unexpected message is held whole, the size its first frame says: 2**48 bytes can't be."""
+    core, peer = pair
+    peer.write((FIRST, 3, 1 << 48, 0, 0, 0), b"", None)
+    with pytest.raises(EngineError, match="out of memory for a message from rank 1 that no receive had asked"):
+        core.recv(np.zeros(16, np.uint8), 1, 9)
+
+
 SIZES = st.sampled_from([0, 1, 8, 63, 64, 1000, QUEUE - 64, QUEUE, 1 << 48, (1 << 64) - 1])
 # Frames as a sender writes them (a message whole in one frame, or its first part and the rest), and
 # any other: kinds valid and not, lengths from none to past the ring and uint64's top, heads moved by
@@ -114,17 +122,6 @@ def test_whatever_a_peer_writes_in_its_queue_ends_in_messages_or_an_error(frames
         for frame, payload, advance in frames:
             if peer.head < (1 << 62):
                 peer.write(frame, payload, advance)
-        out = np.zeros(QUEUE, np.uint8)
-        for _ in range(len(frames) + 1):
-            try:
-                core.recv(out, 1, -1)
-            except EngineTimeout:
-                return          # a message left half written: the watch ends the wait
-            except EngineError as exc:
-                if "truncated" in str(exc):
-                    continue
-                assert "rank 1" in str(exc), exc
-                return
-        raise AssertionError(f"{len(frames) + 1} messages from {len(frames)} frames")
+        receive_until_it_ends(core, len(frames), QUEUE, "rank 1", timeout_ends=True)
     finally:
         peer.mem.close()
