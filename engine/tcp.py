@@ -139,7 +139,7 @@ def make_core(boot, seg_bytes, timeout, parent=None):
             peers = [(a, ports[ch], host) for a, ports, host, _, _ in everyone]
             transports.append(_core.TcpTransport(boot.rank, boot.size, ch, fds[ch][0], token, peers,
                                                  nstreams=cfg["streams"], split_min=cfg["stream_min"],
-                                                 eager_max=cfg["eager"], fail_any=ch == 0))
+                                                 eager_max=cfg["eager"], fail_any=ch == 0, ordered=ch == 0))
     except BaseException:
         for fd, _ in fds[len(transports):]:
             _core.close_fd(fd)

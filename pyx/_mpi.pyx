@@ -12,8 +12,8 @@ from mpi4py.MPI cimport Comm
 from kernels cimport *
 from shm cimport eng_now
 from schedule cimport all_equal
-from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, CoreComm, IMPL_NATIVE,
-                           OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,
+from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, posted_tag, CoreComm,
+                           IMPL_NATIVE, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,
                            OP_ALLTOALL, OP_BARRIER, ANY_PEER, ANY_TAG_, ENG_ERR_BASE)
 
 from engine._core import EngineError, _kernel_slot

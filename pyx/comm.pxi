@@ -39,6 +39,17 @@ cdef inline size_t _nbytes(Message m) noexcept nogil:
     return m.count * m.itemsize
 
 
+cdef inline int call_tag_base(const Call *c, uint64_t seq, bint wide) noexcept nogil:
+    """What call c adds to its point-to-point tags (pyx/call_tags.h): what every rank must agree on
+    (the collective, dtype, reduce op, root) and the call's number in the group, so a message of
+    another call, or of this one with another op, dtype or root, is never taken for this call's."""
+    cdef uint64_t red = 0
+    if c.red != NULL:
+        red = <uint64_t>(c.red.code + 2) | (<uint64_t>c.red.avg << 8)
+    return eng_call_tag_base(<uint64_t>c.op | (<uint64_t>(c.dtype + 1) << 8) | (red << 16)
+                             | (<uint64_t><uint32_t>c.root << 32), seq, wide)
+
+
 cdef class CoreComm:
     """Collectives over one group; subclasses supply the transport (ShmComm, engine._mpi.MpiComm).
 
@@ -240,6 +251,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef bint avg
         cdef Reduction total
+        self.algo_tp.begin_call(call_tag_base(c, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
             # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm
             # that doesn't divide inside its reduction.
@@ -334,8 +346,7 @@ cdef class CoreComm:
 
     def leave(self):
         """This rank leaves the group (it is being freed): a transport whose peers must tell a departure
-        from a crash says so now, not whenever the object is collected. Shared memory has nothing to say:
-        its peers watch the processes."""
+        from a crash says so now, not whenever the object is collected (MPI has nothing to say)."""
 
     cdef object error(self, int ierr, str what, Transport tp=None):
         """The exception for an error code of transport tp (the algorithms' by default)."""
@@ -345,7 +356,7 @@ cdef class CoreComm:
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.log.broken = text
             return EnginePeerLost(f"{what} failed: {text}")
-        if ierr == ENG_ERR_MISMATCH:
+        if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL:
             self.log.broken = text
             return EngineMismatch(f"{what} failed: {text}")
         if ierr == ENG_ERR_ABORTED:

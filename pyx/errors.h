@@ -13,5 +13,6 @@
 #define ENG_ERR_CONNECT 100008     /* a connection to a peer could not be made (TCP) */
 #define ENG_ERR_PEER_LEFT 100009   /* a peer left the group in order (TCP: its goodbye) while still needed */
 #define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort) while this rank waited */
+#define ENG_ERR_OTHER_CALL 100011  /* a peer's message belongs to another collective than the one waiting on it */
 
 #endif

@@ -45,6 +45,7 @@ cdef class MpiTransport(Transport):
     cdef int _post(self, void *buf, size_t nbytes, int peer, int tag, Req *req, bint recv) noexcept nogil:
         cdef int count, ierr
         cdef MPI_Datatype dt
+        tag = posted_tag(self, tag)
         ierr = _byte_type(nbytes, &count, &dt)
         if ierr:
             return ierr

@@ -94,16 +94,31 @@ cdef class ShmComm(CoreComm):
 
     cdef object error(self, int ierr, str what, Transport tp=None):
         cdef int q = self.seg.err_peer
-        if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD):
+        if q < 0 and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
+            q = self.seg.peers.dead      # (a wait on the point-to-point queues)
+        if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
             return CoreComm.error(self, ierr, what, tp)
         if ierr == ENG_ERR_MISMATCH:   # the segment holds both signatures: name what each rank called
             kind, text = EngineMismatch, (f"collective mismatch in this group: rank {self.rank}: "
                                           f"{_describe_sig(self.seg.my_sig)}; rank {q}: {_describe_sig(self.seg.err_sig)}")
-        else:
+        elif ierr == ENG_ERR_PEER_DEAD:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
+        else:
+            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it) "
+                                          f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
+                                          "not run the same collectives, or one destroyed the group early")
         self.log.broken = text
         return kind(f"{what} failed: {text}")
+
+    def leave(self):
+        """Marks this rank gone from the group in the segment: a peer still waiting for it fails at
+        its next liveness check (ENG_ERR_PEER_LEFT), as over TCP, not at the timeout."""
+        cdef int q
+        eng_store32(self.seg.left(self.rank), 1)
+        for q in range(self.size):
+            if q != self.rank:
+                self.seg.ring(q)
 
     cdef void stop_team(self) noexcept nogil:
         if self.team_started:
@@ -341,7 +356,9 @@ cdef class ShmComm(CoreComm):
         """Moves the pieces set in self.ex (set_piece): a piece goes through the sender's half in steps
         (shared: one copy for every receiver, at the half's start; else each receiver's at its
         1/P of the half), or in the first step by single copy from the sender's buffer. source: the
-        one rank this rank receives from, or -1 for every peer. Every rank runs the most steps any
+        one rank this rank receives from (itself: a broadcast's root, which waits in the first step
+        until its readers posted, to check their signatures: a rank naming another root fails there
+        rather than keep its own data), or -1 for every peer. Every rank runs the most steps any
         rank needs: agreed, every rank computes the same (the signature holds every count), and a
         sender runs ahead as far as the two halves let it; else each states its own in the first
         step. A sender whose pieces were read from its buffer waits until its readers are done."""
@@ -393,6 +410,10 @@ cdef class ShmComm(CoreComm):
                         steps = max(steps, self.seg.peer_aux(q))
             else:
                 self.seg.post(PHASE_POSTED)
+                if k == 0 and source == r:  # a root that reads from nobody checks its readers' signatures
+                    ierr = self.seg.wait_all(self.seg.step, PHASE_POSTED, ctx, True)
+                    if ierr:
+                        return ierr
             for q in range(P):
                 if q == r or (source >= 0 and q != source):
                     continue

@@ -37,14 +37,23 @@ cdef struct SegHeader:
     uint64_t queues_off
 
 
+cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
+    """Rank r's word that says it left the group (ShmComm.leave): set, never cleared."""
+    return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 16)
+
+
 cdef int peers_alive(void *arg) noexcept nogil:
-    """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone."""
+    """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone,
+    ENG_ERR_PEER_LEFT once a peer left the group (destroyed it) with this rank still waiting."""
     cdef Peers *p = <Peers*>arg
     cdef int q
     for q in range(p.n):
         if q != p.self_rank and p.pids[q] > 0 and not eng_pid_alive(p.pidfds[q], p.pids[q]):
             p.dead = q
             return ENG_ERR_PEER_DEAD
+        if q != p.self_rank and p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q)):
+            p.dead = q
+            return ENG_ERR_PEER_LEFT
     return 0
 
 
@@ -97,6 +106,7 @@ cdef class ShmSegment:
         self.slots = self.base + h.slots_off
         self.queues = self.base + h.queues_off
         self.peers.n = size
+        self.peers.ctrl = self.ctrl
         self.door.bell = self.bell(rank)
         self.door.asleep = self.asleep(rank)
         self.peers.self_rank = rank
@@ -272,6 +282,9 @@ cdef class ShmSegment:
     cdef inline uint32_t *asleep(self, int r) noexcept nogil:
         return <uint32_t*>(self.ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 12)
 
+    cdef inline uint32_t *left(self, int r) noexcept nogil:
+        return _left_word(self.ctrl, r)
+
     cdef inline void ring(self, int q) noexcept nogil:
         """After publishing something q may wait for: wake q if it sleeps."""
         eng_fence()
@@ -287,7 +300,7 @@ cdef class ShmSegment:
         cdef uint64_t *s
         w.ctrl, w.size, w.me, w.only, w.next, w.target = self.ctrl, self.size, self.rank, only, 0, 4 * step + phase
         ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
-        if ierr == ENG_ERR_PEER_DEAD:
+        if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.err_peer = self.peers.dead
         if ierr:
             return ierr

@@ -133,6 +133,7 @@ cdef class ShmTransport(Transport):
     cdef MsgList unexpected         # messages nobody asked for yet, in arrival order
     cdef PeerState *pr              # per peer
     cdef int corrupt_peer
+    cdef int other_peer             # the first peer seen in another collective (_unmatched), or -1
 
     def __cinit__(self, ShmSegment seg, int channel):
         cdef int P = seg.size
@@ -141,7 +142,8 @@ cdef class ShmTransport(Transport):
         self.rank = seg.rank
         self.size = P
         self.err_peer = -1
-        self.corrupt_peer = -1
+        self.corrupt_peer = self.other_peer = -1
+        self.wide_tags = True
         self.q = seg.queue_bytes
         self.door = &seg.door           # its waits sleep on this rank's doorbell
         self.maxfrag = (self.q // 4 // LINE) * LINE - FRAME_HDR
@@ -302,6 +304,7 @@ cdef class ShmTransport(Transport):
                 return self._corrupt(peer)
             m = self._match_posted(peer, f.tag)
             if m == NULL:               # unexpected: into a buffer of its own until a receive takes it
+                self._unmatched(peer, f.tag)
                 buf = <char*>malloc(f.total if f.total else 1)
                 m = _new_msg(PM_UNEXPECTED, buf, f.total, peer, f.tag) if buf != NULL else NULL
                 if m == NULL:
@@ -344,6 +347,7 @@ cdef class ShmTransport(Transport):
         m = self._match_posted(peer, f.tag)
         if m != NULL:
             return self._pull(m, peer, f.tag, f.total, f.addr, f.id)
+        self._unmatched(peer, f.tag)
         m = _new_msg(PM_UNEXPECTED, NULL, f.total, peer, f.tag)
         if m == NULL:
             return ENG_ERR_NOMEM
@@ -427,6 +431,32 @@ cdef class ShmTransport(Transport):
             _unlink(&self.posted, m)
         return m
 
+    cdef void _unmatched(self, int peer, int tag) noexcept nogil:
+        """Peer's message with this tag came, and no posted receive takes it. The algorithms' channel
+        (0) is ordered: every rank runs the same collectives, whose receives name their peer and tag
+        in the order that peer sends. So the message shows its sender in another collective when a
+        receive waits on that sender (its message came first), or when its tag says so
+        (pyx/call_tags.h): every request of the channel then fails naming it, at once."""
+        cdef PMsg *m = self.posted.head
+        if self.ch != 0 or peer == self.rank or self.other_peer >= 0:
+            return
+        while m != NULL and m.peer != peer:
+            m = m.next
+        if m != NULL or eng_other_call(self.tag_base, tag):
+            self.other_peer = peer
+
+    cdef bint _out_of_order(self, int peer) noexcept nogil:
+        """A receive from peer is about to be posted, and no unexpected message matched it: whether
+        one of them shows another collective (the same rule)."""
+        cdef PMsg *u = self.unexpected.head
+        if self.ch != 0:
+            return False
+        while u != NULL and self.other_peer < 0:
+            if u.bound == NULL and u.peer != self.rank and (u.peer == peer or eng_other_call(self.tag_base, u.tag)):
+                self.other_peer = u.peer
+            u = u.next
+        return self.other_peer >= 0
+
     cdef int progress(self) noexcept nogil:
         cdef int p, ierr
         for p in range(self.size):
@@ -442,7 +472,7 @@ cdef class ShmTransport(Transport):
     # -- the Transport interface --
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
-        cdef PMsg *m = _new_msg(PM_SEND, <char*>buf, nbytes, peer, tag)
+        cdef PMsg *m = _new_msg(PM_SEND, <char*>buf, nbytes, peer, posted_tag(self, tag))
         if m == NULL:
             return ENG_ERR_NOMEM
         pthread_mutex_lock(&self.lock)
@@ -457,7 +487,7 @@ cdef class ShmTransport(Transport):
         return 0
 
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
-        cdef PMsg *m = _new_msg(PM_RECV, <char*>buf, nbytes, peer, tag)
+        cdef PMsg *m = _new_msg(PM_RECV, <char*>buf, nbytes, peer, posted_tag(self, tag))
         cdef PMsg *u
         cdef int ierr = 0
         if m == NULL:
@@ -466,6 +496,11 @@ cdef class ShmTransport(Transport):
         u = self.unexpected.head
         while u != NULL and (u.bound != NULL or not _matches(m, u.peer, u.tag)):
             u = u.next
+        if self.other_peer >= 0 or (u == NULL and self._out_of_order(peer)):
+            pthread_mutex_unlock(&self.lock)
+            free(m)
+            self.err_peer = self.other_peer
+            return ENG_ERR_OTHER_CALL
         if u == NULL:
             _push(&self.posted, m)
         elif u.state == PS_DONE:
@@ -499,6 +534,9 @@ cdef class ShmTransport(Transport):
                 self.err_peer = m.st.source
             free(m)
             req.w[0] = 0
+        elif self.other_peer >= 0 and not ierr:
+            ierr = ENG_ERR_OTHER_CALL
+            self.err_peer = self.other_peer
         pthread_mutex_unlock(&self.lock)
         return ierr
 

@@ -34,7 +34,7 @@ static void eng_tcp_free(eng_tcp *t);
 
 /* A channel of rank `rank` of `size`, listening on listen_fd (taken over only when this succeeds).
  * NULL: *err is ENOMEM or eventfd's errno, and listen_fd is still the caller's. */
-static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
+static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
                             size_t eager_max, const unsigned char *token, int listen_fd, int *err) {
   eng_tcp *t = (eng_tcp *)calloc(1, sizeof(eng_tcp));
   *err = ENOMEM;
@@ -44,11 +44,12 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
   t->channel = channel;
   t->nstreams = nstreams < 1 ? 1 : nstreams > ENG_TCP_MAX_STREAMS ? ENG_TCP_MAX_STREAMS : nstreams;
   t->fail_any = fail_any;
+  t->ordered = ordered;
   t->split_min = split_min;
   t->eager_max = eager_max;
   memcpy(t->token, token, 16);
   t->listen_fd = t->wake_fd = -1;   /* so that a failure below closes nothing it did not open */
-  t->dead_peer = -1;
+  t->dead_peer = t->other_peer = -1;
   pthread_mutex_init(&t->lock, NULL);
   t->peers = (tcp_peer *)calloc((size_t)size, sizeof(tcp_peer));
   t->sink = (char *)malloc(ENG_TCP_SINK);
@@ -297,6 +298,13 @@ out:
   return 0;
 }
 
+/* The call now running on an ordered channel: its tag base (call_tags.h), 0 for none. */
+static void eng_tcp_set_call(eng_tcp *t, int base) {
+  pthread_mutex_lock(&t->lock);
+  t->call = base;
+  pthread_mutex_unlock(&t->lock);
+}
+
 /* Posts a receive (peer or tag -1: any). */
 static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer) {
   *out = NULL;
@@ -309,8 +317,9 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   if (m != NULL) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
-  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye) {
-    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->peers[peer].dead;
+  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || tcp_out_of_order(t, peer)) {
+    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL : t->peers[peer].dead;
+    if (rc == ENG_ERR_OTHER_CALL) *err_peer = t->other_peer;
     pthread_mutex_unlock(&t->lock);
     free(r);
     return rc;
@@ -345,6 +354,9 @@ static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, s
   } else if (t->fail_any && t->dead_peer >= 0) {
     rc = t->dead_code;
     *err_peer = t->dead_peer;
+  } else if (t->other_peer >= 0) {
+    rc = ENG_ERR_OTHER_CALL;
+    *err_peer = t->other_peer;
   } else if (t->sys_errno == ENOMEM) {
     rc = ENG_ERR_NOMEM;
     *err_peer = -1;

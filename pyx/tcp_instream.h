@@ -10,6 +10,7 @@ static int tcp_open_message(eng_tcp *t, int peer, tcp_instream *in) {
   tcp_hdr *h = &in->h;
   tcp_req *r = tcp_match_posted(t, peer, h->tag);
   tcp_in *m;
+  if (r == NULL) tcp_unmatched(t, peer, h->tag);
   if (r == NULL && h->a > t->eager_max && !tcp_must_read(t, peer)) return 0;
   m = (tcp_in *)calloc(1, sizeof(tcp_in));
   if (m == NULL) {

@@ -77,6 +77,34 @@ static void tcp_bind(eng_tcp *t, tcp_req *r, tcp_in *m) {
   }
 }
 
+/* Ordered channels (the algorithms': every rank runs the same collectives, whose receives each name
+ * their peer and tag, posted in the order that peer sends): a message that no posted receive takes
+ * shows its sender in another collective when a receive waits on that sender (its message came
+ * first), or when its tag says so (call_tags.h). The ranks' calls differ: every request of the
+ * channel fails naming that peer, at once instead of at the timeout. */
+static void tcp_other_call_from(eng_tcp *t, int peer) {
+  if (t->other_peer >= 0) return;
+  t->other_peer = peer;
+  tcp_wake(t);
+}
+
+/* Peer's message with this tag came, and no posted receive takes it. */
+static void tcp_unmatched(eng_tcp *t, int peer, int tag) {
+  int waited_on = 0;
+  if (!t->ordered || peer == t->rank) return;
+  for (tcp_req *r = t->posted_head; r != NULL && !waited_on; r = r->next) waited_on = r->peer == peer;
+  if (waited_on || eng_other_call(t->call, tag)) tcp_other_call_from(t, peer);
+}
+
+/* A receive from peer is about to be posted, and no unexpected message matched it: whether one of
+ * them shows another collective. */
+static int tcp_out_of_order(eng_tcp *t, int peer) {
+  if (!t->ordered) return 0;
+  for (tcp_in *m = t->unexp_head; m != NULL && t->other_peer < 0; m = m->next)
+    if (m->peer != t->rank && (m->peer == peer || eng_other_call(t->call, m->tag))) tcp_other_call_from(t, m->peer);
+  return t->other_peer >= 0;
+}
+
 /* Whether a message of peer's that nobody asked for must be read now (so that what follows it can
  * be): a posted receive could take messages of this peer, or the peer is closing. */
 static int tcp_must_read(eng_tcp *t, int peer) {

@@ -19,9 +19,10 @@ cdef extern from "tcp.h" nogil:
         pass
     enum:
         ENG_TCP_MAX_STREAMS
-    eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, size_t split_min,
+    eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
+    void eng_tcp_set_call(eng_tcp *t, int base)
     void eng_tcp_goodbye(eng_tcp *t)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
@@ -80,14 +81,17 @@ cdef class TcpTransport(Transport):
     """One channel of a group over TCP: listen_fd (from tcp_listen, taken over once this returns: if it
     raises, the fd is still the caller's to close), the group's token, and every rank's (host, port,
     name) to connect to. fail_any: a peer's end without its goodbye (a crash) fails every request (the
-    engine's collectives need every rank)."""
+    engine's collectives need every rank). ordered: each peer's messages are received in the order it
+    sends them (the collectives'), so one that no receive takes while a receive waits on that peer is
+    another collective's (ENG_ERR_OTHER_CALL, pyx/tcp_match.h)."""
     cdef eng_tcp *t
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
-                  size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True):
+                  size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True,
+                  bint ordered=False):
         if len(token) != 16:
             raise ValueError("the group's token must be 16 bytes")
         if len(peers) != size:
@@ -96,9 +100,11 @@ cdef class TcpTransport(Transport):
             raise ValueError(f"streams per peer must be in 1..{ENG_TCP_MAX_STREAMS}, got {nstreams}")
         self.rank, self.size = rank, size
         self.err_peer = -1
+        self.wide_tags = True
         self.peers = list(peers)
         cdef int err = 0
-        self.t = eng_tcp_new(rank, size, channel, nstreams, fail_any, split_min, eager_max, token, listen_fd, &err)
+        self.t = eng_tcp_new(rank, size, channel, nstreams, fail_any, ordered, split_min, eager_max, token, listen_fd,
+                             &err)
         if err == errno.ENOMEM:
             raise MemoryError(f"engine: no memory for TCP channel {channel}'s transport")
         if err:
@@ -123,16 +129,20 @@ cdef class TcpTransport(Transport):
         with nogil:
             eng_tcp_goodbye(self.t)
 
+    cdef void begin_call(self, int base) noexcept nogil:
+        self.tag_base = base
+        eng_tcp_set_call(self.t, base)
+
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         cdef tcp_req *r = NULL
         cdef int ep = -1
-        cdef int ierr = eng_tcp_isend(self.t, buf, nbytes, peer, tag, &r, &ep)
+        cdef int ierr = eng_tcp_isend(self.t, buf, nbytes, peer, posted_tag(self, tag), &r, &ep)
         return self.posted(ierr, r, ep, req)     # (r and ep read after the call sets them)
 
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         cdef tcp_req *r = NULL
         cdef int ep = -1
-        cdef int ierr = eng_tcp_irecv(self.t, buf, nbytes, peer, tag, &r, &ep)
+        cdef int ierr = eng_tcp_irecv(self.t, buf, nbytes, peer, posted_tag(self, tag), &r, &ep)
         return self.posted(ierr, r, ep, req)
 
     cdef inline int posted(self, int ierr, tcp_req *r, int err_peer, Req *req) noexcept nogil:
@@ -235,7 +245,7 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_MISMATCH:
             return (f"{self._who(p)} sent a message of another size than this rank expects: the ranks are in "
                     "different collectives, or passed different counts")
-        return _engine_error_text(code, p)
+        return _engine_error_text(code, p, self._who(p))
 
 
 cdef struct MeshWait:

@@ -4,6 +4,7 @@
 
 #include "shm.h"
 #include "errors.h"
+#include "call_tags.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -136,7 +137,7 @@ typedef struct {
 } tcp_pending;
 
 typedef struct eng_tcp {
-  int rank, size, channel, nstreams, fail_any;
+  int rank, size, channel, nstreams, fail_any, ordered;
   size_t split_min, eager_max;
   unsigned char token[16];
   int listen_fd, wake_fd;
@@ -153,6 +154,8 @@ typedef struct eng_tcp {
   size_t pcap;
   char *sink;
   int dead_peer, dead_code; /* the first peer that failed */
+  int call;                 /* ordered: the running call's tag base (call_tags.h), 0 for none */
+  int other_peer;           /* ordered: the first peer seen in another collective, or -1 */
   int rejected;             /* connections closed before or at their hello */
   int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
   int sys_errno;            /* the last system error outside any peer */

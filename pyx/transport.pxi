@@ -40,6 +40,10 @@ cdef class Transport:
             if req_active(&reqs[i]):
                 self.cancel(&reqs[i])
 
+    cdef void begin_call(self, int base) noexcept nogil:
+        """The collective about to run adds base to its tags (pyx/call_tags.h; 0: none runs)."""
+        self.tag_base = base
+
     cdef int mismatch(self, int peer) noexcept nogil:
         """What an algorithm returns when peer's message is not the size this rank expects (the call
         differs there): ENG_ERR_MISMATCH, naming peer in the error."""
@@ -101,11 +105,14 @@ _ERROR_TEXTS = {   # {who}: the peer the transport blames
     ENG_ERR_CMA: ("a single copy from or to {who}'s memory (process_vm_readv / writev) failed; set ENGINE_SHM_CMA=0 "
                   "to move data through the shared segment only"),
     ENG_ERR_MISMATCH: "{who} is in a different collective",
+    ENG_ERR_OTHER_CALL: ("{who} sent a message of another collective while this rank waited for its part of this "
+                         "one: the ranks called different collectives, or the same one with another dtype, reduce "
+                         "op or root (ENGINE_DEBUG=1 names each rank's call)"),
 }
 
 
-cdef str _engine_error_text(int code, int peer):
+cdef str _engine_error_text(int code, int peer, str who=None):
     text = _ERROR_TEXTS.get(code)
     if text is None:
         return f"error code {code}"
-    return text.format(who=f"rank {peer}" if peer >= 0 else "a peer")
+    return text.format(who=who or (f"rank {peer}" if peer >= 0 else "a peer"))

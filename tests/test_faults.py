@@ -76,6 +76,38 @@ def test_debug_mode_mismatch_raises_on_every_rank(transport):
         assert "rank 1: allreduce #1 with 200 float32 elements" in msg
 
 
+# Point-to-point algorithms forced over the segment's queues (its own step protocol checks signatures).
+SHM_P2P = dict(ENGINE_ALLREDUCE_ALGO="rdouble", ENGINE_BROADCAST_ALGO="tree", ENGINE_ALLGATHER_ALGO="ring",
+               ENGINE_REDUCE_SCATTER_ALGO="ring", ENGINE_BARRIER_ALGO="dissemination")
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-p2p", "tcp"])
+def test_mismatched_calls_raise_without_debug_mode(transport):
+    """The last of 3 ranks calls another collective, or the same one with another reduce op, AVG for
+    SUM, a dtype of the same bytes, or another broadcast root (tests/faults/mismatched_calls.py):
+    without ENGINE_DEBUG, no rank returns anything but what its own call asks for, some rank raises
+    EngineMismatch naming another, and the rest raise that or EnginePeerLost naming a rank that left
+    the group: never the group's timeout (60 s)."""
+    env = dict(ENGINE_TRANSPORT=transport.split("-")[0], **(SHM_P2P if transport == "shm-p2p" else {}))
+    # (the job ends in an abort at exit, the failure policy's: groups failed on every rank)
+    proc, out = launch("mismatched_calls.py", 3, 240, ENGINE_ABORT_GRACE_SECONDS="0.5", **env)
+    got = {}
+    for case, rank, what in re.findall(r"CASE (\w+) rank (\d): (.*)", out):
+        got.setdefault(case, {})[int(rank)] = what
+    assert sorted(got) == sorted(["kind", "reduce_op", "avg", "dtype", "broadcast_root",
+                                  "allgather_vs_reduce_scatter"]), out[-3000:]
+    for case, ranks in got.items():
+        assert sorted(ranks) == [0, 1, 2], (case, ranks)
+        for rank, what in ranks.items():
+            if what.startswith("returned"):   # only a broadcast from the root this rank named, whole
+                assert case == "broadcast_root" and rank < 2 and what == "returned [[1.0, 2.0, 3.0, 4.0, 5.0, " \
+                    "6.0, 7.0, 8.0]]", (case, rank, what)
+            else:
+                assert re.match(r"raised (EngineMismatch: .*rank \d|EnginePeerLost: .*rank \d .*left the group)",
+                                what), (case, rank, what)
+        assert any(w.startswith("raised EngineMismatch") for w in ranks.values()), (case, ranks)
+
+
 @pytest.mark.parametrize("skip", ["broadcast", "reduce"])
 def test_native_collective_that_never_completes_ends_the_job(skip):
     """MPI's own collectives: a broadcast is waited on by the engine (EngineTimeout, then the failure

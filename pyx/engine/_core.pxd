@@ -105,9 +105,14 @@ cdef double spin_budget(double group_spin) noexcept nogil   # seconds a wait on 
 
 # ---- errors: transports return 0, -1 (a Python exception is set) or a positive code ----
 
+cdef extern from "call_tags.h" nogil:   # what a collective adds to its tags, and what a message's tag shows
+    int eng_call_tag_base(uint64_t call_hash, uint64_t seq, int wide)
+    int eng_other_call(int running, int tag)
+
+
 cdef extern from "errors.h":   # the one list, each code's meaning there, shared with the C transports
     enum: ENG_ERR_BASE, ENG_ERR_PEER_DEAD, ENG_ERR_MISMATCH, ENG_ERR_CORRUPT, ENG_ERR_TRUNCATE, ENG_ERR_NOMEM, \
-          ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED
+          ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED, ENG_ERR_OTHER_CALL
 
 
 # ---- the transport seam ----
@@ -131,6 +136,8 @@ cdef class Transport:
     cdef readonly int rank, size
     cdef int err_peer   # the rank an engine error code names, or -1
     cdef Doorbell *door # where its waits sleep (shared memory), or NULL (naps)
+    cdef int tag_base   # added to every tag posted: the running collective's (CoreComm.invoke); 0 for the user's
+    cdef bint wide_tags # its tags have 31 bits, room for the call's number (pyx/call_tags.h)
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil
@@ -138,11 +145,17 @@ cdef class Transport:
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
     cdef int mismatch(self, int peer) noexcept nogil
+    cdef void begin_call(self, int base) noexcept nogil
     cdef object error_text(self, int code)
 
 
 cdef inline bint req_active(const Req *r) noexcept nogil:
     return r.w[0] != 0
+
+
+cdef inline int posted_tag(Transport tp, int tag) noexcept nogil:
+    """The tag a transport posts: the running collective's tag base added (ANY_TAG stays)."""
+    return tag + tp.tag_base if tag >= 0 else tag
 
 
 # ---- algorithms over a transport ----
@@ -374,7 +387,7 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 
 # ---- taken by one file from another (each defined in the file its comment names) ----
 
-cdef str _engine_error_text(int code, int peer)     # transport.pxi
+cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi
 
 
@@ -422,7 +435,8 @@ cdef struct Peers:
     int self_rank
     int *pids
     int *pidfds
-    int dead            # the first rank found dead, or -1
+    char *ctrl          # the segment's control area: each rank's left word (a rank that left the group)
+    int dead            # the first rank found dead, or gone from the group, or -1
 
 
 cdef int peers_alive(void *arg) noexcept nogil
@@ -477,6 +491,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline void post(self, int phase) noexcept nogil
     cdef inline uint32_t *bell(self, int r) noexcept nogil
     cdef inline uint32_t *asleep(self, int r) noexcept nogil
+    cdef inline uint32_t *left(self, int r) noexcept nogil
     cdef inline void ring(self, int q) noexcept nogil
     cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
