@@ -1,5 +1,5 @@
 """DDP whose gradient bucket's allreduce fails while in flight: two spawned ranks (no launcher to kill
-the survivor first), rank 1 leaves after a first step, and rank 0's next backward must raise an error
+the survivor first), rank 1 leaves after two steps, and rank 0's next backward must raise an error
 naming rank 1 rather than crash (DDP's reducer reads the failed Work's future in C++). Prints
 `rank 0 raised: ...` or `rank 0: backward passed` and exits 0."""
 
@@ -18,7 +18,8 @@ def worker(rank, port):
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("engine", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     net = DDP(torch.nn.Linear(8, 8))
-    net(torch.ones(4, 8)).sum().backward()
+    for _ in range(2):   # the second step rebuilds the buckets (a broadcast from rank 0): the next call is the bucket's
+        net(torch.ones(4, 8)).sum().backward()
     dist.barrier()
     if rank == 1:
         os._exit(0)
