@@ -251,6 +251,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef bint avg
         cdef Reduction total
+        # (seq + 1: the number log.begin gives this call, composite or not)
         self.algo_tp.begin_call(call_tag_base(c, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
             # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm

@@ -314,10 +314,10 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   pthread_mutex_lock(&t->lock);
   tcp_in *m = t->unexp_head;
   while (m != NULL && !tcp_matches(r, m->peer, m->tag)) m = m->next;
-  if (m != NULL) {
+  if (m != NULL && t->other_peer < 0) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
-  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || tcp_out_of_order(t, peer)) {
+  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || t->other_peer >= 0 || tcp_out_of_order(t, peer)) {
     int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL : t->peers[peer].dead;
     if (rc == ENG_ERR_OTHER_CALL) *err_peer = t->other_peer;
     pthread_mutex_unlock(&t->lock);
