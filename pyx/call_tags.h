@@ -1,12 +1,12 @@
 /* The tags of a collective's messages on the algorithms' channel. Bits 0-3: the algorithm's own tag.
  * Bits 4-14: a hash of what every rank must agree on (the collective, dtype, reduce op and root),
  * never 0. Bits 15-30: the call's number in the group, modulo 2**16. A transport with only 15 bits of
- * tag (MPI promises tags up to 32767) folds the number into the hash instead.
+ * tag (MPI promises tags up to 32767; Open MPI has 31 bits) folds the number into the hash instead.
  *
  * So a message of another call is never taken for this one's. On a wide transport (TCP, shared
- * memory) a rank can also tell, from a message nobody has taken yet, that its sender is in another
- * collective: the same call number with another hash, or an earlier call's message that was never
- * taken (a peer ahead sends a later number, which is not an error). */
+ * memory, Open MPI) a rank can also tell, from a message nobody has taken yet, that its sender is in
+ * another collective: the same call number with another hash, or an earlier call's message that was
+ * never taken (a peer ahead sends a later number, which is not an error). */
 #ifndef ENGINE_CALL_TAGS_H
 #define ENGINE_CALL_TAGS_H
 

@@ -18,10 +18,10 @@ cdef class MpiComm(CoreComm):
     cdef readonly size_t chunk
     cdef bint abandoned         # a collective was left posted (timeout, abort): MPI may still read ibuf
 
-    def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes):
+    def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes, int max_tag=0):
         self.coll = coll.ob_mpi
         self.transport = "mpi"
-        self.init_core(MpiTransport(algo), MpiTransport(p2p), ring_segment_bytes)
+        self.init_core(MpiTransport(algo, True, max_tag), MpiTransport(p2p), ring_segment_bytes)
         self.impls |= 1u << IMPL_NATIVE
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:

@@ -35,12 +35,23 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
 
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
+    cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
 
-    def __cinit__(self, Comm comm):
+    def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
+        """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
+        run as if MPI's largest tag were that (the tests emulate an MPI with fewer bits)."""
+        cdef int flag = 0
+        cdef int *tag_ub = NULL
         self.comm = comm.ob_mpi
         self.err_peer = -1
         check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
         check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
+        check(MPI_Comm_get_attr(self.comm, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr")
+        if flag and tag_ub != NULL and (max_tag <= 0 or tag_ub[0] < max_tag):
+            max_tag = tag_ub[0]
+        # Room for the call's number: Open MPI's tags have 31 bits, where MPI promises only 15
+        self.wide_tags = max_tag >= 0x7FFFFFFF
+        self.probes = algorithms and self.wide_tags
 
     cdef int _post(self, void *buf, size_t nbytes, int peer, int tag, Req *req, bint recv) noexcept nogil:
         cdef int count, ierr
@@ -58,6 +69,7 @@ cdef class MpiTransport(Transport):
             MPI_Type_free(&dt)
         if not ierr:
             req.w[0] = 2 if recv else 1
+            req.w[2] = <size_t>(peer + 1) if recv and peer != ANY_PEER else 0
         return ierr
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
@@ -85,6 +97,26 @@ cdef class MpiTransport(Transport):
         req.w[0] = 0
         return 0
 
+    cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
+        cdef MpiWait w
+        if not req_active(req):
+            return 0
+        w.req, w.st, w.probe_at = req, st, 0
+        return wait_until(_poll_probing, <void*>self, &w, ctx, self.door)
+
+    cdef int stray(self, int peer) noexcept nogil:
+        """ENG_ERR_OTHER_CALL naming peer if a message from peer that nobody took shows it in another
+        collective (pyx/call_tags.h: this call's number with another hash, or an earlier call's), else 0.
+        A peer ahead, whose next call's message arrived before this one's receive completed, is not."""
+        cdef int flag = 0
+        cdef MPI_Status status
+        if self.tag_base == 0 or MPI_Iprobe(peer, MPI_ANY_TAG, self.comm, &flag, &status) or not flag:
+            return 0
+        if not eng_other_call(self.tag_base, status.MPI_TAG):
+            return 0
+        self.err_peer = peer
+        return ENG_ERR_OTHER_CALL
+
     cdef int cancel(self, Req *req) noexcept nogil:
         """A receive is cancelled and waited for (briefly); whatever MPI may still touch (a send, a
         receive already under way) is freed and reported (1), so the caller keeps its buffer alive."""
@@ -108,3 +140,28 @@ cdef class MpiTransport(Transport):
         if code >= ENG_ERR_BASE:
             return Transport.error_text(self, code)
         return mpi_error_text(code)
+
+
+# A receive from one peer that is not done at its first test, and then every _PROBE_EVERY_S, looks at
+# the messages that peer sent which no receive took: one of another collective ends the wait
+# (MpiTransport.stray), where MPI would hold it unmatched until the group's timeout.
+cdef double _PROBE_EVERY_S = 0.1
+
+
+cdef struct MpiWait:
+    Req *req
+    Status *st
+    double probe_at
+
+
+cdef int _poll_probing(void *obj, void *arg, bint *done) except -1 nogil:
+    cdef MpiWait *w = <MpiWait*>arg
+    cdef int ierr = (<MpiTransport>obj).test(w.req, done, w.st)
+    cdef double t
+    if ierr or done[0] or not (<MpiTransport>obj).probes or w.req.w[2] == 0:
+        return ierr
+    t = eng_now()
+    if t < w.probe_at:
+        return 0
+    w.probe_at = t + _PROBE_EVERY_S
+    return (<MpiTransport>obj).stray(<int>w.req.w[2] - 1)
