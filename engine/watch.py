@@ -8,8 +8,11 @@ the watch while it polls; at the timeout it raises EngineTimeout and the operati
 blocking collectives (its reductions and allgather; engine._mpi's `blocks`) block inside MPI, where
 nothing can interrupt them: a watchdog thread watches those and, at the timeout, reports, dumps the
 flight recorder and aborts the job (as torch's NCCL watchdog tears a job down). Ranks name themselves
-as arrived in a key-value store (torch's, for torch groups) once they have waited a second; at the
-timeout the ranks without that note are the missing ones.
+as arrived in a key-value store (torch's, for torch groups) once they have waited a second, with what
+their call is; at the timeout the ranks without that note are the missing ones. A rank whose note shows
+the same call number but another call (collective, dtype, reduce op or root) ends the wait at once
+with EngineMismatch naming it and both calls: whatever the transport, or MPI's own collectives, failed
+to tell from their messages, a stalled mismatch is named within seconds, not at the timeout.
 """
 
 import atexit
@@ -61,6 +64,10 @@ class Watch:
         self.t0 = time.monotonic()
         self.trace = _Trace.get(rank)
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
+        self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
+        self._reported = None   # the last failure the watch raised itself (reported and dumped there)
+        if store is not None:   # a note an earlier group of this name left is never taken for this one's
+            self._set_note("0 0 -")
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -90,17 +97,23 @@ class Watch:
     def check(self, rec, elapsed):
         seq, level = self._noted
         if seq != rec[SEQ]:
-            level = 0
+            level, self._compare_at = 0, self.note_after * 2
         if level < 1 and elapsed >= self.note_after:
             level = 1
             self.note_arrival(rec)
+        self._noted = (rec[SEQ], level)
+        if level >= 1 and elapsed >= self._compare_at and self.store is not None:
+            # at 2, 4, 8... s: a wait that lasts for good reason costs the store a few reads, not one a second
+            self._compare_at = elapsed * 2
+            other = self.other_call(self.notes(rec), rec)
+            if other is not None:
+                raise self.mismatch(other)
         if level < 2 and elapsed >= self.stall:
-            level = 2
+            self._noted = (rec[SEQ], 2)
             missing = self.missing(rec)
             print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec[OP]} #{rec[SEQ]} of group "
                   f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.timeout - elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
-        self._noted = (rec[SEQ], level)
 
     def timed_out(self, rec, elapsed):
         missing = self.missing(rec)
@@ -117,10 +130,20 @@ class Watch:
         self.core.set_broken(msg)
         failure.group_failed(msg)
         self.dump(msg)
+        self._reported = msg
         return error(msg)
 
     def _failed(self, rec, exc):
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
+        if str(exc) == self._reported:
+            return
+        if isinstance(exc, EngineMismatch) and self.store is not None:
+            # peers still waiting in this call compare this rank's note with theirs (from a helper thread:
+            # the error is not held up by the store)
+            helper = threading.Thread(target=self._set_note, args=(self._note(rec),), name="engine-watch-store",
+                                      daemon=True)
+            helper.start()
+            _store_queries.add(helper)
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
             failure.group_failed(str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
@@ -156,17 +179,26 @@ class Watch:
         return f"engine/{self.group}/waiting-at/{rank}"
 
     def note_arrival(self, rec):
-        """Notes in the store that this rank reached operation rec's seq (written only once a wait stalls)."""
+        """Notes in the store that this rank reached operation rec's seq, and what it called there
+        (written only once a wait stalls, or the call failed naming another)."""
         if self.store is not None:
-            try:
-                self.store.set(self._key(self.rank), str(rec[SEQ]))
-            except Exception:  # a store problem must not hide the real one
-                pass
+            self._set_note(self._note(rec))
 
-    def missing(self, rec):
-        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed.
-        The store is asked from a helper thread for at most STORE_QUERY_SECONDS: a store across a cut
-        link would otherwise hold the timeout's report for its own timeout."""
+    def _note(self, rec):
+        key, words = self.core.running_call(rec[COUNT])
+        return f"{rec[SEQ]} {key} {words}"
+
+    def _set_note(self, note):
+        try:
+            self.store.set(self._key(self.rank), note)
+        except Exception:  # a store problem must not hide the real one
+            pass
+
+    def notes(self, rec):
+        """{rank: (seq, key, words)} of the other ranks' notes (a rank without one: absent); None without
+        a store; a str when the store failed. The store is asked from a helper thread for at most
+        STORE_QUERY_SECONDS: a store across a cut link would otherwise hold the timeout's report for
+        its own timeout."""
         if self.store is None:
             return None
         out = []
@@ -174,14 +206,14 @@ class Watch:
         def ask():
             try:
                 self.note_arrival(rec)
-                late = []
+                got = {}
                 for r in range(self.size):
-                    if r == self.rank:
-                        continue
                     key = self._key(r)
-                    if not self.store.check([key]) or int(self.store.get(key)) < rec[SEQ]:
-                        late.append(r)
-                out.append(late)
+                    if r != self.rank and self.store.check([key]):
+                        note = self.store.get(key)
+                        seq, call, words = (note.decode() if isinstance(note, bytes) else note).split(" ", 2)
+                        got[r] = (int(seq), int(call), words)
+                out.append(got)
             except Exception as exc:
                 out.append(f"the store could not be read ({type(exc).__name__}: {exc}; the rank hosting it may "
                            "have exited)")
@@ -193,6 +225,25 @@ class Watch:
             return (f"the store did not answer within {STORE_QUERY_SECONDS:g} s (the rank hosting it, or the link "
                     "to it, may be gone)")
         return out[0]
+
+    def missing(self, rec):
+        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed."""
+        notes = self.notes(rec)
+        if notes is None or isinstance(notes, str):
+            return notes
+        return [r for r in range(self.size) if r != self.rank and (r not in notes or notes[r][0] < rec[SEQ])]
+
+    def other_call(self, notes, rec):
+        """The error's text if a rank's note shows it in call rec's seq with another call, else None."""
+        if not isinstance(notes, dict):
+            return None
+        key, words = self.core.running_call(rec[COUNT])
+        for r, (seq, call, theirs) in sorted(notes.items()):
+            if seq == rec[SEQ] and call != key:
+                return (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): collective "
+                        f"mismatch: rank {self.rank} called {words}; rank {r} called {theirs} (both waited, seen "
+                        f"from their notes in the store)")
+        return None
 
     @staticmethod
     def describe_missing(missing):
@@ -251,9 +302,12 @@ class _Registry:
             if rec is None or not rec[NATIVE]:
                 continue
             elapsed = time.monotonic() - rec[START]
-            watch.check(rec, elapsed)
-            if elapsed >= watch.timeout:
-                err = watch.timed_out(rec, elapsed)
+            try:
+                watch.check(rec, elapsed)
+                err = watch.timed_out(rec, elapsed) if elapsed >= watch.timeout else None
+            except EngineMismatch as exc:
+                err = exc
+            if err is not None:
                 print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
                       "aborting the job", file=sys.stderr, flush=True)
                 failure.abort(3)

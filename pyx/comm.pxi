@@ -39,15 +39,28 @@ cdef inline size_t _nbytes(Message m) noexcept nogil:
     return m.count * m.itemsize
 
 
-cdef inline int call_tag_base(const Call *c, uint64_t seq, bint wide) noexcept nogil:
-    """What call c adds to its point-to-point tags (pyx/call_tags.h): what every rank must agree on
-    (the collective, dtype, reduce op, root) and the call's number in the group, so a message of
+cdef inline uint64_t call_key(const Call *c) noexcept nogil:
+    """What every rank's call must agree on: the collective, dtype, reduce op (AVG apart) and root.
+    Hashed with the call's number into its point-to-point tags (pyx/call_tags.h), so a message of
     another call, or of this one with another op, dtype or root, is never taken for this call's."""
     cdef uint64_t red = 0
     if c.red != NULL:
         red = <uint64_t>(c.red.code + 2) | (<uint64_t>c.red.avg << 8)
-    return eng_call_tag_base(<uint64_t>c.op | (<uint64_t>(c.dtype + 1) << 8) | (red << 16)
-                             | (<uint64_t><uint32_t>c.root << 32), seq, wide)
+    return <uint64_t>c.op | (<uint64_t>(c.dtype + 1) << 8) | (red << 16) | (<uint64_t><uint32_t>c.root << 32)
+
+
+cdef str describe_call_key(uint64_t k, size_t count):
+    """A call key in words: "allreduce of 8 float32, op SUM", "broadcast of 8 float32, root 0"."""
+    cdef int op = k & 0xFF, dtype = <int>((k >> 8) & 0xFF) - 1, red = (k >> 16) & 0xFF, avg = (k >> 24) & 1
+    cdef int root = <int32_t>(k >> 32)
+    text = OP_KIND_NAMES[op] if op < NOPKINDS else f"collective {op}"
+    if 0 <= dtype < ENG_NDTYPES:
+        text += f" of {count} {DTYPE_NAMES[dtype]}"
+    if red:
+        text += ", op " + ("AVG" if avg else OP_NAMES[red - 2].upper() if 2 <= red < 2 + ENG_NOPS else "user")
+    if op in (OP_BROADCAST, OP_REDUCE, OP_GATHER, OP_SCATTER):
+        text += f", root {root}"
+    return text
 
 
 cdef class CoreComm:
@@ -153,6 +166,12 @@ cdef class CoreComm:
     def current(self):
         return self.log.current()
 
+    def running_call(self, size_t count):
+        """(key, words) of the latest call (of count elements here): what every rank in that call must
+        agree on, as the key the watch's arrival notes compare, and in words for the error that names
+        a rank in another."""
+        return self.call_key, describe_call_key(self.call_key, count)
+
     def records(self):
         return self.log.records()
 
@@ -252,7 +271,8 @@ cdef class CoreComm:
         cdef bint avg
         cdef Reduction total
         # (seq + 1: the number log.begin gives this call, composite or not)
-        self.algo_tp.begin_call(call_tag_base(c, self.log.seq + 1, self.algo_tp.wide_tags))
+        self.call_key = call_key(c)
+        self.algo_tp.begin_call(eng_call_tag_base(self.call_key, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
             # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm
             # that doesn't divide inside its reduction.

@@ -109,6 +109,11 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   return tcp_corrupt(t, peer);
 }
 
+/* How a peer whose connection closed ended: in order (it said goodbye) or not. */
+static inline int tcp_end_code(const tcp_peer *p) {
+  return p->dead ? p->dead : p->departed ? ENG_ERR_PEER_LEFT : ENG_ERR_PEER_DEAD;
+}
+
 enum { TCP_READ_AGAIN, TCP_READ_NONE, TCP_READ_EOF, TCP_READ_DATA };
 
 /* What a nonblocking read of peer's stream returned (got): interrupted (read again), nothing now or
@@ -116,7 +121,8 @@ enum { TCP_READ_AGAIN, TCP_READ_NONE, TCP_READ_EOF, TCP_READ_DATA };
 static int tcp_read_outcome(eng_tcp *t, int peer, ssize_t got) {
   if (got < 0) {
     if (errno == EINTR) return TCP_READ_AGAIN;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, errno);
+    /* (a reset after its goodbye: it closed with our data unread, in order) */
+    if (errno != EAGAIN && errno != EWOULDBLOCK) tcp_peer_failed(t, peer, tcp_end_code(&t->peers[peer]), errno);
     return TCP_READ_NONE;
   }
   if (got == 0) return TCP_READ_EOF;
@@ -201,11 +207,6 @@ eof:
   in->eof = 1;
   p->closing = 1;
   if (in->state != IN_HDR || in->wpos != in->rpos) tcp_peer_failed(t, peer, ENG_ERR_PEER_DEAD, 0);
-}
-
-/* How a peer whose connection closed ended: in order (it said goodbye) or not. */
-static inline int tcp_end_code(const tcp_peer *p) {
-  return p->dead ? p->dead : p->departed ? ENG_ERR_PEER_LEFT : ENG_ERR_PEER_DEAD;
 }
 
 #endif

@@ -175,7 +175,8 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     if (h.kind != ENG_TCP_BYE || h.a || h.b) tcp_corrupt(t, peer);
     else p->departed = 1;
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
-    tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : ENG_ERR_PEER_DEAD, errno);
+    /* (a reset after its goodbye: it closed with our data unread, in order) */
+    tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
   }
 }
 

@@ -352,6 +352,7 @@ cdef class CoreComm:
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
+    cdef uint64_t call_key      # the latest call's: what every rank must agree on (call_key(); the watch compares)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void start(self, WaitCtx *ctx) noexcept

@@ -63,6 +63,13 @@ def broadcast_root(g):
     return [t]
 
 
+def every_rank_root(g):
+    # nobody sends: no message can show it (the arrival notes in the store do, after 2 s of waiting)
+    t = mine()
+    dist.reduce(t, dst=R, group=g)
+    return [t]
+
+
 def allgather_vs_reduce_scatter(g):
     out = torch.zeros(8 * P)
     if ODD:
@@ -72,7 +79,7 @@ def allgather_vs_reduce_scatter(g):
     return [out]
 
 
-CASES = [kind, reduce_op, avg, dtype, broadcast_root, allgather_vs_reduce_scatter]
+CASES = [kind, reduce_op, avg, dtype, broadcast_root, every_rank_root, allgather_vs_reduce_scatter]
 only = sys.argv[1:] or os.environ.get("MISMATCH_CASES", "").split()
 for case in CASES:
     if only and case.__name__ not in only:
