@@ -91,7 +91,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.tx
 	touch $@
 
 CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py tests/test_fusion_plan.py \
-	tests/test_layout.py tests/test_settings.py tests/test_tcp_transport.py \
+	tests/test_layout.py tests/test_settings.py tests/test_tcp_transport.py tests/test_arrival_notes.py \
 	"tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" "tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
 	"tests/test_launchers.py::test_torch_suites_under_torchrun[2]"
 

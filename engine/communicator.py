@@ -8,6 +8,7 @@ one compiled core parses buffers, checks arguments and records every operation f
 """
 
 import os
+import secrets
 
 import numpy as np
 
@@ -49,7 +50,10 @@ class Communicator:
             MPI = mpi.load()
             _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
         seg_bytes = ring_segment_bytes or registry.RING_SEGMENT.value()
-        everyone = _boot.allgather(host_identity()) if _boot.size > 1 else [host_identity()]
+        # (with rank 0's random id: the name under which this group's ranks leave their arrival notes)
+        everyone = (_boot.allgather((host_identity(), secrets.token_hex(8))) if _boot.size > 1
+                    else [(host_identity(), "")])
+        notes_id, everyone = everyone[0][1], [h for h, _ in everyone]
         self.transport = choose_transport(transport, [h for h, _, _ in everyone], isinstance(_boot, MpiBootstrap))
         self._transport = TRANSPORTS[self.transport]
         opened = self._transport.open(_boot, everyone, seg_bytes, Watch.timeout_of(timeout), _owned, _parent)
@@ -58,7 +62,7 @@ class Communicator:
         self.rank = self._core.rank
         self.size = self._core.size
         self.name = name
-        self.watch = Watch(name, self.rank, self.size, timeout, store, self._core)
+        self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
         self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         # (a stage of another group's hierarchy is one level of it: never two levels itself)
@@ -172,6 +176,12 @@ class Communicator:
     def busy(self):
         """Calls of this group (its hierarchy's stages included) inside the engine now."""
         return sum(core.busy for core in self._cores())
+
+    def drop_store(self):
+        """The group's store is gone (a reconfigure's rendezvous): no watch of it, or of its stages,
+        asks it any more (who is missing, what a peer called)."""
+        for part in (self, *self._stages):
+            part.watch.store = None
 
     def _cores(self):
         return ([self._core] if self._core is not None else []) + [

@@ -98,7 +98,7 @@ class Mpi(_Transport):
         for c in comms:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         # ENGINE_MPI_TAG_UB below MPI's own: run as over an MPI whose tags have fewer bits (the tests do)
-        core = mpi.core().MpiComm(*comms, seg_bytes, env_int("ENGINE_MPI_TAG_UB", 0, minimum=0))
+        core = mpi.core().MpiComm(*comms, seg_bytes, min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1))
         core.set_chunk(registry.MPI_CHUNK.value())
         return Opened(core, set(), comms)
 

@@ -26,7 +26,7 @@ import time
 import weakref
 
 from . import failure
-from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout
+from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout, describe_call
 from .config import env_int, env_duration
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
@@ -46,15 +46,23 @@ def _join_store_queries():
         helper.join(STORE_QUERY_SECONDS)
 
 
-# A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native).
-SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE = range(9)
+# A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,
+# key: what every rank's call must agree on, engine._core.describe_call's words).
+SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE, KEY = range(10)
+
+# Groups this large read their peers' notes from later on in a wait (each read asks the store once per
+# peer, on every waiting rank), so a straggler costs the store, and the waits, little.
+NOTES_READ_FREELY = 16
 
 
 class Watch:
     """The per-communicator policy: timeouts, stall warnings, arrival notes, dumps, the trace."""
 
-    def __init__(self, group, rank, size, timeout=None, store=None, core=None):
+    def __init__(self, group, rank, size, timeout=None, store=None, core=None, notes_id=""):
+        """notes_id: what the group's ranks agreed on when they made it, so that the arrival notes of
+        another group of the same name in the same store are never taken for this one's."""
         self.group, self.rank, self.size = group, rank, size
+        self.notes_id = notes_id
         self.timeout = Watch.timeout_of(timeout)
         self.stall = env_duration("ENGINE_STALL_WARNING_SECONDS", 60.0)
         self.note_after = min(1.0, self.timeout / 4)
@@ -66,8 +74,6 @@ class Watch:
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
-        if store is not None:   # a note an earlier group of this name left is never taken for this one's
-            self._set_note("0 0 -")
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -97,7 +103,7 @@ class Watch:
     def check(self, rec, elapsed):
         seq, level = self._noted
         if seq != rec[SEQ]:
-            level, self._compare_at = 0, self.note_after * 2
+            level, self._compare_at = 0, self.note_after * 2 * max(1, self.size / NOTES_READ_FREELY)
         if level < 1 and elapsed >= self.note_after:
             level = 1
             self.note_arrival(rec)
@@ -142,8 +148,11 @@ class Watch:
             # the error is not held up by the store)
             helper = threading.Thread(target=self._set_note, args=(self._note(rec),), name="engine-watch-store",
                                       daemon=True)
-            helper.start()
-            _store_queries.add(helper)
+            try:
+                helper.start()
+                _store_queries.add(helper)
+            except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
+                pass
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
             failure.group_failed(str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
@@ -176,7 +185,7 @@ class Watch:
     # -- who arrived --
 
     def _key(self, rank):
-        return f"engine/{self.group}/waiting-at/{rank}"
+        return f"engine/{self.group}/{self.notes_id}/waiting-at/{rank}"
 
     def note_arrival(self, rec):
         """Notes in the store that this rank reached operation rec's seq, and what it called there
@@ -184,9 +193,9 @@ class Watch:
         if self.store is not None:
             self._set_note(self._note(rec))
 
-    def _note(self, rec):
-        key, words = self.core.running_call(rec[COUNT])
-        return f"{rec[SEQ]} {key} {words}"
+    @staticmethod
+    def _note(rec):
+        return f"{rec[SEQ]} {rec[KEY]} {describe_call(rec[KEY], rec[COUNT])}"
 
     def _set_note(self, note):
         try:
@@ -211,8 +220,11 @@ class Watch:
                     key = self._key(r)
                     if r != self.rank and self.store.check([key]):
                         note = self.store.get(key)
-                        seq, call, words = (note.decode() if isinstance(note, bytes) else note).split(" ", 2)
-                        got[r] = (int(seq), int(call), words)
+                        try:
+                            seq, call, words = (note.decode() if isinstance(note, bytes) else note).split(" ", 2)
+                            got[r] = (int(seq), int(call), words)
+                        except ValueError:   # not a note this engine writes: as good as none
+                            pass
                 out.append(got)
             except Exception as exc:
                 out.append(f"the store could not be read ({type(exc).__name__}: {exc}; the rank hosting it may "
@@ -237,12 +249,11 @@ class Watch:
         """The error's text if a rank's note shows it in call rec's seq with another call, else None."""
         if not isinstance(notes, dict):
             return None
-        key, words = self.core.running_call(rec[COUNT])
         for r, (seq, call, theirs) in sorted(notes.items()):
-            if seq == rec[SEQ] and call != key:
+            if seq == rec[SEQ] and call != rec[KEY]:
                 return (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): collective "
-                        f"mismatch: rank {self.rank} called {words}; rank {r} called {theirs} (both waited, seen "
-                        f"from their notes in the store)")
+                        f"mismatch: rank {self.rank} called {describe_call(rec[KEY], rec[COUNT])}; rank {r} called "
+                        f"{theirs} (both waited, seen from their notes in the store)")
         return None
 
     @staticmethod

@@ -49,8 +49,9 @@ cdef inline uint64_t call_key(const Call *c) noexcept nogil:
     return <uint64_t>c.op | (<uint64_t>(c.dtype + 1) << 8) | (red << 16) | (<uint64_t><uint32_t>c.root << 32)
 
 
-cdef str describe_call_key(uint64_t k, size_t count):
-    """A call key in words: "allreduce of 8 float32, op SUM", "broadcast of 8 float32, root 0"."""
+def describe_call(uint64_t k, size_t count):
+    """A call's key (a flight record's last field) in words, for count elements: "allreduce of 8
+    float32, op SUM", "broadcast of 8 float32, root 0"."""
     cdef int op = k & 0xFF, dtype = <int>((k >> 8) & 0xFF) - 1, red = (k >> 16) & 0xFF, avg = (k >> 24) & 1
     cdef int root = <int32_t>(k >> 32)
     text = OP_KIND_NAMES[op] if op < NOPKINDS else f"collective {op}"
@@ -166,12 +167,6 @@ cdef class CoreComm:
     def current(self):
         return self.log.current()
 
-    def running_call(self, size_t count):
-        """(key, words) of the latest call (of count elements here): what every rank in that call must
-        agree on, as the key the watch's arrival notes compare, and in words for the error that names
-        a rank in another."""
-        return self.call_key, describe_call_key(self.call_key, count)
-
     def records(self):
         return self.log.records()
 
@@ -270,9 +265,9 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef bint avg
         cdef Reduction total
+        cdef uint64_t key = call_key(c)
         # (seq + 1: the number log.begin gives this call, composite or not)
-        self.call_key = call_key(c)
-        self.algo_tp.begin_call(eng_call_tag_base(self.call_key, self.log.seq + 1, self.algo_tp.wide_tags))
+        self.algo_tp.begin_call(eng_call_tag_base(key, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
             # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm
             # that doesn't divide inside its reduction.
@@ -280,7 +275,7 @@ cdef class CoreComm:
             if avg:
                 total = resolve_op(ENG_SUM, c.dtype)
                 c.red = &total.c
-            rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False)
+            rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False, key)
             try:
                 self.hier.run(c, rule.entry, keep)
                 if avg:
@@ -294,7 +289,7 @@ cdef class CoreComm:
         c.impl = rule.impl
         if self.aborted:
             raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
-        rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c))
+        rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c), key)
         self.start(&ctx)
         self.busy += 1
         try:

@@ -46,10 +46,13 @@ cdef class MpiTransport(Transport):
         self.err_peer = -1
         check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
         check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
-        check(MPI_Comm_get_attr(self.comm, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr")
-        if flag and tag_ub != NULL and (max_tag <= 0 or tag_ub[0] < max_tag):
+        # (MPI attaches its largest tag to the world only: a split or a dup of it may not carry it)
+        check(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr")
+        if not flag or tag_ub == NULL:
+            max_tag = 0
+        elif max_tag <= 0 or tag_ub[0] < max_tag:
             max_tag = tag_ub[0]
-        # Room for the call's number: Open MPI's tags have 31 bits, where MPI promises only 15
+        # Room for the call's number: tags of 31 bits (Open MPI's ob1), where MPI promises only 15
         self.wide_tags = max_tag >= 0x7FFFFFFF
         self.probes = algorithms and self.wide_tags
 

@@ -1,5 +1,5 @@
 # The flight recorder of a group: a preallocated C ring of its last operations (sequence number, op,
-# count, dtype, the registry entry that ran, start, end, state), written without Python on every
+# count, dtype, the registry entry that ran, start, end, state, the call's key), written without Python on every
 # call. Python records are built only when dumped or traced. Once an operation failed in a way that
 # leaves the group's state unknown (a timeout, a lost peer, a mismatch), the group is broken: every
 # later operation is refused, naming why.
@@ -35,7 +35,7 @@ cdef class Recorder:
         self.tracer = tracer
         self.on_failure = on_failure
 
-    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL:
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native, uint64_t key) except NULL:
         cdef OpRec *rec
         if self.broken is not None:
             raise EngineError(f"{OP_KIND_NAMES[op]}: this group is unusable after an earlier failure "
@@ -43,7 +43,7 @@ cdef class Recorder:
         self.seq += 1
         rec = &self.recs[self.seq % self.nrecs]
         rec[0] = OpRec(seq=self.seq, op=op, dtype=dtype, count=count, entry=entry, state=0, native=native,
-                       start=eng_now(), end=0)
+                       start=eng_now(), end=0, key=key)
         self.cur = rec
         return rec
 
@@ -63,14 +63,16 @@ cdef class Recorder:
         return self.record(self.cur) if self.cur != NULL else None
 
     def records(self):
-        """The recorded operations, oldest first: (seq, op, count, dtype, algorithm, start, end, state, native)."""
+        """The recorded operations, oldest first: (seq, op, count, dtype, algorithm, start, end, state, native,
+        key)."""
         cdef size_t i, n = min(self.seq, self.nrecs)
         return [self.record(&self.recs[(self.seq - n + 1 + i) % self.nrecs]) for i in range(n)]
 
 
     cdef tuple record(self, OpRec *r):
         return (r.seq, OP_KIND_NAMES[r.op], r.count, DTYPE_NAMES[r.dtype] if r.dtype >= 0 else None,
-                self.entry_name(r.entry), r.start, r.end if r.end else None, STATE_NAMES[r.state], bool(r.native))
+                self.entry_name(r.entry), r.start, r.end if r.end else None, STATE_NAMES[r.state], bool(r.native),
+                r.key)
 
     cdef object entry_name(self, int entry):
         return self.entry_names[entry] if 0 <= entry < len(self.entry_names) else None

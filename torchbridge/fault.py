@@ -90,7 +90,7 @@ class FaultTolerance:
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
             store.close(deadline)
-        comm.watch.store = None   # the rendezvous store is gone: timeouts can't ask it who is missing
+        comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
         _reconfigured = True
         failure.recovered()

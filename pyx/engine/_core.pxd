@@ -245,6 +245,7 @@ cdef struct OpRec:
     int state           # 0 running, 1 done, 2 failed, 3 timed out
     bint native         # blocks inside the transport's own collective (no watch while it runs)
     double start, end
+    uint64_t key        # what every rank's call must agree on (comm.pxi call_key(); the watch compares)
 
 
 cdef class Recorder:
@@ -258,7 +259,7 @@ cdef class Recorder:
     cdef tuple entry_names      # the registry's entry names, as the rules index them (Plan.configure)
     cdef tuple record(self, OpRec *r)
     cdef object entry_name(self, int entry)
-    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native) except NULL
+    cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native, uint64_t key) except NULL
     cdef int end(self, OpRec *rec, object exc) except -1
 
 
@@ -352,7 +353,6 @@ cdef class CoreComm:
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
-    cdef uint64_t call_key      # the latest call's: what every rank must agree on (call_key(); the watch compares)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void start(self, WaitCtx *ctx) noexcept

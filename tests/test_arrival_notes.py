@@ -1,0 +1,121 @@
+"""The watch's arrival notes (engine/watch.py), in one process: what a waiting rank notes in the
+group's store, when it reads its peers' notes, and which of them end its wait in EngineMismatch.
+tests/test_faults.py runs the same across processes (test_mismatched_calls_raise_without_debug_mode)."""
+
+import pytest
+
+from engine._core import DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, describe_call
+from engine.watch import Watch
+
+
+class Store:
+    """torch's Store API as the watch uses it, counting the lookups."""
+
+    def __init__(self):
+        self.data, self.checks = {}, 0
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        self.checks += 1
+        return all(k in self.data for k in keys)
+
+
+class Core:
+    """What a watch asks of a group's compiled core, with the record of the call it waits in."""
+
+    def __init__(self):
+        self.rec, self.broken = None, None
+
+    def set_recorder(self, *args, **kwargs):
+        pass
+
+    def set_watch(self, *args, **kwargs):
+        pass
+
+    def current(self):
+        return self.rec
+
+    def records(self):
+        return [self.rec] if self.rec else []
+
+    def set_broken(self, why):
+        self.broken = why
+
+    def waiting_on(self):
+        return None
+
+
+def key(op, dtype="float32", red=None, root=0):
+    """A call's key as comm.pxi's call_key() builds it (red: a reduce op's name, or None): AVG is SUM
+    with its own bit."""
+    code = 0 if red is None else (OP_NAMES.index("sum") + 2) | 1 << 8 if red == "avg" else OP_NAMES.index(red) + 2
+    return OP_KIND_NAMES.index(op) | (DTYPE_NAMES.index(dtype) + 1) << 8 | code << 16 | root << 32
+
+
+def record(seq, k, count=8):
+    # (seq, op, count, dtype, algorithm, start, end, state, native, key), as the flight recorder gives it
+    return (seq, OP_KIND_NAMES[k & 0xFF], count, "float32", "ring", 0.0, None, "running", False, k)
+
+
+def watch(rank, size, store, notes_id="g1"):
+    core = Core()
+    return Watch("g", rank, size, timeout=60, store=store, core=core, notes_id=notes_id), core
+
+
+ALLREDUCE_SUM, ALLREDUCE_MAX = key("allreduce", red="sum"), key("allreduce", red="max")
+BROADCAST_0 = key("broadcast", root=0)
+
+
+def test_a_peer_noted_in_another_call_of_the_same_number_ends_the_wait_naming_both_calls():
+    store = Store()
+    w0, core0 = watch(0, 3, store)
+    w1, core1 = watch(1, 3, store)
+    core1.rec = record(3, BROADCAST_0)
+    w1.check(core1.rec, 1.2)                        # rank 1 waited 1 s: noted
+    core0.rec = record(3, ALLREDUCE_SUM)
+    w0.check(core0.rec, 1.5)                        # rank 0 noted, has not compared yet
+    with pytest.raises(EngineMismatch) as err:
+        w0.check(core0.rec, 2.1)
+    assert ("allreduce #3 of group 'g' (rank 0 of 3): collective mismatch: rank 0 called allreduce of 8 float32, "
+            "op SUM; rank 1 called broadcast of 8 float32, root 0") in str(err.value)
+    assert core0.broken == str(err.value)
+
+
+@pytest.mark.parametrize("theirs", ["same call", "earlier call", "later call", "other group", "garbage"])
+def test_notes_that_show_no_other_call_leave_the_wait_alone(theirs):
+    store = Store()
+    w0, core0 = watch(0, 2, store)
+    w1, core1 = watch(1, 2, store, notes_id="g2" if theirs == "other group" else "g1")
+    seq = {"earlier call": 2, "later call": 4}.get(theirs, 3)
+    core1.rec = record(seq, ALLREDUCE_SUM if theirs == "same call" else ALLREDUCE_MAX)
+    w1.check(core1.rec, 1.2)
+    if theirs == "garbage":                         # not a note this engine writes: as good as none
+        store.set(w1._key(1), "5")
+    core0.rec = record(3, ALLREDUCE_SUM)
+    for elapsed in (1.2, 2.1, 4.5, 9.0):
+        w0.check(core0.rec, elapsed)
+    assert core0.broken is None
+
+
+@pytest.mark.parametrize("size,reads", [(4, [2.0, 4.0, 8.0, 16.0, 32.0]), (64, [8.0, 16.0, 32.0])])
+def test_reads_of_the_notes_double_in_spacing_and_start_later_in_large_groups(size, reads):
+    store = Store()
+    w, core = watch(0, size, store)
+    core.rec = record(1, ALLREDUCE_SUM)
+    read_at = []
+    for step in range(1, 400):                      # a wait the watch is called in every 0.1 s, for 40 s
+        before = store.checks
+        w.check(core.rec, step / 10)
+        if store.checks != before:
+            read_at.append(step / 10)
+    assert read_at == reads
+
+
+def test_a_call_key_in_words():
+    assert describe_call(key("reduce", red="avg", root=2), 5) == "reduce of 5 float32, op AVG, root 2"
+    assert describe_call(key("allgather", "bfloat16"), 16) == "allgather of 16 bfloat16"
