@@ -9,7 +9,7 @@ import threading
 
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcmp, memcpy, memmove, memset
-from libc.stdint cimport int32_t, uint64_t, SIZE_MAX
+from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY
 
 from kernels cimport *

@@ -43,23 +43,27 @@ cdef inline uint64_t call_key(const Call *c) noexcept nogil:
     """What every rank's call must agree on: the collective, dtype, reduce op (AVG apart) and root.
     Hashed with the call's number into its point-to-point tags (pyx/call_tags.h), so a message of
     another call, or of this one with another op, dtype or root, is never taken for this call's."""
-    cdef uint64_t red = 0
-    if c.red != NULL:
-        red = <uint64_t>(c.red.code + 2) | (<uint64_t>c.red.avg << 8)
-    return <uint64_t>c.op | (<uint64_t>(c.dtype + 1) << 8) | (red << 16) | (<uint64_t><uint32_t>c.root << 32)
+    cdef bint rooted = c.op == OP_BROADCAST or c.op == OP_REDUCE or c.op == OP_GATHER or c.op == OP_SCATTER
+    return call_word(c.op, c.dtype, opbit_of(c.red) if c.red != NULL else OPBIT_NONE, -1, c.root if rooted else -1)
 
 
-def describe_call(uint64_t k, size_t count):
+cdef tuple call_word_parts(uint64_t w):
+    """(collective, dtype or None, reduce op or None, root or -1) of a call_word()."""
+    cdef int op = w & 0xff, dtype = <int>((w >> 8) & 0xff) - 1, opbit = <int>((w >> 16) & 0xff)
+    return (OP_KIND_NAMES[op] if op < NOPKINDS else f"op {op}",
+            DTYPE_NAMES[dtype] if 0 <= dtype < ENG_NDTYPES else None,
+            OP_NAMES[opbit].upper() if 0 <= opbit < 8 else "user" if opbit == OPBIT_USER else None,
+            <long long>(w >> 32) - 1)
+
+
+def describe_call(uint64_t key, size_t count):
     """A call's key (a flight record's last field) in words, for count elements: "allreduce of 8
     float32, op SUM", "broadcast of 8 float32, root 0"."""
-    cdef int op = k & 0xFF, dtype = <int>((k >> 8) & 0xFF) - 1, red = (k >> 16) & 0xFF, avg = (k >> 24) & 1
-    cdef int root = <int32_t>(k >> 32)
-    text = OP_KIND_NAMES[op] if op < NOPKINDS else f"collective {op}"
-    if 0 <= dtype < ENG_NDTYPES:
-        text += f" of {count} {DTYPE_NAMES[dtype]}"
-    if red:
-        text += ", op " + ("AVG" if avg else OP_NAMES[red - 2].upper() if 2 <= red < 2 + ENG_NOPS else "user")
-    if op in (OP_BROADCAST, OP_REDUCE, OP_GATHER, OP_SCATTER):
+    name, dtype, red, root = call_word_parts(key)
+    text = f"{name} of {count} {dtype}" if dtype is not None else name
+    if red is not None:
+        text += f", op {red}"
+    if root >= 0:
         text += f", root {root}"
     return text
 

@@ -5,11 +5,6 @@
 # primitives"). Reductions run in rank order 0..P-1 on whichever rank computes a block, so every rank
 # gets the same bits. Every schedule (chunks, blocks, pieces, steps) is a pure function of schedule.pxd.
 
-cdef inline uint64_t _sig_word(int op, int dtype, int opbit, int impl, int root) noexcept nogil:
-    return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opbit & 0xff) << 16)
-            | (<uint64_t>((impl + 1) & 0xff) << 24) | (<uint64_t>(root + 1) << 32))
-
-
 cdef uint64_t _counts_hash(const size_t *counts, int n) noexcept nogil:
     """FNV-1a over the per-rank counts of an uneven collective (every rank must pass the same)."""
     cdef uint64_t h = 1469598103934665603ULL
@@ -163,7 +158,7 @@ cdef class ShmComm(CoreComm):
     cdef inline void sign(self, int op, int dtype, int opbit, int impl, int root, uint64_t count,
                           uint64_t chash) noexcept nogil:
         """The signature every step of this collective carries (peers in another one are refused)."""
-        self.sig[0] = _sig_word(op, dtype, opbit, impl, root)
+        self.sig[0] = call_word(op, dtype, opbit, impl, root)
         self.sig[1] = count
         self.sig[2] = chash
 
@@ -526,7 +521,7 @@ cdef class ShmComm(CoreComm):
             largest = max(largest, c)
         self.sign(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SEGMENT, -1, total, _counts_hash(counts, P))
         if self.single_copy(OP_REDUCE_SCATTER, largest * isz, red.dtype):
-            self.sig[0] = _sig_word(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SINGLE_COPY, -1)
+            self.sig[0] = call_word(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SINGLE_COPY, -1)
             return self.pull_reduce_scatter(src, dst, count, red, counts, displs, divisor, ctx)
         while k < steps:
             ierr = self.open_step(0, ctx)
@@ -586,19 +581,15 @@ cdef class ShmComm(CoreComm):
 
 
 cdef str _describe_sig(const uint64_t *s):
-    cdef int op = s[0] & 0xff, dtype = <int>((s[0] >> 8) & 0xff) - 1, opbit = <int>((s[0] >> 16) & 0xff)
-    cdef long long root = <long long>(s[0] >> 32) - 1
-    name = OP_KIND_NAMES[op] if op < NOPKINDS else f"op {op}"
+    name, dtype, red, root = call_word_parts(s[0])
     text = f"{name} #{s[3]}"
     if s[1]:
-        text += f" with {s[1]} {DTYPE_NAMES[dtype] if 0 <= dtype < ENG_NDTYPES else ''} elements"
-    elif 0 <= dtype < ENG_NDTYPES:
-        text += f" of {DTYPE_NAMES[dtype]} ({s[4]} elements from this rank)" if op in (OP_GATHER, OP_SCATTER, OP_ALLTOALL) \
-            else f" of {DTYPE_NAMES[dtype]}"
+        text += f" with {s[1]} {dtype or ''} elements"
+    elif dtype is not None:
+        text += f" of {dtype} ({s[4]} elements from this rank)" if name in ("gather", "scatter", "alltoall") \
+            else f" of {dtype}"
     if root >= 0:
         text += f" root {root}"
-    if 0 <= opbit < 8:
-        text += f" op {OP_NAMES[opbit].upper()}"
-    elif opbit == OPBIT_USER:
-        text += " op user"
+    if red is not None:
+        text += f" op {red}"
     return text

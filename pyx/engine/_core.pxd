@@ -236,6 +236,14 @@ cdef inline int opbit_of(RedC *red) noexcept nogil:
     return 7 if red.avg else red.code
 
 
+cdef inline uint64_t call_word(int op, int dtype, int opbit, int impl, int root) noexcept nogil:
+    """A collective in one word: op, dtype + 1, the reduce op's Rule.ops bit, impl + 1, root + 1 (-1:
+    none). The segment's signatures carry it; with impl -1, what every rank's call must agree on
+    (comm.pxi call_key(), the tags' hash and the flight record's key). call_word_parts() reads it."""
+    return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opbit & 0xff) << 16)
+            | (<uint64_t>((impl + 1) & 0xff) << 24) | (<uint64_t><uint32_t>(root + 1) << 32))
+
+
 cdef struct OpRec:
     uint64_t seq
     int op
@@ -389,6 +397,7 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 # ---- taken by one file from another (each defined in the file its comment names) ----
 
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
+cdef tuple call_word_parts(uint64_t w)              # comm.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi
 
 
