@@ -53,7 +53,7 @@ def main():
         except RuntimeError as exc:
             ended = time.monotonic()
             print(f"abort: rank {rank} {op} over {transport} ended {ended - aborted_at[0]:.4f} s after abort() "
-                  f"({how}): {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                  f"({how}): {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         timer.join()
     else:
         time.sleep(1.5)
