@@ -26,6 +26,9 @@ _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 # The compiled core's calls, bound straight onto each instance (no Python frame per call); the methods
 # of the same names below document them. Debug mode keeps the collectives' methods, which compare
 # signatures first; point-to-point is never numbered or compared.
+# Where a setting of Communicator._agree comes from when it is not the variable itself.
+_HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
+          "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))"}
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
 _CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
                "barrier") + _POINT_TO_POINT
@@ -67,15 +70,40 @@ class Communicator:
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         # (a stage of another group's hierarchy is one level of it: never two levels itself)
         self._hier, self._stages = None, ()
-        built = None if _stage else hierarchy.build(self, _boot, everyone,
-                                                    self._stage_maker(everyone, seg_bytes, timeout, store))
-        if built is not None:
-            self._hier, self._stages = built
-            caps |= registry.hierarchy_caps(registry.hier_mode())
-        self.plan = registry.Plan(self.transport, caps, stage=_stage)
-        self._configure(_boot)
+        try:
+            self._agree(_boot, {**registry.settings(), "ENGINE_RING_SEGMENT_BYTES": seg_bytes,
+                                "ENGINE_DEBUG": int(self._debug), "ENGINE_HIER": registry.hier_mode(),
+                                **opened.agreed})
+            built = None if _stage else hierarchy.build(self, _boot, everyone,
+                                                        self._stage_maker(everyone, seg_bytes, timeout, store))
+            if built is not None:
+                self._hier, self._stages = built
+                caps |= registry.hierarchy_caps(registry.hier_mode())
+            self.plan = registry.Plan(self.transport, caps, stage=_stage)
+            self._configure(_boot)
+        except BaseException:
+            self.free()      # (the segment, sockets and MPI communicators it opened)
+            raise
         for name in _POINT_TO_POINT if self._debug else _CORE_CALLS:
             setattr(self, name, getattr(self._core, name))
+
+    def _agree(self, boot, settings):
+        """Checks, before anything is built on them, that every rank has the settings the group's plan
+        and messages are made of ({variable: value}: the registry's thresholds, parameters and forced
+        algorithms, MPI's tags, debug mode's extra exchange, whether the group runs in levels). Ranks
+        that differ there would run one call differently: a peer's block read as this rank's (another
+        two-shot step size), a message larger than its receive, a hierarchy's stages made on some ranks
+        only, or waits on messages that never come. (_configure compares the plans themselves.)"""
+        if boot.size == 1:
+            return
+        everyone = boot.allgather(sorted(settings.items()))
+        differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
+        if differ:
+            first, other = dict(everyone[0]), dict(everyone[differ[0]])
+            what = "; ".join(f"{k}={first.get(k, 'unset')} on rank 0, {other.get(k, 'unset')} on rank {differ[0]}"
+                             f"{_HINTS.get(k, '')}" for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k))
+            raise RuntimeError(f"engine: the ranks of group {self.name!r} have different settings ({what}); every rank "
+                               "of a group must choose and cut its calls alike: set them the same on every rank")
 
     def _configure(self, boot):
         """Hands the plan to the core, after checking that every rank walks the same rules."""

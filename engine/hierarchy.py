@@ -82,10 +82,28 @@ def build(comm, boot, everyone, make_stage):
     if not per_host or per_host < 2:
         return None
     me = comm.rank
+    made = []
 
     def stage(color, key, part, transport, name):
-        sub = boot.split(color, key, part)
-        return None if sub is None else make_stage(sub, transport, f"{comm.name}/{name}")
+        # Each stage is made by some ranks only; all of them learn whether every rank made its own,
+        # so that a stage refused on one host (its ranks' plans differ) fails the group on every host,
+        # instead of leaving the others waiting in the next split.
+        error = None
+        try:
+            sub = boot.split(color, key, part)
+            made.append(None if sub is None else make_stage(sub, transport, f"{comm.name}/{name}"))
+        except Exception as exc:
+            error = exc
+        failed = [r for r, bad in enumerate(boot.allgather(error is not None)) if bad]
+        if failed:
+            for s in made:
+                if s is not None:
+                    s.free()
+            if error is not None:
+                raise error
+            raise RuntimeError(f"engine: group {comm.name!r} could not be made: rank {failed[0]} failed to make its "
+                               f"{part} stage (its own error says why)")
+        return made[-1]
     local = stage(host_of[me], local_of[me], "host", "shm", f"host{host_of[me]}")
     cross = stage(local_of[me], host_of[me], "cross", comm.transport, f"cross{local_of[me]}")
     leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", comm.transport, "leaders")

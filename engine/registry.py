@@ -335,6 +335,22 @@ def tunables():
     return list(seen.values())
 
 
+def settings():
+    """What a plan is made of, by variable: every threshold's and parameter's value (the environment's,
+    a tuning file's or the default), the algorithms forced, and a hash of the tuning file's rules. The
+    ranks of a group must share them (engine.communicator compares them first)."""
+    out = {t.env: t.value() for t in tunables()}
+    for coll in COLLECTIVES:
+        forced = forced_items(coll)
+        if forced:
+            out[force_variable(coll)] = ",".join(f"{t}:{n}" if t else n for t, n in forced)
+    doc = tuned()
+    if doc and doc["rules"]:
+        text = repr(sorted(doc["rules"].items()))
+        out["ENGINE_TUNING_FILE"] = f"rules {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    return out
+
+
 _tuned = {}
 
 

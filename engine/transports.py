@@ -18,8 +18,10 @@ from .config import env_int
 from .launcher import local_size
 
 
-# A transport's core for one group: core, caps (set), mpi_comms (the group's, freed with it).
-Opened = namedtuple("Opened", "core caps mpi_comms")
+# A transport's core for one group: core, caps (set), mpi_comms (the group's, freed with it) and agreed:
+# settings of its own, beyond the registry's, that shape its messages ({variable: value}), which the
+# group's ranks must share (engine.communicator compares them).
+Opened = namedtuple("Opened", "core caps mpi_comms agreed")
 
 
 def _mpi_comm_of(boot, owned):
@@ -68,7 +70,7 @@ class Shm(_Transport):
         core.set_threads(count)
         core.thread_slice = registry.SHM_THREAD_SLICE.value()
         caps = ({"single_copy"} if seg.cma else set()) | ({"threads"} if has else set())
-        return Opened(core, caps, _mpi_comm_of(boot, owned))
+        return Opened(core, caps, _mpi_comm_of(boot, owned), {})
 
     @staticmethod
     def configure(core, plan):
@@ -83,7 +85,7 @@ class Tcp(_Transport):
     @staticmethod
     def open(boot, everyone, seg_bytes, timeout, owned, parent):
         from . import tcp
-        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent), set(), _mpi_comm_of(boot, owned))
+        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent), set(), _mpi_comm_of(boot, owned), {})
 
 
 class Mpi(_Transport):
@@ -98,9 +100,10 @@ class Mpi(_Transport):
         for c in comms:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         # ENGINE_MPI_TAG_UB below MPI's own: run as over an MPI whose tags have fewer bits (the tests do)
-        core = mpi.core().MpiComm(*comms, seg_bytes, min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1))
+        tag_ub = min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1)
+        core = mpi.core().MpiComm(*comms, seg_bytes, tag_ub)
         core.set_chunk(registry.MPI_CHUNK.value())
-        return Opened(core, set(), comms)
+        return Opened(core, set(), comms, {"ENGINE_MPI_TAG_UB": tag_ub})
 
 
 TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

@@ -241,3 +241,31 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
     proc, out = launch("exit_in_flight.py", 3, 300, ENGINE_TRANSPORT="mpi")
     assert proc.returncode == 0 and "terminate called" not in out, out[-5000:]
     assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]
+
+
+def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
+    """tests/faults/mismatched_settings.py at 4 ranks, two forced sockets: rank 0 alone sets a variable
+    the group's plan or messages are made of (a two-shot step size once returned a wrong sum; a ring
+    segment, MPI's tags or pieces, debug mode or the levels hung or failed inside the call). Every
+    rank refuses the group when it is made, naming the variable and both values; a host's stage that
+    refuses fails the group on the other host's ranks too; then groups every rank agrees on sum right,
+    and nothing is left in /dev/shm."""
+    before = shm_files()
+    proc, out = launch("mismatched_settings.py", 4, 120, ENGINE_SOCKETS="2")
+    assert proc.returncode == 0, out[-5000:]
+    cases = {}
+    # (each line to the next one's start: two ranks' lines may come joined)
+    for name, rank, what in re.findall(r"CASE (.+?) rank (\d): (.*?)(?=CASE |AFTER |$)", out, re.M):
+        cases.setdefault(name, {})[int(rank)] = what
+    assert len(cases) == 9 and all(sorted(ranks) == [0, 1, 2, 3] for ranks in cases.values()), cases
+    for name, ranks in cases.items():
+        if name == "shm threads of one socket":   # the first host's stage refuses: its plans differ
+            assert all("group 'world/host0' would choose algorithms differently" in ranks[r] for r in (0, 1)), ranks
+            assert all("rank 0 failed to make its host stage" in ranks[r] for r in (2, 3)), ranks
+            continue
+        var, value = re.search(r"\((ENGINE_\w+)=(\S+) on rank 0, ", ranks[0]).groups()
+        for what in ranks.values():
+            assert what.startswith(f"RuntimeError: engine: the ranks of group 'world' have different settings ({var}="
+                                   f"{value} on rank 0, "), (name, what)
+    assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(["shm", "tcp", "mpi"] * 4), out[-3000:]
+    assert shm_files() <= before

@@ -131,6 +131,32 @@ def test_a_tuning_files_rules_and_thresholds_and_the_environment_over_both(tmp_p
     assert Plan("shm").choose("allreduce", 1001, 2).name == "oneshot"  # the environment wins
 
 
+def test_the_settings_ranks_compare_are_every_threshold_the_forced_names_and_the_files_rules(tmp_path, monkeypatch):
+    """registry.settings(): what engine.Communicator compares across a new group's ranks before it builds
+    anything (tests/test_faults.py runs ranks that differ)."""
+    for var in ("ENGINE_TUNING_FILE", "ENGINE_ALLREDUCE_ALGO", "ENGINE_SHM_CHUNK_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    base = registry.settings()
+    assert base == {t.env: t.default for t in registry.tunables()}
+    monkeypatch.setenv("ENGINE_SHM_CHUNK_BYTES", "131072")
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:ring, rdouble")
+    assert registry.settings() == {**base, "ENGINE_SHM_CHUNK_BYTES": 131072, "ENGINE_ALLREDUCE_ALGO": "shm:ring,rdouble"}
+    monkeypatch.delenv("ENGINE_SHM_CHUNK_BYTES")
+    monkeypatch.delenv("ENGINE_ALLREDUCE_ALGO")
+    hashes = []
+    for hi in (100, 200):   # two files that differ in a rule only, named the same
+        path = tmp_path / f"{hi}" / "tuned.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"format": tuning.FORMAT, "rules": {"allreduce": {"shm": [
+            {"algorithm": "rdouble", "min_bytes": 0, "max_bytes": hi, "min_ranks": 3, "max_ranks": 3}]}},
+            "thresholds": {"ENGINE_SHM_ONESHOT_MAX_BYTES": 1000}}))
+        monkeypatch.setenv("ENGINE_TUNING_FILE", str(path))
+        got = registry.settings()
+        assert got["ENGINE_SHM_ONESHOT_MAX_BYTES"] == 1000
+        hashes.append(got["ENGINE_TUNING_FILE"])
+    assert hashes[0] != hashes[1] and all(h.startswith("rules ") for h in hashes)
+
+
 def test_version_1_files_are_still_read(tmp_path, monkeypatch):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring"}]},
