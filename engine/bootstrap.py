@@ -103,7 +103,7 @@ def choose_transport(requested, hosts, mpi=True):
     """'shm', 'mpi' or 'tcp' for a group whose ranks run on `hosts` (one entry per rank); mpi: whether
     the group was made through MPI (an MPI launch). On one host: shared memory. Across hosts: TCP
     without MPI, and under MPI what ENGINE_INTERHOST says."""
-    want = requested or env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
+    want = requested_transport(requested)
     if want not in TRANSPORTS:
         raise ValueError(f"transport {want!r}: expected one of {', '.join(TRANSPORTS)}")
     one_host = len(set(hosts)) == 1
@@ -119,6 +119,11 @@ def choose_transport(requested, hosts, mpi=True):
             return "shm"
         return interhost() if mpi else "tcp"
     return want
+
+
+def requested_transport(requested=None):
+    """The transport a group asks for: the one given, else ENGINE_TRANSPORT, else auto."""
+    return requested or env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
 
 
 def interhost():

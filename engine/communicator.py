@@ -13,8 +13,9 @@ import secrets
 import numpy as np
 
 from . import _core, hierarchy, registry
-from .bootstrap import MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, local_cores
-from .config import env_duration
+from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, interhost,
+                        local_cores, requested_transport)
+from .config import env_duration, env_int
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -23,12 +24,54 @@ ANY_SOURCE = -1
 ANY_TAG = -1
 _OP_IDS = {name: i for i, name in enumerate(_core.OP_KIND_NAMES)}
 _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
+# Where a setting _agreed() names comes from when it is not the variable itself.
+_HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
+          "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))"}
+
+
+def _opening(transport, ring_segment_bytes):
+    """What decides how a group opens: a rank opening shared memory while another opens sockets, or
+    connecting every socket while another waits for the first message, would wait for ever."""
+    from .tcp import connect_mode
+    return {"ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
+            "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": env_int("ENGINE_SOCKETS", 0),
+            "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
+
+
+def _read(settings):
+    """(settings() as sorted (variable, value) pairs, None), or (the error it raised as text, the
+    error): a rank that can't read its settings still takes part in the exchange, so that the others
+    are told rather than left waiting."""
+    try:
+        return sorted(settings().items()), None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", exc
+
+
+def _agreed(name, everyone, error=None):
+    """The settings every rank of group `name` read (everyone: each rank's _read()[0]), as a dict; else
+    raises, on every rank: this rank's own error, the first rank that could not read its settings, or
+    what differs between rank 0 and the first rank that differs from it."""
+    if error is not None:
+        raise error
+    bad = [r for r, s in enumerate(everyone) if isinstance(s, str)]
+    if bad:
+        raise RuntimeError(f"engine: group {name!r} was not made: rank {bad[0]} could not read its settings "
+                           f"({everyone[bad[0]]})")
+    differ = [r for r in range(len(everyone)) if everyone[r] != everyone[0]]
+    if differ:
+        first, other = dict(everyone[0]), dict(everyone[differ[0]])
+        what = "; ".join(f"{k}={first.get(k, 'unset')} on rank 0, {other.get(k, 'unset')} on rank {differ[0]}"
+                         f"{_HINTS.get(k, '')}" for k in sorted(set(first) | set(other))
+                         if first.get(k) != other.get(k))
+        raise RuntimeError(f"engine: the ranks of group {name!r} have different settings ({what}); every rank of a "
+                           "group must open it, choose and cut its calls alike: set them the same on every rank")
+    return dict(everyone[0])
+
+
 # The compiled core's calls, bound straight onto each instance (no Python frame per call); the methods
 # of the same names below document them. Debug mode keeps the collectives' methods, which compare
 # signatures first; point-to-point is never numbered or compared.
-# Where a setting of Communicator._agree comes from when it is not the variable itself.
-_HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
-          "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))"}
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
 _CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
                "barrier") + _POINT_TO_POINT
@@ -48,32 +91,37 @@ class Communicator:
                  name="world", _owned=None, _boot=None, _stage=False, _parent=None):
         self._mpi_comms = []
         self._store_prefix = None
+        self.name = name
+        self._hier, self._stages = None, ()
         if _boot is None:
             from . import mpi
             MPI = mpi.load()
             _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
-        seg_bytes = ring_segment_bytes or registry.RING_SEGMENT.value()
-        # (with rank 0's random id: the name under which this group's ranks leave their arrival notes)
-        everyone = (_boot.allgather((host_identity(), secrets.token_hex(8))) if _boot.size > 1
-                    else [(host_identity(), "")])
-        notes_id, everyone = everyone[0][1], [h for h, _ in everyone]
-        self.transport = choose_transport(transport, [h for h, _, _ in everyone], isinstance(_boot, MpiBootstrap))
+        # What decides how the group opens goes round in its first exchange and must agree before
+        # anything opens; with rank 0's random id, under which its ranks leave their arrival notes.
+        opening, error = _read(lambda: _opening(transport, ring_segment_bytes))
+        everyone = (_boot.allgather((host_identity(), secrets.token_hex(8), opening)) if _boot.size > 1
+                    else [(host_identity(), "", opening)])
+        opening = _agreed(name, [o for _, _, o in everyone], error)
+        notes_id, everyone = everyone[0][1], [h for h, _, _ in everyone]
+        seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
+        self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone],
+                                          isinstance(_boot, MpiBootstrap))
         self._transport = TRANSPORTS[self.transport]
         opened = self._transport.open(_boot, everyone, seg_bytes, Watch.timeout_of(timeout), _owned, _parent)
         self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
         _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
         self.rank = self._core.rank
         self.size = self._core.size
-        self.name = name
         self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
         self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
-        # (a stage of another group's hierarchy is one level of it: never two levels itself)
-        self._hier, self._stages = None, ()
         try:
-            self._agree(_boot, {**registry.settings(), "ENGINE_RING_SEGMENT_BYTES": seg_bytes,
-                                "ENGINE_DEBUG": int(self._debug), "ENGINE_HIER": registry.hier_mode(),
-                                **opened.agreed})
+            # What the plan and the messages are made of, before anything is built on them
+            settings, error = _read(lambda: {**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
+                                             "ENGINE_HIER": registry.hier_mode(), **opened.agreed})
+            _agreed(name, _boot.allgather(settings) if _boot.size > 1 else [settings], error)
+            # (a stage of another group's hierarchy is one level of it: never two levels itself)
             built = None if _stage else hierarchy.build(self, _boot, everyone,
                                                         self._stage_maker(everyone, seg_bytes, timeout, store))
             if built is not None:
@@ -87,24 +135,6 @@ class Communicator:
         for name in _POINT_TO_POINT if self._debug else _CORE_CALLS:
             setattr(self, name, getattr(self._core, name))
 
-    def _agree(self, boot, settings):
-        """Checks, before anything is built on them, that every rank has the settings the group's plan
-        and messages are made of ({variable: value}: the registry's thresholds, parameters and forced
-        algorithms, MPI's tags, debug mode's extra exchange, whether the group runs in levels). Ranks
-        that differ there would run one call differently: a peer's block read as this rank's (another
-        two-shot step size), a message larger than its receive, a hierarchy's stages made on some ranks
-        only, or waits on messages that never come. (_configure compares the plans themselves.)"""
-        if boot.size == 1:
-            return
-        everyone = boot.allgather(sorted(settings.items()))
-        differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
-        if differ:
-            first, other = dict(everyone[0]), dict(everyone[differ[0]])
-            what = "; ".join(f"{k}={first.get(k, 'unset')} on rank 0, {other.get(k, 'unset')} on rank {differ[0]}"
-                             f"{_HINTS.get(k, '')}" for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k))
-            raise RuntimeError(f"engine: the ranks of group {self.name!r} have different settings ({what}); every rank "
-                               "of a group must choose and cut its calls alike: set them the same on every rank")
-
     def _configure(self, boot):
         """Hands the plan to the core, after checking that every rank walks the same rules."""
         digest, text = self.plan.digest()
@@ -113,8 +143,8 @@ class Communicator:
             texts = boot.allgather(text)
             differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
             raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
-                               f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): ENGINE_*_ALGO, the ENGINE_* "
-                               "thresholds and ENGINE_TUNING_FILE must be the same on every rank")
+                               f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): their settings agree, so what "
+                               "their hosts have differs (ENGINE_THREADS, or the cores each rank may use)")
         self.plan.configure(self._core)
         self._core.set_hierarchy(self._hier)
         self._transport.configure(self._core, self.plan)

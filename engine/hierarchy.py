@@ -108,6 +108,11 @@ def build(comm, boot, everyone, make_stage):
     cross = stage(local_of[me], host_of[me], "cross", comm.transport, f"cross{local_of[me]}")
     leaders = stage(0 if local_of[me] == 0 else None, host_of[me], "leaders", comm.transport, "leaders")
     stages = tuple(s for s in (local, cross, leaders) if s is not None)
-    hier = _core.Hierarchy(local.core, cross.core, host_of, local_of, leaders.core if leaders else None,
-                           registry.LEADER_ENTRIES)
+    try:
+        hier = _core.Hierarchy(local.core, cross.core, host_of, local_of, leaders.core if leaders else None,
+                               registry.LEADER_ENTRIES)
+    except BaseException:
+        for s in stages:
+            s.free()
+        raise
     return hier, stages

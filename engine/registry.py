@@ -42,6 +42,7 @@ class Tunable:
     default: int
     doc: str
     minimum: int = 0    # the least value that means something (the core refuses less)
+    local: bool = False  # a rank's own (how it splits its own work): the group's ranks may differ
 
     def value(self):
         doc = tuned()   # (its thresholds were checked against the same minimum when it was read)
@@ -105,14 +106,14 @@ SHM_CHUNK = Tunable("ENGINE_SHM_CHUNK_BYTES", 512 << 10, "two-shot step size")
 SHM_THREADS_MIN = Tunable("ENGINE_SHM_THREADS_MIN_BYTES", 256 << 10,
                           "smallest shm allreduce and reduce whose kernels split over the rank's threads")
 SHM_THREAD_SLICE = Tunable("ENGINE_SHM_THREAD_SLICE_BYTES", 16 << 10,
-                           "least bytes a thread's slice of a threaded kernel takes (fewer threads below)")
+                           "least bytes a thread's slice of a threaded kernel takes (fewer threads below)", local=True)
 SINGLE_COPY_MIN = Tunable("ENGINE_SHM_CMA_MIN_BYTES", 32 << 10, "smallest piece that moves by single copy")
 SINGLE_COPY_MAX = Tunable("ENGINE_SHM_CMA_MAX_BYTES", EVERY, "largest piece that moves by single copy")
 RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment of the ring", minimum=16)
 RDOUBLE_MAX = Tunable("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10, "largest recursive-doubling allreduce over MPI")
 RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce over MPI")
 SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
-                         "bytes of each peer's input a single-copy reduce_scatter reads at once")
+                         "bytes of each peer's input a single-copy reduce_scatter reads at once", local=True)
 MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast",
                     minimum=1)
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
@@ -335,19 +336,24 @@ def tunables():
     return list(seen.values())
 
 
-def settings():
-    """What a plan is made of, by variable: every threshold's and parameter's value (the environment's,
-    a tuning file's or the default), the algorithms forced, and a hash of the tuning file's rules. The
+def settings(transport):
+    """What the plan of a group on `transport` is made of, by variable: the value of each threshold and
+    parameter of its entries (the environment's, a tuning file's or the default; not a rank's own,
+    Tunable.local), the algorithms forced on it, and a hash of the tuning file's rules for it. The
     ranks of a group must share them (engine.communicator compares them first)."""
-    out = {t.env: t.value() for t in tunables()}
+    out = {}
+    for e in entries(transport=transport):
+        for t in (e.min_bytes, e.max_bytes, *(p for _, p in e.params)):
+            if isinstance(t, Tunable) and not t.local:
+                out[t.env] = t.value()
     for coll in COLLECTIVES:
-        forced = forced_items(coll)
+        forced = [(t, n) for t, n in forced_items(coll) if t in (None, transport)]
         if forced:
             out[force_variable(coll)] = ",".join(f"{t}:{n}" if t else n for t, n in forced)
     doc = tuned()
-    if doc and doc["rules"]:
-        text = repr(sorted(doc["rules"].items()))
-        out["ENGINE_TUNING_FILE"] = f"rules {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    rules = sorted((k, v) for k, v in (doc["rules"].items() if doc else ()) if k[1] == transport)
+    if rules:
+        out["ENGINE_TUNING_FILE"] = f"rules {hashlib.sha1(repr(rules).encode()).hexdigest()[:12]}"
     return out
 
 

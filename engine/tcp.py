@@ -110,7 +110,12 @@ def settings():
         raise ValueError(f"ENGINE_TCP_STREAMS={streams}: expected 1..16")
     stream_min = max(1, env_int("ENGINE_TCP_STREAM_MIN_BYTES", DEFAULT_STREAM_MIN, minimum=0))
     return dict(streams=streams, stream_min=stream_min, eager=env_int("ENGINE_TCP_EAGER_BYTES", DEFAULT_EAGER, minimum=0),
-                connect=env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh"))
+                connect=connect_mode())
+
+
+def connect_mode():
+    """ENGINE_TCP_CONNECT: every connection made with the group (mesh) or at a peer's first message (lazy)."""
+    return env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh")
 
 
 def make_core(boot, seg_bytes, timeout, parent=None):

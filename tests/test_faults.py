@@ -245,11 +245,13 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
 
 def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     """tests/faults/mismatched_settings.py at 4 ranks, two forced sockets: rank 0 alone sets a variable
-    the group's plan or messages are made of (a two-shot step size once returned a wrong sum; a ring
-    segment, MPI's tags or pieces, debug mode or the levels hung or failed inside the call). Every
-    rank refuses the group when it is made, naming the variable and both values; a host's stage that
-    refuses fails the group on the other host's ranks too; then groups every rank agrees on sum right,
-    and nothing is left in /dev/shm."""
+    the group's transport, plan or messages are made of (a two-shot step size once returned a wrong
+    sum; a ring segment, MPI's tags or pieces, debug mode, the levels, the transport or TCP's
+    connections hung or failed inside the call). Every rank refuses the group when it is made, naming
+    the variable and both values; a host's stage that refuses fails the group on the other host's
+    ranks too; a rank that can't read its settings is named by the others; a rank's own thread slices
+    may differ. Then groups every rank agrees on sum right, and nothing is left in /dev/shm."""
+    from faults.mismatched_settings import CASES
     before = shm_files()
     proc, out = launch("mismatched_settings.py", 4, 120, ENGINE_SOCKETS="2")
     assert proc.returncode == 0, out[-5000:]
@@ -257,15 +259,21 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     # (each line to the next one's start: two ranks' lines may come joined)
     for name, rank, what in re.findall(r"CASE (.+?) rank (\d): (.*?)(?=CASE |AFTER |$)", out, re.M):
         cases.setdefault(name, {})[int(rank)] = what
-    assert len(cases) == 9 and all(sorted(ranks) == [0, 1, 2, 3] for ranks in cases.values()), cases
+    assert set(cases) == set(CASES) and all(sorted(ranks) == [0, 1, 2, 3] for ranks in cases.values()), cases
     for name, ranks in cases.items():
+        _, var, value = CASES[name]
         if name == "shm threads of one socket":   # the first host's stage refuses: its plans differ
             assert all("group 'world/host0' would choose algorithms differently" in ranks[r] for r in (0, 1)), ranks
             assert all("rank 0 failed to make its host stage" in ranks[r] for r in (2, 3)), ranks
-            continue
-        var, value = re.search(r"\((ENGINE_\w+)=(\S+) on rank 0, ", ranks[0]).groups()
-        for what in ranks.values():
-            assert what.startswith(f"RuntimeError: engine: the ranks of group 'world' have different settings ({var}="
-                                   f"{value} on rank 0, "), (name, what)
+        elif name == "shm a rank's own thread slices":
+            assert set(ranks.values()) == {"made, 0 wrong"}, ranks
+        elif name == "tcp tuning file missing on one rank":
+            assert value in ranks[0] and "rank 0" not in ranks[0], ranks
+            told = "RuntimeError: engine: group 'world' was not made: rank 0 could not read its settings ("
+            assert all(ranks[r].startswith(told) and value in ranks[r] for r in (1, 2, 3)), ranks
+        else:
+            for what in ranks.values():
+                assert what.startswith(f"RuntimeError: engine: the ranks of group 'world' have different settings "
+                                       f"({var}={value} on rank 0, "), (name, what)
     assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(["shm", "tcp", "mpi"] * 4), out[-3000:]
     assert shm_files() <= before

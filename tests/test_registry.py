@@ -131,29 +131,41 @@ def test_a_tuning_files_rules_and_thresholds_and_the_environment_over_both(tmp_p
     assert Plan("shm").choose("allreduce", 1001, 2).name == "oneshot"  # the environment wins
 
 
-def test_the_settings_ranks_compare_are_every_threshold_the_forced_names_and_the_files_rules(tmp_path, monkeypatch):
-    """registry.settings(): what engine.Communicator compares across a new group's ranks before it builds
-    anything (tests/test_faults.py runs ranks that differ)."""
-    for var in ("ENGINE_TUNING_FILE", "ENGINE_ALLREDUCE_ALGO", "ENGINE_SHM_CHUNK_BYTES"):
-        monkeypatch.delenv(var, raising=False)
-    base = registry.settings()
-    assert base == {t.env: t.default for t in registry.tunables()}
+def test_the_settings_ranks_compare_are_their_transports_thresholds_forced_names_and_tuned_rules(tmp_path, monkeypatch):
+    """registry.settings(transport): what engine.Communicator compares across a new group's ranks before it
+    builds anything (tests/test_faults.py runs ranks that differ): the thresholds and parameters of the
+    transport's entries but a rank's own (Tunable.local), what is forced on it, its tuned rules."""
+    for var in [v for v in os.environ if v.startswith("ENGINE_")]:
+        monkeypatch.delenv(var)
+    def own(transport):
+        return {t.env: t.default for e in registry.entries(transport=transport)
+                for t in (e.min_bytes, e.max_bytes, *(p for _, p in e.params)) if isinstance(t, registry.Tunable)}
+    base = registry.settings("shm")
+    assert base == {k: v for k, v in own("shm").items() if k not in ("ENGINE_SHM_THREAD_SLICE_BYTES",
+                                                                      "ENGINE_SHM_PULL_PIECE_BYTES")}
+    assert "ENGINE_SHM_CHUNK_BYTES" in base and "ENGINE_TCP_TREE_MAX_BYTES" not in base
+    assert "ENGINE_MPI_CHUNK_ELEMENTS" in registry.settings("mpi")
+    assert "ENGINE_SHM_CHUNK_BYTES" not in registry.settings("tcp")
     monkeypatch.setenv("ENGINE_SHM_CHUNK_BYTES", "131072")
-    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:ring, rdouble")
-    assert registry.settings() == {**base, "ENGINE_SHM_CHUNK_BYTES": 131072, "ENGINE_ALLREDUCE_ALGO": "shm:ring,rdouble"}
-    monkeypatch.delenv("ENGINE_SHM_CHUNK_BYTES")
-    monkeypatch.delenv("ENGINE_ALLREDUCE_ALGO")
+    monkeypatch.setenv("ENGINE_SHM_THREAD_SLICE_BYTES", "4096")     # a rank's own
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:ring, rdouble, tcp:ring")
+    assert registry.settings("shm") == {**base, "ENGINE_SHM_CHUNK_BYTES": 131072,
+                                        "ENGINE_ALLREDUCE_ALGO": "shm:ring,rdouble"}
+    assert registry.settings("tcp")["ENGINE_ALLREDUCE_ALGO"] == "rdouble,tcp:ring"
+    for var in ("ENGINE_SHM_CHUNK_BYTES", "ENGINE_SHM_THREAD_SLICE_BYTES", "ENGINE_ALLREDUCE_ALGO"):
+        monkeypatch.delenv(var)
     hashes = []
-    for hi in (100, 200):   # two files that differ in a rule only, named the same
+    for hi in (100, 200):   # two files that differ in a shared-memory rule only, named the same
         path = tmp_path / f"{hi}" / "tuned.json"
         path.parent.mkdir()
         path.write_text(json.dumps({"format": tuning.FORMAT, "rules": {"allreduce": {"shm": [
             {"algorithm": "rdouble", "min_bytes": 0, "max_bytes": hi, "min_ranks": 3, "max_ranks": 3}]}},
             "thresholds": {"ENGINE_SHM_ONESHOT_MAX_BYTES": 1000}}))
         monkeypatch.setenv("ENGINE_TUNING_FILE", str(path))
-        got = registry.settings()
+        got = registry.settings("shm")
         assert got["ENGINE_SHM_ONESHOT_MAX_BYTES"] == 1000
         hashes.append(got["ENGINE_TUNING_FILE"])
+        assert "ENGINE_TUNING_FILE" not in registry.settings("tcp")   # no TCP rules: hosts may differ there
     assert hashes[0] != hashes[1] and all(h.startswith("rules ") for h in hashes)
 
 

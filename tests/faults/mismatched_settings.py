@@ -3,50 +3,68 @@ every rank of the world, ENGINE_SOCKETS=2 so that a shared-memory group of 4 run
 0 alone sets the case's variable. Every rank must refuse the group at once, naming the variable and
 both values, where before a rank cut the same call differently: a two-shot step size read a peer's
 blocks as its own and returned a wrong sum, other sizes failed or hung in the call, a hierarchy made
-on some ranks only hung the others in its next split.
+on some ranks only hung the others in its next split, ranks opening different transports or
+connecting differently waited for each other for ever. A rank that can't read its settings (a
+tuning file missing on its host) tells the others; a rank's own thread slices may differ.
 
 Prints `CASE <name> rank <r>: <ExceptionType>: <message>` (or `made`), then, on a group every rank
 agrees on, `AFTER <transport> rank <r>: <the sum's wrong elements>`."""
 
 import os
 
-import numpy as np
-
-import engine
-from mpi4py import MPI
-
-R, P = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-# name: (transport, variable, rank 0's value)
+# name: (transport (None: ENGINE_TRANSPORT's), variable, rank 0's value)
 CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "shm threshold": ("shm", "ENGINE_SHM_ONESHOT_MAX_BYTES", "1024"),
          "shm forced algorithm": ("shm", "ENGINE_ALLREDUCE_ALGO", "ring"),
          "shm debug mode": ("shm", "ENGINE_DEBUG", "1"),
          "shm levels": ("shm", "ENGINE_HIER", "off"),
+         "shm sockets": ("shm", "ENGINE_SOCKETS", "1"),
          "shm threads of one socket": ("shm", "ENGINE_THREADS", "2"),
+         "shm a rank's own thread slices": ("shm", "ENGINE_SHM_THREAD_SLICE_BYTES", "4096"),
+         "the transport": (None, "ENGINE_TRANSPORT", "tcp"),
          "tcp ring segment": ("tcp", "ENGINE_RING_SEGMENT_BYTES", "65536"),
+         "tcp connections": ("tcp", "ENGINE_TCP_CONNECT", "lazy"),
+         "tcp tuning file missing on one rank": ("tcp", "ENGINE_TUNING_FILE", "/nonexistent/tuned.json"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
          "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000")}
 
 
-def allreduce_errors(comm, n=1 << 18):
-    x = np.arange(n, dtype=np.float32) % 1000 + R
-    out = np.empty_like(x)
-    comm.allreduce(x, out)
-    return int((out != P * (np.arange(n, dtype=np.float32) % 1000) + P * (P - 1) // 2).sum())
 
 
-for name, (transport, var, value) in CASES.items():
-    if R == 0:
-        os.environ[var] = value
-    try:
+def main():
+    import numpy as np
+
+    import engine
+    from mpi4py import MPI
+
+    R, P = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+    def allreduce_errors(comm, n=1 << 18):
+        x = np.arange(n, dtype=np.float32) % 1000 + R
+        out = np.empty_like(x)
+        comm.allreduce(x, out)
+        return int((out != P * (np.arange(n, dtype=np.float32) % 1000) + P * (P - 1) // 2).sum())
+
+    for name, (transport, var, value) in CASES.items():
+        before = os.environ.get(var)
+        if R == 0:
+            os.environ[var] = value
+        try:
+            comm = engine.Communicator(transport=transport, timeout=20)
+            print(f"CASE {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
+            comm.free()
+        except Exception as exc:
+            print(f"CASE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
+
+    for transport in ("shm", "tcp", "mpi"):
         comm = engine.Communicator(transport=transport, timeout=20)
-        print(f"CASE {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
+        print(f"AFTER {transport} rank {R}: {allreduce_errors(comm)} wrong", flush=True)
         comm.free()
-    except Exception as exc:
-        print(f"CASE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
-    os.environ.pop(var, None)
 
-for transport in ("shm", "tcp", "mpi"):
-    comm = engine.Communicator(transport=transport, timeout=20)
-    print(f"AFTER {transport} rank {R}: {allreduce_errors(comm)} wrong", flush=True)
-    comm.free()
+
+if __name__ == "__main__":
+    main()
