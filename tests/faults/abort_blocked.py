@@ -3,7 +3,8 @@ collective (or a receive) that the last rank never joins; 1 s in, abort() is cal
 another thread (ABORT_FROM=thread, default) or from a SIGUSR1 handler (ABORT_FROM=signal: the signal is
 sent by a helper thread, Python runs the handler on the main thread while that thread waits in the
 engine). Each waiting rank prints `abort: rank R OP over TRANSPORT ended S s after abort() (FROM):
-ERROR`; then the group is reconfigured with every rank and checked with an all_reduce.
+ERROR` (S < 0 where a peer that aborted first ended the call, telling it that the peer left); then the
+group is reconfigured with every rank and checked with an all_reduce.
 
 Under torchrun or mpirun (ENGINE_TRANSPORT picks the transport), 2 or more ranks; group timeout 60 s.
 OP: ABORT_OP=all_reduce (default) | barrier | recv."""
@@ -52,9 +53,15 @@ def main():
             raise SystemExit(f"rank {rank}: the {op} returned although rank {size - 1} never joined")
         except RuntimeError as exc:
             ended = time.monotonic()
+            # A peer that aborted first may have ended the call (it left) before this rank's own abort():
+            # wait for that (a signal's handler runs on this thread, at its next Python step), and the
+            # time printed is then negative.
+            timer.join()
+            deadline = ended + 5
+            while not aborted_at and time.monotonic() < deadline:
+                time.sleep(0.001)
             print(f"abort: rank {rank} {op} over {transport} ended {ended - aborted_at[0]:.4f} s after abort() "
                   f"({how}): {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        timer.join()
     else:
         time.sleep(1.5)
         pg.abort()
