@@ -15,7 +15,7 @@ import numpy as np
 from . import _core, hierarchy, registry
 from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, interhost,
                         local_cores, requested_transport)
-from .config import env_duration, env_int
+from .config import env_duration
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -34,7 +34,7 @@ def _opening(transport, ring_segment_bytes):
     connecting every socket while another waits for the first message, would wait for ever."""
     from .tcp import connect_mode
     return {"ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
-            "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": env_int("ENGINE_SOCKETS", 0),
+            "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": hierarchy.forced_sockets(),
             "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
 
 

@@ -30,17 +30,23 @@ def numa_nodes(root=NODES):
     return out
 
 
+def forced_sockets():
+    """ENGINE_SOCKETS: the sockets each host's ranks are split into (0: the machine's own)."""
+    forced = env_int("ENGINE_SOCKETS", 0)
+    if forced < 0:
+        raise ValueError(f"ENGINE_SOCKETS={forced}: expected a number of sockets (0 or unset: the machine's)")
+    return forced
+
+
 def sockets_of(everyone, nodes=None):
     """Each rank's place for a shared-memory group (everyone: every rank's (host, pid, cores)): its host,
     and where the host's ranks sit on 2+ NUMA nodes, the node its cores lie in ("host/node1"). A rank
     whose cores span nodes (not bound) leaves the group on one level (None). ENGINE_SOCKETS=N splits
     each host's ranks, in group order, into N sockets of equal size instead (tests force two sockets
     on one node so)."""
-    forced = env_int("ENGINE_SOCKETS", 0)
+    forced = forced_sockets()
     hosts = [h for h, _, _ in everyone]
     if forced:
-        if forced < 0:
-            raise ValueError(f"ENGINE_SOCKETS={forced}: expected a number of sockets (0 or unset: the machine's)")
         _, local_of, _ = topology(hosts)
         local = collections.Counter(hosts)
         return [f"{h}/socket{i * forced // local[h]}" for h, i in zip(hosts, local_of)]

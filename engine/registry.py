@@ -326,10 +326,11 @@ def entry(transport, collective, name):
     return ENTRIES[i]
 
 
-def tunables():
-    """Every threshold and parameter, once each (for the docs and the tuner)."""
+def tunables(transport=None):
+    """Every threshold and parameter (of one transport's entries), once each (for the docs, the tuner
+    and settings())."""
     seen = {}
-    for e in ENTRIES:
+    for e in entries(transport=transport):
         for t in (e.min_bytes, e.max_bytes, *(p for _, p in e.params)):
             if isinstance(t, Tunable):
                 seen.setdefault(t.env, t)
@@ -341,11 +342,7 @@ def settings(transport):
     parameter of its entries (the environment's, a tuning file's or the default; not a rank's own,
     Tunable.local), the algorithms forced on it, and a hash of the tuning file's rules for it. The
     ranks of a group must share them (engine.communicator compares them first)."""
-    out = {}
-    for e in entries(transport=transport):
-        for t in (e.min_bytes, e.max_bytes, *(p for _, p in e.params)):
-            if isinstance(t, Tunable) and not t.local:
-                out[t.env] = t.value()
+    out = {t.env: t.value() for t in tunables(transport) if not t.local}
     for coll in COLLECTIVES:
         forced = [(t, n) for t, n in forced_items(coll) if t in (None, transport)]
         if forced:

@@ -183,9 +183,8 @@ class FaultTolerance:
 def _own_transport():
     """The transport of a reconfigured group: ENGINE_TRANSPORT's, except MPI (a reconfigure may take in
     processes MPI's launcher did not start), which becomes the engine's own choice."""
-    from engine.bootstrap import TRANSPORTS
-    from engine.config import env_choice
-    wanted = env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
+    from engine.bootstrap import requested_transport
+    wanted = requested_transport()
     return "auto" if wanted == "mpi" else wanted
 
 
