@@ -13,18 +13,16 @@ static int tcp_drop_pending(eng_tcp *t, int i) {
   return 1;
 }
 
+/* Takes connections until the pending table is full. The rest wait in the listen backlog, not closed:
+ * a group of more ranks (or streams) than the table holds connects all at once (mesh), and a peer
+ * whose connection was closed before its hello was read would fail. */
 static void tcp_accept(eng_tcp *t) {
-  for (;;) {
+  while (t->npending < ENG_TCP_MAX_PENDING) {
     int fd = accept4(t->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) t->sys_errno = errno;
       return;
-    }
-    if (t->npending >= ENG_TCP_MAX_PENDING) {
-      close(fd);
-      t->rejected++;
-      continue;
     }
     tcp_sockopts(fd);
     tcp_pending *q = &t->pending[t->npending++];

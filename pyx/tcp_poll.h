@@ -121,7 +121,8 @@ static int tcp_poll_set(eng_tcp *t, int with_wake) {
   size_t most = 2 + (size_t)t->npending + (size_t)t->size * 2 * ENG_TCP_MAX_STREAMS;
   if (tcp_pfd_reserve(t, most)) return -1;
   int n = 0;
-  tcp_pfd_add(t, &n, t->listen_fd, POLLIN, PF_LISTEN << 24);
+  /* (with the pending table full, what waits to be accepted waits for a free entry) */
+  tcp_pfd_add(t, &n, t->listen_fd, t->npending < ENG_TCP_MAX_PENDING ? POLLIN : 0, PF_LISTEN << 24);
   if (with_wake) tcp_pfd_add(t, &n, t->wake_fd, POLLIN, PF_WAKE << 24);
   for (int i = 0; i < t->npending; i++) tcp_pfd_add(t, &n, t->pending[i].fd, POLLIN, PF_PENDING << 24 | i);
   for (int q = 0; q < t->size; q++) {

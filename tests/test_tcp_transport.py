@@ -147,6 +147,26 @@ def test_a_hello_is_taken_only_whole_and_right_in_every_field(wrong, pick, cut):
         fakes[1].close()
 
 
+def test_connections_beyond_the_pending_table_wait_for_a_free_entry_instead_of_being_closed(rank0):
+    """More connections at once than the table of those still owing their hello holds (64; a mesh of 6
+    ranks with 16 streams opens 80 to each rank together) wait in the listen backlog: a proper peer
+    behind 70 silent ones is not closed, and gets through once entries free up."""
+    core, _, ports = rank0
+    silent = [connect(ports[1]) for _ in range(70)]
+    good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
+    r = core.irecv(np.zeros(4, np.uint8), None, None)
+    try:
+        assert not drive(r, lambda: closed_by_peer(good), seconds=0.5), "a proper peer was closed"
+        assert not r.test() and core.user_transport.rejected == 0
+        for s in silent:
+            s.close()
+        assert r.wait() == (1, 5, 4)
+        assert core.user_transport.rejected == len(silent)
+    finally:
+        for s in silent + [good]:
+            s.close()
+
+
 def test_a_message_arrives_whole_from_a_conforming_peer(rank0):
     core, _, ports = rank0
     payload = np.arange(100_000, dtype=np.uint8)
