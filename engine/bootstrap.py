@@ -61,6 +61,25 @@ class StoreBootstrap:
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}")
 
 
+def gather(boot, make, what, group=None):
+    """Every rank's make(), gathered. Where make() raises on some ranks, every rank raises (those ranks
+    their own error, the others naming the first of them) instead of waiting for ever in an exchange
+    a rank that gave up never reaches. what: what a rank whose make() raised could not do ("read its
+    settings"), as that rank says it."""
+    try:
+        mine, error = make(), None
+    except Exception as exc:
+        mine, error = None, exc
+    everyone = boot.allgather((mine, None if error is None else f"could not {what} ({type(error).__name__}: {error})"))
+    if error is not None:
+        raise error
+    bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+    if bad:
+        raise RuntimeError(f"engine: {'the group' if group is None else f'group {group!r}'} was not made: "
+                           f"rank {bad[0][0]} {bad[0][1]}")
+    return [v for v, _ in everyone]
+
+
 def _has(store, key):
     try:
         return store.check([key])
@@ -131,49 +150,49 @@ def interhost():
     return env_choice("ENGINE_INTERHOST", INTERHOST, "mpi")
 
 
-def make_segment(boot, everyone):
+def segment_settings():
+    """What the shared segment is made of (ENGINE_SHM_SLOT_BYTES, ENGINE_SHM_QUEUE_BYTES: None for the
+    default, which depends on the group's size) and single copy's mode (ENGINE_SHM_CMA)."""
+    return dict(slot=env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20, minimum=0),   # (the segment checks the least it needs)
+                queue=env_int("ENGINE_SHM_QUEUE_BYTES", None, minimum=0),
+                cma=env_choice("ENGINE_SHM_CMA", ("auto", "1", "0"), "auto"))
+
+
+def make_segment(boot, everyone, cfg):
     """The group's shared segment: rank 0 creates it, the others attach, every rank learns whether
-    all succeeded (so none is left waiting), then rank 0 drops its descriptor."""
+    all succeeded (so none is left waiting), then rank 0 drops its descriptor. cfg: segment_settings()."""
     from . import _core
     size, rank = boot.size, boot.rank
-    half = env_int("ENGINE_SHM_SLOT_BYTES", 1 << 20, minimum=0)   # (the segment checks the least it needs)
     # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
     # the pages are touched only by pairs that talk).
-    queue = env_int("ENGINE_SHM_QUEUE_BYTES", max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size))),
-                    minimum=0)
-    seg = desc = error = None
-    if rank == 0:
-        try:
-            seg = _core.ShmSegment.create(size, half, queue)
-            desc = seg.descriptor()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    desc, error0 = boot.allgather((desc, error))[0]
-    if error0 is not None:
-        raise RuntimeError(f"engine: rank 0 could not create the group's shared segment: {error0}")
-    if rank != 0:
-        try:
-            seg = _core.ShmSegment.attach(rank, size, desc)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    errors = [(r, e) for r, e in enumerate(boot.allgather(error)) if e]
-    if rank == 0:
-        seg.close_fd()
-    if errors:
-        raise RuntimeError("engine: the group's shared segment could not be attached: "
-                           + "; ".join(f"rank {r}: {e}" for r, e in errors))
+    queue = cfg["queue"] if cfg["queue"] is not None else max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+    made = []
+
+    def create():
+        made.append(_core.ShmSegment.create(size, cfg["slot"], queue))
+        return made[0].descriptor()
+
+    def attach():
+        made.append(_core.ShmSegment.attach(rank, size, desc))
+
+    desc = gather(boot, create if rank == 0 else lambda: None, "create the group's shared segment")[0]
+    try:
+        gather(boot, attach if rank != 0 else lambda: None, "attach the group's shared segment")
+    finally:
+        if rank == 0:
+            made[0].close_fd()
+    seg = made[0]
     seg.watch_peers([pid for _, pid, _ in everyone])
-    _enable_single_copy(boot, seg, [pid for _, pid, _ in everyone])
+    _enable_single_copy(boot, seg, [pid for _, pid, _ in everyone], cfg["cma"])
     return seg
 
 
-def _enable_single_copy(boot, seg, pids):
+def _enable_single_copy(boot, seg, pids, mode):
     """Single copy (one process_vm_readv from the owner's buffer instead of two copies through the
     segment) is a capability of the group: every rank must be allowed to read every other's memory,
     and every rank must know that all can, so all choose alike. Which pieces use it is the
     registry's rules' business (engine.registry: the single_copy entries and their thresholds)."""
     from . import _core
-    mode = env_choice("ENGINE_SHM_CMA", ("auto", "1", "0"), "auto")
     addrs = boot.allgather(_core.cma_probe_address()[0]) if boot.size > 1 else [0]
     ok = mode != "0" and boot.size > 1 and seg.cma_probe(pids, addrs)
     everyone_ok = all(boot.allgather(ok)) if boot.size > 1 else False

@@ -13,8 +13,8 @@ import secrets
 import numpy as np
 
 from . import _core, hierarchy, registry
-from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, host_identity, interhost,
-                        local_cores, requested_transport)
+from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather, host_identity,
+                        interhost, local_cores, requested_transport)
 from .config import env_duration
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
@@ -38,26 +38,10 @@ def _opening(transport, ring_segment_bytes):
             "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
 
 
-def _read(settings):
-    """(settings() as sorted (variable, value) pairs, None), or (the error it raised as text, the
-    error): a rank that can't read its settings still takes part in the exchange, so that the others
-    are told rather than left waiting."""
-    try:
-        return sorted(settings().items()), None
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}", exc
-
-
-def _agreed(name, everyone, error=None):
-    """The settings every rank of group `name` read (everyone: each rank's _read()[0]), as a dict; else
-    raises, on every rank: this rank's own error, the first rank that could not read its settings, or
-    what differs between rank 0 and the first rank that differs from it."""
-    if error is not None:
-        raise error
-    bad = [r for r, s in enumerate(everyone) if isinstance(s, str)]
-    if bad:
-        raise RuntimeError(f"engine: group {name!r} was not made: rank {bad[0]} could not read its settings "
-                           f"({everyone[bad[0]]})")
+def _agreed(name, everyone):
+    """The settings every rank of group `name` read (everyone: each rank's, as sorted (variable, value)
+    pairs), as a dict; else raises, on every rank, naming what differs between rank 0 and the first
+    rank that differs from it."""
     differ = [r for r in range(len(everyone)) if everyone[r] != everyone[0]]
     if differ:
         first, other = dict(everyone[0]), dict(everyone[differ[0]])
@@ -97,30 +81,49 @@ class Communicator:
             from . import mpi
             MPI = mpi.load()
             _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
-        # What decides how the group opens goes round in its first exchange and must agree before
-        # anything opens; with rank 0's random id, under which its ranks leave their arrival notes.
-        opening, error = _read(lambda: _opening(transport, ring_segment_bytes))
-        everyone = (_boot.allgather((host_identity(), secrets.token_hex(8), opening)) if _boot.size > 1
-                    else [(host_identity(), "", opening)])
-        opening = _agreed(name, [o for _, _, o in everyone], error)
-        notes_id, everyone = everyone[0][1], [h for h, _, _ in everyone]
+        self._core = None
+        # Every rank reads its settings before the first exchange, which carries a rank's failure to
+        # read them to every rank (none waits for ever in an exchange that rank never reaches). What
+        # decides how the group opens goes round in it and must agree before anything opens; with
+        # rank 0's random id, under which its ranks leave their arrival notes.
+        cfgs = {}
+
+        def read_opening():
+            cfgs.update((t, TRANSPORTS[t].settings()) for t in TRANSPORTS)
+            return (host_identity(), secrets.token_hex(8), sorted(_opening(transport, ring_segment_bytes).items()),
+                    Watch.timeout_of(timeout))
+        everyone = gather(_boot, read_opening, "read its settings", name)
+        opening = _agreed(name, [o for _, _, o, _ in everyone])
+        notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]
+        everyone = [h for h, _, _, _ in everyone]
         seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
         self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone],
                                           isinstance(_boot, MpiBootstrap))
         self._transport = TRANSPORTS[self.transport]
-        opened = self._transport.open(_boot, everyone, seg_bytes, Watch.timeout_of(timeout), _owned, _parent)
-        self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
-        _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
-        self.rank = self._core.rank
-        self.size = self._core.size
-        self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
         self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        # The transport's own exchanges carry a failure to every rank; what fails here after them (the
+        # watch's settings, a rank's trace file) goes round in the next exchange.
+        failed = None
+        try:
+            opened = self._transport.open(_boot, everyone, seg_bytes, timeout, _owned, _parent, cfgs[self.transport])
+            self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
+            _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
+            self.rank = self._core.rank
+            self.size = self._core.size
+            self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
+        except Exception as exc:
+            failed = exc
+
+        def read_agreed():
+            if failed is not None:
+                raise failed
+            return sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
+                           "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
         try:
             # What the plan and the messages are made of, before anything is built on them
-            settings, error = _read(lambda: {**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
-                                             "ENGINE_HIER": registry.hier_mode(), **opened.agreed})
-            _agreed(name, _boot.allgather(settings) if _boot.size > 1 else [settings], error)
+            _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings",
+                                 name))
             # (a stage of another group's hierarchy is one level of it: never two levels itself)
             built = None if _stage else hierarchy.build(self, _boot, everyone,
                                                         self._stage_maker(everyone, seg_bytes, timeout, store))

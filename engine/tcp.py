@@ -14,6 +14,7 @@ import socket
 import weakref
 
 from . import _core
+from .bootstrap import gather
 from .config import env_choice, env_int
 
 CONNECT_MODES = ("mesh", "lazy")
@@ -118,25 +119,32 @@ def connect_mode():
     return env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh")
 
 
-def make_core(boot, seg_bytes, timeout, parent=None):
+def make_core(boot, seg_bytes, timeout, parent, cfg):
     """The compiled group (engine._core.TcpComm) over TCP between boot's ranks. Collective over them:
     each listens (one socket per channel), the addresses and rank 0's random token go round through
     the bootstrap, and with ENGINE_TCP_CONNECT=mesh every connection is made before it returns.
     parent: (this rank's rank, name) in the group this one is a stage of (the hierarchy's), so that an
-    error names a peer by its rank there too."""
-    cfg = settings()
-    addr, how = listen_address()
+    error names a peer by its rank there too, or None. cfg: settings()."""
     fds = []
+
+    def listen():
+        addr, how = listen_address()
+        try:
+            for _ in range(2):      # the algorithms' channel, the user's send/recv
+                fds.append(_core.tcp_listen(addr))
+        except OSError as exc:
+            raise RuntimeError(f"engine: the TCP transport can't listen on {addr} (chosen by {how}): {exc}") from None
+        where = socket.gethostname() if parent is None else f"{socket.gethostname()}, rank {parent[0]} of group '{parent[1]}'"
+        return addr, [port for _, port in fds], where, os.urandom(16) if boot.rank == 0 else None, how
+
     try:
-        for _ in range(2):      # the algorithms' channel, the user's send/recv
-            fds.append(_core.tcp_listen(addr))
-    except OSError as exc:
+        # (a rank that can't listen, or has no address to listen on, is named by the others)
+        everyone = gather(boot, listen, "listen for the group's TCP connections")
+    except BaseException:
         for fd, _ in fds:
             _core.close_fd(fd)
-        raise RuntimeError(f"engine: the TCP transport can't listen on {addr} (chosen by {how}): {exc}") from None
-    token = os.urandom(16) if boot.rank == 0 else None
-    where = socket.gethostname() if parent is None else f"{socket.gethostname()}, rank {parent[0]} of group '{parent[1]}'"
-    everyone = boot.allgather((addr, [port for _, port in fds], where, token, how))
+        raise
+    addr, _, _, _, how = everyone[boot.rank]
     token = everyone[0][3]
     transports = []
     try:

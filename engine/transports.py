@@ -13,7 +13,7 @@ import sys
 from collections import namedtuple
 
 from . import _core, registry
-from .bootstrap import MpiBootstrap, local_cores, make_segment
+from .bootstrap import MpiBootstrap, local_cores, make_segment, segment_settings
 from .config import env_int
 from .launcher import local_size
 
@@ -31,16 +31,22 @@ def _mpi_comm_of(boot, owned):
     return [boot.comm.Dup()] if isinstance(boot, MpiBootstrap) else []
 
 
-def threads(everyone, rank):
+def forced_threads():
+    """ENGINE_THREADS: the threads a rank's large blocking reductions split over (0: automatic)."""
+    forced = env_int("ENGINE_THREADS", 0)
+    if forced < 0:
+        raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
+    return forced
+
+
+def threads(everyone, rank, forced):
     """(threads this rank's large blocking reductions split over, whether the group has "threads"):
     ENGINE_THREADS where set; else the cores this host's ranks may use, shared out among the job's
     processes on the host (the launcher's local size where larger than the group's: a subgroup's
     ranks share the host with the rest of the job), at most torch's intra-op threads where torch is
     loaded. The second reads only what every rank of the group sees, so every rank walks the same
-    rules; the count may differ between ranks (it only splits each rank's own kernel calls)."""
-    forced = env_int("ENGINE_THREADS", 0)
-    if forced < 0:
-        raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
+    rules; the count may differ between ranks (it only splits each rank's own kernel calls). forced:
+    forced_threads()."""
     if forced:
         return forced, forced > 1
     local, cores = local_cores(everyone, rank)
@@ -53,6 +59,10 @@ def threads(everyone, rank):
 
 
 class _Transport:
+    # settings(): the transport's settings, read before the group's first exchange (which carries a
+    # rank's failure to read them to every rank), for open(..., cfg), whose exchanges then find every
+    # rank there.
+
     @staticmethod
     def configure(core, plan):
         """The plan's settings the transport itself reads, beyond the rules the core takes: none by default."""
@@ -62,13 +72,18 @@ class Shm(_Transport):
     network = False
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent):
-        seg = make_segment(boot, everyone)
-        core = _core.ShmComm(seg, seg_bytes, registry.SHM_CHUNK.value())
-        core.pull_piece = registry.SHM_PULL_PIECE.value()
-        count, has = threads(everyone, boot.rank)
+    def settings():
+        return dict(segment_settings(), chunk=registry.SHM_CHUNK.value(), pull_piece=registry.SHM_PULL_PIECE.value(),
+                    thread_slice=registry.SHM_THREAD_SLICE.value(), threads=forced_threads())
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+        seg = make_segment(boot, everyone, cfg)
+        core = _core.ShmComm(seg, seg_bytes, cfg["chunk"])
+        core.pull_piece = cfg["pull_piece"]
+        count, has = threads(everyone, boot.rank, cfg["threads"])
         core.set_threads(count)
-        core.thread_slice = registry.SHM_THREAD_SLICE.value()
+        core.thread_slice = cfg["thread_slice"]
         caps = ({"single_copy"} if seg.cma else set()) | ({"threads"} if has else set())
         return Opened(core, caps, _mpi_comm_of(boot, owned), {})
 
@@ -83,26 +98,35 @@ class Tcp(_Transport):
     network = True
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent):
+    def settings():
         from . import tcp
-        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent), set(), _mpi_comm_of(boot, owned), {})
+        return tcp.settings()
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+        from . import tcp
+        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent, cfg), set(), _mpi_comm_of(boot, owned), {})
 
 
 class Mpi(_Transport):
     network = True
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent):
+    def settings():
+        # ENGINE_MPI_TAG_UB below MPI's own: run as over an MPI whose tags have fewer bits (the tests do)
+        return dict(tag_ub=min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1), chunk=registry.MPI_CHUNK.value())
+
+    @staticmethod
+    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
         from . import mpi
         MPI = mpi.load()
         # three: the collectives', the user's point-to-point and the algorithms' own messages never mix
         comms = [boot.comm.Dup() if owned is None else owned, boot.comm.Dup(), boot.comm.Dup()]
         for c in comms:
             c.Set_errhandler(MPI.ERRORS_RETURN)
-        # ENGINE_MPI_TAG_UB below MPI's own: run as over an MPI whose tags have fewer bits (the tests do)
-        tag_ub = min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1)
+        tag_ub = cfg["tag_ub"]
         core = mpi.core().MpiComm(*comms, seg_bytes, tag_ub)
-        core.set_chunk(registry.MPI_CHUNK.value())
+        core.set_chunk(cfg["chunk"])
         return Opened(core, set(), comms, {"ENGINE_MPI_TAG_UB": tag_ub})
 
 

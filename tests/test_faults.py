@@ -250,16 +250,28 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     connections hung or failed inside the call). Every rank refuses the group when it is made, naming
     the variable and both values; a host's stage that refuses fails the group on the other host's
     ranks too; a rank that can't read its settings is named by the others; a rank's own thread slices
-    may differ. Then groups every rank agrees on sum right, and nothing is left in /dev/shm."""
-    from faults.mismatched_settings import CASES
+    may differ. A value one rank can't use fails every rank, naming it. Then groups every rank agrees
+    on sum right, and nothing is left in /dev/shm."""
+    from faults.mismatched_settings import CASES, UNUSABLE
     before = shm_files()
     proc, out = launch("mismatched_settings.py", 4, 120, ENGINE_SOCKETS="2")
     assert proc.returncode == 0, out[-5000:]
-    cases = {}
+    cases, unusable = {}, {}
     # (each line to the next one's start: two ranks' lines may come joined)
-    for name, rank, what in re.findall(r"CASE (.+?) rank (\d): (.*?)(?=CASE |AFTER |$)", out, re.M):
-        cases.setdefault(name, {})[int(rank)] = what
-    assert set(cases) == set(CASES) and all(sorted(ranks) == [0, 1, 2, 3] for ranks in cases.values()), cases
+    for kind, name, rank, what in re.findall(r"(CASE|UNUSABLE) (.+?) rank (\d): (.*?)(?=CASE |UNUSABLE |AFTER |$)",
+                                             out, re.M):
+        (cases if kind == "CASE" else unusable).setdefault(name, {})[int(rank)] = what
+    for found, wanted in ((cases, CASES), (unusable, UNUSABLE)):
+        assert set(found) == set(wanted) and all(sorted(ranks) == [0, 1, 2, 3] for ranks in found.values()), found
+    # A value rank 1 can't use (read before the group's first exchange, or where it opens its end):
+    # it raises its own error; the others name it, where before they waited for it for ever or read
+    # another exchange's data as their own (`not enough values to unpack`).
+    for name, ranks in unusable.items():
+        _, var, value = UNUSABLE[name]
+        assert var in ranks[1] and "was not made" not in ranks[1], (name, ranks)
+        for r in (0, 2, 3):
+            assert re.match(r"RuntimeError: engine: (group 'world'|the group) was not made: rank 1 could not ", ranks[r]) \
+                and var in ranks[r], (name, ranks)
     for name, ranks in cases.items():
         _, var, value = CASES[name]
         if name == "shm threads of one socket":   # the first host's stage refuses: its plans differ

@@ -196,31 +196,31 @@ def test_threads_share_the_hosts_cores_the_same_way_on_every_rank(monkeypatch):
     import torch
 
     from engine.launcher import LAUNCHERS
-    from engine.transports import threads
+    from engine.transports import forced_threads, threads
     for var in ("ENGINE_THREADS", "LOCAL_WORLD_SIZE", *(name for launcher in LAUNCHERS for name in launcher[1:])):
         monkeypatch.delenv(var, raising=False)
     eight = frozenset(range(8))
     two_ranks = [("h", 1, eight), ("h", 2, eight)]
-    assert threads(two_ranks, 0) == (min(4, torch.get_num_threads()), True)
+    assert threads(two_ranks, 0, forced_threads()) == (min(4, torch.get_num_threads()), True)
     # a subgroup of 2 of the job's 8 processes on this host: each rank takes 8 / 8 cores, not 8 / 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert threads(two_ranks, 0) == (1, True)
+    assert threads(two_ranks, 0, forced_threads()) == (1, True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")     # (never fewer than the group's own ranks)
-    assert threads(two_ranks, 0) == (min(4, torch.get_num_threads()), True)
+    assert threads(two_ranks, 0, forced_threads()) == (min(4, torch.get_num_threads()), True)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
-    assert threads(two_ranks, 0) == (min(2, torch.get_num_threads()), True)
+    assert threads(two_ranks, 0, forced_threads()) == (min(2, torch.get_num_threads()), True)
     for var in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(var)
-    assert threads([("h", r, frozenset({0, 1})) for r in range(4)], 1) == (1, False)   # oversubscribed
-    assert threads([("h", 1, frozenset({0})), ("h", 2, frozenset({1}))], 0) == (1, False)  # bound to a core each
+    assert threads([("h", r, frozenset({0, 1})) for r in range(4)], 1, forced_threads()) == (1, False)   # oversubscribed
+    assert threads([("h", 1, frozenset({0})), ("h", 2, frozenset({1}))], 0, forced_threads()) == (1, False)  # bound to a core each
     monkeypatch.setenv("ENGINE_THREADS", "3")
-    assert threads([("h", 1, frozenset({0}))], 0) == (3, True)
+    assert threads([("h", 1, frozenset({0}))], 0, forced_threads()) == (3, True)
     monkeypatch.setenv("ENGINE_THREADS", "-1")
     with pytest.raises(ValueError, match="ENGINE_THREADS"):
-        threads(two_ranks, 0)
+        forced_threads()
 
 
 def test_forcing_a_threaded_entry_without_threads_says_how_to_get_them():

@@ -5,10 +5,12 @@ both values, where before a rank cut the same call differently: a two-shot step 
 blocks as its own and returned a wrong sum, other sizes failed or hung in the call, a hierarchy made
 on some ranks only hung the others in its next split, ranks opening different transports or
 connecting differently waited for each other for ever. A rank that can't read its settings (a
-tuning file missing on its host) tells the others; a rank's own thread slices may differ.
+tuning file missing on its host) tells the others; a rank's own thread slices may differ. Then rank
+1 alone sets a variable to a value it can't use (UNUSABLE): it raises, and the others name it.
 
-Prints `CASE <name> rank <r>: <ExceptionType>: <message>` (or `made`), then, on a group every rank
-agrees on, `AFTER <transport> rank <r>: <the sum's wrong elements>`."""
+Prints `CASE <name> rank <r>: <ExceptionType>: <message>` (or `made`), `UNUSABLE <name> rank <r>: ...`
+likewise, then, on a group every rank agrees on, `AFTER <transport> rank <r>: <the sum's wrong
+elements>`."""
 
 import os
 
@@ -27,6 +29,19 @@ CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "tcp tuning file missing on one rank": ("tcp", "ENGINE_TUNING_FILE", "/nonexistent/tuned.json"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
          "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000")}
+
+# name: (transport, variable, a value rank 1 alone sets and can't use). It raises its own error; the
+# others name it, where before they waited for it for ever in the exchange it never reached.
+UNUSABLE = {"tcp streams": ("tcp", "ENGINE_TCP_STREAMS", "99"),
+            "tcp interface missing on one host": ("tcp", "ENGINE_SOCKET_IFNAME", "nosuch0"),
+            "shm slot size": ("shm", "ENGINE_SHM_SLOT_BYTES", "lots"),
+            "shm single copy mode": ("shm", "ENGINE_SHM_CMA", "sometimes"),
+            "shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "big"),
+            "shm threads": ("shm", "ENGINE_THREADS", "-1"),
+            "shm spin budget": ("shm", "ENGINE_SPIN_US", "fast"),
+            "shm flight recorder": ("shm", "ENGINE_FLIGHT_RECORDER_SIZE", "0"),
+            "shm trace file": ("shm", "ENGINE_TRACE", "/nonexistent/trace.json"),
+            "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "many")}
 
 
 
@@ -55,6 +70,21 @@ def main():
             comm.free()
         except Exception as exc:
             print(f"CASE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
+
+    for name, (transport, var, value) in UNUSABLE.items():
+        before = os.environ.get(var)
+        if R == 1:
+            os.environ[var] = value
+        try:
+            comm = engine.Communicator(transport=transport, timeout=20)
+            print(f"UNUSABLE {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
+            comm.free()
+        except Exception as exc:
+            print(f"UNUSABLE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
         if before is None:
             os.environ.pop(var, None)
         else:
