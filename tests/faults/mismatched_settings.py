@@ -60,35 +60,21 @@ def main():
         comm.allreduce(x, out)
         return int((out != P * (np.arange(n, dtype=np.float32) % 1000) + P * (P - 1) // 2).sum())
 
-    for name, (transport, var, value) in CASES.items():
-        before = os.environ.get(var)
-        if R == 0:
-            os.environ[var] = value
-        try:
-            comm = engine.Communicator(transport=transport, timeout=20)
-            print(f"CASE {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
-            comm.free()
-        except Exception as exc:
-            print(f"CASE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
-
-    for name, (transport, var, value) in UNUSABLE.items():
-        before = os.environ.get(var)
-        if R == 1:
-            os.environ[var] = value
-        try:
-            comm = engine.Communicator(transport=transport, timeout=20)
-            print(f"UNUSABLE {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
-            comm.free()
-        except Exception as exc:
-            print(f"UNUSABLE {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
+    for label, cases, setter in (("CASE", CASES, 0), ("UNUSABLE", UNUSABLE, 1)):
+        for name, (transport, var, value) in cases.items():
+            before = os.environ.get(var)
+            if R == setter:
+                os.environ[var] = value
+            try:
+                comm = engine.Communicator(transport=transport, timeout=20)
+                print(f"{label} {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
+                comm.free()
+            except Exception as exc:
+                print(f"{label} {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
+            if before is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = before
 
     for transport in ("shm", "tcp", "mpi"):
         comm = engine.Communicator(transport=transport, timeout=20)
