@@ -252,40 +252,9 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     ranks too; a rank that can't read its settings is named by the others; a rank's own thread slices
     may differ. A value one rank can't use fails every rank, naming it. Then groups every rank agrees
     on sum right, and nothing is left in /dev/shm."""
-    from faults.mismatched_settings import CASES, UNUSABLE
+    from faults.mismatched_settings import check
     before = shm_files()
     proc, out = launch("mismatched_settings.py", 4, 120, ENGINE_SOCKETS="2")
     assert proc.returncode == 0, out[-5000:]
-    cases, unusable = {}, {}
-    # (each line to the next one's start: two ranks' lines may come joined)
-    for kind, name, rank, what in re.findall(r"(CASE|UNUSABLE) (.+?) rank (\d): (.*?)(?=CASE |UNUSABLE |AFTER |$)",
-                                             out, re.M):
-        (cases if kind == "CASE" else unusable).setdefault(name, {})[int(rank)] = what
-    for found, wanted in ((cases, CASES), (unusable, UNUSABLE)):
-        assert set(found) == set(wanted) and all(sorted(ranks) == [0, 1, 2, 3] for ranks in found.values()), found
-    # A value rank 1 can't use (read before the group's first exchange, or where it opens its end):
-    # it raises its own error; the others name it, where before they waited for it for ever or read
-    # another exchange's data as their own (`not enough values to unpack`).
-    for name, ranks in unusable.items():
-        _, var, value = UNUSABLE[name]
-        assert var in ranks[1] and "was not made" not in ranks[1], (name, ranks)
-        for r in (0, 2, 3):
-            assert re.match(r"RuntimeError: engine: (group 'world'|the group) was not made: rank 1 could not ", ranks[r]) \
-                and var in ranks[r], (name, ranks)
-    for name, ranks in cases.items():
-        _, var, value = CASES[name]
-        if name == "shm threads of one socket":   # the first host's stage refuses: its plans differ
-            assert all("group 'world/host0' would choose algorithms differently" in ranks[r] for r in (0, 1)), ranks
-            assert all("rank 0 failed to make its host stage" in ranks[r] for r in (2, 3)), ranks
-        elif name == "shm a rank's own thread slices":
-            assert set(ranks.values()) == {"made, 0 wrong"}, ranks
-        elif name == "tcp tuning file missing on one rank":
-            assert value in ranks[0] and "rank 0" not in ranks[0], ranks
-            told = "RuntimeError: engine: group 'world' was not made: rank 0 could not read its settings ("
-            assert all(ranks[r].startswith(told) and value in ranks[r] for r in (1, 2, 3)), ranks
-        else:
-            for what in ranks.values():
-                assert what.startswith(f"RuntimeError: engine: the ranks of group 'world' have different settings "
-                                       f"({var}={value} on rank 0, "), (name, what)
-    assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(["shm", "tcp", "mpi"] * 4), out[-3000:]
+    check(out, mpi=True)
     assert shm_files() <= before

@@ -51,6 +51,19 @@ def test_torch_parallelism_under_torchrun():
     assert_every_rank_passed(proc.stdout, 4, skips=False)
 
 
+def test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting():
+    """tests/faults/mismatched_settings.py under torchrun, 4 ranks in two forced sockets: each case a
+    new_group(backend="engine") made through torch's store, refused on every rank naming the setting
+    (or the rank that can't use its own), as under mpiexec (tests/test_faults.py)."""
+    from faults.mismatched_settings import check
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run(torchrun_command(4) + [os.path.join(HERE, "faults", "mismatched_settings.py")],
+                          env=clean_env(ENGINE_SOCKETS="2"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    check(proc.stdout, mpi=False)
+    assert set(os.listdir("/dev/shm")) <= before
+
+
 def test_every_collective_under_torchrun_without_mpi():
     proc = subprocess.run(torchrun_command(3) + [os.path.join(ROOT, "examples", "check_collectives.py")],
                           env=clean_env(), capture_output=True, text=True, timeout=300)

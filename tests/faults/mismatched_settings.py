@@ -1,6 +1,7 @@
-"""Ranks whose ENGINE_* settings differ, each case on a fresh group (engine.Communicator under mpiexec,
-every rank of the world, ENGINE_SOCKETS=2 so that a shared-memory group of 4 runs in two levels): rank
-0 alone sets the case's variable. Every rank must refuse the group at once, naming the variable and
+"""Ranks whose ENGINE_* settings differ, each case on a fresh group of every rank (ENGINE_SOCKETS=2
+so that a shared-memory group of 4 runs in two levels): under mpiexec an engine.Communicator, under
+torchrun torch's new_group(backend="engine"), made through torch's store (MPI's cases skipped). Rank 0
+alone sets the case's variable. Every rank must refuse the group at once, naming the variable and
 both values, where before a rank cut the same call differently: a two-shot step size read a peer's
 blocks as its own and returned a wrong sum, other sizes failed or hung in the call, a hierarchy made
 on some ranks only hung the others in its next split, ranks opening different transports or
@@ -10,7 +11,7 @@ tuning file missing on its host) tells the others; a rank's own thread slices ma
 
 Prints `CASE <name> rank <r>: <ExceptionType>: <message>` (or `made`), `UNUSABLE <name> rank <r>: ...`
 likewise, then, on a group every rank agrees on, `AFTER <transport> rank <r>: <the sum's wrong
-elements>`."""
+elements>`; check() reads that output (tests/test_faults.py, tests/test_launchers.py)."""
 
 import os
 
@@ -46,29 +47,71 @@ UNUSABLE = {"tcp streams": ("tcp", "ENGINE_TCP_STREAMS", "99"),
 
 
 
+def check(out, mpi):
+    """Asserts what every rank of 4 printed (mpi: launched by mpiexec, else torchrun)."""
+    import re
+    group = r"(?:'world'|'\d+')"
+    found = {"CASE": {}, "UNUSABLE": {}}
+    # (each line to the next one's start: two ranks' lines may come joined)
+    for kind, name, rank, what in re.findall(r"(CASE|UNUSABLE) (.+?) rank (\d): (.*?)(?=CASE |UNUSABLE |AFTER |$)",
+                                             out, re.M):
+        found[kind].setdefault(name, {})[int(rank)] = what
+    for kind, wanted in (("CASE", CASES), ("UNUSABLE", UNUSABLE)):
+        wanted = {n for n, (t, _, _) in wanted.items() if mpi or t != "mpi"}
+        assert set(found[kind]) == wanted and all(sorted(r) == [0, 1, 2, 3] for r in found[kind].values()), found
+    for name, ranks in found["CASE"].items():
+        _, var, value = CASES[name]
+        if name == "shm threads of one socket":   # the first host's stage refuses: its plans differ
+            assert all(re.search(rf"group '\w+/host0' would choose algorithms differently", ranks[r]) for r in (0, 1)), ranks
+            assert all("rank 0 failed to make its host stage" in ranks[r] for r in (2, 3)), ranks
+        elif name == "shm a rank's own thread slices":
+            assert set(ranks.values()) == {"made, 0 wrong"}, ranks
+        elif name == "tcp tuning file missing on one rank":
+            assert value in ranks[0] and "rank 0" not in ranks[0], ranks
+            told = rf"RuntimeError: engine: group {group} was not made: rank 0 could not read its settings \("
+            assert all(re.match(told, ranks[r]) and value in ranks[r] for r in (1, 2, 3)), ranks
+        else:
+            for what in ranks.values():
+                assert re.match(rf"RuntimeError: engine: the ranks of group {group} have different settings "
+                                rf"\({var}={value} on rank 0, ", what), (name, what)
+    # A value rank 1 can't use (read before the group's first exchange, or where it opens its end):
+    # it raises its own error; the others name it, where before they waited for it for ever or read
+    # another exchange's data as their own (`not enough values to unpack`).
+    for name, ranks in found["UNUSABLE"].items():
+        _, var, value = UNUSABLE[name]
+        assert var in ranks[1] and "was not made" not in ranks[1], (name, ranks)
+        for r in (0, 2, 3):
+            assert re.match(rf"RuntimeError: engine: (group {group}|the group) was not made: rank 1 could not ", ranks[r]) \
+                and var in ranks[r], (name, ranks)
+    transports = ["shm", "tcp", "mpi"] if mpi else ["shm", "tcp"]
+    assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(transports * 4), out[-3000:]
+
+
 def main():
     import numpy as np
 
-    import engine
-    from mpi4py import MPI
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher, transports = torch_groups(), ("shm", "tcp")
+    else:
+        launcher, transports = engine_groups(), ("shm", "tcp", "mpi")
+    R, P, make, allreduce, free = launcher
 
-    R, P = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-
-    def allreduce_errors(comm, n=1 << 18):
+    def allreduce_errors(group, n=1 << 18):
         x = np.arange(n, dtype=np.float32) % 1000 + R
-        out = np.empty_like(x)
-        comm.allreduce(x, out)
+        out = allreduce(group, x)
         return int((out != P * (np.arange(n, dtype=np.float32) % 1000) + P * (P - 1) // 2).sum())
 
     for label, cases, setter in (("CASE", CASES, 0), ("UNUSABLE", UNUSABLE, 1)):
         for name, (transport, var, value) in cases.items():
+            if transport not in (None, *transports):
+                continue
             before = os.environ.get(var)
             if R == setter:
                 os.environ[var] = value
             try:
-                comm = engine.Communicator(transport=transport, timeout=20)
-                print(f"{label} {name} rank {R}: made, {allreduce_errors(comm)} wrong", flush=True)
-                comm.free()
+                group = make(transport)
+                print(f"{label} {name} rank {R}: made, {allreduce_errors(group)} wrong", flush=True)
+                free(group)
             except Exception as exc:
                 print(f"{label} {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
             if before is None:
@@ -76,10 +119,53 @@ def main():
             else:
                 os.environ[var] = before
 
-    for transport in ("shm", "tcp", "mpi"):
-        comm = engine.Communicator(transport=transport, timeout=20)
-        print(f"AFTER {transport} rank {R}: {allreduce_errors(comm)} wrong", flush=True)
-        comm.free()
+    for transport in transports:
+        group = make(transport)
+        print(f"AFTER {transport} rank {R}: {allreduce_errors(group)} wrong", flush=True)
+        free(group)
+
+
+def engine_groups():
+    """(rank, size, make(transport), allreduce(group, array), free(group)) under mpiexec."""
+    import numpy as np
+
+    import engine
+    from mpi4py import MPI
+
+    def allreduce(comm, x):
+        out = np.empty_like(x)
+        comm.allreduce(x, out)
+        return out
+    return (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
+            lambda transport: engine.Communicator(transport=transport, timeout=20), allreduce, lambda comm: comm.free())
+
+
+def torch_groups():
+    """The same under torchrun: each group a new_group(backend="engine") of a gloo world, made through
+    torch's store; the transport asked for in ENGINE_TRANSPORT, as a torch job asks."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import torchbridge  # noqa: F401  (registers the backend)
+    dist.init_process_group("gloo")
+
+    def make(transport):
+        before = os.environ.get("ENGINE_TRANSPORT")
+        if transport is not None:
+            os.environ["ENGINE_TRANSPORT"] = transport
+        try:
+            return dist.new_group(backend="engine", timeout=timedelta(seconds=20))
+        finally:
+            if transport is not None:
+                os.environ.pop("ENGINE_TRANSPORT") if before is None else os.environ.update(ENGINE_TRANSPORT=before)
+
+    def allreduce(group, x):
+        t = torch.from_numpy(x.copy())
+        dist.all_reduce(t, group=group)
+        return t.numpy()
+    return dist.get_rank(), dist.get_world_size(), make, allreduce, dist.destroy_process_group
 
 
 if __name__ == "__main__":
