@@ -11,6 +11,7 @@ import glob
 import os
 
 from . import _core, registry
+from .bootstrap import gather
 from .config import env_int
 
 NODES = "/sys/devices/system/node"
@@ -94,21 +95,16 @@ def build(comm, boot, everyone, make_stage):
         # Each stage is made by some ranks only; all of them learn whether every rank made its own,
         # so that a stage refused on one host (its ranks' plans differ) fails the group on every host,
         # instead of leaving the others waiting in the next split.
-        error = None
-        try:
+        def make():
             sub = boot.split(color, key, part)
             made.append(None if sub is None else make_stage(sub, transport, f"{comm.name}/{name}"))
-        except Exception as exc:
-            error = exc
-        failed = [r for r, bad in enumerate(boot.allgather(error is not None)) if bad]
-        if failed:
+        try:
+            gather(boot, make, f"make its {part} stage", comm.name)
+        except BaseException:
             for s in made:
                 if s is not None:
                     s.free()
-            if error is not None:
-                raise error
-            raise RuntimeError(f"engine: group {comm.name!r} could not be made: rank {failed[0]} failed to make its "
-                               f"{part} stage (its own error says why)")
+            raise
         return made[-1]
     local = stage(host_of[me], local_of[me], "host", "shm", f"host{host_of[me]}")
     cross = stage(local_of[me], host_of[me], "cross", comm.transport, f"cross{local_of[me]}")
