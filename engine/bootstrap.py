@@ -140,6 +140,15 @@ def choose_transport(requested, hosts, mpi=True):
     return want
 
 
+def possible_transports(requested, mpi=True):
+    """The transports choose_transport() may pick for a group asking for `requested`, whatever hosts
+    its ranks are on: the settings a group reads before it knows them."""
+    want = requested_transport(requested)
+    if want != "auto":
+        return [want] if want in TRANSPORTS else []
+    return ["shm", interhost() if mpi else "tcp"]
+
+
 def requested_transport(requested=None):
     """The transport a group asks for: the one given, else ENGINE_TRANSPORT, else auto."""
     return requested or env_choice("ENGINE_TRANSPORT", TRANSPORTS, "auto")
@@ -195,8 +204,10 @@ def _enable_single_copy(boot, seg, pids, mode):
     from . import _core
     addrs = boot.allgather(_core.cma_probe_address()[0]) if boot.size > 1 else [0]
     ok = mode != "0" and boot.size > 1 and seg.cma_probe(pids, addrs)
-    everyone_ok = all(boot.allgather(ok)) if boot.size > 1 else False
-    if mode == "1" and boot.size > 1 and not everyone_ok:
+    # (whether some rank insists on it goes round too: all refuse the group then, not that rank alone)
+    everyone = boot.allgather((ok, mode == "1")) if boot.size > 1 else [(False, False)]
+    everyone_ok = all(ok for ok, _ in everyone) and boot.size > 1
+    if any(insists for _, insists in everyone) and not everyone_ok:
         raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
                            "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
     seg.set_cma(everyone_ok)

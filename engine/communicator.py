@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core, hierarchy, registry
 from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather, host_identity,
-                        interhost, local_cores, requested_transport)
+                        interhost, local_cores, possible_transports, requested_transport)
 from .config import env_duration
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
@@ -86,10 +86,10 @@ class Communicator:
         # read them to every rank (none waits for ever in an exchange that rank never reaches). What
         # decides how the group opens goes round in it and must agree before anything opens; with
         # rank 0's random id, under which its ranks leave their arrival notes.
-        cfgs = {}
+        cfgs, mpi = {}, isinstance(_boot, MpiBootstrap)
 
         def read_opening():
-            cfgs.update((t, TRANSPORTS[t].settings()) for t in TRANSPORTS)
+            cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
             return (host_identity(), secrets.token_hex(8), sorted(_opening(transport, ring_segment_bytes).items()),
                     Watch.timeout_of(timeout))
         everyone = gather(_boot, read_opening, "read its settings", name)
@@ -97,8 +97,7 @@ class Communicator:
         notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]
         everyone = [h for h, _, _, _ in everyone]
         seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
-        self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone],
-                                          isinstance(_boot, MpiBootstrap))
+        self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone], mpi)
         self._transport = TRANSPORTS[self.transport]
         self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
@@ -124,26 +123,36 @@ class Communicator:
             # What the plan and the messages are made of, before anything is built on them
             _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings",
                                  name))
-            # (a stage of another group's hierarchy is one level of it: never two levels itself)
-            built = None if _stage else hierarchy.build(self, _boot, everyone,
-                                                        self._stage_maker(everyone, seg_bytes, timeout, store))
-            if built is not None:
-                self._hier, self._stages = built
-                caps |= registry.hierarchy_caps(registry.hier_mode())
-            self.plan = registry.Plan(self.transport, caps, stage=_stage)
-            self._configure(_boot)
+            # (a stage of another group's hierarchy is one level of it: never two levels itself; its
+            # stages' exchanges carry a failure to every rank, and what fails here after them, or in
+            # choosing this rank's algorithms, goes round with the plans)
+            failed = None
+            try:
+                built = None if _stage else hierarchy.build(self, _boot, everyone,
+                                                            self._stage_maker(everyone, seg_bytes, timeout, store))
+                if built is not None:
+                    self._hier, self._stages = built
+                    caps |= registry.hierarchy_caps(registry.hier_mode())
+                self.plan = registry.Plan(self.transport, caps, stage=_stage)
+            except Exception as exc:
+                failed = exc
+
+            def digest():
+                if failed is not None:
+                    raise failed
+                return self.plan.digest()[0]
+            self._configure(_boot, gather(_boot, digest, "choose its algorithms", name))
         except BaseException:
             self.free()      # (the segment, sockets and MPI communicators it opened)
             raise
         for name in _POINT_TO_POINT if self._debug else _CORE_CALLS:
             setattr(self, name, getattr(self._core, name))
 
-    def _configure(self, boot):
-        """Hands the plan to the core, after checking that every rank walks the same rules."""
-        digest, text = self.plan.digest()
-        everyone = boot.allgather(digest) if boot.size > 1 else [digest]
+    def _configure(self, boot, everyone):
+        """Hands the plan to the core, after checking that every rank walks the same rules (everyone:
+        each rank's plan digest)."""
         if len(set(everyone)) > 1:
-            texts = boot.allgather(text)
+            texts = boot.allgather(self.plan.digest()[1])
             differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
             raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
                                f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): their settings agree, so what "

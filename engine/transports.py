@@ -24,13 +24,6 @@ from .launcher import local_size
 Opened = namedtuple("Opened", "core caps mpi_comms agreed")
 
 
-def _mpi_comm_of(boot, owned):
-    """Under MPI, a communicator of the group's ranks for subgroup() and mpi_comm (its own, or a Dup)."""
-    if owned is not None:
-        return [owned]
-    return [boot.comm.Dup()] if isinstance(boot, MpiBootstrap) else []
-
-
 def forced_threads():
     """ENGINE_THREADS: the threads a rank's large blocking reductions split over (0: automatic)."""
     forced = env_int("ENGINE_THREADS", 0)
@@ -62,6 +55,31 @@ class _Transport:
     # settings(): the transport's settings, read before the group's first exchange (which carries a
     # rank's failure to read them to every rank), for open(..., cfg), whose exchanges then find every
     # rank there.
+    mpi_comms = 1    # MPI communicators of the group's ranks it needs under MPI (the first: mpi_comm's)
+
+    @classmethod
+    def open(cls, boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+        """The transport's core for the group, as Opened. Under MPI its communicators come first: a
+        Dup is a collective of MPI's own, which a rank that failed alone (what fails after this
+        goes round in the group's next exchange) must not leave the others waiting in."""
+        comms = []
+        if isinstance(boot, MpiBootstrap):
+            from . import mpi
+            MPI = mpi.load()
+            comms = [owned if owned is not None else boot.comm.Dup()]
+            comms += [boot.comm.Dup() for _ in range(cls.mpi_comms - 1)]
+            for c in comms:
+                c.Set_errhandler(MPI.ERRORS_RETURN)
+        elif owned is not None:
+            comms = [owned]
+        try:
+            core, caps, agreed = cls._open(boot, everyone, seg_bytes, timeout, parent, cfg, comms)
+        except BaseException:
+            for c in comms:
+                if c is not owned:
+                    c.Free()
+            raise
+        return Opened(core, caps, comms, agreed)
 
     @staticmethod
     def configure(core, plan):
@@ -77,7 +95,7 @@ class Shm(_Transport):
                     thread_slice=registry.SHM_THREAD_SLICE.value(), threads=forced_threads())
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+    def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         seg = make_segment(boot, everyone, cfg)
         core = _core.ShmComm(seg, seg_bytes, cfg["chunk"])
         core.pull_piece = cfg["pull_piece"]
@@ -85,7 +103,7 @@ class Shm(_Transport):
         core.set_threads(count)
         core.thread_slice = cfg["thread_slice"]
         caps = ({"single_copy"} if seg.cma else set()) | ({"threads"} if has else set())
-        return Opened(core, caps, _mpi_comm_of(boot, owned), {})
+        return core, caps, {}
 
     @staticmethod
     def configure(core, plan):
@@ -103,13 +121,14 @@ class Tcp(_Transport):
         return tcp.settings()
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+    def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         from . import tcp
-        return Opened(tcp.make_core(boot, seg_bytes, timeout, parent, cfg), set(), _mpi_comm_of(boot, owned), {})
+        return tcp.make_core(boot, seg_bytes, timeout, parent, cfg), set(), {}
 
 
 class Mpi(_Transport):
     network = True
+    mpi_comms = 3    # the collectives', the user's point-to-point and the algorithms' own messages never mix
 
     @staticmethod
     def settings():
@@ -117,17 +136,11 @@ class Mpi(_Transport):
         return dict(tag_ub=min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1), chunk=registry.MPI_CHUNK.value())
 
     @staticmethod
-    def open(boot, everyone, seg_bytes, timeout, owned, parent, cfg):
+    def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         from . import mpi
-        MPI = mpi.load()
-        # three: the collectives', the user's point-to-point and the algorithms' own messages never mix
-        comms = [boot.comm.Dup() if owned is None else owned, boot.comm.Dup(), boot.comm.Dup()]
-        for c in comms:
-            c.Set_errhandler(MPI.ERRORS_RETURN)
-        tag_ub = cfg["tag_ub"]
-        core = mpi.core().MpiComm(*comms, seg_bytes, tag_ub)
+        core = mpi.core().MpiComm(*comms, seg_bytes, cfg["tag_ub"])
         core.set_chunk(cfg["chunk"])
-        return Opened(core, set(), comms, {"ENGINE_MPI_TAG_UB": tag_ub})
+        return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"]}
 
 
 TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

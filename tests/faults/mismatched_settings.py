@@ -6,8 +6,8 @@ both values, where before a rank cut the same call differently: a two-shot step 
 blocks as its own and returned a wrong sum, other sizes failed or hung in the call, a hierarchy made
 on some ranks only hung the others in its next split, ranks opening different transports or
 connecting differently waited for each other for ever. A rank that can't read its settings (a
-tuning file missing on its host) tells the others; a rank's own thread slices may differ. Then rank
-1 alone sets a variable to a value it can't use (UNUSABLE): it raises, and the others name it.
+tuning file missing on its host) tells the others; a rank's own thread slices may differ. Then one
+rank alone sets a variable to a value it can't use (UNUSABLE): it raises, and the others name it.
 
 Prints `CASE <name> rank <r>: <ExceptionType>: <message>` (or `made`), `UNUSABLE <name> rank <r>: ...`
 likewise, then, on a group every rank agrees on, `AFTER <transport> rank <r>: <the sum's wrong
@@ -31,20 +31,23 @@ CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
          "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000")}
 
-# name: (transport, variable, a value rank 1 alone sets and can't use). It raises its own error; the
-# others name it, where before they waited for it for ever in the exchange it never reached.
-UNUSABLE = {"tcp streams": ("tcp", "ENGINE_TCP_STREAMS", "99"),
-            "tcp interface missing on one host": ("tcp", "ENGINE_SOCKET_IFNAME", "nosuch0"),
-            "shm slot size": ("shm", "ENGINE_SHM_SLOT_BYTES", "lots"),
-            "shm single copy mode": ("shm", "ENGINE_SHM_CMA", "sometimes"),
-            "shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "big"),
-            "shm threads": ("shm", "ENGINE_THREADS", "-1"),
-            "shm spin budget": ("shm", "ENGINE_SPIN_US", "fast"),
-            "shm flight recorder": ("shm", "ENGINE_FLIGHT_RECORDER_SIZE", "0"),
-            "shm trace file": ("shm", "ENGINE_TRACE", "/nonexistent/trace.json"),
-            "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "many")}
-
-
+# name: (transport, variable, a value one rank alone sets and can't use, that rank, what every rank
+# sets). It raises its own error; the others name it, where before they waited for it for ever in
+# an exchange it never reached, or read another exchange's data as that one's.
+UNUSABLE = {"tcp streams": ("tcp", "ENGINE_TCP_STREAMS", "99", 1, {}),
+            "tcp interface missing on one host": ("tcp", "ENGINE_SOCKET_IFNAME", "nosuch0", 1, {}),
+            "shm slot size": ("shm", "ENGINE_SHM_SLOT_BYTES", "lots", 1, {}),
+            "shm slot too small to create": ("shm", "ENGINE_SHM_SLOT_BYTES", "16", 0, {}),
+            "shm single copy mode": ("shm", "ENGINE_SHM_CMA", "sometimes", 1, {}),
+            "shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "big", 1, {}),
+            "shm threads": ("shm", "ENGINE_THREADS", "-1", 1, {}),
+            "shm forced threads without threads": ("shm", "ENGINE_THREADS", "1", 1,
+                                                   {"ENGINE_THREADS": "2", "ENGINE_ALLREDUCE_ALGO": "shm:twoshot_threads",
+                                                    "ENGINE_HIER": "off"}),   # (a stage leaves it out)
+            "shm spin budget": ("shm", "ENGINE_SPIN_US", "fast", 1, {}),
+            "shm flight recorder": ("shm", "ENGINE_FLIGHT_RECORDER_SIZE", "0", 1, {}),
+            "shm trace file": ("shm", "ENGINE_TRACE", "/nonexistent/trace.json", 1, {}),
+            "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "many", 1, {})}
 
 
 def check(out, mpi):
@@ -57,7 +60,7 @@ def check(out, mpi):
                                              out, re.M):
         found[kind].setdefault(name, {})[int(rank)] = what
     for kind, wanted in (("CASE", CASES), ("UNUSABLE", UNUSABLE)):
-        wanted = {n for n, (t, _, _) in wanted.items() if mpi or t != "mpi"}
+        wanted = {n for n, (t, *_) in wanted.items() if mpi or t != "mpi"}
         assert set(found[kind]) == wanted and all(sorted(r) == [0, 1, 2, 3] for r in found[kind].values()), found
     for name, ranks in found["CASE"].items():
         _, var, value = CASES[name]
@@ -76,15 +79,16 @@ def check(out, mpi):
             for what in ranks.values():
                 assert re.match(rf"RuntimeError: engine: the ranks of group {group} have different settings "
                                 rf"\({var}={value} on rank 0, ", what), (name, what)
-    # A value rank 1 can't use (read before the group's first exchange, or where it opens its end):
-    # it raises its own error; the others name it, where before they waited for it for ever or read
-    # another exchange's data as their own (`not enough values to unpack`).
+    # A value one rank can't use (read before the group's first exchange, where it opens its end, or
+    # where it chooses its algorithms): it raises its own error; the others name it (or, on the other
+    # host, the rank whose stage failed), where before they waited for it for ever or read another
+    # exchange's data as their own (`not enough values to unpack`).
     for name, ranks in found["UNUSABLE"].items():
-        _, var, value = UNUSABLE[name]
-        assert var in ranks[1] and "was not made" not in ranks[1], (name, ranks)
-        for r in (0, 2, 3):
-            assert re.match(rf"RuntimeError: engine: (group {group}|the group) was not made: rank 1 could not ", ranks[r]) \
-                and var in ranks[r], (name, ranks)
+        _, var, value, setter, _ = UNUSABLE[name]
+        assert (var in ranks[setter] or value in ranks[setter]) and "was not made" not in ranks[setter], (name, ranks)
+        for r in set(ranks) - {setter}:
+            assert re.match(rf"RuntimeError: engine: (group {group}|the group) was not made: rank \d could not ", ranks[r]) \
+                and (var in ranks[r] or value in ranks[r]), (name, ranks)
     transports = ["shm", "tcp", "mpi"] if mpi else ["shm", "tcp"]
     assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(transports * 4), out[-3000:]
 
@@ -103,23 +107,26 @@ def main():
         out = allreduce(group, x)
         return int((out != P * (np.arange(n, dtype=np.float32) % 1000) + P * (P - 1) // 2).sum())
 
-    for label, cases, setter in (("CASE", CASES, 0), ("UNUSABLE", UNUSABLE, 1)):
-        for name, (transport, var, value) in cases.items():
-            if transport not in (None, *transports):
-                continue
-            before = os.environ.get(var)
-            if R == setter:
-                os.environ[var] = value
-            try:
-                group = make(transport)
-                print(f"{label} {name} rank {R}: made, {allreduce_errors(group)} wrong", flush=True)
-                free(group)
-            except Exception as exc:
-                print(f"{label} {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
-            if before is None:
-                os.environ.pop(var, None)
+    cases = [("CASE", name, (transport, var, value, 0, {})) for name, (transport, var, value) in CASES.items()]
+    cases += [("UNUSABLE", name, case) for name, case in UNUSABLE.items()]
+    for label, name, (transport, var, value, setter, everywhere) in cases:
+        if transport not in (None, *transports):
+            continue
+        saved = {k: os.environ.get(k) for k in (var, *everywhere)}
+        os.environ.update(everywhere)
+        if R == setter:
+            os.environ[var] = value
+        try:
+            group = make(transport)
+            print(f"{label} {name} rank {R}: made, {allreduce_errors(group)} wrong", flush=True)
+            free(group)
+        except Exception as exc:
+            print(f"{label} {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ[var] = before
+                os.environ[k] = v
 
     for transport in transports:
         group = make(transport)
