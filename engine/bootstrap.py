@@ -134,9 +134,7 @@ def choose_transport(requested, hosts, mpi=True):
         raise ValueError("ENGINE_TRANSPORT=mpi needs an MPI launch (mpirun); this group was made without one "
                          "(torchrun, mp.spawn): use ENGINE_TRANSPORT=auto (TCP between hosts) or tcp")
     if want == "auto":
-        if one_host:
-            return "shm"
-        return interhost() if mpi else "tcp"
+        return "shm" if one_host else _between_hosts(mpi)
     return want
 
 
@@ -146,7 +144,12 @@ def possible_transports(requested, mpi=True):
     want = requested_transport(requested)
     if want != "auto":
         return [want] if want in TRANSPORTS else []
-    return ["shm", interhost() if mpi else "tcp"]
+    return ["shm", _between_hosts(mpi)]
+
+
+def _between_hosts(mpi):
+    """What `auto` takes across hosts: ENGINE_INTERHOST under an MPI launch, else TCP."""
+    return interhost() if mpi else "tcp"
 
 
 def requested_transport(requested=None):

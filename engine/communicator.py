@@ -123,23 +123,16 @@ class Communicator:
             # What the plan and the messages are made of, before anything is built on them
             _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings",
                                  name))
-            # (a stage of another group's hierarchy is one level of it: never two levels itself; its
-            # stages' exchanges carry a failure to every rank, and what fails here after them, or in
-            # choosing this rank's algorithms, goes round with the plans)
-            failed = None
-            try:
+            def digest():
+                # (a stage of another group's hierarchy is one level of it: never two levels itself;
+                # its stages' exchanges carry a failure to every rank, and what fails here after
+                # them, or in choosing this rank's algorithms, goes round with the plans)
                 built = None if _stage else hierarchy.build(self, _boot, everyone,
                                                             self._stage_maker(everyone, seg_bytes, timeout, store))
                 if built is not None:
                     self._hier, self._stages = built
-                    caps |= registry.hierarchy_caps(registry.hier_mode())
-                self.plan = registry.Plan(self.transport, caps, stage=_stage)
-            except Exception as exc:
-                failed = exc
-
-            def digest():
-                if failed is not None:
-                    raise failed
+                self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
+                                                                  if built is not None else set()), stage=_stage)
                 return self.plan.digest()[0]
             self._configure(_boot, gather(_boot, digest, "choose its algorithms", name))
         except BaseException:

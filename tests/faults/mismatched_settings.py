@@ -167,8 +167,10 @@ def torch_groups():
         try:
             return dist.new_group(backend="engine", timeout=timedelta(seconds=20))
         finally:
-            if transport is not None:
-                os.environ.pop("ENGINE_TRANSPORT") if before is None else os.environ.update(ENGINE_TRANSPORT=before)
+            if transport is not None and before is None:
+                del os.environ["ENGINE_TRANSPORT"]
+            elif transport is not None:
+                os.environ["ENGINE_TRANSPORT"] = before
 
     def allreduce(group, x):
         t = torch.from_numpy(x.copy())
