@@ -251,7 +251,9 @@ class Communicator:
             c for s in getattr(self, "_stages", ()) for c in s._cores()]
 
     def free(self):
-        """Releases the group's resources; the object is unusable afterwards."""
+        """Releases the group's resources now (its segment, sockets, threads), unless a call is still
+        inside it (then when it is collected); the object is unusable afterwards, and its core refuses
+        every call (EngineAborted)."""
         if self._core is not None:
             self._core.set_hierarchy(None)
         for part in getattr(self, "_stages", ()):
@@ -259,6 +261,7 @@ class Communicator:
         self._hier, self._stages = None, ()
         if self._core is not None:
             self._core.leave()
+            self._core.release()   # (now, not at collection: a caller may still hold this object)
         self._core = None
         for name in _CORE_CALLS:
             self.__dict__.pop(name, None)

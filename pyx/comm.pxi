@@ -158,6 +158,22 @@ cdef class CoreComm:
     def aborted(self):
         return eng_load32(&self.aborted) != 0
 
+    def release(self):
+        """Frees the group's transports (memory, descriptors, threads) now, as destroy_process_group
+        promises, not whenever the collector finds this object: the watch and the adapter's fast path
+        hold it in reference cycles. Only while no call is inside (busy 0), else it returns False and
+        collection frees them. The group is aborted first, so every later call is refused."""
+        if self.busy:
+            return False
+        if not self.released:
+            self.destroyed = not self.aborted
+            eng_store32(&self.aborted, 1)
+            self.released = True
+            self.algo_tp.release()
+            if self.user_tp is not self.algo_tp:
+                self.user_tp.release()
+        return True
+
     @property
     def busy(self):
         """How many calls of this group are inside the core now (a thread in a wait among them)."""
@@ -270,6 +286,8 @@ cdef class CoreComm:
         cdef bint avg
         cdef Reduction total
         cdef uint64_t key = call_key(c)
+        if self.aborted:
+            raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
         # (seq + 1: the number log.begin gives this call, composite or not)
         self.algo_tp.begin_call(eng_call_tag_base(key, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
@@ -291,14 +309,15 @@ cdef class CoreComm:
             self.log.end(rec, None)
             return 0
         c.impl = rule.impl
-        if self.aborted:
-            raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
         rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c), key)
         self.start(&ctx)
         self.busy += 1
         try:
-            with nogil:
-                ierr = self.dispatch(c, &ctx)
+            if self.aborted:   # again: a tracer's Python may have let another thread abort or release it
+                ierr = ENG_ERR_ABORTED
+            else:
+                with nogil:
+                    ierr = self.dispatch(c, &ctx)
         except BaseException as exc:
             exc_ = exc
         else:
@@ -372,6 +391,9 @@ cdef class CoreComm:
         """The exception for an error code of transport tp (the algorithms' by default)."""
         if ierr == -1:
             return MemoryError(f"{what}: out of memory")
+        if ierr == ENG_ERR_ABORTED and self.destroyed:
+            return EngineAborted(f"{what} failed: the group was destroyed (destroy_process_group or "
+                                 "Communicator.free()): create a new group")
         text = (tp if tp is not None else self.algo_tp).error_text(ierr)
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.log.broken = text

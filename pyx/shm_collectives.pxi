@@ -106,10 +106,20 @@ cdef class ShmComm(CoreComm):
         self.log.broken = text
         return kind(f"{what} failed: {text}")
 
+    def release(self):
+        """CoreComm.release, and the segment's mapping, descriptors and helper threads."""
+        if not CoreComm.release(self):
+            return False
+        self.stop_team()
+        self.seg.release()
+        return True
+
     def leave(self):
         """Marks this rank gone from the group in the segment: a peer still waiting for it fails at
         its next liveness check (ENG_ERR_PEER_LEFT), as over TCP, not at the timeout."""
         cdef int q
+        if self.released:
+            return
         eng_store32(self.seg.left(self.rank), 1)
         for q in range(self.size):
             if q != self.rank:

@@ -80,17 +80,24 @@ cdef class ShmSegment:
         self.peers.dead = -1
 
     def __dealloc__(self):
+        self.release()
+        free(self.peers.pidfds)
+        free(self.peers.pids)
+
+    def release(self):
+        """Unmaps the segment and closes its descriptors now (the group is freed: nothing reads it again)."""
         cdef int q
         if self.private:
             free(self.base)
         else:
             eng_seg_unmap(self.base, self.total)
+        self.base = NULL
         eng_close(self.fd)
+        self.fd = -1
         if self.peers.pidfds != NULL:
             for q in range(self.peers.n):
                 eng_close(self.peers.pidfds[q])
-        free(self.peers.pidfds)
-        free(self.peers.pids)
+                self.peers.pidfds[q] = -1
 
     cdef int _setup(self, int rank, int size) except -1:
         cdef SegHeader *h = <SegHeader*>self.base

@@ -122,6 +122,10 @@ cdef class TcpTransport(Transport):
     def __dealloc__(self):
         eng_tcp_free(self.t)
 
+    cdef void release(self) noexcept:
+        eng_tcp_free(self.t)    # (goodbye first: the peers are told)
+        self.t = NULL
+
     def goodbye(self):
         """Leaves the group in order: every peer is told (so only what still involves this rank fails
         there), every connection closed; what was under way here fails. The group's end, and the
@@ -174,6 +178,9 @@ cdef class TcpTransport(Transport):
         if r == NULL:
             return 0
         req.w[0] = 0
+        if self.t == NULL:   # released: nothing refers to the request any more
+            free(r)
+            return 0
         return eng_tcp_cancel(self.t, r)
 
     def connect_mesh(self, double timeout):
@@ -200,18 +207,18 @@ cdef class TcpTransport(Transport):
         unfinished requests wait on."""
         cdef int peers[64]
         cdef double silent[64]
-        cdef int n = eng_tcp_waiting_on(self.t, peers, silent, 64)
+        cdef int n = eng_tcp_waiting_on(self.t, peers, silent, 64) if self.t != NULL else 0
         return [(peers[i], silent[i] if silent[i] >= 0 else None) for i in range(n)]
 
     @property
     def departed(self):
         """The peers that left the group in order (their goodbye came)."""
-        return [q for q in range(self.size) if q != self.rank and eng_tcp_departed(self.t, q)]
+        return [q for q in range(self.size) if q != self.rank and self.t != NULL and eng_tcp_departed(self.t, q)]
 
     @property
     def rejected(self):
         """Connections closed before or at their hello (a wrong token, a stranger, a duplicate)."""
-        return self.t.rejected
+        return self.t.rejected if self.t != NULL else 0
 
     cdef str _who(self, int peer):
         if peer < 0 or peer >= len(self.peers):
@@ -221,6 +228,8 @@ cdef class TcpTransport(Transport):
 
     cdef object error_text(self, int code):
         cdef int p = self.err_peer, e
+        if self.t == NULL:    # released: the group was destroyed
+            return _engine_error_text(code, p)
         if code == ENG_ERR_PEER_LEFT and self.t.said_bye:
             return f"rank {self.rank} left this group (it was destroyed, or the process is exiting) while this ran"
         if code == ENG_ERR_PEER_LEFT:

@@ -44,6 +44,11 @@ cdef class Transport:
         """The collective about to run adds base to its tags (pyx/call_tags.h; 0: none runs)."""
         self.tag_base = base
 
+    cdef void release(self) noexcept:
+        """Frees what the transport holds of the operating system (descriptors, buffers) now; called
+        once, by CoreComm.release, when no call is inside. Nothing of it is used afterwards."""
+        pass
+
     cdef int mismatch(self, int peer) noexcept nogil:
         """What an algorithm returns when peer's message is not the size this rank expects (the call
         differs there): ENG_ERR_MISMATCH, naming peer in the error."""

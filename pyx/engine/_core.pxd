@@ -146,6 +146,7 @@ cdef class Transport:
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
     cdef int mismatch(self, int peer) noexcept nogil
     cdef void begin_call(self, int base) noexcept nogil
+    cdef void release(self) noexcept
     cdef object error_text(self, int code)
 
 
@@ -361,6 +362,8 @@ cdef class CoreComm:
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
+    cdef readonly bint released # release() freed its transports: every call is refused
+    cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void start(self, WaitCtx *ctx) noexcept

@@ -6,7 +6,12 @@ Each of CYCLES init/destroy cycles makes the default group through a new TCPStor
 runs an all_reduce, makes a group with new_group and runs one on it, and destroys both; then one group
 is reconfigured CYCLES times (identity, a fresh uuid each, an all_reduce after each). After every cycle
 the process prints one line: `cycle KIND I fds N threads N tasks N rss_kib N settled_ms N` (threads:
-Python's; tasks: the kernel's, native threads included; settled_ms: how long the task count was read)."""
+Python's; tasks: the kernel's, native threads included; settled_ms: how long the task count was read).
+
+CYCLES_HOLD=1: the collector is off, and the init cycles become CYCLES cycles of new_group + all_reduce +
+destroy in one default group (KIND group), each destroyed group still referenced, as a caller holding
+its groups keeps them: what a group holds must go when it is destroyed, not when it is collected. (A
+held group keeps torch's store, so a held group of each init cycle would keep a TCPStore each.)"""
 
 import gc
 import os
@@ -21,6 +26,8 @@ import torch.distributed as dist
 
 
 _lowest_tasks = {}
+HOLD = os.environ.get("CYCLES_HOLD") == "1"
+held = []   # (HOLD) every group made
 
 
 def settled_tasks(kind):
@@ -41,7 +48,8 @@ def settled_tasks(kind):
 def usage(kind, i):
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-    gc.collect()
+    if not HOLD:
+        gc.collect()
     if os.environ.get("CYCLES_SHOW_FDS"):
         kinds = {}
         for fd in os.listdir("/proc/self/fd"):
@@ -85,7 +93,20 @@ def main():
     if len(sys.argv) > 5:
         os.environ["ENGINE_TRANSPORT"] = sys.argv[5]
     timeout = timedelta(seconds=30)
-    for i in range(cycles):
+    if HOLD:
+        gc.disable()
+        dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=size,
+                                timeout=timeout)
+        for i in range(cycles):
+            sub = dist.new_group(list(range(size)))
+            t = torch.full((1000,), rank + 1.0)
+            dist.all_reduce(t, group=sub)
+            assert t[0].item() == size * (size + 1) / 2, t[0]
+            dist.destroy_process_group(sub)
+            held.append(sub)
+            usage("group", i)
+        dist.destroy_process_group()
+    for i in range(0 if HOLD else cycles):
         dist.init_process_group(os.environ.get("CYCLES_BACKEND", "engine"), init_method=f"tcp://127.0.0.1:{ports[i]}", rank=rank, world_size=size,
                                 timeout=timeout)
         t = torch.full((1000,), rank + 1.0)

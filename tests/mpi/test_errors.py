@@ -167,3 +167,25 @@ def test_unknown_algorithm_and_bad_environment(monkeypatch):
     monkeypatch.setenv("ENGINE_RING_SEGMENT_BYTES", "lots")
     with pytest.raises(ValueError, match="ENGINE_RING_SEGMENT_BYTES='lots' is not a number"):
         engine.Communicator()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "mpi"])
+def test_a_freed_group_refuses_every_call_and_drops_what_was_posted(transport):
+    """free() (destroy_process_group's) releases the group's memory and descriptors at once, though
+    the caller still holds its core and a receive is still posted: every later call, and that
+    receive's wait, raise EngineAborted naming the destroyed group; dropping the request is safe."""
+    if WORLD.mpi_comm is None:
+        pytest.skip("a subgroup over a chosen transport is made through MPI")
+    sub = WORLD.subgroup(range(P), transport=transport)
+    core = sub.core
+    x = np.ones(5, np.float32)
+    sub.allreduce(x)
+    assert np.all(x == P)
+    req = core.irecv(np.zeros(3, np.float32), source=(R + 1) % P, tag=77)   # nothing is ever sent to it
+    sub.free()
+    assert core.released and core.transport == transport
+    for call in (lambda: core.allreduce(x), lambda: core.isend(x, (R + 1) % P), core.barrier, req.wait, req.test):
+        with pytest.raises(engine.EngineAborted, match="the group was destroyed"):
+            call()
+    del req
+    check_still_usable()
