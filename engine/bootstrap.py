@@ -17,6 +17,8 @@ INTERHOST = ("mpi", "tcp")
 
 
 class MpiBootstrap:
+    group = None   # (every bootstrap) the name of the group made over it, for its errors: Communicator's
+
     def __init__(self, comm):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -34,6 +36,7 @@ class MpiBootstrap:
 
 class StoreBootstrap:
     """allgather over a key-value store (torch's Store API: set / get, where get waits for the key)."""
+    group = None
 
     def __init__(self, store, rank, size, prefix="engine"):
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
@@ -61,11 +64,11 @@ class StoreBootstrap:
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}")
 
 
-def gather(boot, make, what, group=None):
+def gather(boot, make, what):
     """Every rank's make(), gathered. Where make() raises on some ranks, every rank raises (those ranks
-    their own error, the others naming the first of them) instead of waiting for ever in an exchange
-    a rank that gave up never reaches. what: what a rank whose make() raised could not do ("read its
-    settings"), as that rank says it."""
+    their own error, the others naming the first of them and the group, boot.group) instead of waiting
+    for ever in an exchange a rank that gave up never reaches. what: what a rank whose make() raised
+    could not do ("read its settings"), as that rank says it."""
     try:
         mine, error = make(), None
     except Exception as exc:
@@ -75,7 +78,7 @@ def gather(boot, make, what, group=None):
         raise error
     bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if bad:
-        raise RuntimeError(f"engine: {'the group' if group is None else f'group {group!r}'} was not made: "
+        raise RuntimeError(f"engine: {'the group' if boot.group is None else f'group {boot.group!r}'} was not made: "
                            f"rank {bad[0][0]} {bad[0][1]}")
     return [v for v, _ in everyone]
 
@@ -89,7 +92,7 @@ def _has(store, key):
 
 class SelfBootstrap:
     """A group of one."""
-    rank, size = 0, 1
+    rank, size, group = 0, 1, None
 
     def allgather(self, obj):
         return [obj]

@@ -81,6 +81,7 @@ class Communicator:
             from . import mpi
             MPI = mpi.load()
             _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
+        _boot.group = name
         self._core = None
         # Every rank reads its settings before the first exchange, which carries a rank's failure to
         # read them to every rank (none waits for ever in an exchange that rank never reaches). What
@@ -92,7 +93,7 @@ class Communicator:
             cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
             return (host_identity(), secrets.token_hex(8), sorted(_opening(transport, ring_segment_bytes).items()),
                     Watch.timeout_of(timeout))
-        everyone = gather(_boot, read_opening, "read its settings", name)
+        everyone = gather(_boot, read_opening, "read its settings")
         opening = _agreed(name, [o for _, _, o, _ in everyone])
         notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]
         everyone = [h for h, _, _, _ in everyone]
@@ -121,8 +122,7 @@ class Communicator:
                            "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
         try:
             # What the plan and the messages are made of, before anything is built on them
-            _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings",
-                                 name))
+            _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings"))
             def digest():
                 # (a stage of another group's hierarchy is one level of it: never two levels itself;
                 # its stages' exchanges carry a failure to every rank, and what fails here after
@@ -134,7 +134,7 @@ class Communicator:
                 self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
                                                                   if built is not None else set()), stage=_stage)
                 return self.plan.digest()[0]
-            self._configure(_boot, gather(_boot, digest, "choose its algorithms", name))
+            self._configure(_boot, gather(_boot, digest, "choose its algorithms"))
         except BaseException:
             self.free()      # (the segment, sockets and MPI communicators it opened)
             raise

@@ -99,7 +99,7 @@ def build(comm, boot, everyone, make_stage):
             sub = boot.split(color, key, part)
             made.append(None if sub is None else make_stage(sub, transport, f"{comm.name}/{name}"))
         try:
-            gather(boot, make, f"make its {part} stage", comm.name)
+            gather(boot, make, f"make its {part} stage")
         except BaseException:
             for s in made:
                 if s is not None:

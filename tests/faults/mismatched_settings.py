@@ -87,7 +87,8 @@ def check(out, mpi):
         _, var, value, setter, _ = UNUSABLE[name]
         assert (var in ranks[setter] or value in ranks[setter]) and "was not made" not in ranks[setter], (name, ranks)
         for r in set(ranks) - {setter}:
-            assert re.match(rf"RuntimeError: engine: (group {group}|the group) was not made: rank \d could not ", ranks[r]) \
+            assert re.match(rf"RuntimeError: engine: group '(?:world|\d+)(?:/\w+)?' was not made: rank \d could not ",
+                            ranks[r]) \
                 and (var in ranks[r] or value in ranks[r]), (name, ranks)
     transports = ["shm", "tcp", "mpi"] if mpi else ["shm", "tcp"]
     assert sorted(re.findall(r"AFTER (\w+) rank \d: 0 wrong", out)) == sorted(transports * 4), out[-3000:]
