@@ -81,7 +81,8 @@ def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transp
     assert out.count("reconfigured after abort") == 3, out[-3000:]
 
 
-@pytest.mark.parametrize("transport,hold", [("shm", False), ("tcp", False), ("shm", True), ("tcp", True)])
+@pytest.mark.parametrize("transport,hold", [("shm", False), ("tcp", False), ("shm", True), ("tcp", True)],
+                         ids=["shm", "tcp", "shm-held", "tcp-held"])
 def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport, hold):
     """20 cycles of init_process_group (a new TCPStore each) + all_reduce + new_group + destroy, then
     20 reconfigures of one group, 2 ranks: descriptors and threads the same after every cycle as after
