@@ -26,14 +26,18 @@ _OP_IDS = {name: i for i, name in enumerate(_core.OP_KIND_NAMES)}
 _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 # Where a setting _agreed() names comes from when it is not the variable itself.
 _HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
-          "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))"}
+          "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))",
+          "engine.__version__": " (install the same engine on every host)"}
 
 
 def _opening(transport, ring_segment_bytes):
     """What decides how a group opens: a rank opening shared memory while another opens sockets, or
-    connecting every socket while another waits for the first message, would wait for ever."""
+    connecting every socket while another waits for the first message, would wait for ever. Ranks of
+    another engine release may cut, tag or lay out the same call differently."""
+    from . import __version__
     from .tcp import connect_mode
-    return {"ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
+    return {"engine.__version__": __version__,
+            "ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
             "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": hierarchy.forced_sockets(),
             "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
 

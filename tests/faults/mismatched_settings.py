@@ -29,7 +29,9 @@ CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "tcp connections": ("tcp", "ENGINE_TCP_CONNECT", "lazy"),
          "tcp tuning file missing on one rank": ("tcp", "ENGINE_TUNING_FILE", "/nonexistent/tuned.json"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
-         "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000")}
+         "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000"),
+         # (not a variable: rank 0 runs as another release of the engine, its engine.__version__)
+         "another engine release": (None, "engine.__version__", "0.0.1")}
 
 # name: (transport, variable, a value one rank alone sets and can't use, that rank, what every rank
 # sets). It raises its own error; the others name it, where before they waited for it for ever in
@@ -97,6 +99,8 @@ def check(out, mpi):
 def main():
     import numpy as np
 
+    import engine
+
     if "TORCHELASTIC_RUN_ID" in os.environ:
         launcher, transports = torch_groups(), ("shm", "tcp")
     else:
@@ -115,7 +119,10 @@ def main():
             continue
         saved = {k: os.environ.get(k) for k in (var, *everywhere)}
         os.environ.update(everywhere)
-        if R == setter:
+        release = engine.__version__
+        if R == setter and var == "engine.__version__":
+            engine.__version__ = value
+        elif R == setter:
             os.environ[var] = value
         try:
             group = make(transport)
@@ -123,6 +130,7 @@ def main():
             free(group)
         except Exception as exc:
             print(f"{label} {name} rank {R}: {type(exc).__name__}: {exc}", flush=True)
+        engine.__version__ = release
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
