@@ -23,11 +23,12 @@ TORCH_PREVIOUS := tests/test_torch_options.py "tests/test_launchers.py::test_tor
 	tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
 # The adapter's suites under torchrun run at 3 ranks on the later torches, at 1, 2 and 4 on the first (which
-# also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles run on
-# the first only.
+# also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles (held
+# and not) run on the first only, the TCP cycles on the last only.
 TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]") \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[c10d]" \
-	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]"
+	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]" \
+	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm-held]"
 # Fault tolerance runs whole on the later torches (whose c10d defines reconfigure); the first keeps
 # one abort per launcher and transport, the c10d restart and the shm cycles. The clients, torch's own
 # suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
@@ -44,6 +45,7 @@ WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torch
 	--deselect "tests/test_launchers.py::test_every_collective_under_torchrun_without_mpi" \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
+	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp-held]" \
 	$(foreach c,torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce,\
 	--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]")
 NRANKS ?= 2
