@@ -161,13 +161,15 @@ cdef class CoreComm:
     def release(self):
         """Frees the group's transports (memory, descriptors, threads) now, as destroy_process_group
         promises, not whenever the collector finds this object: the watch and the adapter's fast path
-        hold it in reference cycles. Only while no call is inside (busy 0), else it returns False and
-        collection frees them. The group is aborted first, so every later call is refused."""
+        hold it in reference cycles. The group is aborted first, so every later call is refused, and
+        one still inside (another thread's) ends; then, if none is inside (busy 0), the transports go,
+        else it returns False and collection frees them."""
+        if not eng_load32(&self.aborted):
+            self.destroyed = True
+            eng_store32(&self.aborted, 1)
         if self.busy:
             return False
         if not self.released:
-            self.destroyed = not self.aborted
-            eng_store32(&self.aborted, 1)
             self.released = True
             self.algo_tp.release()
             if self.user_tp is not self.algo_tp:
@@ -285,6 +287,7 @@ cdef class CoreComm:
         cdef int ierr = 0
         cdef bint avg
         cdef Reduction total
+        cdef Hierarchy hier = self.hier    # (a reference of its own: free() may drop the group's meanwhile)
         cdef uint64_t key = call_key(c)
         if self.aborted:
             raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
@@ -298,14 +301,19 @@ cdef class CoreComm:
                 total = resolve_op(ENG_SUM, c.dtype)
                 c.red = &total.c
             rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False, key)
+            self.busy += 1
             try:
-                self.hier.run(c, rule.entry, keep)
+                if hier is None or self.aborted:
+                    raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
+                hier.run(c, rule.entry, keep)
                 if avg:
                     with nogil:
                         eng_scale(c.dst, c.count, c.dtype, self.size, 1)
             except BaseException as exc:
+                self.busy -= 1
                 self.log.end(rec, exc)
                 raise
+            self.busy -= 1
             self.log.end(rec, None)
             return 0
         c.impl = rule.impl

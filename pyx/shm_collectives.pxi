@@ -107,9 +107,12 @@ cdef class ShmComm(CoreComm):
         return kind(f"{what} failed: {text}")
 
     def release(self):
-        """CoreComm.release, and the segment's mapping, descriptors and helper threads."""
-        if not CoreComm.release(self):
-            return False
+        """CoreComm.release, and the segment's mapping, descriptors and helper threads (this rank
+        leaves the group first: its peers see it gone, not waited for)."""
+        if self.busy or self.released:
+            return CoreComm.release(self)
+        self.leave()
+        CoreComm.release(self)
         self.stop_team()
         self.seg.release()
         return True

@@ -84,14 +84,15 @@ cdef class ShmSegment:
         free(self.peers.pidfds)
         free(self.peers.pids)
 
-    def release(self):
+    cdef void release(self) noexcept:
         """Unmaps the segment and closes its descriptors now (the group is freed: nothing reads it again)."""
         cdef int q
         if self.private:
             free(self.base)
         else:
             eng_seg_unmap(self.base, self.total)
-        self.base = NULL
+        self.base = self.ctrl = self.index = self.slots = self.queues = self.peers.ctrl = NULL
+        self.door.bell = self.door.asleep = NULL
         eng_close(self.fd)
         self.fd = -1
         if self.peers.pidfds != NULL:

@@ -88,6 +88,7 @@ cdef class TcpTransport(Transport):
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
+    cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
                   size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True,
@@ -123,6 +124,8 @@ cdef class TcpTransport(Transport):
         eng_tcp_free(self.t)
 
     cdef void release(self) noexcept:
+        if self.leaving:        # (another thread's goodbye reads it: freed with the object instead)
+            return
         eng_tcp_free(self.t)    # (goodbye first: the peers are told)
         self.t = NULL
 
@@ -130,8 +133,13 @@ cdef class TcpTransport(Transport):
         """Leaves the group in order: every peer is told (so only what still involves this rank fails
         there), every connection closed; what was under way here fails. The group's end, and the
         process's normal exit (engine/tcp.py), call it; freeing the transport does too."""
+        cdef eng_tcp *t = self.t
+        if t == NULL:
+            return
+        self.leaving += 1
         with nogil:
-            eng_tcp_goodbye(self.t)
+            eng_tcp_goodbye(t)
+        self.leaving -= 1
 
     cdef void begin_call(self, int base) noexcept nogil:
         self.tag_base = base

@@ -494,6 +494,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef readonly size_t cma_min, cma_max
     cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
     cdef int _setup(self, int rank, int size) except -1
+    cdef void release(self) noexcept
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
