@@ -203,7 +203,9 @@ cdef class TcpTransport(Transport):
                 ierr = wait_until(_poll_mesh, <void*>self.t, &w, NULL, self.door)
         if ierr:
             self.err_peer = w.missing if w.missing >= 0 else self.t.dead_peer
-            raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}")
+            raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}"
+                                 + (" (or it failed to make its end of the group, and closed its sockets: its own "
+                                    "error says why)" if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_CONNECT else ""))
         if w.missing >= 0:
             addr, port, host = self.peers[w.missing]
             raise EngineTimeout(f"engine: rank {self.rank} could not connect to rank {w.missing} ({host}, {addr} port "

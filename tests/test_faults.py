@@ -243,6 +243,21 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
     assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]
 
 
+def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
+    """tests/faults/tcp_end_fails.py at 3 ranks: rank 1's TCP transport can't be made after the
+    addresses went round (injected). Ranks 0 and 2 fail within seconds, not at the group's 60 s,
+    naming rank 1 and that it may have failed to make its end (its sockets close with it)."""
+    proc, out = launch("tcp_end_fails.py", 3, 90)
+    assert proc.returncode == 0, out[-5000:]
+    said = {int(r): (float(s), rest) for r, s, rest in
+            re.findall(r"rank (\d): ([\d.]+) (\w+ [-\w]+ [-\w]+)", proc.stdout)}
+    assert sorted(said) == [0, 1, 2], out[-5000:]
+    assert said[1][1] == "MemoryError - -", out[-5000:]
+    for r in (0, 2):
+        seconds, what = said[r]
+        assert seconds < 5 and what in ("RuntimeError rank-1 its-end", "EnginePeerLost rank-1 its-end"), out[-5000:]
+
+
 def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     """tests/faults/mismatched_settings.py at 4 ranks, two forced sockets: rank 0 alone sets a variable
     the group's transport, plan or messages are made of (a two-shot step size once returned a wrong
