@@ -264,8 +264,7 @@ class Communicator:
             part.free()
         self._hier, self._stages = None, ()
         if self._core is not None:
-            self._core.leave()
-            self._core.release()   # (now, not at collection: a caller may still hold this object)
+            self._core.release()   # (leaves the group; frees it now, not at collection: a caller may hold it)
         self._core = None
         for name in _CORE_CALLS:
             self.__dict__.pop(name, None)

@@ -162,19 +162,24 @@ cdef class CoreComm:
         """Frees the group's transports (memory, descriptors, threads) now, as destroy_process_group
         promises, not whenever the collector finds this object: the watch and the adapter's fast path
         hold it in reference cycles. The group is aborted first, so every later call is refused, and
-        one still inside (another thread's) ends; then, if none is inside (busy 0), the transports go,
-        else it returns False and collection frees them."""
+        one still inside (another thread's) ends, and this rank leaves it (leave()); then, if no call
+        is inside (busy 0), the transports go, else it returns False and collection frees them."""
         if not eng_load32(&self.aborted):
             self.destroyed = True
             eng_store32(&self.aborted, 1)
+        self.leave()
         if self.busy:
             return False
         if not self.released:
             self.released = True
-            self.algo_tp.release()
-            if self.user_tp is not self.algo_tp:
-                self.user_tp.release()
+            self.release_transports()
         return True
+
+    cdef void release_transports(self) noexcept:
+        """What release() frees: the transports' (a transport with more of its own adds it)."""
+        self.algo_tp.release()
+        if self.user_tp is not self.algo_tp:
+            self.user_tp.release()
 
     @property
     def busy(self):
@@ -310,10 +315,10 @@ cdef class CoreComm:
                     with nogil:
                         eng_scale(c.dst, c.count, c.dtype, self.size, 1)
             except BaseException as exc:
-                self.busy -= 1
                 self.log.end(rec, exc)
                 raise
-            self.busy -= 1
+            finally:
+                self.busy -= 1
             self.log.end(rec, None)
             return 0
         c.impl = rule.impl

@@ -106,16 +106,11 @@ cdef class ShmComm(CoreComm):
         self.log.broken = text
         return kind(f"{what} failed: {text}")
 
-    def release(self):
-        """CoreComm.release, and the segment's mapping, descriptors and helper threads (this rank
-        leaves the group first: its peers see it gone, not waited for)."""
-        if self.busy or self.released:
-            return CoreComm.release(self)
-        self.leave()
-        CoreComm.release(self)
+    cdef void release_transports(self) noexcept:
+        """The channels', then the helper threads and the segment's mapping and descriptors."""
+        CoreComm.release_transports(self)
         self.stop_team()
         self.seg.release()
-        return True
 
     def leave(self):
         """Marks this rank gone from the group in the segment: a peer still waiting for it fails at

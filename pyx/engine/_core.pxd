@@ -366,6 +366,7 @@ cdef class CoreComm:
     cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
+    cdef void release_transports(self) noexcept
     cdef void start(self, WaitCtx *ctx) noexcept
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
