@@ -51,7 +51,13 @@ class StoreBootstrap:
             try:
                 out.append(pickle.loads(self.store.get(key + str(r))))
             except Exception as exc:   # torch's store raises at its timeout: name who never came
-                missing = [q for q in range(self.size) if not _has(self.store, key + str(q))]
+                try:
+                    missing = [q for q in range(self.size) if not self.store.check([key + str(q)])]
+                except Exception:
+                    raise RuntimeError(f"engine: the store stopped answering in the group's bootstrap ({self.prefix}): "
+                                       f"{exc}; its server may have run in a process that has exited (rank 0's, "
+                                       "where the job was started with MASTER_ADDR and MASTER_PORT; torchrun's "
+                                       "agent keeps its store past its workers)") from None
                 raise RuntimeError(f"engine: ranks {missing or [r]} of {self.size} never joined the group's "
                                    f"bootstrap ({self.prefix}): {exc}") from None
         return out
@@ -81,13 +87,6 @@ def gather(boot, make, what):
         raise RuntimeError(f"engine: {'the group' if boot.group is None else f'group {boot.group!r}'} was not made: "
                            f"rank {bad[0][0]} {bad[0][1]}")
     return [v for v, _ in everyone]
-
-
-def _has(store, key):
-    try:
-        return store.check([key])
-    except Exception:
-        return False
 
 
 class SelfBootstrap:

@@ -219,6 +219,60 @@ class FaultToleranceScenarios:
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("abort_done")
 
+    def test_shrink_group_leaves_out_a_live_rank_then_a_dead_one(self):
+        """torch's dist.shrink_group: of a subgroup, leaving out a rank that is idle (the group is
+        kept on it); then of the world, leaving out a rank that died (os._exit, its call in flight on
+        the others failing first) with SHRINK_ABORT. The survivors keep their order. Before torch 2.14
+        torch refuses it (a backend made in Python can't be taken) and the group carries on."""
+        from torchbridge.backend import SHRINKS
+        self._reconfigured("shrinkg", 1700)
+        if not SHRINKS:
+            with self.assertRaisesRegex(TypeError, "does not support shrinking"):
+                dist.shrink_group([WORLD - 1])
+            self._sum_is(sum(range(1, WORLD + 1)))
+            self._finish("shrinkg_done")
+            return
+        sub = dist.new_group(list(range(WORLD)))
+        if self.rank != 1:
+            shrunk = dist.shrink_group([1], group=sub)
+            self.assertEqual((shrunk.rank(), shrunk.size()), ([0, 2].index(self.rank), 2))
+            self.assertEqual(dist.get_backend(shrunk), "engine")
+            self._sum_is(1 + 2, pg=shrunk)
+            dist.destroy_process_group(shrunk)
+        self._barrier("shrinkg_sub")
+        self._sum_is(sum(range(1, WORLD + 1)))      # the world is untouched
+        if self.rank == 2:
+            os._exit(0)                               # dies without leaving: no goodbye, no atexit
+        with self.assertRaisesRegex(RuntimeError, r"rank 2 \("):
+            dist.all_reduce(torch.ones(3))
+        dist.shrink_group([2], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        self.assertEqual((dist.get_rank(), dist.get_world_size()), (self.rank, 2))
+        self._sum_is(1 + 2)
+        out = torch.zeros(4)
+        work = dist.all_gather_into_tensor(out, torch.full((2,), float(self.rank)), async_op=True)
+        work.wait()
+        self.assertEqual(out, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        again = dist.new_group([0, 1])
+        self._sum_is(1 + 2, pg=again)
+        self._ddp_trains_like_one_process()   # (torch registers the shrunk group's backend as Gloo's)
+        dist.destroy_process_group()
+
+    def _ddp_trains_like_one_process(self):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        model, alone = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+        alone.load_state_dict(model.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, alone)]
+        for step in range(3):
+            batch = torch.randn(4 * size, 6, generator=torch.Generator().manual_seed(step))
+            for opt, net, x in zip(opts, (ddp, alone), (batch[4 * rank:4 * rank + 4], batch)):
+                opt.zero_grad()
+                net(x).pow(2).mean().backward()
+                opt.step()
+        for mine, theirs in zip(model.parameters(), alone.parameters()):
+            torch.testing.assert_close(mine, theirs)
+
     def test_reused_uuid_and_foreign_handles_are_refused(self):
         self._init()
         uuid = 1100 + self.rank

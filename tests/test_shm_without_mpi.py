@@ -103,3 +103,31 @@ def test_dead_peer_is_named_well_before_the_timeout():
         assert "EnginePeerLost" in message and "rank 1" in message and "exited" in message, message
     assert procs[1].exitcode == -signal.SIGKILL
     assert _shm_files() <= before
+
+
+def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
+    """A rank that never writes its part is named at the store's timeout; a store whose server is gone
+    (torch raises on every call) is named as such, not as every rank missing."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from engine.bootstrap import StoreBootstrap
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.2))
+    store.set("g/boot/0/2", __import__("pickle").dumps("rank 2's"))
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the group's bootstrap \(g\)"):
+        StoreBootstrap(store, 0, 3, "g").allgather("rank 0's")
+
+    class Gone:
+        def set(self, key, value):
+            pass
+
+        def get(self, key):
+            raise dist.DistNetworkError("Broken pipe")
+
+        check = get
+
+    with pytest.raises(RuntimeError, match=r"the store stopped answering in the group's bootstrap \(g\): "
+                                           r"Broken pipe; its server may have run in a process that has exited"):
+        StoreBootstrap(Gone(), 0, 3, "g").allgather("rank 0's")

@@ -7,6 +7,8 @@ a Python ProcessGroup answers for itself as its own backend (see process_group.p
 import threading
 import time
 
+import torch
+
 from engine import Communicator, failure
 from engine._core import EngineAborted
 from engine.watch import Watch
@@ -14,6 +16,7 @@ from engine import handles as _handles
 
 from .work import CompletedWork, in_seconds
 
+SHRINK_ABORT = 1          # dist.shrink_group's flag: end the group's calls in flight first
 RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
 _reconfigured = False     # a group of this process was reconfigured: new groups meet through the store
 
@@ -98,6 +101,46 @@ class FaultTolerance:
         self._rank, self._size = index, n
         self._attach(comm)
         return CompletedWork()
+
+    @property
+    def supports_shrinking(self):
+        from .backend import SHRINKS
+        return SHRINKS
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
+        """dist.shrink_group (torch 2.14 and later): a new group of this group's other members, which
+        torch puts in this one's place (as a Backend: torchbridge/backend.py). It is made through the
+        group's store, not through this group, which the member left out may have broken by dying; the
+        rank order is kept. SHRINK_ABORT (flag 1) first ends this group's calls in flight, as abort().
+        Every remaining member passes the same ranks: one that doesn't, or doesn't call, is named when
+        the group's timeout ends. The group's backend options are kept (opts_override is not read)."""
+        global _reconfigured
+        from .backend import SHRINKS, EngineBackend
+        what = f"engine shrink of process group {self._name!r}"
+        if not SHRINKS:
+            raise RuntimeError(f"{what}: torch {torch.__version__} can't take a backend made in Python (torch 2.14 "
+                               "can): leave the ranks out with dist._reconfigure(uuid, handles) instead")
+        excluded = sorted({int(r) for r in ranks_to_exclude})
+        if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
+            raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
+                             f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
+        if self._store is None:
+            raise RuntimeError(f"{what}: the group was destroyed (its store is gone): shrink a live group")
+        if int(shrink_flags) & SHRINK_ABORT:
+            self.abort()
+        self._shrinks = getattr(self, "_shrinks", 0) + 1
+        members = [r for r in range(self._size) if r not in excluded]
+        index, size = members.index(self._rank), len(members)
+        prefix = f"engine/shrink/{self._name}/{self._shrinks}/without-" + "-".join(map(str, excluded))
+        name = f"{self._name}:shrunk-{self._shrinks}"
+        try:
+            comm = Communicator.from_store(self._store, index, size, prefix=prefix, transport=_own_transport(),
+                                           timeout=self._timeout_seconds(), name=name)
+        except (TimeoutError, ConnectionError) as exc:
+            raise RuntimeError(f"{what} without ranks {excluded}: {exc}") from None
+        _reconfigured = True     # (MPI's world no longer says who is who: new groups meet in the store)
+        failure.recovered()
+        return EngineBackend(type(self)(comm, index, size, self._timeout, self._store, name))
 
     def abort(self):
         """Ends every queued and running call of this group at once (EngineAborted), after running the

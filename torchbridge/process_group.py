@@ -187,7 +187,6 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
     supports_splitting = False
     supports_coalescing = False
     supports_time_estimate = False
-    supports_shrinking = False
 
     def supports_tensor_alloc(self, device):  # a method on torch's Backend: FSDP2 calls it
         return False
