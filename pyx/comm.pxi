@@ -163,12 +163,14 @@ cdef class CoreComm:
         promises, not whenever the collector finds this object: the watch and the adapter's fast path
         hold it in reference cycles. The group is aborted first, so every later call is refused, and
         one still inside (another thread's) ends, and this rank leaves it (leave()); then, if no call
-        is inside (busy 0), the transports go, else it returns False and collection frees them."""
+        is inside (busy 0), the transports go, else it returns False and the last call to leave frees
+        them (call_left)."""
         if not eng_load32(&self.aborted):
             self.destroyed = True
             eng_store32(&self.aborted, 1)
         self.leave()
         if self.busy:
+            self.release_due = True
             return False
         if not self.released:
             self.released = True
@@ -180,6 +182,14 @@ cdef class CoreComm:
         self.algo_tp.release()
         if self.user_tp is not self.algo_tp:
             self.user_tp.release()
+
+    cdef void call_left(self) noexcept:
+        """A call leaves the core (every `busy += 1` is paired with this, once its error is made: the
+        error may read the transport); the last one out frees what a release() left to it."""
+        self.busy -= 1
+        if self.busy == 0 and self.release_due and not self.released:
+            self.released = True
+            self.release_transports()
 
     @property
     def busy(self):
@@ -318,7 +328,7 @@ cdef class CoreComm:
                 self.log.end(rec, exc)
                 raise
             finally:
-                self.busy -= 1
+                self.call_left()
             self.log.end(rec, None)
             return 0
         c.impl = rule.impl
@@ -335,7 +345,7 @@ cdef class CoreComm:
             exc_ = exc
         else:
             exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
-        self.busy -= 1
+        self.call_left()
         if exc_ is not None and keep is not None:
             # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever
             # a cancel can't take back must not land in freed memory.

@@ -26,9 +26,9 @@ cdef class Request:
             try:
                 with nogil:
                     ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+                _request_check(self, ierr)
             finally:
-                self.comm.busy -= 1
-            _request_check(self, ierr)
+                self.comm.call_left()
             self.done = True
         return self._result()
 

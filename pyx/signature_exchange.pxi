@@ -27,9 +27,9 @@ def allgather_watched(CoreComm comm, sendbuf, recvbuf):
     try:
         with nogil:
             ierr = comm.run(&c, &ctx)
+        if ierr:
+            comm.limbo.append((ms, mr))   # a failed ring may leave a receive posted into them
+            raise comm.error(ierr, "allgather")
     finally:
-        comm.busy -= 1
+        comm.call_left()
         free(<void*>c.counts)
-    if ierr:
-        comm.limbo.append((ms, mr))   # a failed ring may leave a receive posted into them
-        raise comm.error(ierr, "allgather")

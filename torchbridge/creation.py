@@ -8,7 +8,7 @@ import torch.distributed as dist
 from engine import Communicator
 from engine.launcher import MPIRUN_HINT, detect_launcher
 
-from .fault import reconfigured
+from .fault import reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
 from .work import in_seconds
 
@@ -25,6 +25,8 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
+    if world_shrinks():   # (torch names the groups made after a shrink of the world from 0 again)
+        store = dist.PrefixStore(f"engine/world-shrink-{world_shrinks()}", store)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if detect_launcher() is None or reconfigured():

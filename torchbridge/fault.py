@@ -8,6 +8,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from engine import Communicator, failure
 from engine._core import EngineAborted
@@ -18,12 +19,29 @@ from .work import CompletedWork, in_seconds
 
 SHRINK_ABORT = 1          # dist.shrink_group's flag: end the group's calls in flight first
 RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
-_reconfigured = False     # a group of this process was reconfigured: new groups meet through the store
+_reconfigured = False     # this process's world was reconfigured or shrunk: new groups meet through the store
+_world_shrinks = 0        # how often this process's world was shrunk
 
 
 def reconfigured():
-    """Whether a group of this process was reconfigured (MPI's world then no longer says who is who)."""
+    """Whether this process's world was reconfigured or shrunk (MPI's world then no longer says who is
+    who)."""
     return _reconfigured
+
+
+def world_shrinks():
+    """How often this process's world was shrunk: torch names new groups from 0 again after each, in
+    the same store, so the engine's keys of a group made afterwards go under this count."""
+    return _world_shrinks
+
+
+def _world_replaced(group, shrunk):
+    """group, if it is this process's world, now has other members."""
+    global _reconfigured, _world_shrinks
+    if group is dist.distributed_c10d._world.default_pg:
+        _reconfigured = True
+        _world_shrinks += shrunk
+        failure.recovered()
 
 
 class Unavailable:
@@ -72,7 +90,6 @@ class FaultTolerance:
         """Makes the group the members named by opts.handles (a list: rank = position; a set: sorted),
         under the fresh opts.uuid, within opts.timeout (default: the group's). Returns a completed Work;
         raises what failed (a missing member is named)."""
-        global _reconfigured
         uuid = int(opts.uuid)
         if uuid in self._uuids:
             raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
@@ -95,8 +112,7 @@ class FaultTolerance:
             store.close(deadline)
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
-        _reconfigured = True
-        failure.recovered()
+        _world_replaced(self, False)
         self._release(*self._detach(None))
         self._rank, self._size = index, n
         self._attach(comm)
@@ -112,9 +128,8 @@ class FaultTolerance:
         torch puts in this one's place (as a Backend: torchbridge/backend.py). It is made through the
         group's store, not through this group, which the member left out may have broken by dying; the
         rank order is kept. SHRINK_ABORT (flag 1) first ends this group's calls in flight, as abort().
-        Every remaining member passes the same ranks: one that doesn't, or doesn't call, is named when
-        the group's timeout ends. The group's backend options are kept (opts_override is not read)."""
-        global _reconfigured
+        Every remaining member passes the same ranks: where one doesn't, or doesn't call, the others
+        fail when the store's wait ends. The group's options are kept (opts_override is not read)."""
         from .backend import SHRINKS, EngineBackend
         what = f"engine shrink of process group {self._name!r}"
         if not SHRINKS:
@@ -126,20 +141,24 @@ class FaultTolerance:
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
         if self._store is None:
             raise RuntimeError(f"{what}: the group was destroyed (its store is gone): shrink a live group")
+        if (self._rank, self._size) != (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)):
+            raise RuntimeError(f"{what}: it was reconfigured to other members, which torch's table of its ranks "
+                               "does not know: leave ranks out with dist._reconfigure(uuid, handles) instead")
         if int(shrink_flags) & SHRINK_ABORT:
             self.abort()
-        self._shrinks = getattr(self, "_shrinks", 0) + 1
+        count = getattr(self, "_shrinks", 0) + 1    # (counted once it worked: a retry meets where the others retry)
         members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
-        prefix = f"engine/shrink/{self._name}/{self._shrinks}/without-" + "-".join(map(str, excluded))
-        name = f"{self._name}:shrunk-{self._shrinks}"
+        name = f"{self._name}:shrunk-{count}"
         try:
-            comm = Communicator.from_store(self._store, index, size, prefix=prefix, transport=_own_transport(),
-                                           timeout=self._timeout_seconds(), name=name)
-        except (TimeoutError, ConnectionError) as exc:
-            raise RuntimeError(f"{what} without ranks {excluded}: {exc}") from None
-        _reconfigured = True     # (MPI's world no longer says who is who: new groups meet in the store)
-        failure.recovered()
+            comm = Communicator.from_store(self._store, index, size, transport=_own_transport(), name=name,
+                                           prefix=f"engine/shrink/{self._name}/{count}/without-" +
+                                           "-".join(map(str, excluded)), timeout=self._timeout_seconds())
+        except Exception as exc:
+            raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
+                               f"{members}[i] of this one; every member that stays passes the same ranks)") from exc
+        self._shrinks = count
+        _world_replaced(self, True)
         return EngineBackend(type(self)(comm, index, size, self._timeout, self._store, name))
 
     def abort(self):

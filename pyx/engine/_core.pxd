@@ -364,9 +364,11 @@ cdef class CoreComm:
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
     cdef readonly bint released # release() freed its transports: every call is refused
     cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
+    cdef bint release_due       # release() came while a call was inside: the last one out frees
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void release_transports(self) noexcept
+    cdef void call_left(self) noexcept
     cdef void start(self, WaitCtx *ctx) noexcept
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL

@@ -195,7 +195,7 @@ def test_a_freed_group_refuses_every_call_and_drops_what_was_posted(transport):
 def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
     """Rank 0 frees its group while another of its threads waits in an allreduce the other ranks have
     not joined: the call ends at once with EngineAborted naming the destroyed group, and so does every
-    later call (the transports go when the object is collected: a call was inside)."""
+    later call; the transports go as that call leaves (not when the object is collected)."""
     if WORLD.mpi_comm is None or P < 2:
         pytest.skip("a subgroup over a chosen transport is made through MPI; a blocked call needs a peer")
     import threading
@@ -215,6 +215,7 @@ def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
         sub.free()
         waiter.join(10)
         assert ended and "the group was destroyed" in ended[0][0], ended
+        assert core.released and core.busy == 0
         assert ended[0][1] - freed < 1.0, f"the call ended {ended[0][1] - freed:.3f} s after free()"
         with pytest.raises(engine.EngineAborted, match="the group was destroyed"):
             core.allreduce(np.ones(4, np.float32))
