@@ -120,21 +120,16 @@ class FaultTolerance:
 
     @property
     def supports_shrinking(self):
-        from .backend import SHRINKS
-        return SHRINKS
+        return _make_shrunk is not None
 
     def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
-        """dist.shrink_group (torch 2.14 and later): a new group of this group's other members, which
-        torch puts in this one's place (as a Backend: torchbridge/backend.py). It is made through the
-        group's store, not through this group, which the member left out may have broken by dying; the
-        rank order is kept. SHRINK_ABORT (flag 1) first ends this group's calls in flight, as abort().
-        Every remaining member passes the same ranks: where one doesn't, or doesn't call, the others
-        fail when the store's wait ends. The group's options are kept (opts_override is not read)."""
-        from .backend import SHRINKS, EngineBackend
+        """dist.shrink_group: a new group of this group's other members, which torch puts in this one's
+        place (through _shrunk_group). It is made through the group's store, not through this group,
+        which the member left out may have broken by dying; the rank order is kept. SHRINK_ABORT (flag
+        1) first ends this group's calls in flight, as abort(). Every remaining member passes the same
+        ranks: where one doesn't, or doesn't call, the others fail when the store's wait ends. The
+        group's options are kept (opts_override is not read)."""
         what = f"engine shrink of process group {self._name!r}"
-        if not SHRINKS:
-            raise RuntimeError(f"{what}: torch {torch.__version__} can't take a backend made in Python (torch 2.14 "
-                               "can): leave the ranks out with dist._reconfigure(uuid, handles) instead")
         excluded = sorted({int(r) for r in ranks_to_exclude})
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
@@ -146,20 +141,22 @@ class FaultTolerance:
                                "does not know: leave ranks out with dist._reconfigure(uuid, handles) instead")
         if int(shrink_flags) & SHRINK_ABORT:
             self.abort()
-        count = getattr(self, "_shrinks", 0) + 1    # (counted once it worked: a retry meets where the others retry)
+        count = getattr(self, "_shrinks", 0) + 1    # (kept once it worked: a retry meets the others' retry)
         members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
         name = f"{self._name}:shrunk-{count}"
+        store = dist.PrefixStore(f"engine/shrink/{self._name}/{count}/without-" + "-".join(map(str, excluded)),
+                                 self._store)
         try:
-            comm = Communicator.from_store(self._store, index, size, transport=_own_transport(), name=name,
-                                           prefix=f"engine/shrink/{self._name}/{count}/without-" +
-                                           "-".join(map(str, excluded)), timeout=self._timeout_seconds())
+            comm = Communicator.from_store(store, index, size, transport=_own_transport(), name=name,
+                                           timeout=self._timeout_seconds())
         except Exception as exc:
             raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
-                               f"{members}[i] of this one; every member that stays passes the same ranks)") from exc
+                               f"{members}[i] of this one; every member that stays passes the same ranks)"
+                               ) from exc
         self._shrinks = count
         _world_replaced(self, True)
-        return EngineBackend(type(self)(comm, index, size, self._timeout, self._store, name))
+        return type(self)(comm, index, size, self._timeout, store, name)
 
     def abort(self):
         """Ends every queued and running call of this group at once (EngineAborted), after running the
@@ -240,6 +237,31 @@ class FaultTolerance:
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
+
+
+_make_shrunk = getattr(dist.distributed_c10d, "_create_shrunk_process_group", None)
+
+
+def _shrunk_group(new_backend, remaining_ranks, metadata, is_default_group):
+    """torch's _create_shrunk_process_group, for what an engine group's shrink() returns: that group,
+    named as torch names the group it makes. torch would make a ProcessGroup and register the shrunk
+    backend on it, which needs a C++ Backend (torch 2.13 has no Backend a Python class can extend),
+    and, on the CPU, registers it as Gloo's; torch's DDP logger then casts it to Gloo's class and
+    crashes. The group itself is what the creator returns for every other engine group."""
+    if not isinstance(new_backend, FaultTolerance):
+        return _make_shrunk(new_backend, remaining_ranks, metadata, is_default_group)
+    new_backend._set_group_name(metadata["new_group_name"])
+    new_backend._set_group_desc("default:shrunken" if is_default_group else
+                                f"{metadata['original_group_name']}:shrunk")
+    if metadata.get("bound_device_id") is not None:
+        new_backend.bound_device_id = metadata["bound_device_id"]
+    if metadata.get("backend_config") is not None:
+        dist.distributed_c10d._world.pg_backend_config[new_backend] = metadata["backend_config"]
+    return new_backend
+
+
+if _make_shrunk is not None:
+    dist.distributed_c10d._create_shrunk_process_group = _shrunk_group
 
 
 def _own_transport():

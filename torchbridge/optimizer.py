@@ -23,8 +23,6 @@ import torch.distributed as dist
 from engine.fusion import bucket_sizes, plan_buckets
 from engine.ops import ReduceOp
 
-from .backend import engine_group
-
 
 class DistributedOptimizer:
     """Wraps an optimizer: gradients are averaged over `group` (default: the world) before step()."""
@@ -32,10 +30,10 @@ class DistributedOptimizer:
     def __init__(self, optimizer, model=None, *, params=None, group=None, bucket_bytes=None,
                  compression=None, backward_passes_per_step=1, overlap=True):
         self.optimizer = optimizer
-        self.group = engine_group(group or dist.group.WORLD)
-        if self.group is None:
+        self.group = group or dist.group.WORLD
+        if not hasattr(self.group, "fused_allreduce_async"):
             raise TypeError("DistributedOptimizer needs a process group on backend 'engine' "
-                            f"(got {dist.get_backend(group or dist.group.WORLD)!r})")
+                            f"(got {dist.get_backend(self.group)!r})")
         if params is None:
             params = model.parameters() if model is not None else \
                 [p for g in optimizer.param_groups for p in g["params"]]
