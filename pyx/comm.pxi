@@ -341,10 +341,9 @@ cdef class CoreComm:
             else:
                 with nogil:
                     ierr = self.dispatch(c, &ctx)
+            exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
         except BaseException as exc:
             exc_ = exc
-        else:
-            exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
         self.call_left()
         if exc_ is not None and keep is not None:
             # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever

@@ -45,11 +45,13 @@ cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
 cdef int peers_alive(void *arg) noexcept nogil:
     """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone,
     ENG_ERR_PEER_LEFT once a peer left the group (destroyed it) with this rank still waiting. A dead
-    peer is named before one that left: the others often leave because of it."""
+    peer is named before one that left (the others often leave because of it), and one that left
+    before it exited as one that left."""
     cdef Peers *p = <Peers*>arg
     cdef int q
     for q in range(p.n):
-        if q != p.self_rank and p.pids[q] > 0 and not eng_pid_alive(p.pidfds[q], p.pids[q]):
+        if q != p.self_rank and p.pids[q] > 0 and not (p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q))) \
+                and not eng_pid_alive(p.pidfds[q], p.pids[q]):
             p.dead = q
             return ENG_ERR_PEER_DEAD
     for q in range(p.n):

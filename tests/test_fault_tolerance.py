@@ -224,31 +224,36 @@ class FaultToleranceScenarios:
     def test_shrink_group_leaves_out_a_live_rank_then_a_dead_one(self):
         """dist.shrink_group: of a subgroup, leaving out a rank that is idle (the group is kept on it);
         then of the world, leaving out a rank that died (os._exit, its call in flight on the others
-        failing first) with SHRINK_ABORT. The survivors keep their order, and the shrunk world serves
-        collectives, new groups, monitored_barrier and DDP with the engine's comm hook."""
+        failing first) with SHRINK_ABORT. The ranks left out are in the middle: torch's table of the
+        new group's world ranks is the engine's (torch's own takes group ranks for world ranks). The
+        shrunk world serves collectives, new groups, monitored_barrier and DDP with the engine's hook."""
         self._reconfigured("shrinkg", 1700)
-        sub = dist.new_group(list(range(WORLD)))
-        if self.rank != 1:
-            shrunk = dist.shrink_group([1], group=sub)
-            self.assertEqual((shrunk.rank(), shrunk.size()), ([0, 2].index(self.rank), 2))
+        sub = dist.new_group([1, 2])
+        if self.rank == 2:                            # sub without its rank 0 (world rank 1, idle)
+            shrunk = dist.shrink_group([0], group=sub)
+            self.assertEqual((shrunk.rank(), shrunk.size(), dist.get_rank(shrunk)), (0, 1, 0))
+            self.assertEqual(dist.get_process_group_ranks(shrunk), [2])
             self.assertEqual(dist.get_backend(shrunk), "engine")
-            self._sum_is(1 + 2, pg=shrunk)
+            self._sum_is(1, pg=shrunk)
             dist.destroy_process_group(shrunk)
         self._barrier("shrinkg_sub")
         self._sum_is(sum(range(1, WORLD + 1)))      # the world is untouched
-        if self.rank == 2:
+        if self.rank == 1:
             os._exit(0)                               # dies without leaving: no goodbye, no atexit
-        with self.assertRaisesRegex(RuntimeError, r"rank 2 \("):
+        with self.assertRaisesRegex(RuntimeError, r"rank 1 \("):
             dist.all_reduce(torch.ones(3))
-        dist.shrink_group([2], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
-        self.assertEqual((dist.get_rank(), dist.get_world_size()), (self.rank, 2))
+        dist.shrink_group([1], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        self.assertEqual((dist.get_rank(), dist.get_world_size()), ([0, 2].index(self.rank), 2))
+        self.assertEqual(dist.get_process_group_ranks(dist.group.WORLD), [0, 1])
         self._sum_is(1 + 2)
         out = torch.zeros(4)
-        work = dist.all_gather_into_tensor(out, torch.full((2,), float(self.rank)), async_op=True)
+        work = dist.all_gather_into_tensor(out, torch.full((2,), float(dist.get_rank())), async_op=True)
         work.wait()
         self.assertEqual(out, torch.tensor([0.0, 0.0, 1.0, 1.0]))
         for _ in range(2):   # (torch names them from 0 again, in the store where `sub` was made as "1")
-            self._sum_is(1 + 2, pg=dist.new_group([0, 1]))
+            pair = dist.new_group([0, 1])
+            self.assertEqual(dist.get_rank(pair), dist.get_rank())
+            self._sum_is(1 + 2, pg=pair)
         dist.group.WORLD.monitored_barrier()    # (dist.monitored_barrier refuses all but Gloo on torch 2.13)
         self._ddp_trains_like_one_process()   # (torch would register a shrunk backend on the CPU as Gloo's)
         dist.destroy_process_group()

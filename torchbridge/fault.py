@@ -19,29 +19,19 @@ from .work import CompletedWork, in_seconds
 
 SHRINK_ABORT = 1          # dist.shrink_group's flag: end the group's calls in flight first
 RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
-_reconfigured = False     # this process's world was reconfigured or shrunk: new groups meet through the store
-_world_shrinks = 0        # how often this process's world was shrunk
 
 
 def reconfigured():
-    """Whether this process's world was reconfigured or shrunk (MPI's world then no longer says who is
-    who)."""
-    return _reconfigured
+    """Whether this process's world now has other members than its launcher started (a reconfigure or
+    a shrink of it): its new groups meet through the store, as MPI's world no longer says who is who.
+    Read from the world group, so a world made anew (init_process_group again) starts afresh."""
+    return getattr(dist.distributed_c10d._world.default_pg, "_members_changed", False)
 
 
 def world_shrinks():
     """How often this process's world was shrunk: torch names new groups from 0 again after each, in
     the same store, so the engine's keys of a group made afterwards go under this count."""
-    return _world_shrinks
-
-
-def _world_replaced(group, shrunk):
-    """group, if it is this process's world, now has other members."""
-    global _reconfigured, _world_shrinks
-    if group is dist.distributed_c10d._world.default_pg:
-        _reconfigured = True
-        _world_shrinks += shrunk
-        failure.recovered()
+    return getattr(dist.distributed_c10d._world.default_pg, "_world_shrinks", 0)
 
 
 class Unavailable:
@@ -112,7 +102,9 @@ class FaultTolerance:
             store.close(deadline)
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
-        _world_replaced(self, False)
+        if self is dist.distributed_c10d._world.default_pg:
+            self._members_changed = True
+            failure.recovered()
         self._release(*self._detach(None))
         self._rank, self._size = index, n
         self._attach(comm)
@@ -144,6 +136,7 @@ class FaultTolerance:
         count = getattr(self, "_shrinks", 0) + 1    # (kept once it worked: a retry meets the others' retry)
         members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
+        world = self is dist.distributed_c10d._world.default_pg
         name = f"{self._name}:shrunk-{count}"
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{count}/without-" + "-".join(map(str, excluded)),
                                  self._store)
@@ -155,8 +148,14 @@ class FaultTolerance:
                                f"{members}[i] of this one; every member that stays passes the same ranks)"
                                ) from exc
         self._shrinks = count
-        _world_replaced(self, True)
-        return type(self)(comm, index, size, self._timeout, store, name)
+        group = type(self)(comm, index, size, self._timeout, store, name)
+        # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
+        # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
+        group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]
+        if world:
+            group._members_changed, group._world_shrinks = True, world_shrinks() + 1
+            failure.recovered()
+        return group
 
     def abort(self):
         """Ends every queued and running call of this group at once (EngineAborted), after running the
@@ -250,6 +249,7 @@ def _shrunk_group(new_backend, remaining_ranks, metadata, is_default_group):
     crashes. The group itself is what the creator returns for every other engine group."""
     if not isinstance(new_backend, FaultTolerance):
         return _make_shrunk(new_backend, remaining_ranks, metadata, is_default_group)
+    remaining_ranks[:] = new_backend._world_ranks   # (the list torch makes its table of next)
     new_backend._set_group_name(metadata["new_group_name"])
     new_backend._set_group_desc("default:shrunken" if is_default_group else
                                 f"{metadata['original_group_name']}:shrunk")
