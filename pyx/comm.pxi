@@ -169,13 +169,15 @@ cdef class CoreComm:
             self.destroyed = True
             eng_store32(&self.aborted, 1)
         self.leave()
-        if self.busy:
-            self.release_due = True
-            return False
-        if not self.released:
+        self.release_due = True
+        self.release_if_idle()
+        return self.busy == 0
+
+    cdef void release_if_idle(self) noexcept:
+        """Frees the transports once a release() is due and no call is inside (once)."""
+        if self.busy == 0 and self.release_due and not self.released:
             self.released = True
             self.release_transports()
-        return True
 
     cdef void release_transports(self) noexcept:
         """What release() frees: the transports' (a transport with more of its own adds it)."""
@@ -187,9 +189,7 @@ cdef class CoreComm:
         """A call leaves the core (every `busy += 1` is paired with this, once its error is made: the
         error may read the transport); the last one out frees what a release() left to it."""
         self.busy -= 1
-        if self.busy == 0 and self.release_due and not self.released:
-            self.released = True
-            self.release_transports()
+        self.release_if_idle()
 
     @property
     def busy(self):

@@ -42,6 +42,10 @@ cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
     return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 16)
 
 
+cdef inline bint _has_left(Peers *p, int q) noexcept nogil:
+    return p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q)) != 0
+
+
 cdef int peers_alive(void *arg) noexcept nogil:
     """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone,
     ENG_ERR_PEER_LEFT once a peer left the group (destroyed it) with this rank still waiting. A dead
@@ -50,12 +54,11 @@ cdef int peers_alive(void *arg) noexcept nogil:
     cdef Peers *p = <Peers*>arg
     cdef int q
     for q in range(p.n):
-        if q != p.self_rank and p.pids[q] > 0 and not (p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q))) \
-                and not eng_pid_alive(p.pidfds[q], p.pids[q]):
+        if q != p.self_rank and p.pids[q] > 0 and not _has_left(p, q) and not eng_pid_alive(p.pidfds[q], p.pids[q]):
             p.dead = q
             return ENG_ERR_PEER_DEAD
     for q in range(p.n):
-        if q != p.self_rank and p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q)):
+        if q != p.self_rank and _has_left(p, q):
             p.dead = q
             return ENG_ERR_PEER_LEFT
     return 0

@@ -25,8 +25,9 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
-    if world_shrinks():   # (torch names the groups made after a shrink of the world from 0 again)
-        store = dist.PrefixStore(f"engine/world-shrink-{world_shrinks()}", store)
+    shrinks = world_shrinks()
+    if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
+        store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if detect_launcher() is None or reconfigured():

@@ -17,7 +17,6 @@ from engine import handles as _handles
 
 from .work import CompletedWork, in_seconds
 
-SHRINK_ABORT = 1          # dist.shrink_group's flag: end the group's calls in flight first
 RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
 
 
@@ -131,7 +130,7 @@ class FaultTolerance:
         if (self._rank, self._size) != (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)):
             raise RuntimeError(f"{what}: it was reconfigured to other members, which torch's table of its ranks "
                                "does not know: leave ranks out with dist._reconfigure(uuid, handles) instead")
-        if int(shrink_flags) & SHRINK_ABORT:
+        if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
         count = getattr(self, "_shrinks", 0) + 1    # (kept once it worked: a retry meets the others' retry)
         members = [r for r in range(self._size) if r not in excluded]

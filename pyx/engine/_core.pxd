@@ -368,6 +368,7 @@ cdef class CoreComm:
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void release_transports(self) noexcept
+    cdef void release_if_idle(self) noexcept
     cdef void call_left(self) noexcept
     cdef void start(self, WaitCtx *ctx) noexcept
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
