@@ -16,11 +16,11 @@ PY := $(VENV)/bin/python
 # adapter's suites, torch's own suite subset, reconfigure and torchft, torch.compile (with aot_eager: the
 # same graphs without inductor's C++ build, 27 s; 2.15 runs inductor), the bench's groups.
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
-	tests/test_fault_tolerance.py tests/test_recovery.py tests/test_torchft.py \
+	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
 TORCH_PREVIOUS := tests/test_torch_options.py "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
-	tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp \
+	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
 # The adapter's suites under torchrun run at 3 ranks on the later torches, at 1, 2 and 4 on the first (which
 # also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles (held

@@ -63,6 +63,7 @@ def _agreed(name, everyone):
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
 _CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
                "barrier") + _POINT_TO_POINT
+_ALWAYS_BOUND = _POINT_TO_POINT + ("check_usable",)
 
 
 class Communicator:
@@ -142,7 +143,7 @@ class Communicator:
         except BaseException:
             self.free()      # (the segment, sockets and MPI communicators it opened)
             raise
-        for name in _POINT_TO_POINT if self._debug else _CORE_CALLS:
+        for name in set(_ALWAYS_BOUND + (() if self._debug else _CORE_CALLS)):
             setattr(self, name, getattr(self._core, name))
 
     def _configure(self, boot, everyone):
@@ -239,6 +240,13 @@ class Communicator:
         for core in self._cores():
             core.abort()
 
+    def check_usable(self, what):
+        """Raises what the group's next operation would, once a failure (a timeout, a lost peer, a
+        mismatch, in the group or in a stage of its hierarchy: engine.watch marks the group too) left
+        it unusable."""
+        if self._core is not None:
+            self._core.check_usable(what)
+
     @property
     def busy(self):
         """Calls of this group (its hierarchy's stages included) inside the engine now."""
@@ -266,7 +274,7 @@ class Communicator:
         if self._core is not None:
             self._core.release()   # (leaves the group; frees it now, not at collection: a caller may hold it)
         self._core = None
-        for name in _CORE_CALLS:
+        for name in _CORE_CALLS + _ALWAYS_BOUND:
             self.__dict__.pop(name, None)
         if self._mpi_comms:
             from . import mpi

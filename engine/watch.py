@@ -32,6 +32,8 @@ from .config import env_int, env_duration
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
+# what a later call of a group broken by each failure is told it follows
+_AFTER = {EngineTimeout: "an earlier call timed out", EngineMismatch: "a collective mismatch"}
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
 # Store queries still running in their helper threads. Each blocks in torch's C++ store client without
@@ -74,6 +76,8 @@ class Watch:
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
+        self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
+                                # callback: torch's abort hooks run then, as torch's backends run them)
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -133,13 +137,20 @@ class Watch:
         return self._break(msg, EngineMismatch)
 
     def _break(self, msg, error):
-        self.core.set_broken(msg)
+        self.core.set_broken(msg, _AFTER.get(error))
         failure.group_failed(msg)
         self.dump(msg)
         self._reported = msg
         return error(msg)
 
     def _failed(self, rec, exc):
+        if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)):
+            # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
+            if self.core.broken is None:
+                self.core.set_broken(str(exc), _AFTER.get(type(exc)))
+            if self.on_break is not None:
+                on_break, self.on_break = self.on_break, None
+                on_break(self.core.broken)
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return

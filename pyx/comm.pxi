@@ -215,9 +215,16 @@ cdef class CoreComm:
     def broken(self):
         return self.log.broken
 
-    def set_broken(self, why):
-        """Marks the group unusable (after a timeout): every later operation raises, naming why."""
+    def check_usable(self, str what):
+        """Raises what every later operation of a broken group raises (an asynchronous call is refused
+        when it is made, not when it runs)."""
+        self.log.check_usable(what)
+
+    def set_broken(self, why, after=None):
+        """Marks the group unusable: every later operation raises, naming why, and after what (a few
+        words: "an earlier call timed out")."""
         self.log.broken = why
+        self.log.broken_after = after
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 

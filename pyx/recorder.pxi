@@ -35,11 +35,16 @@ cdef class Recorder:
         self.tracer = tracer
         self.on_failure = on_failure
 
+    cdef int check_usable(self, str what) except -1:
+        """Raises, naming the earlier failure, once the group is broken."""
+        if self.broken is not None:
+            raise EngineError(f"{what}: this group is unusable after {self.broken_after or 'an earlier failure'} "
+                              f"({self.broken}); destroy it and create a new one, or exit")
+        return 0
+
     cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native, uint64_t key) except NULL:
         cdef OpRec *rec
-        if self.broken is not None:
-            raise EngineError(f"{OP_KIND_NAMES[op]}: this group is unusable after an earlier failure "
-                              f"({self.broken}); destroy it and create a new one, or exit")
+        self.check_usable(OP_KIND_NAMES[op])
         self.seq += 1
         rec = &self.recs[self.seq % self.nrecs]
         rec[0] = OpRec(seq=self.seq, op=op, dtype=dtype, count=count, entry=entry, state=0, native=native,

@@ -43,8 +43,8 @@ class Core:
     def records(self):
         return [self.rec] if self.rec else []
 
-    def set_broken(self, why):
-        self.broken = why
+    def set_broken(self, why, after=None):
+        self.broken, self.broken_after = why, after
 
     def waiting_on(self):
         return None

@@ -302,7 +302,8 @@ cdef class FastPath:
     """One group's state for the latency path: its CPU communicator's calls (METHODS' order) and
     progress engine."""
     cdef bint cuda
-    cdef object run, submit
+    cdef public bint hooked         # the group has collective hooks: every call takes the general form
+    cdef object run, submit, check_usable
     cdef list calls
     cdef object reduce, check_even_split
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
@@ -311,6 +312,7 @@ cdef class FastPath:
     def __init__(self, comm, progress, bint cuda):
         self.cuda = cuda   # True: CUDA exists; every call takes the general path, which routes by device
         self.run, self.submit = progress.run, progress.submit
+        self.check_usable = comm.check_usable
         self.calls = [self._reduce_to_root if call == "reduce_to_root" else getattr(comm, call)
                       for _, _, call, _, _, _, _ in METHODS]
         self.reduce = comm.reduce
@@ -328,7 +330,7 @@ cdef class FastPath:
         falls back; a queued call can't fall back once queued, so it checks both first."""
         cdef int64_t root = 0
         cdef int call, op
-        if (self.cuda and not m.host_only) or _profiling():
+        if (self.cuda and not m.host_only) or self.hooked or _profiling():
             return None
         call = _read(m.layout, opts, &root)
         if call < 0:
@@ -344,6 +346,7 @@ cdef class FastPath:
             if m.even_split:
                 self.check_even_split(t.numel(), "send")
                 self.check_even_split(u.numel(), "recv")
+            self.check_usable(m.name)
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))
         try:
             self.run(fn, a, b, c, m.nargs, m.name)
@@ -354,7 +357,7 @@ cdef class FastPath:
     cdef object message(self, Method m, tensors, peer, tag):
         """m's point-to-point call, posted at once (never queued behind collectives, as the general
         form does); None: the general form takes it."""
-        if len(tensors) != 1 or self.cuda or _profiling():
+        if len(tensors) != 1 or self.cuda or self.hooked or _profiling():
             return None
         try:
             return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)

@@ -62,12 +62,14 @@ class CpuDevice:
         if opts is not None and not opts.asyncOp:
             self.progress.run(fn, a, b, c, nargs, name)
             return COMPLETED
+        self.comm.check_usable(name)   # (a broken group refuses a queued call now, not when it runs)
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         if sync:
             self.progress.run(self._fused, tensors, op, (compression, prescale), 3, name)
             return COMPLETED
+        self.comm.check_usable(name)
         return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale)), name,
                                                       tensors))
 

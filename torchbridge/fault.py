@@ -166,6 +166,9 @@ class FaultTolerance:
                               "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
         self._release(*self._detach(error))
 
+    supports_abort_hooks = True        # torch 2.15 asks (they run on abort() and when a call fails)
+    supports_completion_hooks = False
+
     def register_abort_hook(self, hook_id, hook):
         self._abort_hooks[int(hook_id)] = hook
 
@@ -261,6 +264,20 @@ def _shrunk_group(new_backend, remaining_ranks, metadata, is_default_group):
 
 if _make_shrunk is not None:
     dist.distributed_c10d._create_shrunk_process_group = _shrunk_group
+
+
+def _run_abort_hooks(hooks, name, why):
+    """The group's abort hooks, when a failure (a timeout, a lost peer, a mismatch) leaves it unusable:
+    torch's contract runs them "when a collective times out or fails", for a capture before the group
+    is torn down. In the thread that saw the failure; a hook that raises is reported, and the failure
+    itself is still what the call raises."""
+    import sys
+    for hook_id, hook in list(hooks.items()):
+        try:
+            hook()
+        except Exception as exc:
+            print(f"engine: abort hook {hook_id} of process group {name!r} raised {type(exc).__name__}: {exc} "
+                  f"(it ran because the group failed: {why})", file=sys.stderr, flush=True)
 
 
 def _own_transport():

@@ -4,6 +4,8 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -14,9 +16,9 @@ from engine.progress import Progress
 from . import _fastpath
 from ._fastpath import PREMUL, op_of
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
-from .fault import FaultTolerance, Unavailable, no_members_error
+from .fault import FaultTolerance, Unavailable, _run_abort_hooks, no_members_error
 from .sparse import sparse_sum, uneven
-from .tracing import first, root_inputs, second, second_one, traced
+from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
 from .work import in_seconds
 
 
@@ -117,9 +119,10 @@ def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes
     return counts(input, input_split_sizes, "input"), counts(output, output_split_sizes, "output")
 
 
-class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
+class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     """A torch ProcessGroup over one engine.Communicator (and, for CUDA tensors, NCCL); abort and
-    reconfigure: torchbridge/fault.py. comm None: no members until the first reconfigure."""
+    reconfigure: torchbridge/fault.py; torch's collective hooks: torchbridge/tracing.py. comm None: no
+    members until the first reconfigure."""
 
     def __init__(self, comm, rank, size, timeout=None, store=None, name="default", listen=False):
         super().__init__(rank, size)
@@ -128,6 +131,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         self._store, self._name, self._timeout = store, name, timeout
         self._cuda_transport = None
         self._init_fault_tolerance(listen)
+        self._init_call_hooks()
         if comm is None:
             self._detach(no_members_error(name))
         else:
@@ -139,8 +143,10 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         progress = Progress(name=f"engine-progress-{self._name}")
         self._cpu = CpuDevice(comm, progress)
         self._fast = _fastpath.FastPath(comm, progress, self._cuda)
+        self._fast.hooked = self._call_hooks is not None
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
         self._watchdog = None
+        comm.watch.on_break = functools.partial(_run_abort_hooks, self._abort_hooks, self._name)
 
     def _detach(self, error, abort=True):
         """Takes the communicator off the group; every later call raises `error` (None: this is a
@@ -157,6 +163,7 @@ class EngineProcessGroup(FaultTolerance, dist.ProcessGroup):
         self._comm = None
         self._cpu = stand_in
         self._fast = _fastpath.FastPath(stand_in, stand_in, self._cuda)
+        self._fast.hooked = self._call_hooks is not None
         self._devices, self._watchdog = {}, None
         return cpu, devices, watchdog
 

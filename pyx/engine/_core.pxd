@@ -263,11 +263,13 @@ cdef class Recorder:
     cdef readonly uint64_t seq
     cdef OpRec *cur
     cdef public object broken   # why the group is unusable, or None
+    cdef public object broken_after   # what broke it, in a few words ("an earlier call timed out"), or None
     cdef object tracer          # called with each finished record (ENGINE_TRACE), or None
     cdef object on_failure      # called with (record, exception) when an operation fails
     cdef tuple entry_names      # the registry's entry names, as the rules index them (Plan.configure)
     cdef tuple record(self, OpRec *r)
     cdef object entry_name(self, int entry)
+    cdef int check_usable(self, str what) except -1
     cdef OpRec *begin(self, int op, size_t count, int dtype, int entry, bint native, uint64_t key) except NULL
     cdef int end(self, OpRec *rec, object exc) except -1
 
