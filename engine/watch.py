@@ -78,6 +78,7 @@ class Watch:
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
+        self._on_break_lock = threading.Lock()
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -141,16 +142,21 @@ class Watch:
         failure.group_failed(msg)
         self.dump(msg)
         self._reported = msg
+        self._broke()
         return error(msg)
 
+    def _broke(self):
+        """The group is broken: on_break(why), once, whichever thread sees it first (before an abort of
+        the job, where a call blocked inside MPI must end it)."""
+        with self._on_break_lock:
+            on_break, self.on_break = self.on_break, None
+        if on_break is not None:
+            on_break(self.core.broken)
+
     def _failed(self, rec, exc):
-        if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)):
+        if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)) and self.core.broken is None:
             # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
-            if self.core.broken is None:
-                self.core.set_broken(str(exc), _AFTER.get(type(exc)))
-            if self.on_break is not None:
-                on_break, self.on_break = self.on_break, None
-                on_break(self.core.broken)
+            self.core.set_broken(str(exc), _AFTER.get(type(exc)))
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return
@@ -168,6 +174,8 @@ class Watch:
             failure.group_failed(str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
+        if self.core.broken is not None:   # (a lost peer, a mismatch, a corrupt frame)
+            self._broke()
 
     def peer_timeout(self, what, peer, tag, elapsed):
         """Called while a point-to-point wait polls: raises EngineTimeout naming the peer at the timeout."""

@@ -149,3 +149,35 @@ def test_the_cuda_communicator_reads_the_cores_count_tables():
                 lambda: alltoall_table(0, None, 4, None, 4)):
         with pytest.raises(ValueError, match="a group of . ranks has no rank"):
             bad()
+
+
+def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
+    """A collective whose event never completes: past the timeout the watchdog runs on_fail (the
+    group's abort hooks) once, then aborts the communicator, and every later call raises the timeout."""
+    import threading
+    from engine.cuda.watchdog import Watchdog
+    from engine.watch import EngineTimeout
+
+    order, aborted = [], threading.Event()
+
+    class Stuck:
+        def query(self):
+            return False
+
+    class Comm:
+        def check_async_error(self):
+            pass
+
+        def abort(self, error):
+            order.append("abort")
+            aborted.set()
+
+    dog = Watchdog("g", 1, 3, 0.1, on_fail=lambda why: order.append(("hooks", why)))
+    dog.watch(Stuck(), "allreduce", Comm())
+    dog.watch(Stuck(), "broadcast", Comm())
+    assert aborted.wait(5)
+    dog.close()
+    assert [o[0] if isinstance(o, tuple) else o for o in order] == ["hooks", "abort"], order
+    assert "allreduce of group 'g' (rank 1 of 3): Timed out" in order[0][1]
+    with pytest.raises(EngineTimeout, match="Timed out"):
+        dog.watch(Stuck(), "reduce", Comm())

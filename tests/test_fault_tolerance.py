@@ -243,6 +243,38 @@ class FaultToleranceScenarios(ForkedRanks):
             self.assertEqual(self.backend.get_error(), ErrorType.SUCCESS)
         self._finish("timeout_done")
 
+    def test_a_collective_mismatch_runs_the_abort_hooks_where_it_is_seen(self):
+        """Rank 0 calls all_reduce where the others call broadcast: rank 0's call fails naming the
+        mismatch (the others' may complete among themselves), and on each rank whose call failed the
+        abort hooks run once and the group refuses the next collective; a reconfigure recovers it."""
+        self._reconfigured("mismatch", 1400)
+        ran = []
+        self.backend.register_abort_hook(0, lambda: ran.append(time.monotonic()))
+        t = torch.ones(4)
+        try:
+            if self.rank == 0:
+                dist.all_reduce(t)
+            else:
+                dist.broadcast(t, 1)
+            failed = False
+        except RuntimeError as exc:
+            self.assertRegex(str(exc), "mismatch|another collective|different collective")
+            failed = True
+        if self.rank == 0:
+            self.assertTrue(failed, "rank 0's all_reduce met the others' broadcast and did not fail")
+        self.assertEqual(len(ran), int(failed))
+        if failed:
+            if HAS_RECONFIGURE:
+                from torch._C._distributed_c10d import ErrorType
+                self.assertEqual(self.backend.get_error(), ErrorType.REMOTE_ERROR)
+            with self.assertRaisesRegex(RuntimeError, "this group is unusable after"):
+                dist.all_reduce(t, async_op=True)
+        self.backend.unregister_abort_hook(0)
+        self._barrier("mismatch_observed")
+        self._reconfigure(1401, self._handles("mismatch_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("mismatch_done")
+
     def test_shrink_group_leaves_out_a_live_rank_then_a_dead_one(self):
         """dist.shrink_group: of a subgroup, leaving out a rank that is idle (the group is kept on it);
         then of the world, leaving out a rank that died (os._exit, its call in flight on the others

@@ -496,6 +496,22 @@ def test_a_peer_that_crashed_fails_every_request_where_every_rank_is_needed(trio
     assert core.user_transport.departed == []
 
 
+def test_a_peer_that_died_is_named_before_one_that_left_after_it(trio):
+    """Rank 2 dies, rank 1 then leaves in order (it saw the death first and destroyed the group), and
+    both ends are read in one round, rank 1's goodbye first (the lower rank's socket): the receive from
+    rank 1 fails naming rank 2's death, the cause, not rank 1's departure."""
+    core, _, ports = trio
+    r = core.irecv(np.zeros(2, np.uint8), 1, 0)
+    dying = connect(ports[1], hello(frm=2, size=3))
+    leaving = connect(ports[1], hello(frm=1, size=3))
+    assert keeps_waiting(r, 0.2)                          # both connections proved their hello
+    dying.close()
+    leaving.sendall(header(BYE, 0, 0, 0, 0))
+    leaving.close()                                       # (over loopback both ends are queued at once)
+    with pytest.raises(EnginePeerLost, match=r"rank 2 \(rank2, .*\) closed its connection.* without leaving"):
+        r.wait()
+
+
 def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
     core, fakes, ports = trio
     core.send(np.frombuffer(b"hi", np.uint8), 2, 0)

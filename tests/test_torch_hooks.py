@@ -1,7 +1,7 @@
 """torch's collective hooks on a group on backend "engine" (torch 2.14+: ProcessGroup.register_pre_hook
 and register_post_hook, and TORCH_DIST_NAN_CHECK=1, built on them), at 3 ranks in torch's own
-multi-process harness, over shared memory and TCP: every c10d call fires the hooks exactly as it does
-on a Gloo group of the same ranks (the same names, async_op, input and output shapes, root or peer,
+multi-process harness, over shared memory and TCP: each c10d collective and message fires the hooks
+exactly as it does on a Gloo group of the same ranks (the same names, async_op, input and output shapes, root or peer,
 and op_id order), the latency path comes back once the hooks go, and the NaN check refuses a NaN
 input as torch's does on its own backends."""
 

@@ -156,6 +156,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         comm = getattr(self, "_comm", None)
         cpu = self._cpu if comm is not None else None   # (without a communicator: the stand-in)
         devices, watchdog = list(getattr(self, "_devices", {}).values()), getattr(self, "_watchdog", None)
+        if comm is not None:
+            comm.watch.on_break = None   # (what is still queued on it fails the old group, not this one)
         if error is not None and abort and comm is not None:
             comm.abort()
             cpu.progress.abort(error)
@@ -255,7 +257,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
             seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
-            self._watchdog = Watchdog(self._name, rank, size, seconds)
+            self._watchdog = Watchdog(self._name, rank, size, seconds,
+                                      on_fail=functools.partial(_run_abort_hooks, self._abort_hooks, self._name))
         return CudaDevice(cc, index, self._watchdog)
 
     def _nccl_or_staged(self, forced):

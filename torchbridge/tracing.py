@@ -14,6 +14,7 @@ hooks, both fired by `traced`, which wraps every general c10d method of the grou
   that hook to the group's C++ base, where nothing fires it)."""
 
 import functools
+import itertools
 import os
 
 import torch
@@ -130,7 +131,7 @@ class CallHooks:
     def __init__(self, nan_check):
         self.pre, self.post = {}, {}
         self.nan_check = nan_check
-        self.ops = 0     # op_id: counts the calls made while a hook is set, as torch counts them
+        self.ops = itertools.count()   # op_id: counts the calls made while a hook is set, as torch counts them
 
     def __bool__(self):
         return bool(self.pre or self.post or self.nan_check)
@@ -141,8 +142,7 @@ class CallHooks:
         if self.nan_check and (name != _BROADCAST or root == group.rank()):   # (what a rank sends, as torch)
             for t in inputs:
                 torch.ops.c10d.check_for_nan(t)
-        op_id = self.ops
-        self.ops += 1
+        op_id = next(self.ops)   # (atomic under the GIL: calls from several threads get their own)
         if self.pre:
             args = PreHookArgs()
             args.name, args.async_op, args.root, args.op_id = name, async_op, root, op_id
@@ -169,6 +169,7 @@ class CollectiveHooks:
         self._call_hooks = self._hooks if self._hooks else None
 
     def register_pre_hook(self, hook_id, hook):
+        _check_hooks()
         self._hooks.pre[int(hook_id)] = hook
         self._hooks_changed()
 
@@ -177,6 +178,7 @@ class CollectiveHooks:
         self._hooks_changed()
 
     def register_post_hook(self, hook_id, hook):
+        _check_hooks()
         self._hooks.post[int(hook_id)] = hook
         self._hooks_changed()
 
@@ -192,6 +194,12 @@ class CollectiveHooks:
     def _hooks_changed(self):
         self._call_hooks = self._hooks if self._hooks else None
         self._fast.hooked = self._call_hooks is not None
+
+
+def _check_hooks():
+    if PreHookArgs is None:
+        raise NotImplementedError(f"torch {torch.__version__} has no collective hooks (register_pre_hook and "
+                                  "register_post_hook came with torch 2.14)")
 
 
 def _end(event, *_):

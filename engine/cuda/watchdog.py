@@ -2,7 +2,8 @@
 a missing rank shows up as a CUDA event that never completes. A watchdog thread polls the events of
 enqueued collectives (and NCCL's asynchronous error state); past the group's timeout it aborts the
 NCCL communicator (ncclCommAbort frees the stuck kernels), and every later call or wait on that group
-raises EngineTimeout naming the collective, as torch's NCCL watchdog does."""
+raises EngineTimeout naming the collective, as torch's NCCL watchdog does. on_fail(why) runs first, once
+(the adapter runs torch's abort hooks there)."""
 
 import sys
 import threading
@@ -14,8 +15,9 @@ POLL_SECONDS = 0.05
 
 
 class Watchdog:
-    def __init__(self, name, rank, size, timeout):
+    def __init__(self, name, rank, size, timeout, on_fail=None):
         self.name, self.rank, self.size, self.timeout = name, rank, size, timeout
+        self.on_fail = on_fail
         self._pending = []  # (event with .query(), deadline, what, communicator)
         self._cond = threading.Condition()
         self._thread = None
@@ -71,6 +73,9 @@ class Watchdog:
     def _fail(self, comm, error):
         self.error = error
         print(f"engine: {error}", file=sys.stderr, flush=True)
+        if self.on_fail is not None:
+            on_fail, self.on_fail = self.on_fail, None
+            on_fail(str(error))
         comm.abort(error)
         with self._cond:
             self._pending.clear()
