@@ -4,6 +4,8 @@ has no communicator until its first reconfigure (torch's contract); its handle e
 torch reaches all of this from Python (dist._reconfigure, dist.get_backend_impl(...).abort(), ...), so
 a Python ProcessGroup answers for itself as its own backend (see process_group.py)."""
 
+import functools
+import sys
 import threading
 import time
 
@@ -58,6 +60,8 @@ class FaultTolerance:
         self._listener = _handles.Listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
+        # what a failure that breaks the group calls (its watch, the CUDA watchdog): the hooks, not the group
+        self._abort_hooks_on_failure = functools.partial(_run_abort_hooks, self._abort_hooks, self._name)
 
     # -- what torch asks --
 
@@ -271,7 +275,6 @@ def _run_abort_hooks(hooks, name, why):
     torch's contract runs them "when a collective times out or fails", for a capture before the group
     is torn down. In the thread that saw the failure; a hook that raises is reported, and the failure
     itself is still what the call raises."""
-    import sys
     for hook_id, hook in list(hooks.items()):
         try:
             hook()

@@ -4,8 +4,6 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -16,7 +14,7 @@ from engine.progress import Progress
 from . import _fastpath
 from ._fastpath import PREMUL, op_of
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
-from .fault import FaultTolerance, Unavailable, _run_abort_hooks, no_members_error
+from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
 from .work import in_seconds
@@ -143,10 +141,10 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         progress = Progress(name=f"engine-progress-{self._name}")
         self._cpu = CpuDevice(comm, progress)
         self._fast = _fastpath.FastPath(comm, progress, self._cuda)
-        self._fast.hooked = self._call_hooks is not None
+        self._hooks_changed()   # (the new latency path learns whether hooks are set)
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
         self._watchdog = None
-        comm.watch.on_break = functools.partial(_run_abort_hooks, self._abort_hooks, self._name)
+        comm.watch.on_break = self._abort_hooks_on_failure
 
     def _detach(self, error, abort=True):
         """Takes the communicator off the group; every later call raises `error` (None: this is a
@@ -165,7 +163,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         self._comm = None
         self._cpu = stand_in
         self._fast = _fastpath.FastPath(stand_in, stand_in, self._cuda)
-        self._fast.hooked = self._call_hooks is not None
+        self._hooks_changed()
         self._devices, self._watchdog = {}, None
         return cpu, devices, watchdog
 
@@ -257,8 +255,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
             seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
-            self._watchdog = Watchdog(self._name, rank, size, seconds,
-                                      on_fail=functools.partial(_run_abort_hooks, self._abort_hooks, self._name))
+            self._watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
         return CudaDevice(cc, index, self._watchdog)
 
     def _nccl_or_staged(self, forced):
