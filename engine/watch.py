@@ -177,6 +177,13 @@ class Watch:
         if self.core.broken is not None:   # (a lost peer, a mismatch, a corrupt frame)
             self._broke()
 
+    def message_failed(self, exc):
+        """A point-to-point message failed and broke the group (a lost peer, a corrupt frame): as a
+        collective's failure does, it ends the job at exit under MPI and runs the abort hooks."""
+        if isinstance(exc, (EnginePeerLost, EngineMismatch)):
+            failure.group_failed(str(exc))
+        self._broke()
+
     def peer_timeout(self, what, peer, tag, elapsed):
         """Called while a point-to-point wait polls: raises EngineTimeout naming the peer at the timeout."""
         if elapsed >= self.timeout:

@@ -122,7 +122,8 @@ cdef class CoreComm:
     def set_watch(self, hook, double interval=1.0, p2p=None):
         """hook(elapsed_seconds) runs every `interval` s while a collective's wait polls; it may raise
         (a timeout) to abandon the operation. p2p.peer_timeout(what, peer, tag, elapsed) does the same
-        for point-to-point waits. None: waits are never interrupted."""
+        for point-to-point waits, and p2p.message_failed(exc) hears of a message whose failure broke the
+        group (a lost peer). None: waits are never interrupted."""
         if interval <= 0:
             raise ValueError("watch interval must be positive")
         self.hook = hook

@@ -48,8 +48,18 @@ cdef class Request:
 
 cdef int _request_check(Request r, int ierr) except -1:   # raises the request's error for ierr (0: none)
     if ierr:
-        raise r.comm.error(ierr, "irecv" if r.is_recv else "isend", r.tp)
+        raise _message_error(r.comm, ierr, "irecv" if r.is_recv else "isend", r.tp)
     return 0
+
+
+cdef object _message_error(CoreComm comm, int ierr, str what, Transport tp):
+    """A message's exception for ierr. Where the failure broke the group (a lost peer, a corrupt frame),
+    the group's watch hears of it as of a failed collective: the abort hooks run, the job's failure
+    policy notes it."""
+    exc = comm.error(ierr, what, tp)
+    if comm.log.broken is not None and comm.p2p_watch is not None:
+        comm.p2p_watch.message_failed(exc)
+    return exc
 
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what):
@@ -67,5 +77,5 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     else:
         ierr = tp.isend(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
     if ierr:
-        raise comm.error(ierr, what, tp)
+        raise _message_error(comm, ierr, what, tp)
     return r

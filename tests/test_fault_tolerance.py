@@ -57,9 +57,9 @@ class FaultToleranceScenarios(ForkedRanks):
         self.store.set(f"{key}_{self.rank}", self._handle(pg))
         return [self.store.get(f"{key}_{r}").decode() for r in range(self.world_size)]
 
-    def _barrier(self, key):
+    def _barrier(self, key, ranks=None):
         self.store.set(f"{key}_{self.rank}", "1")
-        for r in range(self.world_size):
+        for r in range(self.world_size) if ranks is None else ranks:
             self.store.get(f"{key}_{r}")
 
     def _reconfigure(self, uuid, handles, pg=None):
@@ -277,8 +277,9 @@ class FaultToleranceScenarios(ForkedRanks):
 
     def test_shrink_group_leaves_out_a_live_rank_then_a_dead_one(self):
         """dist.shrink_group: of a subgroup, leaving out a rank that is idle (the group is kept on it);
-        then of the world, leaving out a rank that died (os._exit, its call in flight on the others
-        failing first) with SHRINK_ABORT. The ranks left out are in the middle: torch's table of the
+        then of the world, leaving out a rank that died (os._exit, the calls in flight on the others
+        failing first, a recv on one and an all_reduce on the other: each runs the abort hooks once and
+        the group refuses its next collective) with SHRINK_ABORT. The ranks left out are in the middle: torch's table of the
         new group's world ranks is the engine's (torch's own takes group ranks for world ranks). The
         shrunk world serves collectives, new groups, monitored_barrier and DDP with the engine's hook."""
         self._reconfigured("shrinkg", 1700)
@@ -292,10 +293,20 @@ class FaultToleranceScenarios(ForkedRanks):
             dist.destroy_process_group(shrunk)
         self._barrier("shrinkg_sub")
         self._sum_is(sum(range(1, WORLD + 1)))      # the world is untouched
+        hooks = []
+        self.backend.register_abort_hook(0, lambda: hooks.append(time.monotonic()))
         if self.rank == 1:
             os._exit(0)                               # dies without leaving: no goodbye, no atexit
         with self.assertRaisesRegex(RuntimeError, r"rank 1 \("):
-            dist.all_reduce(torch.ones(3))
+            if self.rank == 0:    # a message from the dead rank breaks the group as a collective does
+                dist.recv(torch.zeros(2), src=1)
+            else:
+                dist.all_reduce(torch.ones(3))
+        self.assertEqual(len(hooks), 1, "the abort hooks did not run once where the lost peer broke the call")
+        with self.assertRaisesRegex(RuntimeError, r"this group is unusable after an earlier failure \(.*rank 1 \("):
+            dist.all_reduce(torch.ones(3), async_op=True)
+        self.backend.unregister_abort_hook(0)
+        self._barrier("shrinkg_failed", ranks=(0, 2))   # (neither leaves before the other's call failed)
         dist.shrink_group([1], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
         self.assertEqual((dist.get_rank(), dist.get_world_size()), ([0, 2].index(self.rank), 2))
         self.assertEqual(dist.get_process_group_ranks(dist.group.WORLD), [0, 1])
