@@ -181,3 +181,35 @@ def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
     assert "allreduce of group 'g' (rank 1 of 3): Timed out" in order[0][1]
     with pytest.raises(EngineTimeout, match="Timed out"):
         dog.watch(Stuck(), "reduce", Comm())
+
+
+def test_a_cuda_collective_is_refused_once_the_groups_cpu_side_broke():
+    """A CUDA device's collective is refused when it is made once the group's CPU communicator broke (a
+    lost peer, a timeout, a mismatch there): NCCL would otherwise wait for the same peer until its
+    watchdog's timeout. Messages are refused for the watchdog only, as on the CPU."""
+    import torch.distributed as dist
+    from engine import Communicator
+    from engine._core import EngineError
+    from torchbridge.devices import CudaDevice
+
+    class Dog:
+        error = None
+
+    called = []
+    cpu = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    try:
+        dev = CudaDevice(object(), 0, Dog(), cpu_comm=cpu)
+        dev._check("allreduce")     # usable: nothing raised
+        cpu.watch.core.set_broken("allreduce #2 of group 'g': Timed out after 1.0 s", "an earlier call timed out")
+        with pytest.raises(EngineError, match=r"broadcast: this group is unusable after an earlier call timed out "
+                                              r"\(allreduce #2 of group 'g': Timed out"):
+            dev.launch("broadcast", lambda *a: called.append(a), 1, 2, 3, 3, [], None)
+        with pytest.raises(EngineError, match="allreduce_coalesced: this group is unusable"):
+            dev.fused([torch.ones(2)], ReduceOp.SUM, None, 1.0, "allreduce_coalesced")
+        assert called == []
+        dev._check()                # a message: not refused for the CPU side
+        Dog.error = RuntimeError("NCCL watchdog: allreduce timed out")
+        with pytest.raises(RuntimeError, match="NCCL watchdog"):
+            dev._check()
+    finally:
+        cpu.free()

@@ -143,17 +143,23 @@ class CudaDevice:
     Point-to-point is deferred: isend/irecv are collected and posted together, in one NCCL group call,
     when one of their Works is waited on or the next collective is issued. NCCL's sends wait on the
     device for the matching receive, so an isend and an irecv posted one after the other on one stream
-    would wait forever if the peer did the same (batch_isend_irecv does)."""
+    would wait forever if the peer did the same (batch_isend_irecv does).
 
-    def __init__(self, cc, device, watchdog):
-        self.cc, self.device, self.watchdog = cc, device, watchdog
+    A collective is refused when it is made once the watchdog failed, or once the group's CPU
+    communicator (cpu_comm) broke: a peer lost or a call timed out there leaves NCCL to wait for the
+    same peer until the watchdog's timeout. Messages are refused only for the watchdog, as on the CPU."""
+
+    def __init__(self, cc, device, watchdog, cpu_comm=None):
+        self.cc, self.device, self.watchdog, self.cpu_comm = cc, device, watchdog, cpu_comm
         self.comm = _StreamOps(cc, device)
         self._fusion = None
         self._pending = []
 
-    def _check(self):
+    def _check(self, collective=None):
         if self.watchdog.error is not None:
             raise self.watchdog.error
+        if collective is not None and self.cpu_comm is not None:
+            self.cpu_comm.check_usable(collective)
 
     def _work(self, name, outputs):
         event = torch.cuda.Event()
@@ -162,14 +168,14 @@ class CudaDevice:
         return CudaWork(event, outputs, self.device, self.watchdog)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
-        self._check()
+        self._check(name)
         self.flush()  # point-to-point issued earlier goes first
         (fn(a, b, c) if nargs == 3 else fn(a, b) if nargs == 2 else fn(a) if nargs == 1 else fn())
         return self._work(name, outputs)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         from engine.cuda.fusion import CudaFusedAllreduce
-        self._check()
+        self._check(name)
         self.flush()
         if self._fusion is None:
             self._fusion = CudaFusedAllreduce(self.cc)

@@ -256,7 +256,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         if self._watchdog is None:
             seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
             self._watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
-        return CudaDevice(cc, index, self._watchdog)
+        return CudaDevice(cc, index, self._watchdog, cpu_comm=self._comm)
 
     def _nccl_or_staged(self, forced):
         import warnings
