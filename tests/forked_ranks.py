@@ -1,7 +1,9 @@
 """ForkedRanks: torch's own multi-process harness (MultiProcessTestCase) with its ranks forked, not
 spawned (a spawned rank spends most of its time importing torch again), and the FileStore's file
-removed at the end. A test class takes it before MultiProcessTestCase and sets `world_size`."""
+removed at the end, with any store a test made beside it (`self.file_name + ".anything"`). A test
+class takes it before MultiProcessTestCase and sets `world_size`."""
 
+import glob
 import os
 
 import torch.multiprocessing
@@ -16,7 +18,8 @@ class ForkedRanks:
 
     def tearDown(self):
         super().tearDown()
-        try:
-            os.remove(self.file_name)
-        except OSError:
-            pass
+        for path in [self.file_name] + glob.glob(glob.escape(self.file_name) + ".*"):
+            try:
+                os.remove(path)
+            except OSError:
+                pass

@@ -210,6 +210,40 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("abort_done")
 
+    def test_torchs_abort_process_group_ends_a_blocked_call_then_a_new_world_runs(self):
+        """torch's own dist.distributed_c10d._abort_process_group() (experimental, documented for NCCL
+        only; what a script that recovers by making its world anew calls) from another thread: the call
+        blocked on a rank that never arrives ends within a second, every group is gone (a subgroup too),
+        and init_process_group over a fresh store makes a world that runs."""
+        os.environ["ENGINE_TRANSPORT"] = self.transport
+        dist.init_process_group("engine", world_size=self.world_size, rank=self.rank, timeout=timedelta(seconds=30),
+                                store=dist.FileStore(self.file_name, self.world_size))
+        sub = dist.new_group([0, 1])
+        self._sum_is(sum(range(1, WORLD + 1)))
+        if self.rank != 2:
+            aborted_at = []
+            timer = threading.Timer(1.0, lambda: (aborted_at.append(time.monotonic()),
+                                                  dist.distributed_c10d._abort_process_group()))
+            timer.start()
+            with self.assertRaisesRegex(RuntimeError, "aborted|left"):
+                dist.all_reduce(torch.ones(3))
+            ended = time.monotonic()
+            timer.join()
+            self.assertLess(ended - aborted_at[0], 1.0, f"the call ended {ended - aborted_at[0]:.3f} s after the abort")
+        else:
+            time.sleep(1.5)
+            dist.distributed_c10d._abort_process_group()
+        self.assertFalse(dist.is_initialized())
+        self.assertEqual(dist.distributed_c10d._world.pg_map, {})
+        if self.rank != 2:
+            with self.assertRaisesRegex(RuntimeError, "aborted"):
+                sub.allreduce([torch.ones(2)]).wait()
+        self.store = dist.FileStore(self.file_name + ".anew", self.world_size)
+        dist.init_process_group("engine", world_size=self.world_size, rank=self.rank, timeout=timedelta(seconds=30),
+                                store=self.store)
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("abort_pg_done")     # (ForkedRanks removes the new store's file with the first's)
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next

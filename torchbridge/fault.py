@@ -38,18 +38,20 @@ def world_shrinks():
 class Unavailable:
     """What a group without a communicator calls: every collective, message and progress call raises
     the reason (no members before the first reconfigure, or aborted). It stands where the
-    communicator and its progress engine stand, so the latency path needs no test of its own."""
+    communicator, its progress engine and the CPU device stand, so the latency path needs no test of
+    its own: each of their attributes is the stand-in again (`dev.comm.allreduce`), and calling it
+    raises."""
 
     def __init__(self, error, rank, size):
         self.error, self.rank, self.size = error, rank, size
 
-    def _refuse(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         raise self.error
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return self._refuse
+        return self
 
 
 class FaultTolerance:
