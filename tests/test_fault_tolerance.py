@@ -196,6 +196,8 @@ class FaultToleranceScenarios(ForkedRanks):
                     work.wait()
             with self.assertRaisesRegex(RuntimeError, "reconfigure it with a fresh uuid"):
                 dist.all_reduce(torch.ones(3))
+            with self.assertRaisesRegex(RuntimeError, "was aborted"):   # (in the store, not the communicator)
+                self.pg.monitored_barrier()
             # once at abort(), and once more where the peer's leaving broke the call first (torch's
             # contract: hooks may run more than once per failure); never the unregistered one
             self.assertIn(len(hooks), (1, 2))

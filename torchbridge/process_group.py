@@ -216,7 +216,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         """Gloo's monitored barrier (engine.monitored_barrier), in the group's store: rank 0 waits at most
         `timeout` (default: the group's) and names the ranks that did not arrive. dist.monitored_barrier
         refuses every backend not named "gloo" (torch checks the name): call it on the group,
-        `(group or dist.group.WORLD).monitored_barrier(timeout)`."""
+        `(group or dist.group.WORLD).monitored_barrier(timeout)`. An aborted group refuses it, as every call."""
+        if self._comm is None:
+            raise self._cpu.error   # (the stand-in's reason: aborted, or no members before a reconfigure)
         seq = self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
         if self.size() == 1:
             return
