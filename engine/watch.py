@@ -26,14 +26,14 @@ import time
 import weakref
 
 from . import failure
-from ._core import EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout, describe_call
+from ._core import (BROKEN_AFTER, EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout,
+                    describe_call)
 from .config import env_int, env_duration
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
 # what a later call of a group broken by each failure is told it follows
-_AFTER = {EngineTimeout: "an earlier call timed out", EngineMismatch: "a collective mismatch"}
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
 # Store queries still running in their helper threads. Each blocks in torch's C++ store client without
@@ -94,6 +94,10 @@ class Watch:
     def broken(self):
         return self.core.broken
 
+    @property
+    def broken_after(self):
+        return self.core.broken_after
+
     # -- while waiting --
 
     def __call__(self, elapsed):
@@ -138,7 +142,7 @@ class Watch:
         return self._break(msg, EngineMismatch)
 
     def _break(self, msg, error):
-        self.core.set_broken(msg, _AFTER.get(error))
+        self.core.set_broken(msg, BROKEN_AFTER[error])
         failure.group_failed(msg)
         self.dump(msg)
         self._reported = msg
@@ -156,7 +160,7 @@ class Watch:
     def _failed(self, rec, exc):
         if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)) and self.core.broken is None:
             # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
-            self.core.set_broken(str(exc), _AFTER.get(type(exc)))
+            self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)])
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return

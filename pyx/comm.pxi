@@ -216,6 +216,11 @@ cdef class CoreComm:
     def broken(self):
         return self.log.broken
 
+    @property
+    def broken_after(self):
+        """What broke the group, in BROKEN_AFTER's words (None: not broken, or unknown)."""
+        return self.log.broken_after
+
     def check_usable(self, str what):
         """Raises what every later operation of a broken group raises (an asynchronous call is refused
         when it is made, not when it runs)."""
@@ -426,16 +431,19 @@ cdef class CoreComm:
                                  "Communicator.free()): create a new group")
         text = (tp if tp is not None else self.algo_tp).error_text(ierr)
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
-            self.log.broken = text
-            return EnginePeerLost(f"{what} failed: {text}")
+            return self.broke(EnginePeerLost, text, what)
         if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL:
-            self.log.broken = text
-            return EngineMismatch(f"{what} failed: {text}")
+            return self.broke(EngineMismatch, text, what)
         if ierr == ENG_ERR_ABORTED:
             return EngineAborted(f"{what} failed: {text}")
         if ierr == ENG_ERR_CORRUPT:
-            self.log.broken = text
+            return self.broke(EngineError, text, what)
         return EngineError(f"{what} failed: {text}")
+
+    cdef object broke(self, kind, str text, str what):
+        """A failure that leaves the group unusable: marks it so, naming why, and returns its exception."""
+        self.log.broken, self.log.broken_after = text, BROKEN_AFTER[kind]
+        return kind(f"{what} failed: {text}")
 
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""

@@ -20,6 +20,13 @@ class EngineAborted(EngineError):
     """The group was aborted (abort() from any thread) while, or before, this call waited."""
 
 
+# What left a group unusable, by the error that did, in the words its refusals use ("allreduce: this
+# group is unusable after a peer was lost (...)"): the core's own failures and the watch's share them,
+# and the adapter maps them to torch's ErrorType. A corrupt frame is an EngineError.
+BROKEN_AFTER = {EngineTimeout: "an earlier call timed out", EnginePeerLost: "a peer was lost",
+                EngineMismatch: "a collective mismatch", EngineError: "a corrupt frame"}
+
+
 class NotContiguousError(ValueError):
     """A torch tensor argument is not contiguous (callers with a fallback catch exactly this)."""
 

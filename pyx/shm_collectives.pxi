@@ -103,8 +103,7 @@ cdef class ShmComm(CoreComm):
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it) "
                                           f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
                                           "not run the same collectives, or one destroyed the group early")
-        self.log.broken = text
-        return kind(f"{what} failed: {text}")
+        return self.broke(kind, text, what)
 
     cdef void release_transports(self) noexcept:
         """The channels', then the helper threads and the segment's mapping and descriptors."""

@@ -19,6 +19,10 @@ class Deadline:
         if elapsed > self.seconds:
             raise EngineTimeout(f"{what}: no result after {elapsed:.1f} s")
 
+    def message_failed(self, exc):
+        """A message's failure broke the group (engine.watch.Watch runs the abort hooks here): the
+        error itself is what the test reads."""
+
 
 def receive_until_it_ends(core, frames, nbytes, names, timeout_ends):
     """Receives from rank 1 into nbytes until what it sent ends: each receive ends whole, truncated, or

@@ -339,8 +339,11 @@ class FaultToleranceScenarios(ForkedRanks):
             else:
                 dist.all_reduce(torch.ones(3))
         self.assertEqual(len(hooks), 1, "the abort hooks did not run once where the lost peer broke the call")
-        with self.assertRaisesRegex(RuntimeError, r"this group is unusable after an earlier failure \(.*rank 1 \("):
+        with self.assertRaisesRegex(RuntimeError, r"this group is unusable after a peer was lost \(.*rank 1 \("):
             dist.all_reduce(torch.ones(3), async_op=True)
+        if HAS_RECONFIGURE:   # (a peer that died: whichever way the transport saw it)
+            from torch._C._distributed_c10d import ErrorType
+            self.assertEqual(self.backend.get_error(), ErrorType.REMOTE_ERROR)
         self.backend.unregister_abort_hook(0)
         self._barrier("shrinkg_failed", ranks=(0, 2))   # (neither leaves before the other's call failed)
         dist.shrink_group([1], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, failure
-from engine._core import EngineAborted
+from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
 from engine import handles as _handles
 
@@ -195,9 +195,10 @@ class FaultTolerance:
             return broken
         if not broken:
             return kinds.SUCCESS
-        if "Timed out" in broken:
+        after = comm.watch.broken_after
+        if after == BROKEN_AFTER[EngineTimeout]:
             return kinds.TIMEOUT
-        if any(s in broken for s in ("exited", "left the group", "different collective", "mismatch")):
+        if after in (BROKEN_AFTER[EnginePeerLost], BROKEN_AFTER[EngineMismatch]):
             return kinds.REMOTE_ERROR
         return kinds.COMM_ERROR
 

@@ -382,6 +382,7 @@ cdef class CoreComm:
     cdef int run_alone(self, Call *c) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
+    cdef object broke(self, kind, str text, str what)
     cdef size_t max_count(self, int op) noexcept
 
 
