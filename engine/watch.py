@@ -33,7 +33,6 @@ from .config import env_int, env_duration
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
-# what a later call of a group broken by each failure is told it follows
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
 # Store queries still running in their helper threads. Each blocks in torch's C++ store client without
