@@ -36,6 +36,7 @@ MAX_KEY = 4096
 MAX_VALUE = 16 << 20
 MAX_MEMBERS = 1 << 16
 HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
+ACCEPT_TICK_SECONDS = 0.05               # the hub's accept wait reads abort() this often
 OP_SET, OP_GET, OP_CHECK = 1, 2, 3
 MAX_PARKED = 256
 
@@ -90,6 +91,14 @@ class Listener:
         self.handle = f"engine1/{addr}/{self.sock.getsockname()[1]}/{self.secret.hex()}"
         self.parked = {}       # uuid -> {index: (socket, member count, digest)}: hellos for later reconfigures
         self.used = set()      # uuids this hub served (a late hello for one is refused)
+        self.meeting = None    # the Meeting of the reconfigure in flight, if one is
+
+    def interrupt(self, why):
+        """Ends the reconfigure in flight, if one is, with ConnectionError(why) where it waits (abort()
+        from another thread); the handle stays valid for the next."""
+        meeting = self.meeting
+        if meeting is not None:
+            meeting.cancel(why)
 
     def close(self):
         self.sock.close()
@@ -98,18 +107,27 @@ class Listener:
                 conn.close()
         self.parked.clear()
 
-    def accept_members(self, uuid, n, digest, deadline, handles):
+    def accept_members(self, uuid, n, digest, deadline, handles, meeting):
         """The n - 1 authenticated connections of reconfigure uuid: {index: socket}."""
         mine = {}
+        try:
+            return self._accept(mine, uuid, n, digest, deadline, handles, meeting)
+        except BaseException:
+            for conn in mine.values():
+                conn.close()
+            raise
+
+    def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
             self._admit(mine, conn, index, count, dig, n, digest)
         while len(mine) < n - 1:
+            meeting.check()
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [i for i in range(1, n) if i not in mine]
                 raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
                                    "never connected to this rank, the first member")
-            self.sock.settimeout(min(left, 1.0))
+            self.sock.settimeout(min(left, ACCEPT_TICK_SECONDS))
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
@@ -119,6 +137,7 @@ class Listener:
             except (OSError, ConnectionError, ValueError):
                 conn.close()
         for conn in mine.values():
+            meeting.socks.append(conn)
             _reply(conn, 0, "")
         return mine
 
@@ -178,6 +197,29 @@ def _check_sizes(klen, vlen):
         raise ValueError(f"a reconfigure store frame of {klen} + {vlen} bytes exceeds the bounds")
 
 
+class Meeting:
+    """One reconfigure's meet as abort() sees it: its sockets, shut down on cancel, and the reason."""
+
+    def __init__(self):
+        self.cancelled = None
+        self.socks = []
+        self.hub = None
+
+    def cancel(self, why):
+        self.cancelled = why
+        for sock in list(self.socks):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.hub is not None:
+            self.hub.fail(why)
+
+    def check(self):
+        if self.cancelled is not None:
+            raise ConnectionError(self.cancelled)
+
+
 class HubStore:
     """The hub's key-value store: the hub's own calls in process, the members' over their connections,
     each served by a thread of its own until the member closes it."""
@@ -202,15 +244,21 @@ class HubStore:
         with self.cv:
             while key not in self.data:
                 left = self.deadline - time.monotonic()
-                if self.error is not None or left <= 0:
-                    raise TimeoutError(f"reconfigure: no member set {key!r} in time"
-                                       + (f" ({self.error})" if self.error else ""))
+                if self.error is not None:
+                    raise ConnectionError(f"{self.error} (while waiting for {key!r})")
+                if left <= 0:
+                    raise TimeoutError(f"reconfigure: no member set {key!r} in time")
                 self.cv.wait(min(left, 0.5))
             return self.data[key]
 
     def check(self, keys):
         with self.cv:
             return all(k in self.data for k in keys)
+
+    def fail(self, why):
+        with self.cv:
+            self.error = self.error or why
+            self.cv.notify_all()
 
     def _serve(self, conn):
         try:
@@ -231,7 +279,7 @@ class HubStore:
                 elif op == OP_GET:
                     try:
                         data = self.get(key)
-                    except TimeoutError as exc:
+                    except (TimeoutError, ConnectionError) as exc:
                         _reply(conn, 1, str(exc))
                         return
                     conn.sendall(_REPLY.pack(0, len(data)) + data)
@@ -240,9 +288,7 @@ class HubStore:
                 else:
                     return
         except (OSError, ValueError, ConnectionError, UnicodeDecodeError) as exc:
-            with self.cv:
-                self.error = f"a member's connection failed: {exc}"
-                self.cv.notify_all()
+            self.fail(f"reconfigure: a member's connection failed: {exc}")
         finally:
             conn.close()
 
@@ -262,16 +308,19 @@ class HubStore:
 class MemberStore:
     """A member's side of the hub's store (torch's Store API as StoreBootstrap uses it)."""
 
-    def __init__(self, hub_handle, uuid, index, n, digest, deadline):
+    def __init__(self, hub_handle, uuid, index, n, digest, deadline, meeting):
         addr, port, secret = parse_handle(hub_handle)
         self.where = f"{addr}:{port}"
         self.deadline = deadline
+        self.meeting = meeting
         left = max(0.1, deadline - time.monotonic())
         try:
             self.sock = socket.create_connection((addr, port), timeout=left)
         except OSError as exc:
             raise ConnectionError(f"can't reach the first member's handle at {self.where} ({exc.strerror or exc}): "
                                   "is that process gone?") from None
+        meeting.socks.append(self.sock)
+        meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
         self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
         self.sock.settimeout(max(0.1, deadline - time.monotonic()))
         status, text = self._reply("the first member's answer to this rank's hello")
@@ -286,15 +335,21 @@ class MemberStore:
             return status, _recv_exact(self.sock, length, what)
         except socket.timeout:
             raise TimeoutError(f"{what}: the first member ({self.where}) did not answer in time") from None
-        except ConnectionError:
+        except (ConnectionError, OSError):
+            self.meeting.check()
             raise ConnectionError(f"{what}: the first member ({self.where}) closed the connection: it failed or "
                                   "was aborted") from None
 
     def _call(self, op, key, value=b""):
         k = key.encode()
         _check_sizes(len(k), len(value))
+        self.meeting.check()
         self.sock.settimeout(max(0.1, self.deadline - time.monotonic()))
-        self.sock.sendall(_REQ.pack(op, len(k), len(value)) + k + value)
+        try:
+            self.sock.sendall(_REQ.pack(op, len(k), len(value)) + k + value)
+        except OSError:
+            self.meeting.check()
+            raise
         status, data = self._reply(f"reconfigure store {key!r}")
         if status:
             raise TimeoutError(data.decode(errors="replace"))
@@ -344,9 +399,16 @@ def meet(listener, uuid, handles, timeout):
     if uuid in listener.used:
         raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
                            "reconfigure")
-    if index == 0:
-        conns = listener.accept_members(uuid, n, digest, deadline, members) if n > 1 else {}
+    meeting = listener.meeting = Meeting()
+    try:
+        if index == 0:
+            conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}
+            listener.used.add(uuid)
+            store = meeting.hub = HubStore(conns, deadline)
+            meeting.check()   # (cancelled before the hub could hear of it)
+            return store, index, n
         listener.used.add(uuid)
-        return HubStore(conns, deadline), index, n
-    listener.used.add(uuid)
-    return MemberStore(members[0], uuid, index, n, digest, deadline), index, n
+        return MemberStore(members[0], uuid, index, n, digest, deadline, meeting), index, n
+    except BaseException:
+        listener.meeting = None
+        raise

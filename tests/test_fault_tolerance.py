@@ -246,6 +246,27 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("abort_pg_done")     # (ForkedRanks removes the new store's file with the first's)
 
+    def test_abort_ends_a_reconfigure_waiting_for_a_member_then_a_reconfigure_recovers(self):
+        """A reconfigure whose member never comes (rank 2 does not call it) ends within a second of
+        abort() from another thread, on the first member (waiting for hellos) and on the others
+        (waiting for its answer), naming the abort; a reconfigure of every rank with a fresh uuid then
+        recovers the group."""
+        handles = self._reconfigured("abortrc", 1500)
+        if self.rank != 2:
+            aborted_at = []
+            timer = threading.Timer(1.0, lambda: (aborted_at.append(time.monotonic()), self.backend.abort()))
+            timer.start()
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1501 .*was aborted \(abort\(\)\) while this "
+                                                      "reconfigure waited for its members"):
+                self._reconfigure(1501, handles)
+            ended = time.monotonic()
+            timer.join()
+            self.assertLess(ended - aborted_at[0], 1.0, f"the reconfigure ended {ended - aborted_at[0]:.3f} s after abort()")
+        self._barrier("abortrc_observed")
+        self._reconfigure(1502, self._handles("abortrc_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("abortrc_done")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next
@@ -417,14 +438,15 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         good = socket.create_connection((addr, port))
         good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 8, 1, 2, b"d" * 32))
         with pytest.raises(TimeoutError, match=r"members \[1\]"):
-            listener.accept_members(7, 2, b"d" * 32, time.monotonic() + 1.5, [listener.handle, listener.handle])
+            listener.accept_members(7, 2, b"d" * 32, time.monotonic() + 1.5, [listener.handle, listener.handle],
+                                    handles.Meeting())
         bad.settimeout(5)
         try:
             assert bad.recv(1) == b""      # closed, nothing answered (or reset: what it sent was never read)
         except ConnectionResetError:
             pass
         assert 1 in listener.parked[8]     # kept for reconfigure 8
-        conns = listener.accept_members(8, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2)
+        conns = listener.accept_members(8, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2, handles.Meeting())
         assert list(conns) == [1]
         conns[1].close()
         good.close()

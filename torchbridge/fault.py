@@ -105,6 +105,7 @@ class FaultTolerance:
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
             store.close(deadline)
+            listener.meeting = None
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
         if self is dist.distributed_c10d._world.default_pg:
@@ -163,11 +164,15 @@ class FaultTolerance:
         return group
 
     def abort(self):
-        """Ends every queued and running call of this group at once (EngineAborted), after running the
-        abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
+        """Ends every queued and running call of this group at once (EngineAborted), and a reconfigure
+        in flight where it waits for members, after running the abort hooks; frees the group as soon
+        as no call is inside it. Recover with reconfigure() and a
         fresh uuid, or make a new group."""
         for hook in list(self._abort_hooks.values()):
             hook()
+        if self._listener is not None:   # (a reconfigure in flight ends too, where it waits for members)
+            self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
+                                     "waited for its members")
         error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
                               "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
         self._release(*self._detach(error))
