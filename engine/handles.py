@@ -198,12 +198,20 @@ def _check_sizes(klen, vlen):
 
 
 class Meeting:
-    """One reconfigure's meet as abort() sees it: its sockets, shut down on cancel, and the reason."""
+    """One reconfigure's meet as abort() sees it (listener.interrupt): its sockets, shut down on
+    cancel, its hub's store, failed on cancel, and the reason. It is the listener's from meet() until
+    the meet fails or its store is closed (end())."""
 
-    def __init__(self):
+    def __init__(self, listener):
+        self.listener = listener
         self.cancelled = None
         self.socks = []
         self.hub = None
+        listener.meeting = self
+
+    def end(self):
+        if self.listener.meeting is self:
+            self.listener.meeting = None
 
     def cancel(self, why):
         self.cancelled = why
@@ -224,7 +232,9 @@ class HubStore:
     """The hub's key-value store: the hub's own calls in process, the members' over their connections,
     each served by a thread of its own until the member closes it."""
 
-    def __init__(self, conns, deadline):
+    def __init__(self, conns, deadline, meeting):
+        self.meeting = meeting
+        meeting.hub = self
         self.data = {}
         self.cv = threading.Condition()
         self.deadline = deadline
@@ -303,6 +313,7 @@ class HubStore:
                 pass
         for t in self.threads:
             t.join(1.0)
+        self.meeting.end()
 
 
 class MemberStore:
@@ -335,7 +346,7 @@ class MemberStore:
             return status, _recv_exact(self.sock, length, what)
         except socket.timeout:
             raise TimeoutError(f"{what}: the first member ({self.where}) did not answer in time") from None
-        except (ConnectionError, OSError):
+        except ConnectionError:
             self.meeting.check()
             raise ConnectionError(f"{what}: the first member ({self.where}) closed the connection: it failed or "
                                   "was aborted") from None
@@ -366,6 +377,7 @@ class MemberStore:
 
     def close(self, deadline=None):
         self.sock.close()
+        self.meeting.end()
 
 
 def order(handles):
@@ -399,16 +411,16 @@ def meet(listener, uuid, handles, timeout):
     if uuid in listener.used:
         raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
                            "reconfigure")
-    meeting = listener.meeting = Meeting()
+    meeting = Meeting(listener)
     try:
         if index == 0:
             conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}
             listener.used.add(uuid)
-            store = meeting.hub = HubStore(conns, deadline)
+            store = HubStore(conns, deadline, meeting)
             meeting.check()   # (cancelled before the hub could hear of it)
             return store, index, n
         listener.used.add(uuid)
         return MemberStore(members[0], uuid, index, n, digest, deadline, meeting), index, n
     except BaseException:
-        listener.meeting = None
+        meeting.end()
         raise

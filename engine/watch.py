@@ -173,19 +173,19 @@ class Watch:
                 _store_queries.add(helper)
             except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
                 pass
-        if isinstance(exc, (EnginePeerLost, EngineMismatch)):
-            failure.group_failed(str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
-        if self.core.broken is not None:   # (a lost peer, a mismatch, a corrupt frame)
-            self._broke()
+        self._broken_by(exc)
 
-    def message_failed(self, exc):
-        """A point-to-point message failed and broke the group (a lost peer, a corrupt frame): as a
-        collective's failure does, it ends the job at exit under MPI and runs the abort hooks."""
+    def _broken_by(self, exc):
+        """What a failed operation, collective or message, leaves: a lost peer or a mismatch ends the job
+        at exit under MPI; where the group is broken (those, a corrupt frame), the abort hooks run."""
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
             failure.group_failed(str(exc))
-        self._broke()
+        if self.core.broken is not None:
+            self._broke()
+
+    message_failed = _broken_by   # (the core calls it for a message whose failure broke the group)
 
     def peer_timeout(self, what, peer, tag, elapsed):
         """Called while a point-to-point wait polls: raises EngineTimeout naming the peer at the timeout."""

@@ -439,14 +439,14 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 8, 1, 2, b"d" * 32))
         with pytest.raises(TimeoutError, match=r"members \[1\]"):
             listener.accept_members(7, 2, b"d" * 32, time.monotonic() + 1.5, [listener.handle, listener.handle],
-                                    handles.Meeting())
+                                    handles.Meeting(listener))
         bad.settimeout(5)
         try:
             assert bad.recv(1) == b""      # closed, nothing answered (or reset: what it sent was never read)
         except ConnectionResetError:
             pass
         assert 1 in listener.parked[8]     # kept for reconfigure 8
-        conns = listener.accept_members(8, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2, handles.Meeting())
+        conns = listener.accept_members(8, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2, handles.Meeting(listener))
         assert list(conns) == [1]
         conns[1].close()
         good.close()

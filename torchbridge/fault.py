@@ -105,7 +105,6 @@ class FaultTolerance:
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
             store.close(deadline)
-            listener.meeting = None
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
         if self is dist.distributed_c10d._world.default_pg:
