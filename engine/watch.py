@@ -37,14 +37,17 @@ STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store 
 
 # Store queries still running in their helper threads. Each blocks in torch's C++ store client without
 # the GIL; one that returns after Python began finalizing aborts the process as it takes the GIL back
-# (SIGABRT, "terminate called without an active exception"), so the exit waits for them, briefly.
+# (SIGABRT, "terminate called without an active exception"), so the exit waits for them, briefly: for
+# STORE_QUERY_SECONDS in all, not each. Queries across a cut link share the store's one connection and
+# stay blocked far longer than that: waiting on each in turn only delayed the exit.
 _store_queries = weakref.WeakSet()
 
 
 @atexit.register
 def _join_store_queries():
+    deadline = time.monotonic() + STORE_QUERY_SECONDS
     for helper in list(_store_queries):
-        helper.join(STORE_QUERY_SECONDS)
+        helper.join(max(deadline - time.monotonic(), 0))
 
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from engine.watch import STORE_QUERY_SECONDS
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
 from mpirun import assert_every_rank_passed
 
@@ -125,8 +126,11 @@ def _fault(faults, name):
     raised, text, hung = results[name]
     assert not hung, f"ranks {hung} hung past {FAULT_WAIT} s: " + text[-5000:]
     assert not leftover, leftover
+    exits = {int(r): float(s) for r, s in re.findall(r"rank (-?\d+): exit handlers ran ([\d.]+) s after it raised", text)}
     for rank, (seconds, kind, msg) in raised.items():
         assert seconds < FAULT_TIMEOUT + 10, text[-5000:]
+        # the exit waits for the store queries of a timeout's report for STORE_QUERY_SECONDS in all
+        assert exits[rank] < STORE_QUERY_SECONDS + 3, (rank, exits, text[-5000:])
     return raised, text
 
 

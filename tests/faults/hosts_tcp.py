@@ -6,8 +6,10 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
     FAULT=none   only the init (a wrong MASTER_ADDR, a MASTER_PORT in use: the init must fail)
 
 Every rank that raises prints `rank R: raised after S s: Type: message`, S counted from the fault (or
-from the start of the init), on the shared clock of the namespace hosts."""
+from the start of the init), on the shared clock of the namespace hosts, then `rank R: exit handlers ran E s after it raised` (the
+engine's and torch's, whose waits on a store beyond a cut link must not hold the exit)."""
 
+import atexit
 import datetime
 import os
 import signal
@@ -23,6 +25,15 @@ VICTIM = int(os.environ.get("FAULT_RANK", "1"))
 TIMEOUT = float(os.environ.get("FAULT_TIMEOUT", "10"))
 rank = int(os.environ.get("RANK", "-1"))
 start = time.time()
+raised_at = None
+
+
+def _exit_handlers_ran():
+    if raised_at is not None:
+        print(f"rank {rank}: exit handlers ran {time.time() - raised_at:.1f} s after it raised", flush=True)
+
+
+atexit.register(_exit_handlers_ran)   # before torch's and the engine's: it runs after theirs
 try:
     dist.init_process_group(backend="engine", timeout=datetime.timedelta(seconds=TIMEOUT))
     rank = dist.get_rank()
@@ -41,6 +52,7 @@ try:
         time.sleep(0.01)
     print(f"rank {rank}: finished all steps", flush=True)
 except Exception as exc:
+    raised_at = time.time()
     print(f"rank {rank}: raised after {time.time() - start:.1f} s: {type(exc).__name__}: {exc}".replace("\n", " "),
           flush=True)
     sys.exit(1)
