@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -24,6 +25,31 @@ if "ENGINE_TESTS_TMPDIR" not in os.environ:
 # The pytest inside each launched rank loads no plugins from entry points: hypothesis's and anyio's
 # imports take about a second of a rank's start. The suites there use hypothesis as a library only.
 os.environ.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+def _interrupted(signum, frame):
+    # The running test's processes get the signal first: a launcher (mpiexec, torchrun) passes it on to
+    # its ranks in the moment subprocess.run gives it before its SIGKILL, which would orphan them.
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+    raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    # A session ended by SIGTERM or SIGHUP (a CI job cancelled, a terminal closed) unwinds as after ^C:
+    # its processes are told, and pytest_unconfigure removes the directory.
+    if OWN_TMPDIR is not None:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _interrupted)
 
 
 def pytest_unconfigure(config):
