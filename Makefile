@@ -14,23 +14,29 @@ PY := $(VENV)/bin/python
 # The suites that face torch, with the bench's own torch groups, run on the newest torch tested (2.15). The
 # release before it (2.14) runs their part that changes with torch's version: the options' layouts, the
 # adapter's suites, torch's own suite subset, reconfigure and torchft, torch.compile (with aot_eager: the
-# same graphs without inductor's C++ build, 27 s; 2.15 runs inductor), the bench's groups.
+# same graphs without inductor's C++ build, 27 s; 2.15 runs inductor). (The bench's groups, on the first and
+# the last torch, use the adapter as the suites do.)
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
 	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
 TORCH_PREVIOUS := tests/test_torch_options.py "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
-	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp \
-	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
+	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
 # The adapter's suites under torchrun run at 3 ranks on the later torches, at 1, 2 and 4 on the first (which
 # also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles (held
-# and not) run on the first only, the TCP cycles on the last only.
+# and not) run on the first only, the TCP cycles on the last only. The aborts of a blocked call split
+# between the first and the last torch, each case on one (every launcher and transport on the last:
+# ABORTS_FIRST runs on the first). The settings check of the group's creation runs on the first.
+ABORTS_FIRST := torchrun-shm-thread-all_reduce torchrun-tcp-thread-all_reduce mpirun-mpi-thread-barrier
+ABORTS_LAST := torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce
 TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]") \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[c10d]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]" \
-	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm-held]"
+	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm-held]" \
+	$(foreach c,$(ABORTS_FIRST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
+	--deselect tests/test_launchers.py::test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting
 # Fault tolerance runs whole on the later torches (whose c10d defines reconfigure); the first keeps
-# one abort per launcher and transport, the c10d restart and the shm cycles. The clients, torch's own
+# the aborts of ABORTS_FIRST, the c10d restart and the shm cycles. The clients, torch's own
 # suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
 # runs it under mpirun, tests/test_faults.py), DDP over mp.spawn and every collective under torchrun without
 # MPI (the first runs the same collectives under torchrun in the torch suites) run on 2.15 only (TORCH_FACING;
@@ -46,8 +52,7 @@ WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torch
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp-held]" \
-	$(foreach c,torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce,\
-	--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]")
+	$(foreach c,$(ABORTS_LAST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]")
 NRANKS ?= 2
 # Open MPI refuses root without these (tests/mpirun.py adds yielding for oversubscribed runs).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
