@@ -18,6 +18,7 @@ INTERHOST = ("mpi", "tcp")
 
 class MpiBootstrap:
     group = None   # (every bootstrap) the name of the group made over it, for its errors: Communicator's
+    on_cancel = None   # (every bootstrap) where set, on_cancel(fn): fn(why) ends a wait of the group's making
 
     def __init__(self, comm):
         self.comm = comm
@@ -35,11 +36,14 @@ class MpiBootstrap:
 
 
 class StoreBootstrap:
-    """allgather over a key-value store (torch's Store API: set / get, where get waits for the key)."""
+    """allgather over a key-value store (torch's Store API: set / get, where get waits for the key).
+    on_cancel: where the store's meeting can be cancelled (a reconfigure's: engine.handles.Meeting), its
+    on_cancel, through which the group's making registers the waits the store's failing doesn't end."""
     group = None
 
-    def __init__(self, store, rank, size, prefix="engine"):
+    def __init__(self, store, rank, size, prefix="engine", on_cancel=None):
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
+        self.on_cancel = on_cancel
         self._round = 0
 
     def allgather(self, obj):
@@ -50,6 +54,8 @@ class StoreBootstrap:
         for r in range(self.size):
             try:
                 out.append(pickle.loads(self.store.get(key + str(r))))
+            except ConnectionError:    # a reconfigure's store, cancelled (abort()) or its hub gone: it says which
+                raise
             except Exception as exc:   # torch's store raises at its timeout: name who never came
                 try:
                     missing = [q for q in range(self.size) if not self.store.check([key + str(q)])]
@@ -67,7 +73,8 @@ class StoreBootstrap:
         if color is None:
             return None
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
-        return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}")
+        return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}",
+                              self.on_cancel)
 
 
 def gather(boot, make, what):
@@ -91,7 +98,7 @@ def gather(boot, make, what):
 
 class SelfBootstrap:
     """A group of one."""
-    rank, size, group = 0, 1, None
+    rank, size, group, on_cancel = 0, 1, None, None
 
     def allgather(self, obj):
         return [obj]

@@ -175,13 +175,15 @@ class Communicator:
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
-                   ring_segment_bytes=None):
+                   ring_segment_bytes=None, on_cancel=None):
         """A group bootstrapped through a key-value store (torch's Store API) instead of MPI (which is
-        never imported): shared memory inside a host, the engine's TCP transport between hosts."""
+        never imported): shared memory inside a host, the engine's TCP transport between hosts.
+        on_cancel: where the making may be cancelled from another thread (a reconfigure's abort()),
+        on_cancel(fn) registers fn(why), which ends the waits that don't wait on the store."""
         if transport not in (None, "auto", "shm", "tcp"):
             raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
                              "needs an MPI launch (mpirun)")
-        boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix)
+        boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel)
         self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
                    ring_segment_bytes=ring_segment_bytes, _boot=boot)
         self._store_prefix = prefix

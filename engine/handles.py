@@ -199,15 +199,23 @@ def _check_sizes(klen, vlen):
 
 class Meeting:
     """One reconfigure's meet as abort() sees it (listener.interrupt): its sockets, shut down on
-    cancel, its hub's store, failed on cancel, and the reason. It is the listener's from meet() until
-    the meet fails or its store is closed (end())."""
+    cancel, its hub's store, failed on cancel, what the communicator's making registered (on_cancel:
+    the TCP transport's connecting), and the reason. It is the listener's from meet() until the meet
+    fails or its store is closed (end())."""
 
     def __init__(self, listener):
         self.listener = listener
         self.cancelled = None
         self.socks = []
         self.hub = None
+        self.cancels = []
         listener.meeting = self
+
+    def on_cancel(self, fn):
+        """fn(why) runs when the meeting is cancelled (at once if it was)."""
+        self.cancels.append(fn)
+        if self.cancelled is not None:   # (cancel() sets it before it reads the list)
+            fn(self.cancelled)
 
     def end(self):
         if self.listener.meeting is self:
@@ -222,6 +230,8 @@ class Meeting:
                 pass
         if self.hub is not None:
             self.hub.fail(why)
+        for fn in list(self.cancels):
+            fn(why)
 
     def check(self):
         if self.cancelled is not None:

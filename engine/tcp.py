@@ -160,8 +160,15 @@ def make_core(boot, seg_bytes, timeout, parent, cfg):
     _live.update(transports)
     core = _core.TcpComm(transports[0], transports[1], seg_bytes)
     if cfg["connect"] == "mesh" and boot.size > 1:
+        if boot.on_cancel is not None:   # (a reconfigure's abort() ends the connecting too)
+            boot.on_cancel(lambda why: transports[0].abort_connect())
         try:
             transports[0].connect_mesh(timeout)
-        except _core.EngineError as exc:
-            raise RuntimeError(f"{exc} (rank {boot.rank} listens on {addr}, chosen by {how})") from None
+        except BaseException as exc:
+            # its sockets close now, not when the collector finds them: a peer still connecting sees this
+            # rank gone instead of waiting out its own timeout
+            core.release()
+            if isinstance(exc, _core.EngineError) and not isinstance(exc, _core.EngineAborted):
+                raise RuntimeError(f"{exc} (rank {boot.rank} listens on {addr}, chosen by {how})") from None
+            raise
     return core

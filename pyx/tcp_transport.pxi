@@ -89,6 +89,7 @@ cdef class TcpTransport(Transport):
     cdef readonly list peers        # (address, port, host name) of every rank
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
     cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
+    cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
                   size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True,
@@ -192,15 +193,21 @@ cdef class TcpTransport(Transport):
         return eng_tcp_cancel(self.t, r)
 
     def connect_mesh(self, double timeout):
-        """Connects to every peer (and waits for every peer's connections) now, not at first use."""
+        """Connects to every peer (and waits for every peer's connections) now, not at first use; ends
+        with EngineAborted once abort_connect() is called."""
         cdef MeshWait w
+        cdef WaitCtx ctx
         cdef int ierr
         w.deadline = eng_now() + timeout
         w.missing = -1
+        start_wait(&ctx, None, timeout)
+        ctx.abort = &self.connect_aborted
         with nogil:
             ierr = eng_tcp_connect_all(self.t)
             if not ierr:
-                ierr = wait_until(_poll_mesh, <void*>self.t, &w, NULL, self.door)
+                ierr = wait_until(_poll_mesh, <void*>self.t, &w, &ctx, self.door)
+        if ierr == ENG_ERR_ABORTED:
+            raise EngineAborted("engine: connecting the group's ranks over TCP was aborted")
         if ierr:
             self.err_peer = w.missing if w.missing >= 0 else self.t.dead_peer
             raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}"
@@ -211,6 +218,10 @@ cdef class TcpTransport(Transport):
             raise EngineTimeout(f"engine: rank {self.rank} could not connect to rank {w.missing} ({host}, {addr} port "
                                 f"{port}) within {timeout:g} s, or it never connected back: a firewall, a wrong "
                                 f"interface (ENGINE_SOCKET_IFNAME), or that rank never made this group")
+
+    def abort_connect(self):
+        """Ends a connect_mesh() running in another thread (within its back-off's 50 ms)."""
+        eng_store32(&self.connect_aborted, 1)
 
     def waiting_on(self):
         """[(peer, seconds since bytes last came from it, or None: never)] of the peers this channel's

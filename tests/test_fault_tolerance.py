@@ -267,6 +267,45 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("abortrc_done")
 
+    def test_abort_ends_a_reconfigure_making_its_transport_then_a_reconfigure_recovers(self):
+        """Every member met, but rank 2 stalls in the new group's making after its first exchange on the
+        transport (TCP: the addresses, after which the others wait in the connecting; shared memory: the
+        segment's, after which they wait in the store): abort() on ranks 0 and 1, once they are past that
+        exchange, ends their reconfigure within a second, naming the abort (or, on rank 1, the first
+        member's), and frees what it made; a reconfigure of every rank then recovers."""
+        import engine.bootstrap
+        import engine.tcp
+        handles = self._reconfigured("abortmk", 1510)
+        module = engine.tcp if self.transport == "tcp" else engine.bootstrap
+        gather, aborted_at, timers = module.gather, [], []
+
+        def then_stall_or_abort(*args, **kwargs):
+            out = gather(*args, **kwargs)
+            module.gather = gather
+            if self.rank == 2:
+                time.sleep(3.0)
+            else:
+                timers.append(threading.Timer(0.3, lambda: (aborted_at.append(time.monotonic()), self.backend.abort())))
+                timers[0].start()
+            return out
+
+        module.gather = then_stall_or_abort
+        if self.rank == 2:
+            with self.assertRaises(RuntimeError):   # (the others left: whatever this rank's making then meets)
+                self._reconfigure(1511, handles)
+        else:
+            # (rank 1 may hear first that rank 0, the first member, aborted: its store's connection closed)
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1511 .*(was aborted \(abort\(\)\)|the first "
+                                                      r"member \(.*\) closed the connection: it failed or was aborted)"):
+                self._reconfigure(1511, handles)
+            ended = time.monotonic()
+            timers[0].join()
+            self.assertLess(ended - aborted_at[0], 1.0, f"the reconfigure ended {ended - aborted_at[0]:.3f} s after abort()")
+        self._barrier("abortmk_observed")
+        self._reconfigure(1512, self._handles("abortmk_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("abortmk_done")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next

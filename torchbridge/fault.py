@@ -100,8 +100,10 @@ class FaultTolerance:
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=_own_transport(), timeout=self._timeout_seconds(),
-                                          name=self._name)
-        except (TimeoutError, ConnectionError) as exc:
+                                          name=self._name, on_cancel=store.meeting.on_cancel)
+        except (TimeoutError, ConnectionError, EngineAborted) as exc:
+            if isinstance(exc, EngineAborted):   # (its words are the transport's: the reason is the meeting's)
+                exc = f"{store.meeting.cancelled}, while the new group's transport was made ({exc})"
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
             store.close(deadline)
