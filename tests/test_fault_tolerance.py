@@ -283,7 +283,7 @@ class FaultToleranceScenarios(ForkedRanks):
             out = gather(*args, **kwargs)
             module.gather = gather
             if self.rank == 2:
-                time.sleep(3.0)
+                time.sleep(2.0)
             else:
                 timers.append(threading.Timer(0.3, lambda: (aborted_at.append(time.monotonic()), self.backend.abort())))
                 timers[0].start()
