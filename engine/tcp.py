@@ -161,7 +161,7 @@ def make_core(boot, seg_bytes, timeout, parent, cfg):
     core = _core.TcpComm(transports[0], transports[1], seg_bytes)
     if cfg["connect"] == "mesh" and boot.size > 1:
         if boot.on_cancel is not None:   # (a reconfigure's abort() ends the connecting too)
-            boot.on_cancel(lambda why: transports[0].abort_connect())
+            boot.on_cancel(transports[0].abort_connect)
         try:
             transports[0].connect_mesh(timeout)
         except BaseException as exc:

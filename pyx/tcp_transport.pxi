@@ -90,6 +90,7 @@ cdef class TcpTransport(Transport):
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
     cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
     cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
+    cdef object abort_reason        # what abort_connect() was told
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
                   size_t split_min=1 << 20, size_t eager_max=64 << 10, bint fail_any=True,
@@ -194,7 +195,7 @@ cdef class TcpTransport(Transport):
 
     def connect_mesh(self, double timeout):
         """Connects to every peer (and waits for every peer's connections) now, not at first use; ends
-        with EngineAborted once abort_connect() is called."""
+        with EngineAborted, giving abort_connect()'s reason, once that is called."""
         cdef MeshWait w
         cdef WaitCtx ctx
         cdef int ierr
@@ -207,7 +208,7 @@ cdef class TcpTransport(Transport):
             if not ierr:
                 ierr = wait_until(_poll_mesh, <void*>self.t, &w, &ctx, self.door)
         if ierr == ENG_ERR_ABORTED:
-            raise EngineAborted("engine: connecting the group's ranks over TCP was aborted")
+            raise EngineAborted(f"{self.abort_reason} (while the group's ranks connected over TCP)")
         if ierr:
             self.err_peer = w.missing if w.missing >= 0 else self.t.dead_peer
             raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}"
@@ -219,8 +220,9 @@ cdef class TcpTransport(Transport):
                                 f"{port}) within {timeout:g} s, or it never connected back: a firewall, a wrong "
                                 f"interface (ENGINE_SOCKET_IFNAME), or that rank never made this group")
 
-    def abort_connect(self):
-        """Ends a connect_mesh() running in another thread (within its back-off's 50 ms)."""
+    def abort_connect(self, why):
+        """Ends a connect_mesh() running in another thread (within its back-off's 50 ms), for reason why."""
+        self.abort_reason = why
         eng_store32(&self.connect_aborted, 1)
 
     def waiting_on(self):

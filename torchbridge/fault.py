@@ -101,9 +101,7 @@ class FaultTolerance:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=_own_transport(), timeout=self._timeout_seconds(),
                                           name=self._name, on_cancel=store.meeting.on_cancel)
-        except (TimeoutError, ConnectionError, EngineAborted) as exc:
-            if isinstance(exc, EngineAborted):   # (its words are the transport's: the reason is the meeting's)
-                exc = f"{store.meeting.cancelled}, while the new group's transport was made ({exc})"
+        except (TimeoutError, ConnectionError, EngineAborted) as exc:   # (EngineAborted: the TCP connecting's)
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         finally:
             store.close(deadline)
@@ -166,12 +164,12 @@ class FaultTolerance:
 
     def abort(self):
         """Ends every queued and running call of this group at once (EngineAborted), and a reconfigure
-        in flight where it waits for members, after running the abort hooks; frees the group as soon
-        as no call is inside it. Recover with reconfigure() and a
+        in flight where it waits on its members (the meet, the new group's making), after running the
+        abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
         fresh uuid, or make a new group."""
         for hook in list(self._abort_hooks.values()):
             hook()
-        if self._listener is not None:   # (a reconfigure in flight ends too, where it waits for members)
+        if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
             self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
                                      "waited for its members")
         error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "

@@ -6,8 +6,9 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
     FAULT=none   only the init (a wrong MASTER_ADDR, a MASTER_PORT in use: the init must fail)
 
 Every rank that raises prints `rank R: raised after S s: Type: message`, S counted from the fault (or
-from the start of the init), on the shared clock of the namespace hosts, then `rank R: exit handlers ran E s after it raised` (the
-engine's and torch's, whose waits on a store beyond a cut link must not hold the exit)."""
+from the start of the init), on the shared clock of the namespace hosts, then `rank R: exit handlers
+ran E s after it raised` (the engine's and torch's, whose waits on a store beyond a cut link must not
+hold the exit)."""
 
 import atexit
 import datetime
