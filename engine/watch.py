@@ -35,19 +35,82 @@ __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
-# Store queries still running in their helper threads. Each blocks in torch's C++ store client without
-# the GIL; one that returns after Python began finalizing aborts the process as it takes the GIL back
-# (SIGABRT, "terminate called without an active exception"), so the exit waits for them, briefly: for
-# STORE_QUERY_SECONDS in all, not each. Queries across a cut link share the store's one connection and
-# stay blocked far longer than that: waiting on each in turn only delayed the exit.
-_store_queries = weakref.WeakSet()
+class _StoreLine:
+    """The watch's queries to one store connection, run in order on one helper thread.
+
+    torch's store client serves one request at a time per connection (its prefix stores share their
+    base's) and gives its reads no timeout: across a cut link, or to a stopped host, a query blocks
+    until the kernel gives the connection up, many minutes later, and every later query on that
+    connection waits behind it. So a wait never asks the store itself: it hands the line a query and
+    waits for the answer a bounded time. Once a query has gone unanswered for STORE_QUERY_SECONDS the
+    line takes no more (each later report says so at once): one blocked thread per dead connection,
+    not one per report, in a process that outlives its groups (a torchft replica). A line whose queue
+    empties ends its thread and leaves the table."""
+
+    _lines = {}               # id(connection) -> its line, while it has work or is stuck
+    _lock = threading.Lock()
+    MAX_QUEUED = 64           # (a line stuck less than STORE_QUERY_SECONDS takes at most this many more)
+
+    def __init__(self, conn):
+        self.conn, self.queue, self.thread, self.since = conn, [], None, None
+
+    @classmethod
+    def ask(cls, store, query, wait):
+        """query() on store's line; waits up to `wait` s. Returns (True, its result) or (False, why):
+        the store did not answer in time, or its line is stuck. query's exceptions are its result."""
+        conn = store
+        while getattr(conn, "underlying_store", None) is not None:   # (torch's PrefixStore)
+            conn = conn.underlying_store
+        done, out = threading.Event(), []
+        with cls._lock:
+            line = cls._lines.get(id(conn))
+            if line is None:
+                line = cls._lines[id(conn)] = cls(conn)
+            stuck = time.monotonic() - line.since if line.since is not None else 0.0
+            if stuck >= STORE_QUERY_SECONDS or len(line.queue) >= cls.MAX_QUEUED:
+                return False, (f"the store has not answered a query for {stuck:.0f} s (the rank hosting it, or the "
+                               "link to it, may be gone)")
+            line.queue.append((query, done, out))
+            if line.thread is None:
+                line.thread = threading.Thread(target=line._serve, name="engine-watch-store", daemon=True)
+                try:
+                    line.thread.start()
+                except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
+                    del cls._lines[id(conn)]
+                    return False, "the store could not be asked (the interpreter is shutting down)"
+        if not done.wait(wait):
+            return False, (f"the store did not answer within {wait:g} s (the rank hosting it, or the link to it, "
+                           "may be gone)")
+        return True, out[0]
+
+    def _serve(self):
+        while True:
+            with self._lock:
+                if not self.queue:
+                    self.thread = self.since = None
+                    del self._lines[id(self.conn)]
+                    return
+                query, done, out = self.queue.pop(0)
+                self.since = time.monotonic()
+            try:
+                out.append(query())
+            except Exception as exc:
+                out.append(exc)
+            done.set()
+
+    @classmethod
+    def join_all(cls, wait):
+        """At exit: a query that returns after Python began finalizing aborts the process as its thread
+        takes the GIL back (SIGABRT, "terminate called without an active exception"), so the exit waits
+        for the lines' threads, for `wait` s in all: behind a cut link they stay blocked far longer."""
+        deadline = time.monotonic() + wait
+        with cls._lock:
+            threads = [line.thread for line in cls._lines.values() if line.thread is not None]
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0))
 
 
-@atexit.register
-def _join_store_queries():
-    deadline = time.monotonic() + STORE_QUERY_SECONDS
-    for helper in list(_store_queries):
-        helper.join(max(deadline - time.monotonic(), 0))
+atexit.register(_StoreLine.join_all, STORE_QUERY_SECONDS)
 
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,
@@ -167,15 +230,9 @@ class Watch:
         if str(exc) == self._reported:
             return
         if isinstance(exc, EngineMismatch) and self.store is not None:
-            # peers still waiting in this call compare this rank's note with theirs (from a helper thread:
-            # the error is not held up by the store)
-            helper = threading.Thread(target=self._set_note, args=(self._note(rec),), name="engine-watch-store",
-                                      daemon=True)
-            try:
-                helper.start()
-                _store_queries.add(helper)
-            except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
-                pass
+            # peers still waiting in this call compare this rank's note with theirs (the error is not held
+            # up by the store)
+            self.note_arrival(rec)
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
@@ -221,54 +278,53 @@ class Watch:
 
     def note_arrival(self, rec):
         """Notes in the store that this rank reached operation rec's seq, and what it called there
-        (written only once a wait stalls, or the call failed naming another)."""
-        if self.store is not None:
-            self._set_note(self._note(rec))
+        (written only once a wait stalls, or the call failed naming another), on the store's line: the
+        caller does not wait for it."""
+        store = self.store
+        if store is not None:
+            note = self._note(rec)
+            _StoreLine.ask(store, lambda: self._set_note(store, note), 0)
 
     @staticmethod
     def _note(rec):
         return f"{rec[SEQ]} {rec[KEY]} {describe_call(rec[KEY], rec[COUNT])}"
 
-    def _set_note(self, note):
+    def _set_note(self, store, note):
         try:
-            self.store.set(self._key(self.rank), note)
+            store.set(self._key(self.rank), note)
         except Exception:  # a store problem must not hide the real one
             pass
 
     def notes(self, rec):
         """{rank: (seq, key, words)} of the other ranks' notes (a rank without one: absent); None without
-        a store; a str when the store failed. The store is asked from a helper thread for at most
+        a store; a str when the store failed. The store is asked on its line for at most
         STORE_QUERY_SECONDS: a store across a cut link would otherwise hold the timeout's report for
         its own timeout."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return None
-        out = []
+        note = self._note(rec)
 
-        def ask():
-            try:
-                self.note_arrival(rec)
-                got = {}
-                for r in range(self.size):
-                    key = self._key(r)
-                    if r != self.rank and self.store.check([key]):
-                        note = self.store.get(key)
-                        try:
-                            seq, call, words = (note.decode() if isinstance(note, bytes) else note).split(" ", 2)
-                            got[r] = (int(seq), int(call), words)
-                        except ValueError:   # not a note this engine writes: as good as none
-                            pass
-                out.append(got)
-            except Exception as exc:
-                out.append(f"the store could not be read ({type(exc).__name__}: {exc}; the rank hosting it may "
-                           "have exited)")
-        helper = threading.Thread(target=ask, name="engine-watch-store", daemon=True)
-        helper.start()
-        _store_queries.add(helper)
-        helper.join(STORE_QUERY_SECONDS)
-        if not out:
-            return (f"the store did not answer within {STORE_QUERY_SECONDS:g} s (the rank hosting it, or the link "
-                    "to it, may be gone)")
-        return out[0]
+        def read():
+            self._set_note(store, note)
+            got = {}
+            for r in range(self.size):
+                key = self._key(r)
+                if r != self.rank and store.check([key]):
+                    text = store.get(key)
+                    try:
+                        seq, call, words = (text.decode() if isinstance(text, bytes) else text).split(" ", 2)
+                        got[r] = (int(seq), int(call), words)
+                    except ValueError:   # not a note this engine writes: as good as none
+                        pass
+            return got
+        answered, got = _StoreLine.ask(store, read, STORE_QUERY_SECONDS)
+        if not answered:
+            return got
+        if isinstance(got, Exception):
+            return (f"the store could not be read ({type(got).__name__}: {got}; the rank hosting it may "
+                    "have exited)")
+        return got
 
     def missing(self, rec):
         """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed."""

@@ -2,6 +2,11 @@
 group's store, when it reads its peers' notes, and which of them end its wait in EngineMismatch.
 tests/test_faults.py runs the same across processes (test_mismatched_calls_raise_without_debug_mode)."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from engine._core import DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, describe_call
@@ -93,9 +98,10 @@ def test_notes_that_show_no_other_call_leave_the_wait_alone(theirs):
     w1, core1 = watch(1, 2, store, notes_id="g2" if theirs == "other group" else "g1")
     seq = {"earlier call": 2, "later call": 4}.get(theirs, 3)
     core1.rec = record(seq, ALLREDUCE_SUM if theirs == "same call" else ALLREDUCE_MAX)
-    w1.check(core1.rec, 1.2)
     if theirs == "garbage":                         # not a note this engine writes: as good as none
         store.set(w1._key(1), "5")
+    else:
+        w1.check(core1.rec, 1.2)
     core0.rec = record(3, ALLREDUCE_SUM)
     for elapsed in (1.2, 2.1, 4.5, 9.0):
         w0.check(core0.rec, elapsed)
@@ -119,3 +125,56 @@ def test_reads_of_the_notes_double_in_spacing_and_start_later_in_large_groups(si
 def test_a_call_key_in_words():
     assert describe_call(key("reduce", red="avg", root=2), 5) == "reduce of 5 float32, op AVG, root 2"
     assert describe_call(key("allgather", "bfloat16"), 16) == "allgather of 16 bfloat16"
+
+
+def test_a_store_that_stops_answering_holds_one_thread_the_reports_say_so_at_once_and_it_recovers(monkeypatch):
+    """torch's store client gives its reads no timeout: a query to a host that stopped answering (here
+    stopped by SIGSTOP, as across a cut link its connection stays open) blocks its thread for good, and
+    every later query on the connection queues behind it. The watch's reports wait for it a bounded
+    time, then say so at once, from one blocked thread per connection, whatever the groups and reports."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from engine import watch as watch_module
+    monkeypatch.setattr(watch_module, "STORE_QUERY_SECONDS", 1.0)
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        # two groups' stores over the one connection, as torch's PrefixStores share their base's
+        wa, core_a = watch(0, 2, dist.PrefixStore("a/", base), notes_id="a")
+        wb, core_b = watch(0, 2, dist.PrefixStore("b/", base), notes_id="b")
+        core_a.rec = core_b.rec = record(1, ALLREDUCE_SUM)
+        assert wa.missing(core_a.rec) == [1]
+        os.kill(host.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert wa.missing(core_a.rec) == "the store did not answer within 1 s (the rank hosting it, or the link to it, may be gone)"
+        assert 0.9 < time.monotonic() - start < 3
+        for w, rec in [(wa, core_a.rec), (wb, core_b.rec)] * 3:
+            start = time.monotonic()
+            missing = w.missing(rec)
+            assert time.monotonic() - start < 0.5
+            assert Watch.describe_missing(missing).startswith(
+                "which ranks did not arrive is unknown: the store has not answered a query for "), missing
+        assert [t.name for t in threading.enumerate()].count("engine-watch-store") == 1
+        os.kill(host.pid, signal.SIGCONT)            # the host answers again: the line drains, the reports read
+        deadline = time.monotonic() + 10
+        while "engine-watch-store" in [t.name for t in threading.enumerate()] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert wb.missing(core_b.rec) == [1]
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
+HOST_A_STORE = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(120)
+"""
