@@ -209,9 +209,9 @@ class Communicator:
 
     # -- groups --
 
-    def subgroup(self, ranks, *, name=None, store=None, transport=None):
+    def subgroup(self, ranks, *, name=None, store=None, transport=None, timeout=None):
         """A Communicator over `ranks` (ranks of this group, in the new group's order). Collective over
-        the members only: ranks outside must not call it."""
+        the members only: ranks outside must not call it. timeout: this group's unless given."""
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"subgroup ranks must be a non-empty list without duplicates, got {ranks}")
@@ -221,7 +221,8 @@ class Communicator:
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in subgroup {ranks}; only members call subgroup()")
         name = name or f"{self.name}/{'-'.join(map(str, ranks))}"
-        kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, timeout=self.watch.timeout, name=name)
+        kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, name=name,
+                      timeout=self.watch.timeout if timeout is None else timeout)
         if self.mpi_comm is None:   # made through a store: the members meet under a key of their own
             return Communicator.from_store(self.watch.store, ranks.index(self.rank), len(ranks),
                                            prefix=f"{self._store_prefix}/sub/{name}", **kwargs)

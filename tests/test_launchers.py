@@ -5,9 +5,11 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 
+import mpirun
 from mpirun import assert_every_rank_passed
 from torchrun import clean_env, run_pytest, torchrun_command
 
@@ -49,6 +51,21 @@ def test_torch_parallelism_under_torchrun():
     proc = run_pytest(4, [os.path.join(HERE, "mpi", "parallel_suite.py")], timeout=300, env={"ENGINE_TIMEOUT": "20"})
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     assert_every_rank_passed(proc.stdout, 4, skips=False)
+
+
+@pytest.mark.skipif(tuple(map(int, version("torch").split(".")[:2])) < (2, 15),
+                    reason="torch splits CPU groups from 2.15 on (before: only on an accelerator)")
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun-tcp"])
+def test_split_group(launcher):
+    """tests/mpi/split_suite.py at 3 ranks: under mpiexec the world's splits are made through MPI, under
+    torchrun through torch's store (here over TCP)."""
+    suite = os.path.join(HERE, "mpi", "split_suite.py")
+    if launcher == "mpiexec":
+        proc = mpirun.run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20"})
+    else:
+        proc = run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": "tcp"})
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert_every_rank_passed(proc.stdout, 3, skips=False)
 
 
 def test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting():

@@ -131,11 +131,7 @@ class FaultTolerance:
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
-        if self._store is None:
-            raise RuntimeError(f"{what}: the group was destroyed (its store is gone): shrink a live group")
-        if (self._rank, self._size) != (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)):
-            raise RuntimeError(f"{what}: it was reconfigured to other members, which torch's table of its ranks "
-                               "does not know: leave ranks out with dist._reconfigure(uuid, handles) instead")
+        self._check_torch_knows_members(what, "leave ranks out")
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
         count = getattr(self, "_shrinks", 0) + 1    # (kept once it worked: a retry meets the others' retry)
@@ -160,6 +156,56 @@ class FaultTolerance:
         if world:
             group._members_changed, group._world_shrinks = True, world_shrinks() + 1
             failure.recovered()
+        return group
+
+    def _check_torch_knows_members(self, what, instead):
+        """A new group of some of this one's members is made through its store, from torch's table of
+        its ranks: refused once the store is gone, or once a reconfigure gave the group members that
+        table does not know."""
+        if self._store is None:
+            raise RuntimeError(f"{what}: the group was destroyed (its store is gone): use a live group")
+        if (self._rank, self._size) != (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)):
+            raise RuntimeError(f"{what}: it was reconfigured to other members, which torch's table of its ranks "
+                               f"does not know: {instead} with dist._reconfigure(uuid, handles) instead")
+
+    supports_splitting = True   # (torch 2.15 splits CPU groups; 2.13 and 2.14 split only on an accelerator)
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """dist.split_group (torch 2.15): a group of `ranks` (ranks of this group, in the new group's
+        order), or None on a rank outside them (torch returns NON_GROUP_MEMBER there). Collective over
+        the members only. Made as new_group makes one: through MPI where this group was made through
+        MPI, else through this group's store (shared memory on one host, TCP across hosts). It serves
+        every device this group serves; opts and device_types are not read (the engine's settings are
+        the environment's)."""
+        what = f"engine split of process group {self._name!r}"
+        # The members meet under this group's count of splits, which every rank of it advances on each
+        # call (torch's contract: they all call), not under torch's name for the split: torch counts
+        # its names on every rank of the world, and a split of a subgroup advances only its members'.
+        self._splits = count = getattr(self, "_splits", 0) + 1
+        members = [int(r) for r in ranks]
+        if not members or len(set(members)) != len(members) or not all(0 <= r < self._size for r in members):
+            raise ValueError(f"{what}: ranks must be distinct ranks of the group, 0-{self._size - 1}; got {list(ranks)}")
+        if self._rank not in members:
+            return None
+        self._check_torch_knows_members(what, "split it")
+        comm = self._comm
+        if comm is None:
+            raise self._cpu.error   # (aborted, or no members before its first reconfigure)
+        name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
+        store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
+        seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
+        try:
+            if comm.mpi_comm is not None and not reconfigured():
+                new = comm.subgroup(members, name=name, store=store, timeout=seconds)
+            else:
+                new = Communicator.from_store(store, members.index(self._rank), len(members), name=name,
+                                              transport=_own_transport(), timeout=seconds)
+        except Exception as exc:
+            raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)") from exc
+        group = type(self)(new, members.index(self._rank), len(members), timeout or self._timeout, store, name)
+        group._set_group_name(group_name or name)
+        if group_desc:
+            group._set_group_desc(group_desc)
         return group
 
     def abort(self):

@@ -191,7 +191,6 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     # code that asks for the backend gets this group, and the Backend methods and properties it uses
     # next (monitored_barrier, supports_*) are here.
 
-    supports_splitting = False
     supports_coalescing = False
     supports_time_estimate = False
 
