@@ -52,6 +52,7 @@ def _pairs(outputs, inputs, opts=None): return inputs, outputs, -1, opts
 def _split_pair(output, input, _out_splits, _in_splits, opts=None): return [input], [output], -1, opts
 def _gathered(output_lists, inputs, opts=None): return inputs, _flat(output_lists), -1, opts
 def _gather(output_lists, inputs, opts): return inputs, _flat(output_lists), opts.rootRank, opts
+def _gather_single(output, input, opts): return [input], [output], opts.rootRank, opts
 def _scattered(outputs, input_lists, opts=None): return _flat(input_lists[:1]), outputs, -1, opts
 def _scatter(outputs, input_lists, opts): return _flat(input_lists[:1]), outputs, opts.rootRank, opts
 def _barrier(opts=None): return [], [], -1, opts
@@ -75,6 +76,7 @@ CALLS = {
     "all_gather_into_tensor_coalesced": ("ALLGATHER_INTO_TENSOR_COALESCED", _pairs),
     "all_gather_coalesced": ("ALLGATHER_COALESCED", _gathered),
     "gather": ("GATHER", _gather),
+    "gather_single": ("GATHER", _gather_single),
     "scatter": ("SCATTER", _scatter),
     "all_to_all": ("ALLTOALL", _pairs),
     "all_to_all_single": ("ALLTOALL_BASE", _split_pair),

@@ -144,6 +144,15 @@ def test_gather_and_scatter():
         ins = [torch.full((3,), r * 10 + root, dtype=torch.int64) for r in range(P)] if R == root else None
         dist.scatter(out, ins, src=root)
         assert torch.equal(out, torch.full((3,), R * 10 + root, dtype=torch.int64))
+        if hasattr(dist, "gather_single"):   # (torch 2.15: one output tensor on the root)
+            flat = torch.full((P, 5), -1.0) if R == root else None
+            dist.gather_single(data(R, 5, torch.float32), flat, dst=root)
+            if R == root:
+                assert torch.equal(flat, torch.stack([data(r, 5, torch.float32) for r in range(P)]))
+            ints = torch.zeros(2 * P, dtype=torch.int32) if R == root else None
+            dist.gather_into_tensor(data(R, 2, torch.int32), ints, dst=root, async_op=True).wait()
+            if R == root:
+                assert torch.equal(ints, torch.cat([data(r, 2, torch.int32) for r in range(P)]))
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "avg"])
