@@ -116,6 +116,9 @@ class TorchHooks(ForkedRanks):
         if hasattr(dist.ProcessGroup, "supports_abort_hooks"):   # (torch 2.15)
             self.assertTrue(engine.supports_abort_hooks)
             self.assertFalse(engine.supports_completion_hooks)
+            self.assertFalse(dist._supports_window(engine))      # (asked of the group, not raised by torch)
+            with self.assertRaisesRegex(RuntimeError, "backend 'engine' has no one-sided"):
+                dist._new_window(torch.zeros(2), group=engine)
         dist.destroy_process_group()
 
     def test_the_nan_check_refuses_a_nan_input_as_torch_does(self):

@@ -193,6 +193,11 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     supports_coalescing = False
     supports_time_estimate = False
+    supports_window = False   # (torch 2.15's one-sided windows: NCCL's symmetric memory)
+
+    def new_window(self, tensor=None):
+        raise RuntimeError("backend 'engine' has no one-sided (RMA) windows (dist._supports_window() is False): "
+                           "use point-to-point (isend/irecv) or a collective")
 
     def supports_tensor_alloc(self, device):  # a method on torch's Backend: FSDP2 calls it
         return False
