@@ -255,6 +255,12 @@ class Communicator:
         """Calls of this group (its hierarchy's stages included) inside the engine now."""
         return sum(core.busy for core in self._cores())
 
+    def set_timeout(self, seconds):
+        """The group's timeout (its hierarchy's stages' too), for its calls from now on, those waiting
+        included; None: ENGINE_TIMEOUT's, else torch's default."""
+        for part in (self, *getattr(self, "_stages", ())):
+            part.watch.set_timeout(seconds)
+
     def drop_store(self):
         """The group's store is gone (a reconfigure's rendezvous): no watch of it, or of its stages,
         asks it any more (who is missing, what a peer called)."""

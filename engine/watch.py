@@ -130,10 +130,7 @@ class Watch:
         another group of the same name in the same store are never taken for this one's."""
         self.group, self.rank, self.size = group, rank, size
         self.notes_id = notes_id
-        self.timeout = Watch.timeout_of(timeout)
         self.stall = env_duration("ENGINE_STALL_WARNING_SECONDS", 60.0)
-        self.note_after = min(1.0, self.timeout / 4)
-        self.interval = max(0.05, min(0.5, self.timeout / 10))
         self.store = store
         self.core = core
         self.t0 = time.monotonic()
@@ -147,8 +144,16 @@ class Watch:
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
-        core.set_watch(self, self.interval, p2p=self)
+        self.set_timeout(timeout)
         _registry.add(self)
+
+    def set_timeout(self, timeout):
+        """The group's timeout from the waits' next poll on (None: ENGINE_TIMEOUT's, else torch's
+        default); how often the waits call the watch follows it."""
+        self.timeout = Watch.timeout_of(timeout)
+        self.note_after = min(1.0, self.timeout / 4)
+        self.interval = max(0.05, min(0.5, self.timeout / 10))
+        self.core.set_watch(self, self.interval, p2p=self)
 
     @staticmethod
     def timeout_of(timeout):

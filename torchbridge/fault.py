@@ -253,9 +253,13 @@ class FaultTolerance:
         return kinds.COMM_ERROR
 
     def set_timeout(self, timeout):
+        """dist.set_timeout (torch 2.15; before, dist.distributed_c10d._set_pg_timeout): the group's
+        timeout from now on, its hierarchy's stages and its CUDA watchdog included."""
         self._timeout = timeout
         if self._comm is not None:
-            self._comm.watch.timeout = self._timeout_seconds()
+            self._comm.set_timeout(self._timeout_seconds())
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.timeout = self._timeout_seconds()
 
     # -- helpers --
 

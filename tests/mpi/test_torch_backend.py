@@ -434,3 +434,27 @@ def test_ddp_matches_gloo_to_1e6():
         assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
     assert np.allclose(eng_losses, gloo_losses, atol=1e-6, rtol=0)
     assert os.environ["MASTER_ADDR"] and os.environ["WORLD_SIZE"] == str(P)
+
+
+def test_set_timeout_ends_a_call_in_any_stage_of_the_group():
+    """The group's set_timeout (dist.set_timeout, torch 2.15; torch's _set_pg_timeout before): the new
+    timeout ends a call waiting in any stage of a hierarchical group (at 4 ranks under ENGINE_SOCKETS=2:
+    the ranks beside the absent one wait in their socket's stage, the others in the stage across), not
+    the timeout the group was made with (the suites' ENGINE_TIMEOUT)."""
+    import time
+    if P < 2:
+        pytest.skip("a timeout needs a rank that does not arrive")
+    with torch_world.engine_group() as (pg, comm):
+        set_timeout = getattr(dist, "set_timeout", None) or (lambda t, group: group.set_timeout(t))
+        set_timeout(datetime.timedelta(seconds=1), group=pg)
+        assert all(part.watch.timeout == 1.0 for part in (comm, *comm._stages))
+        assert comm._stages or os.environ.get("ENGINE_SOCKETS") != "2" or P != 4   # (the hierarchy is there)
+        if R != P - 1:   # the last rank never calls
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"Timed out after .* \(timeout 1 s\)"):
+                dist.all_reduce(torch.ones(3), group=pg)
+            assert time.monotonic() - start < 8
+        dist.barrier(group=GLOO)
+    # (every rank met after the failure, and the group is gone: under MPI the job need not end at exit)
+    from engine import failure
+    failure.recovered()
