@@ -91,6 +91,8 @@ cdef class ShmComm(CoreComm):
         cdef int q = self.seg.err_peer
         if q < 0 and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
+        if ierr == ENG_ERR_CMA and q >= 0:   # (the segment knows whose memory the single copy read; the
+            return self.broke(EnginePeerLost, _engine_error_text(ierr, q), what)   # step was abandoned midway)
         if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
             return CoreComm.error(self, ierr, what, tp)
         if ierr == ENG_ERR_MISMATCH:   # the segment holds both signatures: name what each rank called

@@ -236,15 +236,15 @@ cdef class ShmSegment:
         return self.cma and self.cma_min <= nbytes <= self.cma_max
 
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil:
-        """n bytes between `local` and `remote` in rank q's memory (write: to q); ENG_ERR_CMA (errno
-        kept) on failure."""
+        """n bytes between `local` and `remote` in rank q's memory (write: to q); on failure
+        ENG_ERR_PEER_DEAD where q's process is gone, else ENG_ERR_CMA."""
         cdef int err
         if n == 0:
             return 0
         err = eng_cma_copy(self.peers.pids[q], local, remote, n, write)
         if err:
             self.err_peer = q
-            return ENG_ERR_CMA
+            return ENG_ERR_PEER_DEAD if err == ESRCH else ENG_ERR_CMA
         return 0
 
     # -- the step protocol --

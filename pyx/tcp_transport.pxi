@@ -263,7 +263,8 @@ cdef class TcpTransport(Transport):
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             why = f" ({strerror(e).decode()})" if e else ""
             return (f"{self._who(p)} closed its connection{why} without leaving the group while rank {self.rank} "
-                    "waited: its process died (killed, crashed) or the link to it broke")
+                    "waited: its process died (killed, crashed), the link to it broke, or it gave the group up "
+                    "in the middle of a message (after a failure of its own, which its error names)")
         if code == ENG_ERR_CONNECT:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             return (f"could not connect to {self._who(p)}: {strerror(e).decode() if e else 'failed'} (is that "

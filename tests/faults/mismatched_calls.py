@@ -63,6 +63,16 @@ def broadcast_root(g):
     return [t]
 
 
+def broadcast_root_large(g):
+    # the same, 4 MB: over the segment by single copy, where a reader may copy from a root that left
+    # the call (its error names that root); what a rank returns is its first 8 and last 2 elements
+    t = mine(1 << 20)
+    dist.broadcast(t, src=P - 1 if ODD else 0, group=g)
+    if os.environ.get("ENGINE_TRANSPORT") == "tcp" or "ENGINE_BROADCAST_ALGO" in os.environ:
+        dist.barrier(group=g)
+    return [t[:8], t[-2:]]
+
+
 def every_rank_root(g):
     # nobody sends: no message can show it (the arrival notes in the store do, after 2 s of waiting)
     t = mine()
@@ -79,7 +89,8 @@ def allgather_vs_reduce_scatter(g):
     return [out]
 
 
-CASES = [kind, reduce_op, avg, dtype, broadcast_root, every_rank_root, allgather_vs_reduce_scatter]
+CASES = [kind, reduce_op, avg, dtype, broadcast_root, broadcast_root_large, every_rank_root,
+         allgather_vs_reduce_scatter]
 only = sys.argv[1:] or os.environ.get("MISMATCH_CASES", "").split()
 for case in CASES:
     if only and case.__name__ not in only:
