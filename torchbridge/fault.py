@@ -174,7 +174,8 @@ class FaultTolerance:
         """dist.split_group (torch 2.15): a group of `ranks` (ranks of this group, in the new group's
         order), or None on a rank outside them (torch returns NON_GROUP_MEMBER there). Collective over
         the members only. Made as new_group makes one: through MPI where this group was made through
-        MPI, else through this group's store (shared memory on one host, TCP across hosts). It serves
+        MPI, else through this group's store (shared memory on one host, TCP across hosts). A member
+        that split into other ranks than a member of its split is named at once (ValueError). It serves
         every device this group serves; opts and device_types are not read (the engine's settings are
         the environment's)."""
         what = f"engine split of process group {self._name!r}"
@@ -192,7 +193,16 @@ class FaultTolerance:
         if comm is None:
             raise self._cpu.error   # (aborted, or no members before its first reconfigure)
         name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
-        store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
+        mine = "-".join(map(str, members))
+        # Each member says which ranks it split into, and reads its members': ranks that passed different
+        # splits fail here, naming the rank, instead of waiting for each other in the store until its timeout.
+        self._store.set(f"engine/split-{count}/ranks-of/{self._rank}", mine)
+        for r in members:
+            theirs = self._store.get(f"engine/split-{count}/ranks-of/{r}").decode()
+            if theirs != mine:
+                raise ValueError(f"{what}: rank {r} split into ranks [{theirs.replace('-', ', ')}] where this rank "
+                                 f"({self._rank}) split into {members}: every rank must pass the same split_ranks")
+        store = dist.PrefixStore(f"engine/split-{count}/{mine}", self._store)
         seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
         try:
             if comm.mpi_comm is not None and not reconfigured():

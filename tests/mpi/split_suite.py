@@ -79,6 +79,19 @@ def test_a_split_of_a_split():
     dist.barrier()
 
 
+def test_ranks_that_pass_different_splits_fail_naming_the_rank():
+    """Ranks 0 and 1 split into [0, 1, 2], rank 2 into [2] alone: ranks 0 and 1 fail at once naming rank
+    2's split (rather than waiting for it in the store until its timeout); rank 2's group of one is made."""
+    if R < 2:
+        with pytest.raises(ValueError, match=r"rank 2 split into ranks \[2\] where this rank \(\d\) split into "
+                                             r"\[0, 1, 2\]: every rank must pass the same split_ranks"):
+            dist.split_group(split_ranks=[[0, 1, 2]])
+    else:
+        check_group(dist.split_group(split_ranks=[[2], [0, 1]]), [2])
+    check_group(dist.split_group(split_ranks=[[0, 1, 2]]), [0, 1, 2])   # (the next split meets as before)
+    dist.barrier()
+
+
 def test_every_member_must_pass_a_valid_split():
     with pytest.raises(ValueError, match="duplicate"):
         dist.split_group(split_ranks=[[0, 0]])
