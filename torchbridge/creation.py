@@ -8,7 +8,7 @@ import torch.distributed as dist
 from engine import Communicator
 from engine.launcher import MPIRUN_HINT, detect_launcher
 
-from .fault import reconfigured, world_shrinks
+from .fault import agree_on_members, reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
 from .work import in_seconds
 
@@ -30,6 +30,9 @@ def create_process_group(opts, backend_options=None):
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
+    if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
+        agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, f"engine new_group {name!r}",
+                         "was given", "ranks to new_group")
     if detect_launcher() is None or reconfigured():
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name)

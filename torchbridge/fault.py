@@ -193,16 +193,9 @@ class FaultTolerance:
         if comm is None:
             raise self._cpu.error   # (aborted, or no members before its first reconfigure)
         name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
-        mine = "-".join(map(str, members))
-        # Each member says which ranks it split into, and reads its members': ranks that passed different
-        # splits fail here, naming the rank, instead of waiting for each other in the store until its timeout.
-        self._store.set(f"engine/split-{count}/ranks-of/{self._rank}", mine)
-        for r in members:
-            theirs = self._store.get(f"engine/split-{count}/ranks-of/{r}").decode()
-            if theirs != mine:
-                raise ValueError(f"{what}: rank {r} split into ranks [{theirs.replace('-', ', ')}] where this rank "
-                                 f"({self._rank}) split into {members}: every rank must pass the same split_ranks")
-        store = dist.PrefixStore(f"engine/split-{count}/{mine}", self._store)
+        agree_on_members(self._store, f"engine/split-{count}", self._rank, members, what, "split into",
+                         "split_ranks")
+        store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
         seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
         try:
             if comm.mpi_comm is not None and not reconfigured():
@@ -309,6 +302,20 @@ class FaultTolerance:
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
+
+
+def agree_on_members(store, key, me, members, what, verb, argument):
+    """Each member of a new group (me: its rank in the group it is made from) says which ranks it was
+    given, and reads its members': ranks given different lists fail at once naming the rank and both
+    lists, where they would wait for each other in the store until its timeout, or meet with positions
+    that disagree."""
+    mine = "-".join(map(str, members))
+    store.set(f"{key}/members-of/{me}", mine)
+    for r in members:
+        theirs = store.get(f"{key}/members-of/{r}").decode()
+        if theirs != mine:
+            raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
+                             f"{verb} {members}: every rank must pass the same {argument}")
 
 
 _make_shrunk = getattr(dist.distributed_c10d, "_create_shrunk_process_group", None)

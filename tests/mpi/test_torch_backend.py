@@ -458,3 +458,26 @@ def test_set_timeout_ends_a_call_in_any_stage_of_the_group():
     # (every rank met after the failure, and the group is gone: under MPI the job need not end at exit)
     from engine import failure
     failure.recovered()
+
+
+def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
+    """Rank 0 makes a group of itself where the others make one of every rank: they fail at once naming
+    rank 0's list (where their bootstrap would have waited for it, or met on a segment they disagree
+    on); rank 0's group of one works, and the next new_group meets as before."""
+    if P < 2:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        alone = dist.new_group([0])
+        t = torch.ones(3)
+        dist.all_reduce(t, group=alone)
+        assert torch.equal(t, torch.ones(3))
+        dist.destroy_process_group(alone)
+    else:
+        with pytest.raises(ValueError, match=rf"rank 0 was given ranks \[0\] where this rank \({R}\) was given "
+                                             r"\[0, 1.*\]: every rank must pass the same ranks to new_group"):
+            dist.new_group(list(range(P)))
+    everyone = dist.new_group(list(range(P)))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=everyone)
+    assert torch.equal(t, torch.full((3,), float(P)))
+    dist.destroy_process_group(everyone)
