@@ -182,6 +182,19 @@ def test_a_rank_raising_after_init_ends_the_job():
     assert "done:" not in out and seconds < 10, out[-3000:]
 
 
+def test_worlds_made_again_under_mpirun_meet_in_a_new_store_each():
+    """tests/faults/reinit.py, 3 ranks: three init/destroy cycles, rank 0 destroying each world a second
+    after the others. With the port of the first world kept, a rank reached rank 0's old store, still
+    up, and rank 0's next store waited for it until the timeout; each world now has a port of its own."""
+    proc = subprocess.run(mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "reinit.py")], env=mpi_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    worlds = re.findall(r"world (\d) rank (\d) port (\d+) sum \[3.0, 3.0\]", proc.stdout)
+    assert len(worlds) == 9, proc.stdout[-3000:]
+    ports = {w: {p for w2, _, p in worlds if w2 == w} for w, _, _ in worlds}
+    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 3, ports
+
+
 def test_a_local_rank_numbered_by_another_layer_is_accepted_under_mpirun():
     rc, out, _ = launch_init_case("local-rank")
     assert rc == 0, out[-3000:]

@@ -12,10 +12,18 @@ import warnings
 from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher  # noqa: F401  (re-exported)
 
 
+_chosen_port = {}   # id(environ) -> the MASTER_PORT this process chose for its last group
+
+
 def prepare_env(world_size=-1, rank=-1, environ=None):
     """Fills the env:// variables torch reads from the MPI launcher. Without one (torchrun and
-    mp.spawn set them themselves; plain `python` is a world of one) nothing is needed from MPI."""
+    mp.spawn set them themselves; plain `python` is a world of one) nothing is needed from MPI.
+    A MASTER_PORT the engine chose for an earlier world of this process is chosen anew: a rank that
+    reached its next init_process_group first would join the earlier world's store, still up in
+    rank 0 (it was destroyed there a moment later), and leave rank 0's new store waiting for it."""
     env = os.environ if environ is None else environ
+    if env.get("MASTER_PORT") is not None and env.get("MASTER_PORT") == _chosen_port.get(id(env)):
+        del env["MASTER_PORT"]
     launcher = detect_launcher(env)
     if launcher is None:
         size = world_size if world_size not in (None, -1) else int(env.get("WORLD_SIZE", "1"))
@@ -37,7 +45,7 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
         return
     if mpi_size == 1:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(free_port()))
+        _choose_port(env, str(free_port()))
         return
     from engine import mpi
     comm = mpi.load().COMM_WORLD
@@ -50,7 +58,12 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     addr = reachable_address(comm) if probe else (env.get("MASTER_ADDR") or "127.0.0.1")
     addr, port = comm.bcast((addr, env.get("MASTER_PORT") or str(free_port())) if mpi_rank == 0 else None, root=0)
     env.setdefault("MASTER_ADDR", addr)
-    env.setdefault("MASTER_PORT", port)
+    _choose_port(env, port)
+
+
+def _choose_port(env, port):
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = _chosen_port[id(env)] = port
 
 
 def _follow_launchers_local_rank(env, launcher, local_rank):
