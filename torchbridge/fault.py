@@ -197,15 +197,16 @@ class FaultTolerance:
                          "split_ranks")
         store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
         seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
+        index, size = members.index(self._rank), len(members)
         try:
             if comm.mpi_comm is not None and not reconfigured():
                 new = comm.subgroup(members, name=name, store=store, timeout=seconds)
             else:
-                new = Communicator.from_store(store, members.index(self._rank), len(members), name=name,
-                                              transport=_own_transport(), timeout=seconds)
+                new = Communicator.from_store(store, index, size, name=name, transport=_own_transport(),
+                                              timeout=seconds)
         except Exception as exc:
             raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)") from exc
-        group = type(self)(new, members.index(self._rank), len(members), timeout or self._timeout, store, name)
+        group = type(self)(new, index, size, timeout or self._timeout, store, name)
         group._set_group_name(group_name or name)
         if group_desc:
             group._set_group_desc(group_desc)

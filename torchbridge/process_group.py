@@ -444,16 +444,12 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     @traced("gather_single", second_one)
     def gather_single(self, output, input, opts):
         """torch 2.15's dist.gather_single (gather_into_tensor): every rank's input, in rank order, into
-        one tensor on the root (the others pass an empty one)."""
+        one tensor on the root (the others pass an empty one; the core checks the root's size and dtype)."""
         dev = self._device(input)
         root, comm = opts.rootRank, dev.comm
         if self.rank() != root:
             return dev.launch("gather", lambda: comm.gather(contiguous(input), None, root), None, None, None, 0,
                               [output], opts)
-        if output.numel() != self.size() * input.numel() or output.dtype != input.dtype:
-            raise ValueError(f"gather_single: the root's output must hold {self.size()} x {input.numel()} "
-                             f"{input.dtype} elements (the group's size times the input's); got {output.numel()} "
-                             f"{output.dtype}")
         return dev.launch("gather", _write, output, lambda buf: comm.gather(contiguous(input), buf, root), None, 2,
                           [output], opts)
 
