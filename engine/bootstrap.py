@@ -3,6 +3,7 @@
 or over torch's store when no MPI launcher started them. Then the group's transport is chosen and,
 for shared memory, its segment made."""
 
+import datetime
 import os
 import pickle
 import socket
@@ -37,36 +38,26 @@ class MpiBootstrap:
 
 class StoreBootstrap:
     """allgather over a key-value store (torch's Store API: set / get, where get waits for the key).
+    timeout: seconds a round waits for the other ranks (the group's; None: the store's own).
     on_cancel: where the store's meeting can be cancelled (a reconfigure's: engine.handles.Meeting), its
     on_cancel, through which the group's making registers the waits the store's failing doesn't end."""
     group = None
 
-    def __init__(self, store, rank, size, prefix="engine", on_cancel=None):
+    def __init__(self, store, rank, size, prefix="engine", on_cancel=None, timeout=None):
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
-        self.on_cancel = on_cancel
+        self.on_cancel, self.timeout = on_cancel, timeout
         self._round = 0
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
-        out = []
-        for r in range(self.size):
-            try:
-                out.append(pickle.loads(self.store.get(key + str(r))))
-            except ConnectionError:    # a reconfigure's store, cancelled (abort()) or its hub gone: it says which
-                raise
-            except Exception as exc:   # torch's store raises at its timeout: name who never came
-                try:
-                    missing = [q for q in range(self.size) if not self.store.check([key + str(q)])]
-                except Exception:
-                    raise RuntimeError(f"engine: the store stopped answering in the group's bootstrap ({self.prefix}): "
-                                       f"{exc}; its server may have run in a process that has exited (rank 0's, "
-                                       "where the job was started with MASTER_ADDR and MASTER_PORT; torchrun's "
-                                       "agent keeps its store past its workers)") from None
-                raise RuntimeError(f"engine: ranks {missing or [r]} of {self.size} never joined the group's "
-                                   f"bootstrap ({self.prefix}): {exc}") from None
-        return out
+        keys = [key + str(r) for r in range(self.size)]
+        missing, why = await_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})")
+        if missing:
+            raise RuntimeError(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
+                               f"({self.prefix}): {why}")
+        return [pickle.loads(self.store.get(k)) for k in keys]
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))
@@ -74,7 +65,33 @@ class StoreBootstrap:
             return None
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}",
-                              self.on_cancel)
+                              self.on_cancel, self.timeout)
+
+
+def await_keys(store, keys, seconds, what):
+    """Waits until every one of keys is set in store: ([], None) then, else (the positions of those
+    never set, what the store said). The wait is bounded by seconds, a group's own timeout, where the
+    store can wait so long (torch's store.wait; its gets wait the store's own timeout, the world's:
+    30 minutes by default); a store without wait (a reconfigure's) bounds its gets by its deadline.
+    A store cancelled or gone (ConnectionError: it says which) passes its error on."""
+    try:
+        if seconds is not None and hasattr(store, "wait"):
+            store.wait(keys, datetime.timedelta(seconds=seconds))
+        else:
+            for k in keys:
+                store.get(k)
+        return [], None
+    except ConnectionError:
+        raise
+    except Exception as exc:   # the wait's timeout: who never came?
+        try:
+            missing = [i for i, k in enumerate(keys) if not store.check([k])]
+        except Exception:
+            raise RuntimeError(f"engine: the store stopped answering in {what}: {exc}; its server may have run in "
+                               "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
+                               "MASTER_PORT; torchrun's agent keeps its store past its workers)") from None
+        # (all there now: they came just late; else the store's words, without its list of keys)
+        return missing, str(exc).split(", keys:")[0] if missing else None
 
 
 def gather(boot, make, what):

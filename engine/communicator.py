@@ -183,7 +183,8 @@ class Communicator:
         if transport not in (None, "auto", "shm", "tcp"):
             raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
                              "needs an MPI launch (mpirun)")
-        boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel)
+        boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel,
+                                                                     Watch.timeout_of(timeout))
         self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
                    ring_segment_bytes=ring_segment_bytes, _boot=boot)
         self._store_prefix = prefix

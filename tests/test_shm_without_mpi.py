@@ -106,7 +106,7 @@ def test_dead_peer_is_named_well_before_the_timeout():
 
 
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
-    """A rank that never writes its part is named at the store's timeout; a store whose server is gone
+    """A rank that never writes its part is named at the group's timeout (else the store's); a store whose server is gone
     (torch raises on every call) is named as such, not as every rank missing."""
     from datetime import timedelta
 
@@ -118,6 +118,12 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
     store.set("g/boot/0/2", __import__("pickle").dumps("rank 2's"))
     with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the group's bootstrap \(g\)"):
         StoreBootstrap(store, 0, 3, "g").allgather("rank 0's")
+    # the group's own timeout bounds the wait, not the store's (the world's: 30 minutes by default)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))   # (its wait says how long)
+    store.set("h/boot/0/2", __import__("pickle").dumps("rank 2's"))
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the group's bootstrap \(h\): "
+                                           r"wait timeout after 200ms$"):
+        StoreBootstrap(store, 0, 3, "h", timeout=0.2).allgather("rank 0's")
 
     class Gone:
         def set(self, key, value):

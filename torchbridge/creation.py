@@ -31,7 +31,7 @@ def create_process_group(opts, backend_options=None):
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
-        agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, f"engine new_group {name!r}",
+        agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds, f"engine new_group {name!r}",
                          "was given", "ranks to new_group")
     if detect_launcher() is None or reconfigured():
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, failure
+from engine.bootstrap import await_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
 from engine import handles as _handles
@@ -193,10 +194,10 @@ class FaultTolerance:
         if comm is None:
             raise self._cpu.error   # (aborted, or no members before its first reconfigure)
         name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
-        agree_on_members(self._store, f"engine/split-{count}", self._rank, members, what, "split into",
+        seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
+        agree_on_members(self._store, f"engine/split-{count}", self._rank, members, seconds, what, "split into",
                          "split_ranks")
         store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
-        seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
         index, size = members.index(self._rank), len(members)
         try:
             if comm.mpi_comm is not None and not reconfigured():
@@ -305,15 +306,22 @@ class FaultTolerance:
             self._listener = None
 
 
-def agree_on_members(store, key, me, members, what, verb, argument):
+def agree_on_members(store, key, me, members, seconds, what, verb, argument):
     """Each member of a new group (me: its rank in the group it is made from) says which ranks it was
     given, and reads its members': ranks given different lists fail at once naming the rank and both
     lists, where they would wait for each other in the store until its timeout, or meet with positions
-    that disagree."""
+    that disagree. Members that never come are named at the new group's timeout (seconds), not the
+    store's."""
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
-    for r in members:
-        theirs = store.get(f"{key}/members-of/{r}").decode()
+    keys = [f"{key}/members-of/{r}" for r in members]
+    missing, why = await_keys(store, keys, seconds, what)
+    if missing:
+        raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
+                           f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
+                           f"{argument}, in the same order as the others ({why})")
+    for r, k in zip(members, keys):
+        theirs = store.get(k).decode()
         if theirs != mine:
             raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
                              f"{verb} {members}: every rank must pass the same {argument}")

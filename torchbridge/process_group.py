@@ -273,7 +273,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             return "nccl"
         dev = torch.cuda.current_device()
         mine = (host_identity()[0], str(torch.cuda.get_device_properties(dev).uuid))
-        everyone = StoreBootstrap(self._store, self.rank(), self.size(), "engine/gpus").allgather(mine)
+        everyone = StoreBootstrap(self._store, self.rank(), self.size(), "engine/gpus",
+                                  timeout=self._timeout_seconds()).allgather(mine)
         if len(set(everyone)) < len(everyone):
             warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "
                           "the host-staged path (ENGINE_CUDA_TRANSPORT=staged)", RuntimeWarning, stacklevel=4)

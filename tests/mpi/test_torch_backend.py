@@ -481,3 +481,16 @@ def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
     dist.all_reduce(t, group=everyone)
     assert torch.equal(t, torch.full((3,), float(P)))
     dist.destroy_process_group(everyone)
+
+
+def test_a_member_that_never_makes_its_new_group_is_named_at_the_groups_timeout():
+    """The last rank never makes a group of every rank whose timeout is 2 s: the others raise at that
+    timeout (the store's own wait says 2000 ms), naming it, where they waited for the world's store
+    until its own timeout (30 minutes by default) and raised the store's 'wait timeout'."""
+    if P < 2:
+        pytest.skip("needs two ranks")
+    if R < P - 1:
+        with pytest.raises(RuntimeError, match=rf"ranks \[{P - 1}\] of \[0, 1.*\] did not come within the group's "
+                                             r"timeout \(2 s\).*after 2000ms"):
+            dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=2), use_local_synchronization=True)
+    dist.barrier(group=GLOO)
