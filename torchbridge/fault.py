@@ -125,8 +125,8 @@ class FaultTolerance:
         place (through _shrunk_group). It is made through the group's store, not through this group,
         which the member left out may have broken by dying; the rank order is kept. SHRINK_ABORT (flag
         1) first ends this group's calls in flight, as abort(). Every remaining member passes the same
-        ranks: where one doesn't, or doesn't call, the others fail when the store's wait ends. The
-        group's options are kept (opts_override is not read)."""
+        ranks: where one doesn't, or doesn't call, the others fail at the group's timeout, naming it.
+        The group's options are kept (opts_override is not read)."""
         what = f"engine shrink of process group {self._name!r}"
         excluded = sorted({int(r) for r in ranks_to_exclude})
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
