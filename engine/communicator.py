@@ -9,6 +9,7 @@ one compiled core parses buffers, checks arguments and records every operation f
 
 import os
 import secrets
+import weakref
 
 import numpy as np
 
@@ -117,6 +118,7 @@ class Communicator:
             self.rank = self._core.rank
             self.size = self._core.size
             self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
+            self.watch.revoke = weakref.WeakMethod(self._revoke)
         except Exception as exc:
             failed = exc
 
@@ -271,6 +273,19 @@ class Communicator:
     def _cores(self):
         return ([self._core] if self._core is not None else []) + [
             c for s in getattr(self, "_stages", ()) for c in s._cores()]
+
+    def _revoke(self):
+        """Once a failure broke the group: its MPI communicators (its stages' too) revoked. Under an MPI
+        whose job outlives a rank (ULFM: `mpiexec --with-ft ulfm`), the ranks still waiting inside MPI
+        on a live peer (a blocking reduction, a stage across hosts) end at once with a lost peer, where
+        they waited until the timeout; without ULFM revoking does nothing the group would still use."""
+        for c in self._mpi_comms:
+            try:
+                c.Revoke()
+            except Exception:   # (an MPI without it)
+                pass
+        for part in self._stages:
+            part._revoke()
 
     def free(self):
         """Releases the group's resources now (its segment, sockets, threads), unless a call is still

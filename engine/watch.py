@@ -141,6 +141,7 @@ class Watch:
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
         self._on_break_lock = threading.Lock()
+        self.revoke = None      # revoke(), with on_break: the group's MPI communicators revoked (Communicator's)
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -224,6 +225,9 @@ class Watch:
         the job, where a call blocked inside MPI must end it)."""
         with self._on_break_lock:
             on_break, self.on_break = self.on_break, None
+            revoke, self.revoke = self.revoke, None
+        if revoke is not None and revoke() is not None:
+            revoke()()
         if on_break is not None:
             on_break(self.core.broken)
 

@@ -15,7 +15,8 @@ from schedule cimport all_equal
 from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, posted_tag, CoreComm,
                            IMPL_NATIVE, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,
                            OP_ALLTOALL, OP_BARRIER, ANY_PEER, ANY_TAG_, ENG_ERR_BASE, ENG_ERR_OTHER_CALL,
-                           eng_other_call)
+                           ENG_ERR_PEER_DEAD, ENG_ERR_PEER_LEFT, eng_other_call)
+from mpi4py import MPI as _MPI
 
 from engine._core import EngineError, _kernel_slot
 

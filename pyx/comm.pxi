@@ -426,10 +426,13 @@ cdef class CoreComm:
         """The exception for an error code of transport tp (the algorithms' by default)."""
         if ierr == -1:
             return MemoryError(f"{what}: out of memory")
+        if tp is None:
+            tp = self.algo_tp
+        ierr = tp.classify(ierr)
         if ierr == ENG_ERR_ABORTED and self.destroyed:
             return EngineAborted(f"{what} failed: the group was destroyed (destroy_process_group or "
                                  "Communicator.free()): create a new group")
-        text = (tp if tp is not None else self.algo_tp).error_text(ierr)
+        text = tp.error_text(ierr)
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             return self.broke(EnginePeerLost, text, what)
         if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL:

@@ -36,6 +36,7 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
     cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
+    cdef object pycomm  # mpi4py's: the fault-tolerance calls (ULFM), on the way to an error only
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
         """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
@@ -43,6 +44,7 @@ cdef class MpiTransport(Transport):
         cdef int flag = 0
         cdef int *tag_ub = NULL
         self.comm = comm.ob_mpi
+        self.pycomm = comm
         self.err_peer = -1
         check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
         check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
@@ -140,9 +142,38 @@ cdef class MpiTransport(Transport):
         return 1
 
     cdef object error_text(self, int code):
+        if code == ENG_ERR_PEER_LEFT and self.err_peer < 0:
+            return ("another rank gave the group up (a lost peer, a timeout or a mismatch there) and revoked its "
+                    "MPI communicators while this rank waited")
         if code >= ENG_ERR_BASE:
             return Transport.error_text(self, code)
         return mpi_error_text(code)
+
+    cdef int classify(self, int code) noexcept:
+        """Under an MPI whose job outlives a rank (ULFM: `mpiexec --with-ft ulfm`), an operation with a
+        failed process ends with MPI_ERR_PROC_FAILED, and one on a communicator another rank revoked
+        (its group broke there: engine.watch revokes a broken group's communicators) with
+        MPI_ERR_REVOKED: a lost peer, naming the first failed rank MPI knows of (ENG_ERR_PEER_DEAD), else
+        a peer that gave the group up (ENG_ERR_PEER_LEFT)."""
+        cdef int cls = 0
+        if code <= 0 or code >= ENG_ERR_BASE or MPI_Error_class(code, &cls) != 0 or cls not in _FAILURE_CLASSES:
+            return code
+        ranks = []
+        try:
+            failed, mine = self.pycomm.Get_failed(), self.pycomm.Get_group()
+            ranks = [r for r in _MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), mine) if r >= 0]
+            failed.Free()
+            mine.Free()
+        except Exception:   # (an MPI without Get_failed: the failure stays unnamed)
+            pass
+        self.err_peer = ranks[0] if ranks else -1
+        return ENG_ERR_PEER_DEAD if ranks else ENG_ERR_PEER_LEFT
+
+
+# MPI's error classes for a failed process and a revoked communicator, where the library has them
+# (mpi4py gives MPI_ERR_UNKNOWN for those it lacks).
+_FAILURE_CLASSES = frozenset(c for c in (_MPI.ERR_PROC_FAILED, _MPI.ERR_PROC_FAILED_PENDING, _MPI.ERR_REVOKED)
+                             if c != _MPI.ERR_UNKNOWN)
 
 
 # A receive from one peer that is not done at its first test, and then every _PROBE_EVERY_S, looks at

@@ -58,6 +58,11 @@ cdef class Transport:
     cdef object error_text(self, int code):
         return _engine_error_text(code, self.err_peer)
 
+    cdef int classify(self, int code) noexcept:
+        """The engine's code for a code of the transport's own library where one fits (MPI's for a
+        failed process: a lost peer), else code; on the way to an exception (the GIL held)."""
+        return code
+
 
 cdef int peer_exchange(Transport tp, const void *sbuf, size_t sn, int to, void *rbuf, size_t rn, int frm,
                        int tag, WaitCtx *ctx) except -1 nogil:

@@ -34,6 +34,17 @@ def mpiexec_command(nranks):
     return cmd
 
 
+def ulfm_unavailable():
+    """Why `mpiexec --with-ft ulfm` (Open MPI's fault tolerance: the job outlives a rank) can't run here,
+    or None where it can."""
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None or not _is_open_mpi(exe):
+        return "needs Open MPI's mpiexec"
+    info = shutil.which("ompi_info", path=os.path.dirname(exe))
+    out = subprocess.run([info], capture_output=True, text=True).stdout if info else ""
+    return None if re.search(r"Fault Tolerance support: yes", out) else "this Open MPI was built without ULFM"
+
+
 def mpi_env():
     env = dict(os.environ)
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")

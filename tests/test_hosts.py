@@ -15,7 +15,7 @@ import pytest
 
 from engine.watch import STORE_QUERY_SECONDS
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
-from mpirun import assert_every_rank_passed
+from mpirun import assert_every_rank_passed, ulfm_unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHY_NOT = Hosts.unavailable()
@@ -147,6 +147,22 @@ def test_a_rank_killed_on_one_host_is_named_at_once(faults, per_host):
         assert named, msg
         everyone_named |= named
     assert victim in everyone_named, text[-5000:]
+
+
+@pytest.mark.skipif(ulfm_unavailable() is not None, reason=ulfm_unavailable() or "")
+def test_a_rank_killed_under_ulfm_mpirun_across_hosts_is_shrunk_away(hosts):
+    """tests/faults/ulfm_survivors.py, 2 hosts x 2 ranks under `mpirun --with-ft ulfm` (MPI between
+    the hosts): rank 1 is SIGKILLed; ranks 0, 2 and 3 raise EnginePeerLost (rank 2, whose wait inside
+    MPI was on live ranks only, through the revoke of the broken group's communicators), shrink it
+    away, go on across the hosts over TCP and exit 0."""
+    proc = mpirun_across(hosts, 2, ["--with-ft", "ulfm", sys.executable,
+                                    os.path.join(ROOT, "tests", "faults", "ulfm_survivors.py")], timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    for r, now in ((0, 0), (2, 1), (3, 2)):
+        assert re.search(rf"lost: rank {r}: .*(rank 1 (\(pid \d+\) )?exited|revoked its MPI communicators)", out), \
+            out[-5000:]
+        assert f"survivor {r} is rank {now} of 3: ok" in out, out[-5000:]
 
 
 def test_the_link_cut_ends_in_an_error_naming_the_peer_on_both_hosts(faults):

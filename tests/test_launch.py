@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from mpirun import mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, ulfm_unavailable
 from torchbridge.launch import detect_launcher, free_port, prepare_env
 
 SCRIPT = textwrap.dedent("""
@@ -193,6 +193,26 @@ def test_worlds_made_again_under_mpirun_meet_in_a_new_store_each():
     assert len(worlds) == 9, proc.stdout[-3000:]
     ports = {w: {p for w2, _, p in worlds if w2 == w} for w, _, _ in worlds}
     assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 3, ports
+
+
+@pytest.mark.skipif(ulfm_unavailable() is not None, reason=ulfm_unavailable() or "")
+@pytest.mark.parametrize("transport,n", [("shm", 3), ("mpi", 4)])
+def test_a_rank_killed_under_ulfm_is_shrunk_away_and_the_job_goes_on(transport, n):
+    """tests/faults/ulfm_survivors.py under `mpiexec --with-ft ulfm`: rank 1 is SIGKILLed; the others'
+    next all_reduce fails naming it (EnginePeerLost), they shrink it away, run collectives and a new
+    group, and exit 0 (without ULFM the launcher ends them). Over MPI at 4 ranks, rank 2's wait inside
+    MPI is on live ranks only: it ends because the engine revokes a broken group's communicators;
+    without the revoke it waited until the timeout."""
+    proc = subprocess.run(mpiexec_command(n)[:1] + ["--with-ft", "ulfm"] + mpiexec_command(n)[1:] +
+                          [sys.executable, os.path.join(FAULTS, "ulfm_survivors.py")],
+                          env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    survivors = [r for r in range(n) if r != 1]
+    for r in survivors:
+        assert re.search(rf"lost: rank {r}: .*(rank 1 (\(pid \d+\) )?exited|revoked its MPI communicators)", out), out[-4000:]
+        assert f"survivor {r} is rank {survivors.index(r)} of {n - 1}: ok" in out, out[-4000:]
 
 
 def test_a_local_rank_numbered_by_another_layer_is_accepted_under_mpirun():

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from engine import Communicator
 from engine.launcher import MPIRUN_HINT, detect_launcher
 
-from .fault import agree_on_members, reconfigured, world_shrinks
+from .fault import agree_on_members, own_transport, reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
 from .work import in_seconds
 
@@ -33,9 +33,9 @@ def create_process_group(opts, backend_options=None):
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds, f"engine new_group {name!r}",
                          "was given", "ranks to new_group")
-    if detect_launcher() is None or reconfigured():
+    if detect_launcher() is None or reconfigured():   # (after a reconfigure or a shrink: never MPI, as there)
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
-                                       timeout=seconds, name=name)
+                                       timeout=seconds, name=name, transport=own_transport() if reconfigured() else None)
     else:
         mpi_comm = _mpi_group(opts, ranks)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)

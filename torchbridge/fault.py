@@ -100,7 +100,7 @@ class FaultTolerance:
         deadline = time.monotonic() + seconds
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
-                                          transport=_own_transport(), timeout=self._timeout_seconds(),
+                                          transport=own_transport(), timeout=self._timeout_seconds(),
                                           name=self._name, on_cancel=store.meeting.on_cancel)
         except (TimeoutError, ConnectionError, EngineAborted) as exc:   # (EngineAborted: the TCP connecting's)
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
@@ -143,7 +143,7 @@ class FaultTolerance:
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{count}/without-" + "-".join(map(str, excluded)),
                                  self._store)
         try:
-            comm = Communicator.from_store(store, index, size, transport=_own_transport(), name=name,
+            comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
                                            timeout=self._timeout_seconds())
         except Exception as exc:
             raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
@@ -203,7 +203,7 @@ class FaultTolerance:
             if comm.mpi_comm is not None and not reconfigured():
                 new = comm.subgroup(members, name=name, store=store, timeout=seconds)
             else:
-                new = Communicator.from_store(store, index, size, name=name, transport=_own_transport(),
+                new = Communicator.from_store(store, index, size, name=name, transport=own_transport(),
                                               timeout=seconds)
         except Exception as exc:
             raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)") from exc
@@ -366,7 +366,7 @@ def _run_abort_hooks(hooks, name, why):
                   f"(it ran because the group failed: {why})", file=sys.stderr, flush=True)
 
 
-def _own_transport():
+def own_transport():
     """The transport of a reconfigured group: ENGINE_TRANSPORT's, except MPI (a reconfigure may take in
     processes MPI's launcher did not start), which becomes the engine's own choice."""
     from engine.bootstrap import requested_transport

@@ -148,6 +148,7 @@ cdef class Transport:
     cdef void begin_call(self, int base) noexcept nogil
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
+    cdef int classify(self, int code) noexcept
 
 
 cdef inline bint req_active(const Req *r) noexcept nogil:
