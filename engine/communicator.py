@@ -118,7 +118,10 @@ class Communicator:
             self.rank = self._core.rank
             self.size = self._core.size
             self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
-            self.watch.revoke = weakref.WeakMethod(self._revoke)
+            if self._mpi_comms:
+                from .mpi import fault_tolerant
+                if fault_tolerant():
+                    self.watch.revoke = weakref.WeakMethod(self._revoke)
         except Exception as exc:
             failed = exc
 
@@ -275,10 +278,10 @@ class Communicator:
             c for s in getattr(self, "_stages", ()) for c in s._cores()]
 
     def _revoke(self):
-        """Once a failure broke the group: its MPI communicators (its stages' too) revoked. Under an MPI
-        whose job outlives a rank (ULFM: `mpiexec --with-ft ulfm`), the ranks still waiting inside MPI
-        on a live peer (a blocking reduction, a stage across hosts) end at once with a lost peer, where
-        they waited until the timeout; without ULFM revoking does nothing the group would still use."""
+        """Once a failure broke the group, under an MPI whose job outlives a rank (ULFM: `mpiexec
+        --with-ft ulfm`; engine.mpi.fault_tolerant): its MPI communicators (its stages' too) revoked, so
+        the ranks still waiting inside MPI on a live peer (a blocking reduction, a stage across hosts)
+        end at once with a lost peer, where they waited until the timeout."""
         for c in self._mpi_comms:
             try:
                 c.Revoke()
