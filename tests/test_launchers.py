@@ -55,15 +55,15 @@ def test_torch_parallelism_under_torchrun():
 
 @pytest.mark.skipif(tuple(map(int, version("torch").split(".")[:2])) < (2, 15),
                     reason="torch splits CPU groups from 2.15 on (before: only on an accelerator)")
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun-tcp"])
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun-shm", "torchrun-tcp"])
 def test_split_group(launcher):
     """tests/mpi/split_suite.py at 3 ranks: under mpiexec the world's splits are made through MPI, under
-    torchrun through torch's store (here over TCP)."""
+    torchrun through torch's store (over shared memory, and over TCP)."""
     suite = os.path.join(HERE, "mpi", "split_suite.py")
     if launcher == "mpiexec":
         proc = mpirun.run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20"})
     else:
-        proc = run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": "tcp"})
+        proc = run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": launcher[9:]})
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     assert_every_rank_passed(proc.stdout, 3, skips=False)
 
