@@ -39,8 +39,8 @@ def polite_env(environ=None, cores=None):
 def fault_tolerant(environ=None):
     """Whether this job's MPI outlives a rank: Open MPI's ULFM, on with `mpirun --with-ft ulfm` (or
     `--mca mpi_ft_enable 1`), which its launcher passes to the ranks as OMPI_MCA_mpi_ft_enable. Only then
-    does the engine revoke a broken group's communicators: without it Open MPI may still carry a revoke
-    to the other ranks, which it aborts there (seen when a peer had freed the communicator meanwhile)."""
+    does the engine revoke a broken group's communicators: without it the other ranks never hear of a
+    revoke, and a plain mpirun ends the job at a rank's death anyway."""
     env = os.environ if environ is None else environ
     return env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
 
