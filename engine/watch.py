@@ -226,8 +226,9 @@ class Watch:
         with self._on_break_lock:
             on_break, self.on_break = self.on_break, None
             revoke, self.revoke = self.revoke, None
-        if revoke is not None and revoke() is not None:
-            revoke()()
+        revoke = revoke() if revoke is not None else None   # (a weak reference: the group may be gone)
+        if revoke is not None:
+            revoke()
         if on_break is not None:
             on_break(self.core.broken)
 

@@ -45,6 +45,16 @@ def ulfm_unavailable():
     return None if re.search(r"Fault Tolerance support: yes", out) else "this Open MPI was built without ULFM"
 
 
+def assert_rank_1_shrunk_away(out, n):
+    """What tests/faults/ulfm_survivors.py prints at n ranks: each survivor lost rank 1 (named, or through
+    the revoke of the broken group's communicators) and went on as its rank of the n - 1 left."""
+    survivors = [r for r in range(n) if r != 1]
+    for r in survivors:
+        assert re.search(rf"lost: rank {r}: .*(rank 1 (\(pid \d+\) )?exited|revoked its MPI communicators)", out), \
+            out[-5000:]
+        assert f"survivor {r} is rank {survivors.index(r)} of {n - 1}: ok" in out, out[-5000:]
+
+
 def mpi_env():
     env = dict(os.environ)
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")

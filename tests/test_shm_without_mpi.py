@@ -106,8 +106,8 @@ def test_dead_peer_is_named_well_before_the_timeout():
 
 
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
-    """A rank that never writes its part is named at the group's timeout (else the store's); a store whose server is gone
-    (torch raises on every call) is named as such, not as every rank missing."""
+    """A rank that never writes its part is named at the group's timeout (else the store's); a store
+    whose server is gone (torch raises on every call) is named as such, not as every rank missing."""
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -31,11 +31,12 @@ def create_process_group(opts, backend_options=None):
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
-        agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds, f"engine new_group {name!r}",
-                         "was given", "ranks to new_group")
-    if detect_launcher() is None or reconfigured():   # (after a reconfigure or a shrink: never MPI, as there)
+        agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
+                         f"engine new_group {name!r}", "was given", "ranks to new_group")
+    changed = reconfigured()
+    if detect_launcher() is None or changed:   # (after a reconfigure or a shrink: never MPI, as there)
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
-                                       timeout=seconds, name=name, transport=own_transport() if reconfigured() else None)
+                                       timeout=seconds, name=name, transport=own_transport() if changed else None)
     else:
         mpi_comm = _mpi_group(opts, ranks)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
