@@ -1,6 +1,6 @@
-# make test  : create .venv (torch 2.13), .venv-torch2.14 and .venv-torch2.15 at once, install MPI + the
-#              engine in each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15 and
-#              their version-bound part on torch 2.14 (what .ci/run calls)
+# make test  : create .venv (torch 2.13), .venv-torch2.14, .venv-torch2.15 and .venv-mpich at once, install MPI +
+#              the engine in each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15,
+#              their version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
@@ -61,7 +61,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # module a run imports is compiled once, on its first import, so the runs here may write bytecode.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 \
+.PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 test-mpich \
 	clients-full demo ddp torch-suite asan clean
 setup: $(VENV)/.installed
 setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
@@ -103,6 +103,22 @@ $(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
 	ENGINE_BUILD_EXTENSIONS=0 .venv-torch$*/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# MPICH (its mpiexec, Hydra, and its MPI under the MPI transport): .venv-mpich has the mpich wheel, and
+# .mpich/ is a copy of the tracked files whose engine._mpi is built against it. Its other modules use
+# no MPI: they are .venv's (setup.py's ENGINE_BUILD_EXTENSIONS=missing builds only engine._mpi).
+MPICH_PY := $(CURDIR)/.venv-mpich/bin/python
+.venv-mpich/.packages: requirements-mpich.txt constraints.txt
+	test -x $(MPICH_PY) || python3 -m venv .venv-mpich
+	$(call packages,.venv-mpich,constraints.txt) -r requirements-mpich.txt
+	touch $@
+
+.mpich/.installed: .venv-mpich/.packages $(VENV)/.installed
+	rm -rf .mpich && mkdir .mpich && git ls-files -z | xargs -0 cp --parents -t .mpich
+	cp --parents engine/_core.*.so engine/_progress.*.so torchbridge/_fastpath.*.so -t .mpich
+	cd .mpich && MPICC=$(CURDIR)/.venv-mpich/bin/mpicc ENGINE_BUILD_EXTENSIONS=missing \
+		$(MPICH_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
 CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py tests/test_fusion_plan.py \
 	tests/test_layout.py tests/test_settings.py tests/test_tcp_transport.py tests/test_arrival_notes.py \
 	"tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" "tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
@@ -114,14 +130,23 @@ check: setup
 # The three environments' installs run together (each line of their output whole: --output-sync), the
 # suites one after another.
 test:
-	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages
-	$(MAKE) test-torch2.13 test-torch2.14 test-torch2.15
+	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages \
+		.venv-mpich/.packages
+	$(MAKE) test-torch2.13 test-torch2.14 test-torch2.15 test-mpich
 
 test-torch2.13: setup
 	$(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
 
 test-torch2.14: setup-torch2.14
 	ENGINE_CLIENTS_COMPILE_BACKEND=aot_eager .venv-torch2.14/bin/python -m pytest $(TORCH_PREVIOUS) --durations=10
+
+# Under MPICH's mpiexec, after checking that MPICH is what runs: the core suites at 2 ranks on shared
+# memory and on MPI (native collectives and the engine's algorithms over MPICH's point-to-point), and
+# the launch tests (the launcher's variables, failures at init ending the job, worlds made again).
+test-mpich: .mpich/.installed
+	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
+	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" \
+		"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" tests/test_launch.py --durations=5
 
 test-torch2.15: setup-torch2.15
 	.venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
@@ -165,4 +190,4 @@ asan: setup
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
-	rm -rf build .asan engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages
+	rm -rf build .asan .mpich engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages

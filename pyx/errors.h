@@ -1,5 +1,6 @@
 /* The engine's error codes: a transport's calls return 0, -1 (a Python exception is set) or one of
- * these (or the MPI library's own code). pyx/engine/_core.pxd reads them from here. */
+ * these, never an MPI library's own code (MPICH's codes are large numbers that may be any of these:
+ * the MPI transport keeps its code and returns ENG_ERR_MPI). pyx/engine/_core.pxd reads them here. */
 #ifndef ENGINE_ERRORS_H
 #define ENGINE_ERRORS_H
 
@@ -14,5 +15,6 @@
 #define ENG_ERR_PEER_LEFT 100009   /* a peer left the group in order (TCP: its goodbye) while still needed */
 #define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort) while this rank waited */
 #define ENG_ERR_OTHER_CALL 100011  /* a peer's message belongs to another collective than the one waiting on it */
+#define ENG_ERR_MPI 100012         /* an MPI call failed: MPI's own code is the transport's (MpiTransport.failed) */
 
 #endif

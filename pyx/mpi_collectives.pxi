@@ -14,6 +14,7 @@ cdef class MpiComm(CoreComm):
     """A group over MPI: native collectives on `coll`, the engine's algorithms over `algo`, the user's
     send/recv over `p2p` (three communicators, so a user's ANY_TAG receive never sees ring traffic)."""
     cdef MPI_Comm coll
+    cdef MpiTransport tp        # the algorithms' transport, which keeps MPI's code of a failed call
     cdef int *ibuf              # 4 x size ints: counts and displacements as MPI takes them
     cdef readonly size_t chunk
     cdef bint abandoned         # a collective was left posted (timeout, abort): MPI may still read ibuf
@@ -21,7 +22,8 @@ cdef class MpiComm(CoreComm):
     def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes, int max_tag=0):
         self.coll = coll.ob_mpi
         self.transport = "mpi"
-        self.init_core(MpiTransport(algo, True, max_tag), MpiTransport(p2p), ring_segment_bytes)
+        self.tp = MpiTransport(algo, True, max_tag)
+        self.init_core(self.tp, MpiTransport(p2p), ring_segment_bytes)
         self.impls |= 1u << IMPL_NATIVE
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
@@ -40,9 +42,9 @@ cdef class MpiComm(CoreComm):
         so the wait yields between polls and never sleeps. One that ends early (a timeout, an abort)
         stays posted: MPI forbids freeing a collective's request."""
         if ierr:
-            return ierr
+            return self.tp.failed(ierr)
         ctx.busy_poll = True
-        ierr = wait_until(_poll_mpi, NULL, req, ctx, NULL)
+        ierr = wait_until(_poll_mpi, <void*>self.tp, req, ctx, NULL)
         if ierr:
             self.abandoned = True
         return ierr
@@ -79,11 +81,12 @@ cdef class MpiComm(CoreComm):
             return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
         t, isz = MPI_TYPES[c.dtype], eng_itemsize[c.dtype]
         if c.op == OP_ALLGATHER and all_equal(c.counts, self.size):
-            return MPI_Allgather(MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src, <int>c.count, t,
-                                 c.dst, <int>c.count, t, self.coll)
+            return self.tp.failed(MPI_Allgather(MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src,
+                                                <int>c.count, t, c.dst, <int>c.count, t, self.coll))
         if c.op == OP_ALLGATHER:
-            return MPI_Allgatherv(MPI_IN_PLACE if c.src == c.dst + c.displs[self.rank] * isz else c.src, <int>c.count, t,
-                                  c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1), t, self.coll)
+            return self.tp.failed(MPI_Allgatherv(MPI_IN_PLACE if c.src == c.dst + c.displs[self.rank] * isz else c.src,
+                                                 <int>c.count, t, c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1),
+                                                 t, self.coll))
         # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
         # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
         # root alone, so every rank's call matches whatever the root's counts are.
@@ -94,9 +97,9 @@ cdef class MpiComm(CoreComm):
             return self.finish(MPI_Iscatterv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, c.dst, <int>c.count,
                                              t, c.root, self.coll, &req), &req, ctx)
         if c.op == OP_REDUCE_SCATTER and all_equal(c.counts, self.size):
-            return MPI_Reduce_scatter_block(c.src, c.dst, <int>c.count, t, mpi_op(c.red), self.coll)
+            return self.tp.failed(MPI_Reduce_scatter_block(c.src, c.dst, <int>c.count, t, mpi_op(c.red), self.coll))
         if c.op == OP_REDUCE_SCATTER:
-            return MPI_Reduce_scatter(c.src, c.dst, self.ints(c.counts, 0), t, mpi_op(c.red), self.coll)
+            return self.tp.failed(MPI_Reduce_scatter(c.src, c.dst, self.ints(c.counts, 0), t, mpi_op(c.red), self.coll))
         if c.even:
             return self.finish(MPI_Ialltoall(c.src, <int>c.counts[0], t, c.dst, <int>c.rcounts[0], t, self.coll, &req),
                                &req, ctx)
@@ -118,16 +121,18 @@ cdef class MpiComm(CoreComm):
             if c.op == OP_BROADCAST:
                 ierr = self.finish(MPI_Ibcast(d, n, t, c.root, self.coll, &req), &req, ctx)
             elif c.op == OP_ALLREDUCE:
-                ierr = MPI_Allreduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op, self.coll)
+                ierr = self.tp.failed(MPI_Allreduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op,
+                                                    self.coll))
             else:
-                ierr = MPI_Reduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op, c.root, self.coll)
+                ierr = self.tp.failed(MPI_Reduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op,
+                                                 c.root, self.coll))
             if ierr:
                 return ierr
             off += n
         return 0
 
 
-cdef int _poll_mpi(void *unused, void *req, bint *done) except -1 nogil:
+cdef int _poll_mpi(void *tp, void *req, bint *done) except -1 nogil:
     cdef int flag = 0, ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
     done[0] = flag != 0
-    return ierr
+    return (<MpiTransport>tp).failed(ierr)

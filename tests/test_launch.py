@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from mpirun import assert_rank_1_shrunk_away, mpi_env, mpiexec_command, ulfm_unavailable
+from mpirun import assert_rank_1_shrunk_away, mpi_aborted, mpi_env, mpiexec_command, ulfm_unavailable, under_open_mpi
 from torchbridge.launch import detect_launcher, free_port, prepare_env
 
 SCRIPT = textwrap.dedent("""
@@ -43,6 +43,21 @@ def clean_env(**extra):
 ])
 def test_detect_launcher(environ, expected):
     assert detect_launcher(environ) == expected
+
+
+def test_open_mpi_is_made_to_yield_when_its_ranks_fill_the_cores_and_mpich_is_left_alone():
+    """engine.mpi.polite_env: Open MPI's yield-when-idle is set (and said) from as many local ranks as
+    cores, unless the user set it; MPICH's and Intel MPI's launcher get no Open MPI setting (MPICH
+    yields in its waits by itself)."""
+    from engine.mpi import polite_env
+    ompi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    env = dict(ompi)
+    assert "OMPI_MCA_mpi_yield_when_idle=1" in polite_env(env, cores=4) and env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert polite_env(dict(ompi), cores=8) is None
+    env = {**ompi, "OMPI_MCA_mpi_yield_when_idle": "0"}
+    assert polite_env(env, cores=2) is None and env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+    env = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "4"}
+    assert polite_env(env, cores=2) is None and "OMPI_MCA_mpi_yield_when_idle" not in env
 
 
 def test_user_values_win_and_are_checked():
@@ -136,6 +151,7 @@ def launch_init_case(*args, timeout=60, **env):
     rank's call of init_process_group to the job's end). A job still running at the timeout (the hang these
     tests guard against) is killed whole, ranks included, and fails the test."""
     cmd = mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "fail_at_init.py"), *args]
+    shm = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(cmd, env={**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -148,6 +164,7 @@ def launch_init_case(*args, timeout=60, **env):
     calls = [float(t) for t in re.findall(r"calls init_process_group at ([\d.]+)", out)]
     seconds = ended - max(calls) if calls else None
     print(f"{' '.join(args)}: exit {proc.returncode}, the job ended {seconds} s after the last init_process_group")
+    assert set(os.listdir("/dev/shm")) <= shm, (set(os.listdir("/dev/shm")) - shm, out[-3000:])  # the MPI's too
     return proc.returncode, out, seconds
 
 
@@ -155,18 +172,20 @@ def launch_init_case(*args, timeout=60, **env):
                                       ("engine-starts-mpi", "WORLD_SIZE")])
 def test_a_rank_failing_at_init_ends_the_job_with_its_error(mode, var):
     """One rank's init_process_group fails while the others wait for it (in the engine's rendezvous over MPI,
-    or in torch's store): the job ends non-zero within 10 s, the error shown. With MPI already up (the script
-    or a library started it) the failing rank aborts the job at exit instead of waiting in MPI_Finalize."""
+    or in torch's store): the job ends non-zero within 10 s, the error shown, and nothing is left in /dev/shm.
+    With MPI already up (the script or a library started it) the failing rank aborts the job at exit instead
+    of waiting in MPI_Finalize. Before MPI is up, Open MPI's launcher ends the job at its exit; MPICH's does
+    not (the others wait for the rank in MPI_Init), so there the rank starts MPI and aborts the job."""
     rc, out, seconds = launch_init_case(mode, var, TEST_PORT=str(free_port()))
     wrong = "RANK=7" if var == "RANK" else "WORLD_SIZE=4"
+    launcher = "Open MPI" if under_open_mpi() else "MPICH/Hydra or Intel MPI"
     assert rc != 0, out[-3000:]
-    assert f"RuntimeError: {wrong} disagrees with the MPI launcher (Open MPI), which says" in out, out[-3000:]
+    assert f"RuntimeError: {wrong} disagrees with the MPI launcher ({launcher}), which says" in out, out[-3000:]
     assert seconds is not None and seconds < 10, f"the job ended {seconds} s after init_process_group\n" + out[-3000:]
     assert "done:" not in out, out[-3000:]
-    if mode != "engine-starts-mpi":  # MPI was up on the failing rank: it aborted the job, with code 1
+    if mode != "engine-starts-mpi" or not under_open_mpi():  # the failing rank aborted the job, with code 1
         assert "engine: rank 1 exits after init_process_group failed (RuntimeError: " in out, out[-3000:]
-        assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
-        assert re.search(r"Errorcode: 1\b", out), out[-3000:]
+        assert mpi_aborted(out, 1) or not under_open_mpi(), out[-3000:]
     else:  # the failing rank exited 1 before MPI started, and the launcher ended the others
         assert re.search(r"Process name: \[\S+,1\]\s+Exit code:\s+1\b", out), out[-3000:]
 
@@ -178,7 +197,7 @@ def test_a_rank_raising_after_init_ends_the_job():
     assert rc != 0, out[-3000:]
     assert "RuntimeError: rank 1 fails after init on purpose" in out, out[-3000:]
     assert "engine: rank 1 exits after an uncaught exception (RuntimeError: rank 1 fails after init on purpose)" in out
-    assert "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD" in out, out[-3000:]
+    assert mpi_aborted(out, 1) or not under_open_mpi(), out[-3000:]
     assert "done:" not in out and seconds < 10, out[-3000:]
 
 

@@ -80,16 +80,22 @@ def _bounded_init(dist, original, backend, init_method, args, kwargs):
 
 def _failed_at_init(exc):
     """A rank whose init_process_group fails (a RANK that disagrees with the launcher, a rendezvous
-    error, anything) must not leave the others waiting for it. Without MPI up the launcher sees the
-    process exit non-zero and ends the job (mpirun, torchrun); with MPI up (the engine's own bootstrap,
+    error, anything) must not leave the others waiting for it. With MPI up (the engine's own bootstrap,
     or a script or library that initialised MPI first) the rank would wait in MPI_Finalize for ranks
-    that wait for it: it aborts the job at exit instead (engine.failure)."""
+    that wait for it: it aborts the job at exit instead (engine.failure). Without MPI up, Open MPI's
+    mpirun and torchrun see the process exit non-zero and end the job; MPICH's mpiexec (Hydra) and srun
+    do not, and the others wait for this rank inside MPI_Init: it starts MPI, to abort the job at exit."""
     import sys
+    from engine.launcher import detect_launcher
     MPI = sys.modules.get("mpi4py.MPI")   # looked up, never imported: `import torch` must not load MPI
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    launched = detect_launcher()
+    if MPI is None or not MPI.Is_initialized():
+        if launched is None or launched[0] == "Open MPI" or launched[2] == 1:
+            return
+    elif MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     from engine import failure, mpi
-    mpi.load()  # arms the failure policy where MPI was started by someone else
+    mpi.load()  # arms the failure policy (and starts MPI where it is not up)
     failure.init_failed(failure.describe(exc))
 
 

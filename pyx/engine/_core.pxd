@@ -112,7 +112,8 @@ cdef extern from "call_tags.h" nogil:   # what a collective adds to its tags, an
 
 cdef extern from "errors.h":   # the one list, each code's meaning there, shared with the C transports
     enum: ENG_ERR_BASE, ENG_ERR_PEER_DEAD, ENG_ERR_MISMATCH, ENG_ERR_CORRUPT, ENG_ERR_TRUNCATE, ENG_ERR_NOMEM, \
-          ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED, ENG_ERR_OTHER_CALL
+          ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED, ENG_ERR_OTHER_CALL, \
+          ENG_ERR_MPI
 
 
 # ---- the transport seam ----

@@ -22,11 +22,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.launcher import detect_launcher
+
 MODE = sys.argv[1]
 VAR = sys.argv[2] if len(sys.argv) > 2 else ""
 FAILING = 1
-rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-launchers_local_rank = os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+_, rank, size, launchers_local_rank, _ = detect_launcher()
 if MODE in ("mpi-first", "ds-env", "local-rank"):
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()
@@ -34,7 +35,7 @@ if MODE == "ds-env":
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = os.environ["TEST_PORT"]
 if MODE == "local-rank":
-    os.environ["LOCAL_RANK"] = str(size - 1 - int(launchers_local_rank))
+    os.environ["LOCAL_RANK"] = str(size - 1 - launchers_local_rank)
 kwargs = {}
 if rank == FAILING and VAR == "RANK":
     os.environ["RANK"] = "7"
