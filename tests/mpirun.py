@@ -35,12 +35,12 @@ def mpiexec():
 
 
 def under_open_mpi():
-    """Whether the tests' mpiexec is Open MPI's (else MPICH's, Hydra: `make test-mpich`)."""
+    """Whether the tests' mpiexec is Open MPI's (else Hydra, MPICH's or Intel MPI's: `make test-mpich`)."""
     return _is_open_mpi(mpiexec())
 
 
 def launcher_output(text):
-    """A launcher's output as each rank wrote it. MPICH's mpiexec (-prepend-rank) puts its "[rank] "
+    """A launcher's output as each rank wrote it. Hydra (-prepend-rank) puts its "[rank] "
     before every piece of a rank's output it reads, which may end mid-line: the prefixes go."""
     return text if under_open_mpi() else re.sub(r"\[\d+\] ", "", text)
 
@@ -59,8 +59,8 @@ def mpiexec_command(nranks):
     if _is_open_mpi(exe):  # Open MPI takes extra flags
         # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
         cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"] + NO_LIBFABRIC
-    elif "HYDRA" in _version(exe):   # MPICH's: each line whole, after its rank (one rank's summary line
-        cmd += ["-prepend-rank"]     # would otherwise run on from another's)
+    elif "HYDRA" in _version(exe) or "Intel(R) MPI" in _version(exe):   # Hydra (MPICH's, Intel MPI's):
+        cmd += ["-prepend-rank"]   # each rank's output after its rank (summary lines would run together)
     return cmd
 
 
