@@ -107,7 +107,7 @@ $(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
 # .mpich/ is a copy of the tracked files whose engine._mpi is built against it. Its other modules use
 # no MPI: they are .venv's (setup.py's ENGINE_BUILD_EXTENSIONS=missing builds only engine._mpi).
 MPICH_PY := $(CURDIR)/.venv-mpich/bin/python
-.venv-mpich/.packages: requirements-mpich.txt constraints.txt
+.venv-mpich/.packages: requirements-mpich.txt constraints.txt | $(VENV)/.packages
 	test -x $(MPICH_PY) || python3 -m venv .venv-mpich
 	$(call packages,.venv-mpich,constraints.txt) -r requirements-mpich.txt
 	touch $@
@@ -127,7 +127,7 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-# The three environments' installs run together (each line of their output whole: --output-sync), the
+# The environments' installs run together (each line of their output whole: --output-sync), the
 # suites one after another.
 test:
 	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages \
@@ -144,6 +144,7 @@ test-torch2.14: setup-torch2.14
 # memory and on MPI (native collectives and the engine's algorithms over MPICH's point-to-point), and
 # the launch tests (the launcher's variables, failures at init ending the job, worlds made again).
 test-mpich: .mpich/.installed
+	git ls-files -z | xargs -0 cp --parents -t .mpich   # (this tree's edits since the copy was built)
 	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
 	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" \
 		"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" tests/test_launch.py --durations=5
@@ -190,4 +191,5 @@ asan: setup
 	@if ls .asan/report.* >/dev/null 2>&1; then cat .asan/report.*; exit 1; fi
 
 clean:
-	rm -rf build .asan .mpich engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages
+	rm -rf build .asan .mpich engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages \
+		.venv-mpich/.packages

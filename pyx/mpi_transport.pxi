@@ -35,7 +35,8 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
 
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
-    cdef int mpi_code   # MPI's own code of the last failed call (ENG_ERR_MPI stands for it)
+    cdef int mpi_code   # MPI's own code of the last failed call (ENG_ERR_MPI stands for it; as err_peer,
+                        # the latest of threads failing at once)
     cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
     cdef object pycomm  # mpi4py's: the fault-tolerance calls (ULFM), on the way to an error only
 

@@ -41,7 +41,8 @@ def under_open_mpi():
 
 def launcher_output(text):
     """A launcher's output as each rank wrote it. Hydra (-prepend-rank) puts its "[rank] "
-    before every piece of a rank's output it reads, which may end mid-line: the prefixes go."""
+    before every piece of a rank's output it reads, which may end mid-line: the prefixes go (and with
+    them any "[N] " a rank printed itself: the tests look for none)."""
     return text if under_open_mpi() else re.sub(r"\[\d+\] ", "", text)
 
 

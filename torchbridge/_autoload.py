@@ -85,17 +85,27 @@ def _failed_at_init(exc):
     that wait for it: it aborts the job at exit instead (engine.failure). Without MPI up, Open MPI's
     mpirun and torchrun see the process exit non-zero and end the job; MPICH's mpiexec (Hydra) and srun
     do not, and the others wait for this rank inside MPI_Init: it starts MPI, to abort the job at exit."""
+    import os
     import sys
+    from engine import failure
     from engine.launcher import detect_launcher
     MPI = sys.modules.get("mpi4py.MPI")   # looked up, never imported: `import torch` must not load MPI
-    launched = detect_launcher()
     if MPI is None or not MPI.Is_initialized():
-        if launched is None or launched[0] == "Open MPI" or launched[2] == 1:
+        launched = detect_launcher()
+        # (a torchrun that srun or mpiexec started runs several ranks on one launcher rank: not MPI's)
+        if launched is None or launched[0] == "Open MPI" or launched[2] == 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             return
+        print(f"engine: rank {launched[1]}: init_process_group failed ({failure.describe(exc)}); starting MPI, "
+              f"which the other ranks wait in, to end the job at exit ({launched[0]} does not end it at this "
+              "rank's exit)", file=sys.stderr, flush=True)
     elif MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
-    from engine import failure, mpi
-    mpi.load()  # arms the failure policy (and starts MPI where it is not up)
+    try:
+        from engine import mpi
+        mpi.load()  # arms the failure policy (and starts MPI where it is not up)
+    except Exception as start:   # (the user's error is the one to raise, this one only said)
+        print(f"engine: MPI could not start to end the job ({failure.describe(start)})", file=sys.stderr, flush=True)
+        return
     failure.init_failed(failure.describe(exc))
 
 
