@@ -107,13 +107,15 @@ $(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
 # .mpich/ is a copy of the tracked files whose engine._mpi is built against it. Its other modules use
 # no MPI: they are .venv's (setup.py's ENGINE_BUILD_EXTENSIONS=missing builds only engine._mpi).
 MPICH_PY := $(CURDIR)/.venv-mpich/bin/python
+# The tracked files, into a folder (.mpich/, .asan/).
+COPY_TRACKED = git ls-files -z | xargs -0 cp --parents -t
 .venv-mpich/.packages: requirements-mpich.txt constraints.txt | $(VENV)/.packages
 	test -x $(MPICH_PY) || python3 -m venv .venv-mpich
 	$(call packages,.venv-mpich,constraints.txt) -r requirements-mpich.txt
 	touch $@
 
 .mpich/.installed: .venv-mpich/.packages $(VENV)/.installed
-	rm -rf .mpich && mkdir .mpich && git ls-files -z | xargs -0 cp --parents -t .mpich
+	rm -rf .mpich && mkdir .mpich && $(COPY_TRACKED) .mpich
 	cp --parents engine/_core.*.so engine/_progress.*.so torchbridge/_fastpath.*.so -t .mpich
 	cd .mpich && MPICC=$(CURDIR)/.venv-mpich/bin/mpicc ENGINE_BUILD_EXTENSIONS=missing \
 		$(MPICH_PY) -m pip install -q --no-build-isolation --no-deps -e .
@@ -144,7 +146,7 @@ test-torch2.14: setup-torch2.14
 # memory and on MPI (native collectives and the engine's algorithms over MPICH's point-to-point), and
 # the launch tests (the launcher's variables, failures at init ending the job, worlds made again).
 test-mpich: .mpich/.installed
-	git ls-files -z | xargs -0 cp --parents -t .mpich   # (this tree's edits since the copy was built)
+	$(COPY_TRACKED) .mpich   # (this tree's edits since the copy was built)
 	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
 	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" \
 		"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" tests/test_launch.py --durations=5
@@ -177,7 +179,7 @@ ASAN_PRELOAD = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-
 ASAN_RUN = LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$(CURDIR)/.asan/report
 
 asan: setup
-	rm -rf .asan && mkdir .asan && git ls-files -z | xargs -0 cp --parents -t .asan
+	rm -rf .asan && mkdir .asan && $(COPY_TRACKED) .asan
 	cd .asan && CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" LDFLAGS="-fsanitize=address" \
 		$(CURDIR)/$(PY) setup.py -q build_ext --inplace
 	cd .asan && $(ASAN_RUN) $(CURDIR)/$(PY) tests/torchrun.py 3 tests/mpi/test_torch_backend.py \

