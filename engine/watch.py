@@ -240,9 +240,11 @@ class Watch:
         if str(exc) == self._reported:
             return
         if isinstance(exc, EngineMismatch) and self.store is not None:
-            # peers still waiting in this call compare this rank's note with theirs (the error is not held
-            # up by the store)
-            self.note_arrival(rec)
+            # peers still waiting in this call compare this rank's note with theirs. It is written before
+            # the error leaves: torch's store client serves one request at a time, and the rank's next
+            # blocking one (the next group's opening, waiting on a rank still in this call) would hold
+            # the note back until that rank's timeout.
+            self.note_arrival(rec, wait=STORE_QUERY_SECONDS)
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
@@ -286,14 +288,14 @@ class Watch:
     def _key(self, rank):
         return f"engine/{self.group}/{self.notes_id}/waiting-at/{rank}"
 
-    def note_arrival(self, rec):
+    def note_arrival(self, rec, wait=0.0):
         """Notes in the store that this rank reached operation rec's seq, and what it called there
         (written only once a wait stalls, or the call failed naming another), on the store's line: the
-        caller does not wait for it."""
+        caller waits for it at most `wait` s."""
         store = self.store
         if store is not None:
             note = self._note(rec)
-            _StoreLine.ask(store, lambda: self._set_note(store, note), 0)
+            _StoreLine.ask(store, lambda: self._set_note(store, note), wait)
 
     @staticmethod
     def _note(rec):

@@ -127,6 +127,36 @@ def test_a_call_key_in_words():
     assert describe_call(key("allgather", "bfloat16"), 16) == "allgather of 16 bfloat16"
 
 
+def test_a_rank_whose_call_fails_in_a_mismatch_has_noted_it_when_the_error_leaves(monkeypatch):
+    """A peer still waiting in the call learns of the mismatch from this rank's note. torch's store
+    client serves one request at a time per connection, and the rank's next request may block it
+    (opening the next group, it waits for a key that the peer, still in this call, will not set
+    until its timeout): the note is written before the error leaves the call, not after. Here another
+    thread's wait holds the connection for 1 s when the call fails."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])   # (this process is no MPI job to end at exit)
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    store = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    w1, core1 = watch(1, 3, dist.PrefixStore("g", store))   # (keys "g/...")
+    core1.rec = record(1, BROADCAST_0)
+    holding = threading.Thread(target=lambda: pytest.raises(Exception, store.wait, ["never"],
+                                                            datetime.timedelta(seconds=1)))
+    holding.start()
+    time.sleep(0.2)
+    w1._failed(core1.rec, EngineMismatch("broadcast failed: rank 0 sent a message of another collective"))
+    assert host.check(["g/" + w1._key(1)])           # (read over another connection: the peer's view)
+    assert host.get("g/" + w1._key(1)).decode().startswith("1 ")
+    assert core1.broken.startswith("broadcast failed")
+    holding.join()
+
+
 def test_a_store_that_stops_answering_holds_one_thread_the_reports_say_so_at_once_and_it_recovers(monkeypatch):
     """torch's store client gives its reads no timeout: a query to a host that stopped answering (here
     stopped by SIGSTOP, as across a cut link its connection stays open) blocks its thread for good, and
