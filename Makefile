@@ -149,7 +149,8 @@ test-mpich: .mpich/.installed
 	$(COPY_TRACKED) .mpich   # (this tree's edits since the copy was built)
 	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
 	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-2]" \
-		"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" tests/test_launch.py --durations=5
+		"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
+		"tests/test_mpi_suites.py::test_receives_from_any_rank_over_mpi" tests/test_launch.py --durations=5
 
 test-torch2.15: setup-torch2.15
 	.venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20

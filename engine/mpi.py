@@ -4,6 +4,7 @@ as many ranks as it has cores (busy-polling ranks would starve each other and th
 processing), unless the user chose otherwise."""
 
 import os
+import re
 import sys
 
 from . import failure
@@ -44,6 +45,29 @@ def fault_tolerant(environ=None):
     revoke, and a plain mpirun ends the job at a rank's death anyway."""
     env = os.environ if environ is None else environ
     return env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
+
+def any_source_by_probe(library_version, environ=None):
+    """Whether a receive from any rank waits in MPI_Improbe and takes its message with MPI_Imrecv
+    instead of being posted as an MPI_ANY_SOURCE receive: ENGINE_MPI_ANY_SOURCE ('probe' or 'post'),
+    else under MPICH's UCX network module, whose posted any-source receives miss messages from ranks
+    it reaches over the network (MPICH 5.0.2 with UCX 1.20.1: tests/mpi/any_source.py, plain mpi4py,
+    hangs at 4 ranks with MPIR_CVAR_NOLOCAL=1; its matched probes find them). A probing receive gives
+    up one ordering rule of MPI's: a receive for that rank posted after it may take the message first."""
+    env = os.environ if environ is None else environ
+    mode = env.get("ENGINE_MPI_ANY_SOURCE", "").strip().lower()
+    if mode in ("probe", "post"):
+        return mode == "probe"
+    if mode:
+        raise ValueError(f"ENGINE_MPI_ANY_SOURCE={mode!r}: use 'probe' or 'post' (unset: probe under MPICH's UCX "
+                         "network module only)")
+    device = re.search(r"^MPICH Device:\s*ch4:(.*)$", library_version, re.M)
+    if not library_version.startswith("MPICH") or device is None:
+        return False
+    netmods = device.group(1).replace(",", " ").split()   # ("ch4:ucx ofi": both built, the first by default)
+    chosen = env.get("MPIR_CVAR_CH4_NETMOD", "").strip().lower() or (netmods[0] if netmods else "")
+    return chosen == "ucx" and "ucx" in netmods
 
 
 _loaded = []

@@ -133,13 +133,16 @@ class Mpi(_Transport):
     @staticmethod
     def settings():
         # ENGINE_MPI_TAG_UB below MPI's own: run as over an MPI whose tags have fewer bits (the tests do)
-        return dict(tag_ub=min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1), chunk=registry.MPI_CHUNK.value())
+        from . import mpi
+        return dict(tag_ub=min(env_int("ENGINE_MPI_TAG_UB", 0, minimum=0), 2**31 - 1), chunk=registry.MPI_CHUNK.value(),
+                    any_source_by_probe=mpi.any_source_by_probe(mpi.load().Get_library_version()))
 
     @staticmethod
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         from . import mpi
         core = mpi.core().MpiComm(*comms, seg_bytes, cfg["tag_ub"])
         core.set_chunk(cfg["chunk"])
+        core.set_any_source_by_probe(cfg["any_source_by_probe"])
         return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"]}
 
 

@@ -2,19 +2,21 @@
 """engine._mpi: the MPI transport (point-to-point for the engine's algorithms and the user's
 send/recv) and MPI's native collectives, behind engine._core's seam."""
 
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, free, realloc
 from libc.limits cimport INT_MAX
 from libc.stdint cimport SIZE_MAX
 
 from mpi4py.libmpi cimport *
 from mpi4py.MPI cimport Comm
 
+from pthread cimport pthread_mutex_t, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, pthread_mutex_destroy
+
 from kernels cimport *
 from shm cimport eng_now
 from schedule cimport all_equal
 from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, posted_tag, CoreComm,
                            IMPL_NATIVE, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,
-                           OP_ALLTOALL, OP_BARRIER, ANY_PEER, ANY_TAG_, ENG_ERR_MPI, ENG_ERR_OTHER_CALL,
+                           OP_ALLTOALL, OP_BARRIER, ANY_PEER, ANY_TAG_, ENG_ERR_MPI, ENG_ERR_NOMEM, ENG_ERR_OTHER_CALL,
                            ENG_ERR_PEER_DEAD, ENG_ERR_PEER_LEFT, eng_other_call)
 from mpi4py import MPI as _MPI
 

@@ -49,6 +49,14 @@ cdef class MpiComm(CoreComm):
             self.abandoned = True
         return ierr
 
+    def set_any_source_by_probe(self, bint on):
+        """Receives from any rank wait in MPI_Improbe instead of being posted (engine.mpi.any_source_by_probe)."""
+        (<MpiTransport>self.user_tp).probe_any = on   # (the algorithms name every peer)
+
+    @property
+    def any_source_by_probe(self):
+        return (<MpiTransport>self.user_tp).probe_any
+
     def set_chunk(self, size_t elements):
         """Largest piece of an element-wise native collective (tests make it tiny to reach the loop)."""
         if elements == 0 or elements > <size_t>INT_MAX:

@@ -33,12 +33,24 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
     return ierr
 
 
+# A receive from any rank that waits for a probe to find its message (req.w[0]'s low byte; the tag
+# above it, the buffer in w[1], its size in w[3]); 1 and 2 are a posted send and receive. Every test
+# of a message on the transport probes for all of them, in the order they were made: MPI would move a
+# posted receive while the rank waits on another message (a send whose receiver waits on its own send).
+cdef size_t _PROBING = 3
+
+
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
     cdef int mpi_code   # MPI's own code of the last failed call (ENG_ERR_MPI stands for it; as err_peer,
                         # the latest of threads failing at once)
     cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
     cdef object pycomm  # mpi4py's: the fault-tolerance calls (ULFM), on the way to an error only
+    cdef public bint probe_any  # a receive from any rank is not posted: MPI_Improbe finds its message,
+                                # MPI_Imrecv takes it (engine.mpi.any_source_by_probe says where)
+    cdef pthread_mutex_t probing_lock
+    cdef Req **probing          # the probing receives, oldest first
+    cdef size_t nprobing, probing_cap
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
         """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
@@ -47,6 +59,7 @@ cdef class MpiTransport(Transport):
         cdef int *tag_ub = NULL
         self.comm = comm.ob_mpi
         self.pycomm = comm
+        pthread_mutex_init(&self.probing_lock, NULL)
         self.err_peer = -1
         check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
         check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
@@ -60,6 +73,10 @@ cdef class MpiTransport(Transport):
         self.wide_tags = max_tag >= 0x7FFFFFFF
         self.probes = algorithms and self.wide_tags
 
+    def __dealloc__(self):
+        free(self.probing)
+        pthread_mutex_destroy(&self.probing_lock)
+
     cdef int failed(self, int ierr) noexcept nogil:
         """0, or ENG_ERR_MPI for MPI's code ierr (kept for error_text and classify): MPI's codes are the
         library's, and MPICH's may equal any of the engine's."""
@@ -72,6 +89,8 @@ cdef class MpiTransport(Transport):
         cdef int count, ierr
         cdef MPI_Datatype dt
         tag = posted_tag(self, tag)
+        if recv and peer == ANY_PEER and self.probe_any:
+            return self._add_probing(buf, nbytes, tag, req)
         ierr = _byte_type(nbytes, &count, &dt)
         if ierr:
             return self.failed(ierr)
@@ -100,6 +119,14 @@ cdef class MpiTransport(Transport):
         if not req_active(req):
             done[0] = True
             return 0
+        if self.probe_any:
+            pthread_mutex_lock(&self.probing_lock)
+            ierr = self._probe_all()
+            flag = req.w[0] & 0xFF == _PROBING
+            pthread_mutex_unlock(&self.probing_lock)
+            if ierr or flag:
+                done[0] = False
+                return self.failed(ierr)
         ierr = MPI_Test(_mreq(req), &flag, &status)
         done[0] = flag != 0
         if ierr or not flag:
@@ -111,6 +138,65 @@ cdef class MpiTransport(Transport):
             st.nbytes = <size_t>n
         req.w[0] = 0
         return 0
+
+    cdef int _add_probing(self, void *buf, size_t nbytes, int tag, Req *req) noexcept nogil:
+        cdef Req **grown
+        pthread_mutex_lock(&self.probing_lock)
+        if self.nprobing == self.probing_cap:
+            grown = <Req**>realloc(self.probing, (2 * self.probing_cap + 4) * sizeof(Req*))
+            if grown == NULL:
+                pthread_mutex_unlock(&self.probing_lock)
+                return ENG_ERR_NOMEM
+            self.probing, self.probing_cap = grown, 2 * self.probing_cap + 4
+        req.w[0] = _PROBING | <size_t>(<unsigned int>tag) << 32
+        req.w[1] = <size_t>buf
+        req.w[2] = 0
+        req.w[3] = nbytes
+        self.probing[self.nprobing] = req
+        self.nprobing += 1
+        pthread_mutex_unlock(&self.probing_lock)
+        return 0
+
+    cdef void _drop_probing(self, size_t i) noexcept nogil:   # (the lock held)
+        self.nprobing -= 1
+        while i < self.nprobing:
+            self.probing[i] = self.probing[i + 1]
+            i += 1
+
+    cdef int _probe_all(self) noexcept nogil:
+        """Each probing receive whose message MPI_Improbe finds, oldest first, becomes a posted receive
+        (the lock held); MPI's code."""
+        cdef size_t i = 0
+        cdef int ierr
+        while i < self.nprobing:
+            ierr = self._receive_probed(self.probing[i])
+            if ierr:
+                return ierr
+            if self.probing[i].w[0] & 0xFF == _PROBING:
+                i += 1
+            else:
+                self._drop_probing(i)
+        return 0
+
+    cdef int _receive_probed(self, Req *req) noexcept nogil:
+        """A probing receive's message, if MPI_Improbe finds one, taken by MPI_Imrecv (the request is then a
+        posted receive); MPI's code. A matched probe takes the message out of MPI's queue for this
+        receive alone: no other receive, nor another thread's probe, can take it."""
+        cdef int flag = 0, count, tag = <int><unsigned int>(req.w[0] >> 32)
+        cdef MPI_Message msg
+        cdef MPI_Datatype dt
+        cdef int ierr = _byte_type(req.w[3], &count, &dt)
+        if ierr:
+            return ierr
+        ierr = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, &flag, &msg,
+                           MPI_STATUS_IGNORE)
+        if not ierr and flag:
+            ierr = MPI_Imrecv(<void*>req.w[1], count, dt, &msg, _mreq(req))
+            if not ierr:
+                req.w[0] = 2
+        if dt != MPI_BYTE:
+            MPI_Type_free(&dt)
+        return ierr
 
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
         cdef MpiWait w
@@ -137,8 +223,20 @@ cdef class MpiTransport(Transport):
         receive already under way) is freed and reported (1), so the caller keeps its buffer alive."""
         cdef int flag = 0
         cdef double until
+        cdef size_t i
         if not req_active(req):
             return 0
+        if self.probe_any:
+            pthread_mutex_lock(&self.probing_lock)
+            if req.w[0] & 0xFF == _PROBING:   # (nothing posted)
+                for i in range(self.nprobing):
+                    if self.probing[i] == req:
+                        self._drop_probing(i)
+                        break
+                req.w[0] = 0
+            pthread_mutex_unlock(&self.probing_lock)
+            if not req_active(req):
+                return 0
         if req.w[0] == 2:
             MPI_Cancel(_mreq(req))
             until = eng_now() + 0.1

@@ -61,6 +61,31 @@ def test_open_mpi_is_made_to_yield_when_its_ranks_fill_the_cores_and_mpich_is_le
     assert polite_env(env, cores=2) is None and "OMPI_MCA_mpi_yield_when_idle" not in env
 
 
+MPICH_VERSION = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 2026\nMPICH Device:       ch4:{}\n"
+
+
+@pytest.mark.parametrize("version,environ,probes", [
+    (MPICH_VERSION.format("ucx ofi"), {}, True),                                   # UCX, the default module
+    (MPICH_VERSION.format("ucx ofi"), {"MPIR_CVAR_CH4_NETMOD": "ofi"}, False),
+    (MPICH_VERSION.format("ofi ucx"), {}, False),
+    (MPICH_VERSION.format("ofi ucx"), {"MPIR_CVAR_CH4_NETMOD": "UCX"}, True),
+    (MPICH_VERSION.format("ofi"), {}, False),
+    ("Open MPI v5.0.9, package: Open MPI", {}, False),
+    ("Intel(R) MPI Library 2021.19 for Linux* OS", {}, False),
+    ("Open MPI v5.0.9", {"ENGINE_MPI_ANY_SOURCE": "probe"}, True),
+    (MPICH_VERSION.format("ucx ofi"), {"ENGINE_MPI_ANY_SOURCE": " Post"}, False),
+])
+def test_receives_from_any_rank_probe_under_mpichs_ucx_module_or_when_asked(version, environ, probes):
+    from engine.mpi import any_source_by_probe
+    assert any_source_by_probe(version, environ) is probes
+
+
+def test_a_mistyped_any_source_mode_is_refused_naming_the_choices():
+    from engine.mpi import any_source_by_probe
+    with pytest.raises(ValueError, match="ENGINE_MPI_ANY_SOURCE='poll': use 'probe' or 'post'"):
+        any_source_by_probe("MPICH Version: 5.0.2", {"ENGINE_MPI_ANY_SOURCE": "poll"})
+
+
 def test_user_values_win_and_are_checked():
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
     prepare_env(environ=env)

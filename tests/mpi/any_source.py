@@ -1,0 +1,68 @@
+"""Receives from any rank, over MPI, under mpiexec (4 ranks): each rank sends to its right-hand
+neighbour, on tags 0 and 7, messages from 1 element to 300,001 (eager and rendezvous), and receives
+its left-hand neighbour's from any rank. Prints `any-source: ok <mode>` on each rank that got every
+message right; a lost message ends in the engine's timeout naming the receive.
+
+`python any_source.py plain` does the same with mpi4py alone, polling MPI_Test as the engine does:
+under MPICH 5.0.2's UCX network module (the mpich wheel's default) with MPIR_CVAR_NOLOCAL=1, a rank's
+posted MPI_ANY_SOURCE receive misses its neighbour's message there, and the script says so after
+10 s. tests/test_mpi_suites.py runs the engine's part (engine.mpi.any_source_by_probe)."""
+
+import sys
+import time
+
+import numpy as np
+
+SIZES = [1, 7, 100, 1000, 10001, 20001, 65537, 300001]
+DTYPES = [np.float32, np.float16, np.int64]
+ROUNDS = 3
+
+
+def plain():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.rank, comm.size
+
+    def wait(req, what):
+        status, start = MPI.Status(), time.monotonic()
+        while not req.Test(status):
+            if time.monotonic() - start > 10:
+                print(f"any-source: rank {rank} never got {what}", flush=True)
+                comm.Abort(1)
+        return status
+    return comm, rank, size, wait
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "engine"
+    if mode == "plain":
+        from mpi4py import MPI
+        comm, rank, size, wait = plain()
+        irecv = lambda buf, source, tag: comm.Irecv(buf, MPI.ANY_SOURCE if source is None else source, tag)
+        isend = lambda buf, dest, tag: comm.Isend(buf, dest, tag)
+        result = lambda req, what: (lambda st: (st.Get_source(), st.Get_tag()))(wait(req, what))
+    else:
+        import engine
+        comm = engine.Communicator(transport="mpi", timeout=30)
+        rank, size = comm.rank, comm.size
+        irecv, isend = comm.irecv, comm.isend
+        result = lambda req, what: req.wait()[:2]
+        mode = "probe" if comm._core.any_source_by_probe else "post"
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for _ in range(ROUNDS):
+        for n in SIZES:
+            for dt in DTYPES:
+                mine = np.full(n, rank, dt)
+                for tag, source in ((0, left), (7, None)):   # (from the neighbour named, then from any rank)
+                    got = np.empty(n, dt)
+                    r = irecv(got, source, tag)
+                    s = isend(mine, right, tag)
+                    # the send waited for first: a large one completes only once its receiver's receive
+                    # has its message, which that receiver gets while it too waits on its send
+                    result(s, "its send's completion") if mode == "plain" else s.wait()
+                    where = result(r, f"{n} {np.dtype(dt).name} from {'any rank' if source is None else source}, tag {tag}")
+                    assert where == (left, tag) and (got == left).all(), (where, n, dt)
+    print(f"any-source: ok {mode} rank {rank}", flush=True)   # (engine: how it received from any rank)
+
+
+main()
