@@ -54,7 +54,8 @@ def any_source_by_probe(library_version, environ=None):
     else under MPICH's UCX network module, whose posted any-source receives miss messages from ranks
     it reaches over the network (MPICH 5.0.2 with UCX 1.20.1: tests/mpi/any_source.py, plain mpi4py,
     hangs at 4 ranks with MPIR_CVAR_NOLOCAL=1; its matched probes find them). A probing receive gives
-    up one ordering rule of MPI's: a receive for that rank posted after it may take the message first."""
+    up one ordering rule of MPI's: a receive naming the sender, posted after it, may take the message
+    first (probing receives keep MPI's order among themselves)."""
     env = os.environ if environ is None else environ
     mode = env.get("ENGINE_MPI_ANY_SOURCE", "").strip().lower()
     if mode in ("probe", "post"):

@@ -50,8 +50,9 @@ cdef class MpiComm(CoreComm):
         return ierr
 
     def set_any_source_by_probe(self, bint on):
-        """Receives from any rank wait in MPI_Improbe instead of being posted (engine.mpi.any_source_by_probe)."""
-        (<MpiTransport>self.user_tp).probe_any = on   # (the algorithms name every peer)
+        """Receives from any rank wait in MPI_Improbe instead of being posted (engine.mpi.any_source_by_probe);
+        the algorithms' and MPI's collectives' waits move them too. (The algorithms name every peer.)"""
+        (<MpiTransport>self.user_tp).probe_any_source(on, self.tp)
 
     @property
     def any_source_by_probe(self):
@@ -141,6 +142,11 @@ cdef class MpiComm(CoreComm):
 
 
 cdef int _poll_mpi(void *tp, void *req, bint *done) except -1 nogil:
-    cdef int flag = 0, ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
+    cdef int flag = 0, ierr
+    if (<MpiTransport>tp).probed is not None:
+        ierr = (<MpiTransport>tp).probed.move_probing()
+        if ierr:
+            return (<MpiTransport>tp).failed(ierr)
+    ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
     done[0] = flag != 0
     return (<MpiTransport>tp).failed(ierr)

@@ -34,10 +34,12 @@ cdef int _byte_type(size_t nbytes, int *count, MPI_Datatype *dt) noexcept nogil:
 
 
 # A receive from any rank that waits for a probe to find its message (req.w[0]'s low byte; the tag
-# above it, the buffer in w[1], its size in w[3]); 1 and 2 are a posted send and receive. Every test
-# of a message on the transport probes for all of them, in the order they were made: MPI would move a
-# posted receive while the rank waits on another message (a send whose receiver waits on its own send).
+# above it, the buffer in w[1], its size in w[3]), and one whose probed message could not be taken
+# (MPI's code in w[2]); 1 and 2 are a posted send and receive. Every test of a message on the group
+# (the user's, the algorithms' and MPI's own collectives') probes for them: MPI would move a posted
+# receive while the rank waits on something else (a send whose receiver waits on its own send).
 cdef size_t _PROBING = 3
+cdef size_t _PROBE_FAILED = 4
 
 
 cdef class MpiTransport(Transport):
@@ -46,10 +48,11 @@ cdef class MpiTransport(Transport):
                         # the latest of threads failing at once)
     cdef bint probes    # a wait on a peer also looks at what it sent that nobody took (stray())
     cdef object pycomm  # mpi4py's: the fault-tolerance calls (ULFM), on the way to an error only
-    cdef public bint probe_any  # a receive from any rank is not posted: MPI_Improbe finds its message,
-                                # MPI_Imrecv takes it (engine.mpi.any_source_by_probe says where)
+    cdef readonly bint probe_any  # a receive from any rank is not posted: MPI_Improbe finds its message,
+                                  # MPI_Imrecv takes it (engine.mpi.any_source_by_probe says where)
+    cdef MpiTransport probed      # the transport whose probing receives this one's tests move too (or None)
     cdef pthread_mutex_t probing_lock
-    cdef Req **probing          # the probing receives, oldest first
+    cdef Req **probing            # the probing receives, oldest first
     cdef size_t nprobing, probing_cap
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
@@ -76,6 +79,16 @@ cdef class MpiTransport(Transport):
     def __dealloc__(self):
         free(self.probing)
         pthread_mutex_destroy(&self.probing_lock)
+
+    cdef int probe_any_source(self, bint on, MpiTransport mover) except -1:
+        """Receives from any rank probe (on) or are posted; mover's tests (the algorithms' transport)
+        move the probing ones too. Set before the group's first message."""
+        if self.nprobing:
+            raise RuntimeError("receives from any rank are waiting: their mode can't change now")
+        self.probe_any = on
+        if mover is not None:
+            mover.probed = self if on else None
+        return 0
 
     cdef int failed(self, int ierr) noexcept nogil:
         """0, or ENG_ERR_MPI for MPI's code ierr (kept for error_text and classify): MPI's codes are the
@@ -119,12 +132,18 @@ cdef class MpiTransport(Transport):
         if not req_active(req):
             done[0] = True
             return 0
+        if self.probed is not None:
+            ierr = self.probed.move_probing()
+            if ierr:
+                return self.failed(ierr)
         if self.probe_any:
             pthread_mutex_lock(&self.probing_lock)
             ierr = self._probe_all()
-            flag = req.w[0] & 0xFF == _PROBING
+            flag = req.w[0] & 0xFF
+            if flag == _PROBE_FAILED:   # (its message taken by a probe, but not received: the request is done)
+                ierr, req.w[0] = <int>req.w[2], 0
             pthread_mutex_unlock(&self.probing_lock)
-            if ierr or flag:
+            if ierr or flag == _PROBING or flag == _PROBE_FAILED:
                 done[0] = False
                 return self.failed(ierr)
         ierr = MPI_Test(_mreq(req), &flag, &status)
@@ -163,40 +182,55 @@ cdef class MpiTransport(Transport):
             self.probing[i] = self.probing[i + 1]
             i += 1
 
+    cdef int move_probing(self) noexcept nogil:
+        """_probe_all, from another transport's test; MPI's code."""
+        cdef int ierr = 0
+        if self.nprobing:   # (read unlocked: one missed here is probed at the next test)
+            pthread_mutex_lock(&self.probing_lock)
+            ierr = self._probe_all()
+            pthread_mutex_unlock(&self.probing_lock)
+        return ierr
+
     cdef int _probe_all(self) noexcept nogil:
-        """Each probing receive whose message MPI_Improbe finds, oldest first, becomes a posted receive
-        (the lock held); MPI's code."""
-        cdef size_t i = 0
-        cdef int ierr
+        """Takes every message MPI_Improbe finds for a probing receive, each for the oldest receive whose
+        tag it matches (all are from any rank: the tag alone decides, as MPI's matching would), which
+        becomes a posted receive (MPI_Imrecv); the lock held. Returns MPI's code of a failed probe. A
+        matched probe takes the message out of MPI's queue for that receive alone: no other receive,
+        nor another thread's probe, can take it."""
+        cdef size_t i = 0, j
+        cdef int flag, ierr, count, tag
+        cdef MPI_Message msg
+        cdef MPI_Status status
+        cdef MPI_Datatype dt
+        cdef Req *req
         while i < self.nprobing:
-            ierr = self._receive_probed(self.probing[i])
+            flag = 0
+            tag = <int><unsigned int>(self.probing[i].w[0] >> 32)
+            ierr = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, &flag, &msg, &status)
             if ierr:
                 return ierr
-            if self.probing[i].w[0] & 0xFF == _PROBING:
+            if not flag:
                 i += 1
-            else:
-                self._drop_probing(i)
-        return 0
-
-    cdef int _receive_probed(self, Req *req) noexcept nogil:
-        """A probing receive's message, if MPI_Improbe finds one, taken by MPI_Imrecv (the request is then a
-        posted receive); MPI's code. A matched probe takes the message out of MPI's queue for this
-        receive alone: no other receive, nor another thread's probe, can take it."""
-        cdef int flag = 0, count, tag = <int><unsigned int>(req.w[0] >> 32)
-        cdef MPI_Message msg
-        cdef MPI_Datatype dt
-        cdef int ierr = _byte_type(req.w[3], &count, &dt)
-        if ierr:
-            return ierr
-        ierr = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, &flag, &msg,
-                           MPI_STATUS_IGNORE)
-        if not ierr and flag:
-            ierr = MPI_Imrecv(<void*>req.w[1], count, dt, &msg, _mreq(req))
+                continue
+            j = 0   # (a message that arrived after an older receive probed is that receive's, if it matches)
+            while True:
+                tag = <int><unsigned int>(self.probing[j].w[0] >> 32)
+                if tag == ANY_TAG_ or tag == status.MPI_TAG:
+                    break
+                j += 1
+            req = self.probing[j]
+            self._drop_probing(j)
+            ierr = _byte_type(req.w[3], &count, &dt)
             if not ierr:
+                ierr = MPI_Imrecv(<void*>req.w[1], count, dt, &msg, _mreq(req))
+                if dt != MPI_BYTE:
+                    MPI_Type_free(&dt)
+            if ierr:
+                req.w[2], req.w[0] = <size_t>ierr, _PROBE_FAILED
+            else:
                 req.w[0] = 2
-        if dt != MPI_BYTE:
-            MPI_Type_free(&dt)
-        return ierr
+            i = 0   # (the receives older than this one probe again)
+        return 0
 
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
         cdef MpiWait w
@@ -233,6 +267,7 @@ cdef class MpiTransport(Transport):
                     if self.probing[i] == req:
                         self._drop_probing(i)
                         break
+            if req.w[0] & 0xFF == _PROBING or req.w[0] & 0xFF == _PROBE_FAILED:
                 req.w[0] = 0
             pthread_mutex_unlock(&self.probing_lock)
             if not req_active(req):

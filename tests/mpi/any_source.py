@@ -62,6 +62,18 @@ def main():
                     result(s, "its send's completion") if mode == "plain" else s.wait()
                     where = result(r, f"{n} {np.dtype(dt).name} from {'any rank' if source is None else source}, tag {tag}")
                     assert where == (left, tag) and (got == left).all(), (where, n, dt)
+    # Receives from any rank keep MPI's order: several waiting at once, the oldest that matches gets
+    # each message (by tag; ANY_TAG matches all), and one sender's messages arrive in the order sent.
+    if mode != "plain":
+        for _ in range(20):
+            got = [np.empty(4, np.int64) for _ in range(4)]
+            rs = [irecv(got[0], None, 5), irecv(got[1], None, 6), irecv(got[2], None, -1), irecv(got[3], None, 5)]
+            ss = [isend(np.full(4, 10 * rank + k, np.int64), right, tag) for k, tag in enumerate((5, 5, 6, 5))]
+            for s in ss:
+                s.wait()
+            where = [r.wait() for r in rs]
+            assert where == [(left, 5, 4), (left, 6, 4), (left, 5, 4), (left, 5, 4)], where
+            assert [int(g[0]) for g in got] == [10 * left, 10 * left + 2, 10 * left + 1, 10 * left + 3], got
     print(f"any-source: ok {mode} rank {rank}", flush=True)   # (engine: how it received from any rank)
 
 
