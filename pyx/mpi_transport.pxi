@@ -42,6 +42,10 @@ cdef size_t _PROBING = 3
 cdef size_t _PROBE_FAILED = 4
 
 
+cdef inline int _probing_tag(const Req *req) noexcept nogil:
+    return <int><unsigned int>(req.w[0] >> 32)
+
+
 cdef class MpiTransport(Transport):
     cdef MPI_Comm comm
     cdef int mpi_code   # MPI's own code of the last failed call (ENG_ERR_MPI stands for it; as err_peer,
@@ -136,14 +140,14 @@ cdef class MpiTransport(Transport):
             ierr = self.probed.move_probing()
             if ierr:
                 return self.failed(ierr)
-        if self.probe_any:
+        if self.probe_any or req.w[0] & 0xFF >= _PROBING:
             pthread_mutex_lock(&self.probing_lock)
             ierr = self._probe_all()
             flag = req.w[0] & 0xFF
-            if flag == _PROBE_FAILED:   # (its message taken by a probe, but not received: the request is done)
-                ierr, req.w[0] = <int>req.w[2], 0
+            if flag == _PROBE_FAILED:   # (its message taken by a probe but not received: it fails, every time asked)
+                ierr = <int>req.w[2]
             pthread_mutex_unlock(&self.probing_lock)
-            if ierr or flag == _PROBING or flag == _PROBE_FAILED:
+            if ierr or flag >= _PROBING:
                 done[0] = False
                 return self.failed(ierr)
         ierr = MPI_Test(_mreq(req), &flag, &status)
@@ -192,45 +196,66 @@ cdef class MpiTransport(Transport):
         return ierr
 
     cdef int _probe_all(self) noexcept nogil:
-        """Takes every message MPI_Improbe finds for a probing receive, each for the oldest receive whose
-        tag it matches (all are from any rank: the tag alone decides, as MPI's matching would), which
-        becomes a posted receive (MPI_Imrecv); the lock held. Returns MPI's code of a failed probe. A
-        matched probe takes the message out of MPI's queue for that receive alone: no other receive,
-        nor another thread's probe, can take it."""
+        """Takes every message a probe finds for the probing receives, as MPI's matching would give it
+        (all are from any rank), the lock held; each receive that gets one becomes a posted receive
+        (MPI_Imrecv). Returns MPI's code of a failed probe. A matched probe (MPI_Improbe) takes the
+        message out of MPI's queue for that receive alone: no other receive, nor another thread's
+        probe, can take it.
+
+        With a receive of any tag waiting, every message is one of theirs: the next message of MPI's
+        queue (MPI_Iprobe of any source and tag: a sender's earliest) goes to the oldest receive that
+        matches its tag. Otherwise each receive probes for its tag, oldest first, and a message found
+        goes to the oldest receive of that tag."""
         cdef size_t i = 0, j
-        cdef int flag, ierr, count, tag
+        cdef int flag, ierr, tag
         cdef MPI_Message msg
         cdef MPI_Status status
-        cdef MPI_Datatype dt
-        cdef Req *req
         while i < self.nprobing:
             flag = 0
-            tag = <int><unsigned int>(self.probing[i].w[0] >> 32)
-            ierr = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG if tag == ANY_TAG_ else tag, self.comm, &flag, &msg, &status)
+            tag = _probing_tag(self.probing[i])
+            if self._any_tag_probing():
+                ierr = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, &status)
+                if not ierr and flag:
+                    ierr = MPI_Improbe(status.MPI_SOURCE, status.MPI_TAG, self.comm, &flag, &msg, &status)
+            else:
+                ierr = MPI_Improbe(MPI_ANY_SOURCE, tag, self.comm, &flag, &msg, &status)
             if ierr:
                 return ierr
             if not flag:
+                if self._any_tag_probing():
+                    return 0
                 i += 1
                 continue
-            j = 0   # (a message that arrived after an older receive probed is that receive's, if it matches)
-            while True:
-                tag = <int><unsigned int>(self.probing[j].w[0] >> 32)
-                if tag == ANY_TAG_ or tag == status.MPI_TAG:
-                    break
+            j = 0
+            while _probing_tag(self.probing[j]) not in (ANY_TAG_, status.MPI_TAG):
                 j += 1
-            req = self.probing[j]
-            self._drop_probing(j)
-            ierr = _byte_type(req.w[3], &count, &dt)
-            if not ierr:
-                ierr = MPI_Imrecv(<void*>req.w[1], count, dt, &msg, _mreq(req))
-                if dt != MPI_BYTE:
-                    MPI_Type_free(&dt)
-            if ierr:
-                req.w[2], req.w[0] = <size_t>ierr, _PROBE_FAILED
-            else:
-                req.w[0] = 2
+            self._receive_probed(j, &msg)
             i = 0   # (the receives older than this one probe again)
         return 0
+
+    cdef bint _any_tag_probing(self) noexcept nogil:
+        cdef size_t i
+        for i in range(self.nprobing):
+            if _probing_tag(self.probing[i]) == ANY_TAG_:
+                return True
+        return False
+
+    cdef void _receive_probed(self, size_t j, MPI_Message *msg) noexcept nogil:
+        """Probing receive j takes msg (MPI_Imrecv) and leaves the list: a posted receive, or one that
+        failed (MPI's code in w[2]) if the message can't be received."""
+        cdef Req *req = self.probing[j]
+        cdef int count
+        cdef MPI_Datatype dt
+        cdef int ierr = _byte_type(req.w[3], &count, &dt)
+        self._drop_probing(j)
+        if not ierr:
+            ierr = MPI_Imrecv(<void*>req.w[1], count, dt, msg, _mreq(req))
+            if dt != MPI_BYTE:
+                MPI_Type_free(&dt)
+        if ierr:
+            req.w[2], req.w[0] = <size_t>ierr, _PROBE_FAILED
+        else:
+            req.w[0] = 2
 
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
         cdef MpiWait w
@@ -260,7 +285,7 @@ cdef class MpiTransport(Transport):
         cdef size_t i
         if not req_active(req):
             return 0
-        if self.probe_any:
+        if self.probe_any or req.w[0] & 0xFF >= _PROBING:
             pthread_mutex_lock(&self.probing_lock)
             if req.w[0] & 0xFF == _PROBING:   # (nothing posted)
                 for i in range(self.nprobing):

@@ -74,6 +74,14 @@ def main():
             where = [r.wait() for r in rs]
             assert where == [(left, 5, 4), (left, 6, 4), (left, 5, 4), (left, 5, 4)], where
             assert [int(g[0]) for g in got] == [10 * left, 10 * left + 2, 10 * left + 1, 10 * left + 3], got
+            # a receive of any tag takes its sender's first message, whichever tag a younger one asks for
+            rs = [irecv(got[0], None, -1), irecv(got[1], None, 5)]
+            ss = [isend(np.full(4, 10 * rank + k, np.int64), right, tag) for k, tag in enumerate((6, 5))]
+            for s in ss:
+                s.wait()
+            where = [r.wait() for r in rs]
+            assert where == [(left, 6, 4), (left, 5, 4)] and [int(g[0]) for g in got[:2]] == [10 * left, 10 * left + 1], \
+                (where, got)
     print(f"any-source: ok {mode} rank {rank}", flush=True)   # (engine: how it received from any rank)
 
 
