@@ -203,26 +203,23 @@ cdef class MpiTransport(Transport):
         probe, can take it.
 
         With a receive of any tag waiting, every message is one of theirs: the next message of MPI's
-        queue (MPI_Iprobe of any source and tag: a sender's earliest) goes to the oldest receive that
-        matches its tag. Otherwise each receive probes for its tag, oldest first, and a message found
-        goes to the oldest receive of that tag."""
+        queue (of any source and tag: a sender's earliest) goes to the oldest receive that matches its
+        tag. Otherwise each receive probes for its tag, oldest first (the receives older than one that
+        got a message probe again), and a message found goes to the oldest receive of that tag."""
         cdef size_t i = 0, j
-        cdef int flag, ierr, tag
+        cdef int flag, ierr
+        cdef bint any_tag
         cdef MPI_Message msg
         cdef MPI_Status status
         while i < self.nprobing:
             flag = 0
-            tag = _probing_tag(self.probing[i])
-            if self._any_tag_probing():
-                ierr = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, &status)
-                if not ierr and flag:
-                    ierr = MPI_Improbe(status.MPI_SOURCE, status.MPI_TAG, self.comm, &flag, &msg, &status)
-            else:
-                ierr = MPI_Improbe(MPI_ANY_SOURCE, tag, self.comm, &flag, &msg, &status)
+            any_tag = self._any_tag_probing()
+            ierr = MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG if any_tag else _probing_tag(self.probing[i]), self.comm,
+                               &flag, &msg, &status)
             if ierr:
                 return ierr
             if not flag:
-                if self._any_tag_probing():
+                if any_tag:
                     return 0
                 i += 1
                 continue
@@ -230,7 +227,7 @@ cdef class MpiTransport(Transport):
             while _probing_tag(self.probing[j]) not in (ANY_TAG_, status.MPI_TAG):
                 j += 1
             self._receive_probed(j, &msg)
-            i = 0   # (the receives older than this one probe again)
+            i = 0
         return 0
 
     cdef bint _any_tag_probing(self) noexcept nogil:
