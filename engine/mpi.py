@@ -47,7 +47,6 @@ def fault_tolerant(environ=None):
     return env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
 
 
-
 def any_source_by_probe(library_version, environ=None):
     """Whether a receive from any rank waits in MPI_Improbe and takes its message with MPI_Imrecv
     instead of being posted as an MPI_ANY_SOURCE receive: ENGINE_MPI_ANY_SOURCE ('probe' or 'post'),
@@ -64,7 +63,7 @@ def any_source_by_probe(library_version, environ=None):
         raise ValueError(f"ENGINE_MPI_ANY_SOURCE={mode!r}: use 'probe' or 'post' (unset: probe under MPICH's UCX "
                          "network module only)")
     device = re.search(r"^MPICH Device:\s*ch4:(.*)$", library_version, re.M)
-    if not library_version.startswith("MPICH") or device is None:
+    if device is None:   # (not MPICH, or not its ch4 device)
         return False
     netmods = device.group(1).replace(",", " ").split()   # ("ch4:ucx ofi": both built, the first by default)
     chosen = env.get("MPIR_CVAR_CH4_NETMOD", "").strip().lower() or (netmods[0] if netmods else "")

@@ -142,11 +142,9 @@ cdef class MpiComm(CoreComm):
 
 
 cdef int _poll_mpi(void *tp, void *req, bint *done) except -1 nogil:
-    cdef int flag = 0, ierr
-    if (<MpiTransport>tp).probed is not None:
-        ierr = (<MpiTransport>tp).probed.move_probing()
-        if ierr:
-            return (<MpiTransport>tp).failed(ierr)
+    cdef int flag = 0, ierr = (<MpiTransport>tp).move_probed()
+    if ierr:
+        return ierr
     ierr = MPI_Test(<MPI_Request*>req, &flag, MPI_STATUS_IGNORE)
     done[0] = flag != 0
     return (<MpiTransport>tp).failed(ierr)

@@ -136,10 +136,9 @@ cdef class MpiTransport(Transport):
         if not req_active(req):
             done[0] = True
             return 0
-        if self.probed is not None:
-            ierr = self.probed.move_probing()
-            if ierr:
-                return self.failed(ierr)
+        ierr = self.move_probed()
+        if ierr:
+            return ierr
         if self.probe_any or req.w[0] & 0xFF >= _PROBING:
             pthread_mutex_lock(&self.probing_lock)
             ierr = self._probe_all()
@@ -185,6 +184,10 @@ cdef class MpiTransport(Transport):
         while i < self.nprobing:
             self.probing[i] = self.probing[i + 1]
             i += 1
+
+    cdef int move_probed(self) noexcept nogil:
+        """The probing receives of the transport this one's tests move (probed), moved; an engine code."""
+        return self.failed(self.probed.move_probing()) if self.probed is not None else 0
 
     cdef int move_probing(self) noexcept nogil:
         """_probe_all, from another transport's test; MPI's code."""
@@ -279,17 +282,18 @@ cdef class MpiTransport(Transport):
         receive already under way) is freed and reported (1), so the caller keeps its buffer alive."""
         cdef int flag = 0
         cdef double until
-        cdef size_t i
+        cdef size_t i, state
         if not req_active(req):
             return 0
         if self.probe_any or req.w[0] & 0xFF >= _PROBING:
             pthread_mutex_lock(&self.probing_lock)
-            if req.w[0] & 0xFF == _PROBING:   # (nothing posted)
+            state = req.w[0] & 0xFF
+            if state == _PROBING:   # (nothing posted)
                 for i in range(self.nprobing):
                     if self.probing[i] == req:
                         self._drop_probing(i)
                         break
-            if req.w[0] & 0xFF == _PROBING or req.w[0] & 0xFF == _PROBE_FAILED:
+            if state >= _PROBING:
                 req.w[0] = 0
             pthread_mutex_unlock(&self.probing_lock)
             if not req_active(req):
