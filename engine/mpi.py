@@ -47,6 +47,23 @@ def fault_tolerant(environ=None):
     return env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
 
 
+_ASYNC_FINALIZE = "OMPI_MCA_async_mpi_finalize"
+
+
+def survivable_finalize_env(environ=None):
+    """Under ULFM, MPI_Finalize's own barrier is among the survivors (it shrinks MPI_COMM_WORLD and
+    runs a ring barrier over what is left), but a PMIx fence over every process of the job, the dead
+    ones too, follows it, and Open MPI 5's launcher does not always complete that fence
+    (open-mpi/ompi#11404): the survivors of tests/faults/ulfm_survivors.py, done, hung in MPI_Finalize
+    in 8 of 40 launches on 2 busy cores. Open MPI's async_mpi_finalize skips the fence only; set it
+    before MPI starts, unless the user has chosen. Returns whether it was set."""
+    env = os.environ if environ is None else environ
+    if not fault_tolerant(env) or _ASYNC_FINALIZE in env:
+        return False
+    env[_ASYNC_FINALIZE] = "1"
+    return True
+
+
 def any_source_by_probe(library_version, environ=None):
     """Whether a receive from any rank waits in MPI_Improbe and takes its message with MPI_Imrecv
     instead of being posted as an MPI_ANY_SOURCE receive: ENGINE_MPI_ANY_SOURCE ('probe' or 'post'),
@@ -80,6 +97,7 @@ def load():
     failure.configure()
     if "mpi4py.MPI" not in sys.modules:
         singleton_env()
+        survivable_finalize_env()
         note = polite_env()
         if note and detect_launcher()[1] == 0:
             print(note, file=sys.stderr, flush=True)

@@ -61,6 +61,20 @@ def test_open_mpi_is_made_to_yield_when_its_ranks_fill_the_cores_and_mpich_is_le
     assert polite_env(env, cores=2) is None and "OMPI_MCA_mpi_yield_when_idle" not in env
 
 
+def test_ulfm_jobs_finalize_without_the_fence_over_dead_ranks():
+    """engine.mpi.survivable_finalize_env: under ULFM (the launcher's OMPI_MCA_mpi_ft_enable) Open MPI's
+    async_mpi_finalize is set before MPI starts, so the survivors' MPI_Finalize skips the PMIx fence
+    over every process of the job, the dead ones too (open-mpi/ompi#11404); their own barrier stays.
+    A plain job and a user's own choice are left alone."""
+    from engine.mpi import survivable_finalize_env
+    env = {"OMPI_MCA_mpi_ft_enable": "1"}
+    assert survivable_finalize_env(env) and env["OMPI_MCA_async_mpi_finalize"] == "1"
+    env = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_async_mpi_finalize": "0"}
+    assert not survivable_finalize_env(env) and env["OMPI_MCA_async_mpi_finalize"] == "0"
+    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}
+    assert not survivable_finalize_env(env) and "OMPI_MCA_async_mpi_finalize" not in env
+
+
 MPICH_VERSION = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 2026\nMPICH Device:       ch4:{}\n"
 
 
