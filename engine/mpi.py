@@ -101,6 +101,10 @@ def load():
         note = polite_env()
         if note and detect_launcher()[1] == 0:
             print(note, file=sys.stderr, flush=True)
+    elif fault_tolerant() and _ASYNC_FINALIZE not in os.environ and (detect_launcher() or (0, 0))[1] == 0:
+        print(f"engine: MPI was started before the engine in a ULFM job: set {_ASYNC_FINALIZE}=1 so that the "
+              "survivors of a rank's death do not wait in MPI_Finalize on a fence over it (open-mpi/ompi#11404)",
+              file=sys.stderr, flush=True)
     from mpi4py import MPI
     failure.arm(MPI)  # a rank leaving after a failure aborts the job instead of hanging in MPI_Finalize
     _loaded.append(MPI)

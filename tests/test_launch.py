@@ -75,6 +75,21 @@ def test_ulfm_jobs_finalize_without_the_fence_over_dead_ranks():
     assert not survivable_finalize_env(env) and "OMPI_MCA_async_mpi_finalize" not in env
 
 
+@pytest.mark.parametrize("mpi_first", [False, True])
+def test_a_ulfm_process_that_started_mpi_before_the_engine_is_told_to_skip_the_fence(mpi_first):
+    """An MPI singleton with ULFM's setting: the engine's load() sets async_mpi_finalize before MPI
+    starts; where the script started MPI first it is too late, and the engine says what to set."""
+    code = ("import os\n" + ("from mpi4py import MPI\n" if mpi_first else "") +
+            "import engine.mpi\nengine.mpi.load()\nprint('async_mpi_finalize', os.environ.get('OMPI_MCA_async_mpi_finalize'))")
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX", "OMPI_MCA_async"))}
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMPI_MCA_mpi_ft_enable": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"async_mpi_finalize {None if mpi_first else 1}" in proc.stdout, proc.stdout + proc.stderr
+    told = "set OMPI_MCA_async_mpi_finalize=1 so that the survivors" in proc.stderr
+    assert told == mpi_first, proc.stderr
+
+
 MPICH_VERSION = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 2026\nMPICH Device:       ch4:{}\n"
 
 
