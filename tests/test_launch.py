@@ -82,9 +82,12 @@ def test_a_ulfm_process_that_started_mpi_before_the_engine_is_told_to_skip_the_f
     code = ("import os\n" + ("from mpi4py import MPI\n" if mpi_first else "") +
             "import engine.mpi\nengine.mpi.load()\nprint('async_mpi_finalize', os.environ.get('OMPI_MCA_async_mpi_finalize'))")
     env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX", "OMPI_MCA_async"))}
-    proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMPI_MCA_mpi_ft_enable": "1"},
+    # (btl self: a singleton that starts MPI itself would leave Open MPI's shared-memory segment behind)
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(os.listdir("/dev/shm")) <= before, set(os.listdir("/dev/shm")) - before
     assert f"async_mpi_finalize {None if mpi_first else 1}" in proc.stdout, proc.stdout + proc.stderr
     told = "set OMPI_MCA_async_mpi_finalize=1 so that the survivors" in proc.stderr
     assert told == mpi_first, proc.stderr
