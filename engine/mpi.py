@@ -50,18 +50,22 @@ def fault_tolerant(environ=None):
 _ASYNC_FINALIZE = "OMPI_MCA_async_mpi_finalize"
 
 
-def survivable_finalize_env(environ=None):
+def survivable_finalize_env(environ=None, started=False):
     """Under ULFM, MPI_Finalize's own barrier is among the survivors (it shrinks MPI_COMM_WORLD and
     runs a ring barrier over what is left), but a PMIx fence over every process of the job, the dead
     ones too, follows it, and Open MPI 5's launcher does not always complete that fence
     (open-mpi/ompi#11404): the survivors of tests/faults/ulfm_survivors.py, done, hung in MPI_Finalize
     in 8 of 40 launches on 2 busy cores. Open MPI's async_mpi_finalize skips the fence only; set it
-    before MPI starts, unless the user has chosen. Returns whether it was set."""
+    before MPI starts, unless the user has chosen. Where MPI has started already (started), it is too
+    late: returns the note saying what to set, else None."""
     env = os.environ if environ is None else environ
     if not fault_tolerant(env) or _ASYNC_FINALIZE in env:
-        return False
+        return None
+    if started:
+        return (f"engine: MPI was started before the engine in a ULFM job: set {_ASYNC_FINALIZE}=1 so that the "
+                "survivors of a rank's death do not wait in MPI_Finalize on a fence over it (open-mpi/ompi#11404)")
     env[_ASYNC_FINALIZE] = "1"
-    return True
+    return None
 
 
 def any_source_by_probe(library_version, environ=None):
@@ -95,16 +99,12 @@ def load():
     if _loaded:
         return _loaded[0]
     failure.configure()
-    if "mpi4py.MPI" not in sys.modules:
+    started = "mpi4py.MPI" in sys.modules
+    if not started:
         singleton_env()
-        survivable_finalize_env()
-        note = polite_env()
-        if note and detect_launcher()[1] == 0:
+    for note in (survivable_finalize_env(started=started), None if started else polite_env()):
+        if note and (detect_launcher() or (None, 0))[1] == 0:
             print(note, file=sys.stderr, flush=True)
-    elif fault_tolerant() and _ASYNC_FINALIZE not in os.environ and (detect_launcher() or (0, 0))[1] == 0:
-        print(f"engine: MPI was started before the engine in a ULFM job: set {_ASYNC_FINALIZE}=1 so that the "
-              "survivors of a rank's death do not wait in MPI_Finalize on a fence over it (open-mpi/ompi#11404)",
-              file=sys.stderr, flush=True)
     from mpi4py import MPI
     failure.arm(MPI)  # a rank leaving after a failure aborts the job instead of hanging in MPI_Finalize
     _loaded.append(MPI)

@@ -65,14 +65,18 @@ def test_ulfm_jobs_finalize_without_the_fence_over_dead_ranks():
     """engine.mpi.survivable_finalize_env: under ULFM (the launcher's OMPI_MCA_mpi_ft_enable) Open MPI's
     async_mpi_finalize is set before MPI starts, so the survivors' MPI_Finalize skips the PMIx fence
     over every process of the job, the dead ones too (open-mpi/ompi#11404); their own barrier stays.
-    A plain job and a user's own choice are left alone."""
+    A plain job and a user's own choice are left alone; where MPI has started already, the note says
+    what to set."""
     from engine.mpi import survivable_finalize_env
     env = {"OMPI_MCA_mpi_ft_enable": "1"}
-    assert survivable_finalize_env(env) and env["OMPI_MCA_async_mpi_finalize"] == "1"
+    assert survivable_finalize_env(env) is None and env["OMPI_MCA_async_mpi_finalize"] == "1"
+    env = {"OMPI_MCA_mpi_ft_enable": "1"}
+    note = survivable_finalize_env(env, started=True)
+    assert "set OMPI_MCA_async_mpi_finalize=1" in note and "OMPI_MCA_async_mpi_finalize" not in env
     env = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_async_mpi_finalize": "0"}
-    assert not survivable_finalize_env(env) and env["OMPI_MCA_async_mpi_finalize"] == "0"
+    assert survivable_finalize_env(env, started=True) is None and env["OMPI_MCA_async_mpi_finalize"] == "0"
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}
-    assert not survivable_finalize_env(env) and "OMPI_MCA_async_mpi_finalize" not in env
+    assert survivable_finalize_env(env) is None and "OMPI_MCA_async_mpi_finalize" not in env
 
 
 @pytest.mark.parametrize("mpi_first", [False, True])
