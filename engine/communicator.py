@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from . import _core, hierarchy, registry
+from . import _core, forks, hierarchy, registry
 from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather, host_identity,
                         interhost, local_cores, possible_transports, requested_transport)
 from .config import env_duration
@@ -150,6 +150,7 @@ class Communicator:
             raise
         for name in set(_ALWAYS_BOUND + (() if self._debug else _CORE_CALLS)):
             setattr(self, name, getattr(self._core, name))
+        forks.track(self)
 
     def _configure(self, boot, everyone):
         """Hands the plan to the core, after checking that every rank walks the same rules (everyone:
@@ -294,6 +295,8 @@ class Communicator:
         """Releases the group's resources now (its segment, sockets, threads), unless a call is still
         inside it (then when it is collected); the object is unusable afterwards, and its core refuses
         every call (EngineAborted)."""
+        # (a forked child's copy frees nothing: its MPI communicators are the parent's, engine/forks.py)
+        orphan = self._core is not None and self._core.orphaned is not None
         if self._core is not None:
             self._core.set_hierarchy(None)
         for part in getattr(self, "_stages", ()):
@@ -304,7 +307,7 @@ class Communicator:
         self._core = None
         for name in _CORE_CALLS + _ALWAYS_BOUND:
             self.__dict__.pop(name, None)
-        if self._mpi_comms:
+        if self._mpi_comms and not orphan:
             from . import mpi
             MPI = mpi.load()
             for c in self._mpi_comms:

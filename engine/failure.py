@@ -7,16 +7,16 @@ no peer sees it lost). Instead, after a short grace for the other ranks to repor
 (ENGINE_ABORT_GRACE_SECONDS, 2 s), it aborts the job: the launcher ends every rank, as it would have
 had MPI not been up. A native MPI collective that passes the timeout aborts at once (engine.watch).
 
-This module imports no MPI and nothing of the engine but its settings (engine.config): engine.mpi
+This module imports no MPI and nothing of the engine but its settings (engine.config) and engine.forks: engine.mpi
 arms the policy (arm) when MPI starts, engine.watch reports group failures, torchbridge reports
 failures at init.
 """
 
-import atexit
 import os
 import sys
 import time
 
+from . import forks
 from .config import env_duration
 
 _group_failure = []  # why a group of this process failed, if one did (the first failure)
@@ -67,7 +67,7 @@ def configure():
 def arm(MPI):
     """Called once MPI is up: the exit hook (registered after mpi4py's MPI_Finalize, so it runs
     first) and the note of an uncaught exception."""
-    atexit.register(_at_exit, MPI)
+    forks.at_exit(_at_exit, MPI)
     sys.excepthook = _noting_uncaught(sys.excepthook)
 
 

@@ -7,13 +7,12 @@ rendezvous host every rank already reaches), else the hostname's address. IPv4 a
 family follows MASTER_ADDR's.
 """
 
-import atexit
 import ipaddress
 import os
 import socket
 import weakref
 
-from . import _core
+from . import _core, forks
 from .bootstrap import gather
 from .config import env_choice, env_int
 
@@ -31,10 +30,12 @@ DEFAULT_EAGER = 64 << 10
 _live = weakref.WeakSet()
 
 
-@atexit.register
 def _leave_at_exit():
     for transport in list(_live):
         transport.goodbye()
+
+
+forks.at_exit(_leave_at_exit)
 
 
 def _family(address):

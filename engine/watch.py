@@ -15,7 +15,6 @@ with EngineMismatch naming it and both calls: whatever the transport, or MPI's o
 to tell from their messages, a stalled mismatch is named within seconds, not at the timeout.
 """
 
-import atexit
 import contextlib
 import json
 import os
@@ -25,7 +24,7 @@ import threading
 import time
 import weakref
 
-from . import failure
+from . import failure, forks
 from ._core import (BROKEN_AFTER, EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout,
                     describe_call)
 from .config import env_int, env_duration
@@ -110,7 +109,7 @@ class _StoreLine:
             thread.join(max(deadline - time.monotonic(), 0))
 
 
-atexit.register(_StoreLine.join_all, STORE_QUERY_SECONDS)
+forks.at_exit(_StoreLine.join_all, STORE_QUERY_SECONDS)
 
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,
@@ -468,7 +467,7 @@ class _Trace:
         self.path, self.rank = path, rank
         self.events = []
         self.epoch = time.monotonic()
-        atexit.register(self.write)
+        forks.at_exit(self.write)
 
     def add(self, group, rec):
         end = rec[END] if rec[END] is not None else time.monotonic()

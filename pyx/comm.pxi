@@ -4,6 +4,8 @@
 # makes one GIL-free call to the transport's implementation (run, overridden by ShmComm and
 # engine._mpi.MpiComm), or runs a composite entry through its Hierarchy (hierarchy.pxi).
 
+from cpython.ref cimport Py_INCREF
+
 
 OP_KIND_NAMES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
                  "alltoall", "barrier", "sendrecv")
@@ -166,6 +168,8 @@ cdef class CoreComm:
         one still inside (another thread's) ends, and this rank leaves it (leave()); then, if no call
         is inside (busy 0), the transports go, else it returns False and the last call to leave frees
         them (call_left)."""
+        if self.orphaned is not None:
+            return True
         if not eng_load32(&self.aborted):
             self.destroyed = True
             eng_store32(&self.aborted, 1)
@@ -173,6 +177,16 @@ cdef class CoreComm:
         self.release_due = True
         self.release_if_idle()
         return self.busy == 0
+
+    def orphan(self, str why):
+        """This process is a fork of the one that made the group (engine/forks.py): every call is
+        refused (as aborted), saying why, and the group is never freed here. Freeing it would tell the
+        parent's peers this rank left (the segment's flags) and stop threads that are not in this
+        process; its memory goes when this process ends."""
+        if self.orphaned is None:
+            self.orphaned = why
+            eng_store32(&self.aborted, 1)
+            Py_INCREF(self)
 
     cdef void release_if_idle(self) noexcept:
         """Frees the transports once a release() is due and no call is inside (once)."""
@@ -224,6 +238,8 @@ cdef class CoreComm:
     def check_usable(self, str what):
         """Raises what every later operation of a broken group raises (an asynchronous call is refused
         when it is made, not when it runs)."""
+        if self.orphaned is not None:
+            raise self.error(ENG_ERR_ABORTED, what)
         self.log.check_usable(what)
 
     def set_broken(self, why, after=None):
@@ -429,6 +445,8 @@ cdef class CoreComm:
         if tp is None:
             tp = self.algo_tp
         ierr = tp.classify(ierr)
+        if ierr == ENG_ERR_ABORTED and self.orphaned is not None:
+            return EngineError(f"{what}: {self.orphaned}")
         if ierr == ENG_ERR_ABORTED and self.destroyed:
             return EngineAborted(f"{what} failed: the group was destroyed (destroy_process_group or "
                                  "Communicator.free()): create a new group")

@@ -18,11 +18,11 @@ from shm cimport eng_now, eng_sleep
 #   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
 # Order is kept either way: only the head of the queue runs, and never two at once.
 
-import atexit
 import collections
 import threading
 import weakref
 
+from engine import forks
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
 cdef enum:
@@ -103,8 +103,7 @@ cdef class Progress:
         _live.add(self)
         # registered again with each engine, so it runs before the exit hooks registered since (atexit
         # runs the newest first): the TCP transports' goodbye, MPI's finalize
-        atexit.unregister(_drain_at_exit)
-        atexit.register(_drain_at_exit)
+        forks.at_exit(_drain_at_exit)
 
     def run(self, fn, a=None, b=None, c=None, int nargs=3, str name="op"):
         """fn(a, b, c) (its first nargs of them) now, in this thread, after everything queued before

@@ -28,6 +28,65 @@
 
 #include "tcp_poll.h"
 
+/* ---- a fork ----
+ * A process forked from this one (a DataLoader's worker, multiprocessing's fork, os.fork) gets a copy
+ * of every descriptor and none of the threads. A child's copy of a connection keeps it open after this
+ * process dies, so the peers would not see the rank end until the child did; and the child's exit, or
+ * its use of the channel, would write into the parent's connections between or inside its frames. So
+ * the child closes its copies as it starts, and its copy of every channel refuses every message, as
+ * after a goodbye, saying none. The channels' locks are held across the fork, so the child copies each
+ * between two updates. */
+
+static pthread_mutex_t tcp_live_lock = PTHREAD_MUTEX_INITIALIZER;
+static eng_tcp *tcp_live_head = NULL;
+
+static void tcp_fork_prepare(void) {
+  pthread_mutex_lock(&tcp_live_lock);
+  for (eng_tcp *t = tcp_live_head; t != NULL; t = t->next_live) pthread_mutex_lock(&t->lock);
+}
+
+static void tcp_fork_parent(void) {
+  for (eng_tcp *t = tcp_live_head; t != NULL; t = t->next_live) pthread_mutex_unlock(&t->lock);
+  pthread_mutex_unlock(&tcp_live_lock);
+}
+
+static void tcp_fork_child(void) {
+  for (eng_tcp *t = tcp_live_head; t != NULL; t = t->next_live) {
+    for (int q = 0; q < t->size; q++) tcp_close_peer(t, &t->peers[q]);
+    for (int i = 0; i < t->npending; i++) close(t->pending[i].fd);
+    t->npending = 0;
+    if (t->listen_fd >= 0) close(t->listen_fd);
+    if (t->wake_fd >= 0) close(t->wake_fd);
+    t->listen_fd = t->wake_fd = -1;
+    t->said_bye = 1;
+    pthread_mutex_unlock(&t->lock);
+  }
+  pthread_mutex_unlock(&tcp_live_lock);
+}
+
+static void tcp_fork_handlers(void) { (void)pthread_atfork(tcp_fork_prepare, tcp_fork_parent, tcp_fork_child); }
+
+static void tcp_live_add(eng_tcp *t) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, tcp_fork_handlers);
+  pthread_mutex_lock(&tcp_live_lock);
+  t->next_live = tcp_live_head;
+  if (tcp_live_head != NULL) tcp_live_head->prev_live = t;
+  tcp_live_head = t;
+  t->live = 1;
+  pthread_mutex_unlock(&tcp_live_lock);
+}
+
+static void tcp_live_remove(eng_tcp *t) {
+  if (!t->live) return;
+  pthread_mutex_lock(&tcp_live_lock);
+  if (t->prev_live != NULL) t->prev_live->next_live = t->next_live;
+  else tcp_live_head = t->next_live;
+  if (t->next_live != NULL) t->next_live->prev_live = t->prev_live;
+  t->live = 0;
+  pthread_mutex_unlock(&tcp_live_lock);
+}
+
 /* ---- the interface ---- */
 
 static void eng_tcp_free(eng_tcp *t);
@@ -65,6 +124,7 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
     return NULL;
   }
   t->listen_fd = listen_fd;
+  tcp_live_add(t);
   return t;
 }
 
@@ -102,6 +162,7 @@ static void eng_tcp_free(eng_tcp *t) {
   /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
    * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
   eng_tcp_goodbye(t);
+  tcp_live_remove(t);
   if (t->peers != NULL) {
     for (int q = 0; q < t->size; q++) {
       tcp_close_peer(t, &t->peers[q]);

@@ -159,6 +159,8 @@ typedef struct eng_tcp {
   int rejected;             /* connections closed before or at their hello */
   int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
   int sys_errno;            /* the last system error outside any peer */
+  struct eng_tcp *next_live, *prev_live;  /* every live channel of the process, for a fork (tcp.h) */
+  int live;
 } eng_tcp;
 
 

@@ -248,6 +248,31 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
     assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]
 
 
+@pytest.mark.parametrize("launch_with", ["spawn-shm", "spawn-tcp", "mpiexec-mpi"])
+def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
+    """tests/faults/forked_child.py: DDP fed by forked DataLoader workers trains like one process; a
+    forked child's every call is refused naming the fork, and its destroy and exit leave the rank's
+    groups working; spawned, a rank that dies while its forked child lives is lost to rank 0 at once,
+    as exited, not as left (the child's copy used to leave the group for it) nor when the child ends."""
+    how, transport = launch_with.split("-")
+    script = os.path.join(HERE, "forked_child.py")
+    if how == "mpiexec":
+        proc, out = launch("forked_child.py", 2, 120, ENGINE_TRANSPORT=transport)
+        assert proc.returncode == 0, out[-5000:]
+    else:
+        env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=180,
+                              env={**env, "ENGINE_TRANSPORT": transport})
+        out = proc.stdout + proc.stderr
+        assert "exit codes [0, -9]" in out, out[-5000:]
+        lost = re.search(r"rank 0 raised after ([\d.]+) s: EnginePeerLost: allreduce failed: rank 1 \((.*)", out)
+        assert lost and float(lost.group(1)) < 10 and "left the group" not in lost.group(2), out[-5000:]
+    assert "CLIENT DDP with forked DataLoader workers: 2 ranks" in out, out[-5000:]
+    for rank in (0, 1):
+        assert f"rank {rank}'s child: every call refused, naming the fork" in out, out[-5000:]
+        assert f"rank {rank}: its groups work after its child's calls and exit" in out, out[-5000:]
+
+
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
     """tests/faults/tcp_end_fails.py at 3 ranks: rank 1's TCP transport can't be made after the
     addresses went round (injected). Ranks 0 and 2 fail within seconds, not at the group's 60 s,

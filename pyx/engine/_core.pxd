@@ -369,6 +369,7 @@ cdef class CoreComm:
     cdef readonly bint released # release() freed its transports: every call is refused
     cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
     cdef bint release_due       # release() came while a call was inside: the last one out frees
+    cdef readonly str orphaned  # this process is a fork of the one that made the group: why (orphan())
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void release_transports(self) noexcept
