@@ -79,6 +79,8 @@ class Communicator:
 
     def __init__(self, comm=None, *, transport=None, ring_segment_bytes=None, timeout=None, store=None,
                  name="world", _owned=None, _boot=None, _stage=False, _parent=None):
+        forks.check_can_make(f"group {name!r}", store if getattr(_boot, "store", None) is None else _boot.store,
+                             mpi=_boot is None or isinstance(_boot, MpiBootstrap))
         self._mpi_comms = []
         self._store_prefix = None
         self.name = name
@@ -290,6 +292,12 @@ class Communicator:
                 pass
         for part in self._stages:
             part._revoke()
+
+    def orphan(self, why):
+        """In a child forked from this process (engine/forks.py): every call is refused, naming the fork,
+        and free() frees nothing (the group and its MPI communicators are the parent's)."""
+        if self._core is not None:
+            self._core.orphan(f"{why}, where rank {self.rank} made group {self.name!r}; {forks.ADVICE}")
 
     def free(self):
         """Releases the group's resources now (its segment, sockets, threads), unless a call is still

@@ -7,18 +7,24 @@ rank's peers that the rank left, and the child's copy of a connection would keep
 rank dies, hiding the death from the peers. So in the child:
 - the TCP channels close their copies of every connection before anything runs (pyx/tcp.h, at the
   fork itself);
-- every group refuses every call, naming the fork, and is never freed there (CoreComm.orphan): its
-  memory goes with the child;
+- everything that owns a group's threads or shared state (tracked here: the groups, their progress
+  threads, the fusion's helper, the CUDA communicators, the store lines) is orphaned: its calls are
+  refused, naming the fork, and it frees nothing there (its memory goes with the child);
+- no group is made through what the child inherited (MPI, or a group's store);
 - the engine's exit hooks (goodbyes, MPI's abort, the trace's writing) don't run (at_exit).
-A child that needs groups of its own makes them (init_process_group in a worker started by spawn).
 """
 
 import atexit
 import os
+import sys
 import weakref
 
-_groups = weakref.WeakSet()  # every Communicator of this process, stages included
+ADVICE = ("a group belongs to the process that made it: a forked worker can't use its parent's groups (one that "
+          "needs groups of its own starts with multiprocessing's 'spawn' method and makes them)")
+
+_owned = weakref.WeakSet()   # what orphan(why) makes inert in a child
 _exit_hooks = []             # what at_exit registered
+_inherited = {}              # in a child: "why", the groups' base "stores", whether "mpi" came with the fork
 
 
 def at_exit(fn, *args):
@@ -30,22 +36,43 @@ def at_exit(fn, *args):
         _exit_hooks.append(fn)
 
 
-def track(group):
-    """A group (an engine.Communicator) that a forked child must not use or free."""
-    _groups.add(group)
+def track(obj):
+    """obj.orphan(why) runs in every child forked from this process (why: a sentence naming the fork)."""
+    _owned.add(obj)
+
+
+def base_store(store):
+    """The store under torch's PrefixStores: one connection, whatever the prefixes over it."""
+    while getattr(store, "underlying_store", None) is not None:
+        store = store.underlying_store
+    return store
+
+
+def check_can_make(what, store=None, mpi=False):
+    """Raises in a forked child where `what` (a group being made, a store protocol) would go through
+    what it inherited: MPI (mpi: the group's bootstrap), or a store of its parent's groups."""
+    if not _inherited:
+        return
+    if mpi and _inherited["mpi"]:
+        raise RuntimeError(f"engine: {what}: {_inherited['why']}, which had started MPI; MPI can't be used in a "
+                           f"forked process; {ADVICE}")
+    if store is not None and any(base_store(store) is s for s in _inherited["stores"]):
+        raise RuntimeError(f"engine: {what}: {_inherited['why']}, and this store is its groups' store; {ADVICE}")
 
 
 def _in_child():
     for fn in _exit_hooks:
         atexit.unregister(fn)
     _exit_hooks.clear()
-    for group in list(_groups):
-        core = getattr(group, "_core", None)
-        if core is not None:
-            core.orphan(f"this process (pid {os.getpid()}) is a fork of rank {group.rank} (pid {os.getppid()}), "
-                        f"which made group {group.name!r}; a group belongs to the process that made it: a forked "
-                        "worker makes groups of its own (init_process_group) or leaves the collectives to its parent")
-    _groups.clear()
+    why = f"this process (pid {os.getpid()}) is a fork of pid {os.getppid()}"
+    owned = list(_owned)
+    stores = [base_store(s) for s in (getattr(getattr(o, "watch", None), "store", None) for o in owned)
+              if s is not None]
+    MPI = sys.modules.get("mpi4py.MPI")
+    mpi = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
+    _inherited.update(why=why, stores=stores + _inherited.get("stores", []), mpi=mpi or _inherited.get("mpi", False))
+    for obj in owned:
+        obj.orphan(why)
 
 
 os.register_at_fork(after_in_child=_in_child)

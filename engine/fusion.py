@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import _core
+from . import _core, forks
 from .config import env_int
 from .ops import ReduceOp, op_code
 
@@ -105,6 +105,7 @@ class FusedAllreduce:
         self._buffers = {}  # (wire dtype, slot) -> flat buffer, grown on demand
         self._worker = None
         self._lock = threading.Lock()
+        forks.track(self)
 
     def run(self, tensors, op=ReduceOp.SUM, *, compression=None, prescale=1.0):
         """tensors[i] = op over ranks of tensors[i], for every i. compression: None, 'float16' or
@@ -190,6 +191,12 @@ class FusedAllreduce:
         if buf is None or len(buf) < count:
             buf = self._buffers[key] = _empty_like(like, dtype, max(count, self.bucket_bytes // ITEMSIZE[dtype]))
         return buf[:count]
+
+    def orphan(self, why):
+        """In a child forked from this process: the helper thread is not there, and the lock may have been
+        copied held (the calls themselves are refused by the group, engine/forks.py)."""
+        self._worker = None
+        self._lock = threading.Lock()
 
     def close(self):
         if self._worker is not None:

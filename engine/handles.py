@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 
-from . import tcp
+from . import forks, tcp
 
 MAGIC = b"ENGRCF1\0"
 _HELLO = struct.Struct("!8s16sqII32s")   # magic, hub secret, uuid, member index, member count, list digest
@@ -92,6 +92,7 @@ class Listener:
         self.parked = {}       # uuid -> {index: (socket, member count, digest)}: hellos for later reconfigures
         self.used = set()      # uuids this hub served (a late hello for one is refused)
         self.meeting = None    # the Meeting of the reconfigure in flight, if one is
+        forks.track(self)
 
     def interrupt(self, why):
         """Ends the reconfigure in flight, if one is, with ConnectionError(why) where it waits (abort()
@@ -99,6 +100,13 @@ class Listener:
         meeting = self.meeting
         if meeting is not None:
             meeting.cancel(why)
+
+    def orphan(self, why):
+        """In a child forked from this process: its copies of the sockets close (a copy of the listening
+        socket would keep the port taken after this process ends, and hellos would wait there unanswered);
+        closing them is this process's only, where a shutdown would end the parent's connections."""
+        self.meeting = None
+        self.close()
 
     def close(self):
         self.sock.close()

@@ -8,10 +8,13 @@ torch's tests read them."""
 import time
 from datetime import timedelta
 
+from . import forks
+
 
 def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what):
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
     how long the other ranks wait for rank 0's verdict; what: the barrier, for messages."""
+    forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
         return _report_to_rank_0(store, key, rank, answer_seconds, what)
     start = time.monotonic()

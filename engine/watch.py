@@ -54,12 +54,16 @@ class _StoreLine:
         self.conn, self.queue, self.thread, self.since = conn, [], None, None
 
     @classmethod
+    def orphan(cls, why):
+        """In a child forked from this process: the lines' threads are not there, and the lock may have
+        been copied held; the child's own groups start afresh."""
+        cls._lines, cls._lock = {}, threading.Lock()
+
+    @classmethod
     def ask(cls, store, query, wait):
         """query() on store's line; waits up to `wait` s. Returns (True, its result) or (False, why):
         the store did not answer in time, or its line is stuck. query's exceptions are its result."""
-        conn = store
-        while getattr(conn, "underlying_store", None) is not None:   # (torch's PrefixStore)
-            conn = conn.underlying_store
+        conn = forks.base_store(store)
         done, out = threading.Event(), []
         with cls._lock:
             line = cls._lines.get(id(conn))
@@ -109,6 +113,7 @@ class _StoreLine:
             thread.join(max(deadline - time.monotonic(), 0))
 
 
+forks.track(_StoreLine)
 forks.at_exit(_StoreLine.join_all, STORE_QUERY_SECONDS)
 
 

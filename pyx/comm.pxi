@@ -184,9 +184,9 @@ cdef class CoreComm:
         parent's peers this rank left (the segment's flags) and stop threads that are not in this
         process; its memory goes when this process ends."""
         if self.orphaned is None:
-            self.orphaned = why
             eng_store32(&self.aborted, 1)
             Py_INCREF(self)
+        self.orphaned = why     # (a fork of a fork: the newest)
 
     cdef void release_if_idle(self) noexcept:
         """Frees the transports once a release() is due and no call is inside (once)."""

@@ -23,6 +23,7 @@ import threading
 import weakref
 
 from engine import forks
+from engine._core import EngineError
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
 cdef enum:
@@ -83,6 +84,7 @@ cdef class Progress:
     cdef object cv                  # callers waiting for a task the thread runs
     cdef object thread
     cdef object refusal             # what submit() raises once closed (abort's error), or None
+    cdef Task current               # the task running now, or None
     cdef public double grace
     cdef object __weakref__
 
@@ -101,6 +103,7 @@ cdef class Progress:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
         _live.add(self)
+        forks.track(self)
         # registered again with each engine, so it runs before the exit hooks registered since (atexit
         # runs the newest first): the TCP transports' goodbye, MPI's finalize
         forks.at_exit(_drain_at_exit)
@@ -208,6 +211,21 @@ cdef class Progress:
         if threading.current_thread() is not self.thread:
             self.thread.join()
 
+    def orphan(self, why):
+        """In a child forked from this process (engine/forks.py), where this thread is not, and its locks
+        may have been copied held: what was queued or running fails, and every later call is refused,
+        with EngineError naming the fork."""
+        pthread_mutex_init(&self.mtx, NULL)
+        pthread_cond_init(&self.cond, NULL)
+        self.cv = threading.Condition(threading.Lock())
+        self.deep = self.waiters = 0
+        if self.current is not None and self.current.state != TASK_DONE:
+            self.queue.appendleft(self.current)   # (its thread is not here to end it: abort fails it)
+            self.pending += 1
+        self.current = None
+        self.running = False
+        self.abort(EngineError(f"{why}, which made this process group; {forks.ADVICE}"))
+
     def abort(self, error):
         """Fails every queued task with `error` at once (their waiters wake, their callbacks run) and
         refuses new ones with it. A task already running ends on its own (its group's waits were
@@ -247,10 +265,12 @@ cdef class Progress:
 
     cdef _execute(self, Task task):
         callbacks = None
+        self.current = task
         try:
             task.fn(*task.args)
         except BaseException as exc:  # delivered to whoever waits on the task
             task.error = exc
+        self.current = None
         task.state = TASK_DONE
         task.fn = task.args = None
         callbacks, task.callbacks = task.callbacks, None

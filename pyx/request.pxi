@@ -13,7 +13,8 @@ cdef class Request:
             watch.peer_timeout(self.what, None if self.peer == ANY_PEER else self.peer, self.tag, elapsed)
 
     def __dealloc__(self):
-        if req_active(&self.req) and self.tp is not None:
+        # (a forked child's copy of a request stays: cancelling touches the parent's transport)
+        if req_active(&self.req) and self.tp is not None and self.comm.orphaned is None:
             if self.tp.cancel(&self.req):
                 _LIMBO.append(self.msg)
 

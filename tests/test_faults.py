@@ -251,9 +251,11 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
 @pytest.mark.parametrize("launch_with", ["spawn-shm", "spawn-tcp", "mpiexec-mpi"])
 def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
     """tests/faults/forked_child.py: DDP fed by forked DataLoader workers trains like one process; a
-    forked child's every call is refused naming the fork, and its destroy and exit leave the rank's
-    groups working; spawned, a rank that dies while its forked child lives is lost to rank 0 at once,
-    as exited, not as left (the child's copy used to leave the group for it) nor when the child ends."""
+    forked child's (and its own child's) every call is refused naming the fork (collectives, messages,
+    asynchronous calls, the parent's work in flight, new_group, monitored_barrier), and its destroy and
+    exit leave the rank's groups working; spawned, a rank that dies while its forked child lives is lost
+    to rank 0 at once, as exited, not as left (the child's copy used to leave the group for it) nor when
+    the child ends."""
     how, transport = launch_with.split("-")
     script = os.path.join(HERE, "forked_child.py")
     if how == "mpiexec":
@@ -270,6 +272,7 @@ def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
     assert "CLIENT DDP with forked DataLoader workers: 2 ranks" in out, out[-5000:]
     for rank in (0, 1):
         assert f"rank {rank}'s child: every call refused, naming the fork" in out, out[-5000:]
+        assert f"rank {rank}'s grandchild: every call refused, naming the fork" in out, out[-5000:]
         assert f"rank {rank}: its groups work after its child's calls and exit" in out, out[-5000:]
 
 

@@ -5,7 +5,7 @@ import os
 
 import torch.distributed as dist
 
-from engine import Communicator
+from engine import Communicator, forks
 from engine.launcher import MPIRUN_HINT, detect_launcher
 
 from .fault import agree_on_members, own_transport, reconfigured, world_shrinks
@@ -25,6 +25,8 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
+    # (in a forked child: not through the store or the MPI it inherited, before anything reaches them)
+    forks.check_can_make(f"group {name!r}", store, mpi=detect_launcher() is not None)
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine import Communicator, failure
+from engine import Communicator, failure, forks
 from engine.bootstrap import await_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
@@ -312,6 +312,7 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument):
     lists, where they would wait for each other in the store until its timeout, or meet with positions
     that disagree. Members that never come are named at the new group's timeout (seconds), not the
     store's."""
+    forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]

@@ -7,7 +7,7 @@ engine's ring (ring.py) for what NCCL does not reduce, or when forced. Scratch m
 cupy's stream-ordered pool: reused across calls, never freed while the stream still needs it.
 """
 
-from .. import registry
+from .. import forks, registry
 from .._core import Impl, alltoall_table, count_table
 from ..ops import ReduceOp, op_code
 from .buffers import device_message
@@ -27,6 +27,8 @@ class CudaCommunicator:
         self._cupy = self.kernels._cupy
         self._ring = CudaRingAllreduce(self.comm, self.kernels)
         self._plan = registry.Plan("nccl", stage=True)
+        self._orphaned = None
+        forks.track(self)
 
     # -- helpers --
 
@@ -210,5 +212,11 @@ class CudaCommunicator:
     def check_async_error(self):
         self.comm.check_async_error()
 
+    def orphan(self, why):
+        """In a child forked from this process (engine/forks.py): free() leaves the parent's NCCL
+        communicator alone (CUDA itself refuses a forked child's calls)."""
+        self._orphaned = why
+
     def free(self):
-        self.comm.destroy()
+        if self._orphaned is None:
+            self.comm.destroy()

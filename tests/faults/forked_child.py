@@ -47,22 +47,40 @@ def train_with_forked_loader(rank, size):
     common.report("DDP with forked DataLoader workers", [p.detach() for p in net.module.parameters()])
 
 
-def child_tries_the_groups(rank, sub):
-    """In the forked child: exits 0 if every call raised naming the fork."""
+def child_tries_the_groups(rank, sub, in_flight, depth=1):
+    """In the forked child (depth 2: a fork of that child): exits 0 if every call raised naming this
+    process and its parent; a call that hangs ends the child (SIGALRM) with a non-zero exit."""
+    signal.alarm(30)
     failures = []
     for what, call in [("all_reduce", lambda: dist.all_reduce(torch.ones(4))),
                        ("subgroup all_reduce", lambda: dist.all_reduce(torch.ones(4), group=sub)),
                        ("async all_reduce", lambda: dist.all_reduce(torch.ones(4), async_op=True).wait()),
-                       ("send", lambda: dist.send(torch.ones(4), 1 - rank))]:
+                       ("send", lambda: dist.send(torch.ones(4), 1 - rank)),
+                       ("all_gather_object", lambda: dist.all_gather_object([None, None], rank)),
+                       ("new_group", lambda: dist.new_group([0, 1])),
+                       ("monitored_barrier", lambda: dist.group.WORLD.monitored_barrier()),
+                       # the parent's in-flight call: it either completed before the fork, or fails here
+                       ("the parent's work", in_flight.wait)]:
         try:
             call()
-            failures.append(f"{what} passed")
-        except Exception as exc:
-            if f"is a fork of rank {rank}" not in str(exc):
+            if what != "the parent's work":
+                failures.append(f"{what} passed")
+        except Exception as exc:   # (the parent's work failed in the first fork, which a second one copied)
+            said = "is a fork of pid" if what == "the parent's work" else \
+                f"this process (pid {os.getpid()}) is a fork of pid {os.getppid()}"
+            if said not in str(exc):
                 failures.append(f"{what}: {type(exc).__name__}: {exc}")
+    if depth == 1:   # a fork of this fork: its messages name it and this process
+        pid = os.fork()
+        if pid == 0:
+            child_tries_the_groups(rank, sub, in_flight, 2)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failures.append(f"its own child exited with {status}")
     dist.destroy_process_group()   # its copy: nothing of the parent's is freed or told
-    print(f"rank {rank}'s child: {'; '.join(failures) or 'every call refused, naming the fork'}", flush=True)
-    if UNDER_MPI:
+    print(f"rank {rank}'s {'grand' * (depth - 1)}child: {'; '.join(failures) or 'every call refused, naming the fork'}",
+          flush=True)
+    if UNDER_MPI or depth == 2:
         os._exit(1 if failures else 0)
     sys.exit(1 if failures else 0)
 
@@ -70,9 +88,13 @@ def child_tries_the_groups(rank, sub):
 def forked_child_leaves_the_groups_alone(rank, size):
     sub = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(4))
+    big = torch.ones(1 << 20)
+    in_flight = dist.all_reduce(big, async_op=True)
     pid = os.fork()
     if pid == 0:
-        child_tries_the_groups(rank, sub)
+        child_tries_the_groups(rank, sub, in_flight)
+    in_flight.wait()
+    assert big[0] == 2, big[0]
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, f"rank {rank}'s child exited with {status}"
     for step in range(10):
