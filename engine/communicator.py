@@ -297,7 +297,7 @@ class Communicator:
         """In a child forked from this process (engine/forks.py): every call is refused, naming the fork,
         and free() frees nothing (the group and its MPI communicators are the parent's)."""
         if self._core is not None:
-            self._core.orphan(f"{why}, where rank {self.rank} made group {self.name!r}; {forks.ADVICE}")
+            self._core.orphan(f"{why}, and group {self.name!r} (rank {self.rank}) came with the fork; {forks.ADVICE}")
 
     def free(self):
         """Releases the group's resources now (its segment, sockets, threads), unless a call is still

@@ -11,7 +11,8 @@ rank dies, hiding the death from the peers. So in the child:
   threads, the fusion's helper, the CUDA communicators, the store lines) is orphaned: its calls are
   refused, naming the fork, and it frees nothing there (its memory goes with the child);
 - no group is made through what the child inherited (MPI, or a group's store);
-- the engine's exit hooks (goodbyes, MPI's abort, the trace's writing) don't run (at_exit).
+- the exit hooks that act for the rank's process alone (MPI's abort, the trace's writing) don't run
+  there (at_exit); the others act on what is live, and the orphans in that are inert.
 """
 
 import atexit
@@ -19,8 +20,8 @@ import os
 import sys
 import weakref
 
-ADVICE = ("a group belongs to the process that made it: a forked worker can't use its parent's groups (one that "
-          "needs groups of its own starts with multiprocessing's 'spawn' method and makes them)")
+ADVICE = ("a group belongs to the process that made it: a forked worker can't use the groups that came with the "
+          "fork (one that needs groups of its own starts with multiprocessing's 'spawn' method and makes them)")
 
 _owned = weakref.WeakSet()   # what orphan(why) makes inert in a child
 _exit_hooks = []             # what at_exit registered
@@ -54,10 +55,11 @@ def check_can_make(what, store=None, mpi=False):
     if not _inherited:
         return
     if mpi and _inherited["mpi"]:
-        raise RuntimeError(f"engine: {what}: {_inherited['why']}, which had started MPI; MPI can't be used in a "
-                           f"forked process; {ADVICE}")
+        raise RuntimeError(f"engine: {what}: {_inherited['why']}, and MPI came with the fork (MPI can't be used in a "
+                           f"forked process); {ADVICE}")
     if store is not None and any(base_store(store) is s for s in _inherited["stores"]):
-        raise RuntimeError(f"engine: {what}: {_inherited['why']}, and this store is its groups' store; {ADVICE}")
+        raise RuntimeError(f"engine: {what}: {_inherited['why']}, and this store came with the fork (its groups' "
+                           f"store); {ADVICE}")
 
 
 def _in_child():
@@ -71,8 +73,14 @@ def _in_child():
     MPI = sys.modules.get("mpi4py.MPI")
     mpi = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
     _inherited.update(why=why, stores=stores + _inherited.get("stores", []), mpi=mpi or _inherited.get("mpi", False))
-    for obj in owned:
-        obj.orphan(why)
+    # the groups first: an orphan() that fails (a progress thread's task callbacks are the user's) must
+    # not leave a group able to touch the parent's segment or connections
+    for obj in sorted(owned, key=lambda o: not hasattr(o, "_core")):
+        try:
+            obj.orphan(why)
+        except Exception as exc:
+            print(f"engine: in a forked child, making {type(obj).__name__} inert failed: {exc!r}", file=sys.stderr,
+                  flush=True)
 
 
 os.register_at_fork(after_in_child=_in_child)

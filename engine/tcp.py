@@ -7,12 +7,13 @@ rendezvous host every rank already reaches), else the hostname's address. IPv4 a
 family follows MASTER_ADDR's.
 """
 
+import atexit
 import ipaddress
 import os
 import socket
 import weakref
 
-from . import _core, forks
+from . import _core
 from .bootstrap import gather
 from .config import env_choice, env_int
 
@@ -35,7 +36,8 @@ def _leave_at_exit():
         transport.goodbye()
 
 
-forks.at_exit(_leave_at_exit)
+# (a forked child keeps it: its copies of the parent's channels are inert, its own say goodbye)
+atexit.register(_leave_at_exit)
 
 
 def _family(address):

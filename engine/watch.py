@@ -15,6 +15,7 @@ with EngineMismatch naming it and both calls: whatever the transport, or MPI's o
 to tell from their messages, a stalled mismatch is named within seconds, not at the timeout.
 """
 
+import atexit
 import contextlib
 import json
 import os
@@ -114,7 +115,7 @@ class _StoreLine:
 
 
 forks.track(_StoreLine)
-forks.at_exit(_StoreLine.join_all, STORE_QUERY_SECONDS)
+atexit.register(_StoreLine.join_all, STORE_QUERY_SECONDS)
 
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,
@@ -394,6 +395,12 @@ class _Registry:
         self.watches = weakref.WeakSet()
         self.lock = threading.Lock()
         self.thread = None
+        forks.track(self)
+
+    def orphan(self, why):
+        """In a child forked from this process: the thread is not there, and the lock may have been copied
+        held; the child's own groups start them again."""
+        self.lock, self.thread = threading.Lock(), None
 
     def add(self, watch):
         with self.lock:

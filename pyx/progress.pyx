@@ -18,6 +18,7 @@ from shm cimport eng_now, eng_sleep
 #   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
 # Order is kept either way: only the head of the queue runs, and never two at once.
 
+import atexit
 import collections
 import threading
 import weakref
@@ -106,7 +107,8 @@ cdef class Progress:
         forks.track(self)
         # registered again with each engine, so it runs before the exit hooks registered since (atexit
         # runs the newest first): the TCP transports' goodbye, MPI's finalize
-        forks.at_exit(_drain_at_exit)
+        atexit.unregister(_drain_at_exit)
+        atexit.register(_drain_at_exit)
 
     def run(self, fn, a=None, b=None, c=None, int nargs=3, str name="op"):
         """fn(a, b, c) (its first nargs of them) now, in this thread, after everything queued before
@@ -192,6 +194,7 @@ cdef class Progress:
             self.pending -= 1
             task.state = TASK_RUNNING
             self.running = True
+            self.current = task     # (from here: a fork before _execute starts must still find it)
             return True
         return False
 
@@ -224,7 +227,7 @@ cdef class Progress:
             self.pending += 1
         self.current = None
         self.running = False
-        self.abort(EngineError(f"{why}, which made this process group; {forks.ADVICE}"))
+        self.abort(EngineError(f"{why}, and this process group came with the fork; {forks.ADVICE}"))
 
     def abort(self, error):
         """Fails every queued task with `error` at once (their waiters wake, their callbacks run) and

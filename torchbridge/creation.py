@@ -25,8 +25,9 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
+    changed = reconfigured()
     # (in a forked child: not through the store or the MPI it inherited, before anything reaches them)
-    forks.check_can_make(f"group {name!r}", store, mpi=detect_launcher() is not None)
+    forks.check_can_make(f"group {name!r}", store, mpi=detect_launcher() is not None and not changed)
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
@@ -35,7 +36,6 @@ def create_process_group(opts, backend_options=None):
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group")
-    changed = reconfigured()
     if detect_launcher() is None or changed:   # (after a reconfigure or a shrink: never MPI, as there)
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name, transport=own_transport() if changed else None)

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from .. import forks
 from ..watch import EngineTimeout
 
 POLL_SECONDS = 0.05
@@ -23,6 +24,12 @@ class Watchdog:
         self._thread = None
         self._closed = False
         self.error = None
+        forks.track(self)
+
+    def orphan(self, why):
+        """In a child forked from this process: the thread is not there, and the lock may have been copied
+        held; nothing is watched there."""
+        self._cond, self._thread, self._pending, self._closed = threading.Condition(), None, [], True
 
     def watch(self, event, what, comm):
         """Called after enqueueing `what` on comm and recording `event` after it."""

@@ -3,8 +3,9 @@
 1. DDP trains on batches that DataLoader workers (forked while the engine's threads run) load, and
    ends with the parameters of one process trained on the full batches.
 2. Each rank forks a child that tries the rank's groups: every call, blocking or not, raises naming
-   the fork; it destroys its copy of the group and ends through the interpreter's exit (its hooks
-   run; under MPI it leaves with os._exit, since a forked child must not finalize MPI). Then the
+   the fork; it destroys its copy of the group, makes a group of its own through a store of its own
+   (spawned only), and ends through the interpreter's exit (its hooks run; under MPI it leaves with
+   os._exit, since a forked child must not finalize MPI). A fork of the child does the same. Then the
    ranks' own groups, the world and a subgroup, collectives and point-to-point, still give right
    results.
 3. (Spawned only: a launcher would end every rank) Rank 1 forks a child that sleeps, then dies
@@ -78,6 +79,13 @@ def child_tries_the_groups(rank, sub, in_flight, depth=1):
         if os.waitstatus_to_exitcode(status) != 0:
             failures.append(f"its own child exited with {status}")
     dist.destroy_process_group()   # its copy: nothing of the parent's is freed or told
+    if depth == 1 and not UNDER_MPI:   # a group of its own, through a store of its own, works
+        dist.init_process_group("engine", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        if t.tolist() != [1.0, 1.0, 1.0]:
+            failures.append(f"its own group's all_reduce gave {t.tolist()}")
     print(f"rank {rank}'s {'grand' * (depth - 1)}child: {'; '.join(failures) or 'every call refused, naming the fork'}",
           flush=True)
     if UNDER_MPI or depth == 2:
