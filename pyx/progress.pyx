@@ -267,8 +267,7 @@ cdef class Progress:
             self._signal()
 
     cdef _execute(self, Task task):
-        callbacks = None
-        self.current = task
+        callbacks = None   # (self.current is task since _claim)
         try:
             task.fn(*task.args)
         except BaseException as exc:  # delivered to whoever waits on the task

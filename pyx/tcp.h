@@ -37,6 +37,19 @@
  * after a goodbye, saying none. The channels' locks are held across the fork, so the child copies each
  * between two updates. */
 
+/* Closes every descriptor of the channel (its peers' connections, pending accepts, the listening socket,
+ * the eventfd): in this process only, nothing is said on them. Freeing the channel and a forked child's
+ * copy of it both end this way. */
+static void tcp_close_descriptors(eng_tcp *t) {
+  if (t->peers != NULL)
+    for (int q = 0; q < t->size; q++) tcp_close_peer(t, &t->peers[q]);
+  for (int i = 0; i < t->npending; i++) close(t->pending[i].fd);
+  t->npending = 0;
+  if (t->listen_fd >= 0) close(t->listen_fd);
+  if (t->wake_fd >= 0) close(t->wake_fd);
+  t->listen_fd = t->wake_fd = -1;
+}
+
 static pthread_mutex_t tcp_live_lock = PTHREAD_MUTEX_INITIALIZER;
 static eng_tcp *tcp_live_head = NULL;
 
@@ -52,12 +65,7 @@ static void tcp_fork_parent(void) {
 
 static void tcp_fork_child(void) {
   for (eng_tcp *t = tcp_live_head; t != NULL; t = t->next_live) {
-    for (int q = 0; q < t->size; q++) tcp_close_peer(t, &t->peers[q]);
-    for (int i = 0; i < t->npending; i++) close(t->pending[i].fd);
-    t->npending = 0;
-    if (t->listen_fd >= 0) close(t->listen_fd);
-    if (t->wake_fd >= 0) close(t->wake_fd);
-    t->listen_fd = t->wake_fd = -1;
+    tcp_close_descriptors(t);
     t->said_bye = 1;
     pthread_mutex_unlock(&t->lock);
   }
@@ -163,11 +171,10 @@ static void eng_tcp_free(eng_tcp *t) {
    * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
   eng_tcp_goodbye(t);
   tcp_live_remove(t);
+  tcp_close_descriptors(t);
   if (t->peers != NULL) {
-    for (int q = 0; q < t->size; q++) {
-      tcp_close_peer(t, &t->peers[q]);
+    for (int q = 0; q < t->size; q++)
       for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) free(t->peers[q].in[s].stage);
-    }
     free(t->peers);
   }
   while (t->unexp_head != NULL) {
@@ -176,9 +183,6 @@ static void eng_tcp_free(eng_tcp *t) {
     free(m->buf);
     free(m);
   }
-  for (int i = 0; i < t->npending; i++) close(t->pending[i].fd);
-  if (t->listen_fd >= 0) close(t->listen_fd);
-  if (t->wake_fd >= 0) close(t->wake_fd);
   free(t->pfd);
   free(t->pwhat);
   free(t->sink);
