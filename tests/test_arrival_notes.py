@@ -179,7 +179,7 @@ def test_a_store_that_stops_answering_holds_one_thread_the_reports_say_so_at_onc
         wb, core_b = watch(0, 2, dist.PrefixStore("b/", base), notes_id="b")
         core_a.rec = core_b.rec = record(1, ALLREDUCE_SUM)
         assert wa.missing(core_a.rec) == [1]
-        os.kill(host.pid, signal.SIGSTOP)
+        stop(host.pid)
         start = time.monotonic()
         assert wa.missing(core_a.rec) == "the store did not answer within 1 s (the rank hosting it, or the link to it, may be gone)"
         assert 0.9 < time.monotonic() - start < 3
@@ -199,6 +199,27 @@ def test_a_store_that_stops_answering_holds_one_thread_the_reports_say_so_at_onc
         os.kill(host.pid, signal.SIGCONT)
         host.kill()
         host.wait()
+
+
+def stop(pid):
+    """SIGSTOP pid and wait until every thread of it has stopped. kill() returns once one thread is told:
+    that thread stops the others only when it next runs, and meanwhile the store's server thread may still
+    answer a query (on a loaded machine, for milliseconds)."""
+    import time
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+            except FileNotFoundError:   # (a thread that ended meanwhile)
+                pass
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"pid {pid} did not stop within 10 s of SIGSTOP (its threads: {states})")
 
 
 HOST_A_STORE = """
