@@ -104,8 +104,12 @@ class Listener:
     def orphan(self, why):
         """In a child forked from this process: its copies of the sockets close (a copy of the listening
         socket would keep the port taken after this process ends, and hellos would wait there unanswered);
-        closing them is this process's only, where a shutdown would end the parent's connections."""
-        self.meeting = None
+        closing them is this process's only, where a shutdown would end the parent's connections. So do
+        the connections of a reconfigure in flight at the fork (the parent's meet goes on)."""
+        meeting, self.meeting = self.meeting, None
+        if meeting is not None:
+            for sock in list(meeting.socks):
+                sock.close()
         self.close()
 
     def close(self):

@@ -6,6 +6,7 @@ only where the point is how soon the whole job ends (a killed rank)."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -274,6 +275,58 @@ def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
         assert f"rank {rank}'s child: every call refused, naming the fork" in out, out[-5000:]
         assert f"rank {rank}'s grandchild: every call refused, naming the fork" in out, out[-5000:]
         assert f"rank {rank}: its groups work after its child's calls and exit" in out, out[-5000:]
+
+
+HUB_FORKS_DURING_A_RECONFIGURE = """
+import os, sys, time
+from engine import handles
+listener = handles.Listener()
+print(listener.handle, flush=True)
+store, index, n = handles.meet(listener, 7, [listener.handle, sys.stdin.readline().strip()], 60)
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(index, n, child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_fork_during_a_reconfigure_leaves_its_connections_to_the_parent():
+    """A process forked while its reconfigure is in flight (torchft reconfigures on a thread of its own
+    while the training loop forks DataLoader workers) closes its copies of the meeting's connections:
+    the hub dies (SIGKILL) and the member waiting on it fails at once, not when the child ends or at
+    the reconfigure's timeout. Here the test process is the member."""
+    import time
+
+    from engine import handles
+    listener = handles.Listener()
+    hub = subprocess.Popen([sys.executable, "-c", HUB_FORKS_DURING_A_RECONFIGURE], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        hub_handle = hub.stdout.readline().strip()
+        hub.stdin.write(listener.handle + "\n")
+        hub.stdin.flush()
+        store, index, n = handles.meet(listener, 7, [hub_handle, listener.handle], 20)
+        assert (index, n) == (1, 2)
+        hub_index, _, child = map(int, hub.stdout.readline().split())
+        assert hub_index == 0
+        hub.kill()
+        hub.wait()
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match="closed the connection"):
+            store.get("never set")
+        assert time.monotonic() - start < 10   # (the child sleeps 60 s; the store's deadline is 20 s)
+        store.close()
+    finally:
+        hub.kill()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        listener.close()
 
 
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
