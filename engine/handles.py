@@ -14,6 +14,11 @@ connection sends is read; then the uuid, its index, the member count and a diges
 build their communicator through it (engine.bootstrap.StoreBootstrap), exactly as a group made
 through torch's store is built: shared memory on one host, the engine's TCP transport across hosts.
 
+A member that dies is named at once, not at the reconfigure's timeout: the hub probes the handles of
+members that have not connected (a handle that refuses connections is a process that ended, on a host
+that lives), and a member's connection that closes before it said it is done (OP_DONE) fails the
+meeting. The hub then tells every member why, and ends its own making.
+
 A connection that does not prove the secret is closed unread. One for a uuid this hub has not
 reached yet is kept for that reconfigure; one for a uuid it already used is told so and closed.
 """
@@ -30,14 +35,18 @@ from . import forks, tcp
 
 MAGIC = b"ENGRCF1\0"
 _HELLO = struct.Struct("!8s16sqII32s")   # magic, hub secret, uuid, member index, member count, list digest
-_REPLY = struct.Struct("!BI")            # status (0 ok), length of the text that follows
+_REPLY = struct.Struct("!BI")            # status (OK, REFUSED, FAILED), length of the text that follows
 _REQ = struct.Struct("!BII")             # op, key length, value length
 MAX_KEY = 4096
 MAX_VALUE = 16 << 20
 MAX_MEMBERS = 1 << 16
 HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
 ACCEPT_TICK_SECONDS = 0.05               # the hub's accept wait reads abort() this often
-OP_SET, OP_GET, OP_CHECK = 1, 2, 3
+PROBE_SECONDS = (1.0, 30.0)              # the hub probes a member not yet connected after 1 s, then ever less often
+PROBE_CONNECT_SECONDS = 0.25             # (a refusal comes in one round trip; silence proves nothing)
+OP_SET, OP_GET, OP_CHECK, OP_DONE = 1, 2, 3, 4
+OK, REFUSED, FAILED = 0, 1, 2            # reply statuses: REFUSED (a hello, or a key not set in time) is the
+                                         # member's own mistake or the deadline; FAILED: the reconfigure failed
 MAX_PARKED = 256
 
 
@@ -120,25 +129,37 @@ class Listener:
         self.parked.clear()
 
     def accept_members(self, uuid, n, digest, deadline, handles, meeting):
-        """The n - 1 authenticated connections of reconfigure uuid: {index: socket}."""
+        """The n - 1 authenticated connections of reconfigure uuid: {index: socket}. Where it fails, the
+        members that connected are told why."""
         mine = {}
         try:
             return self._accept(mine, uuid, n, digest, deadline, handles, meeting)
-        except BaseException:
+        except BaseException as exc:
             for conn in mine.values():
+                _reply(conn, FAILED, f"the first member ({_where(handles[0])}) ended this reconfigure: {exc}")
                 conn.close()
             raise
 
     def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
             self._admit(mine, conn, index, count, dig, n, digest)
+        probe_gap = PROBE_SECONDS[0]
+        probe_at = time.monotonic() + probe_gap
         while len(mine) < n - 1:
             meeting.check()
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            missing = [i for i in range(1, n) if i not in mine]
             if left <= 0:
-                missing = [i for i in range(1, n) if i not in mine]
                 raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
                                    "never connected to this rank, the first member")
+            if now >= probe_at:
+                for i in missing:
+                    if _refuses(handles[i]):
+                        raise ConnectionError(f"member {i} ({_where(handles[i])}) is gone: its handle refuses "
+                                              "connections (the process that handed it out ended)")
+                probe_gap = min(2 * probe_gap, PROBE_SECONDS[1])
+                probe_at = time.monotonic() + probe_gap
             self.sock.settimeout(min(left, ACCEPT_TICK_SECONDS))
             try:
                 conn, _ = self.sock.accept()
@@ -150,7 +171,7 @@ class Listener:
                 conn.close()
         for conn in mine.values():
             meeting.socks.append(conn)
-            _reply(conn, 0, "")
+            _reply(conn, OK, "")
         return mine
 
     def _hello(self, conn, uuid, n, digest, mine):
@@ -161,7 +182,7 @@ class Listener:
         if their_uuid == uuid:
             self._admit(mine, conn, index, count, dig, n, digest)
         elif their_uuid in self.used:
-            _reply(conn, 1, f"uuid {their_uuid} was already used by this group's first member: pass a fresh uuid to "
+            _reply(conn, REFUSED, f"uuid {their_uuid} was already used by this group's first member: pass a fresh uuid to "
                             "every reconfigure")
             conn.close()
         elif sum(len(v) for v in self.parked.values()) < MAX_PARKED:
@@ -172,12 +193,12 @@ class Listener:
     @staticmethod
     def _admit(mine, conn, index, count, dig, n, digest):
         if count != n or dig != digest:
-            _reply(conn, 1, f"this reconfigure's first member was given {n} handles, and another list than "
+            _reply(conn, REFUSED, f"this reconfigure's first member was given {n} handles, and another list than "
                             f"member {index}'s ({count} handles): every member must pass the same handles in the same "
                             "order")
             conn.close()
         elif not 1 <= index < n or index in mine:
-            _reply(conn, 1, f"member index {index} is out of range or taken twice")
+            _reply(conn, REFUSED, f"member index {index} is out of range or taken twice")
             conn.close()
         else:
             conn.settimeout(None)
@@ -190,6 +211,21 @@ def _where(handle):
         return f"{addr}:{port}"
     except HandleError:
         return "?"
+
+
+def _refuses(handle):
+    """True if the address of handle refuses connections: no process listens there any more (a process
+    that lives keeps its handle's socket listening; a connection it does not accept waits in its
+    backlog and closes unread). A timeout or an unreachable host proves nothing."""
+    addr, port, _ = parse_handle(handle)
+    try:
+        probe = socket.create_connection((addr, port), timeout=PROBE_CONNECT_SECONDS)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    probe.close()
+    return False
 
 
 def _reply(conn, status, text):
@@ -235,13 +271,13 @@ class Meeting:
 
     def cancel(self, why):
         self.cancelled = why
+        if self.hub is not None:   # (first: the connections' ends, next, are this abort's, not members lost)
+            self.hub.fail(why)
         for sock in list(self.socks):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self.hub is not None:
-            self.hub.fail(why)
         for fn in list(self.cancels):
             fn(why)
 
@@ -252,18 +288,27 @@ class Meeting:
 
 class HubStore:
     """The hub's key-value store: the hub's own calls in process, the members' over their connections,
-    each served by a thread of its own until the member closes it."""
+    each served by a thread of its own until the member says it is done (OP_DONE).
 
-    def __init__(self, conns, deadline, meeting):
+    A member whose connection closes before that failed or died: the meeting fails (_lost). Then, or
+    where the hub could not make its end, close() tells every member still connected why: a FAILED
+    reply is queued on its connection, which the member reads as the answer to its next request, and
+    the hub stops answering (it still reads what comes, so its close never resets a connection, which
+    would throw the reply away before the member read it)."""
+
+    def __init__(self, conns, deadline, meeting, handles):
         self.meeting = meeting
         meeting.hub = self
         self.data = {}
         self.cv = threading.Condition()
         self.deadline = deadline
         self.error = None
-        self.threads = [threading.Thread(target=self._serve, args=(c,), name="engine-reconfigure-hub", daemon=True)
-                        for c in conns.values()]
+        self.threads = [threading.Thread(target=self._serve, args=(c, f"member {i} ({_where(handles[i])})"),
+                                         name="engine-reconfigure-hub", daemon=True) for i, c in conns.items()]
         self.conns = list(conns.values())
+        self.serving = len(self.conns)   # members not yet done
+        self.answering = 0                # requests being answered
+        self.closing = False              # close() began: the threads answer nothing more, and it closes
         for t in self.threads:
             t.start()
 
@@ -292,42 +337,94 @@ class HubStore:
             self.error = self.error or why
             self.cv.notify_all()
 
-    def _serve(self, conn):
+    def _lost(self, member):
+        """A member's connection closed before it said it was done: it failed or died, and the group
+        can't be made. The hub's own waits end (its store's and its transport's making)."""
+        why = f"reconfigure: {member} closed its connection before the group was made: it failed or died"
+        with self.cv:
+            if self.closing or self.error is not None:
+                return
+            self.error = why
+            self.cv.notify_all()
+        for fn in list(self.meeting.cancels):
+            fn(why)
+
+    def _serve(self, conn, member):
         try:
             while True:
                 try:
                     head = conn.recv(_REQ.size, socket.MSG_WAITALL)
                 except OSError:
-                    return
+                    head = b""
                 if len(head) < _REQ.size:
-                    return   # the member is done (or gone: its own reconfigure reports that)
+                    self._lost(member)
+                    return
                 op, klen, vlen = _REQ.unpack(head)
+                if op == OP_DONE:
+                    return
+                if op not in (OP_SET, OP_GET, OP_CHECK):
+                    raise ValueError(f"unknown request {op}")
                 _check_sizes(klen, vlen)
                 key = _recv_exact(conn, klen, "key").decode()
                 value = _recv_exact(conn, vlen, "value") if op == OP_SET else None
-                if op == OP_SET:
-                    self.set(key, value)
-                    conn.sendall(_REPLY.pack(0, 0))
-                elif op == OP_GET:
-                    try:
-                        data = self.get(key)
-                    except (TimeoutError, ConnectionError) as exc:
-                        _reply(conn, 1, str(exc))
-                        return
-                    conn.sendall(_REPLY.pack(0, len(data)) + data)
-                elif op == OP_CHECK:
-                    conn.sendall(_REPLY.pack(0, 1) + b"\1" if self.check(key.split("\0")) else _REPLY.pack(0, 0))
-                else:
-                    return
+                with self.cv:
+                    if self.closing:
+                        continue   # (close() told this member why)
+                    self.answering += 1
+                try:
+                    self._answer(conn, op, key, value)
+                finally:
+                    with self.cv:
+                        self.answering -= 1
+                        self.cv.notify_all()
         except (OSError, ValueError, ConnectionError, UnicodeDecodeError) as exc:
-            self.fail(f"reconfigure: a member's connection failed: {exc}")
+            self.fail(f"reconfigure: {member}'s connection failed: {exc}")
         finally:
-            conn.close()
+            with self.cv:
+                self.serving -= 1
+                self.cv.notify_all()
+                mine = not self.closing   # (else close() closes it)
+            if mine:
+                conn.close()
 
-    def close(self, deadline):
-        """Waits (until deadline) for every member to close its connection: they may still read keys."""
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+    def _answer(self, conn, op, key, value):
+        if op == OP_SET:
+            self.set(key, value)
+            conn.sendall(_REPLY.pack(OK, 0))
+        elif op == OP_GET:
+            try:
+                data = self.get(key)
+            except (TimeoutError, ConnectionError) as exc:
+                _reply(conn, REFUSED if isinstance(exc, TimeoutError) else FAILED, str(exc))
+                return
+            conn.sendall(_REPLY.pack(OK, len(data)) + data)
+        else:
+            conn.sendall(_REPLY.pack(OK, 1) + b"\1" if self.check(key.split("\0")) else _REPLY.pack(OK, 0))
+
+    def close(self, deadline, made=True):
+        """Waits (until deadline) for every member to say it is done: they may still read keys. Where
+        the meeting failed, or this hub did not make its end (made=False), it waits for none: each
+        member still connected is told why, and given a second to read it."""
+        if not made:
+            self.fail(f"reconfigure: the first member ({_where(self.meeting.listener.handle)}) could not make its "
+                      "end of the group")
+        with self.cv:
+            while self.serving and self.error is None and time.monotonic() < deadline:
+                self.cv.wait(max(0.0, deadline - time.monotonic()))
+            told = min(deadline, time.monotonic() + 1.0)
+            while self.answering and time.monotonic() < told:   # (answers in flight go first)
+                self.cv.wait(max(0.0, told - time.monotonic()))
+            self.closing = True
+            why = self.error
+        if why is not None:
+            for c in self.conns:
+                _reply(c, FAILED, why)
+                try:
+                    c.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+            for t in self.threads:   # (each ends when its member, told, closes)
+                t.join(max(0.0, told - time.monotonic()))
         for c in self.conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -335,6 +432,8 @@ class HubStore:
                 pass
         for t in self.threads:
             t.join(1.0)
+        for c in self.conns:
+            c.close()
         self.meeting.end()
 
 
@@ -357,9 +456,9 @@ class MemberStore:
         self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
         self.sock.settimeout(max(0.1, deadline - time.monotonic()))
         status, text = self._reply("the first member's answer to this rank's hello")
-        if status:
+        if status != OK:
             self.sock.close()
-            raise RuntimeError(text.decode(errors="replace"))
+            raise (ConnectionError if status == FAILED else RuntimeError)(text.decode(errors="replace"))
 
     def _reply(self, what):
         try:
@@ -384,8 +483,8 @@ class MemberStore:
             self.meeting.check()
             raise
         status, data = self._reply(f"reconfigure store {key!r}")
-        if status:
-            raise TimeoutError(data.decode(errors="replace"))
+        if status != OK:
+            raise (ConnectionError if status == FAILED else TimeoutError)(data.decode(errors="replace"))
         return data
 
     def set(self, key, value):
@@ -397,7 +496,15 @@ class MemberStore:
     def check(self, keys):
         return self._call(OP_CHECK, "\0".join(keys)) != b""  # length 1 (yes) or 0 (no)
 
-    def close(self, deadline=None):
+    def close(self, deadline=None, made=True):
+        """made: this rank made its end of the group, so the hub may stop waiting for it (OP_DONE); a
+        member that closes without it has failed, and the hub ends the meeting for everyone."""
+        if made:
+            try:
+                self.sock.settimeout(1.0)
+                self.sock.sendall(_REQ.pack(OP_DONE, 0, 0))
+            except OSError:
+                pass
         self.sock.close()
         self.meeting.end()
 
@@ -438,7 +545,7 @@ def meet(listener, uuid, handles, timeout):
         if index == 0:
             conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}
             listener.used.add(uuid)
-            store = HubStore(conns, deadline, meeting)
+            store = HubStore(conns, deadline, meeting, members)
             meeting.check()   # (cancelled before the hub could hear of it)
             return store, index, n
         listener.used.add(uuid)
