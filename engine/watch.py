@@ -53,6 +53,7 @@ class _StoreLine:
 
     def __init__(self, conn):
         self.conn, self.queue, self.thread, self.since = conn, [], None, None
+        self.overdue = False   # a query's asker gave up on it after STORE_QUERY_SECONDS, and it still runs
 
     @classmethod
     def orphan(cls, why):
@@ -71,6 +72,8 @@ class _StoreLine:
             if line is None:
                 line = cls._lines[id(conn)] = cls(conn)
             stuck = time.monotonic() - line.since if line.since is not None else 0.0
+            if line.overdue:   # (`since` is set when the line's thread takes the query, after its asker began to wait)
+                stuck = max(stuck, STORE_QUERY_SECONDS)
             if stuck >= STORE_QUERY_SECONDS or len(line.queue) >= cls.MAX_QUEUED:
                 return False, (f"the store has not answered a query for {stuck:.0f} s (the rank hosting it, or the "
                                "link to it, may be gone)")
@@ -83,6 +86,9 @@ class _StoreLine:
                     del cls._lines[id(conn)]
                     return False, "the store could not be asked (the interpreter is shutting down)"
         if not done.wait(wait):
+            if wait >= STORE_QUERY_SECONDS:
+                with cls._lock:
+                    line.overdue = line.overdue or not done.is_set()
             return False, (f"the store did not answer within {wait:g} s (the rank hosting it, or the link to it, "
                            "may be gone)")
         return True, out[0]
@@ -101,6 +107,8 @@ class _StoreLine:
             except Exception as exc:
                 out.append(exc)
             done.set()
+            with self._lock:
+                self.overdue = False
 
     @classmethod
     def join_all(cls, wait):

@@ -235,7 +235,7 @@ def launch_init_case(*args, timeout=60, **env):
                                       ("engine-starts-mpi", "WORLD_SIZE")])
 def test_a_rank_failing_at_init_ends_the_job_with_its_error(mode, var):
     """One rank's init_process_group fails while the others wait for it (in the engine's rendezvous over MPI,
-    or in torch's store): the job ends non-zero within 10 s, the error shown, and nothing is left in /dev/shm.
+    or in torch's store): the job ends non-zero within 20 s (not at a timeout), the error shown, and nothing is left in /dev/shm.
     With MPI already up (the script or a library started it) the failing rank aborts the job at exit instead
     of waiting in MPI_Finalize. Before MPI is up, Open MPI's launcher ends the job at its exit; MPICH's does
     not (the others wait for the rank in MPI_Init), so there the rank starts MPI and aborts the job."""
@@ -244,7 +244,7 @@ def test_a_rank_failing_at_init_ends_the_job_with_its_error(mode, var):
     launcher = "Open MPI" if under_open_mpi() else "MPICH/Hydra or Intel MPI"
     assert rc != 0, out[-3000:]
     assert f"RuntimeError: {wrong} disagrees with the MPI launcher ({launcher}), which says" in out, out[-3000:]
-    assert seconds is not None and seconds < 10, f"the job ended {seconds} s after init_process_group\n" + out[-3000:]
+    assert seconds is not None and seconds < 20, f"the job ended {seconds} s after init_process_group\n" + out[-3000:]
     assert "done:" not in out, out[-3000:]
     if mode != "engine-starts-mpi" or not under_open_mpi():  # the failing rank aborted the job, with code 1
         assert "engine: rank 1 exits after init_process_group failed (RuntimeError: " in out, out[-3000:]
@@ -265,7 +265,7 @@ def test_a_rank_raising_after_init_ends_the_job():
     assert "engine: rank 1 exits after an uncaught exception (RuntimeError: rank 1 fails after init on purpose)" in out
     if under_open_mpi():   # (MPICH's launcher may end the job before the rank's report of MPI_Abort)
         assert mpi_aborted(out, 1), out[-3000:]
-    assert "done:" not in out and seconds < 10, out[-3000:]
+    assert "done:" not in out and seconds < 20, out[-3000:]
 
 
 def test_worlds_made_again_under_mpirun_meet_in_a_new_store_each():

@@ -54,8 +54,8 @@ def lighthouse():
         s.shutdown()
 
 
-def _replica(replica, address, steps, out, mode, kill_at=-1, incarnation=0):
-    env = clean_env(TORCHFT_INCARNATION=str(incarnation))
+def _replica(replica, address, steps, out, mode, kill_at=-1, incarnation=0, rejoined=""):
+    env = clean_env(TORCHFT_INCARNATION=str(incarnation), REJOINED=rejoined)
     return subprocess.Popen([sys.executable, REPLICA, str(replica), address, str(steps), out, mode, str(kill_at)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -83,14 +83,16 @@ def test_a_killed_replica_is_restarted_and_rejoins(lighthouse, tmp_path):
     step 40: both end with the same parameters."""
     address = lighthouse(1)
     outs = [str(tmp_path / f"r{i}.json") for i in range(2)]
-    first = [_replica(0, address, 40, outs[0], "ddp"), _replica(1, address, 40, outs[1], "ddp", kill_at=4)]
+    rejoined = str(tmp_path / "rejoined")   # (replica 0 waits for it before its last steps alone)
+    first = [_replica(0, address, 40, outs[0], "ddp", rejoined=rejoined),
+             _replica(1, address, 40, outs[1], "ddp", kill_at=4)]
     alone, lines, reader = _alone_after(first[0], 4)
     first[1].wait(timeout=120)
     assert first[1].returncode == -9, first[1].stdout.read()[-3000:]
     # The lighthouse gives replica 0 a quorum of its own once replica 1's heartbeat times out (2 s);
     # a restart faster than that would rejoin at the step of the kill, before anyone went on alone.
     assert alone.wait(timeout=120), "".join(lines)[-4000:]
-    restarted = _replica(1, address, 40, outs[1], "ddp", incarnation=1)
+    restarted = _replica(1, address, 40, outs[1], "ddp", incarnation=1, rejoined=rejoined)
     log1 = restarted.communicate(timeout=180)[0]
     first[0].wait(timeout=180)
     reader.join(timeout=60)

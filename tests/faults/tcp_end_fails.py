@@ -20,6 +20,7 @@ if rank == 1:
     def no_memory(*args, **kwargs):
         raise MemoryError("engine: no memory for TCP channel 0's transport (injected by the test)")
     engine._core.TcpTransport = no_memory   # (engine/tcp.py looks it up at each group)
+MPI.COMM_WORLD.Barrier()   # (the clock starts when every rank is here: a rank slow to import is no delay)
 start = time.monotonic()
 try:
     engine.Communicator(transport="tcp", timeout=60)

@@ -11,6 +11,11 @@ hsdp: the gradients are reduce-scattered across the replicas (each replica owns 
       parameters), each shard updated by SGD where it lives, the parameters all-gathered back: the
       sharded step torchft's Gloo group can't take (its reduce_scatter raises).
 
+With REJOINED=PATH in the environment, a restarted incarnation creates PATH once its Manager is made,
+and a replica training alone waits for PATH before its last 10 steps: the restart (its imports, its
+quorum) takes seconds on a loaded machine, and the rejoin must happen before the end, whatever the
+machine's speed.
+
 OUT.json gets the parameters, the step reached, and the time of this incarnation's first committed
 step (a rejoining replica's rejoin). In ddp mode each committed step is also printed ("committed step
 S with N replicas"), so a test can wait for a replica to go on alone."""
@@ -63,6 +68,9 @@ def main():
                       replica_id=f"replica{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0,
                       world_size=1, lighthouse_addr=lighthouse, timeout=timedelta(seconds=10),
                       quorum_timeout=timedelta(seconds=30), use_async_quorum=False)
+    rejoined = os.environ.get("REJOINED")
+    if rejoined and not first_incarnation:
+        open(rejoined, "w").close()
     first_commit = None
     if mode == "ddp":
         ddp = DistributedDataParallel(manager, net)
@@ -72,6 +80,10 @@ def main():
                 with open(out + ".killed", "w") as f:
                     json.dump({"time": time.time(), "step": kill_at}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rejoined and manager.current_step() >= steps - 10 and manager.num_participants() == 1:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(rejoined) and time.monotonic() < deadline:
+                    time.sleep(0.1)
             opt.zero_grad()   # the quorum: a rejoining replica heals here, its step becoming the others'
             step = manager.current_step()
             x, y = batch(step, replica)
