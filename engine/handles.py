@@ -43,7 +43,7 @@ MAX_MEMBERS = 1 << 16
 HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
 ACCEPT_TICK_SECONDS = 0.05               # the hub's accept wait reads abort() this often
 PROBE_SECONDS = (1.0, 30.0)              # the hub probes a member not yet connected after 1 s, then ever less often
-PROBE_CONNECT_SECONDS = 0.25             # (a refusal comes in one round trip; silence proves nothing)
+PROBE_CONNECT_SECONDS = 0.05             # (a refusal comes in one round trip; silence proves nothing)
 OP_SET, OP_GET, OP_CHECK, OP_DONE = 1, 2, 3, 4
 OK, REFUSED, FAILED = 0, 1, 2            # reply statuses: REFUSED (a hello, or a key not set in time) is the
                                          # member's own mistake or the deadline; FAILED: the reconfigure failed
@@ -143,7 +143,7 @@ class Listener:
     def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
             self._admit(mine, conn, index, count, dig, n, digest)
-        probe_gap = PROBE_SECONDS[0]
+        probe_gap, probe_from = PROBE_SECONDS[0], 0
         probe_at = time.monotonic() + probe_gap
         while len(mine) < n - 1:
             meeting.check()
@@ -154,10 +154,18 @@ class Listener:
                 raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
                                    "never connected to this rank, the first member")
             if now >= probe_at:
-                for i in missing:
+                # (a round of probes takes at most 0.2 s, whatever the members' hosts answer, and reads
+                # abort() between probes: the rest wait for the next round, which starts where this one stopped)
+                probed = 0
+                for i in missing[probe_from % len(missing):] + missing[:probe_from % len(missing)]:
+                    if time.monotonic() - now > 4 * PROBE_CONNECT_SECONDS:
+                        break
+                    meeting.check()
+                    probed += 1
                     if _refuses(handles[i]):
                         raise ConnectionError(f"member {i} ({_where(handles[i])}) is gone: its handle refuses "
                                               "connections (the process that handed it out ended)")
+                probe_from += probed
                 probe_gap = min(2 * probe_gap, PROBE_SECONDS[1])
                 probe_at = time.monotonic() + probe_gap
             self.sock.settimeout(min(left, ACCEPT_TICK_SECONDS))

@@ -4,7 +4,6 @@ transport between them, no MPI anywhere), and faults between them over TCP. Skip
 where namespaces can't be made."""
 
 import os
-import random
 import re
 import socket
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 
 from engine.watch import STORE_QUERY_SECONDS
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
+from ports import free_ports
 from mpirun import assert_every_rank_passed, assert_rank_1_shrunk_away, ulfm_unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,31 +74,12 @@ def _shm():
     return set(os.listdir("/dev/shm"))
 
 
-def _ports(n):
-    """n distinct free ports below the kernel's ephemeral range: the jobs run at once on the same hosts,
-    and a port from that range may be taken by another job's listening sockets (the TCP transport binds
-    port 0) before the job it was chosen for starts its store there."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    ports = []
-    for port in random.sample(range(max(1024, low - 12000), low), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"no {n} free ports below {low}")
-
-
 @pytest.fixture(scope="module")
 def faults(hosts):
     """({fault: (what each rank raised, output, ranks still running at FAULT_WAIT)}, what the jobs left in
     /dev/shm, {fault: its MASTER_PORT})."""
     before = _shm()
-    ports = dict(zip(FAULTS, _ports(len(FAULTS))))
+    ports = dict(zip(FAULTS, free_ports(len(FAULTS))))
     with Hosts(2) as cut_pair:
         squatter = hosts.popen(0, [sys.executable, "-c", "import socket, sys, time\n"
                                    "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()\n"

@@ -14,7 +14,8 @@ import pytest
 
 from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command,
                     ulfm_unavailable, under_open_mpi)
-from torchbridge.launch import detect_launcher, free_port, prepare_env
+from ports import free_port
+from torchbridge.launch import detect_launcher, prepare_env
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist

@@ -5,13 +5,13 @@ over without keeping a descriptor, a thread or memory of any of them."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from mpirun import mpi_env, mpiexec_command
+from ports import free_ports
 from torchrun import clean_env, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,6 +22,7 @@ FAULTS = os.path.join(HERE, "faults")
 def test_torchrun_restart_after_a_killed_rank_trains_like_one_process(rendezvous):
     """`torchrun --max-restarts 1`: rank 1 SIGKILLs itself at step 2 of the first attempt; the second
     attempt meets through the same store (its agent's) and must not read the first one's keys."""
+    before = set(os.listdir("/dev/shm"))
     port = free_port()
     where = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if rendezvous == "c10d"
              else ["--master-addr", "127.0.0.1", "--master-port", str(port)])
@@ -33,7 +34,7 @@ def test_torchrun_restart_after_a_killed_rank_trains_like_one_process(rendezvous
     found = re.findall(r"attempt (\d+): largest difference from one process (\S+) \(2 ranks", out)
     assert [a for a, _ in found] == ["1"], out[-6000:]
     assert float(found[0][1]) <= 1e-6, found
-    assert not os.listdir("/dev/shm") or not any(f.startswith("engine") for f in os.listdir("/dev/shm"))
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("engine")], os.listdir("/dev/shm")
 
 
 # One line a waiting rank (tests/faults/abort_blocked.py); two ranks' lines may come joined (print's
@@ -89,12 +90,7 @@ def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport, hold):
     the first, resident memory within 4 MiB of it. hold: the collector off, 20 new_group + destroy
     cycles in one default group, each destroyed group still referenced (a segment or a TCP channel
     freed only at collection fails it), then the reconfigures."""
-    sockets = [socket.socket() for _ in range(21)]   # a TCPStore a cycle, and the reconfigures': free at once
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
-    for s in sockets:
-        s.close()
+    ports = ",".join(map(str, free_ports(21)))   # a TCPStore a cycle, and the reconfigures'
     script = os.path.join(FAULTS, "cycles.py")
     env = clean_env()
     env["CYCLES_HOLD"] = "1" if hold else "0"

@@ -5,17 +5,14 @@ imported, a dead peer is named at once (well before the timeout), and nothing is
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 
 import numpy as np
 import pytest
 
+from ports import free_port
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _group(rank, size, port, timeout=60):
@@ -63,7 +60,7 @@ def _dies(rank, size, port, out):
 def _run(target, size):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, size, port, out)) for r in range(size)]
     for p in procs:
         p.start()

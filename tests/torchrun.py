@@ -4,17 +4,11 @@ torch's store and runs over shared memory). Used by tests/test_launchers.py and 
     python tests/torchrun.py 3 tests/mpi/test_torch_backend.py
 """
 
-import socket
 import subprocess
 import sys
 
 from mpirun import mpi_env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def torchrun_command(nranks):
