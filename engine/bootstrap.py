@@ -103,7 +103,12 @@ def gather(boot, make, what):
         mine, error = make(), None
     except Exception as exc:
         mine, error = None, exc
-    everyone = boot.allgather((mine, None if error is None else f"could not {what} ({type(error).__name__}: {error})"))
+    try:
+        everyone = boot.allgather((mine, None if error is None else f"could not {what} ({type(error).__name__}: {error})"))
+    except Exception:
+        if error is not None:   # (this rank's own error says more than the exchange that could not carry it)
+            raise error from None
+        raise
     if error is not None:
         raise error
     bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]

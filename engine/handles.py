@@ -14,10 +14,11 @@ connection sends is read; then the uuid, its index, the member count and a diges
 build their communicator through it (engine.bootstrap.StoreBootstrap), exactly as a group made
 through torch's store is built: shared memory on one host, the engine's TCP transport across hosts.
 
-A member that dies is named at once, not at the reconfigure's timeout: the hub probes the handles of
-members that have not connected (a handle that refuses connections is a process that ended, on a host
-that lives), and a member's connection that closes before it said it is done (OP_DONE) fails the
-meeting. The hub then tells every member why, and ends its own making.
+A member that dies is named within a second, not at the reconfigure's timeout: the hub probes the
+handles of members that have not connected (a handle that refuses connections is a process that
+ended, on a host that lives), and a member's connection that closes before it said it is done
+(OP_DONE) fails the meeting. The hub then ends its own making and tells every member still connected
+why; the members that are done wait for its verdict, so a reconfigure succeeds on all or on none.
 
 A connection that does not prove the secret is closed unread. One for a uuid this hub has not
 reached yet is kept for that reconfigure; one for a uuid it already used is told so and closed.
@@ -33,7 +34,7 @@ import time
 
 from . import forks, tcp
 
-MAGIC = b"ENGRCF1\0"
+MAGIC = b"ENGRCF2\0"                     # (2: members say when they are done, OP_DONE)
 _HELLO = struct.Struct("!8s16sqII32s")   # magic, hub secret, uuid, member index, member count, list digest
 _REPLY = struct.Struct("!BI")            # status (OK, REFUSED, FAILED), length of the text that follows
 _REQ = struct.Struct("!BII")             # op, key length, value length
@@ -100,6 +101,7 @@ class Listener:
         self.handle = f"engine1/{addr}/{self.sock.getsockname()[1]}/{self.secret.hex()}"
         self.parked = {}       # uuid -> {index: (socket, member count, digest)}: hellos for later reconfigures
         self.used = set()      # uuids this hub served (a late hello for one is refused)
+        self.failed = {}       # uuid -> why, of the reconfigures that failed here (a late hello hears why)
         self.meeting = None    # the Meeting of the reconfigure in flight, if one is
         forks.track(self)
 
@@ -117,7 +119,7 @@ class Listener:
         the connections of a reconfigure in flight at the fork (the parent's meet goes on)."""
         meeting, self.meeting = self.meeting, None
         if meeting is not None:
-            for sock in list(meeting.socks):
+            for sock in list(meeting.socks) + list(meeting.admitted):
                 sock.close()
         self.close()
 
@@ -135,25 +137,30 @@ class Listener:
         try:
             return self._accept(mine, uuid, n, digest, deadline, handles, meeting)
         except BaseException as exc:
-            for conn in mine.values():
-                _reply(conn, FAILED, f"the first member ({_where(handles[0])}) ended this reconfigure: {exc}")
+            why = f"the first member ({_where(handles[0])}) ended this reconfigure: {exc}"
+            if len(self.failed) >= MAX_PARKED:
+                del self.failed[next(iter(self.failed))]
+            self.failed[uuid] = why
+            for conn in list(mine.values()) + [c for c, _, _ in self.parked.pop(uuid, {}).values()]:
+                _reply(conn, FAILED, why)
                 conn.close()
             raise
 
     def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
-            self._admit(mine, conn, index, count, dig, n, digest)
+            self._admit(mine, conn, index, count, dig, n, digest, meeting)
         probe_gap, probe_from = PROBE_SECONDS[0], 0
         probe_at = time.monotonic() + probe_gap
         while len(mine) < n - 1:
             meeting.check()
             now = time.monotonic()
             left = deadline - now
-            missing = [i for i in range(1, n) if i not in mine]
             if left <= 0:
+                missing = [i for i in range(1, n) if i not in mine]
                 raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
                                    "never connected to this rank, the first member")
             if now >= probe_at:
+                missing = [i for i in range(1, n) if i not in mine]
                 # (a round of probes takes at most 0.2 s, whatever the members' hosts answer, and reads
                 # abort() between probes: the rest wait for the next round, which starts where this one stopped)
                 probed = 0
@@ -174,21 +181,26 @@ class Listener:
             except socket.timeout:
                 continue
             try:
-                self._hello(conn, uuid, n, digest, mine)
+                self._hello(conn, uuid, n, digest, mine, meeting)
             except (OSError, ConnectionError, ValueError):
                 conn.close()
+        meeting.check()   # (an abort since the last look: the members hear of it from the hub's error)
+        meeting.socks.extend(mine.values())
+        meeting.admitted = []
         for conn in mine.values():
-            meeting.socks.append(conn)
             _reply(conn, OK, "")
         return mine
 
-    def _hello(self, conn, uuid, n, digest, mine):
+    def _hello(self, conn, uuid, n, digest, mine, meeting):
         conn.settimeout(HELLO_SECONDS)
         magic, secret, their_uuid, index, count, dig = _HELLO.unpack(_recv_exact(conn, _HELLO.size, "hello"))
         if magic != MAGIC or not hmac.compare_digest(secret, self.secret):
             raise ValueError("not a member: wrong magic or secret")
         if their_uuid == uuid:
-            self._admit(mine, conn, index, count, dig, n, digest)
+            self._admit(mine, conn, index, count, dig, n, digest, meeting)
+        elif their_uuid in self.failed:
+            _reply(conn, FAILED, self.failed[their_uuid])
+            conn.close()
         elif their_uuid in self.used:
             _reply(conn, REFUSED, f"uuid {their_uuid} was already used by this group's first member: pass a fresh uuid to "
                             "every reconfigure")
@@ -199,7 +211,7 @@ class Listener:
             conn.close()
 
     @staticmethod
-    def _admit(mine, conn, index, count, dig, n, digest):
+    def _admit(mine, conn, index, count, dig, n, digest, meeting):
         if count != n or dig != digest:
             _reply(conn, REFUSED, f"this reconfigure's first member was given {n} handles, and another list than "
                             f"member {index}'s ({count} handles): every member must pass the same handles in the same "
@@ -211,6 +223,7 @@ class Listener:
         else:
             conn.settimeout(None)
             mine[index] = conn
+            meeting.admitted.append(conn)   # (a fork's child closes its copy)
 
 
 def _where(handle):
@@ -262,16 +275,26 @@ class Meeting:
     def __init__(self, listener):
         self.listener = listener
         self.cancelled = None
-        self.socks = []
+        self.lost = None       # why the meeting failed, where a member was lost (HubStore._lost)
+        self.socks = []        # the meeting's connections, shut down on cancel
+        self.admitted = []     # the hub's members admitted but not yet answered (its accept loop tells them why)
         self.hub = None
         self.cancels = []
         listener.meeting = self
 
     def on_cancel(self, fn):
-        """fn(why) runs when the meeting is cancelled (at once if it was)."""
+        """fn(why) runs when the meeting is cancelled or fails (at once if it did)."""
         self.cancels.append(fn)
-        if self.cancelled is not None:   # (cancel() sets it before it reads the list)
-            fn(self.cancelled)
+        why = self.cancelled or self.lost   # (cancel() and lose() set it before they read the list)
+        if why is not None:
+            fn(why)
+
+    def lose(self, why):
+        """The meeting failed (a member was lost): the making's waits end, as on cancel, but the
+        connections stay open, so the members still connected hear why."""
+        self.lost = why
+        for fn in list(self.cancels):
+            fn(why)
 
     def end(self):
         if self.listener.meeting is self:
@@ -298,11 +321,15 @@ class HubStore:
     """The hub's key-value store: the hub's own calls in process, the members' over their connections,
     each served by a thread of its own until the member says it is done (OP_DONE).
 
-    A member whose connection closes before that failed or died: the meeting fails (_lost). Then, or
-    where the hub could not make its end, close() tells every member still connected why: a FAILED
-    reply is queued on its connection, which the member reads as the answer to its next request, and
-    the hub stops answering (it still reads what comes, so its close never resets a connection, which
-    would throw the reply away before the member read it)."""
+    A member whose connection closes (or fails) before that failed or died: the meeting fails
+    (_lost), the hub's own making ends, and every request that would wait is answered with why
+    (FAILED); keys already set are still given, so a member reading one learns what the failed rank
+    itself said. The threads go on answering until their members close, for a second at most after
+    close(); close() alone closes the connections, once the threads are done with them.
+
+    A member that said it is done waits for the verdict, which close() gives once every member is
+    done (OK) or the meeting failed (FAILED, why): a reconfigure succeeds on every member or on none
+    (a member left out would find its group broken at its first call)."""
 
     def __init__(self, conns, deadline, meeting, handles):
         self.meeting = meeting
@@ -314,9 +341,9 @@ class HubStore:
         self.threads = [threading.Thread(target=self._serve, args=(c, f"member {i} ({_where(handles[i])})"),
                                          name="engine-reconfigure-hub", daemon=True) for i, c in conns.items()]
         self.conns = list(conns.values())
-        self.serving = len(self.conns)   # members not yet done
-        self.answering = 0                # requests being answered
-        self.closing = False              # close() began: the threads answer nothing more, and it closes
+        self.serving = len(self.conns)   # members not yet done (nor gone)
+        self.finished = []                # the connections of members that are done: they wait for the verdict
+        self.closing = False              # close() shuts the connections: a member's end is no news then
         for t in self.threads:
             t.start()
 
@@ -345,17 +372,14 @@ class HubStore:
             self.error = self.error or why
             self.cv.notify_all()
 
-    def _lost(self, member):
-        """A member's connection closed before it said it was done: it failed or died, and the group
-        can't be made. The hub's own waits end (its store's and its transport's making)."""
-        why = f"reconfigure: {member} closed its connection before the group was made: it failed or died"
+    def _lost(self, why):
+        """A member failed or died before the group was made: so does the meeting."""
         with self.cv:
             if self.closing or self.error is not None:
                 return
             self.error = why
             self.cv.notify_all()
-        for fn in list(self.meeting.cancels):
-            fn(why)
+        self.meeting.lose(why)
 
     def _serve(self, conn, member):
         try:
@@ -365,74 +389,58 @@ class HubStore:
                 except OSError:
                     head = b""
                 if len(head) < _REQ.size:
-                    self._lost(member)
+                    self._lost(f"reconfigure: {member} closed its connection before the group was made: it failed "
+                               "or died")
                     return
                 op, klen, vlen = _REQ.unpack(head)
                 if op == OP_DONE:
+                    with self.cv:
+                        self.finished.append(conn)   # (close() alone writes to it from now on)
                     return
                 if op not in (OP_SET, OP_GET, OP_CHECK):
                     raise ValueError(f"unknown request {op}")
                 _check_sizes(klen, vlen)
                 key = _recv_exact(conn, klen, "key").decode()
-                value = _recv_exact(conn, vlen, "value") if op == OP_SET else None
-                with self.cv:
-                    if self.closing:
-                        continue   # (close() told this member why)
-                    self.answering += 1
-                try:
-                    self._answer(conn, op, key, value)
-                finally:
-                    with self.cv:
-                        self.answering -= 1
-                        self.cv.notify_all()
+                if op == OP_SET:
+                    self.set(key, _recv_exact(conn, vlen, "value"))
+                    conn.sendall(_REPLY.pack(OK, 0))
+                elif op == OP_CHECK:
+                    conn.sendall(_REPLY.pack(OK, 1) + b"\1" if self.check(key.split("\0")) else _REPLY.pack(OK, 0))
+                else:
+                    try:
+                        data = self.get(key)
+                    except (TimeoutError, ConnectionError) as exc:
+                        _reply(conn, REFUSED if isinstance(exc, TimeoutError) else FAILED, str(exc))
+                        return
+                    conn.sendall(_REPLY.pack(OK, len(data)) + data)
         except (OSError, ValueError, ConnectionError, UnicodeDecodeError) as exc:
-            self.fail(f"reconfigure: {member}'s connection failed: {exc}")
+            self._lost(f"reconfigure: {member}'s connection failed before the group was made: {exc}")
         finally:
             with self.cv:
                 self.serving -= 1
                 self.cv.notify_all()
-                mine = not self.closing   # (else close() closes it)
-            if mine:
-                conn.close()
-
-    def _answer(self, conn, op, key, value):
-        if op == OP_SET:
-            self.set(key, value)
-            conn.sendall(_REPLY.pack(OK, 0))
-        elif op == OP_GET:
-            try:
-                data = self.get(key)
-            except (TimeoutError, ConnectionError) as exc:
-                _reply(conn, REFUSED if isinstance(exc, TimeoutError) else FAILED, str(exc))
-                return
-            conn.sendall(_REPLY.pack(OK, len(data)) + data)
-        else:
-            conn.sendall(_REPLY.pack(OK, 1) + b"\1" if self.check(key.split("\0")) else _REPLY.pack(OK, 0))
 
     def close(self, deadline, made=True):
         """Waits (until deadline) for every member to say it is done: they may still read keys. Where
-        the meeting failed, or this hub did not make its end (made=False), it waits for none: each
-        member still connected is told why, and given a second to read it."""
+        the meeting failed, or this hub did not make its end (made=False), the members still connected
+        are given a second to hear why (their requests are answered so), no more. Raises
+        ConnectionError where the meeting failed after this hub made its end: the group can't work."""
         if not made:
             self.fail(f"reconfigure: the first member ({_where(self.meeting.listener.handle)}) could not make its "
                       "end of the group")
         with self.cv:
             while self.serving and self.error is None and time.monotonic() < deadline:
                 self.cv.wait(max(0.0, deadline - time.monotonic()))
-            told = min(deadline, time.monotonic() + 1.0)
-            while self.answering and time.monotonic() < told:   # (answers in flight go first)
+            if self.serving and self.error is None:
+                self.error = f"reconfigure: {self.serving} member(s) did not make their end of the group in time"
+            told = time.monotonic() + 1.0
+            while self.serving and self.error is not None and time.monotonic() < told:
                 self.cv.wait(max(0.0, told - time.monotonic()))
             self.closing = True
             why = self.error
-        if why is not None:
-            for c in self.conns:
-                _reply(c, FAILED, why)
-                try:
-                    c.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-            for t in self.threads:   # (each ends when its member, told, closes)
-                t.join(max(0.0, told - time.monotonic()))
+        for c in self.finished:
+            c.settimeout(1.0)   # (a member that stopped reading must not hold the hub)
+            _reply(c, OK if why is None else FAILED, why or "")
         for c in self.conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -443,6 +451,8 @@ class HubStore:
         for c in self.conns:
             c.close()
         self.meeting.end()
+        if made and why is not None:
+            raise ConnectionError(why)
 
 
 class MemberStore:
@@ -505,16 +515,24 @@ class MemberStore:
         return self._call(OP_CHECK, "\0".join(keys)) != b""  # length 1 (yes) or 0 (no)
 
     def close(self, deadline=None, made=True):
-        """made: this rank made its end of the group, so the hub may stop waiting for it (OP_DONE); a
-        member that closes without it has failed, and the hub ends the meeting for everyone."""
-        if made:
-            try:
-                self.sock.settimeout(1.0)
-                self.sock.sendall(_REQ.pack(OP_DONE, 0, 0))
-            except OSError:
-                pass
-        self.sock.close()
-        self.meeting.end()
+        """made: this rank made its end of the group: it says so (OP_DONE) and waits for the hub's
+        verdict, ConnectionError or TimeoutError where the meeting failed. A member that closes without
+        it has failed, and the hub ends the meeting for every member."""
+        try:
+            if made:
+                self.sock.settimeout(max(0.1, (deadline or self.deadline) - time.monotonic()))
+                try:
+                    self.sock.sendall(_REQ.pack(OP_DONE, 0, 0))
+                except OSError:
+                    self.meeting.check()
+                    raise ConnectionError(f"the first member ({self.where}) closed the connection: it failed or was "
+                                          "aborted") from None
+                status, text = self._reply("the first member's word that every member made its end")
+                if status != OK:
+                    raise ConnectionError(text.decode(errors="replace"))
+        finally:
+            self.sock.close()
+            self.meeting.end()
 
 
 def order(handles):
@@ -554,7 +572,10 @@ def meet(listener, uuid, handles, timeout):
             conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}
             listener.used.add(uuid)
             store = HubStore(conns, deadline, meeting, members)
-            meeting.check()   # (cancelled before the hub could hear of it)
+            if meeting.cancelled is not None:   # (cancelled before the hub could hear of it)
+                store.fail(meeting.cancelled)
+                store.close(deadline, made=False)
+                meeting.check()
             return store, index, n
         listener.used.add(uuid)
         return MemberStore(members[0], uuid, index, n, digest, deadline, meeting), index, n

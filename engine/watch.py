@@ -53,7 +53,6 @@ class _StoreLine:
 
     def __init__(self, conn):
         self.conn, self.queue, self.thread, self.since = conn, [], None, None
-        self.overdue = False   # a query's asker gave up on it after STORE_QUERY_SECONDS, and it still runs
 
     @classmethod
     def orphan(cls, why):
@@ -71,13 +70,12 @@ class _StoreLine:
             line = cls._lines.get(id(conn))
             if line is None:
                 line = cls._lines[id(conn)] = cls(conn)
-            stuck = time.monotonic() - line.since if line.since is not None else 0.0
-            if line.overdue:   # (`since` is set when the line's thread takes the query, after its asker began to wait)
-                stuck = max(stuck, STORE_QUERY_SECONDS)
+            since = line.since if line.since is not None else line.queue[0][3] if line.queue else None
+            stuck = time.monotonic() - since if since is not None else 0.0
             if stuck >= STORE_QUERY_SECONDS or len(line.queue) >= cls.MAX_QUEUED:
                 return False, (f"the store has not answered a query for {stuck:.0f} s (the rank hosting it, or the "
                                "link to it, may be gone)")
-            line.queue.append((query, done, out))
+            line.queue.append((query, done, out, time.monotonic()))
             if line.thread is None:
                 line.thread = threading.Thread(target=line._serve, name="engine-watch-store", daemon=True)
                 try:
@@ -86,9 +84,6 @@ class _StoreLine:
                     del cls._lines[id(conn)]
                     return False, "the store could not be asked (the interpreter is shutting down)"
         if not done.wait(wait):
-            if wait >= STORE_QUERY_SECONDS:
-                with cls._lock:
-                    line.overdue = line.overdue or not done.is_set()
             return False, (f"the store did not answer within {wait:g} s (the rank hosting it, or the link to it, "
                            "may be gone)")
         return True, out[0]
@@ -100,15 +95,13 @@ class _StoreLine:
                     self.thread = self.since = None
                     del self._lines[id(self.conn)]
                     return
-                query, done, out = self.queue.pop(0)
-                self.since = time.monotonic()
+                # (the line is stuck from when the query was asked, which its asker's wait counts from)
+                query, done, out, self.since = self.queue.pop(0)
             try:
                 out.append(query())
             except Exception as exc:
                 out.append(exc)
             done.set()
-            with self._lock:
-                self.overdue = False
 
     @classmethod
     def join_all(cls, wait):

@@ -318,7 +318,7 @@ def test_a_fork_during_a_reconfigure_leaves_its_connections_to_the_parent():
         with pytest.raises(ConnectionError, match="closed the connection"):
             store.get("never set")
         assert time.monotonic() - start < 10   # (the child sleeps 60 s; the store's deadline is 20 s)
-        store.close()
+        store.close(made=False)
     finally:
         hub.kill()
         if child:

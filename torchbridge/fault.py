@@ -98,15 +98,20 @@ class FaultTolerance:
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
         deadline = time.monotonic() + seconds
-        comm = None
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=own_transport(), timeout=self._timeout_seconds(),
                                           name=self._name, on_cancel=store.meeting.on_cancel)
-        except (TimeoutError, ConnectionError, EngineAborted) as exc:   # (EngineAborted: the TCP connecting's)
+        except BaseException as exc:
+            store.close(deadline, made=False)
+            if isinstance(exc, (TimeoutError, ConnectionError, EngineAborted)):   # (EngineAborted: the TCP connecting's)
+                raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
+            raise
+        try:
+            store.close(deadline)   # (every member made its end, or the reconfigure failed on every member)
+        except (TimeoutError, ConnectionError) as exc:
+            comm.free()
             raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
-        finally:
-            store.close(deadline, made=comm is not None)
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
         self._uuids.add(uuid)
         if self is dist.distributed_c10d._world.default_pg:

@@ -25,6 +25,12 @@ import torch.multiprocessing as mp
 TIMEOUT = timedelta(seconds=40)
 
 
+def say(text):
+    """One line in one write: the ranks share the output pipe, and print() writes the newline apart."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def rank_main(rank, path, when, transport):
     os.environ["ENGINE_TRANSPORT"] = transport
     store = dist.FileStore(path, 3)
@@ -42,15 +48,15 @@ def rank_main(rank, path, when, transport):
     start = time.monotonic()
     try:
         backend.reconfigure(SimpleNamespace(uuid=1, handles=handles, timeout=TIMEOUT))
-        print(f"rank {rank}: the reconfigure passed without rank 2", flush=True)
+        say(f"rank {rank}: the reconfigure passed without rank 2")
         os._exit(1)
     except Exception as exc:
-        print(f"rank {rank}: failed after {time.monotonic() - start:.2f} s: {type(exc).__name__}: {exc}", flush=True)
+        say(f"rank {rank}: failed after {time.monotonic() - start:.2f} s: {type(exc).__name__}: {exc}")
     backend.reconfigure(SimpleNamespace(uuid=2, handles=handles[:2], timeout=TIMEOUT))
     t = torch.full((3,), rank + 1.0)
     dist.all_reduce(t)
     assert t.tolist() == [3.0] * 3, t
-    print(f"rank {rank}: the two reconfigured and summed", flush=True)
+    say(f"rank {rank}: the two reconfigured and summed")
     dist.destroy_process_group()
 
 
