@@ -5,7 +5,6 @@ where namespaces can't be made."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,8 +13,8 @@ import pytest
 
 from engine.watch import STORE_QUERY_SECONDS
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
-from ports import free_ports
 from mpirun import assert_every_rank_passed, assert_rank_1_shrunk_away, ulfm_unavailable
+from ports import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHY_NOT = Hosts.unavailable()

@@ -13,8 +13,6 @@ import pytest
 from ports import free_port
 
 
-
-
 def _group(rank, size, port, timeout=60):
     import torch.distributed as dist
     import engine
