@@ -329,6 +329,31 @@ def test_a_fork_during_a_reconfigure_leaves_its_connections_to_the_parent():
         listener.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("when", ["before", "making"])
+def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
+    """tests/faults/reconfigure_member_dies.py: rank 2 of 3 dies (SIGKILL) before it reconfigures (its
+    handle then refuses connections: the hub's probe finds it) or inside the new group's making (its
+    connection to the hub closes before it said it was done). The hub and the other member fail within
+    seconds, not at the reconfigure's 40 s, naming member 2; then the two reconfigure alone and sum.
+    (Here, not in test_fault_tolerance.py: the meeting is the engine's own, the same on every torch.)"""
+    script = os.path.join(HERE, "reconfigure_member_dies.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    proc = subprocess.run([sys.executable, script, when, transport], capture_output=True, text=True, timeout=150,
+                          env=env)
+    out = proc.stdout + proc.stderr
+    assert "exit codes [0, 0, -9]" in out, out[-5000:]
+    failed = dict(re.findall(r"rank (\d): failed after ([\d.]+) s: RuntimeError: engine reconfigure 1 of group "
+                             r"'0': .*member 2 \(", out))
+    assert sorted(failed) == ["0", "1"], out[-5000:]
+    assert all(float(s) < 10 for s in failed.values()), out[-5000:]
+    expected = "is gone: its handle refuses connections" if when == "before" else \
+        "closed its connection before the group was made"
+    assert expected in out, out[-5000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: the two reconfigured and summed" in out, out[-5000:]
+
+
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
     """tests/faults/tcp_end_fails.py at 3 ranks: rank 1's TCP transport can't be made after the
     addresses went round (injected). Ranks 0 and 2 fail within seconds, not at the group's 60 s,
