@@ -473,10 +473,19 @@ class MemberStore:
         meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
         self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
         self.sock.settimeout(max(0.1, deadline - time.monotonic()))
-        status, text = self._reply("the first member's answer to this rank's hello")
-        if status != OK:
+        try:
+            self._answer("the first member's answer to this rank's hello", refused=RuntimeError)
+        except BaseException:
             self.sock.close()
-            raise (ConnectionError if status == FAILED else RuntimeError)(text.decode(errors="replace"))
+            raise
+
+    def _answer(self, what, refused):
+        """The hub's reply's text; raises what a status other than OK says: ConnectionError where the
+        reconfigure failed (FAILED), `refused` where the hub turned this request down (REFUSED)."""
+        status, text = self._reply(what)
+        if status != OK:
+            raise (ConnectionError if status == FAILED else refused)(text.decode(errors="replace"))
+        return text
 
     def _reply(self, what):
         try:
@@ -500,10 +509,7 @@ class MemberStore:
         except OSError:
             self.meeting.check()
             raise
-        status, data = self._reply(f"reconfigure store {key!r}")
-        if status != OK:
-            raise (ConnectionError if status == FAILED else TimeoutError)(data.decode(errors="replace"))
-        return data
+        return self._answer(f"reconfigure store {key!r}", refused=TimeoutError)
 
     def set(self, key, value):
         self._call(OP_SET, key, _bytes(value))
@@ -527,9 +533,7 @@ class MemberStore:
                     self.meeting.check()
                     raise ConnectionError(f"the first member ({self.where}) closed the connection: it failed or was "
                                           "aborted") from None
-                status, text = self._reply("the first member's word that every member made its end")
-                if status != OK:
-                    raise ConnectionError(text.decode(errors="replace"))
+                self._answer("the first member's word that every member made its end", refused=ConnectionError)
         finally:
             self.sock.close()
             self.meeting.end()
