@@ -91,21 +91,33 @@ def test_cpu_job_never_imports_cupy():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_nccl_unique_id_round_trips_through_a_torch_store():
-    """What a torchrun job's ranks do: rank 0 stores NCCL's id, the others read the same 128 bytes,
-    handed to cupy in the form its version takes."""
+def _cuda_setup_exchange(rank, size, port, out):
     try:
-        cupy, _ = load_cupy()
-    except ImportError as exc:
-        pytest.skip(f"cupy not installed ({exc.__class__.__name__})")
-    import torch.distributed as dist
-    from engine.cuda.nccl import _for_cupy, unique_id_over_store
-    store = dist.HashStore()
-    uid = unique_id_over_store(store, "engine/nccl/g/0", 0)
-    assert isinstance(uid, bytes) and len(uid) == 128
-    assert unique_id_over_store(store, "engine/nccl/g/0", 1) == uid
-    converted = _for_cupy(uid, cupy)
-    assert (converted == uid) if int(cupy.__version__.split(".")[0]) >= 14 else bytes(b & 0xFF for b in converted) == uid
+        from engine.cuda.nccl import ranks_sharing_a_device, unique_id_over
+        from test_shm_without_mpi import _group
+        comm, _store = _group(rank, size, port)
+        uid = unique_id_over(comm, make=lambda: bytes(range(7, 135)))   # (rank 0's: the others' start as zeros)
+        apart = ranks_sharing_a_device(comm, f"host/gpu-{rank}".encode())
+        shared = ranks_sharing_a_device(comm, f"host/gpu-{min(rank, 1)}".encode())
+        comm.free()
+        out.put((rank, uid, apart, shared))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None))
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_cuda_side_agrees_on_its_setup_over_the_groups_cpu_communicator(size):
+    """How a group's CUDA side is set up among whoever its members are now (a reconfigure's may share
+    no store): rank 0's NCCL unique id reaches every rank, and ranks that name the same GPU are seen,
+    each a collective of the group's CPU communicator (spawned ranks, shared memory)."""
+    from test_shm_without_mpi import _run
+    procs, out = _run(_cuda_setup_exchange, size)
+    results = sorted(out.get(timeout=120) for _ in range(size))
+    for p in procs:
+        p.join(30)
+    assert [r[1] for r in results] == [bytes(range(7, 135))] * size, results
+    assert [r[2] for r in results] == [False] * size
+    assert [r[3] for r in results] == [size > 2] * size
 
 
 def test_unique_id_form_follows_cupys_version():
@@ -213,3 +225,43 @@ def test_a_cuda_collective_is_refused_once_the_groups_cpu_side_broke():
             dev._check()
     finally:
         cpu.free()
+
+
+def test_abort_aborts_the_cuda_side_and_a_reconfigure_sets_it_up_anew():
+    """The adapter's wiring, on the CPU (a GPU checks the real thing: tests/gpu/test_cuda_backend.py):
+    abort() aborts each CUDA device of the group (ncclCommAbort there) before it is shut down, and its
+    watchdog then holds the abort, so the Works of what was enqueued raise it; a reconfigure makes the
+    group choose its CUDA transport again, among its new members."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from engine import Communicator
+    from engine._core import EngineAborted
+    from engine.cuda.watchdog import Watchdog
+    from torchbridge.process_group import EngineProcessGroup
+
+    events = []
+
+    class Device:
+        def abort(self, error):
+            events.append(("abort", str(error)))
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    cpu = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(cpu, 0, 1, store=dist.HashStore(), name="g")
+    dog = Watchdog("g", 0, 1, 30.0)
+    pg._devices, pg._watchdog, pg._cuda_transport = {0: Device()}, dog, "nccl"
+    pg.abort()
+    assert [e[0] if isinstance(e, tuple) else e for e in events] == ["abort", "shutdown"], events
+    assert "process group 'g' was aborted (abort())" in events[0][1]
+    with pytest.raises(EngineAborted, match="was aborted"):
+        dog.watch(object(), "allreduce", None)
+    pg.reconfigure(SimpleNamespace(uuid=1, handles=[pg.get_reconfigure_handle()], timeout=timedelta(seconds=30))).wait()
+    assert pg._cuda_transport is None and pg._devices == {} and pg._watchdog is None
+    t = torch.ones(3)
+    pg.allreduce([t]).wait()
+    assert torch.equal(t, torch.ones(3))
+    pg.shutdown()

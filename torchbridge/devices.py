@@ -214,6 +214,12 @@ class CudaDevice:
             event.record(stream)
             self.watchdog.watch(event, kind, self.cc)
 
+    def abort(self, error):
+        """The group's abort(): what was deferred is dropped and NCCL's kernels are freed
+        (ncclCommAbort), so nothing waits on a peer; the Works raise error (the watchdog's)."""
+        self._pending = []
+        self.cc.abort(error)
+
     def shutdown(self):
         self.flush()
         self.cc.free()
@@ -273,6 +279,9 @@ class StagedDevice:
     def recv(self, t, src, tag, outputs):
         host = _pinned(t)
         return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
+
+    def abort(self, error):
+        pass   # (its calls run on the group's CPU communicator, which the abort ends)
 
     def shutdown(self):
         pass

@@ -144,6 +144,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         self._hooks_changed()   # (the new latency path learns whether hooks are set)
         self._devices = {}                       # CUDA device index -> CudaDevice / StagedDevice
         self._watchdog = None
+        self._cuda_transport = None              # (decided again among the members it has now)
         comm.watch.on_break = self._abort_hooks_on_failure
 
     def _detach(self, error, abort=True):
@@ -159,6 +160,10 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         if error is not None and abort and comm is not None:
             comm.abort()
             cpu.progress.abort(error)
+            for dev in devices:   # (NCCL's kernels wait on the device: only ncclCommAbort frees them)
+                dev.abort(error)
+            if watchdog is not None:
+                watchdog.abort(error)
         stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
         self._comm = None
         self._cpu = stand_in
@@ -249,14 +254,14 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         from engine.config import env_choice
         if self._cuda_transport is None:
             forced = env_choice("ENGINE_CUDA_TRANSPORT", ("auto", "nccl", "staged"), "auto")
-            self._cuda_transport = "staged" if forced == "staged" else self._nccl_or_staged(forced)
+            self._cuda_transport = "staged" if forced == "staged" else self._nccl_or_staged(forced, index)
         if self._cuda_transport == "staged":
             return StagedDevice(self._cpu)
         from engine.cuda.communicator import CudaCommunicator
-        from engine.cuda.nccl import unique_id_over_store
+        from engine.cuda.nccl import unique_id_over
         from engine.cuda.watchdog import Watchdog
         rank, size = self.rank(), self.size()
-        uid = unique_id_over_store(self._store, f"engine/nccl/{self._name}/{index}", rank)
+        uid = self._over_cpu(unique_id_over, "the NCCL unique id")
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
         if self._watchdog is None:
@@ -264,22 +269,28 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             self._watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
         return CudaDevice(cc, index, self._watchdog, cpu_comm=self._comm)
 
-    def _nccl_or_staged(self, forced):
+    def _nccl_or_staged(self, forced, index):
         import warnings
-        from engine.bootstrap import StoreBootstrap, host_identity
+        from engine.bootstrap import host_identity
         from engine.cuda import load_cupy
+        from engine.cuda.nccl import ranks_sharing_a_device
         load_cupy()  # without the extra: an ImportError naming it
         if forced == "nccl":
             return "nccl"
-        dev = torch.cuda.current_device()
-        mine = (host_identity()[0], str(torch.cuda.get_device_properties(dev).uuid))
-        everyone = StoreBootstrap(self._store, self.rank(), self.size(), "engine/gpus",
-                                  timeout=self._timeout_seconds()).allgather(mine)
-        if len(set(everyone)) < len(everyone):
+        mine = f"{host_identity()[0]}/{torch.cuda.get_device_properties(index).uuid}".encode()
+        if self._over_cpu(lambda comm: ranks_sharing_a_device(comm, mine), "which GPU each rank uses"):
             warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "
                           "the host-staged path (ENGINE_CUDA_TRANSPORT=staged)", RuntimeWarning, stacklevel=4)
             return "staged"
         return "nccl"
+
+    def _over_cpu(self, fn, what):
+        """fn(the group's CPU communicator), in issue order with the group's CPU calls: how the CUDA side
+        agrees on its setup, with whoever the members are now (a reconfigure's may share no store). An
+        aborted group, or one without members yet, raises why."""
+        result = []
+        self._cpu.progress.run(lambda: result.append(fn(self._comm)), nargs=0, name=f"cuda setup: {what}")
+        return result[0]
 
     # -- reductions --
 

@@ -1,5 +1,7 @@
 """One NCCL communicator (cupy.cuda.nccl.NcclCommunicator) for one group on one device, and how its
-unique id reaches every rank: through torch's store (unique_id_over_store).
+unique id reaches every rank: over the group's CPU communicator (unique_id_over), the one channel
+every group has. A store would not do: a reconfigured group's members need share none, and a key
+written for the group's earlier members would be read again.
 
 Calls take pointers, counts and NCCL codes (tables.py) and enqueue on the given CUDA stream; none
 blocks the host. Movement collectives send bytes (ncclInt8), so every dtype moves, complex included.
@@ -26,14 +28,35 @@ def _for_cupy(uid, cupy):
     return tuple(b - 256 if b > 127 else b for b in uid)
 
 
-def unique_id_over_store(store, key, rank):
-    """Rank 0's ncclUniqueId through a torch Store (store.get blocks until it is set, up to the
-    store's timeout)."""
-    if rank == 0:
-        uid = new_unique_id()
-        store.set(key, uid)
-        return uid
-    return bytes(store.get(key))
+UNIQUE_ID_BYTES = 128   # sizeof(ncclUniqueId)
+
+
+def unique_id_over(comm, make=new_unique_id):
+    """Rank 0's ncclUniqueId (make()), broadcast over comm, an engine.Communicator of the group; a
+    collective of the group, within its timeout."""
+    import numpy as np
+    buf = np.zeros(UNIQUE_ID_BYTES, np.uint8)
+    if comm.rank == 0:
+        uid = make()
+        if len(uid) != UNIQUE_ID_BYTES:
+            raise RuntimeError(f"ncclGetUniqueId gave {len(uid)} bytes, not {UNIQUE_ID_BYTES}: an NCCL this engine "
+                               "does not know")
+        buf[:] = np.frombuffer(uid, np.uint8)
+    comm.broadcast(buf, 0)
+    return buf.tobytes()
+
+
+def ranks_sharing_a_device(comm, identity):
+    """Whether two ranks of comm's group passed the same identity (bytes: a host and a GPU's uuid): NCCL
+    refuses two ranks on one GPU. A collective of the group."""
+    import hashlib
+
+    import numpy as np
+    mine = np.frombuffer(hashlib.sha256(identity).digest()[:16], np.uint8).copy()
+    everyone = np.zeros(16 * comm.size, np.uint8)
+    comm.allgather(mine, everyone)
+    rows = {everyone[16 * r:16 * (r + 1)].tobytes() for r in range(comm.size)}
+    return len(rows) < comm.size
 
 
 class NcclComm:

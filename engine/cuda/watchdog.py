@@ -87,6 +87,16 @@ class Watchdog:
         with self._cond:
             self._pending.clear()
 
+    def abort(self, error):
+        """The group was aborted: its Works raise error from now on (unless it failed before), and
+        nothing more is watched."""
+        if self.error is None:
+            self.error = error
+        self.on_fail = None
+        with self._cond:
+            self._pending.clear()
+        self.close()
+
     def close(self):
         with self._cond:
             self._closed = True

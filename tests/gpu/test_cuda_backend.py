@@ -235,3 +235,47 @@ def test_ddp_on_cuda_matches_the_full_batch_step(hook):
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(a, b, atol=2e-3 if hook == "fp16_compress_hook" else 1e-5), (hook, (a - b).abs().max())
 
+
+
+def test_abort_ends_the_cuda_side_and_a_reconfigure_brings_it_back():
+    """abort() of a group ends its CUDA side (ncclCommAbort: nothing waits on the stream or a peer), and
+    its CUDA Works raise the abort; after a reconfigure its CUDA tensors go through a CUDA side made
+    anew among the members it has now: the transport chosen again (ranks sharing a GPU: staged) and
+    NCCL's unique id passed over the group's CPU communicator (a reconfigure's members need share no
+    store, and torch's store still holds the id of the group's first communicator)."""
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+    expected = "StagedDevice" if P > torch.cuda.device_count() else "CudaDevice"
+    os.environ["ENGINE_CUDA_TRANSPORT"] = "auto"   # (the group chooses for itself, as a user's does)
+    try:
+        g = dist.new_group(backend="engine")
+        b = g._get_backend(DEV)
+        for attempt, uuid in ((0, None), (1, 7100), (2, 7101)):
+            if uuid is not None:
+                handles = [None] * P
+                dist.all_gather_object(handles, b.get_reconfigure_handle())
+                b.reconfigure(SimpleNamespace(uuid=uuid, handles=handles, timeout=timedelta(seconds=60))).wait()
+            for n in (1, 1031, 1 << 20):
+                t = data(R, n, torch.float32)
+                dist.all_reduce(t, group=g)
+                assert torch.equal(t, ref("sum", n, torch.float32)), (attempt, n)
+            assert type(b._cuda_device(DEV.index)).__name__ == expected
+            if attempt == 2:
+                break
+            pending = None
+            if expected == "CudaDevice":
+                torch.cuda._sleep(int(2e9))   # the stream is busy for about a second: the all_reduce waits behind it
+                pending = dist.all_reduce(data(R, 5, torch.float32), group=g, async_op=True)
+            start = time.monotonic()
+            b.abort()
+            print(f"rank {R}: abort() took {time.monotonic() - start:.3f} s ({expected}, attempt {attempt})", flush=True)
+            with pytest.raises(Exception, match="was aborted"):
+                dist.all_reduce(data(R, 5, torch.float32), group=g)
+            if pending is not None:
+                with pytest.raises(Exception, match="was aborted"):
+                    pending.wait()
+            torch.cuda.synchronize()
+        dist.destroy_process_group(g)
+    finally:
+        os.environ["ENGINE_CUDA_TRANSPORT"] = TRANSPORT
