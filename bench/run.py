@@ -90,6 +90,15 @@ def metadata(args, world_size):
     }
 
 
+def threads_used():
+    """The threads rank 0's default group splits its large blocking reductions over (engine.transports.threads:
+    ENGINE_THREADS, else the cores shared out), torch's intra-op threads, and the helpers running after
+    the sweep (0: the threaded entry never ran)."""
+    core = getattr(getattr(dist.group.WORLD, "communicator", None), "core", None)
+    return {"engine_threads": getattr(core, "threads", None), "engine_threads_running": getattr(core, "threads_running", None),
+            "torch_threads": torch.get_num_threads()}
+
+
 def sweep(args, collectives):
     if args.algo and args.device == "cuda":
         os.environ["ENGINE_CUDA_ALLREDUCE_ALGO"] = args.algo  # on the CPU the direct backends take it per call
@@ -137,7 +146,7 @@ def sweep(args, collectives):
                          "samples_us": [s * 1e6 for s in samples[(name, mode)]]})
         bar.step(f"{coll} {nbytes}")
     bar.close()
-    meta = dict(metadata(args, size), rank=rank)
+    meta = dict(metadata(args, size), rank=rank, **threads_used())
     # Every group dropped here, not at interpreter exit: a Gloo worker thread that releases a tensor
     # after Python began finalizing aborts the process (std::terminate on its forced unwind).
     backends = cases = None
