@@ -123,6 +123,22 @@ def test_a_mistyped_any_source_mode_is_refused_naming_the_choices():
         any_source_by_probe("MPICH Version: 5.0.2", {"ENGINE_MPI_ANY_SOURCE": "poll"})
 
 
+def test_the_chosen_port_comes_from_below_the_ephemeral_range_and_is_free():
+    """The MASTER_PORT the engine chooses (mpirun without one; here a world of one) comes from below the
+    kernel's ephemeral range, where no outgoing connection takes it before the store binds it (a port
+    the kernel picks, as before, comes from that range), and nothing listens on it."""
+    import socket
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(20):
+        env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+        prepare_env(environ=env)
+        port = int(env["MASTER_PORT"])
+        assert 1024 <= port < low, (port, low)
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
 def test_user_values_win_and_are_checked():
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
     prepare_env(environ=env)

@@ -5,6 +5,7 @@ WORLD_SIZE that disagrees is an error; a LOCAL_RANK that differs (a numbering of
 the launcher's, with one warning."""
 
 import os
+import random
 import socket
 import warnings
 
@@ -84,10 +85,38 @@ def _follow_launchers_local_rank(env, launcher, local_rank):
     env["LOCAL_RANK"] = str(local_rank)
 
 
+def free_ports(n):
+    """n distinct ports that nothing on this host listens on or uses now, below the kernel's ephemeral
+    range. A port from that range, free when chosen, may be taken before the store binds it: every
+    outgoing connection takes one (the engine's TCP transport and torch's stores bind port 0 too).
+    Ports below the range are given out only on request, so one free at the choice stays free. Where
+    the range can't be read or leaves no room: ports the kernel picks."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 1024
+    ports = []
+    for port in random.sample(range(max(1024, low - 12000), low), max(0, min(12000, low - 1024))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def host_addresses():
