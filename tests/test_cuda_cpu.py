@@ -93,23 +93,35 @@ def test_cpu_job_never_imports_cupy():
 
 def _cuda_setup_exchange(rank, size, port, out):
     try:
-        from engine.cuda.nccl import ranks_sharing_a_device, unique_id_over
+        from engine.cuda.nccl import gathered, ranks_sharing_a_device, unique_id_over
         from test_shm_without_mpi import _group
         comm, _store = _group(rank, size, port)
-        uid = unique_id_over(comm, make=lambda: bytes(range(7, 135)))   # (rank 0's: the others' start as zeros)
-        apart = ranks_sharing_a_device(comm, f"host/gpu-{rank}".encode())
-        shared = ranks_sharing_a_device(comm, f"host/gpu-{min(rank, 1)}".encode())
+        uid = unique_id_over(comm, make=lambda: bytes(range(7, 135)))   # (rank 0's: the others send zeros)
+        apart = ranks_sharing_a_device(comm, lambda: f"host/gpu-{rank}".encode())
+        shared = ranks_sharing_a_device(comm, lambda: f"host/gpu-{min(rank, 1)}".encode())
+
+        def fails_on_the_last():
+            if rank == size - 1:
+                raise ImportError("cupy is not installed here")
+            return b"ok"
+        try:
+            gathered(comm, fails_on_the_last, 2, "the check")
+            failure = None
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
         comm.free()
-        out.put((rank, uid, apart, shared))
+        out.put((rank, uid, apart, shared, failure))
     except BaseException as exc:  # reported to the test
-        out.put((rank, f"{type(exc).__name__}: {exc}", None, None))
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None, None))
 
 
 @pytest.mark.parametrize("size", [1, 3])
 def test_a_cuda_side_agrees_on_its_setup_over_the_groups_cpu_communicator(size):
     """How a group's CUDA side is set up among whoever its members are now (a reconfigure's may share
-    no store): rank 0's NCCL unique id reaches every rank, and ranks that name the same GPU are seen,
-    each a collective of the group's CPU communicator (spawned ranks, shared memory)."""
+    no store): rank 0's NCCL unique id reaches every rank, ranks that name the same GPU are seen, and a
+    rank that fails its part (cupy missing there) fails the exchange on every rank at once, each naming
+    it, instead of leaving the others waiting in it; each a collective of the group's CPU communicator
+    (spawned ranks, shared memory)."""
     from test_shm_without_mpi import _run
     procs, out = _run(_cuda_setup_exchange, size)
     results = sorted(out.get(timeout=120) for _ in range(size))
@@ -118,6 +130,9 @@ def test_a_cuda_side_agrees_on_its_setup_over_the_groups_cpu_communicator(size):
     assert [r[1] for r in results] == [bytes(range(7, 135))] * size, results
     assert [r[2] for r in results] == [False] * size
     assert [r[3] for r in results] == [size > 2] * size
+    assert results[-1][4] == "ImportError: cupy is not installed here"
+    for r in results[:-1]:
+        assert r[4] == f"RuntimeError: the check: rank {size - 1} of the group failed (its own error says why)", r
 
 
 def test_unique_id_form_follows_cupys_version():
@@ -264,4 +279,23 @@ def test_abort_aborts_the_cuda_side_and_a_reconfigure_sets_it_up_anew():
     t = torch.ones(3)
     pg.allreduce([t]).wait()
     assert torch.equal(t, torch.ones(3))
+
+    class Unfinished:
+        def query(self):
+            return False
+
+    # a reconfigure destroys an idle CUDA side after what it ran, and aborts one whose collective has
+    # not finished (it may wait on a member that is gone: a destroy would wait with it)
+    for uuid, stuck, expected in ((2, False, ["shutdown"]), (3, True, ["abort", "shutdown"])):
+        events.clear()
+        dog = Watchdog("g", 0, 1, 30.0)
+        pg._devices, pg._watchdog = {0: Device()}, dog
+        if stuck:
+            dog._pending.append((Unfinished(), float("inf"), "allreduce", None))
+        pg.reconfigure(SimpleNamespace(uuid=uuid, handles=[pg.get_reconfigure_handle()],
+                                       timeout=timedelta(seconds=30))).wait()
+        assert [e[0] if isinstance(e, tuple) else e for e in events] == expected, (uuid, events)
+        assert (dog.error is not None) == stuck
+    assert "was reconfigured or destroyed while a CUDA collective of its earlier members had not finished" in \
+        events[0][1]
     pg.shutdown()

@@ -90,14 +90,18 @@ def free_ports(n):
     range. A port from that range, free when chosen, may be taken before the store binds it: every
     outgoing connection takes one (the engine's TCP transport and torch's stores bind port 0 too).
     Ports below the range are given out only on request, so one free at the choice stays free. Where
-    the range can't be read or leaves no room: ports the kernel picks."""
+    the range can't be read, or fewer than n below it are free: the rest are ports the kernel picks,
+    from the range. Drawn with the system's randomness, not the random module's: a script's seed
+    neither decides the ports nor is moved by the choice."""
+    if n < 1:
+        raise ValueError(f"free_ports: n must be 1 or more, got {n}")
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 1024
     ports = []
-    for port in random.sample(range(max(1024, low - 12000), low), max(0, min(12000, low - 1024))):
+    for port in random.SystemRandom().sample(range(max(1024, low - 12000), low), max(0, min(12000, low - 1024))):
         with socket.socket() as s:
             try:
                 s.bind(("", port))

@@ -4,6 +4,8 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,27 @@ from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
 from .work import in_seconds
+
+
+def _end_cuda_side(name, comm, devices, watchdog, error):
+    """Aborts a group's CUDA devices (ncclCommAbort) where a destroy could wait for ever: on abort()
+    (error), and when the group is swapped (a reconfigure) or destroyed while broken or with a
+    collective still unfinished on the GPU, which may wait on a peer that is gone. Otherwise the
+    release destroys them after what they run. The watchdog goes first, so that what the devices'
+    abort makes NCCL report is not taken for a failure of its own."""
+    stuck = watchdog is not None and (watchdog.error is not None or watchdog.unfinished())
+    if error is None and not (stuck or comm.watch.broken):
+        return
+    error = error or RuntimeError(f"process group {name!r} was reconfigured or destroyed while a CUDA collective "
+                                  "of its earlier members had not finished or the group was broken: it was ended "
+                                  "(ncclCommAbort)")
+    if watchdog is not None:
+        watchdog.abort(error)
+    for dev in devices:
+        try:
+            dev.abort(error)
+        except Exception as exc:   # (one device's failure must not keep the others, or the group, attached)
+            print(f"engine: aborting group {name!r}'s CUDA device failed: {exc}", file=sys.stderr, flush=True)
 
 
 def _one(tensors, what):
@@ -160,10 +183,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         if error is not None and abort and comm is not None:
             comm.abort()
             cpu.progress.abort(error)
-            for dev in devices:   # (NCCL's kernels wait on the device: only ncclCommAbort frees them)
-                dev.abort(error)
-            if watchdog is not None:
-                watchdog.abort(error)
+        if comm is not None and devices:
+            _end_cuda_side(self._name, comm, devices, watchdog, error if abort else None)
         stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
         self._comm = None
         self._cpu = stand_in
@@ -247,49 +268,74 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _cuda_device(self, index):
         dev = self._devices.get(index)
         if dev is None:
-            dev = self._devices[index] = self._make_cuda_device(index)
+            comm = self._comm
+            dev, watchdog = self._make_cuda_device(index)
+            if self._comm is not comm:   # aborted or reconfigured while it was made: not this group's now
+                error = getattr(self._cpu, "error", None) or RuntimeError(
+                    f"process group {self._name!r} was reconfigured while its CUDA side was being set up: call again")
+                dev.abort(error)
+                if watchdog is not None and watchdog is not self._watchdog:
+                    watchdog.abort(error)
+                raise error
+            self._devices[index], self._watchdog = dev, watchdog
         return dev
 
     def _make_cuda_device(self, index):
+        """(the device communicator for CUDA device index, the group's watchdog or None): made at the
+        group's first call on it, agreed among its members now over its CPU communicator."""
         from engine.config import env_choice
         if self._cuda_transport is None:
             forced = env_choice("ENGINE_CUDA_TRANSPORT", ("auto", "nccl", "staged"), "auto")
             self._cuda_transport = "staged" if forced == "staged" else self._nccl_or_staged(forced, index)
         if self._cuda_transport == "staged":
-            return StagedDevice(self._cpu)
+            return StagedDevice(self._cpu), self._watchdog
+        from engine.cuda import load_cupy
         from engine.cuda.communicator import CudaCommunicator
         from engine.cuda.nccl import unique_id_over
         from engine.cuda.watchdog import Watchdog
         rank, size = self.rank(), self.size()
-        uid = self._over_cpu(unique_id_over, "the NCCL unique id")
+        uid = self._over_cpu(lambda comm: unique_id_over(comm, ready=load_cupy), "NCCL's unique id")
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
-        if self._watchdog is None:
+        watchdog = self._watchdog
+        if watchdog is None:
             seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
-            self._watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
-        return CudaDevice(cc, index, self._watchdog, cpu_comm=self._comm)
+            watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
+        return CudaDevice(cc, index, watchdog, cpu_comm=self._comm), watchdog
 
     def _nccl_or_staged(self, forced, index):
+        """nccl, unless ranks of the group share a GPU (staged); forced nccl is taken as it is. Every
+        rank loads cupy first (without the extra: an ImportError naming it, and the others are told)."""
         import warnings
         from engine.bootstrap import host_identity
         from engine.cuda import load_cupy
         from engine.cuda.nccl import ranks_sharing_a_device
-        load_cupy()  # without the extra: an ImportError naming it
-        if forced == "nccl":
+
+        def identity():
+            load_cupy()
+            return f"{host_identity()[0]}/{torch.cuda.get_device_properties(index).uuid}".encode()
+
+        shared = self._over_cpu(lambda comm: ranks_sharing_a_device(comm, identity), "which GPU each rank uses")
+        if forced == "nccl" or not shared:
             return "nccl"
-        mine = f"{host_identity()[0]}/{torch.cuda.get_device_properties(index).uuid}".encode()
-        if self._over_cpu(lambda comm: ranks_sharing_a_device(comm, mine), "which GPU each rank uses"):
-            warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "
-                          "the host-staged path (ENGINE_CUDA_TRANSPORT=staged)", RuntimeWarning, stacklevel=4)
-            return "staged"
-        return "nccl"
+        warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "
+                      "the host-staged path (ENGINE_CUDA_TRANSPORT=staged)", RuntimeWarning, stacklevel=4)
+        return "staged"
 
     def _over_cpu(self, fn, what):
         """fn(the group's CPU communicator), in issue order with the group's CPU calls: how the CUDA side
-        agrees on its setup, with whoever the members are now (a reconfigure's may share no store). An
-        aborted group, or one without members yet, raises why."""
+        agrees on its setup, with whoever the members are now (a reconfigure's may share no store). A
+        collective of every member, at the group's first call on a CUDA device, whatever that call is.
+        An aborted group, or one without members yet, raises why."""
+        comm = self._comm
+        if comm is None:
+            raise self._cpu.error   # (the stand-in's reason: aborted, or no members before a reconfigure)
         result = []
-        self._cpu.progress.run(lambda: result.append(fn(self._comm)), nargs=0, name=f"cuda setup: {what}")
+        try:
+            self._cpu.progress.run(lambda: result.append(fn(comm)), nargs=0, name=f"cuda setup: {what}")
+        except Exception as exc:
+            raise RuntimeError(f"process group {self._name!r}: setting up its CUDA side ({what}, agreed by every "
+                               f"member at the group's first call on a CUDA tensor) failed: {exc}") from exc
         return result[0]
 
     # -- reductions --

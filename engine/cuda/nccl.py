@@ -12,6 +12,8 @@ import threading
 from . import load_cupy
 from .tables import NCCL_INT8
 
+ABORT_LOCK_SECONDS = 0.5   # how long abort() waits for a call in progress to finish issuing
+
 
 def new_unique_id():
     """ncclGetUniqueId as 128 bytes (cupy 14 returns bytes, older cupy a tuple of C chars)."""
@@ -31,32 +33,49 @@ def _for_cupy(uid, cupy):
 UNIQUE_ID_BYTES = 128   # sizeof(ncclUniqueId)
 
 
-def unique_id_over(comm, make=new_unique_id):
-    """Rank 0's ncclUniqueId (make()), broadcast over comm, an engine.Communicator of the group; a
-    collective of the group, within its timeout."""
+def gathered(comm, mine, width, what):
+    """Every rank's mine() (bytes, `width` of them), gathered over comm (an engine.Communicator of the
+    group; a collective of the group, within its timeout), as a list by rank. All or none: a rank whose
+    mine() fails still takes part, so every rank raises, each naming the ranks that failed (a failed
+    rank raises its own error), rather than leave the others waiting for it until the timeout."""
     import numpy as np
-    buf = np.zeros(UNIQUE_ID_BYTES, np.uint8)
-    if comm.rank == 0:
-        uid = make()
-        if len(uid) != UNIQUE_ID_BYTES:
-            raise RuntimeError(f"ncclGetUniqueId gave {len(uid)} bytes, not {UNIQUE_ID_BYTES}: an NCCL this engine "
-                               "does not know")
-        buf[:] = np.frombuffer(uid, np.uint8)
-    comm.broadcast(buf, 0)
-    return buf.tobytes()
+    row = np.zeros(width + 1, np.uint8)
+    own = None
+    try:
+        value = mine()
+        if len(value) != width:
+            raise RuntimeError(f"{what}: {len(value)} bytes, not {width}")
+        row[0], row[1:] = 1, np.frombuffer(value, np.uint8)
+    except Exception as exc:   # (told to every rank below, then raised here)
+        own = exc
+    everyone = np.zeros((comm.size, width + 1), np.uint8)
+    comm.allgather(row, everyone.reshape(-1))
+    failed = [r for r in range(comm.size) if not everyone[r, 0]]
+    if own is not None:
+        raise own
+    if failed:
+        raise RuntimeError(f"{what}: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the group "
+                           "failed (its own error says why)")
+    return [everyone[r, 1:].tobytes() for r in range(comm.size)]
+
+
+def unique_id_over(comm, make=new_unique_id, ready=lambda: None):
+    """Rank 0's ncclUniqueId (make()) on every rank, over comm; ready() on the others first (load_cupy:
+    a rank without it fails the exchange on every rank, instead of waiting in NCCL's init)."""
+    def mine():
+        if comm.rank == 0:
+            return make()
+        ready()
+        return bytes(UNIQUE_ID_BYTES)
+    return gathered(comm, mine, UNIQUE_ID_BYTES, "NCCL's unique id")[0]
 
 
 def ranks_sharing_a_device(comm, identity):
-    """Whether two ranks of comm's group passed the same identity (bytes: a host and a GPU's uuid): NCCL
-    refuses two ranks on one GPU. A collective of the group."""
+    """Whether two ranks of comm's group named the same device (identity(): bytes, a host and a GPU's
+    uuid): NCCL refuses two ranks on one GPU."""
     import hashlib
-
-    import numpy as np
-    mine = np.frombuffer(hashlib.sha256(identity).digest()[:16], np.uint8).copy()
-    everyone = np.zeros(16 * comm.size, np.uint8)
-    comm.allgather(mine, everyone)
-    rows = {everyone[16 * r:16 * (r + 1)].tobytes() for r in range(comm.size)}
-    return len(rows) < comm.size
+    rows = gathered(comm, lambda: hashlib.sha256(identity()).digest()[:16], 16, "which GPU each rank uses")
+    return len(set(rows)) < len(rows)
 
 
 class NcclComm:
@@ -122,11 +141,19 @@ class NcclComm:
                 self._comm.check_async_error()
 
     def abort(self, error):
-        """ncclCommAbort: frees the GPU kernels waiting on peers that will never come."""
+        """ncclCommAbort: frees the GPU kernels waiting on peers that will never come. Under the lock when
+        it comes free soon, so that no call is half-issued on the communicator it frees; a thread that
+        holds it longer is stuck inside NCCL (a group call waiting on a peer), which only this abort,
+        from here, ends."""
         self.error = error
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            comm.abort()
+        locked = self.lock.acquire(timeout=ABORT_LOCK_SECONDS)
+        try:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.abort()
+        finally:
+            if locked:
+                self.lock.release()
 
     def destroy(self):
         with self.lock:

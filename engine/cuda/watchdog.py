@@ -78,7 +78,10 @@ class Watchdog:
             time.sleep(POLL_SECONDS)
 
     def _fail(self, comm, error):
-        self.error = error
+        with self._cond:
+            if self._closed or self.error is not None:   # (the group was aborted, or closed, meanwhile)
+                return
+            self.error = error
         print(f"engine: {error}", file=sys.stderr, flush=True)
         if self.on_fail is not None:
             on_fail, self.on_fail = self.on_fail, None
@@ -90,12 +93,19 @@ class Watchdog:
     def abort(self, error):
         """The group was aborted: its Works raise error from now on (unless it failed before), and
         nothing more is watched."""
-        if self.error is None:
-            self.error = error
-        self.on_fail = None
         with self._cond:
+            if self.error is None:
+                self.error = error
+            self.on_fail = None
             self._pending.clear()
-        self.close()
+            self._closed = True
+            self._cond.notify()
+
+    def unfinished(self):
+        """Whether a watched collective has not completed on the GPU yet."""
+        with self._cond:
+            pending = list(self._pending)
+        return any(not event.query() for event, *_ in pending)
 
     def close(self):
         with self._cond:
