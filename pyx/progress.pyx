@@ -2,6 +2,7 @@
 """engine._progress: the progress engine, a module of its own (it moves no data: it orders the group's
 operations and runs them, on the caller's thread or its own)."""
 
+from cpython.pythread cimport PyThread_get_thread_ident
 from pthread cimport *
 from shm cimport eng_now, eng_sleep
 
@@ -86,6 +87,7 @@ cdef class Progress:
     cdef object thread
     cdef object refusal             # what submit() raises once closed (abort's error), or None
     cdef Task current               # the task running now, or None
+    cdef unsigned long ident        # the thread's (0 until it starts)
     cdef public double grace
     cdef object __weakref__
 
@@ -150,7 +152,28 @@ cdef class Progress:
         self.queue.append(task)
         self.pending += 1
         self._signal()
+        if PyThread_get_thread_ident() == self.ident:
+            self._run_through(task)
         return task
+
+    cdef _run_through(self, Task task):
+        """Runs the queue, in order, up to and including task, on this thread: the engine's own thread,
+        inside a callback of a task it ran (a torch Future's then(): PowerSGD's hook submits its next
+        allreduce there and waits for it). Left to the thread's loop, task would wait for this very
+        thread for ever."""
+        cdef Task head
+        while task.state != TASK_DONE:
+            head = self.queue[0] if self.queue else None
+            if head is not None and self._claim(head):
+                self._execute(head)
+                continue
+            with self.cv:   # (a caller runs one in place: its end wakes this)
+                self.waiters += 1
+                try:
+                    if task.state != TASK_DONE and (self.running or not self.queue):
+                        self.cv.wait(0.01)
+                finally:
+                    self.waiters -= 1
 
     cdef void _signal(self) noexcept:
         # Under the mutex the idle thread checks `pending` before it sleeps, so this can't miss it;
@@ -222,6 +245,7 @@ cdef class Progress:
         pthread_cond_init(&self.cond, NULL)
         self.cv = threading.Condition(threading.Lock())
         self.deep = self.waiters = 0
+        self.ident = 0
         if self.current is not None and self.current.state != TASK_DONE:
             self.queue.appendleft(self.current)   # (its thread is not here to end it: abort fails it)
             self.pending += 1
@@ -317,6 +341,7 @@ cdef class Progress:
 
     def _loop(self):
         cdef Task task
+        self.ident = PyThread_get_thread_ident()
         set_thread_polite(True)  # leave the core to the computation this thread overlaps with
         while True:
             task = self._take()
