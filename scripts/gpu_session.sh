@@ -12,8 +12,9 @@
 #   gpu-bench  CUDA all_reduce at world size 1 against torch's nccl, 1 MB-1 GB
 #   cpu-sweep  allreduce 1 KB-64 MB at 2x8, 16, 4 and 8 ranks against DeepSpeed's shm and mpi4py
 #   threads    2 ranks x 8 threads from 16 KB: when a rank's threads pay, and how long helpers spin
-#   issue35    2 ranks on shared memory against mpi4py with the defaults (bound, and unbound), and
-#              2 namespace hosts x 1 rank under mpirun (where the machine allows namespaces), 3 launches
+#   issue35    2 ranks on shared memory against mpi4py with the defaults (bound, unbound, and unbound
+#              with OMP_NUM_THREADS=8), and 2 namespace hosts x 1 rank under mpirun (where the machine
+#              allows namespaces), 3 launches each
 #   run        tests cpu-sweep gpu-bench
 #
 # The GPU image has torch, cupy and pytest but no MPI, and fetches nothing: Open MPI, mpi4py, the
@@ -153,13 +154,18 @@ for part in "${parts[@]}"; do
         ;;
     issue35)
         # 2 ranks on shared memory with the engine's defaults (no ENGINE_* set), under Open MPI's default
-        # binding (a core a rank: one thread each) and unbound (the rank's threads: the cores shared out),
-        # alternated, three launches each; then 2 namespace hosts x 1 rank, mpirun, three launches.
+        # binding (a core a rank), unbound, and unbound with OMP_NUM_THREADS=8 (under mpirun torch runs
+        # one intra-op thread unless told, and the engine's automatic count follows torch's:
+        # docs/tuning.md), alternated, three launches each; then 2 namespace hosts x 1 rank, mpirun,
+        # three launches, where the image has ip and unshare.
         for run in 1 2 3; do
-            for bind in core none; do
-                stage 60 "issue35 shm 2 ranks, bind-to $bind, run $run" mpirun -n 2 --bind-to $bind \
+            for cfg in core:unset none:unset none:8; do
+                IFS=: read -r bind omp <<< "$cfg"
+                omp_arg=(); [ "$omp" != unset ] && omp_arg=(-x "OMP_NUM_THREADS=$omp")
+                stage 60 "issue35 shm 2 ranks, bind-to $bind, OMP_NUM_THREADS $omp, run $run" \
+                    mpirun -n 2 --bind-to $bind "${omp_arg[@]}" \
                     python -m bench all_reduce -b 256K -e 64M -f 4 --rounds 5 --budget 0.2 -c 1 \
-                    --backends engine,engine-direct,mpi4py --json "$J/shm_bind_${bind}_run$run.json"
+                    --backends engine,engine-direct,mpi4py --json "$J/shm_bind_${bind}_omp${omp}_run$run.json"
             done
         done
         why=$(python -c "import sys; sys.path.insert(0, 'tests'); from hosts import Hosts; print(Hosts.unavailable() or '')" 2>&1)
