@@ -159,8 +159,8 @@ cdef class Progress:
     cdef _run_through(self, Task task):
         """Runs the queue, in order, up to and including task, on this thread: the engine's own thread,
         inside a callback of a task it ran (a torch Future's then(): PowerSGD's hook submits its next
-        allreduce there and waits for it). Left to the thread's loop, task would wait for this very
-        thread for ever."""
+        allreduce there and waits for it; or a Work's wait()). Left to the thread's loop, task would
+        wait for this very thread for ever."""
         cdef Task head
         while task.state != TASK_DONE:
             head = self.queue[0] if self.queue else None
@@ -189,6 +189,9 @@ cdef class Progress:
         cdef double until
         cdef bint mine = False
         if task.state == TASK_DONE:
+            return True
+        if PyThread_get_thread_ident() == self.ident:   # (a callback on this thread: see _run_through)
+            self._run_through(task)
             return True
         if self._claim(task):
             self._execute(task)
