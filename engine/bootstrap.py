@@ -118,6 +118,27 @@ def gather(boot, make, what):
     return [v for v, _ in everyone]
 
 
+class CommBootstrap:
+    """allgather over a group's own communicator (an engine.Communicator, made already): for what its
+    members agree on afterwards (its CUDA side's setup) among whoever they are now, store or none.
+    Two of the group's collectives a round: the pickles' lengths, then the pickles."""
+    on_cancel = None
+
+    def __init__(self, comm, group=None):
+        self.comm, self.group, self.rank, self.size = comm, group, comm.rank, comm.size
+
+    def allgather(self, obj):
+        import numpy as np
+        mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = np.zeros(self.size, np.int64)
+        self.comm.allgather(np.array([mine.size], np.int64), lengths)
+        rows = np.zeros((self.size, int(lengths.max())), np.uint8)
+        row = np.zeros(rows.shape[1], np.uint8)
+        row[:mine.size] = mine
+        self.comm.allgather(row, rows.reshape(-1))
+        return [pickle.loads(rows[r, :lengths[r]].tobytes()) for r in range(self.size)]
+
+
 class SelfBootstrap:
     """A group of one."""
     rank, size, group, on_cancel = 0, 1, None, None

@@ -93,10 +93,11 @@ def test_cpu_job_never_imports_cupy():
 
 def _cuda_setup_exchange(rank, size, port, out):
     try:
-        from engine.cuda.nccl import gathered, ranks_sharing_a_device, unique_id_over
+        from engine.bootstrap import CommBootstrap, gather
+        from engine.cuda.nccl import ranks_sharing_a_device, unique_id_over
         from test_shm_without_mpi import _group
         comm, _store = _group(rank, size, port)
-        uid = unique_id_over(comm, make=lambda: bytes(range(7, 135)))   # (rank 0's: the others send zeros)
+        uid = unique_id_over(comm, make=lambda: bytes(range(7, 135)))   # (rank 0's: the others send none)
         apart = ranks_sharing_a_device(comm, lambda: f"host/gpu-{rank}".encode())
         shared = ranks_sharing_a_device(comm, lambda: f"host/gpu-{min(rank, 1)}".encode())
 
@@ -105,7 +106,7 @@ def _cuda_setup_exchange(rank, size, port, out):
                 raise ImportError("cupy is not installed here")
             return b"ok"
         try:
-            gathered(comm, fails_on_the_last, 2, "the check")
+            gather(CommBootstrap(comm, "g"), fails_on_the_last, "run the check")
             failure = None
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
@@ -132,7 +133,8 @@ def test_a_cuda_side_agrees_on_its_setup_over_the_groups_cpu_communicator(size):
     assert [r[3] for r in results] == [size > 2] * size
     assert results[-1][4] == "ImportError: cupy is not installed here"
     for r in results[:-1]:
-        assert r[4] == f"RuntimeError: the check: rank {size - 1} of the group failed (its own error says why)", r
+        assert r[4] == (f"RuntimeError: engine: group 'g' was not made: rank {size - 1} could not run the check "
+                        "(ImportError: cupy is not installed here)"), r
 
 
 def test_unique_id_form_follows_cupys_version():

@@ -294,7 +294,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         from engine.cuda.nccl import unique_id_over
         from engine.cuda.watchdog import Watchdog
         rank, size = self.rank(), self.size()
-        uid = self._over_cpu(lambda comm: unique_id_over(comm, ready=load_cupy), "NCCL's unique id")
+        uid = self._over_cpu(lambda comm: unique_id_over(comm, ready=load_cupy, group=self._name), "NCCL's unique id")
         with torch.cuda.device(index):
             cc = CudaCommunicator(uid, rank, size, index)
         watchdog = self._watchdog
@@ -315,7 +315,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             load_cupy()
             return f"{host_identity()[0]}/{torch.cuda.get_device_properties(index).uuid}".encode()
 
-        shared = self._over_cpu(lambda comm: ranks_sharing_a_device(comm, identity), "which GPU each rank uses")
+        shared = self._over_cpu(lambda comm: ranks_sharing_a_device(comm, identity, self._name), "which GPU each rank uses")
         if forced == "nccl" or not shared:
             return "nccl"
         warnings.warn("backend 'engine': ranks of this group share a GPU, which NCCL refuses; CUDA tensors take "

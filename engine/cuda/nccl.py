@@ -9,6 +9,7 @@ blocks the host. Movement collectives send bytes (ncclInt8), so every dtype move
 
 import threading
 
+from ..bootstrap import CommBootstrap, gather
 from . import load_cupy
 from .tables import NCCL_INT8
 
@@ -33,49 +34,27 @@ def _for_cupy(uid, cupy):
 UNIQUE_ID_BYTES = 128   # sizeof(ncclUniqueId)
 
 
-def gathered(comm, mine, width, what):
-    """Every rank's mine() (bytes, `width` of them), gathered over comm (an engine.Communicator of the
-    group; a collective of the group, within its timeout), as a list by rank. All or none: a rank whose
-    mine() fails still takes part, so every rank raises, each naming the ranks that failed (a failed
-    rank raises its own error), rather than leave the others waiting for it until the timeout."""
-    import numpy as np
-    row = np.zeros(width + 1, np.uint8)
-    own = None
-    try:
-        value = mine()
-        if len(value) != width:
-            raise RuntimeError(f"{what}: {len(value)} bytes, not {width}")
-        row[0], row[1:] = 1, np.frombuffer(value, np.uint8)
-    except Exception as exc:   # (told to every rank below, then raised here)
-        own = exc
-    everyone = np.zeros((comm.size, width + 1), np.uint8)
-    comm.allgather(row, everyone.reshape(-1))
-    failed = [r for r in range(comm.size) if not everyone[r, 0]]
-    if own is not None:
-        raise own
-    if failed:
-        raise RuntimeError(f"{what}: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the group "
-                           "failed (its own error says why)")
-    return [everyone[r, 1:].tobytes() for r in range(comm.size)]
-
-
-def unique_id_over(comm, make=new_unique_id, ready=lambda: None):
-    """Rank 0's ncclUniqueId (make()) on every rank, over comm; ready() on the others first (load_cupy:
-    a rank without it fails the exchange on every rank, instead of waiting in NCCL's init)."""
+def unique_id_over(comm, make=new_unique_id, ready=lambda: None, group=None):
+    """Rank 0's ncclUniqueId (make()) on every rank, over comm (the group's engine.Communicator; a
+    collective of the group); ready() on the others first (load_cupy). All or none (bootstrap.gather):
+    a rank whose part fails fails the exchange on every rank, instead of leaving them in NCCL's init."""
     def mine():
-        if comm.rank == 0:
-            return make()
-        ready()
-        return bytes(UNIQUE_ID_BYTES)
-    return gathered(comm, mine, UNIQUE_ID_BYTES, "NCCL's unique id")[0]
+        if comm.rank != 0:
+            ready()
+            return None
+        uid = make()
+        if len(uid) != UNIQUE_ID_BYTES:
+            raise RuntimeError(f"ncclGetUniqueId gave {len(uid)} bytes, not {UNIQUE_ID_BYTES}: an NCCL this engine "
+                               "does not know")
+        return bytes(uid)
+    return gather(CommBootstrap(comm, group), mine, "make NCCL's unique id")[0]
 
 
-def ranks_sharing_a_device(comm, identity):
-    """Whether two ranks of comm's group named the same device (identity(): bytes, a host and a GPU's
-    uuid): NCCL refuses two ranks on one GPU."""
-    import hashlib
-    rows = gathered(comm, lambda: hashlib.sha256(identity()).digest()[:16], 16, "which GPU each rank uses")
-    return len(set(rows)) < len(rows)
+def ranks_sharing_a_device(comm, identity, group=None):
+    """Whether two ranks of comm's group named the same device (identity(): a host and a GPU's uuid):
+    NCCL refuses two ranks on one GPU. All or none, as unique_id_over."""
+    named = gather(CommBootstrap(comm, group), identity, "name its GPU")
+    return len(set(named)) < len(named)
 
 
 class NcclComm:
