@@ -152,28 +152,9 @@ cdef class Progress:
         self.queue.append(task)
         self.pending += 1
         self._signal()
-        if PyThread_get_thread_ident() == self.ident:
-            self._run_through(task)
+        if PyThread_get_thread_ident() == self.ident:   # (a callback on this thread: see wait)
+            self.wait(task)
         return task
-
-    cdef _run_through(self, Task task):
-        """Runs the queue, in order, up to and including task, on this thread: the engine's own thread,
-        inside a callback of a task it ran (a torch Future's then(): PowerSGD's hook submits its next
-        allreduce there and waits for it; or a Work's wait()). Left to the thread's loop, task would
-        wait for this very thread for ever."""
-        cdef Task head
-        while task.state != TASK_DONE:
-            head = self.queue[0] if self.queue else None
-            if head is not None and self._claim(head):
-                self._execute(head)
-                continue
-            with self.cv:   # (a caller runs one in place: its end wakes this)
-                self.waiters += 1
-                try:
-                    if task.state != TASK_DONE and (self.running or not self.queue):
-                        self.cv.wait(0.01)
-                finally:
-                    self.waiters -= 1
 
     cdef void _signal(self) noexcept:
         # Under the mutex the idle thread checks `pending` before it sleeps, so this can't miss it;
@@ -185,33 +166,45 @@ cdef class Progress:
 
     def wait(self, Task task, timeout=None):
         """Blocks until task is done, running it here if it is first in line and nothing runs; False
-        on timeout."""
-        cdef double until
-        cdef bint mine = False
-        if task.state == TASK_DONE:
-            return True
-        if PyThread_get_thread_ident() == self.ident:   # (a callback on this thread: see _run_through)
-            self._run_through(task)
-            return True
-        if self._claim(task):
-            self._execute(task)
-            return True
-        until = -1 if timeout is None else eng_now() + timeout
-        with self.cv:
-            self.waiters += 1
-            try:
-                while task.state != TASK_DONE:
-                    if self._claim(task):  # its turn came while we slept: run it here
-                        mine = True
-                        break
+        on timeout. On the engine's own thread, inside a callback of a task it ran (a torch Future's
+        then(): PowerSGD's hook submits its next allreduce there and waits for it), it runs the queue
+        through, in order, up to task: left to the thread's loop, task would wait for this very thread
+        for ever."""
+        cdef double until = -1 if timeout is None else eng_now() + timeout
+        cdef bint through = PyThread_get_thread_ident() == self.ident
+        cdef Task mine
+        while task.state != TASK_DONE:
+            mine = self._next_here(task, through)
+            if mine is not None:
+                self._execute(mine)
+                continue
+            with self.cv:   # (a task's end, here or on another thread, wakes this)
+                self.waiters += 1
+                try:
+                    if task.state == TASK_DONE or self._claimable(task, through):
+                        continue
                     if until >= 0 and eng_now() >= until:
                         return False
                     self.cv.wait(None if until < 0 else max(until - eng_now(), 0))
-            finally:
-                self.waiters -= 1
-        if mine:
-            self._execute(task)
+                finally:
+                    self.waiters -= 1
         return True
+
+    cdef bint _claimable(self, Task task, bint through):
+        """Whether _next_here would take a task now."""
+        if self.running or not self.queue:
+            return False
+        return through or (task.state == TASK_PENDING and self.queue[0] is task)
+
+    cdef Task _next_here(self, Task task, bint through):
+        """The task a waiter for task runs itself now, claimed, or None: task, if it is first in line
+        and nothing runs; through the queue (the engine's own thread), whatever is first in line."""
+        cdef Task head
+        if not self._claimable(task, through):
+            return None
+        head = self.queue[0]
+        self._claim(head)
+        return head
 
     cdef bint _claim(self, Task task):
         """Takes task to run here if it is first in line and nothing runs (atomic under the GIL)."""

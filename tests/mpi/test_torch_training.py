@@ -151,7 +151,7 @@ def test_comm_hooks_match_torch_hooks_on_gloo(ours, theirs):
 def test_torchs_powersgd_hook_trains_as_on_gloo():
     """torch's PowerSGD hook chains their allreduces in Future callbacks and wait there for the next
     one (`.get_future().wait()` inside `then`). The engine's progress thread runs those callbacks, so it
-    runs what they submit itself (pyx/progress.pyx, _run_through): before, the allreduce waited for that
+    runs what they submit itself (pyx/progress.pyx, Progress.wait): before, the allreduce waited for that
     very thread and the job hung at the first compressed step. The parameters match the same hook's
     training on Gloo. One bucket: with several, the hook's callbacks issue their allreduces while the
     main thread issues the next buckets', in an order that differs between ranks (Gloo then hangs: 2 of
