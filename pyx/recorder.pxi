@@ -1,6 +1,7 @@
 # The flight recorder of a group: a preallocated C ring of its last operations (sequence number, op,
 # count, dtype, the registry entry that ran, start, end, state, the call's key), written without Python on every
-# call. Python records are built only when dumped or traced. Once an operation failed in a way that
+# call, and the key of a call (call_key: what every rank must agree on; describe_call: its words).
+# Python records are built only when dumped or traced. Once an operation failed in a way that
 # leaves the group's state unknown (a timeout, a lost peer, a mismatch), the group is broken: every
 # later operation is refused, naming why.
 
@@ -81,3 +82,32 @@ cdef class Recorder:
 
     cdef object entry_name(self, int entry):
         return self.entry_names[entry] if 0 <= entry < len(self.entry_names) else None
+
+
+cdef uint64_t call_key(const Call *c) noexcept nogil:
+    """What every rank's call must agree on: the collective, dtype, reduce op (AVG apart) and root.
+    Hashed with the call's number into its point-to-point tags (pyx/call_tags.h), so a message of
+    another call, or of this one with another op, dtype or root, is never taken for this call's."""
+    cdef bint rooted = c.op == OP_BROADCAST or c.op == OP_REDUCE or c.op == OP_GATHER or c.op == OP_SCATTER
+    return call_word(c.op, c.dtype, opbit_of(c.red) if c.red != NULL else OPBIT_NONE, -1, c.root if rooted else -1)
+
+
+cdef tuple call_word_parts(uint64_t w):
+    """(collective, dtype or None, reduce op or None, root or -1) of a call_word()."""
+    cdef int op = w & 0xff, dtype = <int>((w >> 8) & 0xff) - 1, opbit = <int>((w >> 16) & 0xff)
+    return (OP_KIND_NAMES[op] if op < NOPKINDS else f"op {op}",
+            DTYPE_NAMES[dtype] if 0 <= dtype < ENG_NDTYPES else None,
+            OP_NAMES[opbit].upper() if 0 <= opbit < 8 else "user" if opbit == OPBIT_USER else None,
+            <long long>(w >> 32) - 1)
+
+
+def describe_call(uint64_t key, size_t count):
+    """A call's key (a flight record's last field) in words, for count elements: "allreduce of 8
+    float32, op SUM", "broadcast of 8 float32, root 0"."""
+    name, dtype, red, root = call_word_parts(key)
+    text = f"{name} of {count} {dtype}" if dtype is not None else name
+    if red is not None:
+        text += f", op {red}"
+    if root >= 0:
+        text += f", root {root}"
+    return text

@@ -56,7 +56,7 @@ class Core:
 
 
 def key(op, dtype="float32", red=None, root=-1):
-    """A call's key as comm.pxi's call_key() builds it (engine._core.pxd call_word(): red, a reduce
+    """A call's key as recorder.pxi's call_key() builds it (engine._core.pxd call_word(): red, a reduce
     op's name, as its Rule.ops bit, AVG its own; root -1 for none)."""
     opbit = 9 if red is None else OP_NAMES.index(red)   # (OPBIT_NONE; "avg" is bit 7)
     return OP_KIND_NAMES.index(op) | (DTYPE_NAMES.index(dtype) + 1) << 8 | opbit << 16 | (root + 1) << 32

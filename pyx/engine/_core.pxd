@@ -242,7 +242,7 @@ cdef inline int opbit_of(RedC *red) noexcept nogil:
 cdef inline uint64_t call_word(int op, int dtype, int opbit, int impl, int root) noexcept nogil:
     """A collective in one word: op, dtype + 1, the reduce op's Rule.ops bit, impl + 1, root + 1 (-1:
     none). The segment's signatures carry it; with impl -1, what every rank's call must agree on
-    (comm.pxi call_key(), the tags' hash and the flight record's key). call_word_parts() reads it."""
+    (recorder.pxi call_key(), the tags' hash and the flight record's key). call_word_parts() reads it."""
     return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opbit & 0xff) << 16)
             | (<uint64_t>((impl + 1) & 0xff) << 24) | (<uint64_t><uint32_t>(root + 1) << 32))
 
@@ -256,7 +256,7 @@ cdef struct OpRec:
     int state           # 0 running, 1 done, 2 failed, 3 timed out
     bint native         # blocks inside the transport's own collective (no watch while it runs)
     double start, end
-    uint64_t key        # what every rank's call must agree on (comm.pxi call_key(); the watch compares)
+    uint64_t key        # what every rank's call must agree on (recorder.pxi call_key(); the watch compares)
 
 
 cdef class Recorder:
@@ -410,7 +410,8 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 # ---- taken by one file from another (each defined in the file its comment names) ----
 
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
-cdef tuple call_word_parts(uint64_t w)              # comm.pxi
+cdef tuple call_word_parts(uint64_t w)              # recorder.pxi
+cdef uint64_t call_key(const Call *c) noexcept nogil  # recorder.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi
 
 
