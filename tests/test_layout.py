@@ -99,3 +99,12 @@ def test_architecture_file_map_matches_the_tree():
     unnamed = sorted(str(p.relative_to(root)) for p in sources
                      if not re.search(rf"(?<![\w.]){re.escape(p.name)}\b", doc) and p.name != "__init__.py")
     assert not unnamed, f"docs/architecture.md's file map lacks {unnamed}"
+
+
+def test_no_file_of_the_compiled_layer_is_over_700_lines():
+    """One concern a file (issue 34): a file of pyx/ that grows past 700 lines holds two; split it along
+    the concern, as pyx/recorder.pxi took a call's key out of comm.pxi. (Generated .c files aside.)"""
+    sizes = {str(p.relative_to(PYX)): len(p.read_text().splitlines())
+             for pattern in ("*.pyx", "*.pxi", "*.pxd", "*.h", "engine/*.pxd") for p in PYX.glob(pattern)}
+    assert len(sizes) > 20, sizes
+    assert {name: n for name, n in sizes.items() if n > 700} == {}
