@@ -129,11 +129,11 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-# The environments' installs run together (each line of their output whole: --output-sync), the
-# suites one after another.
+# The environments' installs run together, the engine going into each as soon as .venv's build is done
+# (each line of their output whole: --output-sync); the suites one after another.
 test:
-	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.packages .venv-torch2.15/.packages \
-		.venv-mpich/.packages
+	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.installed .venv-torch2.15/.installed \
+		.mpich/.installed
 	$(MAKE) test-torch2.13 test-torch2.14 test-torch2.15 test-mpich
 
 test-torch2.13: setup
