@@ -139,6 +139,39 @@ def test_the_chosen_port_comes_from_below_the_ephemeral_range_and_is_free():
             s.bind(("", port))
 
 
+def test_a_rank_that_reaches_the_store_before_it_listens_meets_it_at_once(monkeypatch):
+    """Rank 1's rendezvous starts before rank 0's TCPStore listens (the usual order): it tries again
+    every few milliseconds until the store accepts (torchbridge.rendezvous), where torch's client,
+    refused, backed off 0.3-0.7 s before its next try, and every init paid that. Then the store works.
+    With nothing ever listening it ends at the timeout naming the address."""
+    import socket
+    import threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    from torchbridge import rendezvous
+    port, tries = free_port(), []
+    real = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: (tries.append(a[0]), real(*a, **k))[1])
+    server = []
+    later = threading.Timer(0.3, lambda: server.append(dist.TCPStore("127.0.0.1", port, 2, True,
+                                                                     timeout=timedelta(seconds=30))))
+    later.start()
+    store, rank, size = rendezvous.rendezvous(f"tcp://127.0.0.1:{port}?rank=1&world_size=2", -1, -1,
+                                              timedelta(seconds=30))
+    later.join()
+    assert (rank, size) == (1, 2) and len(tries) > 10 and set(tries) == {("127.0.0.1", port)}, (rank, size, tries[:3])
+    store.set("k", "v")
+    assert server[0].get("k") == b"v"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 found nothing listening at torch's store at 127\.0\.0\.1:\d+ "
+                                           r"for 0\.5 s \(the group's timeout; connection refused\)"):
+        rendezvous.rendezvous(f"tcp://127.0.0.1:{free_port()}", 1, 2, timedelta(seconds=0.5))
+    assert time.monotonic() - start < 5
+    monkeypatch.setenv("RANK", "2")   # (whose rank waits: the argument, the url's, env://'s RANK; 0 serves)
+    assert [rendezvous._client_rank(u, r) for u, r in [("env://", -1), ("tcp://h:1?rank=3", -1), ("tcp://h:1", 0),
+                                                        ("tcp://h:1", None)]] == [2, 3, 0, None]
+
+
 def test_user_values_win_and_are_checked():
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
     prepare_env(environ=env)

@@ -6,14 +6,20 @@ the store there, "address already in use") keeps every other rank in the TCPStor
 the timeout it was given, forever. So the rendezvous runs on a helper thread and the caller waits at
 most the timeout and a grace: past it, the helper's connection to that address is shut down (torch's
 client then gives up: no thread is left blocked) and an error names the address and port. torch's own
-errors (nothing listening, a wrong MASTER_ADDR: its connect gives up at the timeout) come through as
-they are. The store made is handed to torch's init_process_group as it would have made it itself."""
+errors (a wrong MASTER_ADDR: its connect gives up at the timeout) come through as they are. The store
+made is handed to torch's init_process_group as it would have made it itself.
+
+Before it, a rank other than 0 waits for the store's address to accept a connection, trying every
+few milliseconds (at the timeout, with nothing ever listening, it raises naming the address): torch's
+client, refused (rank 0's store not listening yet, the usual order), backs off 0.3-0.7 s before it
+tries again, which every init paid."""
 
 import ipaddress
 import os
 import socket
 import threading
-from urllib.parse import urlparse
+import time
+from urllib.parse import parse_qs, urlparse
 
 # Beyond the timeout: torch's own connect loop gives up at the timeout, up to one connect attempt (3 s
 # where no host answers) after it; its error (which names the address) should win over this one.
@@ -68,6 +74,41 @@ def _shut_connections_to(host, port):
     return shut
 
 
+def _client_rank(url, rank):
+    """This process's rank as torch's rendezvous will read it (the argument, the url's ?rank=, RANK),
+    or None."""
+    if rank not in (None, -1):
+        return int(rank)
+    query = parse_qs(urlparse(str(url)).query)
+    given = query["rank"][0] if "rank" in query else os.environ.get("RANK") if str(url).startswith("env://") else None
+    try:
+        return int(given)
+    except (TypeError, ValueError):
+        return None
+
+
+# How often a rank that found nothing listening at the store's address tries again.
+STORE_POLL_SECONDS = 0.002
+
+
+def _await_store(host, port, deadline):
+    """Waits until (host, port) accepts a connection, trying again while it is refused, up to
+    deadline; True once it does, False at the deadline, None on any other answer (an unreachable host,
+    a name that does not resolve: torch's connect then fails as it would, naming the address).
+    torch's TCPStore client, refused, backs off for 0.3-0.7 s before it tries again, and the ranks
+    other than 0 usually try before rank 0's store listens: every init paid that."""
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(min(deadline - time.monotonic(), 1.0), 0.01)).close()
+            return True
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STORE_POLL_SECONDS)
+        except (OSError, ValueError, TypeError):
+            return None
+
+
 def rendezvous(url, rank, world_size, timeout):
     """(store, rank, world_size) as torch.distributed.rendezvous gives them, or an error within
     timeout + GRACE_SECONDS naming the store's address."""
@@ -75,21 +116,27 @@ def rendezvous(url, rank, world_size, timeout):
     url = url or "env://"
     result = []
 
+    seconds = timeout.total_seconds()
+    host, port, where = store_address(url)
+    who = f"rank {rank}" if rank not in (None, -1) else f"rank {os.environ.get('RANK', '?')}"
+
     def run():
         try:
+            client = _client_rank(url, rank)
+            if client not in (None, 0) and _await_store(host, port, time.monotonic() + seconds) is False:
+                raise RuntimeError(f"engine: {who} found nothing listening at torch's store at {where} for "
+                                   f"{seconds:g} s (the group's timeout; connection refused): did rank 0 start, "
+                                   f"and is that its address and port?")
             result.append((True, next(torch_rendezvous(url, rank, world_size, timeout=timeout))))
         except BaseException as exc:  # handed to the caller's thread
             result.append((False, exc))
 
     helper = threading.Thread(target=run, name="engine-rendezvous", daemon=True)
     helper.start()
-    seconds = timeout.total_seconds()
     helper.join(seconds + GRACE_SECONDS)
     if not result:
-        host, port, where = store_address(url)
         connected = _shut_connections_to(host, port)
         helper.join(GRACE_SECONDS)
-        who = f"rank {rank}" if rank not in (None, -1) else f"rank {os.environ.get('RANK', '?')}"
         if connected:
             raise RuntimeError(f"engine: {who} connected to torch's store at {where} but got no answer within "
                                f"{seconds:g} s (the group's timeout): something else listens on that port (then "
