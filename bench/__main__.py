@@ -8,6 +8,7 @@
     python -m engine.bench table out.json                     # Markdown tables of a run
     python -m engine.bench kernels                            # the kernels' GB/s against memcpy, per ISA
     python -m engine.bench floor                              # a bare 2-thread two-shot: this machine's floor
+    python -m engine.bench init                               # how long init_process_group takes, engine vs Gloo
 """
 
 import argparse
@@ -92,6 +93,9 @@ def main(argv=None):
     if argv[:1] == ["floor"]:
         from .floor import main as floor
         return floor(argv[1:])
+    if argv[:1] == ["init"]:
+        from .init import main as init
+        return init(argv[1:])
     if argv[:1] == ["tune"]:
         from .tune import main as tune
         return tune(argv[1:])

@@ -136,3 +136,15 @@ def test_two_shot_floor_builds_runs_and_checks_its_result():
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
     assert [int(r[0]) for r in rows] == [1004, 64256] and all(r[3] == "OK" and float(r[1]) > 0 for r in rows)
+
+
+def test_init_times_each_backends_world_making_with_its_result_checked():
+    """python -m bench init: 3 spawned ranks make a world over tcp:// on each backend in turn, each
+    round's all_reduce checked; one row a backend."""
+    out = subprocess.run([sys.executable, "-m", "bench", "init", "--ranks", "3", "--rounds", "2", "--late-ms", "5", "--backends",
+                          "engine,gloo"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert [r[0] for r in rows] == ["engine", "gloo"], out.stdout
+    assert all(0 < float(r[2]) <= float(r[1]) <= float(r[3]) for r in rows), out.stdout
+    assert "# Out of bounds values : 0" in out.stdout

@@ -87,8 +87,10 @@ def _client_rank(url, rank):
         return None
 
 
-# How often a rank that found nothing listening at the store's address tries again.
-STORE_POLL_SECONDS = 0.002
+# How often a rank that found nothing listening at the store's address tries again: often in the first
+# moments, when rank 0 is about to listen (its store checks once for the other ranks before it sleeps
+# 10 ms between checks), then more rarely.
+STORE_POLL_SECONDS = ((0.1, 0.0001), (None, 0.002))   # (until this many seconds in, every this often)
 
 
 def _await_store(host, port, deadline):
@@ -97,14 +99,16 @@ def _await_store(host, port, deadline):
     a name that does not resolve: torch's connect then fails as it would, naming the address).
     torch's TCPStore client, refused, backs off for 0.3-0.7 s before it tries again, and the ranks
     other than 0 usually try before rank 0's store listens: every init paid that."""
+    start = time.monotonic()
     while True:
         try:
             socket.create_connection((host, int(port)), timeout=max(min(deadline - time.monotonic(), 1.0), 0.01)).close()
             return True
         except ConnectionRefusedError:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            time.sleep(STORE_POLL_SECONDS)
+            time.sleep(next(every for until, every in STORE_POLL_SECONDS if until is None or now - start < until))
         except (OSError, ValueError, TypeError):
             return None
 
