@@ -74,26 +74,40 @@ def _shut_connections_to(host, port):
     return shut
 
 
-def _client_rank(url, rank):
-    """This process's rank as torch's rendezvous will read it (the argument, the url's ?rank=, RANK),
-    or None."""
-    if rank not in (None, -1):
-        return int(rank)
+def _given(url, name, value, env):
+    """A rendezvous parameter as torch's rendezvous reads it (the argument, the url's query, env://'s
+    variable), or None."""
+    if value not in (None, -1):
+        return int(value)
     query = parse_qs(urlparse(str(url)).query)
-    given = query["rank"][0] if "rank" in query else os.environ.get("RANK") if str(url).startswith("env://") else None
+    given = query[name][0] if name in query else os.environ.get(env) if str(url).startswith("env://") else None
     try:
         return int(given)
     except (TypeError, ValueError):
         return None
 
 
-# How often a rank that found nothing listening at the store's address tries again: often in the first
-# moments, when rank 0 is about to listen (its store checks once for the other ranks before it sleeps
-# 10 ms between checks), then more rarely.
-STORE_POLL_SECONDS = ((0.1, 0.0001), (None, 0.002))   # (until this many seconds in, every this often)
+def _client_rank(url, rank):
+    """This process's rank as torch's rendezvous will read it, or None."""
+    return _given(url, "rank", rank, "RANK")
 
 
-def _await_store(host, port, deadline):
+# How often a rank that found nothing listening at the store's address tries again: often in its first
+# 0.1 s, when rank 0 is about to listen (its store checks once for the other ranks before it sleeps
+# 10 ms between checks), then more rarely; and never, all ranks together, more often than these rates
+# (a job of thousands of ranks must not flood rank 0's host with refused connections).
+STORE_POLL_SECONDS = ((0.1, 1e-4, 20000.0), (None, 2e-3, 4000.0))   # (until, every, at most per second all told)
+
+
+def _poll_gap(elapsed, world_size):
+    """Seconds before the next try, elapsed seconds into the wait, in a world of world_size (None:
+    unknown, counted as 1,000)."""
+    others = (world_size or 1000) - 1
+    return next(max(every, others / rate) for until, every, rate in STORE_POLL_SECONDS
+                if until is None or elapsed < until)
+
+
+def _await_store(host, port, deadline, world_size=None):
     """Waits until (host, port) accepts a connection, trying again while it is refused, up to
     deadline; True once it does, False at the deadline, None on any other answer (an unreachable host,
     a name that does not resolve: torch's connect then fails as it would, naming the address).
@@ -108,7 +122,7 @@ def _await_store(host, port, deadline):
             now = time.monotonic()
             if now >= deadline:
                 return False
-            time.sleep(next(every for until, every in STORE_POLL_SECONDS if until is None or now - start < until))
+            time.sleep(min(_poll_gap(now - start, world_size), max(deadline - now, 0)))
         except (OSError, ValueError, TypeError):
             return None
 
@@ -127,7 +141,8 @@ def rendezvous(url, rank, world_size, timeout):
     def run():
         try:
             client = _client_rank(url, rank)
-            if client not in (None, 0) and _await_store(host, port, time.monotonic() + seconds) is False:
+            if client not in (None, 0) and _await_store(host, port, time.monotonic() + seconds,
+                                                        _given(url, "world_size", world_size, "WORLD_SIZE")) is False:
                 raise RuntimeError(f"engine: {who} found nothing listening at torch's store at {where} for "
                                    f"{seconds:g} s (the group's timeout; connection refused): did rank 0 start, "
                                    f"and is that its address and port?")
