@@ -57,7 +57,7 @@ class StoreBootstrap:
         if missing:
             raise RuntimeError(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
-        return [pickle.loads(self.store.get(k)) for k in keys]
+        return [pickle.loads(v) for v in get_all(self.store, keys)]
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))
@@ -66,6 +66,21 @@ class StoreBootstrap:
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}",
                               self.on_cancel, self.timeout)
+
+
+def get_all(store, keys):
+    """The values of keys, all set already: in one round trip to the store where it has multi_get
+    (torch's stores: a rank's exchange costs 1 round trip, not one a rank), else one get a key (the
+    reconfigure's stores, a store of the user's that lacks it)."""
+    multi_get = getattr(store, "multi_get", None)
+    if multi_get is not None:
+        try:
+            return multi_get(keys)
+        except ConnectionError:
+            raise
+        except Exception:   # (a Python store that inherits torch's declaration only: its gets say what is wrong)
+            pass
+    return [store.get(k) for k in keys]
 
 
 def await_keys(store, keys, seconds, what):

@@ -132,3 +132,37 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
     with pytest.raises(RuntimeError, match=r"the store stopped answering in the group's bootstrap \(g\): "
                                            r"Broken pipe; its server may have run in a process that has exited"):
         StoreBootstrap(Gone(), 0, 3, "g").allgather("rank 0's")
+
+
+def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_can():
+    """An exchange through torch's store reads every rank's part with one multi_get (one round trip to
+    rank 0's store, not one a rank: what a large world's init paid seven times over); a store without
+    multi_get (the reconfigure's own) is read a key at a time. Both give every rank's part, in order."""
+    import pickle
+
+    import torch.distributed as dist
+    from engine.bootstrap import StoreBootstrap
+
+    class Counted:
+        def __init__(self, store, multi):
+            self.store, self.calls = store, []
+            if multi:
+                self.multi_get = lambda keys: (self.calls.append("multi_get"), store.multi_get(keys))[1]
+
+        def set(self, key, value):
+            self.store.set(key, value)
+
+        def get(self, key):
+            self.calls.append("get")
+            return self.store.get(key)
+
+        def check(self, keys):
+            return self.store.check(keys)
+
+    for multi in (True, False):
+        store = Counted(dist.HashStore(), multi)
+        for r in (1, 2, 3):
+            store.set(f"g/boot/0/{r}", pickle.dumps(f"rank {r}'s"))
+        assert StoreBootstrap(store, 0, 4, "g").allgather("rank 0's") == [f"rank {r}'s" for r in range(4)]
+        assert store.calls.count("multi_get") == (1 if multi else 0), store.calls
+        assert store.calls.count("get") == 4 + (0 if multi else 4), store.calls   # (the wait's gets, then the reads)
