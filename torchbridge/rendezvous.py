@@ -96,7 +96,7 @@ def _client_rank(url, rank):
 # 0.1 s, when rank 0 is about to listen (its store checks once for the other ranks before it sleeps
 # 10 ms between checks), then more rarely; and never, all ranks together, more often than these rates
 # (a job of thousands of ranks must not flood rank 0's host with refused connections).
-STORE_POLL_SECONDS = ((0.1, 1e-4, 20000.0), (None, 2e-3, 4000.0))   # (until, every, at most per second all told)
+STORE_POLL_SECONDS = ((0.1, 1e-4, 10000.0), (None, 2e-3, 2000.0))   # (until, every, at most per second all told)
 
 
 def _poll_gap(elapsed, world_size):
