@@ -10,9 +10,9 @@ errors (a wrong MASTER_ADDR: its connect gives up at the timeout) come through a
 made is handed to torch's init_process_group as it would have made it itself.
 
 Before it, a rank other than 0 waits for the store's address to accept a connection, trying every
-few milliseconds (at the timeout, with nothing ever listening, it raises naming the address): torch's
-client, refused (rank 0's store not listening yet, the usual order), backs off 0.3-0.7 s before it
-tries again, which every init paid."""
+0.1-2 ms (STORE_POLL_SECONDS; at the timeout, with nothing ever listening, it raises naming the
+address): torch's client, refused (rank 0's store not listening yet, the usual order), backs off
+0.3-0.7 s before it tries again, which every init paid."""
 
 import ipaddress
 import os
