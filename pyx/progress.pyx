@@ -174,14 +174,14 @@ cdef class Progress:
         cdef bint through = PyThread_get_thread_ident() == self.ident
         cdef Task mine
         while task.state != TASK_DONE:
-            mine = self._next_here(task, through)
-            if mine is not None:
+            mine = self._runnable_for(task, through)
+            if self._claim(mine):
                 self._execute(mine)
                 continue
             with self.cv:   # (a task's end, here or on another thread, wakes this)
                 self.waiters += 1
                 try:
-                    if task.state == TASK_DONE or self._claimable(task, through):
+                    if task.state == TASK_DONE or self._claimable(self._runnable_for(task, through)):
                         continue
                     if until >= 0 and eng_now() >= until:
                         return False
@@ -190,25 +190,18 @@ cdef class Progress:
                     self.waiters -= 1
         return True
 
-    cdef bint _claimable(self, Task task, bint through):
-        """Whether _next_here would take a task now."""
-        if self.running or not self.queue:
-            return False
-        return through or (task.state == TASK_PENDING and self.queue[0] is task)
+    cdef Task _runnable_for(self, Task task, bint through):
+        """The task a waiter for task may run itself: task; through the queue (on the engine's own
+        thread), whatever is first in line."""
+        return self.queue[0] if through and self.queue else task
 
-    cdef Task _next_here(self, Task task, bint through):
-        """The task a waiter for task runs itself now, claimed, or None: task, if it is first in line
-        and nothing runs; through the queue (the engine's own thread), whatever is first in line."""
-        cdef Task head
-        if not self._claimable(task, through):
-            return None
-        head = self.queue[0]
-        self._claim(head)
-        return head
+    cdef bint _claimable(self, Task task):
+        """Task is first in line and nothing runs."""
+        return task.state == TASK_PENDING and not self.running and self.queue and self.queue[0] is task
 
     cdef bint _claim(self, Task task):
         """Takes task to run here if it is first in line and nothing runs (atomic under the GIL)."""
-        if task.state == TASK_PENDING and not self.running and self.queue and self.queue[0] is task:
+        if self._claimable(task):
             self.queue.popleft()
             self.pending -= 1
             task.state = TASK_RUNNING
