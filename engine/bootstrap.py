@@ -70,17 +70,11 @@ class StoreBootstrap:
 
 def get_all(store, keys):
     """The values of keys, all set already: in one round trip to the store where it has multi_get
-    (torch's stores: a rank's exchange costs 1 round trip, not one a rank), else one get a key (the
-    reconfigure's stores, a store of the user's that lacks it)."""
+    (torch's stores: a rank's exchange costs 1 round trip, not one a rank; a Python subclass of torch's
+    Store that defines get only inherits one that calls its get), else one get a key (the reconfigure's
+    stores)."""
     multi_get = getattr(store, "multi_get", None)
-    if multi_get is not None:
-        try:
-            return multi_get(keys)
-        except ConnectionError:
-            raise
-        except Exception:   # (a Python store that inherits torch's declaration only: its gets say what is wrong)
-            pass
-    return [store.get(k) for k in keys]
+    return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
 
 
 def await_keys(store, keys, seconds, what):

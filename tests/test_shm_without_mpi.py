@@ -166,3 +166,19 @@ def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_ca
         assert StoreBootstrap(store, 0, 4, "g").allgather("rank 0's") == [f"rank {r}'s" for r in range(4)]
         assert store.calls.count("multi_get") == (1 if multi else 0), store.calls
         assert store.calls.count("get") == 4 + (0 if multi else 4), store.calls   # (the wait's gets, then the reads)
+
+    class OwnStore(dist.Store):   # a user's store that defines get only: torch's multi_get calls it
+        def __init__(self):
+            super().__init__()
+            self.values = {}
+
+        def set(self, key, value):
+            self.values[key] = value if isinstance(value, bytes) else value.encode()
+
+        def get(self, key):
+            return self.values[key]
+
+    store = OwnStore()
+    for r in (1, 2):
+        store.set(f"u/boot/0/{r}", pickle.dumps(f"rank {r}'s"))
+    assert StoreBootstrap(store, 0, 3, "u").allgather("rank 0's") == [f"rank {r}'s" for r in range(3)]
