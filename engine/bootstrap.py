@@ -53,11 +53,11 @@ class StoreBootstrap:
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
-        missing, why = await_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})")
+        values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})")
         if missing:
             raise RuntimeError(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
-        return [pickle.loads(v) for v in get_all(self.store, keys)]
+        return [pickle.loads(v) for v in values]
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))
@@ -68,28 +68,23 @@ class StoreBootstrap:
                               self.on_cancel, self.timeout)
 
 
-def get_all(store, keys):
-    """The values of keys, all set already: in one round trip to the store where it has multi_get
-    (torch's stores: a rank's exchange costs 1 round trip, not one a rank; a Python subclass of torch's
-    Store that defines get only inherits one that calls its get), else one get a key (the reconfigure's
-    stores)."""
+def read_keys(store, keys, seconds, what):
+    """(the values of keys, [], None) once every one is set; else (None, the positions of those never
+    set, what the store said). The wait is bounded by seconds, a group's own timeout, where the store
+    can wait so long (torch's store.wait; its gets wait the store's own timeout, the world's: 30
+    minutes by default); a store without wait (a reconfigure's) bounds its reads by its deadline.
+    The values come in one round trip where the store has multi_get (torch's stores; a Python
+    subclass of torch's Store that defines get only inherits one that calls its get; the
+    reconfigure's members' stores), else a get a key. A store cancelled or gone (ConnectionError: it
+    says which) passes its error on."""
     multi_get = getattr(store, "multi_get", None)
-    return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
 
-
-def await_keys(store, keys, seconds, what):
-    """Waits until every one of keys is set in store: ([], None) then, else (the positions of those
-    never set, what the store said). The wait is bounded by seconds, a group's own timeout, where the
-    store can wait so long (torch's store.wait; its gets wait the store's own timeout, the world's:
-    30 minutes by default); a store without wait (a reconfigure's) bounds its gets by its deadline.
-    A store cancelled or gone (ConnectionError: it says which) passes its error on."""
+    def values():
+        return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
     try:
         if seconds is not None and hasattr(store, "wait"):
             store.wait(keys, datetime.timedelta(seconds=seconds))
-        else:
-            for k in keys:
-                store.get(k)
-        return [], None
+        return values(), [], None
     except ConnectionError:
         raise
     except Exception as exc:   # the wait's timeout: who never came?
@@ -99,8 +94,9 @@ def await_keys(store, keys, seconds, what):
             raise RuntimeError(f"engine: the store stopped answering in {what}: {exc}; its server may have run in "
                                "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
                                "MASTER_PORT; torchrun's agent keeps its store past its workers)") from None
-        # (all there now: they came just late; else the store's words, without its list of keys)
-        return missing, str(exc).split(", keys:")[0] if missing else None
+        if not missing:   # (all there now: they came just late)
+            return values(), [], None
+        return None, missing, str(exc).split(", keys:")[0]   # (the store's words, without its list of keys)
 
 
 def gather(boot, make, what):

@@ -222,6 +222,7 @@ class Listener:
             conn.close()
         else:
             conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (a multi_get's replies go back to back)
             mine[index] = conn
             meeting.admitted.append(conn)   # (a fork's child closes its copy)
 
@@ -466,6 +467,7 @@ class MemberStore:
         left = max(0.1, deadline - time.monotonic())
         try:
             self.sock = socket.create_connection((addr, port), timeout=left)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (a multi_get's replies come back to back)
         except OSError as exc:
             raise ConnectionError(f"can't reach the first member's handle at {self.where} ({exc.strerror or exc}): "
                                   "is that process gone?") from None
@@ -499,16 +501,23 @@ class MemberStore:
             raise ConnectionError(f"{what}: the first member ({self.where}) closed the connection: it failed or "
                                   "was aborted") from None
 
-    def _call(self, op, key, value=b""):
+    @staticmethod
+    def _frame(op, key, value=b""):
         k = key.encode()
         _check_sizes(len(k), len(value))
+        return _REQ.pack(op, len(k), len(value)) + k + value
+
+    def _send(self, data):
         self.meeting.check()
         self.sock.settimeout(max(0.1, self.deadline - time.monotonic()))
         try:
-            self.sock.sendall(_REQ.pack(op, len(k), len(value)) + k + value)
+            self.sock.sendall(data)
         except OSError:
             self.meeting.check()
             raise
+
+    def _call(self, op, key, value=b""):
+        self._send(self._frame(op, key, value))
         return self._answer(f"reconfigure store {key!r}", refused=TimeoutError)
 
     def set(self, key, value):
@@ -516,6 +525,12 @@ class MemberStore:
 
     def get(self, key):
         return self._call(OP_GET, key)
+
+    def multi_get(self, keys):
+        """The values of keys, each once it is set (until the deadline), in one round trip: every request
+        goes out before the first reply is read (the hub answers a connection's requests in order)."""
+        self._send(b"".join(self._frame(OP_GET, k) for k in keys))
+        return [self._answer(f"reconfigure store {k!r}", refused=TimeoutError) for k in keys]
 
     def check(self, keys):
         return self._call(OP_CHECK, "\0".join(keys)) != b""  # length 1 (yes) or 0 (no)

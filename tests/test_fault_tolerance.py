@@ -462,6 +462,48 @@ class EngineTcpFaultToleranceTest(FaultToleranceScenarios, MultiProcessTestCase)
     transport = "tcp"
 
 
+def test_a_members_multi_get_sends_every_request_before_it_reads_a_reply():
+    """A reconfigure's member reads an exchange's keys from the hub in one round trip: one send of every
+    request, then the values in the order asked, each once the hub's side sets it (here in the other
+    order); a key never set ends the read at the hub's deadline, naming the key."""
+    from engine import handles
+
+    hub_listener, member_listener = handles.Listener(), handles.Listener()
+    members = [hub_listener.handle, member_listener.handle]
+    met = {}
+    hub_side = threading.Thread(target=lambda: met.update(hub=handles.meet(hub_listener, 5, members, 3)[0]))
+    hub_side.start()
+    store, index, n = handles.meet(member_listener, 5, members, 30)
+    hub_side.join()
+    hub = met["hub"]
+
+    class Counted:   # the member's socket, counting its sends
+        def __init__(self, sock):
+            self.sock, self.sends = sock, 0
+
+        def sendall(self, data):
+            self.sends += 1
+            return self.sock.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    try:
+        store.sock = Counted(store.sock)
+        setter = threading.Thread(target=lambda: [hub.set(k, f"value of {k}") for k in ("c", "b", "a")])
+        setter.start()
+        assert store.multi_get(["a", "b", "c"]) == [b"value of a", b"value of b", b"value of c"]
+        setter.join()
+        assert store.sock.sends == 1
+        with pytest.raises(TimeoutError, match="no member set 'never' in time"):
+            store.multi_get(["a", "never"])
+    finally:
+        store.close(made=False)
+        hub.close(time.monotonic() + 1, made=False)
+        hub_listener.close()
+        member_listener.close()
+
+
 def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
     """The hub reads a hello's secret first and closes a connection whose secret is wrong, whatever it
     sends next; a right one for a uuid not yet reached is kept for it."""

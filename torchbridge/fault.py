@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, failure, forks
-from engine.bootstrap import await_keys
+from engine.bootstrap import read_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
 from engine import handles as _handles
@@ -322,13 +322,13 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument):
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]
-    missing, why = await_keys(store, keys, seconds, what)
+    values, missing, why = read_keys(store, keys, seconds, what)
     if missing:
         raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
                            f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
                            f"{argument}, in the same order as the others ({why})")
-    for r, k in zip(members, keys):
-        theirs = store.get(k).decode()
+    for r, value in zip(members, values):
+        theirs = value.decode()
         if theirs != mine:
             raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
                              f"{verb} {members}: every rank must pass the same {argument}")
