@@ -228,46 +228,54 @@ def segment_settings():
 
 
 def make_segment(boot, everyone, cfg):
-    """The group's shared segment: rank 0 creates it, the others attach, every rank learns whether
-    all succeeded (so none is left waiting), then rank 0 drops its descriptor. cfg: segment_settings()."""
+    """The group's shared segment in two exchanges: rank 0 creates it while every rank gives the
+    address of its single-copy probe word; the others attach, every rank faults in its own slots and
+    probes its peers, and every rank learns whether all succeeded (so none is left waiting) and
+    whether single copy works between every pair; then rank 0 drops its descriptor.
+    cfg: segment_settings()."""
     from . import _core
     size, rank = boot.size, boot.rank
     # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
     # the pages are touched only by pairs that talk).
     queue = cfg["queue"] if cfg["queue"] is not None else max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+    pids = [pid for _, pid, _ in everyone]
     made = []
 
     def create():
-        made.append(_core.ShmSegment.create(size, cfg["slot"], queue))
-        return made[0].descriptor()
+        if rank == 0:
+            made.append(_core.ShmSegment.create(size, cfg["slot"], queue))
+        return made[0].descriptor() if made else None, _core.cma_probe_address()[0]
 
     def attach():
-        made.append(_core.ShmSegment.attach(rank, size, desc))
+        if rank != 0:
+            made.append(_core.ShmSegment.attach(rank, size, desc))
+        made[0].populate()
+        # (single copy: one process_vm_readv from the owner's buffer instead of two copies through the
+        # segment, where this rank may read each peer's probe word and ENGINE_SHM_CMA allows it)
+        works = cfg["cma"] != "0" and size > 1 and made[0].cma_probe(pids, addrs)
+        return works, cfg["cma"] == "1"
 
-    desc = gather(boot, create if rank == 0 else lambda: None, "create the group's shared segment")[0]
+    firsts = gather(boot, create, "create the group's shared segment")
+    desc, addrs = firsts[0][0], [a for _, a in firsts]
     try:
-        gather(boot, attach if rank != 0 else lambda: None, "attach the group's shared segment")
+        probes = gather(boot, attach, "attach the group's shared segment")
     finally:
         if rank == 0:
             made[0].close_fd()
     seg = made[0]
-    seg.watch_peers([pid for _, pid, _ in everyone])
-    _enable_single_copy(boot, seg, [pid for _, pid, _ in everyone], cfg["cma"])
+    seg.watch_peers(pids)
+    seg.set_cma(agree_on_single_copy(probes))
     return seg
 
 
-def _enable_single_copy(boot, seg, pids, mode):
-    """Single copy (one process_vm_readv from the owner's buffer instead of two copies through the
-    segment) is a capability of the group: every rank must be allowed to read every other's memory,
-    and every rank must know that all can, so all choose alike. Which pieces use it is the
-    registry's rules' business (engine.registry: the single_copy entries and their thresholds)."""
-    from . import _core
-    addrs = boot.allgather(_core.cma_probe_address()[0]) if boot.size > 1 else [0]
-    ok = mode != "0" and boot.size > 1 and seg.cma_probe(pids, addrs)
-    # (whether some rank insists on it goes round too: all refuse the group then, not that rank alone)
-    everyone = boot.allgather((ok, mode == "1")) if boot.size > 1 else [(False, False)]
-    everyone_ok = all(ok for ok, _ in everyone) and boot.size > 1
-    if any(insists for _, insists in everyone) and not everyone_ok:
+def agree_on_single_copy(everyone):
+    """Whether the group moves pieces by single copy, a capability of the group: every rank must be able
+    to read every other's memory, and every rank must know that all can, so all choose alike
+    (everyone: each rank's (probe succeeded, ENGINE_SHM_CMA=1)). Which pieces use it is the registry's
+    rules' business (engine.registry: the single_copy entries and their thresholds). Where a rank
+    insists and some probe failed, every rank refuses the group, not that rank alone."""
+    ok = len(everyone) > 1 and all(works for works, _ in everyone)
+    if any(insists for _, insists in everyone) and not ok:
         raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
                            "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
-    seg.set_cma(everyone_ok)
+    return ok

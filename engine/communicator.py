@@ -127,26 +127,29 @@ class Communicator:
         except Exception as exc:
             failed = exc
 
-        def read_agreed():
+        def read_plan():
+            # What the plan and the messages are made of, and the plan, go round before anything is
+            # built on them (a stage of another group's hierarchy is one level of it: never two levels
+            # itself). The hierarchy's stages are made next, each of its exchanges carrying a failure
+            # to every rank.
             if failed is not None:
                 raise failed
-            return sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
-                           "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
+            layouts.append(None if _stage else hierarchy.layout(self, everyone))
+            self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
+                                                              if layouts[0] is not None else set()), stage=_stage)
+            agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
+                             "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
+            return agreed, self.plan.digest()[0]
+        layouts = []   # (this rank's: hierarchy.layout())
         try:
-            # What the plan and the messages are made of, before anything is built on them
-            _agreed(name, gather(_boot, read_agreed, "open its end of the group" if failed else "read its settings"))
-            def digest():
-                # (a stage of another group's hierarchy is one level of it: never two levels itself;
-                # its stages' exchanges carry a failure to every rank, and what fails here after
-                # them, or in choosing this rank's algorithms, goes round with the plans)
-                built = None if _stage else hierarchy.build(self, _boot, everyone,
-                                                            self._stage_maker(everyone, seg_bytes, timeout, store))
-                if built is not None:
-                    self._hier, self._stages = built
-                self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
-                                                                  if built is not None else set()), stage=_stage)
-                return self.plan.digest()[0]
-            self._configure(_boot, gather(_boot, digest, "choose its algorithms"))
+            plans = gather(_boot, read_plan, "open its end of the group" if failed else "choose its algorithms")
+            _agreed(name, [agreed for agreed, _ in plans])
+            self._check_plans(_boot, [digest for _, digest in plans])
+            shape = layouts[0]
+            if shape is not None:
+                self._hier, self._stages = hierarchy.build(self, _boot, shape,
+                                                           self._stage_maker(everyone, seg_bytes, timeout, store))
+            self._configure()
         except BaseException:
             self.free()      # (the segment, sockets and MPI communicators it opened)
             raise
@@ -154,15 +157,18 @@ class Communicator:
             setattr(self, name, getattr(self._core, name))
         forks.track(self)
 
-    def _configure(self, boot, everyone):
-        """Hands the plan to the core, after checking that every rank walks the same rules (everyone:
-        each rank's plan digest)."""
+    def _check_plans(self, boot, everyone):
+        """Raises, on every rank, unless every rank walks the same rules (everyone: each rank's plan
+        digest); the rules that differ go round only then."""
         if len(set(everyone)) > 1:
             texts = boot.allgather(self.plan.digest()[1])
             differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
             raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
                                f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): their settings agree, so what "
                                "their hosts have differs (ENGINE_THREADS, or the cores each rank may use)")
+
+    def _configure(self):
+        """Hands the plan and the hierarchy to the core and the transport."""
         self.plan.configure(self._core)
         self._core.set_hierarchy(self._hier)
         self._transport.configure(self._core, self.plan)

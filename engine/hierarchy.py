@@ -75,12 +75,10 @@ def topology(hosts):
     return host_of, local_of, (sizes.pop() if len(sizes) == 1 else None)
 
 
-def build(comm, boot, everyone, make_stage):
-    """(the core's Hierarchy, the stage Communicators) of group comm, or None where it stays flat.
-    everyone: every rank's (host, pid, cores); make_stage(sub_bootstrap, transport, name) makes one
-    stage Communicator over a split of boot."""
-    mode = registry.hier_mode()
-    if mode == "off":
+def layout(comm, everyone):
+    """(host index, local index) of each rank of group comm in its two levels, or None where it stays
+    flat. everyone: every rank's (host, pid, cores), which every rank reads alike."""
+    if registry.hier_mode() == "off":
         return None
     hosts = [h for h, _, _ in everyone] if comm._transport.network else sockets_of(everyone)
     if hosts is None or len(set(hosts)) < 2:
@@ -88,6 +86,13 @@ def build(comm, boot, everyone, make_stage):
     host_of, local_of, per_host = topology(hosts)
     if not per_host or per_host < 2:
         return None
+    return host_of, local_of
+
+
+def build(comm, boot, shape, make_stage):
+    """(the core's Hierarchy, the stage Communicators) of group comm, whose layout() is shape;
+    make_stage(sub_bootstrap, transport, name) makes one stage Communicator over a split of boot."""
+    host_of, local_of = shape
     me = comm.rank
     made = []
 

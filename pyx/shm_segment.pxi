@@ -131,9 +131,14 @@ cdef class ShmSegment:
             raise MemoryError()
         for q in range(size):
             self.peers.pidfds[q] = -1
-        if not self.private:
-            eng_seg_populate(self.slots + <size_t>rank * self.slot_stride, self.slot_stride)
         return 0
+
+    def populate(self):
+        """Faults in this rank's own slots (every rank at once, once rank 0 made the segment and the
+        others attached, before any collective)."""
+        if not self.private:
+            with nogil:
+                eng_seg_populate(self.slots + <size_t>self.rank * self.slot_stride, self.slot_stride)
 
     @staticmethod
     def create(int size, size_t half_bytes, size_t queue_bytes):

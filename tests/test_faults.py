@@ -374,8 +374,9 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     the group's transport, plan or messages are made of (a two-shot step size once returned a wrong
     sum; a ring segment, MPI's tags or pieces, debug mode, the levels, the transport or TCP's
     connections hung or failed inside the call). Every rank refuses the group when it is made, naming
-    the variable and both values; a host's stage that refuses fails the group on the other host's
-    ranks too; a rank that can't read its settings is named by the others; a rank's own thread slices
+    the variable and both values; ranks whose plans differ (one rank's threads) refuse it before any
+    stage is made (tests/test_shm_without_mpi.py: a stage one rank can't make fails the group on every
+    rank); a rank that can't read its settings is named by the others; a rank's own thread slices
     may differ. A value one rank can't use fails every rank, naming it. Then groups every rank agrees
     on sum right, and nothing is left in /dev/shm."""
     from faults.mismatched_settings import check

@@ -183,3 +183,43 @@ def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_ca
     for r in (1, 2):
         store.set(f"u/boot/0/{r}", pickle.dumps(f"rank {r}'s"))
     assert StoreBootstrap(store, 0, 3, "u").allgather("rank 0's") == [f"rank {r}'s" for r in range(3)]
+
+
+def test_a_stage_one_rank_cannot_make_fails_the_group_on_every_rank():
+    """engine.hierarchy.build over a 2x2 layout (4 ranks as threads, one store): rank 0 fails to make
+    its host's stage. Every rank raises, rank 0 its own error and the others naming rank 0 and that
+    stage, where the other host's ranks would wait in the next split; the stages made are freed."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from engine import hierarchy
+    from engine.bootstrap import StoreBootstrap
+
+    store, outcome, freed = dist.HashStore(), {}, []
+
+    def make_stage(sub, transport, name):
+        if name == "g/host0" and sub.rank == 0:
+            raise OSError("no memory for the stage's segment")
+        return SimpleNamespace(free=lambda: freed.append(name))
+
+    def rank(r):
+        boot = StoreBootstrap(store, r, 4, "g", timeout=30)
+        boot.group = "g"
+        try:
+            hierarchy.build(SimpleNamespace(rank=r, name="g", transport="shm"), boot, ([0, 0, 1, 1], [0, 1, 0, 1]),
+                            make_stage)
+            outcome[r] = "made"
+        except Exception as exc:
+            outcome[r] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcome[0] == "OSError: no memory for the stage's segment", outcome
+    for r in (1, 2, 3):
+        assert outcome[r].startswith("RuntimeError: engine: group 'g' was not made: rank 0 could not make its host "
+                                     "stage (OSError: no memory for the stage's segment)"), outcome
+    assert sorted(freed) == ["g/host0", "g/host1", "g/host1"], freed   # (rank 1's and the other host's)
