@@ -18,14 +18,20 @@ from shm cimport eng_now, eng_sleep
 #   waits right away runs it itself (wait() takes a task that is first in line and not started) instead
 #   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
 # Order is kept either way: only the head of the queue runs, and never two at once.
+# - A task's done callbacks (a torch Future's then(): DDP's comm hooks) run before the next task starts,
+#   and what they issue runs next, ahead of what other threads queued meanwhile: every rank issues its
+#   collectives in the same order whether a callback ran early or late (PowerSGD's hook issues two
+#   allreduces from callbacks while backward queues the next buckets'), as on a CUDA stream.
 
 import atexit
 import collections
+import sys
 import threading
+import traceback
 import weakref
 
 from engine import forks
-from engine._core import EngineError
+from engine._core import EngineError, EngineTimeout
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
 cdef enum:
@@ -43,6 +49,7 @@ cdef class Task:
     cdef public str name
     cdef public int state
     cdef double submitted
+    cdef bint nested                # claimed inside another task's callbacks, by the thread running them
 
     @property
     def done(self):
@@ -87,6 +94,10 @@ cdef class Progress:
     cdef object thread
     cdef object refusal             # what submit() raises once closed (abort's error), or None
     cdef Task current               # the task running now, or None
+    cdef unsigned long cb_thread    # the thread running a task's callbacks, the run slot still held (0: none)
+    cdef double cb_since            # since when (the outermost task's callbacks)
+    cdef str cb_of                  # whose callbacks (the task's name)
+    cdef public double stall_seconds   # a waiter held this long behind callbacks fails (the group's timeout)
     cdef unsigned long ident        # the thread's (0 until it starts)
     cdef public double grace
     cdef object __weakref__
@@ -99,8 +110,9 @@ cdef class Progress:
         pthread_cond_destroy(&self.cond)
         pthread_mutex_destroy(&self.mtx)
 
-    def __init__(self, name="engine-progress", double grace=50e-6):
+    def __init__(self, name="engine-progress", double grace=50e-6, double stall_seconds=1800.0):
         self.queue = collections.deque()
+        self.stall_seconds = stall_seconds
         self.cv = threading.Condition(threading.Lock())
         self.grace = grace
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -149,10 +161,14 @@ cdef class Progress:
         task.args = args
         task.name = name
         task.submitted = self.last_submit = eng_now()
-        self.queue.append(task)
+        me = PyThread_get_thread_ident()
+        if me == self.cb_thread:   # (issued by a callback of the task just run: it runs next, at once)
+            self.queue.appendleft(task)
+        else:
+            self.queue.append(task)
         self.pending += 1
         self._signal()
-        if PyThread_get_thread_ident() == self.ident:   # (a callback on this thread: see wait)
+        if me == self.ident or me == self.cb_thread:   # (a callback: see wait)
             self.wait(task)
         return task
 
@@ -166,13 +182,15 @@ cdef class Progress:
 
     def wait(self, Task task, timeout=None):
         """Blocks until task is done, running it here if it is first in line and nothing runs; False
-        on timeout. On the engine's own thread, inside a callback of a task it ran (a torch Future's
-        then(): PowerSGD's hook submits its next allreduce there and waits for it), it runs the queue
-        through, in order, up to task: left to the thread's loop, task would wait for this very thread
-        for ever."""
+        on timeout. Inside a callback of a task (a torch Future's then(): PowerSGD's hook submits its
+        next allreduce there and waits for it), on the thread that ran the task or on the engine's own,
+        it runs the queue through, in order, up to task: left to the thread's loop, task would wait
+        for this very thread for ever."""
         cdef double until = -1 if timeout is None else eng_now() + timeout
-        cdef bint through = PyThread_get_thread_ident() == self.ident
+        cdef unsigned long me = PyThread_get_thread_ident()
+        cdef bint through = me == self.ident or me == self.cb_thread
         cdef Task mine
+        cdef double left, start = eng_now(), stall
         while task.state != TASK_DONE:
             mine = self._runnable_for(task, through)
             if self._claim(mine):
@@ -185,10 +203,25 @@ cdef class Progress:
                         continue
                     if until >= 0 and eng_now() >= until:
                         return False
-                    self.cv.wait(None if until < 0 else max(until - eng_now(), 0))
+                    left = -1 if until < 0 else max(until - eng_now(), 0)
+                    if self.cb_thread and not through:   # (held by callbacks on another thread: see _stalled)
+                        stall = max(self.cb_since, start) + self.stall_seconds - eng_now()
+                        if stall <= 0:
+                            raise self._stalled(task)
+                        left = stall if left < 0 else min(left, stall)
+                    self.cv.wait(None if left < 0 else left)
                 finally:
                     self.waiters -= 1
         return True
+
+    def _stalled(self, Task task):
+        """What a waiter raises once the done callbacks of the task before its own have run for the
+        group's timeout: they hold the group's order (what they issue runs next), so one that waits
+        for a collective another thread issues on this group waits for ever."""
+        return EngineTimeout(f"{task.name}: Timed out after {self.stall_seconds:g} s waiting behind the done callbacks "
+                             f"of {self.cb_of}, which still run: a collective a callback issues runs next, so a "
+                             "callback that waits for one another thread issues on this group never returns; "
+                             "issue it from the callback")
 
     cdef Task _runnable_for(self, Task task, bint through):
         """The task a waiter for task may run itself: task; through the queue (on the engine's own
@@ -196,8 +229,10 @@ cdef class Progress:
         return self.queue[0] if through and self.queue else task
 
     cdef bint _claimable(self, Task task):
-        """Task is first in line and nothing runs."""
-        return task.state == TASK_PENDING and not self.running and self.queue and self.queue[0] is task
+        """Task is first in line and nothing runs (but the callbacks of the task before it, on this
+        thread, which may run what they issue)."""
+        return task.state == TASK_PENDING and self.queue and self.queue[0] is task and (
+            not self.running or PyThread_get_thread_ident() == self.cb_thread)
 
     cdef bint _claim(self, Task task):
         """Takes task to run here if it is first in line and nothing runs (atomic under the GIL)."""
@@ -205,6 +240,7 @@ cdef class Progress:
             self.queue.popleft()
             self.pending -= 1
             task.state = TASK_RUNNING
+            task.nested = self.running
             self.running = True
             self.current = task     # (from here: a fork before _execute starts must still find it)
             return True
@@ -240,6 +276,7 @@ cdef class Progress:
             self.pending += 1
         self.current = None
         self.running = False
+        self.cb_thread = 0
         self.abort(EngineError(f"{why}, and this process group came with the fork; {forks.ADVICE}"))
 
     def abort(self, error):
@@ -271,15 +308,19 @@ cdef class Progress:
         """Nothing queued and nothing running."""
         return not self.running and not self.queue
 
-    cdef void _finished(self):
-        self.running = False
+    cdef void _wake(self):
         if self.waiters:
             with self.cv:
                 self.cv.notify_all()
+
+    cdef void _finished(self):
+        self.running = False
+        self._wake()
         if self.queue:
             self._signal()
 
     cdef _execute(self, Task task):
+        cdef unsigned long outer
         callbacks = None   # (self.current is task since _claim)
         try:
             task.fn(*task.args)
@@ -289,10 +330,23 @@ cdef class Progress:
         task.state = TASK_DONE
         task.fn = task.args = None
         callbacks, task.callbacks = task.callbacks, None
-        self._finished()
-        if callbacks:
-            for cb in callbacks:
-                cb(task)
+        try:
+            if callbacks:
+                # (the run slot stays held: the next task waits for them, and what they issue runs first)
+                outer, self.cb_thread = self.cb_thread, PyThread_get_thread_ident()
+                if not outer:
+                    self.cb_since, self.cb_of = eng_now(), task.name
+                self._wake()   # (whoever waits for this task returns now)
+                try:
+                    for cb in callbacks:
+                        cb(task)
+                finally:
+                    self.cb_thread = outer
+        finally:
+            if task.nested:   # (the callbacks that ran it still hold the slot)
+                self._wake()
+            else:
+                self._finished()
 
     cdef Task _take(self):
         """The head task if the thread may start it now: nothing runs, and its grace is over (a caller
@@ -335,7 +389,11 @@ cdef class Progress:
         while True:
             task = self._take()
             if task is not None:
-                self._execute(task)
+                try:
+                    self._execute(task)
+                except BaseException:   # (a done callback raised here: there is no caller to hand it to)
+                    sys.stderr.write(f"engine: a done callback of {task.name} raised on the progress thread "
+                                     f"(the group goes on):\n{traceback.format_exc()}")
                 continue
             if self.closed and not self.queue and not self.running:
                 return

@@ -37,3 +37,85 @@ def test_a_callback_on_the_engines_thread_that_waits_for_queued_work_runs_it_in_
     finally:
         if waited.is_set():   # (else its thread is stuck in the callback: close() would join it for ever)
             progress.close()
+
+
+def test_what_a_callback_issues_runs_before_what_was_queued_behind_its_task():
+    """A task's done callbacks run before the next task starts, and what they issue runs at once, ahead
+    of what another thread queued behind the task meanwhile (DDP's backward queues the next bucket's
+    allreduce while PowerSGD's callback for the last one issues its own): every rank issues its
+    collectives in one order, whether its callback ran early or late. Whoever waits for the task
+    returns while its callbacks run. The same holds where the callbacks run on a caller's thread that
+    ran the task itself, and a callback that raises does not hold the queue."""
+    import pytest
+
+    progress = Progress(name="engine-progress-order")
+    order = []
+    try:
+        gate, in_callback, release = threading.Event(), threading.Event(), threading.Event()
+        first = progress.submit(lambda: (gate.wait(10), order.append("first")), (), "first")
+
+        def callback(task):
+            in_callback.set()
+            assert release.wait(10)
+            issued = progress.submit(lambda: order.append("issued by the callback"), (), "issued")
+            assert issued.done   # (run at once, here)
+            order.append("callback")
+
+        progress.add_done_callback(first, callback)
+        second = progress.submit(lambda: order.append("second"), (), "second")   # queued behind first
+        gate.set()
+        assert in_callback.wait(10)
+        assert progress.wait(first, 10)              # (returns while the callback runs)
+        assert not progress.wait(second, 0.2)        # (waits for the callback)
+        release.set()
+        assert progress.wait(second, 10)
+        assert order == ["first", "issued by the callback", "callback", "second"], order
+
+        # the caller's thread runs the task it waits for (first in line), then its callbacks, there
+        del order[:]
+        progress.grace = 60.0   # (the engine's thread leaves it to the caller)
+        mine = progress.submit(lambda: order.append("mine"), (), "mine")
+        progress.add_done_callback(mine, lambda task: (
+            order.append(threading.current_thread().name),
+            progress.wait(progress.submit(lambda: order.append("issued by the callback"), (), "issued"))))
+        progress.add_done_callback(mine, lambda task: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            progress.wait(mine)
+        assert order == ["mine", threading.current_thread().name, "issued by the callback"], order
+        after = progress.submit(lambda: order.append("after"), (), "after")
+        assert progress.wait(after, 10) and order[-1] == "after"
+
+        # on the engine's thread, a callback that raises is reported there, and the queue goes on
+        progress.grace = 50e-6
+        raising = progress.submit(lambda: order.append("raising"), (), "raising")
+        progress.add_done_callback(raising, lambda task: 1 / 0)
+        last = progress.submit(lambda: order.append("last"), (), "last")
+        assert progress.wait(last, 10) and order[-2:] == ["raising", "last"], order
+    finally:
+        release.set()
+        progress.close()
+
+
+def test_a_caller_held_behind_a_callback_for_the_groups_timeout_fails_naming_it():
+    """A done callback holds the group's order while it runs; one that waits for a collective another
+    thread issues on the same group would wait for ever. That caller fails at the group's timeout
+    (stall_seconds), naming the callbacks it waited behind, instead of hanging silently."""
+    import pytest
+
+    from engine._core import EngineTimeout
+
+    progress = Progress(name="engine-progress-stall", stall_seconds=0.3)
+    blocked, release = threading.Event(), threading.Event()
+    try:
+        first = progress.submit(lambda: None, (), "allreduce #1")
+        progress.add_done_callback(first, lambda task: (blocked.set(), release.wait(10)))
+        assert blocked.wait(10)
+        with pytest.raises(EngineTimeout, match=r"allreduce #2: Timed out after 0.3 s waiting behind the done "
+                                                r"callbacks of allreduce #1, which still run"):
+            progress.run(lambda: None, nargs=0, name="allreduce #2")
+        release.set()
+        after = progress.submit(lambda: None, (), "allreduce #3")
+        assert progress.wait(after, 10)
+    finally:
+        release.set()
+        progress.close()

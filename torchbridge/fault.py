@@ -269,6 +269,7 @@ class FaultTolerance:
         self._timeout = timeout
         if self._comm is not None:
             self._comm.set_timeout(self._timeout_seconds())
+            self._cpu.progress.stall_seconds = self._timeout_seconds()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.timeout = self._timeout_seconds()
 

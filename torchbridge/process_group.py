@@ -161,7 +161,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _attach(self, comm):
         """Runs the group's calls on comm from now on."""
         self._comm = comm
-        progress = Progress(name=f"engine-progress-{self._name}")
+        progress = Progress(name=f"engine-progress-{self._name}", stall_seconds=self._timeout_seconds())
         self._cpu = CpuDevice(comm, progress)
         self._fast = _fastpath.FastPath(comm, progress, self._cuda)
         self._hooks_changed()   # (the new latency path learns whether hooks are set)

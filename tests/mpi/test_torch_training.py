@@ -148,31 +148,39 @@ def test_comm_hooks_match_torch_hooks_on_gloo(ours, theirs):
         assert torch.allclose(a, b, atol=tol, rtol=0), (a - b).abs().max()
 
 
-def test_torchs_powersgd_hook_trains_as_on_gloo():
-    """torch's PowerSGD hook chains their allreduces in Future callbacks and wait there for the next
-    one (`.get_future().wait()` inside `then`). The engine's progress thread runs those callbacks, so it
-    runs what they submit itself (pyx/progress.pyx, Progress.wait): before, the allreduce waited for that
-    very thread and the job hung at the first compressed step. The parameters match the same hook's
-    training on Gloo. One bucket: with several, the hook's callbacks issue their allreduces while the
-    main thread issues the next buckets', in an order that differs between ranks (Gloo then hangs: 2 of
-    3 runs here; the engine names the mismatch)."""
+def test_torchs_powersgd_hook_with_several_buckets_trains_as_on_gloo():
+    """torch's PowerSGD hook chains their allreduces in Future callbacks and waits there for the next
+    one (`.get_future().wait()` inside `then`). The engine runs what a callback issues on the thread
+    that runs the callback, at once: before, the allreduce waited for that very thread and the job hung
+    at the first compressed step. With several buckets the callbacks issue their allreduces while
+    backward issues the next buckets', on each rank at its own pace; the engine runs a task's callbacks,
+    and what they issue, before the next task (pyx/progress.pyx), so every rank issues them in one order.
+    Before, the ranks' orders differed (a collective mismatch, or a silent mix-up of two calls of one
+    size); Gloo hangs there. The parameters match the same hook's training on Gloo with each bucket's
+    allreduces waited for before backward goes on (one order on any backend)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
-    data = batches(4)   # (compressed from the third step)
+    gen = torch.Generator().manual_seed(1000 + R)
+    data = [(torch.randn(8, 48, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(5)]
 
-    def trained(group):
-        model = make_model()
-        for p in model.parameters():  # DDP broadcasts rank 0's parameters
-            dist.broadcast(p.data, 0, group=group)
-        ddp = DDP(model, process_group=group)
+    def sequential(state, bucket):
+        fut = powerSGD.powerSGD_hook(state, bucket)
+        fut.wait()
+        return fut
+
+    def trained(group, hook):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(5)], torch.nn.Linear(48, 3))
+        ddp = DDP(model, process_group=group, bucket_cap_mb=0.01)   # (3 buckets from the second step)
         state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                        min_compression_rate=0.5, random_seed=0)
-        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        for step in data:
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for x, y in data:   # (compressed from the third step)
             opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(step[0][0]), step[0][1]).backward()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+        assert len(ddp.reducer._get_zeros_like_grad_buckets()) >= 3
         return [p.detach().clone() for p in model.parameters()]
 
-    for a, b in zip(trained(None), trained(GLOO)):
+    for a, b in zip(trained(None, powerSGD.powerSGD_hook), trained(GLOO, sequential)):
         assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
