@@ -3,6 +3,7 @@ mp.spawn and mpirun make it, for each backend named, rounds alternated between t
 
     python -m bench init                          # 2 ranks, engine and gloo, 10 rounds
     python -m bench init --ranks 4 --rounds 20 --late-ms 20
+    python -m bench init --ranks 3 --reconfigure  # a reconfigure instead (torch 2.14 and later)
 
 The ranks are spawned once (multiprocessing's spawn) and meet at a barrier before every round; rank 0,
 which hosts the store, starts its init --late-ms after the others (a launcher's processes start
@@ -10,6 +11,11 @@ tens of milliseconds apart, and the store's host need not be first). A round: in
 fresh port, an all_reduce checked against what each rank computes, destroy_process_group. A row: the
 backend and the time from the barrier until the slowest rank's init_process_group returned (median,
 least and most of the rounds), in milliseconds.
+
+--reconfigure times how long a group takes to recover instead: each round makes the world with
+enable_reconfigure=True (untimed), the ranks hand their reconfigure handles round through its store,
+and the round times dist._reconfigure onto the same members under a fresh uuid (rank 0, the first
+member, --late-ms late), then checks an all_reduce on the new communicator.
 """
 
 import argparse
@@ -20,19 +26,29 @@ import statistics
 import sys
 
 
-def _rank(rank, size, plan, late, barrier, results):
+def _rank(rank, size, plan, late, barrier, results, reconfigure):
     import datetime
     import time
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
     for round_, backend, port in plan:
+        init = lambda **kw: dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,  # noqa: E731
+                                                    world_size=size, timeout=timeout, **kw)
+        if reconfigure:
+            init(enable_reconfigure=True)
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"handle/{rank}", dist._get_reconfigure_handle())
+            handles = [store.get(f"handle/{r}").decode() for r in range(size)]
         barrier.wait()
         start = time.monotonic()
         if rank == 0:
             time.sleep(late)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=60))
+        if reconfigure:
+            dist._reconfigure(round_ + 1, handles, timeout=timeout).wait()
+        else:
+            init()
         made = time.monotonic() - start
         t = torch.full((8,), float(rank + 1))
         dist.all_reduce(t)
@@ -48,32 +64,38 @@ def main(argv):
     p.add_argument("--rounds", type=int, default=10, help="rounds per backend (alternated; the median is reported)")
     p.add_argument("--backends", default="engine,gloo", help="comma-separated torch backends")
     p.add_argument("--late-ms", type=float, default=0.0, help="how much later rank 0 starts its init")
+    p.add_argument("--reconfigure", action="store_true", help="time a reconfigure onto the same members instead")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if not 1 <= args.ranks <= 64 or not 1 <= args.rounds <= 1000 or not backends or not 0 <= args.late_ms <= 60000:
         p.error("--ranks 1-64, --rounds 1-1000, --late-ms 0-60000 and at least one backend")
+    import torch.distributed as dist
     import torchbridge  # noqa: F401  (registers backend "engine")
+    if args.reconfigure and not hasattr(dist, "_reconfigure"):
+        p.error(f"--reconfigure needs torch 2.14 or later (dist._reconfigure); this is torch {torch_version()}")
     from torchbridge.launch import free_ports
     from engine.kernels import cpu
     ports = iter(free_ports(args.rounds * len(backends)))
     plan = [(r, b, next(ports)) for r in range(args.rounds) for b in backends]
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(args.ranks), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, plan, args.late_ms / 1e3, barrier, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, plan, args.late_ms / 1e3, barrier, results,
+                                             args.reconfigure), daemon=True)
              for r in range(args.ranks)]
     for proc in procs:
         proc.start()
     made, wrong = {}, 0
     for _ in range(len(plan) * args.ranks):
-        round_, backend, _rank_, seconds, right = results.get(timeout=300)
+        round_, backend, _rank_, seconds, right = _result(results, procs)
         made.setdefault((backend, round_), []).append(seconds)
         wrong += not right
     for proc in procs:
         proc.join(60)
         if proc.exitcode != 0:
             sys.exit(f"python -m bench init: a rank exited with {proc.exitcode}")
-    print(f"# init_process_group over tcp://, {args.ranks} ranks, rank 0 {args.late_ms:g} ms late, {args.rounds} "
-          f"rounds alternated; {os.cpu_count()} cores of {cpu()['model'] or platform.machine()}; ms until the "
+    what = "dist._reconfigure onto the same members" if args.reconfigure else "init_process_group over tcp://"
+    print(f"# {what}, {args.ranks} ranks, rank 0 {args.late_ms:g} ms late, {args.rounds} rounds alternated; "
+          f"{os.cpu_count()} cores of {cpu()['model'] or platform.machine()}, torch {torch_version()}; ms until the "
           f"slowest rank's returned")
     print(f"# {'backend':>10} {'median':>8} {'least':>8} {'most':>8}")
     for backend in backends:
@@ -82,3 +104,22 @@ def main(argv):
     print(f"# Out of bounds values : {wrong}")
     if wrong:
         sys.exit(1)
+
+
+def torch_version():
+    import torch
+    return torch.__version__
+
+
+def _result(results, procs):
+    """The next rank's result; a rank that exited (it raised: its traceback is above) ends the run at
+    once, naming it, instead of leaving the others to wait for it."""
+    import queue
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            gone = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None]
+            if gone:
+                sys.exit(f"python -m bench init: rank {gone[0][0]} exited with {gone[0][1]} before its results "
+                         "were in (its error is above)")
