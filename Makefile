@@ -19,7 +19,7 @@ PY := $(VENV)/bin/python
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
 	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot \
-	tests/test_bench.py::test_init_times_a_reconfigure_where_torch_has_one_and_names_a_rank_that_exits
+	tests/test_bench.py::test_init_times_a_reconfigure_where_torch_has_one
 TORCH_PREVIOUS := tests/test_torch_options.py \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp

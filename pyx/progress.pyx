@@ -224,8 +224,8 @@ cdef class Progress:
                              "issue it from the callback")
 
     cdef Task _runnable_for(self, Task task, bint through):
-        """The task a waiter for task may run itself: task; through the queue (on the engine's own
-        thread), whatever is first in line."""
+        """The task a waiter for task may run itself: task; through the queue (inside a task's
+        callbacks, or on the engine's own thread), whatever is first in line."""
         return self.queue[0] if through and self.queue else task
 
     cdef bint _claimable(self, Task task):
