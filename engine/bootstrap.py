@@ -273,9 +273,10 @@ def agree_on_single_copy(everyone):
     to read every other's memory, and every rank must know that all can, so all choose alike
     (everyone: each rank's (probe succeeded, ENGINE_SHM_CMA=1)). Which pieces use it is the registry's
     rules' business (engine.registry: the single_copy entries and their thresholds). Where a rank
-    insists and some probe failed, every rank refuses the group, not that rank alone."""
+    insists and some probe failed, every rank refuses the group, not that rank alone; a group of one
+    has nothing to copy between ranks."""
     ok = len(everyone) > 1 and all(works for works, _ in everyone)
-    if any(insists for _, insists in everyone) and not ok:
+    if len(everyone) > 1 and any(insists for _, insists in everyone) and not ok:
         raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
                            "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
     return ok

@@ -223,3 +223,29 @@ def test_a_stage_one_rank_cannot_make_fails_the_group_on_every_rank():
         assert outcome[r].startswith("RuntimeError: engine: group 'g' was not made: rank 0 could not make its host "
                                      "stage (OSError: no memory for the stage's segment)"), outcome
     assert sorted(freed) == ["g/host0", "g/host1", "g/host1"], freed   # (rank 1's and the other host's)
+
+
+def test_single_copy_insisted_on_by_a_group_of_one_or_refused_by_a_group_where_a_probe_fails():
+    """ENGINE_SHM_CMA=1 refuses a group where some rank's single-copy probe failed, on every rank; a
+    group of one has nothing to copy between ranks and is made (a plain `python script.py`)."""
+    import numpy as np
+    import pytest
+
+    import engine
+    from engine.bootstrap import agree_on_single_copy
+
+    assert agree_on_single_copy([(True, False), (True, True)]) is True
+    assert agree_on_single_copy([(True, False), (False, False)]) is False
+    with pytest.raises(RuntimeError, match="ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed"):
+        agree_on_single_copy([(True, True), (False, False)])
+    assert agree_on_single_copy([(False, True)]) is False
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ENGINE_SHM_CMA", "1")
+    try:
+        comm = engine.Communicator.single(name="one")
+        x = np.arange(5, dtype=np.float32)
+        comm.allreduce(x)
+        assert x.tolist() == [0, 1, 2, 3, 4]
+        comm.free()
+    finally:
+        mp.undo()
