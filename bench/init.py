@@ -69,10 +69,11 @@ def main(argv):
     backends = [b for b in args.backends.split(",") if b]
     if not 1 <= args.ranks <= 64 or not 1 <= args.rounds <= 1000 or not backends or not 0 <= args.late_ms <= 60000:
         p.error("--ranks 1-64, --rounds 1-1000, --late-ms 0-60000 and at least one backend")
+    import torch
     import torch.distributed as dist
     import torchbridge  # noqa: F401  (registers backend "engine")
     if args.reconfigure and not hasattr(dist, "_reconfigure"):
-        p.error(f"--reconfigure needs torch 2.14 or later (dist._reconfigure); this is torch {torch_version()}")
+        p.error(f"--reconfigure needs torch 2.14 or later (dist._reconfigure); this is torch {torch.__version__}")
     from torchbridge.launch import free_ports
     from engine.kernels import cpu
     ports = iter(free_ports(args.rounds * len(backends)))
@@ -95,7 +96,7 @@ def main(argv):
             sys.exit(f"python -m bench init: a rank exited with {proc.exitcode}")
     what = "dist._reconfigure onto the same members" if args.reconfigure else "init_process_group over tcp://"
     print(f"# {what}, {args.ranks} ranks, rank 0 {args.late_ms:g} ms late, {args.rounds} rounds alternated; "
-          f"{os.cpu_count()} cores of {cpu()['model'] or platform.machine()}, torch {torch_version()}; ms until the "
+          f"{os.cpu_count()} cores of {cpu()['model'] or platform.machine()}, torch {torch.__version__}; ms until the "
           f"slowest rank's returned")
     print(f"# {'backend':>10} {'median':>8} {'least':>8} {'most':>8}")
     for backend in backends:
@@ -104,11 +105,6 @@ def main(argv):
     print(f"# Out of bounds values : {wrong}")
     if wrong:
         sys.exit(1)
-
-
-def torch_version():
-    import torch
-    return torch.__version__
 
 
 def _result(results, procs):

@@ -252,7 +252,7 @@ def make_segment(boot, everyone, cfg):
         made[0].populate()
         # (single copy: one process_vm_readv from the owner's buffer instead of two copies through the
         # segment, where this rank may read each peer's probe word and ENGINE_SHM_CMA allows it)
-        works = cfg["cma"] != "0" and size > 1 and made[0].cma_probe(pids, addrs)
+        works = cfg["cma"] != "0" and made[0].cma_probe(pids, addrs)
         return works, cfg["cma"] == "1"
 
     firsts = gather(boot, create, "create the group's shared segment")
@@ -275,8 +275,10 @@ def agree_on_single_copy(everyone):
     rules' business (engine.registry: the single_copy entries and their thresholds). Where a rank
     insists and some probe failed, every rank refuses the group, not that rank alone; a group of one
     has nothing to copy between ranks."""
-    ok = len(everyone) > 1 and all(works for works, _ in everyone)
-    if len(everyone) > 1 and any(insists for _, insists in everyone) and not ok:
+    if len(everyone) < 2:
+        return False
+    ok = all(works for works, _ in everyone)
+    if any(insists for _, insists in everyone) and not ok:
         raise RuntimeError("ENGINE_SHM_CMA=1, but process_vm_readv between the ranks is not allowed here "
                            "(another user, a ptrace policy such as Yama, or a seccomp filter); use ENGINE_SHM_CMA=auto")
     return ok

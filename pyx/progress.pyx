@@ -98,7 +98,6 @@ cdef class Progress:
     cdef double cb_since            # since when (the outermost task's callbacks)
     cdef str cb_of                  # whose callbacks (the task's name)
     cdef public double stall_seconds   # a waiter held this long behind callbacks fails (the group's timeout)
-    cdef unsigned long ident        # the thread's (0 until it starts)
     cdef public double grace
     cdef object __weakref__
 
@@ -161,14 +160,15 @@ cdef class Progress:
         task.args = args
         task.name = name
         task.submitted = self.last_submit = eng_now()
-        me = PyThread_get_thread_ident()
-        if me == self.cb_thread:   # (issued by a callback of the task just run: it runs next, at once)
+        # (issued by a callback of the task just run: it runs next, here, at once; see wait)
+        inline = PyThread_get_thread_ident() == self.cb_thread
+        if inline:
             self.queue.appendleft(task)
         else:
             self.queue.append(task)
         self.pending += 1
         self._signal()
-        if me == self.ident or me == self.cb_thread:   # (a callback: see wait)
+        if inline:
             self.wait(task)
         return task
 
@@ -183,12 +183,11 @@ cdef class Progress:
     def wait(self, Task task, timeout=None):
         """Blocks until task is done, running it here if it is first in line and nothing runs; False
         on timeout. Inside a callback of a task (a torch Future's then(): PowerSGD's hook submits its
-        next allreduce there and waits for it), on the thread that ran the task or on the engine's own,
-        it runs the queue through, in order, up to task: left to the thread's loop, task would wait
-        for this very thread for ever."""
+        next allreduce there and waits for it), on whichever thread ran the task (the engine's own
+        or a caller's), it runs the queue through, in order, up to task: left to the thread's loop,
+        task would wait for this very thread for ever."""
         cdef double until = -1 if timeout is None else eng_now() + timeout
-        cdef unsigned long me = PyThread_get_thread_ident()
-        cdef bint through = me == self.ident or me == self.cb_thread
+        cdef bint through = PyThread_get_thread_ident() == self.cb_thread
         cdef Task mine
         cdef double left, start = eng_now(), stall
         while task.state != TASK_DONE:
@@ -225,7 +224,7 @@ cdef class Progress:
 
     cdef Task _runnable_for(self, Task task, bint through):
         """The task a waiter for task may run itself: task; through the queue (inside a task's
-        callbacks, or on the engine's own thread), whatever is first in line."""
+        callbacks), whatever is first in line."""
         return self.queue[0] if through and self.queue else task
 
     cdef bint _claimable(self, Task task):
@@ -270,7 +269,6 @@ cdef class Progress:
         pthread_cond_init(&self.cond, NULL)
         self.cv = threading.Condition(threading.Lock())
         self.deep = self.waiters = 0
-        self.ident = 0
         if self.current is not None and self.current.state != TASK_DONE:
             self.queue.appendleft(self.current)   # (its thread is not here to end it: abort fails it)
             self.pending += 1
@@ -384,7 +382,6 @@ cdef class Progress:
 
     def _loop(self):
         cdef Task task
-        self.ident = PyThread_get_thread_ident()
         set_thread_polite(True)  # leave the core to the computation this thread overlaps with
         while True:
             task = self._take()
