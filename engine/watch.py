@@ -396,16 +396,18 @@ class _Registry:
         self.watches = weakref.WeakSet()
         self.lock = threading.Lock()
         self.thread = None
+        self.gone = threading.Event()   # set when a watch is collected: the thread may be the last one's
         forks.track(self)
 
     def orphan(self, why):
         """In a child forked from this process: the thread is not there, and the lock may have been copied
         held; the child's own groups start them again."""
-        self.lock, self.thread = threading.Lock(), None
+        self.lock, self.thread, self.gone = threading.Lock(), None, threading.Event()
 
     def add(self, watch):
         with self.lock:
             self.watches.add(watch)
+            weakref.finalize(watch, self.gone.set)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
                 self.thread.start()
@@ -413,8 +415,15 @@ class _Registry:
 
     def _watchdog(self):
         # MPI's blocking collectives block in MPI: here they get their stall warning and, at the timeout, the end.
+        # The thread ends with the last group (destroy_process_group leaves no thread behind); the next one
+        # starts it again.
         while True:
-            time.sleep(0.25)
+            if self.gone.wait(0.25):
+                self.gone.clear()
+            with self.lock:
+                if not self.watches:
+                    self.thread = None
+                    return
             self._check_native()
 
     def _check_native(self):

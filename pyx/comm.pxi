@@ -65,7 +65,7 @@ cdef class CoreComm:
         self.rank = algo_tp.rank
         self.size = algo_tp.size
         self.algo_tp = algo_tp
-        self.user_tp = user_tp
+        self.user_tp = self.side_tp = user_tp
         self.ring = RingAllreduce(algo_tp, ring_segment_bytes)
         self.rdouble = RecursiveDoubling(algo_tp)
         self.p2p = P2PCollectives(algo_tp, ring_segment_bytes)
@@ -119,6 +119,8 @@ cdef class CoreComm:
         ctx.alive_arg = self.alive_arg
         ctx.spin = self.spin
         ctx.abort = &self.aborted
+        ctx.side = nudge_transport    # (the user's messages go on during every wait of the group)
+        ctx.side_arg = <void*>self.side_tp
 
     # -- abort: ends every wait of this group, from any thread --
 
@@ -127,6 +129,7 @@ cdef class CoreComm:
         ends within one round of its back-off (at most 50 ms asleep) with EngineAborted. Nothing is
         freed here (a wait may still be reading the group's memory): release it once `busy` is 0."""
         eng_store32(&self.aborted, 1)
+        self.algo_tp.group_broke()
 
     @property
     def aborted(self):
@@ -218,12 +221,19 @@ cdef class CoreComm:
         words: "an earlier call timed out")."""
         self.log.broken = why
         self.log.broken_after = after
+        self.algo_tp.group_broke()
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
     def set_hierarchy(self, Hierarchy hier):
-        """The two levels that run this group's composite entries (None: none)."""
+        """The two levels that run this group's composite entries (None: none). Their waits move this
+        group's user messages (its collectives wait there)."""
+        cdef CoreComm stage
         self.hier = hier
+        if hier is not None:
+            for stage in (hier.local, hier.cross, hier.leaders):
+                if stage is not None:
+                    stage.side_tp = self.user_tp
 
     def set_rules(self, str collective, rules, named, entry_names):
         """How this group chooses for one collective: rules, walked in order for each call, the first
@@ -435,6 +445,7 @@ cdef class CoreComm:
     cdef object broke(self, kind, str text, str what):
         """A failure that leaves the group unusable: marks it so, naming why, and returns its exception."""
         self.log.broken, self.log.broken_after = text, BROKEN_AFTER[kind]
+        self.algo_tp.group_broke()
         return kind(f"{what} failed: {text}")
 
     cdef size_t max_count(self, int op) noexcept:

@@ -314,25 +314,20 @@ cdef class ShmSegment:
 
     cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
         """Until rank `only` (-1: every peer) reached `phase` of `step`; check: their signatures must
-        equal ours."""
+        equal ours, each compared as soon as its rank arrives (two ranks in different collectives fail
+        at once, though a third never comes)."""
         cdef FlagWait w
-        cdef int q, i, ierr
-        cdef uint64_t *s
+        cdef int ierr
         w.ctrl, w.size, w.me, w.only, w.next, w.target = self.ctrl, self.size, self.rank, only, 0, 4 * step + phase
+        w.mine = self.my_sig if check else NULL
+        w.sig_offset = LINE + (self.step & 1) * LINE
         ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.err_peer = self.peers.dead
-        if ierr:
-            return ierr
-        for q in range(self.size if check else 0):
-            if q != self.rank and (only < 0 or q == only):
-                s = self.sig(q, self.step)
-                for i in range(SIG_COMPARED):
-                    if s[i] != self.my_sig[i]:
-                        memcpy(self.err_sig, s, sizeof(self.err_sig))
-                        self.err_peer = q
-                        return ENG_ERR_MISMATCH
-        return 0
+        elif ierr == ENG_ERR_MISMATCH:
+            memcpy(self.err_sig, self.sig(w.other, self.step), sizeof(self.err_sig))
+            self.err_peer = w.other
+        return ierr
 
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil:
         return self.wait_for(q, step, phase, ctx, check)
@@ -349,14 +344,36 @@ cdef struct FlagWait:
     int size, me, only      # only: the one peer waited for, or -1: every peer
     int next                # the first peer not yet seen at the target
     uint64_t target
+    const uint64_t *mine    # this rank's signature, which each peer's must equal; NULL: not checked
+    size_t sig_offset       # where the step's signature lies in a rank's control lines
+    int other               # the peer whose signature differs
+
+
+cdef inline bint _signed_otherwise(FlagWait *w, int q) noexcept nogil:
+    """Whether peer q, which reached the target, signed this step otherwise than this rank."""
+    cdef const uint64_t *s = <const uint64_t*>(w.ctrl + <size_t>q * CTRL_BYTES + w.sig_offset)
+    cdef int i
+    for i in range(SIG_COMPARED):
+        if s[i] != w.mine[i]:
+            w.other = q
+            return True
+    return False
 
 
 cdef int _poll_flags(void *unused, void *arg, bint *done) except -1 nogil:
     cdef FlagWait *w = <FlagWait*>arg
+    cdef int q
     while w.next < w.size:
-        if (w.next != w.me and (w.only < 0 or w.next == w.only)
-                and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>w.next * CTRL_BYTES)) < w.target):
-            return 0
+        if w.next != w.me and (w.only < 0 or w.next == w.only):
+            if eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>w.next * CTRL_BYTES)) < w.target:
+                # Still waiting for w.next: the peers already here are compared meanwhile.
+                for q in range(w.next + 1, w.size if w.mine != NULL and w.only < 0 else 0):
+                    if (q != w.me and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>q * CTRL_BYTES)) >= w.target
+                            and _signed_otherwise(w, q)):
+                        return ENG_ERR_MISMATCH
+                return 0
+            if w.mine != NULL and _signed_otherwise(w, w.next):
+                return ENG_ERR_MISMATCH
         w.next += 1
     done[0] = True
     return 0

@@ -138,8 +138,10 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
 
 /* This rank leaves: a BYE header on every connection whose stream is between frames, then every
  * connection closed, and what was still under way fails (the group is gone). The peers then fail
- * only what involves this rank, not everything (fail_any), as they would for a crash. */
-static void eng_tcp_goodbye(eng_tcp *t) {
+ * only what involves this rank, not everything (fail_any), as they would for a crash; unless `broken`
+ * (its header's a = 1): the group failed here or was aborted, so no collective of it can end well,
+ * and the peers' fail as for a crash (a rank waiting on a third one would wait for the timeout). */
+static void eng_tcp_goodbye(eng_tcp *t, int broken) {
   tcp_hdr bye;
   if (t == NULL || t->peers == NULL) return;
   pthread_mutex_lock(&t->lock);
@@ -148,7 +150,7 @@ static void eng_tcp_goodbye(eng_tcp *t) {
     return;
   }
   t->said_bye = 1;
-  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, 0, 0);
+  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, broken ? 1 : 0, 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (q == t->rank || p->dead) continue;
@@ -169,7 +171,7 @@ static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
   /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
    * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
-  eng_tcp_goodbye(t);
+  eng_tcp_goodbye(t, 0);
   tcp_live_remove(t);
   tcp_close_descriptors(t);
   if (t->peers != NULL) {
@@ -428,6 +430,22 @@ static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, s
   }
   pthread_mutex_unlock(&t->lock);
   return rc;
+}
+
+/* Progress, unless another thread holds the channel (it is making progress itself), without waiting;
+ * returns whether messages are still in flight: sends not yet written, receives posted, messages
+ * arriving. Nothing wakes a wait on another channel when this one's sockets are ready, so that wait
+ * calls this again soon while it says so. */
+static int eng_tcp_nudge(eng_tcp *t) {
+  if (pthread_mutex_trylock(&t->lock) != 0) return 1;
+  tcp_progress(t);
+  int busy = t->posted_head != NULL;
+  for (int q = 0; q < t->size && !busy; q++) {
+    busy = t->peers[q].arriving != NULL;
+    for (int s = 0; s < ENG_TCP_MAX_STREAMS && !busy; s++) busy = t->peers[q].out[s].head != NULL;
+  }
+  pthread_mutex_unlock(&t->lock);
+  return busy;
 }
 
 /* Sleeps in poll until something happens on the channel, another thread completes a request, or

@@ -102,8 +102,8 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
     return 0;
   }
   if (h->kind == ENG_TCP_BYE) {
-    if (h->a || h->b) return tcp_corrupt(t, peer);
-    t->peers[peer].departed = 1;
+    if (h->a > 1 || h->b) return tcp_corrupt(t, peer);
+    t->peers[peer].departed = 1 + (int)h->a;
     return 0;
   }
   return tcp_corrupt(t, peer);

@@ -31,7 +31,7 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
   if (p->dead) return;
   p->dead = code;
   p->dead_errno = err;
-  if (t->dead_peer < 0 && code != ENG_ERR_PEER_LEFT) {
+  if (t->dead_peer < 0 && (code != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN)) {
     t->dead_peer = peer;
     t->dead_code = code;
   }
@@ -173,8 +173,8 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     o->back_got += (size_t)got;
     if (o->back_got < ENG_TCP_HDR) return;
     memcpy(&h, o->back, sizeof h);
-    if (h.kind != ENG_TCP_BYE || h.a || h.b) tcp_corrupt(t, peer);
-    else p->departed = 1;
+    if (h.kind != ENG_TCP_BYE || h.a > 1 || h.b) tcp_corrupt(t, peer);
+    else p->departed = 1 + (int)h.a;
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     /* (a reset after its goodbye: it closed with our data unread, in order) */
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);

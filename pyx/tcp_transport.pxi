@@ -19,11 +19,12 @@ cdef extern from "tcp.h" nogil:
         pass
     enum:
         ENG_TCP_MAX_STREAMS
+        TCP_LEFT_BROKEN
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
     void eng_tcp_set_call(eng_tcp *t, int base)
-    void eng_tcp_goodbye(eng_tcp *t)
+    void eng_tcp_goodbye(eng_tcp *t, int broken)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
     int eng_tcp_interfaces(char *out, size_t cap)
@@ -32,6 +33,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, size_t *nbytes, int *err_peer)
     void eng_tcp_sleep(eng_tcp *t, uint32_t gen, double seconds)
     int eng_tcp_cancel(eng_tcp *t, tcp_req *r)
+    int eng_tcp_nudge(eng_tcp *t)
     int eng_tcp_connect_all(eng_tcp *t)
     int eng_tcp_mesh_missing(eng_tcp *t, int *code)
     int eng_tcp_waiting_on(eng_tcp *t, int *peers, double *silent, int cap)
@@ -90,6 +92,7 @@ cdef class TcpTransport(Transport):
     cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
     cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
     cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
+    cdef bint broken                # its group failed or was aborted here: the goodbye says so
     cdef object abort_reason        # what abort_connect() was told
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
@@ -133,15 +136,20 @@ cdef class TcpTransport(Transport):
 
     def goodbye(self):
         """Leaves the group in order: every peer is told (so only what still involves this rank fails
-        there), every connection closed; what was under way here fails. The group's end, and the
-        process's normal exit (engine/tcp.py), call it; freeing the transport does too."""
+        there, or, where the group broke here, every collective: group_broke()), every connection
+        closed; what was under way here fails. The group's end, and the process's normal exit
+        (engine/tcp.py), call it; freeing the transport does too."""
         cdef eng_tcp *t = self.t
+        cdef int broken = self.broken
         if t == NULL:
             return
         self.leaving += 1
         with nogil:
-            eng_tcp_goodbye(t)
+            eng_tcp_goodbye(t, broken)
         self.leaving -= 1
+
+    cdef void group_broke(self) noexcept:
+        self.broken = True
 
     cdef void begin_call(self, int base) noexcept nogil:
         self.tag_base = base
@@ -182,6 +190,9 @@ cdef class TcpTransport(Transport):
         if ierr:
             self.err_peer = ep
         return ierr
+
+    cdef int nudge(self) noexcept nogil:
+        return eng_tcp_nudge(self.t) if self.t != NULL else 0
 
     cdef int cancel(self, Req *req) noexcept nogil:
         cdef tcp_req *r = <tcp_req*>req.w[0]
@@ -255,6 +266,9 @@ cdef class TcpTransport(Transport):
             return _engine_error_text(code, p)
         if code == ENG_ERR_PEER_LEFT and self.t.said_bye:
             return f"rank {self.rank} left this group (it was destroyed, or the process is exiting) while this ran"
+        if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
+            return (f"{self._who(p)} left the group after a call of it failed there or it was aborted, while rank "
+                    f"{self.rank} ran this: none of the group's collectives can end; reconfigure it or make a new one")
         if code == ENG_ERR_PEER_LEFT:
             return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
                     "still waited for it: the ranks did not run the same collectives, or one destroyed the group "

@@ -34,6 +34,7 @@
 
 
 enum { ENG_TCP_MSG = 0x2147534d, ENG_TCP_PART = 0x54524150, ENG_TCP_BYE = 0x21455942 };  /* "MSG!", "PART", "BYE!" */
+enum { TCP_LEFT_BROKEN = 2 };   /* tcp_peer.departed of a peer whose goodbye said its group broke */
 enum { TCP_SEND = 1, TCP_RECV = 2 };
 enum { TCP_QUEUED = 0, TCP_ACTIVE = 1, TCP_DONE = 2 };
 enum { IN_HDR = 0, IN_BODY = 1, IN_HELD = 2, IN_WAIT = 3 };
@@ -123,7 +124,8 @@ typedef struct {
   uint64_t send_seq, recv_seq;
   tcp_in *arriving;
   int closing;              /* a connection of it closed: read what is left, then fail it */
-  int departed;             /* it said goodbye: its end fails only what involves it */
+  int departed;             /* it said goodbye: its end fails only what involves it (1), or, where its group
+                               broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
   int dead;                 /* an ENG_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */

@@ -7,6 +7,11 @@
 # error_text() explains (MPI's own codes, or the ENG_ERR_* codes of _core.pxd).
 
 
+cdef int nudge_transport(void *tp) noexcept nogil:
+    """A WaitCtx's side: Transport.nudge of tp (borrowed: its communicator holds it)."""
+    return (<Transport>tp).nudge()
+
+
 cdef class Transport:
     """Abstract: subclasses implement isend, irecv, test and cancel."""
 
@@ -43,6 +48,21 @@ cdef class Transport:
     cdef void begin_call(self, int base) noexcept nogil:
         """The collective about to run adds base to its tags (pyx/call_tags.h; 0: none runs)."""
         self.tag_base = base
+
+    cdef int nudge(self) noexcept nogil:
+        """Moves this channel's messages in flight now, unless another thread is moving them, without
+        waiting; returns whether it must be called again soon (nothing else would wake the wait that
+        calls it). The waits of a group's collectives call it on the user's channel: a send or a
+        receive the user posted goes on while this rank waits in a collective, as MPI's progress rule
+        asks, since a peer may wait for that message before it joins the collective. A transport whose
+        data moves by itself (MPI's) has nothing to do."""
+        return 0
+
+    cdef void group_broke(self) noexcept:
+        """Its group failed here (a call broke it) or was aborted: none of its collectives can end now.
+        A transport whose goodbye the peers read (TCP) tells them so when this rank leaves, and they
+        fail every collective at once rather than only what involves this rank."""
+        pass
 
     cdef void release(self) noexcept:
         """Frees what the transport holds of the operating system (descriptors, buffers) now; called

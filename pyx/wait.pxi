@@ -22,6 +22,7 @@ cdef double _yield_s = 1e-3
 cdef double _nap_max_s = 250e-6
 cdef double _doze_yield_s = 100e-6     # a transport that sleeps in its own poll yields this long first
 cdef double _alive_interval_s = 0.1
+cdef double _side_nap_s = 1e-3          # the longest sleep while another channel's messages need moving
 
 
 def set_thread_polite(bint polite):
@@ -36,6 +37,7 @@ cdef struct Backoff:
     double yield_until  # then sched_yield() until then,
     double nap          # then sleep, doubling up to a cap
     double next_alive
+    bint side_busy      # ctx.side asked to be called again soon
 
 
 cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
@@ -48,6 +50,8 @@ cdef void start_wait(WaitCtx *ctx, object hook, double interval) noexcept:
     ctx.spin = -1
     ctx.abort = NULL
     ctx.busy_poll = False
+    ctx.side = NULL
+    ctx.side_arg = NULL
 
 
 cdef double spin_budget(double group_spin) noexcept nogil:
@@ -64,6 +68,7 @@ cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
         b.yield_until = INFINITY   # a sleeping poller stalls the transfer: yield the core, as MPI's own waits do
     b.nap = 2e-6
     b.next_alive = now + _alive_interval_s
+    b.side_busy = False
 
 
 cdef int call_hook(WaitCtx *ctx, double t) except -1 with gil:
@@ -80,17 +85,21 @@ cdef double backoff_nap(Backoff *b, WaitCtx *ctx) noexcept nogil:
             until = min(until, ctx.next_check)
         if ctx.alive != NULL:
             until = min(until, b.next_alive)
+    if b.side_busy:
+        until = min(until, t + _side_nap_s)
     return max(until - t, 1e-6)
 
 
 cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
     """The abort flag (every round past the spin: abort() must end a wait soon, whatever the wait sleeps
-    on; a spinning wait leaves the flag unread, at most the spin budget), then the watch and the
-    liveness check, when due."""
+    on; a spinning wait leaves the flag unread, at most the spin budget), the other channel's messages
+    (ctx.side, on the same rounds), then the watch and the liveness check, when due."""
     cdef int rc
     if ctx != NULL:
         if ctx.abort != NULL and t >= b.spin_until and eng_load32(ctx.abort):
             return ENG_ERR_ABORTED
+        if ctx.side != NULL and t >= b.spin_until:
+            b.side_busy = ctx.side(ctx.side_arg)
         if ctx.hook != NULL and t >= ctx.next_check:
             ctx.next_check = t + ctx.interval
             call_hook(ctx, t)

@@ -371,6 +371,28 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("mismatch_done")
 
+    def test_a_mismatch_seen_by_one_rank_ends_every_call_once_it_aborts(self):
+        """In a reconfigured group (no store whose arrival notes would tell): rank 0 calls a 1 MB
+        all_reduce where ranks 1 and 2 broadcast from rank 0 (as scripts/fault_soak.py drew it). Over
+        TCP only rank 1 hears of it (rank 0's ring sends it a part of the all_reduce), while ranks 0 and
+        2 wait on each other. Each rank whose call fails aborts (torchft's way): a rank whose group
+        failed says so in its goodbye, and its peers' calls end within seconds, not at the group's
+        timeout (30 s). On shared memory each rank sees the others' signatures at once."""
+        self._reconfigured("soakmismatch", 1700)
+        started = time.monotonic()
+        with self.assertRaisesRegex(RuntimeError, "mismatch|another collective|left the group after a call of it "
+                                                  "failed there or it was aborted"):
+            if self.rank == 0:
+                dist.all_reduce(torch.ones(1 << 18))
+            else:
+                dist.broadcast(torch.ones(42, dtype=torch.int64), 0)
+        self.backend.abort()
+        self.assertLess(time.monotonic() - started, 10.0)
+        self._barrier("soakmismatch_observed")
+        self._reconfigure(1701, self._handles("soakmismatch_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("soakmismatch_done")
+
     def test_shrink_group_leaves_out_a_live_rank_then_a_dead_one(self):
         """dist.shrink_group: of a subgroup, leaving out a rank that is idle (the group is kept on it);
         then of the world, leaving out a rank that died (os._exit, the calls in flight on the others

@@ -72,6 +72,7 @@ cdef Reduction resolve_op(object op, int dtype)
 # ---- waiting ----
 
 ctypedef int (*alive_fn)(void *arg) noexcept nogil
+ctypedef int (*side_fn)(void *arg) noexcept nogil
 
 
 cdef struct WaitCtx:
@@ -84,6 +85,8 @@ cdef struct WaitCtx:
     double spin         # seconds to spin before yielding; < 0: the process's policy
     uint32_t *abort     # non-zero once the group is aborted: the wait ends with ENG_ERR_ABORTED; NULL: none
     bint busy_poll      # the transport moves data only inside poll (MPI's collectives): yield, never sleep
+    side_fn side        # moves another channel's messages while this wait lasts (returns whether it must be
+    void *side_arg      # called again soon); NULL: none. CoreComm.start: the user's channel (Transport.nudge)
 
 
 ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
@@ -147,6 +150,8 @@ cdef class Transport:
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil
     cdef int mismatch(self, int peer) noexcept nogil
     cdef void begin_call(self, int base) noexcept nogil
+    cdef int nudge(self) noexcept nogil
+    cdef void group_broke(self) noexcept
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
     cdef int classify(self, int code) noexcept
@@ -345,6 +350,7 @@ cdef class CoreComm:
     cdef readonly str transport
     cdef Transport algo_tp      # the engine's algorithms' point-to-point
     cdef Transport user_tp      # the user's send / recv (kept apart: ANY_TAG never sees ring traffic)
+    cdef Transport side_tp      # the user's channel its waits move: user_tp, or a hierarchy stage's group's
     cdef RingAllreduce ring
     cdef RecursiveDoubling rdouble
     cdef P2PCollectives p2p     # every other collective over algo_tp (trees, pipelines, rings, pairwise)
@@ -410,6 +416,7 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 # ---- taken by one file from another (each defined in the file its comment names) ----
 
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
+cdef int nudge_transport(void *tp) noexcept nogil   # transport.pxi: a WaitCtx's side (CoreComm.start)
 cdef tuple call_word_parts(uint64_t w)              # recorder.pxi
 cdef uint64_t call_key(const Call *c) noexcept nogil  # recorder.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi

@@ -343,6 +343,44 @@ def test_send_recv_tags_and_any_source():
         WORLD.send(np.array([R, R], np.int64), 0, tag=10 + R)
 
 
+@pytest.mark.parametrize("waits_in_the_collective", ["sender", "receiver"])
+def test_messages_in_flight_go_on_while_their_rank_waits_in_a_collective(monkeypatch, waits_in_the_collective):
+    """MPI's progress rule: each rank posts a 4 MB message to its right and a receive from its left;
+    one rank (0) first waits for its message, then joins an allreduce, while the others join first.
+    The rank sending to rank 0 waits in the collective with its message in flight (or, where the
+    receiver waits there, rank 0's receive is posted and the sender's send blocks): the message must
+    move during that wait, or rank 0 never joins. On shared memory through 4 KiB frames (single copy
+    off: the path where the sender moves the message itself)."""
+    if P == 1:
+        pytest.skip("a group of one sends to itself")
+    monkeypatch.setenv("ENGINE_SHM_CMA", "0")
+    monkeypatch.setenv("ENGINE_SHM_QUEUE_BYTES", "4096")
+    comm = engine.Communicator()
+    try:
+        n, right, left = 1 << 20, (R + 1) % P, (R - 1) % P
+        inbox = np.zeros(n, np.float32)
+        total = np.full(4, R + 1.0, np.float32)
+        recv = comm.irecv(inbox, source=left, tag=4)
+        if waits_in_the_collective == "sender" or R != P - 1:
+            send = comm.isend(np.full(n, R, np.float32), right, tag=4)
+        if R == 0:
+            recv.wait()
+            comm.allreduce(total)
+        elif waits_in_the_collective == "sender" or R != P - 1:
+            comm.allreduce(total)
+            recv.wait()
+        else:   # rank 0's receive is posted while rank 0 waits in the allreduce: this send must end
+            comm.send(np.full(n, R, np.float32), right, tag=4)
+            comm.allreduce(total)
+            recv.wait()
+        if waits_in_the_collective == "sender" or R != P - 1:
+            send.wait()
+        np.testing.assert_array_equal(inbox, np.full(n, left, np.float32))
+        np.testing.assert_array_equal(total, np.full(4, P * (P + 1) / 2, np.float32))
+    finally:
+        comm.free()
+
+
 def test_user_p2p_does_not_see_engine_ring_traffic():
     if P == 1:
         pytest.skip("the ring has no traffic in a group of one")

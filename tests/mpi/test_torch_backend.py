@@ -278,6 +278,29 @@ def test_barrier_and_object_helpers():
     assert out == [f"to{R}"]
 
 
+def test_a_batch_in_flight_goes_on_while_its_ranks_wait_in_all_reduce():
+    """torch's order for pipeline stages: each rank posts a 4 MB isend to its right and an irecv from
+    its left (batch_isend_irecv), then rank 0 waits for its message before its all_reduce while the
+    others call all_reduce first: the message to rank 0 must move while its sender waits in the
+    collective (tests/mpi/test_collectives.py forces shared memory's frames; over TCP here, and across
+    hosts in a hierarchy's stages)."""
+    if P == 1:
+        pytest.skip("point-to-point needs two ranks")
+    n, right, left = 1 << 20, (R + 1) % P, (R - 1) % P
+    inbox, total = torch.empty(n), torch.full((1 << 16,), R + 1.0)   # (256 KB: a hierarchy's stages, across hosts)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((n,), float(R)), right),
+                                    dist.P2POp(dist.irecv, inbox, left)])
+    if R == 0:
+        works[1].wait()
+        dist.all_reduce(total)
+    else:
+        dist.all_reduce(total)
+    for w in works:
+        w.wait()
+    assert torch.equal(inbox, torch.full((n,), float(left)))
+    assert torch.equal(total, torch.full((1 << 16,), P * (P + 1) / 2))
+
+
 def test_point_to_point_and_batch():
     if P == 1:
         pytest.skip("point-to-point needs two ranks")
