@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -382,8 +383,8 @@ class FaultToleranceScenarios(ForkedRanks):
         started = time.monotonic()
         with self.assertRaisesRegex(RuntimeError, "mismatch|another collective|left the group after a call of it "
                                                   "failed there or it was aborted"):
-            if self.rank == 0:
-                dist.all_reduce(torch.ones(1 << 18))
+            if self.rank == 0:   # (numpy's memory: torch would fill 1 MB on OpenMP threads, which hang in a
+                dist.all_reduce(torch.from_numpy(np.ones(1 << 18, np.float32)))   # rank forked after they ran)
             else:
                 dist.broadcast(torch.ones(42, dtype=torch.int64), 0)
         self.backend.abort()
