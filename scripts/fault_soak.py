@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import random
+import re
 import socket
 import sys
 import threading
@@ -84,7 +85,8 @@ class Rank:
         assert torch.equal(t, torch.full((3,), n * (n + 1) / 2)), (g, t)
 
     def traffic(self, g, rng, fault, victim):
-        """The generation's operations under its fault; returns whether a call of this rank failed."""
+        """The generation's operations under its fault; returns whether this rank's group broke (a call
+        of it failed, or this rank was the fault)."""
         me, n = dist.get_rank(), dist.get_world_size()
         faulted = fault == "abort_all" or (fault in ("abort_one", "stall", "mismatch") and me == victim)
         when = rng.randrange(self.args.ops)             # the op a stall or mismatch strikes at
@@ -110,6 +112,7 @@ class Rank:
                 except RuntimeError as exc:
                     failed = self._failed(g, exc)
                     break
+                self.stats["wrong"].append(f"generation {g}: an all_reduce nobody else called returned")
                 continue
             try:
                 op = draw_op(rng, me, list(range(n)), None, self.args.max_elems, f"generation {g} op {i}",
@@ -134,7 +137,7 @@ class Rank:
                     if work is not None:   # (a blocking call's)
                         work.wait()
             except RuntimeError as exc:
-                failed = self._failed(g, exc) or True
+                failed = self._failed(g, exc)
                 continue
             problem = op.verify()
             self.stats["checked"] += 1
@@ -243,7 +246,6 @@ class Rank:
 
 def _gist(message):
     """An error's message without the numbers that differ between its occurrences."""
-    import re
     first = message.splitlines()[0] if message else ""
     return re.sub(r"\d+(\.\d+)?", "#", first)[:160]
 
