@@ -426,6 +426,8 @@ cdef class CoreComm:
         if tp is None:
             tp = self.algo_tp
         ierr = tp.classify(ierr)
+        if ierr == ENG_ERR_PEER_LEFT and self.destroyed:   # (TCP: free()'s own goodbye failed the call before
+            ierr = ENG_ERR_ABORTED                         # the call saw the group aborted)
         if ierr == ENG_ERR_ABORTED and self.orphaned is not None:
             return EngineError(f"{what}: {self.orphaned}")
         if ierr == ENG_ERR_ABORTED and self.destroyed:
