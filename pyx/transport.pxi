@@ -37,6 +37,8 @@ cdef class Transport:
         if not req_active(req):
             return 0
         w.req, w.st = req, st
+        if ctx != NULL and ctx.side_arg == <void*>self:
+            ctx.side = NULL   # (its polls move this channel: nudging it too would only cut the sleeps short)
         return wait_until(_poll_request, <void*>self, &w, ctx, self.door)
 
     cdef void cancel_all(self, Req *reqs, size_t n) noexcept nogil:
