@@ -266,6 +266,12 @@ class Communicator:
             self._core.check_usable(what)
 
     @property
+    def driver(self):
+        """What moves the user's messages left in flight while nothing waits on them: a progress thread
+        calls it while idle (engine._progress, Progress.drive)."""
+        return self._core.driver
+
+    @property
     def busy(self):
         """Calls of this group (its hierarchy's stages included) inside the engine now."""
         return sum(core.busy for core in self._cores())

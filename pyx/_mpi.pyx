@@ -4,7 +4,7 @@ send/recv) and MPI's native collectives, behind engine._core's seam."""
 
 from libc.stdlib cimport malloc, free, realloc
 from libc.limits cimport INT_MAX
-from libc.stdint cimport SIZE_MAX
+from libc.stdint cimport SIZE_MAX, uint32_t
 
 from mpi4py.libmpi cimport *
 from mpi4py.MPI cimport Comm
@@ -12,7 +12,7 @@ from mpi4py.MPI cimport Comm
 from pthread cimport pthread_mutex_t, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, pthread_mutex_destroy
 
 from kernels cimport *
-from shm cimport eng_now
+from shm cimport eng_now, eng_load32, eng_add32, eng_sub32
 from schedule cimport all_equal
 from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, posted_tag, CoreComm,
                            IMPL_NATIVE, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,

@@ -113,6 +113,11 @@ cdef class CoreComm:
         """Seconds a wait of this group spins on the calling thread before it yields."""
         return spin_budget(self.spin)
 
+    @property
+    def driver(self):
+        """(drive_transport, the user's channel: addresses; the channel): for engine._progress's drive()."""
+        return <size_t>drive_transport, <size_t><void*>self.user_tp, self.user_tp
+
     cdef void start(self, WaitCtx *ctx) noexcept:
         start_wait(ctx, self.hook, self.interval)
         ctx.alive = self.alive

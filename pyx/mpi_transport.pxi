@@ -58,6 +58,7 @@ cdef class MpiTransport(Transport):
     cdef pthread_mutex_t probing_lock
     cdef Req **probing            # the probing receives, oldest first
     cdef size_t nprobing, probing_cap
+    cdef uint32_t posted          # messages posted and not yet seen complete or cancelled (in_flight)
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
         """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
@@ -107,7 +108,10 @@ cdef class MpiTransport(Transport):
         cdef MPI_Datatype dt
         tag = posted_tag(self, tag)
         if recv and peer == ANY_PEER and self.probe_any:
-            return self._add_probing(buf, nbytes, tag, req)
+            ierr = self._add_probing(buf, nbytes, tag, req)
+            if not ierr:
+                eng_add32(&self.posted)
+            return ierr
         ierr = _byte_type(nbytes, &count, &dt)
         if ierr:
             return self.failed(ierr)
@@ -121,6 +125,7 @@ cdef class MpiTransport(Transport):
         if not ierr:
             req.w[0] = 2 if recv else 1
             req.w[2] = <size_t>(peer + 1) if recv and peer != ANY_PEER else 0
+            eng_add32(&self.posted)
         return self.failed(ierr)
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
@@ -159,6 +164,7 @@ cdef class MpiTransport(Transport):
             st.tag = status.MPI_TAG
             st.nbytes = <size_t>n
         req.w[0] = 0
+        eng_sub32(&self.posted)
         return 0
 
     cdef int _add_probing(self, void *buf, size_t nbytes, int tag, Req *req) noexcept nogil:
@@ -257,6 +263,18 @@ cdef class MpiTransport(Transport):
         else:
             req.w[0] = 2
 
+    cdef int in_flight(self) noexcept nogil:
+        # MPI moves a message only inside its calls (a large one's rendezvous needs its sender's): a
+        # probe runs its progress engine, and moves the probing receives.
+        cdef int flag = 0
+        if eng_load32(&self.posted) == 0:
+            return 0
+        if self.nprobing:
+            self.move_probing()
+        else:
+            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, MPI_STATUS_IGNORE)
+        return 1
+
     cdef int wait(self, Req *req, Status *st, WaitCtx *ctx) except -1 nogil:
         cdef MpiWait w
         if not req_active(req):
@@ -285,6 +303,7 @@ cdef class MpiTransport(Transport):
         cdef size_t i, state
         if not req_active(req):
             return 0
+        eng_sub32(&self.posted)   # (every way on leaves it inactive)
         if self.probe_any or req.w[0] & 0xFF >= _PROBING:
             pthread_mutex_lock(&self.probing_lock)
             state = req.w[0] & 0xFF

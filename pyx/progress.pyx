@@ -22,6 +22,9 @@ from shm cimport eng_now, eng_sleep
 #   and what they issue runs next, ahead of what other threads queued meanwhile: every rank issues its
 #   collectives in the same order whether a callback ran early or late (PowerSGD's hook issues two
 #   allreduces from callbacks while backward queues the next buckets'), as on a CUDA stream.
+# - drive(driver) / kick(): while it has nothing to run, the thread moves the point-to-point messages
+#   left in flight on the group's user channel (a pipeline stage's isend while it computes the next
+#   micro-batch), without the GIL, as Gloo's own threads do.
 
 import atexit
 import collections
@@ -79,6 +82,12 @@ def _drain_at_exit():
 
 cdef double ACTIVE_WINDOW = 0.02   # after the last submit the idle thread polls (no wake-up needed) this long,
 cdef double POLL = 1e-3            # every this often, without the GIL; then it sleeps until submit signals it
+cdef double DRIVE_SLEEP = 1e-3     # the longest sleep between moves of the user's messages in flight,
+cdef double DRIVE_NAP = 20e-6      # the first, after some moved (doubling while none do)
+cdef double DRIVE_AFTER = 1e-3     # the thread moves messages once the caller posted none for this long:
+                                   # a caller still posting and waiting moves them itself, uncontended
+
+ctypedef int (*channel_driver)(void *channel, double seconds) noexcept nogil
 
 
 cdef class Progress:
@@ -99,6 +108,12 @@ cdef class Progress:
     cdef str cb_of                  # whose callbacks (the task's name)
     cdef public double stall_seconds   # a waiter held this long behind callbacks fails (the group's timeout)
     cdef public double grace
+    cdef channel_driver driver      # moves the user's messages in flight (drive()), or NULL
+    cdef void *channel
+    cdef object channel_owner       # holds channel
+    cdef unsigned int kicks         # messages left in flight so far (kick())
+    cdef unsigned int quiet_at      # kicks when the thread last found none in flight
+    cdef double last_kick
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -122,6 +137,25 @@ cdef class Progress:
         # runs the newest first): the TCP transports' goodbye, MPI's finalize
         atexit.unregister(_drain_at_exit)
         atexit.register(_drain_at_exit)
+
+    def drive(self, driver):
+        """driver: (address of a function(channel, seconds) that moves the channel's messages in flight
+        and says whether some still are, address of the channel, its owner), a communicator's `driver`.
+        While the thread has nothing to run it moves the messages kick() reports, as Gloo's own threads
+        do: a peer blocked on one is not held up while this rank computes or waits outside the engine.
+        Set once, before any kick()."""
+        fn, channel, owner = driver
+        self.channel_owner = owner
+        self.channel = <void*><size_t>channel
+        self.driver = <channel_driver><size_t>fn
+
+    def kick(self):
+        """A message posted on the driven channel was left in flight: the thread moves it once the
+        caller has posted none for DRIVE_AFTER (a caller that waits sooner moves it itself)."""
+        if self.driver != NULL:
+            self.last_kick = eng_now()
+            self.kicks += 1
+            self._signal()
 
     def run(self, fn, a=None, b=None, c=None, int nargs=3, str name="op"):
         """fn(a, b, c) (its first nargs of them) now, in this thread, after everything queued before
@@ -362,20 +396,33 @@ cdef class Progress:
         """Waits, without the GIL, until there is a task the thread may start: one queued, nothing
         running, and the newest past its grace (a caller who waits at once has run it by then). Polls
         while submits are recent, then sleeps until submit() signals. It takes the GIL only to start a
-        task: a thread that woke for a task its caller then ran would make that caller wait for the GIL."""
-        cdef double t
+        task: a thread that woke for a task its caller then ran would make that caller wait for the GIL.
+        Meanwhile it moves the driven channel's messages left in flight (kick()) past their grace."""
+        cdef double t, nap = DRIVE_NAP
+        cdef unsigned int kicks
+        cdef int busy
         while True:
             t = eng_now()
             if self.closed:
                 return
             if self.pending and not self.running and t - self.last_submit >= self.grace:
                 return
+            if self.kicks != self.quiet_at and t - self.last_kick >= DRIVE_AFTER:
+                kicks = self.kicks   # (read first: a kick after it makes the next round drive again)
+                busy = self.driver(self.channel, nap)
+                if not busy:
+                    self.quiet_at = kicks
+                nap = DRIVE_NAP if busy != 1 else min(2 * nap, DRIVE_SLEEP)
+                continue
+            if self.kicks != self.quiet_at:
+                eng_sleep(min(max(self.last_kick + DRIVE_AFTER - t, 1e-6), POLL))
+                continue
             if self.pending or t - self.last_submit < ACTIVE_WINDOW:
                 eng_sleep(POLL)
                 continue
             pthread_mutex_lock(&self.mtx)
             self.deep = 1
-            if not (self.closed or self.pending):
+            if not (self.closed or self.pending or self.kicks != self.quiet_at):
                 pthread_cond_wait(&self.cond, &self.mtx)
             self.deep = 0
             pthread_mutex_unlock(&self.mtx)

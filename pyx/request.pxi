@@ -25,8 +25,12 @@ cdef class Request:
             _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else 0)
             self.comm.busy += 1
             try:
-                with nogil:
-                    ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+                eng_add32(&self.tp.waiting)   # (the progress thread leaves the channel to this wait)
+                try:
+                    with nogil:
+                        ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
+                finally:
+                    eng_sub32(&self.tp.waiting)
                 _request_check(self, ierr)
             finally:
                 self.comm.call_left()
@@ -71,6 +75,9 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
     comm.start(&r.ctx)
     r.ctx.hook = <void*>r
+    if r.ctx.alive == peers_alive and peer != ANY_PEER:   # (a rank that left fails only its own messages)
+        r.watch.peers, r.watch.peer = <Peers*>r.ctx.alive_arg, peer
+        r.ctx.alive, r.ctx.alive_arg = peer_alive, &r.watch
     if comm.aborted:
         raise comm.error(ENG_ERR_ABORTED, what, tp)
     if recv:

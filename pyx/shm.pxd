@@ -9,6 +9,7 @@ cdef extern from "shm.h" nogil:
     uint32_t eng_load32(const uint32_t *p)
     void eng_store32(uint32_t *p, uint32_t v)
     void eng_add32(uint32_t *p)
+    void eng_sub32(uint32_t *p)
     void eng_fence()
     void eng_futex_wait(uint32_t *addr, uint32_t val, double seconds)
     void eng_futex_wake(uint32_t *addr)

@@ -53,15 +53,38 @@ cdef int peers_alive(void *arg) noexcept nogil:
     before it exited as one that left."""
     cdef Peers *p = <Peers*>arg
     cdef int q
-    for q in range(p.n):
-        if q != p.self_rank and p.pids[q] > 0 and not _has_left(p, q) and not eng_pid_alive(p.pidfds[q], p.pids[q]):
-            p.dead = q
-            return ENG_ERR_PEER_DEAD
+    if _any_dead(p):
+        return ENG_ERR_PEER_DEAD
     for q in range(p.n):
         if q != p.self_rank and _has_left(p, q):
             p.dead = q
             return ENG_ERR_PEER_LEFT
     return 0
+
+
+cdef int peer_alive(void *arg) noexcept nogil:
+    """WaitCtx.alive of a message to or from one rank (a PeerWatch): a dead process fails it, whichever
+    rank (the group is lost, as over TCP), but a rank that left the group only where it is the peer:
+    the members still in it may go on exchanging messages (a rank that destroyed a group it is done
+    with, as Gloo allows)."""
+    cdef PeerWatch *w = <PeerWatch*>arg
+    cdef Peers *p = w.peers
+    if _any_dead(p):
+        return ENG_ERR_PEER_DEAD
+    if w.peer != p.self_rank and _has_left(p, w.peer):
+        p.dead = w.peer
+        return ENG_ERR_PEER_LEFT
+    return 0
+
+
+cdef bint _any_dead(Peers *p) noexcept nogil:
+    """Whether a peer's process is gone without leaving the group first (p.dead names it)."""
+    cdef int q
+    for q in range(p.n):
+        if q != p.self_rank and p.pids[q] > 0 and not _has_left(p, q) and not eng_pid_alive(p.pidfds[q], p.pids[q]):
+            p.dead = q
+            return True
+    return False
 
 
 cdef int _layout(SegHeader *h, int nranks, size_t half_bytes, size_t queue_bytes) noexcept nogil:

@@ -474,10 +474,38 @@ cdef class ShmTransport(Transport):
     cdef int nudge(self) noexcept nogil:
         # Never needed again soon: a peer rings this rank's doorbell when it writes frames to it, or
         # takes frames from it (room for the rest), and that ends the sleep of any wait of the group.
-        if pthread_mutex_trylock(&self.lock) == 0:
-            self.progress()
-            pthread_mutex_unlock(&self.lock)
+        self.in_flight()
         return 0
+
+    cdef int in_flight(self) noexcept nogil:
+        # Sends with frames still to write or an ACK to send, receives posted or half-read: each
+        # needs this rank to copy (a peer's failure ends that: its waits name it). 2: frames moved.
+        cdef int p
+        cdef bint busy, failed
+        cdef uint64_t before
+        if pthread_mutex_trylock(&self.lock) != 0:
+            return 1
+        before = self.positions()
+        failed = self.progress() != 0
+        busy = not failed and self.posted.head != NULL
+        if not (busy or failed):
+            for p in range(self.size):
+                if self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL or self.pr[p].incoming != NULL:
+                    busy = True
+                    break
+        if busy and self.positions() != before:
+            busy = 2
+        pthread_mutex_unlock(&self.lock)
+        return busy
+
+    cdef uint64_t positions(self) noexcept nogil:
+        """The sum of this rank's ring positions (what it wrote to each peer, what it read from each):
+        it moves when this rank moves frames."""
+        cdef uint64_t sum = 0
+        cdef int p
+        for p in range(self.size):
+            sum += eng_load_relaxed(self.head(self.rank, p)) + eng_load_relaxed(self.tail(p, self.rank))
+        return sum
 
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil:
         cdef PMsg *m = _new_msg(PM_SEND, <char*>buf, nbytes, peer, posted_tag(self, tag))

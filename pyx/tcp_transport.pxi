@@ -194,6 +194,9 @@ cdef class TcpTransport(Transport):
     cdef int nudge(self) noexcept nogil:
         return eng_tcp_nudge(self.t) if self.t != NULL else 0
 
+    cdef int in_flight(self) noexcept nogil:
+        return self.nudge()   # (the nudge's answer: no doorbell wakes a wait on another channel)
+
     cdef int cancel(self, Req *req) noexcept nogil:
         cdef tcp_req *r = <tcp_req*>req.w[0]
         if r == NULL:

@@ -12,6 +12,32 @@ cdef int nudge_transport(void *tp) noexcept nogil:
     return (<Transport>tp).nudge()
 
 
+cdef int drive_transport(void *tp, double seconds) noexcept nogil:
+    """What a progress thread with nothing to run calls on its group's user channel (CoreComm.driver):
+    the messages the user left in flight there move while the rank computes or waits outside the
+    engine (Gloo's own threads move them), so a peer blocked on one is not held up by this rank's
+    Python. Moves them now (Transport.in_flight); where some are still under way, sleeps at most
+    seconds on what wakes the channel's waits (TCP: poll on its sockets), else naps. Returns
+    in_flight()'s answer: 0 none under way, 2 some moved (the caller naps less), 1 neither. tp is
+    borrowed: the progress thread holds its transport and ends before the transport is released
+    (torchbridge's CpuDevice.shutdown)."""
+    cdef Doorbell *door = (<Transport>tp).door
+    cdef bint doze = door != NULL and door.doze != NULL
+    cdef uint32_t seq = eng_load32(door.bell) if doze else 0
+    cdef int busy
+    if eng_load32(&(<Transport>tp).waiting):   # (a wait on the channel moves it: this would only contend)
+        eng_sleep(seconds)
+        return 1
+    busy = (<Transport>tp).in_flight()
+    if not busy:
+        return 0
+    if doze:   # (shared memory's futex doorbell has one sleeper, the rank's waits: this thread naps)
+        door.doze(door.doze_obj, seq, seconds)
+    else:
+        eng_sleep(seconds)
+    return busy
+
+
 cdef class Transport:
     """Abstract: subclasses implement isend, irecv, test and cancel."""
 
@@ -58,6 +84,13 @@ cdef class Transport:
         receive the user posted goes on while this rank waits in a collective, as MPI's progress rule
         asks, since a peer may wait for that message before it joins the collective. A transport whose
         data moves by itself (MPI's) has nothing to do."""
+        return 0
+
+    cdef int in_flight(self) noexcept nogil:
+        """Moves this channel's messages now, unless another thread is moving them, without waiting;
+        returns whether a message posted here still needs this rank (a send not all written, a receive
+        whose data is still to come; 1 too where another thread holds the channel; 2 where some moved
+        just now). drive_transport's question."""
         return 0
 
     cdef void group_broke(self) noexcept:

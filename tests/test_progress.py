@@ -119,3 +119,66 @@ def test_a_caller_held_behind_a_callback_for_the_groups_timeout_fails_naming_it(
     finally:
         release.set()
         progress.close()
+
+
+class Channel:
+    """A channel as the progress thread sees it through drive(): a C function (ctypes) that says
+    whether messages are still in flight, recording when it was called."""
+
+    def __init__(self):
+        import ctypes
+        self.in_flight, self.calls, self.lock = 0, [], threading.Lock()
+        self.fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)(self._drive)
+        self.driver = (ctypes.cast(self.fn, ctypes.c_void_p).value, 0, self)
+
+    def _drive(self, channel, seconds):
+        import time
+        with self.lock:
+            self.calls.append(time.monotonic())
+            busy = self.in_flight
+        if busy:
+            time.sleep(seconds)
+        return busy
+
+
+def test_messages_left_in_flight_are_moved_once_the_caller_is_away():
+    """kick(): the thread moves the channel only once the caller posted nothing for 1 ms, keeps at it
+    while something is in flight, stops when nothing is, and runs a task submitted meanwhile first."""
+    import time
+    progress, channel = Progress(name="engine-progress-test"), Channel()
+    try:
+        progress.drive(channel.driver)
+        time.sleep(0.05)
+        assert channel.calls == []                       # nothing posted: never driven
+        channel.in_flight = 1
+        kicks, until = [], time.monotonic() + 0.05
+        while time.monotonic() < until:                  # the caller still posting: left to it
+            kicks.append(time.monotonic())
+            progress.kick()
+            time.sleep(0.0002)
+        with channel.lock:   # (a busy machine may sleep a kick's caller past 1 ms: the thread may go then)
+            early = [c for c in channel.calls if c - max(k for k in kicks if k <= c) < 1e-3]
+            channel.calls.clear()
+        assert not early, early
+        away = kicks[-1]
+        deadline = away + 5
+        while len(channel.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(channel.calls) >= 3 and channel.calls[0] >= away   # moved again and again while in flight
+        ran = threading.Event()
+        task = progress.submit(ran.set, (), "task")      # a task waits for no message
+        assert progress.wait(task, timeout=5) and ran.is_set()
+        channel.in_flight = 0
+        time.sleep(0.02)
+        with channel.lock:
+            seen = len(channel.calls)
+        time.sleep(0.05)
+        assert len(channel.calls) == seen                # nothing in flight: left alone
+        progress.kick()
+        deadline = time.monotonic() + 5
+        while len(channel.calls) == seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(channel.calls) == seen + 1            # a new kick: looked at once, found quiet
+    finally:
+        channel.in_flight = 1                            # (close() ends the thread however busy the channel)
+        progress.close()

@@ -303,7 +303,7 @@ cdef class FastPath:
     progress engine."""
     cdef bint cuda
     cdef public bint hooked         # the group has collective hooks: every call takes the general form
-    cdef object run, submit, check_usable
+    cdef object run, submit, check_usable, kick
     cdef list calls
     cdef object reduce, check_even_split
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
@@ -311,7 +311,7 @@ cdef class FastPath:
 
     def __init__(self, comm, progress, bint cuda):
         self.cuda = cuda   # True: CUDA exists; every call takes the general path, which routes by device
-        self.run, self.submit = progress.run, progress.submit
+        self.run, self.submit, self.kick = progress.run, progress.submit, progress.kick
         self.check_usable = comm.check_usable
         self.calls = [self._reduce_to_root if call == "reduce_to_root" else getattr(comm, call)
                       for _, _, call, _, _, _, _ in METHODS]
@@ -375,9 +375,9 @@ cdef class FastPath:
             w = PyList_GET_ITEM(self.works, i)    # borrowed: when 1, the list's reference is the only one
             if w.ob_refcnt == 1 and w != <PyObject *>None:
                 work = <object>w
-                work.reset(request, outputs)
+                work.reset(request, outputs, None, self.kick)
                 return work
-        work = PointToPointWork.of(request, outputs)
+        work = PointToPointWork.of(request, outputs, None, self.kick)
         self.works[self.next_work] = work
         self.next_work = (self.next_work + 1) % P2P_WORKS
         return work

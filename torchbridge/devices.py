@@ -54,6 +54,7 @@ class CpuDevice:
     def __init__(self, comm, progress):
         self.comm = comm
         self.progress = progress
+        progress.drive(comm.driver)   # (the messages left in flight move while the rank is elsewhere)
         self._fusion = FusedAllreduce(comm)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
@@ -85,13 +86,14 @@ class CpuDevice:
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
     def send(self, t, dst, tag, outputs):
-        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs)
+        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs, kick=self.progress.kick)
 
     def recv(self, t, src, tag, outputs):
         if t.is_contiguous():
-            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs)
+            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.progress.kick)
         tmp = contiguous(t)
-        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp))
+        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp),
+                                   kick=self.progress.kick)
 
     def shutdown(self):
         self.progress.close()

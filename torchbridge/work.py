@@ -134,13 +134,14 @@ class PointToPointWork(_OutputsWork):
     __slots__ = ("_request", "_outputs", "_finish", "_status", "_error", "_lock", "_future", "_callbacks")
 
     @staticmethod
-    def of(request, outputs, finish=None):
+    def of(request, outputs, finish=None, kick=None):
         work = PointToPointWork()
         work._lock = threading.Lock()
-        work.reset(request, outputs, finish)
+        work.reset(request, outputs, finish, kick)
         return work
 
-    def reset(self, request, outputs, finish=None):
+    def reset(self, request, outputs, finish=None, kick=None):
+        """kick(): called when the message is left in flight (its group's progress thread moves it)."""
         self._request = request
         self._outputs = outputs
         self._finish = finish
@@ -152,8 +153,12 @@ class PointToPointWork(_OutputsWork):
             try:
                 if request.test():
                     self._status = request.wait() or ()
+                    return
             except Exception as exc:
                 self._error = exc
+                return
+        if kick is not None:
+            kick()
 
     def wait(self, timeout=None):
         if self._status is not None:   # set last, once any staged copy is made: nothing left to do

@@ -142,6 +142,7 @@ cdef class Transport:
     cdef Doorbell *door # where its waits sleep (shared memory), or NULL (naps)
     cdef int tag_base   # added to every tag posted: the running collective's (CoreComm.invoke); 0 for the user's
     cdef bint wide_tags # its tags have 31 bits, room for the call's number (pyx/call_tags.h)
+    cdef uint32_t waiting   # threads waiting on a message of its now (Request.wait: drive_transport)
     cdef int isend(self, const void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int irecv(self, void *buf, size_t nbytes, int peer, int tag, Req *req) except -1 nogil
     cdef int test(self, Req *req, bint *done, Status *st) except -1 nogil
@@ -151,6 +152,7 @@ cdef class Transport:
     cdef int mismatch(self, int peer) noexcept nogil
     cdef void begin_call(self, int base) noexcept nogil
     cdef int nudge(self) noexcept nogil
+    cdef int in_flight(self) noexcept nogil
     cdef void group_broke(self) noexcept
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
@@ -417,9 +419,24 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
 cdef int nudge_transport(void *tp) noexcept nogil   # transport.pxi: a WaitCtx's side (CoreComm.start)
+cdef int drive_transport(void *tp, double seconds) noexcept nogil   # transport.pxi: CoreComm.driver's
 cdef tuple call_word_parts(uint64_t w)              # recorder.pxi
 cdef uint64_t call_key(const Call *c) noexcept nogil  # recorder.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi
+
+
+cdef struct Peers:
+    int n
+    int self_rank
+    int *pids
+    int *pidfds
+    char *ctrl          # the segment's control area: each rank's left word (a rank that left the group)
+    int dead            # the first rank found dead, or gone from the group, or -1
+
+
+cdef struct PeerWatch:      # a message's liveness check: its peer among the group's
+    Peers *peers
+    int peer
 
 
 cdef class Request:      # request.pxi; comm.pxi posts them
@@ -432,6 +449,7 @@ cdef class Request:      # request.pxi; comm.pxi posts them
     cdef int peer, tag
     cdef str what
     cdef WaitCtx ctx
+    cdef PeerWatch watch    # its ctx.alive's argument where the group checks its peers (shared memory)
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what)
 
@@ -461,16 +479,9 @@ cdef enum:
     NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
 
 
-cdef struct Peers:
-    int n
-    int self_rank
-    int *pids
-    int *pidfds
-    char *ctrl          # the segment's control area: each rank's left word (a rank that left the group)
-    int dead            # the first rank found dead, or gone from the group, or -1
 
-
-cdef int peers_alive(void *arg) noexcept nogil
+cdef int peers_alive(void *arg) noexcept nogil     # shm_segment.pxi: a WaitCtx's alive (Peers)
+cdef int peer_alive(void *arg) noexcept nogil      # the same for one peer's message (PeerWatch)
 cdef Transport shm_channel(ShmSegment seg, int channel)   # shm_transport.pxi
 
 

@@ -5,6 +5,7 @@ point-to-point and DDP. Launched by mpiexec with no RANK/WORLD_SIZE/MASTER_* set
 import datetime
 import inspect
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -299,6 +300,47 @@ def test_a_batch_in_flight_goes_on_while_its_ranks_wait_in_all_reduce():
         w.wait()
     assert torch.equal(inbox, torch.full((n,), float(left)))
     assert torch.equal(total, torch.full((1 << 16,), P * (P + 1) / 2))
+
+
+@pytest.mark.parametrize("outside", ["sender", "receiver"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "mpi"])
+def test_a_message_left_in_flight_moves_while_its_rank_is_outside_the_engine(monkeypatch, transport, outside):
+    """A pipeline stage posts its isend, then computes the next micro-batch: the message must reach its
+    receiver meanwhile, as Gloo's own threads move it. Rank 0 sends 4 MB to rank 1; one of them posts
+    its side and then waits outside the engine, in torch's store, for the other to say it is done. The
+    group's progress thread moves the message: on shared memory through 4 KiB frames (single copy
+    off, where both ranks copy), over TCP (beyond what the sockets buffer) and over MPI (whose
+    rendezvous needs the sender inside an MPI call). The other ranks destroy the group at once: a rank
+    that left fails only messages to or from it."""
+    if P == 1:
+        pytest.skip("point-to-point needs two ranks")
+    if transport == "mpi" and not os.environ.get("ENGINE_MPI_SUITE"):
+        pytest.skip("MPI needs an MPI launch")
+    if transport == "shm":
+        hosts = [None] * P
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) > 1:
+            pytest.skip("shared memory needs one host")
+    monkeypatch.setenv("ENGINE_TRANSPORT", transport)
+    monkeypatch.setenv("ENGINE_SHM_CMA", "0")
+    monkeypatch.setenv("ENGINE_SHM_QUEUE_BYTES", "4096")
+    group = dist.new_group()
+    store = dist.distributed_c10d._get_default_store()
+    done, n = f"engine-tests/left-in-flight/{transport}/{outside}", 1 << 20
+    try:
+        if R < 2:
+            buf = torch.full((n,), 7.0) if R == 0 else torch.zeros(n)
+            post = dist.isend if R == 0 else dist.irecv
+            if (R == 0) == (outside == "sender"):   # posts its side, then waits outside the engine
+                work = post(buf, 1 - R, group=group)
+                store.wait([done], datetime.timedelta(seconds=30))
+                work.wait()
+            else:
+                post(buf, 1 - R, group=group).wait()
+                store.set(done, "done")
+            assert torch.equal(buf, torch.full((n,), 7.0))
+    finally:
+        dist.destroy_process_group(group)
 
 
 def test_point_to_point_and_batch():
