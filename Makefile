@@ -1,6 +1,6 @@
-# make test  : create .venv (torch 2.13), .venv-torch2.14, .venv-torch2.15 and .venv-mpich at once, install MPI +
-#              the engine in each, run the whole suite on torch 2.13, then the torch-facing suites on torch 2.15,
-#              their version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
+# make test  : create .venv (torch 2.13) and run the whole suite on it while .venv-torch2.14, .venv-torch2.15 and
+#              .venv-mpich install behind it, install MPI + the engine in each, then run the torch-facing suites
+#              on torch 2.15, their version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
@@ -137,12 +137,16 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-# The environments' installs run together, the engine going into each as soon as .venv's build is done
-# (each line of their output whole: --output-sync); the suites one after another.
-test:
-	$(MAKE) -j3 --output-sync=line $(VENV)/.installed .venv-torch2.14/.installed .venv-torch2.15/.installed \
-		.mpich/.installed
-	$(MAKE) test-torch2.13 test-torch2.14 test-torch2.15 test-mpich
+# The later environments' packages (GBs of downloads, mostly waiting on the network) install in the
+# background at the lowest priority, from .venv's build through the first torch's suite, which they
+# delay little (their log follows it); the engine then goes into each, and the suites run one after another.
+LATER_PACKAGES := .venv-torch2.14/.packages .venv-torch2.15/.packages .venv-mpich/.packages
+test: $(VENV)/.packages
+	nice -n 19 $(MAKE) -j3 --output-sync=line $(LATER_PACKAGES) > .later-packages.log 2>&1 & later=$$!; \
+	$(MAKE) test-torch2.13; rc=$$?; \
+	wait $$later; later_rc=$$?; cat .later-packages.log; test $$rc -eq 0 && test $$later_rc -eq 0
+	$(MAKE) -j3 --output-sync=line .venv-torch2.14/.installed .venv-torch2.15/.installed .mpich/.installed
+	$(MAKE) test-torch2.14 test-torch2.15 test-mpich
 
 test-torch2.13: setup
 	$(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
@@ -203,4 +207,4 @@ asan: setup
 
 clean:
 	rm -rf build .asan .mpich engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages \
-		.venv-mpich/.packages
+		.venv-mpich/.packages .later-packages.log
