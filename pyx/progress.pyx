@@ -397,7 +397,8 @@ cdef class Progress:
         running, and the newest past its grace (a caller who waits at once has run it by then). Polls
         while submits are recent, then sleeps until submit() signals. It takes the GIL only to start a
         task: a thread that woke for a task its caller then ran would make that caller wait for the GIL.
-        Meanwhile it moves the driven channel's messages left in flight (kick()) past their grace."""
+        Meanwhile it moves the driven channel's messages left in flight (kick()) once the caller has
+        posted none for DRIVE_AFTER."""
         cdef double t, nap = DRIVE_NAP
         cdef unsigned int kicks
         cdef int busy

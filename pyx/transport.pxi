@@ -16,24 +16,16 @@ cdef int drive_transport(void *tp, double seconds) noexcept nogil:
     """What a progress thread with nothing to run calls on its group's user channel (CoreComm.driver):
     the messages the user left in flight there move while the rank computes or waits outside the
     engine (Gloo's own threads move them), so a peer blocked on one is not held up by this rank's
-    Python. Moves them now (Transport.in_flight); where some are still under way, sleeps at most
-    seconds on what wakes the channel's waits (TCP: poll on its sockets), else naps. Returns
-    in_flight()'s answer: 0 none under way, 2 some moved (the caller naps less), 1 neither. tp is
+    Python. Moves them now (Transport.in_flight), unless a thread waits on the channel; where some are
+    still under way, naps for seconds (never on the channel's own wake-ups: sleeping in TCP's poll, or
+    on the shared segment's doorbell, would take them from the waits of the rank's own threads).
+    Returns in_flight()'s answer: 0 none under way, 2 some moved (the caller naps less), 1 neither. tp is
     borrowed: the progress thread holds its transport and ends before the transport is released
     (torchbridge's CpuDevice.shutdown)."""
-    cdef Doorbell *door = (<Transport>tp).door
-    cdef bint doze = door != NULL and door.doze != NULL
-    cdef uint32_t seq = eng_load32(door.bell) if doze else 0
-    cdef int busy
-    if eng_load32(&(<Transport>tp).waiting):   # (a wait on the channel moves it: this would only contend)
-        eng_sleep(seconds)
-        return 1
-    busy = (<Transport>tp).in_flight()
-    if not busy:
-        return 0
-    if doze:   # (shared memory's futex doorbell has one sleeper, the rank's waits: this thread naps)
-        door.doze(door.doze_obj, seq, seconds)
-    else:
+    cdef int busy = 1
+    if not eng_load32(&(<Transport>tp).waiting):   # (a wait on the channel moves it: this would only contend)
+        busy = (<Transport>tp).in_flight()
+    if busy:
         eng_sleep(seconds)
     return busy
 

@@ -280,7 +280,8 @@ class StagedDevice:
 
     def recv(self, t, src, tag, outputs):
         host = _pinned(t)
-        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host))
+        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host),
+                                   kick=self.cpu.progress.kick)
 
     def abort(self, error):
         pass   # (its calls run on the group's CPU communicator, which the abort ends)
