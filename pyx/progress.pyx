@@ -408,15 +408,15 @@ cdef class Progress:
                 return
             if self.pending and not self.running and t - self.last_submit >= self.grace:
                 return
-            if self.kicks != self.quiet_at and t - self.last_kick >= DRIVE_AFTER:
-                kicks = self.kicks   # (read first: a kick after it makes the next round drive again)
+            kicks = self.kicks   # (read first: a kick after it makes the next round drive again)
+            if kicks != self.quiet_at:
+                if t - self.last_kick < DRIVE_AFTER:
+                    eng_sleep(min(self.last_kick + DRIVE_AFTER - t, POLL))
+                    continue
                 busy = self.driver(self.channel, nap)
                 if not busy:
                     self.quiet_at = kicks
                 nap = DRIVE_NAP if busy != 1 else min(2 * nap, DRIVE_SLEEP)
-                continue
-            if self.kicks != self.quiet_at:
-                eng_sleep(min(max(self.last_kick + DRIVE_AFTER - t, 1e-6), POLL))
                 continue
             if self.pending or t - self.last_submit < ACTIVE_WINDOW:
                 eng_sleep(POLL)

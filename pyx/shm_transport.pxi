@@ -480,8 +480,8 @@ cdef class ShmTransport(Transport):
     cdef int in_flight(self) noexcept nogil:
         # Sends with frames still to write or an ACK to send, receives posted or half-read: each
         # needs this rank to copy (a peer's failure ends that: its waits name it). 2: frames moved.
-        cdef int p
-        cdef bint busy, failed
+        cdef int p, busy
+        cdef bint failed
         cdef uint64_t before
         if pthread_mutex_trylock(&self.lock) != 0:
             return 1
@@ -491,7 +491,7 @@ cdef class ShmTransport(Transport):
         if not (busy or failed):
             for p in range(self.size):
                 if self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL or self.pr[p].incoming != NULL:
-                    busy = True
+                    busy = 1
                     break
         if busy and self.positions() != before:
             busy = 2

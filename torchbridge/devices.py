@@ -55,6 +55,7 @@ class CpuDevice:
         self.comm = comm
         self.progress = progress
         progress.drive(comm.driver)   # (the messages left in flight move while the rank is elsewhere)
+        self.kick = progress.kick     # (bound once: every message left in flight calls it)
         self._fusion = FusedAllreduce(comm)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
@@ -86,14 +87,14 @@ class CpuDevice:
     # Point-to-point is posted at once, never queued behind collectives, so an isend and an irecv to
     # the same peer can't block each other.
     def send(self, t, dst, tag, outputs):
-        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs, kick=self.progress.kick)
+        return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs, kick=self.kick)
 
     def recv(self, t, src, tag, outputs):
         if t.is_contiguous():
-            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.progress.kick)
+            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.kick)
         tmp = contiguous(t)
         return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp),
-                                   kick=self.progress.kick)
+                                   kick=self.kick)
 
     def shutdown(self):
         self.progress.close()
@@ -281,7 +282,7 @@ class StagedDevice:
     def recv(self, t, src, tag, outputs):
         host = _pinned(t)
         return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host),
-                                   kick=self.cpu.progress.kick)
+                                   kick=self.cpu.kick)
 
     def abort(self, error):
         pass   # (its calls run on the group's CPU communicator, which the abort ends)
