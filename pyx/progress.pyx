@@ -405,7 +405,10 @@ cdef class Progress:
         while True:
             t = eng_now()
             if self.closed:
-                return
+                if not self.running:
+                    return
+                eng_sleep(POLL)   # (aborted while a caller runs a task: the loop has nothing to do until it ends)
+                continue
             if self.pending and not self.running and t - self.last_submit >= self.grace:
                 return
             kicks = self.kicks   # (read first: a kick after it makes the next round drive again)

@@ -434,16 +434,18 @@ static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, s
 
 /* Progress, unless another thread holds the channel (it is making progress itself), without waiting;
  * returns whether messages are still in flight: sends not yet written, receives posted, messages
- * arriving. Nothing wakes a wait on another channel when this one's sockets are ready, so that wait
- * calls this again soon while it says so. */
+ * arriving (2 where bytes moved just now, as Transport.in_flight says). Nothing wakes a wait on another
+ * channel when this one's sockets are ready, so that wait calls this again soon while it says so. */
 static int eng_tcp_nudge(eng_tcp *t) {
   if (pthread_mutex_trylock(&t->lock) != 0) return 1;
+  uint64_t moved = t->moved;
   tcp_progress(t);
   int busy = t->posted_head != NULL;
   for (int q = 0; q < t->size && !busy; q++) {
     busy = t->peers[q].arriving != NULL;
     for (int s = 0; s < ENG_TCP_MAX_STREAMS && !busy; s++) busy = t->peers[q].out[s].head != NULL;
   }
+  if (busy && t->moved != moved) busy = 2;
   pthread_mutex_unlock(&t->lock);
   return busy;
 }

@@ -127,6 +127,7 @@ static int tcp_read_outcome(eng_tcp *t, int peer, ssize_t got) {
   }
   if (got == 0) return TCP_READ_EOF;
   t->peers[peer].heard = eng_now();
+  t->moved++;
   return TCP_READ_DATA;
 }
 

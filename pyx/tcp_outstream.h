@@ -64,6 +64,7 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
       return;
     }
     size_t left = (size_t)w;
+    t->moved += w > 0;
     if (o->hello_done < ENG_TCP_HELLO) {
       size_t k = ENG_TCP_HELLO - o->hello_done;
       if (k > left) k = left;

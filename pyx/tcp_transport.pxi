@@ -284,6 +284,10 @@ cdef class TcpTransport(Transport):
                     "in the middle of a message (after a failure of its own, which its error names)")
         if code == ENG_ERR_CONNECT:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
+            if e == ECONNREFUSED:   # (the host answered: nothing listens there, where the peer listened at the start)
+                return (f"could not connect to {self._who(p)}: {strerror(e).decode()}: nothing listens there now, so "
+                        "it left the group (destroyed or aborted it) or its process ended (where it never was "
+                        "reachable, the address is another host's: ENGINE_SOCKET_IFNAME chooses the interface)")
             return (f"could not connect to {self._who(p)}: {strerror(e).decode() if e else 'failed'} (is that "
                     "address reachable from this host? ENGINE_SOCKET_IFNAME chooses the interface)")
         if code == ENG_ERR_CORRUPT:

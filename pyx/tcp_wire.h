@@ -151,6 +151,7 @@ typedef struct eng_tcp {
   int npending;
   uint32_t gen;             /* completions so far: the channel's doorbell (a sleeper compares it before sleeping) */
   int sleepers;
+  uint64_t moved;           /* reads and writes that carried bytes: whether a nudge moved anything */
   struct pollfd *pfd;
   int *pwhat;               /* per pollfd: kind << 24 | peer << 4 | stream (or a pending index) */
   size_t pcap;

@@ -331,6 +331,16 @@ def test_a_part_whose_header_can_no_longer_come_fails_at_the_peers_end(rank0, cl
     s1.close()
 
 
+def test_a_peer_whose_listener_is_gone_is_named_as_having_left(rank0):
+    """A refused connection to a peer that listened when the group was made: its process ended or it
+    left the group; that is said first, and a wrong address (another host's) last."""
+    core, listener, _ = rank0
+    listener.close()
+    with pytest.raises(EngineError, match=r"could not connect to rank 1 \(rank1, 127\.0\.0\.1 port \d+\): "
+                       r"Connection refused: nothing listens there now, so it left the group .* or its process ended"):
+        core.send(np.zeros(4, np.uint8), 1, 0)
+
+
 def test_what_a_closed_peer_sent_is_still_received(rank0):
     core, _, ports = rank0
     s = connect(ports[1], hello() + header(MSG, 1, 0, 3, 3) + b"abc")
