@@ -10,6 +10,7 @@ one compiled core parses buffers, checks arguments and records every operation f
 import os
 import secrets
 import weakref
+import zlib
 
 import numpy as np
 
@@ -356,24 +357,25 @@ class Communicator:
 
     def allgather(self, sendbuf, recvbuf, counts=None):
         """recvbuf = concat(sendbuf of ranks 0..n-1); counts: elements per rank when they differ."""
-        self._check_signature("allgather", sendbuf)
+        self._check_signature("allgather", sendbuf, counts=counts)
         return self._core.allgather(sendbuf, recvbuf, counts)
 
     def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
-        self._check_signature("gather", sendbuf, root=root)
+        self._check_signature("gather", sendbuf, root=root, counts=counts)
         return self._core.gather(sendbuf, recvbuf, root, counts)
 
     def scatter(self, sendbuf, recvbuf, root=0, counts=None):
-        self._check_signature("scatter", recvbuf, root=root)
+        self._check_signature("scatter", recvbuf, root=root, counts=counts)
         return self._core.scatter(sendbuf, recvbuf, root, counts)
 
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
         """recvbuf = this rank's block of op(sendbuf of all ranks); counts: block sizes when uneven."""
-        self._check_signature("reduce_scatter", sendbuf, redop=op_code(op))
+        self._check_signature("reduce_scatter", sendbuf, redop=op_code(op), counts=counts)
         return self._core.reduce_scatter(sendbuf, recvbuf, op, counts)
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
-        self._check_signature("alltoall", sendbuf)
+        # (its own counts per rank: each rank's sizes are its own, as torch's DETAIL checks leave them)
+        self._check_signature("alltoall", sendbuf, counts=() if send_counts is not None else None)
         return self._core.alltoall(sendbuf, recvbuf, send_counts, recv_counts)
 
     def check_even_split(self, count, side):
@@ -397,16 +399,20 @@ class Communicator:
         """Whether fused allreduces pack straight into the transport's memory (shared memory)."""
         return hasattr(self._core, "allreduce_parts")
 
-    def _check_signature(self, op, buf, root=-1, redop=-1):
-        """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op."""
+    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None):
+        """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
+        counts: a call split by counts, whose buffers differ in size between the ranks by design: the
+        counts are compared instead (every rank passes the same), or nothing where they are empty (an
+        alltoall's, which are each rank's own)."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
-        shape = tuple(getattr(buf, "shape", ()) or ())[:5]
+        shape = tuple(getattr(buf, "shape", ()) or ())[:5] if counts is None else ()
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
-        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root, redop if isinstance(redop, int) else 100,
-                   self._core.seq + 1, len(shape))
+        count = info[0] if counts is None else zlib.crc32(np.asarray(counts, np.int64).tobytes()) if len(counts) else -1
+        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, count, root, redop if isinstance(redop, int) else 100,
+                   self._core.seq + 1, len(shape) if counts is None else -1)
         sig[7:7 + len(shape)] = shape
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
@@ -417,10 +423,11 @@ class Communicator:
         names = {v: k for k, v in _OP_IDS.items()}
 
         def describe(row):
-            nd = int(row[6])
-            return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} with {int(row[2])} "
-                    f"{_core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'} elements"
-                    + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd else "")
+            nd, dtype = int(row[6]), _core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'
+            elements = (f"with {int(row[2])} {dtype} elements" if nd >= 0 else
+                        f"of {dtype} split by counts (digest {int(row[2]):08x})" if row[2] >= 0 else f"of {dtype}")
+            return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} {elements}"
+                    + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")
                     + (f" root {int(row[3])}" if row[3] >= 0 else "")
                     + (f" op {ReduceOp(int(row[4])).name}" if 0 <= row[4] < len(ReduceOp) else ""))
 

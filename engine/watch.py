@@ -144,6 +144,7 @@ class Watch:
         self._noted = (0, 0)  # (seq, level): 1 arrival noted in the store, 2 stall warned
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
+        self._step = None       # the traced step waiting now (traced()), which no record names
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
         self._on_break_lock = threading.Lock()
@@ -181,6 +182,11 @@ class Watch:
         """Called by the core's waits every `interval` s; raises EngineTimeout at the timeout."""
         rec = self.core.current()
         if rec is None:
+            if self._step is not None and elapsed >= self.timeout:   # (a traced step: recorded by no core)
+                raise self._break(f"{self._step} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out "
+                                  f"after {elapsed:.1f} s (timeout {self.timeout:g} s): some rank never reached "
+                                  "this call (debug mode compares every rank's call first: ENGINE_DEBUG, "
+                                  "TORCH_DISTRIBUTED_DEBUG=DETAIL)", EngineTimeout)
             return
         self.check(rec, elapsed)
         if elapsed >= self.timeout:
@@ -278,13 +284,16 @@ class Watch:
 
     @contextlib.contextmanager
     def traced(self, name, count=None, dtype=None):
-        """A Python-side step (the debug-mode signature check) on the trace, not numbered."""
+        """A Python-side step (the debug-mode signature check) on the trace, not numbered; its waits end
+        at the group's timeout, as a call's do."""
         start = time.monotonic()
         state = "failed"
+        self._step = f"{name} #{self.core.seq + 1}"
         try:
             yield
             state = "done"
         finally:
+            self._step = None
             if self.trace is not None:
                 self.trace.add(self.group, (self.core.seq + 1, name, count, dtype, None, start, time.monotonic(),
                                             state, False))

@@ -20,6 +20,9 @@ typedef struct DLManagedTensor {
   void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6,
+       /* DLPack 1.1's small float formats (the engine moves them, never reduces them) */
+       kDLFloat8_e4m3fn = 10, kDLFloat8_e4m3fnuz = 11, kDLFloat8_e5m2 = 12, kDLFloat8_e5m2fnuz = 13,
+       kDLFloat8_e8m0fnu = 14, kDLFloat4_e2m1fn = 17 };
 enum { kDLCPU = 1, kDLCUDAHost = 3 };
 #endif

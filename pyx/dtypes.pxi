@@ -2,7 +2,9 @@
 # a (op, dtype) pair, resolved once and cached. The MPI datatypes and ops live in engine._mpi.
 
 DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-               "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+               "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+               "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+               "float4_e2m1fn_x2")   # (torch's names: its tensors are looked up by them)
 DTYPE_ITEMSIZES = tuple(eng_itemsize[i] for i in range(ENG_NDTYPES))
 DTYPE_CODES = {name: i for i, name in enumerate(DTYPE_NAMES)}
 
@@ -33,6 +35,11 @@ cdef void forget_resolved_ops() noexcept:
 cdef Reduction _builtin(int code, int dtype):
     cdef Reduction red = Reduction.__new__(Reduction)
     cdef int base = ENG_SUM if code == OP_AVG else code
+    if dtype >= ENG_FLOAT8_E4M3FN:
+        raise ValueError(
+            f"reduce op {OP_NAMES[code].upper()} is not supported for dtype {DTYPE_NAMES[dtype]}: the engine moves "
+            "8- and 4-bit float formats (all_gather, broadcast, all_to_all, scatter, gather, send/recv) but does "
+            "not reduce them; reduce in bfloat16 or float32 and cast the result")
     red.c.dtype = dtype
     red.c.code = base
     if code == OP_AVG:

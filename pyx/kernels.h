@@ -16,7 +16,11 @@
 enum eng_dtype {
   ENG_BOOL, ENG_INT8, ENG_UINT8, ENG_INT16, ENG_UINT16, ENG_INT32, ENG_UINT32,
   ENG_INT64, ENG_UINT64, ENG_FLOAT16, ENG_BFLOAT16, ENG_FLOAT32, ENG_FLOAT64,
-  ENG_COMPLEX64, ENG_COMPLEX128, ENG_NDTYPES
+  ENG_COMPLEX64, ENG_COMPLEX128,
+  /* Formats that move but are never reduced (as Gloo and NCCL before 2.24 treat them): no kernel
+   * row, so every reduce op on them is refused by name (engine._core's resolve_op). */
+  ENG_FLOAT8_E4M3FN, ENG_FLOAT8_E5M2, ENG_FLOAT8_E4M3FNUZ, ENG_FLOAT8_E5M2FNUZ, ENG_FLOAT8_E8M0FNU,
+  ENG_FLOAT4_E2M1FN_X2, ENG_NDTYPES
 };
 
 enum eng_op {
@@ -24,7 +28,7 @@ enum eng_op {
 };
 
 /* Bytes per element of each dtype. */
-static const size_t eng_itemsize[ENG_NDTYPES] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8, 8, 16};
+static const size_t eng_itemsize[ENG_NDTYPES] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8, 8, 16, 1, 1, 1, 1, 1, 1};
 
 /* dst[i] = a[i] (op) b[i]; dst may alias a or b. */
 typedef void (*eng_reduce_fn)(void *dst, const void *a, const void *b, size_t n);

@@ -42,7 +42,9 @@ cdef dict _DLPACK_DTYPES = {
     (kDLUInt, 16): ENG_UINT16, (kDLInt, 32): ENG_INT32, (kDLUInt, 32): ENG_UINT32, (kDLInt, 64): ENG_INT64,
     (kDLUInt, 64): ENG_UINT64, (kDLFloat, 16): ENG_FLOAT16, (kDLBfloat, 16): ENG_BFLOAT16,
     (kDLFloat, 32): ENG_FLOAT32, (kDLFloat, 64): ENG_FLOAT64, (kDLComplex, 64): ENG_COMPLEX64,
-    (kDLComplex, 128): ENG_COMPLEX128}
+    (kDLComplex, 128): ENG_COMPLEX128, (kDLFloat8_e4m3fn, 8): ENG_FLOAT8_E4M3FN, (kDLFloat8_e5m2, 8): ENG_FLOAT8_E5M2,
+    (kDLFloat8_e4m3fnuz, 8): ENG_FLOAT8_E4M3FNUZ, (kDLFloat8_e5m2fnuz, 8): ENG_FLOAT8_E5M2FNUZ,
+    (kDLFloat8_e8m0fnu, 8): ENG_FLOAT8_E8M0FNU}
 
 
 cdef int _format_dtype(const char *fmt, Py_ssize_t itemsize) except -2:
@@ -117,6 +119,8 @@ cdef Message as_message(object obj, bint writable, str role):
             raise ValueError(f"{role} lives on DLPack device type {t.device.device_type}; "
                              "the MPI path moves host memory only")
         code = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits), -1) if t.dtype.lanes == 1 else -1
+        if t.dtype.code == kDLFloat4_e2m1fn and t.dtype.bits == 4 and t.dtype.lanes == 2:
+            code = ENG_FLOAT4_E2M1FN_X2   # (two 4-bit values a byte: torch's float4_e2m1fn_x2)
         if code < 0:
             raise TypeError(f"{role} has an unsupported DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits)")
         m.count = 1

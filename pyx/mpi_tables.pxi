@@ -5,7 +5,7 @@
 # + 2 gives 255, not 2) once a message is a few hundred bytes long: their SUM and PRODUCT go through
 # the engine's kernels, which wrap as C and torch do (the conformance matrix caught it).
 
-cdef MPI_Datatype MPI_TYPES[15]  # ENG_NDTYPES
+cdef MPI_Datatype MPI_TYPES[21]  # ENG_NDTYPES
 cdef MPI_Op MPI_OPS_STD[7]    # ENG_NOPS, for integers and float32/64
 cdef MPI_Op MPI_OPS_BOOL[7]   # the logical twins for bool
 cdef MPI_Datatype ENG_MPI_FLOAT16 = MPI_DATATYPE_NULL   # two distinct 2-byte types, so the user-op
@@ -52,10 +52,11 @@ cdef int _init_mpi_tables() except -1:
     check(MPI_Type_commit(&ENG_MPI_FLOAT16), "MPI_Type_commit")
     check(MPI_Type_contiguous(2, MPI_BYTE, &ENG_MPI_BFLOAT16), "MPI_Type_contiguous")
     check(MPI_Type_commit(&ENG_MPI_BFLOAT16), "MPI_Type_commit")
-    # In the order of enum eng_dtype (kernels.h): bool, int8 .. uint64, float16, bfloat16, float32 .. complex128
+    # In the order of enum eng_dtype (kernels.h): bool, int8 .. uint64, float16, bfloat16, float32 .. complex128,
+    # then the 8- and 4-bit float formats, which only move (bytes)
     MPI_TYPES[:] = [MPI_C_BOOL, MPI_INT8_T, MPI_UINT8_T, MPI_INT16_T, MPI_UINT16_T, MPI_INT32_T, MPI_UINT32_T,
                     MPI_INT64_T, MPI_UINT64_T, ENG_MPI_FLOAT16, ENG_MPI_BFLOAT16, MPI_FLOAT, MPI_DOUBLE,
-                    MPI_C_FLOAT_COMPLEX, MPI_C_DOUBLE_COMPLEX]
+                    MPI_C_FLOAT_COMPLEX, MPI_C_DOUBLE_COMPLEX, MPI_BYTE, MPI_BYTE, MPI_BYTE, MPI_BYTE, MPI_BYTE, MPI_BYTE]
     MPI_OPS_STD[:] = [MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX, MPI_BAND, MPI_BOR, MPI_BXOR]
     MPI_OPS_BOOL[:] = [MPI_LOR, MPI_LAND, MPI_LAND, MPI_LOR, MPI_LAND, MPI_LOR, MPI_LXOR]
     check(MPI_Op_create(_mpi_eng_sum, 1, &MPI_ENGINE_OPS[0]), "MPI_Op_create")

@@ -68,8 +68,13 @@ def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_
 @pytest.mark.parametrize("transport", ["shm", "mpi", "tcp"])
 def test_debug_mode_mismatch_raises_on_every_rank(transport):
     """The signatures go round first (the point-to-point ring, on every transport): EngineMismatch, not
-    the group's timeout."""
+    the group's timeout. Before it (tests/faults/mismatch.py): calls uneven by design pass the check,
+    and a rank that never calls ends the check's wait at the group's timeout."""
     proc, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1", ENGINE_TRANSPORT=transport)
+    assert out.count(": uneven calls ok") == 2, out[-3000:]
+    alone = re.search(r"rank 0: alone, raised after [\d.]+ s: EngineTimeout: (allreduce signature check #1 of group "
+                      r"'\d+' \(rank 0 of 2\): Timed out after [\d.]+ s \(timeout 2 s\): some rank never reached)", out)
+    assert alone and 2 <= timed_out_after(alone.group(1)) < 6, out[-3000:]
     lines = re.findall(r"rank (\d): raised after ([\d.]+) s: EngineMismatch: (.*)", out)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], out[-3000:]
     for _, _, msg in lines:

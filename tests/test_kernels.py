@@ -226,6 +226,38 @@ def test_message_layer_reads_torch_numpy_and_dlpack_without_copies():
         message_info(OnlyDLPack(np.ones((4, 4))[:, ::2]))
 
 
+SMALL_FLOATS = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"]
+
+
+@pytest.mark.parametrize("name", SMALL_FLOATS)
+def test_small_float_formats_are_read_from_torch_and_dlpack_and_refused_by_every_reduce_op(name):
+    """torch's 8- and 4-bit float formats move as bytes (a torch tensor, or DLPack 1.1's codes:
+    float4_e2m1fn_x2 comes as 4 bits x 2 lanes), and every reduce op on them names the dtype and the fix."""
+    from engine._core import message_info
+    t = torch.arange(6, dtype=torch.uint8).view(getattr(torch, name))
+    assert message_info(t) == (t.data_ptr(), 6, name)
+
+    class OnlyDLPack:
+        def __init__(self, arr):
+            self.arr = arr
+
+        def __dlpack__(self, **kw):
+            return self.arr.__dlpack__(**kw)
+
+    assert message_info(OnlyDLPack(t)) == (t.data_ptr(), 6, name)
+    comm = engine.Communicator.from_store(None, 0, 1, transport="shm")
+    try:
+        out = torch.zeros(6, dtype=torch.uint8).view(t.dtype)
+        comm.allgather(t, out)
+        assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+        for op in ("sum", "product", "min", "max", "avg", "band"):
+            with pytest.raises(ValueError, match=f"reduce op {op.upper()} is not supported for dtype {name}: the "
+                               "engine moves .* reduce in bfloat16 or float32 and cast the result"):
+                comm.allreduce(t, op=op)
+    finally:
+        comm.free()
+
+
 # ---- every ISA's copy of the kernels computes the same bits ----
 
 def _f32(*bits):

@@ -43,6 +43,9 @@ def nccl_reduction(dtype, op):
 
 def check_reduction(dtype, op):
     """Raises a clear error for a pair no GPU path reduces."""
+    if dtype.startswith(("float8", "float4")):
+        raise TypeError(f"the engine does not reduce {dtype} tensors: it moves them (all_gather, "
+                        "broadcast, all_to_all, send/recv); reduce in bfloat16 or float32 and cast the result")
     if op == ReduceOp.AVG:
         if dtype not in FLOATING:
             raise TypeError(f"ReduceOp.AVG needs a floating dtype, got {dtype}; use SUM and divide yourself")

@@ -36,6 +36,7 @@ cdef extern from "dlpack.h":
         DLTensor dl_tensor
         void (*deleter)(DLManagedTensor *)
     enum: kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLComplex, kDLBool, kDLCPU, kDLCUDAHost
+    enum: kDLFloat8_e4m3fn, kDLFloat8_e4m3fnuz, kDLFloat8_e5m2, kDLFloat8_e5m2fnuz, kDLFloat8_e8m0fnu, kDLFloat4_e2m1fn
 
 
 cdef class Message:

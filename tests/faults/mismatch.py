@@ -1,5 +1,11 @@
-"""Under ENGINE_DEBUG=1, rank 0 all_reduces 100 elements and the others 200: every rank must raise a
-mismatch error that says which ranks differ and how."""
+"""Under ENGINE_DEBUG=1, at 2 ranks:
+1. calls whose sizes differ between the ranks by design (all_gather of uneven tensors, all_to_all_single
+   with uneven splits) pass the signature check, as torch's own DETAIL checks pass them;
+2. rank 1 never calls an all_reduce of a group with a 2 s timeout: rank 0's signature check ends at that
+   timeout, not never;
+3. rank 0 all_reduces 100 elements and rank 1 200: every rank must raise a mismatch error that says
+   which ranks differ and how."""
+import datetime
 import sys
 import time
 
@@ -8,9 +14,31 @@ import torch.distributed as dist
 
 dist.init_process_group(backend="engine")
 rank = dist.get_rank()
+
+uneven = dist.new_group([0, 1])
+outs = [torch.empty(r + 1) for r in range(2)]
+dist.all_gather(outs, torch.full((rank + 1,), float(rank)), group=uneven)
+out = torch.empty(3)   # rank r sends r + 1 elements to rank 0 and 2 - r to rank 1
+dist.all_to_all_single(out, torch.full((3,), float(rank)), [rank + 1, 2 - rank], [rank + 1, 2 - rank], group=uneven)
+ok = all(torch.equal(outs[r], torch.full((r + 1,), float(r))) for r in range(2)) and \
+    torch.equal(out, torch.tensor([0.0] * (1 + rank) + [1.0] * (2 - rank)))
+print(f"rank {rank}: uneven calls {'ok' if ok else 'WRONG'}", flush=True)
+
+short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+if rank == 0:
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3), group=short)
+        print(f"rank {rank}: all_reduce without rank 1 returned (unexpected)", flush=True)
+    except Exception as exc:
+        print(f"rank {rank}: alone, raised after {time.monotonic() - start:.2f} s: {type(exc).__name__}: {exc}",
+              flush=True)
+dist.barrier()
+
+mismatched = dist.new_group([0, 1])
 start = time.monotonic()
 try:
-    dist.all_reduce(torch.ones(100 if rank == 0 else 200))
+    dist.all_reduce(torch.ones(100 if rank == 0 else 200), group=mismatched)
     print(f"rank {rank}: no error (unexpected)", flush=True)
     sys.exit(2)
 except Exception as exc:

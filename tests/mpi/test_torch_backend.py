@@ -190,6 +190,61 @@ def test_all_to_all_equal_and_uneven_splits():
         assert torch.equal(outs[r], torch.full((r + 1,), r * 10 + R, dtype=torch.int64))
 
 
+SMALL_FLOATS = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                             "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n)]
+
+
+def _bytes_of(rank, n, dtype, salt=0):
+    """n elements of dtype holding every bit pattern (NaNs too): rank's data, compared as bytes."""
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype)
+
+
+def _same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", SMALL_FLOATS, ids=str)
+def test_small_float_formats_move_through_every_collective_and_are_never_reduced(dtype):
+    """torch's 8- and 4-bit float formats (FSDP2's float8 all-gather, a KV cache sent between
+    stages) move bit for bit; a reduction of them fails before anything moves, naming the fix, and
+    the group goes on (Gloo refuses all of these but send/recv)."""
+    n = 2 * P + 1   # (not a multiple of the group's size)
+    outs = [torch.empty(n, dtype=dtype) for _ in range(P)]
+    dist.all_gather(outs, _bytes_of(R, n, dtype))
+    assert all(_same(outs[r], _bytes_of(r, n, dtype)) for r in range(P))
+    flat = torch.empty(n * P, dtype=dtype)
+    dist.all_gather_into_tensor(flat, _bytes_of(R, n, dtype, salt=1))
+    assert _same(flat, torch.cat([_bytes_of(r, n, dtype, salt=1) for r in range(P)]))
+    t = _bytes_of(R, n, dtype, salt=2)
+    dist.broadcast(t, src=P - 1)
+    assert _same(t, _bytes_of(P - 1, n, dtype, salt=2))
+    out = torch.empty(3 * P, dtype=dtype)
+    dist.all_to_all_single(out, _bytes_of(R, 3 * P, dtype, salt=3))
+    assert _same(out, torch.cat([_bytes_of(r, 3 * P, dtype, salt=3)[3 * R:3 * R + 3] for r in range(P)]))
+    got = [torch.empty(n, dtype=dtype) for _ in range(P)] if R == 0 else None
+    dist.gather(_bytes_of(R, n, dtype, salt=4), got, dst=0)
+    if R == 0:
+        assert all(_same(got[r], _bytes_of(r, n, dtype, salt=4)) for r in range(P))
+    part = torch.empty(n, dtype=dtype)
+    dist.scatter(part, [_bytes_of(r, n, dtype, salt=5) for r in range(P)] if R == 0 else None, src=0)
+    assert _same(part, _bytes_of(R, n, dtype, salt=5))
+    if P > 1:
+        inbox = torch.empty(n, dtype=dtype)
+        works = [dist.isend(_bytes_of(R, n, dtype, salt=6), (R + 1) % P), dist.irecv(inbox, (R - 1) % P)]
+        for w in works:
+            w.wait()
+        assert _same(inbox, _bytes_of((R - 1) % P, n, dtype, salt=6))
+    name = str(dtype).split(".")[-1]
+    for reduce in (lambda x: dist.all_reduce(x), lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX),
+                   lambda x: dist.reduce(x, dst=0), lambda x: dist.reduce_scatter_tensor(x[:1], x.repeat(P)[:P])):
+        with pytest.raises(ValueError, match=f"not supported for dtype {name}: .* reduce in bfloat16 or float32"):
+            reduce(_bytes_of(R, n, dtype))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(P)))
+
+
 # What the latency path (torchbridge._fastpath) falls back to
 GENERAL_METHODS = ("_allreduce", "_broadcast", "_reduce", "_all_gather_into_tensor", "_reduce_scatter_tensor",
                    "_alltoall_base", "_traced_barrier")
