@@ -361,11 +361,11 @@ class Communicator:
         return self._core.allgather(sendbuf, recvbuf, counts)
 
     def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
-        self._check_signature("gather", sendbuf, root=root, counts=counts)
+        self._check_signature("gather", sendbuf, root=root, counts=counts, rooted=True)
         return self._core.gather(sendbuf, recvbuf, root, counts)
 
     def scatter(self, sendbuf, recvbuf, root=0, counts=None):
-        self._check_signature("scatter", recvbuf, root=root, counts=counts)
+        self._check_signature("scatter", recvbuf, root=root, counts=counts, rooted=True)
         return self._core.scatter(sendbuf, recvbuf, root, counts)
 
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
@@ -399,32 +399,47 @@ class Communicator:
         """Whether fused allreduces pack straight into the transport's memory (shared memory)."""
         return hasattr(self._core, "allreduce_parts")
 
-    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None):
+    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
         counts: a call split by counts, whose buffers differ in size between the ranks by design: the
         counts are compared instead (every rank passes the same), or nothing where they are empty (an
-        alltoall's, which are each rank's own)."""
+        alltoall's, which are each rank's own). rooted: a gather's or scatter's, given on the root only:
+        each rank's own count must be what the root's counts give it (all equal without counts)."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
-        shape = tuple(getattr(buf, "shape", ()) or ())[:5] if counts is None else ()
+        split = counts is not None or rooted
+        shape = tuple(getattr(buf, "shape", ()) or ())[:5] if not split else ()
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
-        count = info[0] if counts is None else zlib.crc32(np.asarray(counts, np.int64).tobytes()) if len(counts) else -1
-        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, count, root, redop if isinstance(redop, int) else 100,
-                   self._core.seq + 1, len(shape) if counts is None else -1)
+        digest = zlib.crc32(np.asarray(counts, np.int64).tobytes()) if counts is not None and len(counts) else -1
+        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0] if counts is None or rooted else digest, root,
+                   redop if isinstance(redop, int) else 100, self._core.seq + 1, -2 if rooted else -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
+        if rooted:
+            sig[7] = digest
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)
         rows = everyone.reshape(self.size, _SIG_LEN)
-        if (rows == rows[0]).all():
+        if not rooted and (rows == rows[0]).all():
             return
+        own = rows[:, 2]
+        if rooted and (rows[:, [0, 1, 3, 4, 5, 6]] == rows[0, [0, 1, 3, 4, 5, 6]]).all():
+            if not 0 <= root < self.size:
+                return   # (the call itself names the root out of range)
+            theirs = int(rows[root, 7])
+            if (own == own[0]).all() if theirs < 0 else zlib.crc32(own.astype(np.int64).tobytes()) == theirs:
+                return
+            raise self.watch.mismatch(
+                f"collective mismatch in group {self.name!r}: {op} #{int(rows[0, 5])} root {root}: the ranks' "
+                f"elements ({', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(own))}) are not "
+                + ("all the same" if theirs < 0 else f"the root's counts (digest {theirs:08x})"))
         names = {v: k for k, v in _OP_IDS.items()}
 
         def describe(row):
             nd, dtype = int(row[6]), _core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'
-            elements = (f"with {int(row[2])} {dtype} elements" if nd >= 0 else
+            elements = (f"with {int(row[2])} {dtype} elements" if nd >= -2 and nd != -1 else
                         f"of {dtype} split by counts (digest {int(row[2]):08x})" if row[2] >= 0 else f"of {dtype}")
             return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} {elements}"
                     + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")

@@ -48,6 +48,9 @@ def test_bad_reductions_raise_clear_errors():
         check_reduction("float32", ReduceOp.BXOR)
     with pytest.raises(TypeError, match="cannot reduce complex64"):
         check_reduction("complex64", ReduceOp.SUM)
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        with pytest.raises(TypeError, match="does not reduce float8_e4m3fn tensors: it moves them .* reduce in bfloat16"):
+            check_reduction("float8_e4m3fn", op)
 
 
 def test_forced_gpu_algorithm(monkeypatch):

@@ -72,6 +72,8 @@ def test_debug_mode_mismatch_raises_on_every_rank(transport):
     and a rank that never calls ends the check's wait at the group's timeout."""
     proc, out = launch("mismatch.py", 2, 60, ENGINE_DEBUG="1", ENGINE_TRANSPORT=transport)
     assert out.count(": uneven calls ok") == 2, out[-3000:]
+    assert len(re.findall(r"rank \d: counts: EngineMismatch: collective mismatch in group '\d+': gather #1 root 0: the "
+                          r"ranks' elements \(rank 0: 1, rank 1: 3\) are not the root's counts", out)) == 2, out[-3000:]
     alone = re.search(r"rank 0: alone, raised after [\d.]+ s: EngineTimeout: (allreduce signature check #1 of group "
                       r"'\d+' \(rank 0 of 2\): Timed out after [\d.]+ s \(timeout 2 s\): some rank never reached)", out)
     assert alone and 2 <= timed_out_after(alone.group(1)) < 6, out[-3000:]

@@ -1,6 +1,8 @@
 """Under ENGINE_DEBUG=1, at 2 ranks:
 1. calls whose sizes differ between the ranks by design (all_gather of uneven tensors, all_to_all_single
-   with uneven splits) pass the signature check, as torch's own DETAIL checks pass them;
+   with uneven splits, the engine's gather and scatter with counts on the root) pass the signature
+   check, as torch's own DETAIL checks pass them; a rank whose size is not what the root's counts say
+   fails it;
 2. rank 1 never calls an all_reduce of a group with a 2 s timeout: rank 0's signature check ends at that
    timeout, not never;
 3. rank 0 all_reduces 100 elements and rank 1 200: every rank must raise a mismatch error that says
@@ -22,7 +24,20 @@ out = torch.empty(3)   # rank r sends r + 1 elements to rank 0 and 2 - r to rank
 dist.all_to_all_single(out, torch.full((3,), float(rank)), [rank + 1, 2 - rank], [rank + 1, 2 - rank], group=uneven)
 ok = all(torch.equal(outs[r], torch.full((r + 1,), float(r))) for r in range(2)) and \
     torch.equal(out, torch.tensor([0.0] * (1 + rank) + [1.0] * (2 - rank)))
+comm = uneven.communicator   # (the engine's own gather and scatter take counts on the root only)
+got = torch.full((3,), -1.0)
+comm.gather(torch.full((rank + 1,), float(rank)), got if rank == 0 else None, root=0, counts=[1, 2] if rank == 0 else None)
+part = torch.empty(rank + 1)
+comm.scatter(torch.tensor([5.0, 6.0, 7.0]) if rank == 1 else None, part, root=1, counts=[1, 2] if rank == 1 else None)
+ok = ok and (rank != 0 or torch.equal(got, torch.tensor([0.0, 1.0, 1.0]))) and \
+    torch.equal(part, torch.tensor([5.0]) if rank == 0 else torch.tensor([6.0, 7.0]))
 print(f"rank {rank}: uneven calls {'ok' if ok else 'WRONG'}", flush=True)
+try:   # rank 1 gives 3 elements where the root's counts say 2
+    dist.new_group([0, 1]).communicator.gather(torch.ones(1 + 2 * rank), torch.empty(4) if rank == 0 else None, root=0,
+                                                counts=[1, 2] if rank == 0 else None)
+    print(f"rank {rank}: a gather against the root's counts returned (unexpected)", flush=True)
+except Exception as exc:
+    print(f"rank {rank}: counts: {type(exc).__name__}: {exc}", flush=True)
 
 short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
 if rank == 0:
