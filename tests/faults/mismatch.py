@@ -3,7 +3,7 @@
    with uneven splits, the engine's gather and scatter with counts on the root) pass the signature
    check, as torch's own DETAIL checks pass them; a rank whose size is not what the root's counts say
    fails it;
-2. rank 1 never calls an all_reduce of a group with a 2 s timeout: rank 0's signature check ends at that
+2. rank 1 never calls an all_reduce of a group with a 1 s timeout: rank 0's signature check ends at that
    timeout, not never;
 3. rank 0 all_reduces 100 elements and rank 1 200: every rank must raise a mismatch error that says
    which ranks differ and how."""
@@ -39,7 +39,7 @@ try:   # rank 1 gives 3 elements where the root's counts say 2
 except Exception as exc:
     print(f"rank {rank}: counts: {type(exc).__name__}: {exc}", flush=True)
 
-short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
 if rank == 0:
     start = time.monotonic()
     try:
