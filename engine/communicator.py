@@ -402,33 +402,32 @@ class Communicator:
     def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
         counts: a call split by counts, whose buffers differ in size between the ranks by design: the
-        counts are compared instead (every rank passes the same), or nothing where they are empty (an
-        alltoall's, which are each rank's own). rooted: a gather's or scatter's, given on the root only:
-        each rank's own count must be what the root's counts give it (all equal without counts)."""
+        counts are compared instead of each rank's own (every rank passes the same), or nothing where
+        they are empty (an alltoall's, which are each rank's own). rooted: a gather's or scatter's, given
+        on the root only: each rank's own count must be what the root's counts give it (all equal
+        without counts)."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
         split = counts is not None or rooted
-        shape = tuple(getattr(buf, "shape", ()) or ())[:5] if not split else ()
+        shape = () if split else tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
-        digest = zlib.crc32(np.asarray(counts, np.int64).tobytes()) if counts is not None and len(counts) else -1
-        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0] if counts is None or rooted else digest, root,
-                   redop if isinstance(redop, int) else 100, self._core.seq + 1, -2 if rooted else -1 if split else len(shape))
+        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root, redop if isinstance(redop, int) else 100,
+                   self._core.seq + 1, -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
-        if rooted:
-            sig[7] = digest
+        if counts is not None and len(counts):
+            sig[7] = zlib.crc32(np.asarray(counts, np.int64).tobytes())
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)
         rows = everyone.reshape(self.size, _SIG_LEN)
-        if not rooted and (rows == rows[0]).all():
-            return
-        own = rows[:, 2]
-        if rooted and (rows[:, [0, 1, 3, 4, 5, 6]] == rows[0, [0, 1, 3, 4, 5, 6]]).all():
-            if not 0 <= root < self.size:
-                return   # (the call itself names the root out of range)
-            theirs = int(rows[root, 7])
+        # (a split call's own counts differ by design; a rooted one's digest is the root's alone)
+        compared = [i for i in range(_SIG_LEN) if not (split and i == 2 or rooted and i == 7)]
+        if (rows[:, compared] == rows[0, compared]).all():
+            if not rooted or not 0 <= root < self.size:   # (the call itself names a root out of range)
+                return
+            own, theirs = rows[:, 2], int(rows[root, 7])
             if (own == own[0]).all() if theirs < 0 else zlib.crc32(own.astype(np.int64).tobytes()) == theirs:
                 return
             raise self.watch.mismatch(
@@ -438,10 +437,10 @@ class Communicator:
         names = {v: k for k, v in _OP_IDS.items()}
 
         def describe(row):
-            nd, dtype = int(row[6]), _core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'
-            elements = (f"with {int(row[2])} {dtype} elements" if nd >= -2 and nd != -1 else
-                        f"of {dtype} split by counts (digest {int(row[2]):08x})" if row[2] >= 0 else f"of {dtype}")
-            return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} {elements}"
+            nd = int(row[6])
+            return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} with {int(row[2])} "
+                    f"{_core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'} elements"
+                    + (f" split by counts (digest {int(row[7]):08x})" if nd < 0 and row[7] >= 0 else "")
                     + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")
                     + (f" root {int(row[3])}" if row[3] >= 0 else "")
                     + (f" op {ReduceOp(int(row[4])).name}" if 0 <= row[4] < len(ReduceOp) else ""))

@@ -5,7 +5,7 @@
 # + 2 gives 255, not 2) once a message is a few hundred bytes long: their SUM and PRODUCT go through
 # the engine's kernels, which wrap as C and torch do (the conformance matrix caught it).
 
-cdef MPI_Datatype MPI_TYPES[21]  # ENG_NDTYPES
+cdef MPI_Datatype MPI_TYPES[ENG_NDTYPES]
 cdef MPI_Op MPI_OPS_STD[7]    # ENG_NOPS, for integers and float32/64
 cdef MPI_Op MPI_OPS_BOOL[7]   # the logical twins for bool
 cdef MPI_Datatype ENG_MPI_FLOAT16 = MPI_DATATYPE_NULL   # two distinct 2-byte types, so the user-op
