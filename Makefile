@@ -189,7 +189,7 @@ torch-suite: setup
 # libstdc++ is preloaded beside the sanitizer's runtime so that its interceptor finds __cxa_throw (torch's
 # libraries throw C++ exceptions while they load).
 ASAN_PRELOAD = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
-ASAN_RUN = LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$(CURDIR)/.asan/report
+ASAN_RUN = LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:allocator_may_return_null=1:log_path=$(CURDIR)/.asan/report
 
 asan: setup
 	rm -rf .asan && mkdir .asan && $(COPY_TRACKED) .asan

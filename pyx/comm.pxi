@@ -310,8 +310,7 @@ cdef class CoreComm:
 
     cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
         """Runs call c with rule's implementation as one recorded operation of this group (a composite
-        entry: through its hierarchy). keep: buffers a failed point-to-point algorithm may still have
-        posted into (kept alive for good)."""
+        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails."""
         cdef OpRec *rec
         cdef WaitCtx ctx
         cdef int ierr = 0
@@ -361,8 +360,8 @@ cdef class CoreComm:
             exc_ = exc
         self.call_left()
         if exc_ is not None and keep is not None:
-            # The point-to-point algorithms and MPI's collectives post into the user's buffers; whatever
-            # a cancel can't take back must not land in freed memory.
+            # (a cancel can't take back all that MPI, the point-to-point algorithms or a peer's single
+            # copy still move: a failed call's buffers are never freed, so it lands in no reused memory)
             self.limbo.append(keep)
         self.log.end(rec, exc_)
         if exc_ is not None:
@@ -484,7 +483,7 @@ cdef class CoreComm:
         cdef Call c
         c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
         c.root = root
-        self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, None)
+        self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, m)
         return buf
 
     def reduce(self, sendbuf, recvbuf=None, op=0, int root=0):
@@ -502,7 +501,8 @@ cdef class CoreComm:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, root
-        self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count, None)
+        self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
+                    (ms, mr))
         return recvbuf if recvbuf is not None else sendbuf
 
     def allgather(self, sendbuf, recvbuf, counts=None):
@@ -514,7 +514,7 @@ cdef class CoreComm:
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
         _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
         self.invoke(&c, self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None),
-                    mr.count, None)
+                    mr.count, (ms, mr))
         return recvbuf
 
     def gather(self, sendbuf, recvbuf=None, int root=0, counts=None):
@@ -543,7 +543,7 @@ cdef class CoreComm:
         for i in range(self.size):
             largest = max(largest, c.counts[i])
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
-                                    counts is not None, None), ms.count, None)
+                                    counts is not None, None), ms.count, (ms, mr))
         return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
@@ -569,7 +569,7 @@ cdef class CoreComm:
         c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
         self.invoke(&c, self.select(OP_ALLTOALL, sent * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None), ms.count,
-                    None)
+                    (ms, mr))
         return recvbuf
 
     def check_even_split(self, size_t count, str side):
@@ -684,7 +684,7 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     c.root = root
     _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
     self.invoke(&c, self.select(op, _nbytes(mine), mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
-                None)
+                (ms, mr))
 
 
 cdef Request _post_user(CoreComm self, object buf, int peer, object tag_, bint recv, str call, str what):

@@ -349,7 +349,7 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
       it->req = r;
       items[k++] = it;
     }
-    r->items = (size_t)k;
+    r->items = r->frames = (size_t)k;
     r->state = TCP_ACTIVE;
     for (int j = 0; j < k; j++) TCP_PUSH(p->out[j].head, p->out[j].tail, items[j]);
     for (int j = 0; j < k; j++) tcp_out_progress(t, peer, j);   /* a small message is usually out now */
@@ -494,7 +494,7 @@ static int eng_tcp_cancel(eng_tcp *t, tcp_req *r) {
     free(r);
   } else {
     tcp_peer *p = &t->peers[r->peer];
-    int started = 0;
+    int started = r->items < r->frames;   /* (a frame written whole has left its queue) */
     for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++)
       for (tcp_item *it = p->out[s].head; it != NULL; it = it->next)
         if (it->req == r && (it->hdr_done || it->done)) started = 1;

@@ -22,6 +22,7 @@ static int tcp_open_message(eng_tcp *t, int peer, tcp_instream *in) {
   m->tag = h->tag;
   m->seq = h->seq;
   m->total = (size_t)h->a;
+  m->claimed = (size_t)h->b;
   if (r != NULL) tcp_bind(t, r, m);
   else {
     m->buf = (char *)malloc(m->total ? m->total : 1);
@@ -53,7 +54,10 @@ static int tcp_open_part(eng_tcp *t, int peer, tcp_instream *in) {
     if (h->seq >= p->recv_seq) return 0;
     return tcp_corrupt(t, peer), 1;
   }
-  if (h->a > m->total || h->b > m->total - h->a || h->b > m->total - m->arrived) return tcp_corrupt(t, peer), 1;
+  /* (claimed, not arrived: a part still arriving on another stream must not be counted twice, or the
+   * message would complete, and be freed, under it) */
+  if (h->a > m->total || h->b > m->total - h->a || h->b > m->total - m->claimed) return tcp_corrupt(t, peer), 1;
+  m->claimed += (size_t)h->b;
   in->msg = m;
   in->off = (size_t)h->a;
   in->left = (size_t)h->b;

@@ -64,6 +64,7 @@ struct tcp_req {
   char *buf;
   size_t len;
   size_t items;             /* send: frames not yet written whole */
+  size_t frames;            /* send: its frames (one per stream it was split over) */
   tcp_in *in;               /* receive: the message arriving into it */
   int src, rtag;            /* receive: its status */
   size_t nbytes;
@@ -74,6 +75,7 @@ struct tcp_in {
   int peer, tag;
   uint64_t seq;
   size_t total, arrived;
+  size_t claimed;           /* bytes its MSG and PART headers so far said they carry (<= total) */
   char *buf;                /* where its bytes go; NULL: discarded */
   int owns;                 /* buf is the transport's (a message nobody asked for yet) */
   int complete;

@@ -172,6 +172,7 @@ class FaultToleranceScenarios(ForkedRanks):
     def test_abort_ends_a_blocked_call_within_a_second_then_reconfigure_recovers(self):
         self._reconfigured("abort", 1200)
         hooks = []
+        self.backend.register_abort_hook(2, lambda: 1 / 0)   # first: reported, and the abort goes on
         self.backend.register_abort_hook(0, lambda: hooks.append(time.monotonic()))
         self.backend.register_abort_hook(1, lambda: hooks.append("unregistered"))
         self.backend.unregister_abort_hook(1)

@@ -294,6 +294,74 @@ def test_whatever_a_peer_that_proved_the_token_sends_ends_in_messages_or_an_erro
         fakes[1].close()
 
 
+def test_a_part_claiming_bytes_another_stream_carries_fails_naming_the_peer(rank0):
+    """A MSG frame says 4096 of 8192 bytes follow on stream 0 (none in yet); a PART on stream 1 then
+    claims all 8192. The parts claim more than the message holds: malformed, not a message complete
+    (which would be freed while stream 0 still reads into it)."""
+    core, _, ports = rank0
+    r = core.irecv(np.zeros(8192, np.uint8), 1, 7)
+    s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, 8192, 4096))
+    assert keeps_waiting(r)     # its header is read and bound to r
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, 0, 8192) + b"x" * 8192)
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
+        r.wait()
+    s0.close()
+    s1.close()
+
+
+def test_a_cancelled_send_whose_part_went_out_still_sends_its_first_frame(rank0):
+    """A message split over two streams: its part (stream 1) went out whole while its first frame waits
+    on stream 0 behind others. Cancelled then, the first frame still goes out (from a copy of the
+    buffer): the peer holds the part, and without the frame would see a malformed stream."""
+    core, listener, _ = rank0
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    listener.settimeout(5)
+    filler = np.zeros((1 << 20) - 1, np.uint8)          # under split_min: stream 0 only
+    early = [core.isend(filler, 1, 1) for _ in range(24)]
+    conns = {}
+
+    def accept_both():
+        while len(conns) < 2:
+            c, _ = listener.accept()
+            conns[struct.unpack_from("<I", recv_exact(c, HELLO), 36)[0]] = c   # (by its stream)
+
+    acceptor = threading.Thread(target=accept_both)
+    acceptor.start()
+    while acceptor.is_alive():
+        early[-1].test()    # (progress: connecting, the hellos)
+        time.sleep(0.001)
+    payload = np.random.default_rng(2).integers(0, 255, 2 << 20, dtype=np.uint8)
+    r = core.isend(payload, 1, 2)
+    part = []
+    reader = threading.Thread(target=lambda: part.append(recv_exact(conns[1], HDR + (1 << 20))))
+    reader.start()
+    while reader.is_alive():
+        r.test()
+        time.sleep(0.001)
+    assert part and part[0][:HDR] == header(PART, 2, 24, 1 << 20, 1 << 20)
+    assert not r.test()     # (its first frame is still queued)
+    del r
+    gc.collect()            # the Request's end cancels it
+    frames = []
+
+    def read_stream_0():
+        while not frames or frames[-1][1] != 3:
+            kind, tag, seq, a, b = struct.unpack("<IiQQQ", recv_exact(conns[0], HDR))
+            body = recv_exact(conns[0], b)
+            frames.append((kind, tag, seq, a, b, body if tag != 1 else None))
+
+    reader = threading.Thread(target=read_stream_0)
+    reader.start()
+    core.send(np.frombuffer(b"end", np.uint8), 1, 3)
+    for q in early:
+        q.wait()
+    reader.join(10)
+    assert [f[2] for f in frames] == list(range(26))
+    assert frames[24][:5] == (MSG, 2, 24, 2 << 20, 1 << 20) and frames[24][5] == payload[:1 << 20].tobytes()
+    for c in conns.values():
+        c.close()
+
+
 def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0

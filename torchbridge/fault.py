@@ -20,8 +20,6 @@ from engine import handles as _handles
 
 from .work import CompletedWork, in_seconds
 
-RELEASE_SECONDS = 30.0    # how long a release waits for a call still inside an aborted group to leave
-
 
 def reconfigured():
     """Whether this process's world now has other members than its launcher started (a reconfigure or
@@ -224,8 +222,7 @@ class FaultTolerance:
         in flight where it waits on its members (the meet, the new group's making), after running the
         abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
         fresh uuid, or make a new group."""
-        for hook in list(self._abort_hooks.values()):
-            hook()
+        _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
             self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
                                      "waited for its members")
@@ -299,11 +296,11 @@ class FaultTolerance:
             return
 
         def reap():
-            until = time.monotonic() + RELEASE_SECONDS
-            while not idle() and time.monotonic() < until:
-                time.sleep(0.001)
-            if idle():
-                free()
+            nap = 0.001
+            while not idle():   # (a call left running ends at its timeout at the latest)
+                time.sleep(nap)
+                nap = min(2 * nap, 0.05)
+            free()
 
         threading.Thread(target=reap, name="engine-abort-release", daemon=True).start()
 
@@ -362,16 +359,16 @@ if _make_shrunk is not None:
 
 
 def _run_abort_hooks(hooks, name, why):
-    """The group's abort hooks, when a failure (a timeout, a lost peer, a mismatch) leaves it unusable:
-    torch's contract runs them "when a collective times out or fails", for a capture before the group
-    is torn down. In the thread that saw the failure; a hook that raises is reported, and the failure
-    itself is still what the call raises."""
+    """The group's abort hooks, on abort() and when a failure (a timeout, a lost peer, a mismatch)
+    leaves it unusable: torch's contract runs them "when a collective times out or fails", for a capture
+    before the group is torn down. In the thread that saw the failure; a hook that raises is reported,
+    and the abort, or the failure the call raises, goes on."""
     for hook_id, hook in list(hooks.items()):
         try:
             hook()
         except Exception as exc:
             print(f"engine: abort hook {hook_id} of process group {name!r} raised {type(exc).__name__}: {exc} "
-                  f"(it ran because the group failed: {why})", file=sys.stderr, flush=True)
+                  f"(it ran because {why})", file=sys.stderr, flush=True)
 
 
 def own_transport():
