@@ -248,6 +248,11 @@ class Watch:
         if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)) and self.core.broken is None:
             # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
             self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)])
+        elif self.core.broken is None and not isinstance(exc, (ValueError, TypeError, EngineAborted)):
+            # Anything else out of a running collective (a KeyboardInterrupt, a hook's error) left its steps
+            # half done here: the peers' steps, still in it, would pair with this rank's next call's.
+            self.core.set_broken(f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}) "
+                                 f"ended midway: {failure.describe(exc)}", "a call that ended midway")
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return

@@ -694,6 +694,7 @@ cdef Request _post_user(CoreComm self, object buf, int peer, object tag_, bint r
         raise ValueError(f"{call}: {'source' if recv else 'destination'} rank {peer} is out of range for a group "
                          f"of size {self.size}" + (" (use None for any source)" if recv else ""))
     cdef int tag = tag_
-    if not (recv and tag == ANY_TAG_) and (tag < 0 or tag > 32767):   # MPI guarantees tags up to 32767
-        raise ValueError(f"tag {tag} is out of range; use 0..32767")
+    cdef int top = 0x7FFFFFFF if self.user_tp.wide_tags else 32767   # (all MPI promises; Gloo's are ints)
+    if not (recv and tag == ANY_TAG_) and (tag < 0 or tag > top):
+        raise ValueError(f"tag {tag} is out of range; use 0..{top}")
     return post_request(self, self.user_tp, buf, peer, tag, recv, what)

@@ -11,6 +11,11 @@ cdef class Request:
         watch = self.comm.p2p_watch
         if watch is not None:
             watch.peer_timeout(self.what, None if self.peer == ANY_PEER else self.peer, self.tag, elapsed)
+        if self.deadline:
+            if eng_now() >= self.deadline:
+                raise EngineTimeout(f"Work.wait: {self.what} did not complete within the wait's timeout (it stays "
+                                    "posted: wait on it again; the group's timeout ends it if its peer never comes)")
+            self.ctx.next_check = min(self.ctx.next_check, self.deadline)
 
     def __dealloc__(self):
         # (a forked child's copy of a request stays: cancelling touches the parent's transport)
@@ -18,11 +23,15 @@ cdef class Request:
             if self.tp.cancel(&self.req):
                 _LIMBO.append(self.msg)
 
-    def wait(self):
-        """Blocks (without the GIL) until complete; returns (source, tag, count) for receives."""
+    def wait(self, timeout=None):
+        """Blocks (without the GIL) until complete; returns (source, tag, count) for receives. timeout
+        (seconds): raises EngineTimeout after it, the request still posted."""
         cdef int ierr = 0
         if not self.done:   # aborted: the transport may be released already, so it is not touched
             _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else 0)
+            if timeout is not None:
+                self.deadline = eng_now() + max(<double>timeout, 1e-6)
+                self.ctx.next_check = min(self.ctx.next_check, self.deadline)
             self.comm.busy += 1
             try:
                 eng_add32(&self.tp.waiting)   # (the progress thread leaves the channel to this wait)
@@ -33,6 +42,7 @@ cdef class Request:
                     eng_sub32(&self.tp.waiting)
                 _request_check(self, ierr)
             finally:
+                self.deadline = 0
                 self.comm.call_left()
             self.done = True
         return self._result()

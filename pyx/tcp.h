@@ -467,13 +467,16 @@ static void eng_tcp_sleep(eng_tcp *t, uint32_t gen, double seconds) {
   }
   memcpy(mine, t->pfd, (size_t)n * sizeof *mine);
   t->sleepers++;
+  uint32_t wakes = t->wakes;
   pthread_mutex_unlock(&t->lock);
   ppoll(mine, (nfds_t)n, ENG_TIMEOUT(seconds), NULL);
   free(mine);
   pthread_mutex_lock(&t->lock);
   t->sleepers--;
-  uint64_t drain;
-  if (read(t->wake_fd, &drain, sizeof drain) < 0) drain = 0;
+  if (t->wakes != wakes && --t->unwoken <= 0) {   /* every sleeper of the last write is up */
+    uint64_t drain;
+    if (read(t->wake_fd, &drain, sizeof drain) < 0) drain = 0;
+  }
   pthread_mutex_unlock(&t->lock);
 }
 

@@ -153,6 +153,8 @@ typedef struct eng_tcp {
   int npending;
   uint32_t gen;             /* completions so far: the channel's doorbell (a sleeper compares it before sleeping) */
   int sleepers;
+  uint32_t wakes;           /* eventfd writes so far; a sleeper notes it when it lies down */
+  int unwoken;              /* sleepers the last write must still wake: the eventfd is drained at 0 */
   uint64_t moved;           /* reads and writes that carried bytes: whether a nudge moved anything */
   struct pollfd *pfd;
   int *pwhat;               /* per pollfd: kind << 24 | peer << 4 | stream (or a pending index) */
@@ -218,6 +220,8 @@ static inline void tcp_wake(eng_tcp *t) {
     uint64_t one = 1;
     ssize_t w = write(t->wake_fd, &one, sizeof one);
     (void)w;
+    t->wakes++;
+    t->unwoken = t->sleepers;   /* (the first to wake must not drain it under the others) */
   }
 }
 

@@ -29,6 +29,7 @@ from libc.stdint cimport int64_t
 
 import datetime
 
+import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 from torch.autograd import profiler as _profiler
@@ -383,6 +384,31 @@ cdef class FastPath:
         return work
 
 
+# The options of the methods of shape `tensors`, which torch's ProcessGroup also takes in other forms
+# (DDP's join calls allreduce(tensor)).
+OVERLOADED = {"allreduce": _c10d.AllreduceOptions, "broadcast": _c10d.BroadcastOptions,
+              "reduce": _c10d.ReduceOptions}
+
+
+def _overload(str name, options, tensors, arg, op):
+    """torch's other forms of a group's allreduce, broadcast and reduce as (tensors, options): one
+    tensor for the list; for the options none (the defaults), allreduce's reduce op, broadcast's
+    root, reduce's root and reduce op."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    if isinstance(arg, options):
+        return tensors, arg
+    opts = options()
+    if arg is not None:
+        if name == "allreduce":
+            opts.reduceOp = arg
+        else:
+            opts.rootRank = arg
+    if op is not None and name == "reduce":
+        opts.reduceOp = op
+    return tensors, opts
+
+
 # The fast form of each shape: a c10d method of the group (its first argument), falling back to the
 # group's general form of the same method.
 
@@ -390,7 +416,11 @@ def _fast_form(Method m, str shape, str title):
     general = m.general
 
     if shape == "tensors":
-        def method(group, tensors, opts=None):
+        options = OVERLOADED[m.name]
+
+        def method(group, tensors, opts=None, op=None):
+            if type(tensors) is not list or type(opts) is not options:
+                tensors, opts = _overload(m.name, options, tensors, opts, op)
             if len(tensors) == 1:
                 work = (<FastPath?>group._fast).collective(m, tensors[0], None, opts, tensors)
                 if work is not None:
@@ -409,8 +439,11 @@ def _fast_form(Method m, str shape, str title):
             return getattr(group, general)(output, input, output_split_sizes, input_split_sizes, opts)
     elif shape == "none":
         def method(group, opts=None):
-            work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
-            return work if work is not None else getattr(group, general)(opts)
+            if opts is None or opts.timeout.total_seconds() < 0:   # (a barrier's own timeout: the general form's)
+                work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
+                if work is not None:
+                    return work
+            return getattr(group, general)(opts)
     elif shape == "p2p":
         def method(group, tensors, peer, tag):
             work = (<FastPath?>group._fast).message(m, tensors, peer, tag)

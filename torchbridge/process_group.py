@@ -4,7 +4,9 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
+import functools
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -377,7 +379,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         if not tensors:
             return self._barrier()
         sync = opts is not None and not opts.asyncOp
-        return self._device(tensors[0]).fused(tensors, op, None, factor or 1.0, "allreduce_coalesced", sync)
+        return self._device(tensors[0]).fused(tensors, op, None, 1.0 if factor is None else factor,
+                                              "allreduce_coalesced", sync)
 
     @traced("fused_allreduce", first)
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
@@ -458,7 +461,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             comm.allgather(contiguous(inp), flat, uneven(counts))
             _scatter_back(flat, outs)
 
-        return dev.launch("allgather", run, None, None, None, 0, output_lists, opts)
+        return dev.launch("allgather", run, None, None, None, 0, outs, opts)   # (its Work's result: Gloo's)
 
     allgather = traced("all_gather", second)(_allgather)
 
@@ -480,7 +483,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         return works[-1] if works else self._barrier()
 
     @traced("gather", second)
-    def gather(self, output_lists, input_tensors, opts):
+    def gather(self, output_lists, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.GatherOptions()
         inp = _one(input_tensors, "gather")
         dev = self._device(inp)
         root, comm = opts.rootRank, dev.comm
@@ -497,14 +501,14 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             comm.gather(contiguous(inp), flat, root, uneven(counts))
             _scatter_back(flat, outs)
 
-        return dev.launch("gather", run, None, None, None, 0, output_lists, opts)
+        return dev.launch("gather", run, None, None, None, 0, outs, opts)
 
     @traced("gather_single", second_one)
-    def gather_single(self, output, input, opts):
+    def gather_single(self, output, input, opts=None):
         """torch 2.15's dist.gather_single (gather_into_tensor): every rank's input, in rank order, into
         one tensor on the root (the others pass an empty one; the core checks the root's size and dtype)."""
         dev = self._device(input)
-        root, comm = opts.rootRank, dev.comm
+        root, comm = opts.rootRank if opts is not None else 0, dev.comm
         if self.rank() != root:
             return dev.launch("gather", lambda: comm.gather(contiguous(input), None, root), None, None, None, 0,
                               [output], opts)
@@ -514,7 +518,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     gather_into_tensor = gather_single
 
     @traced("scatter", root_inputs)
-    def scatter(self, output_tensors, input_lists, opts):
+    def scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ScatterOptions()
         out = _one(output_tensors, "scatter")
         dev = self._device(out)
         root, comm = opts.rootRank, dev.comm
@@ -561,7 +566,11 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _barrier(self, opts=None):
         # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
         # on the GPU); CUDA work already enqueued keeps its own order.
-        return self._cpu.launch("barrier", getattr(self._comm, "barrier", None), None, None, None, 0, [], opts)
+        barrier = getattr(self._comm, "barrier", None)
+        seconds = getattr(opts, "timeout", timedelta(-1)).total_seconds()
+        if seconds > 0 and barrier is not None:   # dist.barrier(timeout=...): this call's own (unset: negative)
+            barrier = functools.partial(barrier, timeout=seconds)
+        return self._cpu.launch("barrier", barrier, None, None, None, 0, [], opts)
 
     _traced_barrier = traced("barrier")(_barrier)
 

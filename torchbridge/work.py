@@ -168,11 +168,16 @@ class PointToPointWork(_OutputsWork):
         lock.acquire()   # (not `with`: on every message, and half the cost)
         try:
             if self._status is None and self._error is None:
+                seconds = in_seconds(timeout) if timeout else None
                 try:
-                    status = self._request.wait() or ()
+                    status = (self._request.wait() if seconds is None else self._request.wait(seconds)) or ()
                     if self._finish is not None:
                         self._finish()
                     self._status = status
+                except EngineTimeout as exc:
+                    if seconds is not None:   # (a wait with a timeout: the message stays posted, as Gloo's)
+                        raise
+                    self._error = exc
                 except Exception as exc:
                     self._error = exc
                 callbacks, self._callbacks = self._callbacks, None
