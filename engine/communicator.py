@@ -343,7 +343,7 @@ class Communicator:
 
         algorithm: None (ENGINE_ALLREDUCE_ALGO, else the rules), or the name of one of this group's
         allreduce entries (engine.registry; self.core.algorithms lists them)."""
-        self._check_signature("allreduce", sendbuf, redop=op_code(op))
+        self._check_signature("allreduce", sendbuf, redop=op_code(op), out=recvbuf)
         return self._core.allreduce(sendbuf, recvbuf, op, algorithm)
 
     def broadcast(self, buf, root=0):
@@ -357,7 +357,7 @@ class Communicator:
 
     def allgather(self, sendbuf, recvbuf, counts=None):
         """recvbuf = concat(sendbuf of ranks 0..n-1); counts: elements per rank when they differ."""
-        self._check_signature("allgather", sendbuf, counts=counts)
+        self._check_signature("allgather", sendbuf, counts=counts, out=recvbuf)
         return self._core.allgather(sendbuf, recvbuf, counts)
 
     def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
@@ -370,12 +370,12 @@ class Communicator:
 
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None):
         """recvbuf = this rank's block of op(sendbuf of all ranks); counts: block sizes when uneven."""
-        self._check_signature("reduce_scatter", sendbuf, redop=op_code(op), counts=counts)
+        self._check_signature("reduce_scatter", sendbuf, redop=op_code(op), counts=counts, out=recvbuf)
         return self._core.reduce_scatter(sendbuf, recvbuf, op, counts)
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
         # (its own counts per rank: each rank's sizes are its own, as torch's DETAIL checks leave them)
-        self._check_signature("alltoall", sendbuf, counts=() if send_counts is not None else None)
+        self._check_signature("alltoall", sendbuf, counts=() if send_counts is not None else None, out=recvbuf)
         return self._core.alltoall(sendbuf, recvbuf, send_counts, recv_counts)
 
     def check_even_split(self, count, side):
@@ -408,16 +408,19 @@ class Communicator:
         """Whether fused allreduces pack straight into the transport's memory (shared memory)."""
         return hasattr(self._core, "allreduce_parts")
 
-    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False):
+    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False, out=None):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
         counts: a call split by counts, whose buffers differ in size between the ranks by design: the
         counts are compared instead of each rank's own (every rank passes the same), or nothing where
         they are empty (an alltoall's, which are each rank's own). rooted: a gather's or scatter's, given
         on the root only: each rank's own count must be what the root's counts give it (all equal
-        without counts)."""
+        without counts). out: the output, refused here as the call would refuse it (not contiguous: the
+        adapter then calls again with a copy), before this rank's check pairs with its peers'."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
+        if out is not None:
+            _core.message_shape(out)
         split = counts is not None or rooted
         shape = () if split else tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)

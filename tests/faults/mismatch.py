@@ -1,8 +1,9 @@
 """Under ENGINE_DEBUG=1, at 2 ranks:
 1. calls whose sizes differ between the ranks by design (all_gather of uneven tensors, all_to_all_single
    with uneven splits, the engine's gather and scatter with counts on the root) pass the signature
-   check, as torch's own DETAIL checks pass them; a rank whose size is not what the root's counts say
-   fails it;
+   check, as torch's own DETAIL checks pass them, and so does an all_gather_into_tensor whose output is
+   contiguous on one rank only (the other's goes through a copy); a rank whose size is not what the
+   root's counts say fails it;
 2. rank 1 never calls an all_reduce of a group with a 1 s timeout: rank 0's signature check ends at that
    timeout, not never;
 3. rank 0 all_reduces 100 elements and rank 1 200: every rank must raise a mismatch error that says
@@ -24,6 +25,9 @@ out = torch.empty(3)   # rank r sends r + 1 elements to rank 0 and 2 - r to rank
 dist.all_to_all_single(out, torch.full((3,), float(rank)), [rank + 1, 2 - rank], [rank + 1, 2 - rank], group=uneven)
 ok = all(torch.equal(outs[r], torch.full((r + 1,), float(r))) for r in range(2)) and \
     torch.equal(out, torch.tensor([0.0] * (1 + rank) + [1.0] * (2 - rank)))
+whole = torch.empty(2, 4) if rank == 0 else torch.empty(4, 2).t()   # rank 1's output not contiguous
+dist.all_gather_into_tensor(whole, torch.full((4,), float(rank)), group=uneven)   # (its check runs once)
+ok = ok and torch.equal(whole, torch.tensor([[0.0] * 4, [1.0] * 4]))
 comm = uneven.communicator   # (the engine's own gather and scatter take counts on the root only)
 got = torch.full((3,), -1.0)
 comm.gather(torch.full((rank + 1,), float(rank)), got if rank == 0 else None, root=0, counts=[1, 2] if rank == 0 else None)
