@@ -112,10 +112,11 @@ cdef int backoff_tick(Backoff *b, WaitCtx *ctx, double t) except -1 nogil:
 
 
 cdef uint32_t doze_begin(Doorbell *d) noexcept nogil:
-    """Marks this rank asleep on its doorbell; the caller checks its condition once more, then doze_end()s."""
+    """Marks this rank asleep on its doorbell; the caller checks its condition once more, then doze_end()s.
+    (A count: the rank's threads share the doorbell, and one waking must not unmark another still asleep.)"""
     cdef uint32_t seq = eng_load32(d.bell)
     if d.asleep != NULL:
-        eng_store32(d.asleep, 1)
+        eng_add32(d.asleep)
     return seq
 
 
@@ -127,7 +128,7 @@ cdef void doze_end(Doorbell *d, uint32_t seq, bint sleep, double seconds) noexce
         else:
             eng_futex_wait(d.bell, seq, seconds)
     if d.asleep != NULL:
-        eng_store32(d.asleep, 0)
+        eng_sub32(d.asleep)
 
 
 cdef int wait_until(poll_fn poll, void *obj, void *arg, WaitCtx *ctx, Doorbell *door) except -1 nogil:

@@ -95,7 +95,7 @@ ctypedef void (*doze_fn)(void *obj, uint32_t seq, double seconds) noexcept nogil
 
 cdef struct Doorbell:
     uint32_t *bell      # a counter whoever publishes something bumps (shared memory: a futex word it rings)
-    uint32_t *asleep    # set while this rank sleeps on it (shared memory), or NULL
+    uint32_t *asleep    # how many of this rank's threads sleep on it (shared memory), or NULL
     doze_fn doze        # the transport's own sleep until bell moves (TCP: poll on its sockets), or NULL: the futex
     void *doze_obj
 
