@@ -384,13 +384,14 @@ class Communicator:
 
     def barrier(self, timeout=None):
         """timeout (seconds): this call's own, not the group's (dist.barrier(timeout=...))."""
-        self._check_signature("barrier", None)
         if timeout is None:
+            self._check_signature("barrier", None)
             self._core.barrier()
             return
         group = self.watch.timeout
         self.set_timeout(timeout)
         try:
+            self._check_signature("barrier", None)
             self._core.barrier()
         finally:
             self.set_timeout(group)
