@@ -38,6 +38,16 @@ def test_torch_suites_under_torchrun(nranks):
     assert_every_rank_passed(proc.stdout, nranks, skips=nranks == 1)
 
 
+def test_torch_backend_suite_in_debug_mode_under_torchrun():
+    """tests/mpi/test_torch_backend.py with ENGINE_DEBUG=1 (every collective's signature compared
+    first), 2 ranks: the signature check must neither hang nor flag what the suite calls alike
+    (uneven calls, a copied output, a call's own timeout) as a mismatch."""
+    proc = run_pytest(2, [os.path.join(HERE, "mpi", "test_torch_backend.py")], timeout=300,
+                      env={"ENGINE_TIMEOUT": "20", "ENGINE_DEBUG": "1"})
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert_every_rank_passed(proc.stdout, 2)
+
+
 def test_matrix_over_tcp_under_torchrun():
     """The conformance matrix's TCP rows on one host without MPI (ENGINE_TRANSPORT=tcp), 3 ranks."""
     proc = run_pytest(3, [os.path.join(HERE, "mpi", "test_matrix.py")], timeout=300,

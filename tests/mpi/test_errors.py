@@ -294,7 +294,7 @@ def test_a_collective_that_ends_midway_breaks_the_group_rather_than_pair_with_th
         raise Interrupted()
 
     n = 1 << 16
-    sub = WORLD.subgroup(range(P), transport=transport, timeout=1.0)
+    sub = WORLD.subgroup(range(P), transport=transport, timeout=0.5)
     sub.allreduce(np.ones(n, np.float32), algorithm=algorithm)    # (connected: the next call waits for rank 1)
     WORLD.barrier()
     if R == 0:
@@ -310,7 +310,7 @@ def test_a_collective_that_ends_midway_breaks_the_group_rather_than_pair_with_th
                                                      r"ended midway: Interrupted\)"):
             sub.allreduce(np.full(n, 100, np.float32), algorithm=algorithm)
     else:
-        time.sleep(0.6)
+        time.sleep(0.4)
         y = np.full(n, 2, np.float32)
         try:
             sub.allreduce(y, algorithm=algorithm)
