@@ -212,6 +212,15 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         """The engine Communicator behind this group (CPU tensors)."""
         return self._comm
 
+    def _get_sequence_number_for_group(self):
+        """How many collectives the group has run (Gloo's and NCCL's count, which torch's debugging
+        tools compare across ranks); its CPU communicator's."""
+        comm = self._comm
+        return comm.core.seq if comm is not None and comm.core is not None else 0
+
+    def _set_sequence_number_for_group(self):
+        pass   # (every rank's count starts at 0 with the group: nothing to agree on)
+
     # -- the group as its own per-device backend --
     # torch keeps a C++ Backend per device for its own groups and reaches it with _get_backend(device)
     # (monitored_barrier, timeouts, splitting, eager init); a Backend can't be made in Python, and torch

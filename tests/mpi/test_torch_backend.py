@@ -582,8 +582,9 @@ def test_ddp_join_with_unused_parameters_matches_gloo():
 
 def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
     """The group object's methods as torch's ProcessGroup takes them besides the (tensors, options)
-    form: a bare tensor, a reduce op or root in place of the options, no options; and the results an
-    all_gather's and a gather's Work hold (the output tensors, one list, as Gloo's)."""
+    form: a bare tensor, a reduce op or root in place of the options, no options; the results an
+    all_gather's and a gather's Work hold (the output tensors, one list, as Gloo's); the group's count of
+    its collectives."""
     pg = dist.group.WORLD
     for group in (pg, GLOO):
         t = torch.full((3,), float(R + 1))
@@ -618,6 +619,10 @@ def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
     t = torch.ones(3)
     dist.all_reduce_coalesced([t], op=dist._make_nccl_premul_sum(0.0))   # (a factor of 0 is a factor)
     assert torch.equal(t, torch.zeros(3))
+    before = pg._get_sequence_number_for_group()    # (the count torch's debugging tools compare, as Gloo's)
+    dist.all_reduce(t)
+    dist.barrier()
+    assert pg._get_sequence_number_for_group() == before + 2
 
 
 def test_a_receives_wait_with_a_timeout_raises_and_the_message_still_arrives():
