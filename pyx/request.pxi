@@ -13,8 +13,9 @@ cdef class Request:
             watch.peer_timeout(self.what, None if self.peer == ANY_PEER else self.peer, self.tag, elapsed)
         if self.deadline:
             if eng_now() >= self.deadline:
-                raise EngineTimeout(f"Work.wait: {self.what} did not complete within the wait's timeout (it stays "
-                                    "posted: wait on it again; the group's timeout ends it if its peer never comes)")
+                raise EngineTimeout(f"Work.wait: Timed out after {self.limit:g} s waiting for {self.what} to complete "
+                                    "(it stays posted: wait on it again; the group's timeout ends it if its peer "
+                                    "never comes)")
             self.ctx.next_check = min(self.ctx.next_check, self.deadline)
 
     def __dealloc__(self):
@@ -30,7 +31,8 @@ cdef class Request:
         if not self.done:   # aborted: the transport may be released already, so it is not touched
             _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else 0)
             if timeout is not None:
-                self.deadline = eng_now() + max(<double>timeout, 1e-6)
+                self.limit = max(<double>timeout, 1e-6)
+                self.deadline = eng_now() + self.limit
                 self.ctx.next_check = min(self.ctx.next_check, self.deadline)
             self.comm.busy += 1
             try:

@@ -452,6 +452,7 @@ cdef class Request:      # request.pxi; comm.pxi posts them
     cdef WaitCtx ctx
     cdef PeerWatch watch    # its ctx.alive's argument where the group checks its peers (shared memory)
     cdef double deadline    # the running wait's own end (Work.wait(timeout)); 0: the group's timeout only
+    cdef double limit       # that wait's timeout, in seconds
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what)
 
