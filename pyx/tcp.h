@@ -424,8 +424,8 @@ static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, s
   } else if (t->other_peer >= 0) {
     rc = ENG_ERR_OTHER_CALL;
     *err_peer = t->other_peer;
-  } else if (t->sys_errno == ENOMEM) {
-    rc = ENG_ERR_NOMEM;
+  } else if (t->sys_errno == ENOMEM || t->sys_errno == EMFILE || t->sys_errno == ENFILE) {
+    rc = ENG_ERR_NOMEM;   /* (out of descriptors: a peer's connection waits unaccepted, the listener ever ready) */
     *err_peer = -1;
   }
   pthread_mutex_unlock(&t->lock);

@@ -14,6 +14,7 @@ cdef extern from "tcp.h" nogil:
         int listen_fd
         int rejected
         int said_bye
+        int sys_errno
         uint32_t gen
     ctypedef struct tcp_req:
         pass
@@ -293,6 +294,9 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_CORRUPT:
             return (f"{self._who(p)} sent a malformed frame: refusing to read it (a bug, or not an engine peer); "
                     "its connection is closed")
+        if code == ENG_ERR_NOMEM and p < 0 and self.t.sys_errno in (EMFILE, ENFILE):
+            return (f"rank {self.rank} could not accept a peer's connection: {strerror(self.t.sys_errno).decode()}: "
+                    "raise the process's limit (ulimit -n) or make fewer groups")
         if code == ENG_ERR_NOMEM and 0 <= p < self.size:
             return (f"out of memory for a message from {self._who(p)} that no receive had asked for yet (it is "
                     "held whole, the size its header says); its connection is closed")

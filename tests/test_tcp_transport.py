@@ -362,6 +362,26 @@ def test_a_cancelled_send_whose_part_went_out_still_sends_its_first_frame(rank0)
         c.close()
 
 
+def test_a_rank_out_of_descriptors_fails_saying_so_instead_of_spinning(rank0):
+    """A connection the rank can't accept (EMFILE: its descriptors are used up) leaves the listener
+    ready for ever: the wait fails saying so, not at the timeout after spinning on it."""
+    import resource
+    core, _, ports = rank0
+    peer = socket.socket()
+    r = core.irecv(np.zeros(4, np.uint8), 1, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(f) for f in os.listdir("/proc/self/fd")}
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(set(range(len(used) + 1)) - used), hard))   # (the lowest free)
+    try:
+        peer.connect(("127.0.0.1", ports[1]))   # (no descriptor of this process's: the listener's accept fails)
+        with pytest.raises(EngineError, match=r"rank 0 could not accept a peer's connection: Too many open files: "
+                                              r"raise the process's limit \(ulimit -n\)"):
+            r.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        peer.close()
+
+
 def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0
