@@ -139,6 +139,7 @@ class Communicator:
             self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
                                                               if layouts[0] is not None else set()), stage=_stage)
             agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
+                             "ENGINE_CUDA_TRANSPORT": os.environ.get("ENGINE_CUDA_TRANSPORT", "auto"),
                              "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
             return agreed, self.plan.digest()[0]
         layouts = []   # (this rank's: hierarchy.layout())

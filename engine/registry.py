@@ -340,15 +340,18 @@ def tunables(transport=None):
 def settings(transport):
     """What the plan of a group on `transport` is made of, by variable: the value of each threshold and
     parameter of its entries (the environment's, a tuning file's or the default; not a rank's own,
-    Tunable.local), the algorithms forced on it, and a hash of the tuning file's rules for it. The
-    ranks of a group must share them (engine.communicator compares them first)."""
-    out = {t.env: t.value() for t in tunables(transport) if not t.local}
+    Tunable.local), the algorithms forced on it, and a hash of the tuning file's rules for it; and the
+    same of the NCCL plan its CUDA tensors take (its ranks choose alike, or one runs the engine's ring
+    while another calls ncclAllReduce). The ranks of a group must share them (engine.communicator
+    compares them first)."""
+    mine = (transport, "nccl")
+    out = {t.env: t.value() for t in tunables(transport) + tunables("nccl") if not t.local}
     for coll in COLLECTIVES:
-        forced = [(t, n) for t, n in forced_items(coll) if t in (None, transport)]
+        forced = [(t, n) for t, n in forced_items(coll) if t in (None, *mine)]
         if forced:
             out[force_variable(coll)] = ",".join(f"{t}:{n}" if t else n for t, n in forced)
     doc = tuned()
-    rules = sorted((k, v) for k, v in (doc["rules"].items() if doc else ()) if k[1] == transport)
+    rules = sorted((k, v) for k, v in (doc["rules"].items() if doc else ()) if k[1] in mine)
     if rules:
         out["ENGINE_TUNING_FILE"] = f"rules {hashlib.sha1(repr(rules).encode()).hexdigest()[:12]}"
     return out

@@ -357,9 +357,11 @@ cdef class ShmTransport(Transport):
 
     cdef int _pull(self, PMsg *r, int peer, int tag, size_t nbytes, uint64_t addr, uint64_t id) noexcept nogil:
         """Receive r takes an RTS message: one copy out of the sender's memory, then the ACK."""
-        cdef PMsg *ack
+        cdef PMsg *ack = _new_msg(PM_ACK, NULL, 0, peer, 0)     # sent once the ring has room (progress_send)
         r.st.source, r.st.tag, r.st.nbytes = peer, tag, nbytes
-        if nbytes > r.len:
+        if ack == NULL:   # (r fails, its message taken: the frame is not read again into the next receive)
+            r.err = ENG_ERR_NOMEM
+        elif nbytes > r.len:
             r.err = ENG_ERR_TRUNCATE
         else:
             r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
@@ -367,11 +369,9 @@ cdef class ShmTransport(Transport):
         r.state = PS_DONE
         r.bound = NULL
         self._release_if_orphan(r)
-        ack = _new_msg(PM_ACK, NULL, 0, peer, 0)     # sent once the ring has room (progress_send)
-        if ack == NULL:
-            return ENG_ERR_NOMEM
-        ack.id = id
-        _push(&self.pr[peer].acks, ack)
+        if ack != NULL:
+            ack.id = id
+            _push(&self.pr[peer].acks, ack)
         return 0
 
     cdef int _acked(self, int peer, uint64_t id) noexcept nogil:

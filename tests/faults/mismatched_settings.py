@@ -19,6 +19,8 @@ import os
 CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "shm threshold": ("shm", "ENGINE_SHM_ONESHOT_MAX_BYTES", "1024"),
          "shm forced algorithm": ("shm", "ENGINE_ALLREDUCE_ALGO", "ring"),
+         "a forced algorithm for CUDA tensors": ("shm", "ENGINE_ALLREDUCE_ALGO", "nccl:ring"),
+         "the transport of CUDA tensors": ("shm", "ENGINE_CUDA_TRANSPORT", "staged"),
          "shm debug mode": ("shm", "ENGINE_DEBUG", "1"),
          "shm levels": ("shm", "ENGINE_HIER", "off"),
          "shm sockets": ("shm", "ENGINE_SOCKETS", "1"),
