@@ -7,6 +7,7 @@ one compiled core parses buffers, checks arguments and records every operation f
 (engine/watch.py). With ENGINE_DEBUG=1 each collective's signature is compared across ranks first.
 """
 
+import contextlib
 import os
 import secrets
 import weakref
@@ -139,7 +140,8 @@ class Communicator:
             self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
                                                               if layouts[0] is not None else set()), stage=_stage)
             agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
-                             "ENGINE_CUDA_TRANSPORT": os.environ.get("ENGINE_CUDA_TRANSPORT", "auto"),
+                             "ENGINE_CUDA_TRANSPORT": os.environ.get("ENGINE_CUDA_TRANSPORT", "").strip().lower()
+                             or "auto",
                              "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
             return agreed, self.plan.digest()[0]
         layouts = []   # (this rank's: hierarchy.layout())
@@ -284,6 +286,15 @@ class Communicator:
         for part in (self, *getattr(self, "_stages", ())):
             part.watch.set_timeout(seconds)
 
+    @contextlib.contextmanager
+    def call_timeout(self, seconds):
+        """The collectives run inside wait `seconds` (None: the group's timeout), not the group's timeout
+        (c10d's per-call options: dist.barrier(timeout=...)); point-to-point waits keep the group's."""
+        with contextlib.ExitStack() as stack:
+            for part in (self, *getattr(self, "_stages", ())) if seconds is not None else ():
+                stack.enter_context(part.watch.call_timeout(seconds))
+            yield
+
     def drop_store(self):
         """The group's store is gone (a reconfigure's rendezvous): no watch of it, or of its stages,
         asks it any more (who is missing, what a peer called)."""
@@ -385,17 +396,9 @@ class Communicator:
 
     def barrier(self, timeout=None):
         """timeout (seconds): this call's own, not the group's (dist.barrier(timeout=...))."""
-        if timeout is None:
+        with self.call_timeout(timeout):
             self._check_signature("barrier", None)
             self._core.barrier()
-            return
-        group = self.watch.timeout
-        self.set_timeout(timeout)
-        try:
-            self._check_signature("barrier", None)
-            self._core.barrier()
-        finally:
-            self.set_timeout(group)
 
     def algorithm_for(self, nbytes, collective="allreduce", dtype="float32"):
         """The registry entry this group's rules pick for a call of nbytes (benchmarks and tests)."""

@@ -145,6 +145,7 @@ class Watch:
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
         self._step = None       # the traced step waiting now (traced()), which no record names
+        self.call_limit = None  # the running collective's own timeout (call_timeout()), else the group's
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
         self._on_break_lock = threading.Lock()
@@ -162,6 +163,21 @@ class Watch:
         self.note_after = min(1.0, self.timeout / 4)
         self.interval = max(0.05, min(0.5, self.timeout / 10))
         self.core.set_watch(self, self.interval, p2p=self)
+
+    @contextlib.contextmanager
+    def call_timeout(self, seconds):
+        """The collectives run inside wait `seconds`, not the group's timeout (c10d's per-call
+        options.timeout: dist.barrier(timeout=...)); point-to-point waits keep the group's."""
+        kept = self.note_after, self.interval
+        self.call_limit = seconds
+        self.note_after, self.interval = min(self.note_after, seconds / 4), min(self.interval, max(0.05, seconds / 10))
+        self.core.set_watch(self, self.interval, p2p=self)
+        try:
+            yield
+        finally:
+            self.call_limit = None
+            self.note_after, self.interval = kept
+            self.core.set_watch(self, self.interval, p2p=self)
 
     @staticmethod
     def timeout_of(timeout):
@@ -181,16 +197,17 @@ class Watch:
     def __call__(self, elapsed):
         """Called by the core's waits every `interval` s; raises EngineTimeout at the timeout."""
         rec = self.core.current()
+        limit = self.timeout if self.call_limit is None else self.call_limit
         if rec is None:
-            if self._step is not None and elapsed >= self.timeout:   # (a traced step: recorded by no core)
+            if self._step is not None and elapsed >= limit:   # (a traced step: recorded by no core)
                 raise self._break(f"{self._step} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out "
-                                  f"after {elapsed:.1f} s (timeout {self.timeout:g} s): some rank never reached "
+                                  f"after {elapsed:.1f} s (timeout {limit:g} s): some rank never reached "
                                   "this call (debug mode compares every rank's call first: ENGINE_DEBUG, "
                                   "TORCH_DISTRIBUTED_DEBUG=DETAIL)", EngineTimeout)
             return
         self.check(rec, elapsed)
-        if elapsed >= self.timeout:
-            raise self.timed_out(rec, elapsed)
+        if elapsed >= limit:
+            raise self.timed_out(rec, elapsed, limit)
 
     def check(self, rec, elapsed):
         seq, level = self._noted
@@ -213,11 +230,11 @@ class Watch:
                   f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.timeout - elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
 
-    def timed_out(self, rec, elapsed):
+    def timed_out(self, rec, elapsed, limit):
         missing = self.missing(rec)
         waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
-               f"{elapsed:.1f} s (timeout {self.timeout:g} s): {self.describe_missing(missing)}"
+               f"{elapsed:.1f} s (timeout {limit:g} s): {self.describe_missing(missing)}"
                + (f"; {waits}" if waits else ""))
         return self._break(msg, EngineTimeout)
 
@@ -450,7 +467,8 @@ class _Registry:
             elapsed = time.monotonic() - rec[START]
             try:
                 watch.check(rec, elapsed)
-                err = watch.timed_out(rec, elapsed) if elapsed >= watch.timeout else None
+                limit = watch.timeout if watch.call_limit is None else watch.call_limit
+                err = watch.timed_out(rec, elapsed, limit) if elapsed >= limit else None
             except EngineMismatch as exc:
                 err = exc
             if err is not None:

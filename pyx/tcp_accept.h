@@ -24,6 +24,7 @@ static void tcp_accept(eng_tcp *t) {
       if (errno != EAGAIN && errno != EWOULDBLOCK) t->sys_errno = errno;
       return;
     }
+    if (t->sys_errno == EMFILE || t->sys_errno == ENFILE) t->sys_errno = 0;   /* (descriptors again) */
     tcp_sockopts(fd);
     tcp_pending *q = &t->pending[t->npending++];
     q->fd = fd;

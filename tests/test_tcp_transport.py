@@ -370,8 +370,9 @@ def test_a_rank_out_of_descriptors_fails_saying_so_instead_of_spinning(rank0):
     peer = socket.socket()
     r = core.irecv(np.zeros(4, np.uint8), 1, 0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    used = {int(f) for f in os.listdir("/proc/self/fd")}
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(set(range(len(used) + 1)) - used), hard))   # (the lowest free)
+    lowest = os.open(os.devnull, os.O_RDONLY)   # (the lowest free number: every one below is taken)
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
     try:
         peer.connect(("127.0.0.1", ports[1]))   # (no descriptor of this process's: the listener's accept fails)
         with pytest.raises(EngineError, match=r"rank 0 could not accept a peer's connection: Too many open files: "

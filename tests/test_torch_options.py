@@ -1,6 +1,6 @@
-"""torchbridge._fastpath reads torch's options structs (reduce op, rootRank, asyncOp) from C++: it
-must agree with pybind's own getters for every op, root and asyncOp, whatever the other fields hold,
-and leave everything else to the general path."""
+"""torchbridge._fastpath reads torch's options structs (reduce op, rootRank, asyncOp, timeout) from
+C++: it must agree with pybind's own getters for every op, root and asyncOp, whatever the other fields
+hold, and leave everything else (a call's own timeout among it) to the general path."""
 
 import ctypes
 import datetime
@@ -61,13 +61,14 @@ def _options(kind, rng):
         root = rng.choice([0, 1, 2, 7, rng.randrange(2 ** 40)])
         o.rootRank = root
         o.rootTensor = rng.randrange(1000)
-    o.timeout = datetime.timedelta(milliseconds=rng.randrange(1, 10 ** 9))
+    own = rng.random() < 0.3    # a call's own timeout: the general path takes it
+    o.timeout = datetime.timedelta(milliseconds=rng.randrange(0, 10 ** 9) if own else -1)
     if kind == "barrier":
         o.device_ids = rng.choice([[], [0], [1, 2, 3]])
         if rng.random() < 0.5:
             o.device = torch.device("cpu")
     o.asyncOp = rng.random() < 0.5
-    return o, (op, root or 0, o.asyncOp)
+    return o, None if own else (op, root or 0, o.asyncOp)
 
 
 @pytest.mark.parametrize("kind", list(TYPES))

@@ -86,6 +86,7 @@ def _hash_is_code():
 
 
 cdef bint _HASH_IS_CODE = _hash_is_code()
+UNSET_TIMEOUT = datetime.timedelta(milliseconds=-1)   # (torch's kUnsetTimeout: the group's own then)
 
 
 def op_of(red):
@@ -97,16 +98,17 @@ def op_of(red):
 # ---- torch's options, read in one C call ----
 
 cdef class _Layout:
-    """Where one options struct keeps reduceOp's code, rootRank and asyncOp (offsets into the C++
-    object), or that it is read through pybind (direct False)."""
+    """Where one options struct keeps reduceOp's code, rootRank, asyncOp and timeout (offsets into the
+    C++ object), or that it is read through pybind (direct False)."""
     cdef readonly object type           # None: this torch's options lack a field; always the general path
     cdef readonly bint has_op, has_root, direct
-    cdef readonly Py_ssize_t op_at, root_at, async_at
+    cdef readonly Py_ssize_t op_at, root_at, async_at, timeout_at
 
 
 cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
     """engine op * 2 + asyncOp (op 0 for options without one), the root in *root; -1 for the general
-    path: options of another type (None, a subclass) or an op the fast path leaves to it (PREMUL_SUM)."""
+    path: options of another type (None, a subclass), an op the fast path leaves to it (PREMUL_SUM),
+    or a call's own timeout (torch's unset one is -1 ms)."""
     cdef const unsigned char *p
     cdef int op = 0
     cdef Py_ssize_t code
@@ -114,6 +116,8 @@ cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
         return -1
     if lay.direct:
         p = eng_pybind_value(<PyObject *>opts)
+        if (<const int64_t *>(p + lay.timeout_at))[0] >= 0:
+            return -1
         if lay.has_op:
             op = _engine_op[p[lay.op_at]]
             if op < 0:
@@ -121,6 +125,8 @@ cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
         if lay.has_root:
             root[0] = (<const int64_t *>(p + lay.root_at))[0]
         return op * 2 + (p[lay.async_at] != 0)
+    if opts.timeout.total_seconds() >= 0:
+        return -1
     if lay.has_op:
         red = opts.reduceOp
         code = hash(red) if _HASH_IS_CODE else int(red.op)
@@ -197,7 +203,13 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
     if len(found) != 1:
         return lay
     async_at = found[0]
-    lay.op_at, lay.root_at, lay.async_at, lay.direct = op_at, root_at, async_at, True
+    found = [i for i in range(0, size - 7, 8)
+             if all(int64(o, i) == round(o.timeout.total_seconds() * 1000) for o, _, _, _ in samples)]
+    if len(found) != 1:
+        return lay
+    lay.op_at, lay.root_at, lay.async_at, lay.timeout_at, lay.direct = op_at, root_at, async_at, found[0], True
+    for o, _, _, _ in samples:   # (unset, as torch leaves it: a set one sends every call to the general path)
+        o.timeout = UNSET_TIMEOUT
     # Every sample once more through the reader, against pybind's getters.
     if [read_options(lay, o) for o, _, _, _ in samples] != [read_options(lay, o, True) for o, _, _, _ in samples]:
         lay.direct = False
@@ -390,22 +402,35 @@ OVERLOADED = {"allreduce": _c10d.AllreduceOptions, "broadcast": _c10d.BroadcastO
               "reduce": _c10d.ReduceOptions}
 
 
-def _overload(str name, options, tensors, arg, op):
+# What each takes after its tensor(s) in torch's other forms (torch/_C/_distributed_c10d.pyi).
+OVERLOAD_ARGS = {"allreduce": ("op", "timeout"), "broadcast": ("root", "timeout"), "reduce": ("root", "op", "timeout")}
+
+
+def _overload(str name, options, tensors, positional, named):
     """torch's other forms of a group's allreduce, broadcast and reduce as (tensors, options): one
-    tensor for the list; for the options none (the defaults), allreduce's reduce op, broadcast's
-    root, reduce's root and reduce op."""
+    tensor (`tensor=`) for the list; for the options none (the defaults), or allreduce's reduce op and
+    timeout, broadcast's root and timeout, reduce's root, reduce op and timeout, by position or name."""
+    tensor = named.pop("tensor")
+    if tensors is None:
+        tensors = tensor
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    if isinstance(arg, options):
-        return tensors, arg
+    if isinstance(positional[0], options) and not any(v is not None for v in positional[1:] + tuple(named.values())):
+        return tensors, positional[0]
+    wanted = OVERLOAD_ARGS[name]
+    given = {k: v for k, v in zip(wanted, positional) if v is not None}
+    extra = [v for v in positional[len(wanted):] if v is not None] + [k for k, v in named.items() if v is not None
+                                                                       and k not in wanted]
+    if extra or any(v is not None and k in given for k, v in named.items()):
+        raise TypeError(f"{name}(): takes (tensors, options) or (tensor, {', '.join(wanted)}); got {extra or named}")
+    given.update((k, v) for k, v in named.items() if v is not None)
     opts = options()
-    if arg is not None:
-        if name == "allreduce":
-            opts.reduceOp = arg
-        else:
-            opts.rootRank = arg
-    if op is not None and name == "reduce":
-        opts.reduceOp = op
+    if "op" in given:
+        opts.reduceOp = given["op"]
+    if "root" in given:
+        opts.rootRank = given["root"]
+    if "timeout" in given:
+        opts.timeout = given["timeout"]
     return tensors, opts
 
 
@@ -418,9 +443,12 @@ def _fast_form(Method m, str shape, str title):
     if shape == "tensors":
         options = OVERLOADED[m.name]
 
-        def method(group, tensors, opts=None, op=None):
-            if type(tensors) is not list or type(opts) is not options:
-                tensors, opts = _overload(m.name, options, tensors, opts, op)
+        def method(group, tensors=None, opts=None, third=None, fourth=None, *, tensor=None, op=None, root=None,
+                   timeout=None):
+            if (type(tensors) is not list or type(opts) is not options or third is not None or fourth is not None
+                    or tensor is not None or op is not None or root is not None or timeout is not None):
+                tensors, opts = _overload(m.name, options, tensors, (opts, third, fourth),
+                                          dict(tensor=tensor, op=op, root=root, timeout=timeout))
             if len(tensors) == 1:
                 work = (<FastPath?>group._fast).collective(m, tensors[0], None, opts, tensors)
                 if work is not None:
@@ -439,11 +467,8 @@ def _fast_form(Method m, str shape, str title):
             return getattr(group, general)(output, input, output_split_sizes, input_split_sizes, opts)
     elif shape == "none":
         def method(group, opts=None):
-            if opts is None or opts.timeout.total_seconds() < 0:   # (a barrier's own timeout: the general form's)
-                work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
-                if work is not None:
-                    return work
-            return getattr(group, general)(opts)
+            work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
+            return work if work is not None else getattr(group, general)(opts)
     elif shape == "p2p":
         def method(group, tensors, peer, tag):
             work = (<FastPath?>group._fast).message(m, tensors, peer, tag)

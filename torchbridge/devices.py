@@ -27,6 +27,14 @@ from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork
 COMPLETED = CompletedWork()
 
 
+def own_timeout(opts):
+    """A call's own timeout in seconds from torch's options (dist.barrier(timeout=...)), or None: unset
+    (torch's -1 ms), or none given."""
+    timeout = getattr(opts, "timeout", None)
+    seconds = timeout.total_seconds() if timeout is not None else -1
+    return seconds if seconds > 0 else None
+
+
 def contiguous(t):
     """t itself when contiguous, else a contiguous copy. Sparse tensors (which only all_reduce takes)
     get an error saying so."""
@@ -61,11 +69,18 @@ class CpuDevice:
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
         # raise here on failure; the returned Work is already complete.
+        seconds = own_timeout(opts)
+        if seconds is not None:   # (the call's own timeout, where it runs: dist.barrier(timeout=...))
+            fn, a, b, c, nargs = self._within, fn, (a, b, c)[:nargs], seconds, 3
         if opts is not None and not opts.asyncOp:
             self.progress.run(fn, a, b, c, nargs, name)
             return COMPLETED
         self.comm.check_usable(name)   # (a broken group refuses a queued call now, not when it runs)
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
+
+    def _within(self, fn, args, seconds):
+        with self.comm.call_timeout(seconds):
+            fn(*args)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         if sync:

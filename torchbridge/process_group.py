@@ -4,9 +4,7 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
-import functools
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -575,11 +573,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _barrier(self, opts=None):
         # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
         # on the GPU); CUDA work already enqueued keeps its own order.
-        barrier = getattr(self._comm, "barrier", None)
-        seconds = getattr(opts, "timeout", timedelta(-1)).total_seconds()
-        if seconds > 0 and barrier is not None:   # dist.barrier(timeout=...): this call's own (unset: negative)
-            barrier = functools.partial(barrier, timeout=seconds)
-        return self._cpu.launch("barrier", barrier, None, None, None, 0, [], opts)
+        return self._cpu.launch("barrier", getattr(self._comm, "barrier", None), None, None, None, 0, [], opts)
 
     _traced_barrier = traced("barrier")(_barrier)
 

@@ -175,8 +175,8 @@ class PointToPointWork(_OutputsWork):
                         self._finish()
                     self._status = status
                 except EngineTimeout as exc:
-                    if seconds is not None:   # (a wait with a timeout: the message stays posted, as Gloo's)
-                        raise
+                    if seconds is not None and str(exc).startswith("Work.wait:"):   # (this wait's own: the
+                        raise                                                      # message stays posted)
                     self._error = exc
                 except Exception as exc:
                     self._error = exc
