@@ -62,10 +62,10 @@ def _agreed(name, everyone):
 
 # The compiled core's calls, bound straight onto each instance (no Python frame per call); the methods
 # of the same names below document them. Debug mode keeps the collectives' methods, which compare
-# signatures first; point-to-point is never numbered or compared. (barrier's takes a timeout of its own.)
+# signatures first; point-to-point is never numbered or compared.
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
-_CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
-               "alltoall") + _POINT_TO_POINT
+_CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
+               "barrier") + _POINT_TO_POINT
 _ALWAYS_BOUND = _POINT_TO_POINT + ("check_usable",)
 
 
@@ -394,11 +394,10 @@ class Communicator:
         """Raises NotDivisibleError where an alltoall without side's counts can't split count evenly."""
         self._core.check_even_split(count, side)
 
-    def barrier(self, timeout=None):
-        """timeout (seconds): this call's own, not the group's (dist.barrier(timeout=...))."""
-        with self.call_timeout(timeout):
-            self._check_signature("barrier", None)
-            self._core.barrier()
+    def barrier(self):
+        """(A timeout of its own, as dist.barrier(timeout=...): `with group.call_timeout(seconds):`.)"""
+        self._check_signature("barrier", None)
+        self._core.barrier()
 
     def algorithm_for(self, nbytes, collective="allreduce", dtype="float32"):
         """The registry entry this group's rules pick for a call of nbytes (benchmarks and tests)."""
