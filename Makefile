@@ -15,7 +15,8 @@ PY := $(VENV)/bin/python
 # release before it (2.14) runs their part that changes with torch's version: the options' layouts,
 # torch's own suite subset (every c10d call it makes through the adapter), reconfigure and torchft,
 # torch.compile (with aot_eager: the same graphs without inductor's C++ build, 27 s; 2.15 runs inductor).
-# (The adapter's own suites and the bench's groups run on the first and the last torch.)
+# (The adapter's own suites and the bench's groups run on the first and the last torch; debug mode's run of
+# them, on the first only.)
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
 	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot \
@@ -35,7 +36,8 @@ TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[shm-held]" \
 	$(foreach c,$(ABORTS_FIRST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
-	--deselect tests/test_launchers.py::test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting
+	--deselect tests/test_launchers.py::test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting \
+	--deselect tests/test_launchers.py::test_torch_backend_suite_in_debug_mode_under_torchrun
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
 # same method, and tests/test_fault_tolerance.py calls it on the later ones). Fault tolerance runs whole on
 # the later torches (whose c10d defines reconfigure); the first keeps the aborts of ABORTS_FIRST, the c10d
