@@ -160,8 +160,7 @@ class Watch:
         """The group's timeout from the waits' next poll on (None: ENGINE_TIMEOUT's, else torch's
         default); how often the waits call the watch follows it."""
         self.timeout = Watch.timeout_of(timeout)
-        self.note_after = min(1.0, self.timeout / 4)
-        self.interval = max(0.05, min(0.5, self.timeout / 10))
+        self.note_after, self.interval = Watch._pace(self.timeout)
         self.core.set_watch(self, self.interval, p2p=self)
 
     @contextlib.contextmanager
@@ -170,7 +169,7 @@ class Watch:
         options.timeout: dist.barrier(timeout=...)); point-to-point waits keep the group's."""
         kept = self.note_after, self.interval
         self.call_limit = seconds
-        self.note_after, self.interval = min(self.note_after, seconds / 4), min(self.interval, max(0.05, seconds / 10))
+        self.note_after, self.interval = (min(mine, call) for mine, call in zip(kept, Watch._pace(seconds)))
         self.core.set_watch(self, self.interval, p2p=self)
         try:
             yield
@@ -178,6 +177,16 @@ class Watch:
             self.call_limit = None
             self.note_after, self.interval = kept
             self.core.set_watch(self, self.interval, p2p=self)
+
+    @staticmethod
+    def _pace(timeout):
+        """(when a wait notes its arrival in the store, how often the waits call the watch) for a timeout."""
+        return min(1.0, timeout / 4), max(0.05, min(0.5, timeout / 10))
+
+    @property
+    def limit(self):
+        """What the running collective may wait: its own timeout (call_timeout()), else the group's."""
+        return self.timeout if self.call_limit is None else self.call_limit
 
     @staticmethod
     def timeout_of(timeout):
@@ -197,7 +206,7 @@ class Watch:
     def __call__(self, elapsed):
         """Called by the core's waits every `interval` s; raises EngineTimeout at the timeout."""
         rec = self.core.current()
-        limit = self.timeout if self.call_limit is None else self.call_limit
+        limit = self.limit
         if rec is None:
             if self._step is not None and elapsed >= limit:   # (a traced step: recorded by no core)
                 raise self._break(f"{self._step} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out "
@@ -467,8 +476,7 @@ class _Registry:
             elapsed = time.monotonic() - rec[START]
             try:
                 watch.check(rec, elapsed)
-                limit = watch.timeout if watch.call_limit is None else watch.call_limit
-                err = watch.timed_out(rec, elapsed, limit) if elapsed >= limit else None
+                err = watch.timed_out(rec, elapsed, watch.limit) if elapsed >= watch.limit else None
             except EngineMismatch as exc:
                 err = exc
             if err is not None:

@@ -396,14 +396,12 @@ cdef class FastPath:
         return work
 
 
-# The options of the methods of shape `tensors`, which torch's ProcessGroup also takes in other forms
-# (DDP's join calls allreduce(tensor)).
-OVERLOADED = {"allreduce": _c10d.AllreduceOptions, "broadcast": _c10d.BroadcastOptions,
-              "reduce": _c10d.ReduceOptions}
-
-
-# What each takes after its tensor(s) in torch's other forms (torch/_C/_distributed_c10d.pyi).
-OVERLOAD_ARGS = {"allreduce": ("op", "timeout"), "broadcast": ("root", "timeout"), "reduce": ("root", "op", "timeout")}
+# The methods of shape `tensors`, which torch's ProcessGroup also takes in other forms (DDP's join calls
+# allreduce(tensor)): their options, and what each takes after its tensor(s) in those forms
+# (torch/_C/_distributed_c10d.pyi).
+OVERLOADED = {"allreduce": (_c10d.AllreduceOptions, ("op", "timeout")),
+              "broadcast": (_c10d.BroadcastOptions, ("root", "timeout")),
+              "reduce": (_c10d.ReduceOptions, ("root", "op", "timeout"))}
 
 
 def _overload(str name, options, tensors, positional, named):
@@ -417,7 +415,7 @@ def _overload(str name, options, tensors, positional, named):
         tensors = [tensors]
     if isinstance(positional[0], options) and not any(v is not None for v in positional[1:] + tuple(named.values())):
         return tensors, positional[0]
-    wanted = OVERLOAD_ARGS[name]
+    wanted = OVERLOADED[name][1]
     given = {k: v for k, v in zip(wanted, positional) if v is not None}
     extra = [v for v in positional[len(wanted):] if v is not None] + [k for k, v in named.items() if v is not None
                                                                        and k not in wanted]
@@ -441,7 +439,7 @@ def _fast_form(Method m, str shape, str title):
     general = m.general
 
     if shape == "tensors":
-        options = OVERLOADED[m.name]
+        options = OVERLOADED[m.name][0]
 
         def method(group, tensors=None, opts=None, third=None, fourth=None, *, tensor=None, op=None, root=None,
                    timeout=None):

@@ -514,8 +514,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def gather_single(self, output, input, opts=None):
         """torch 2.15's dist.gather_single (gather_into_tensor): every rank's input, in rank order, into
         one tensor on the root (the others pass an empty one; the core checks the root's size and dtype)."""
+        opts = opts if opts is not None else dist.GatherOptions()
         dev = self._device(input)
-        root, comm = opts.rootRank if opts is not None else 0, dev.comm
+        root, comm = opts.rootRank, dev.comm
         if self.rank() != root:
             return dev.launch("gather", lambda: comm.gather(contiguous(input), None, root), None, None, None, 0,
                               [output], opts)

@@ -170,7 +170,7 @@ class PointToPointWork(_OutputsWork):
             if self._status is None and self._error is None:
                 seconds = in_seconds(timeout) if timeout else None
                 try:
-                    status = (self._request.wait() if seconds is None else self._request.wait(seconds)) or ()
+                    status = self._request.wait(seconds) or ()
                     if self._finish is not None:
                         self._finish()
                     self._status = status
