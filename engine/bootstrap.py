@@ -4,6 +4,7 @@ or over torch's store when no MPI launcher started them. Then the group's transp
 for shared memory, its segment made."""
 
 import datetime
+import io
 import os
 import pickle
 import socket
@@ -15,6 +16,10 @@ TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 # transport existed, until `python -m bench` with backends engine-interhost-tcp,engine-interhost-mpi
 # across hosts shows TCP at least as fast at every size.
 INTERHOST = ("mpi", "tcp")
+
+
+class MissingRanks(RuntimeError):
+    """Ranks never came to an exchange of the group's making, within its timeout."""
 
 
 class MpiBootstrap:
@@ -55,9 +60,9 @@ class StoreBootstrap:
         keys = [key + str(r) for r in range(self.size)]
         values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})")
         if missing:
-            raise RuntimeError(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
+            raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
-        return [pickle.loads(v) for v in values]
+        return [plain_loads(v) for v in values]
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))
@@ -66,6 +71,19 @@ class StoreBootstrap:
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}",
                               self.on_cancel, self.timeout)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads what the ranks exchange (numbers, strings, bytes, tuples, lists, dicts, sets) and nothing
+    that names a class or a function: whoever can write to the store can't run code in the ranks."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"engine: a value of the group's bootstrap names {module}.{name}: only plain "
+                                     "data is exchanged there, so the store holds a value no rank of this engine wrote")
+
+
+def plain_loads(data):
+    return _PlainUnpickler(io.BytesIO(data)).load()
 
 
 def read_keys(store, keys, seconds, what):
@@ -160,11 +178,19 @@ def _boot_id():
         return ""
 
 
+def _pid_namespace():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def host_identity():
-    """(host, pid, cores this process may use): ranks with the same host share memory (same kernel and
-    UTS name)."""
+    """(host, pid, cores this process may use): ranks with the same host share memory (same kernel, UTS
+    name and PID namespace: a segment is attached, and a peer watched, through its process id; containers
+    that share a host name, as Kubernetes' hostNetwork pods do, meet as separate hosts)."""
     from .launcher import usable_cores
-    return (f"{socket.gethostname()}/{_boot_id()}", os.getpid(), usable_cores())
+    return (f"{socket.gethostname()}/{_boot_id()}/{_pid_namespace()}", os.getpid(), usable_cores())
 
 
 def local_cores(everyone, rank):

@@ -16,8 +16,8 @@ import zlib
 import numpy as np
 
 from . import _core, forks, hierarchy, registry
-from .bootstrap import (MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather, host_identity,
-                        interhost, local_cores, possible_transports, requested_transport)
+from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather,
+                        host_identity, interhost, local_cores, possible_transports, requested_transport)
 from .config import env_duration
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
@@ -146,6 +146,8 @@ class Communicator:
             return agreed, self.plan.digest()[0]
         layouts = []   # (this rank's: hierarchy.layout())
         try:
+            if isinstance(failed, MissingRanks):   # (the next exchange would wait for them as long again)
+                raise failed
             plans = gather(_boot, read_plan, "open its end of the group" if failed else "choose its algorithms")
             _agreed(name, [agreed for agreed, _ in plans])
             self._check_plans(_boot, [digest for _, digest in plans])

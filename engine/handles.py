@@ -27,6 +27,7 @@ reached yet is kept for that reconfigure; one for a uuid it already used is told
 import hashlib
 import hmac
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -42,6 +43,7 @@ MAX_KEY = 4096
 MAX_VALUE = 16 << 20
 MAX_MEMBERS = 1 << 16
 HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
+HELLO_ANSWER_GRACE_SECONDS = 2.0         # a member waits for the hub's answer this long past its deadline
 ACCEPT_TICK_SECONDS = 0.05               # the hub's accept wait reads abort() this often
 PROBE_SECONDS = (1.0, 30.0)              # the hub probes a member not yet connected after 1 s, then ever less often
 PROBE_CONNECT_SECONDS = 0.05             # (a refusal comes in one round trip; silence proves nothing)
@@ -147,6 +149,10 @@ class Listener:
             raise
 
     def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
+        with _Hellos(self.sock) as hellos:
+            return self._accept_from(hellos, mine, uuid, n, digest, deadline, handles, meeting)
+
+    def _accept_from(self, hellos, mine, uuid, n, digest, deadline, handles, meeting):
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
             self._admit(mine, conn, index, count, dig, n, digest, meeting)
         probe_gap, probe_from = PROBE_SECONDS[0], 0
@@ -175,15 +181,11 @@ class Listener:
                 probe_from += probed
                 probe_gap = min(2 * probe_gap, PROBE_SECONDS[1])
                 probe_at = time.monotonic() + probe_gap
-            self.sock.settimeout(min(left, ACCEPT_TICK_SECONDS))
-            try:
-                conn, _ = self.sock.accept()
-            except socket.timeout:
-                continue
-            try:
-                self._hello(conn, uuid, n, digest, mine, meeting)
-            except (OSError, ConnectionError, ValueError):
-                conn.close()
+            for conn, hello in hellos.poll(min(left, ACCEPT_TICK_SECONDS)):
+                try:
+                    self._hello(conn, hello, uuid, n, digest, mine, meeting)
+                except (OSError, ValueError):
+                    conn.close()
         meeting.check()   # (an abort since the last look: the members hear of it from the hub's error)
         meeting.socks.extend(mine.values())
         meeting.admitted = []
@@ -191,9 +193,8 @@ class Listener:
             _reply(conn, OK, "")
         return mine
 
-    def _hello(self, conn, uuid, n, digest, mine, meeting):
-        conn.settimeout(HELLO_SECONDS)
-        magic, secret, their_uuid, index, count, dig = _HELLO.unpack(_recv_exact(conn, _HELLO.size, "hello"))
+    def _hello(self, conn, hello, uuid, n, digest, mine, meeting):
+        magic, secret, their_uuid, index, count, dig = _HELLO.unpack(hello)
         if magic != MAGIC or not hmac.compare_digest(secret, self.secret):
             raise ValueError("not a member: wrong magic or secret")
         if their_uuid == uuid:
@@ -225,6 +226,73 @@ class Listener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (a multi_get's replies go back to back)
             mine[index] = conn
             meeting.admitted.append(conn)   # (a fork's child closes its copy)
+
+
+class _Hellos:
+    """The hub's accepted connections that have not said their hello yet, read as their bytes come:
+    one that stays silent (anything may connect to the handle's port) holds up neither the members
+    behind it nor abort(). One silent for HELLO_SECONDS, or beyond MAX_PARKED waiting, is closed."""
+
+    def __init__(self, sock):
+        self.sock, self.waiting = sock, {}   # socket -> (when it must have said hello, what it said so far)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for conn in self.waiting:
+            conn.close()
+        self.selector.close()
+
+    def poll(self, seconds):
+        """[(socket, its hello)] of the connections whose hello is complete within seconds; the
+        socket is blocking again, and no longer watched."""
+        now, done = time.monotonic(), []
+        for key, _ in self.selector.select(seconds):
+            if key.fileobj is self.sock:
+                self._accept(now)
+                continue
+            conn = key.fileobj
+            until, said = self.waiting[conn]
+            try:
+                data = conn.recv(_HELLO.size - len(said))
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._drop(conn)
+                continue
+            said += data
+            if len(said) == _HELLO.size:
+                self.selector.unregister(conn)
+                del self.waiting[conn]
+                conn.setblocking(True)
+                done.append((conn, bytes(said)))
+        for conn in [c for c, (until, _) in self.waiting.items() if until <= now]:
+            self._drop(conn)
+        return done
+
+    def _accept(self, now):
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError:   # (out of descriptors: the connection waits in the backlog for the next try)
+            return
+        if len(self.waiting) >= MAX_PARKED:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.waiting[conn] = (now + HELLO_SECONDS, bytearray())
+        self.selector.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, conn):
+        self.selector.unregister(conn)
+        del self.waiting[conn]
+        conn.close()
 
 
 def _where(handle):
@@ -474,9 +542,14 @@ class MemberStore:
         meeting.socks.append(self.sock)
         meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
         self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
-        self.sock.settimeout(max(0.1, deadline - time.monotonic()))
+        # (past the deadline by a grace: the hub, which started about when this rank did, answers at its own
+        # deadline why it gave up, naming the members that never came)
+        self.sock.settimeout(max(0.1, deadline - time.monotonic()) + HELLO_ANSWER_GRACE_SECONDS)
         try:
             self._answer("the first member's answer to this rank's hello", refused=RuntimeError)
+        except TimeoutError as exc:
+            self.sock.close()
+            raise TimeoutError(f"{exc}: it still waits for other members to connect, or it is stuck") from None
         except BaseException:
             self.sock.close()
             raise

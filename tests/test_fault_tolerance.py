@@ -13,6 +13,7 @@ through its own method.
 """
 
 import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -308,6 +309,107 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("abortmk_done")
 
+    def test_an_abort_after_the_members_met_fails_the_reconfigure_rather_than_be_lost(self):
+        """abort() from another thread (torchft's timers) that lands once the members met and the new
+        group was made, before the group runs on it: the reconfigure fails on that rank, naming the
+        abort, and frees what it made (the group stays aborted; its calls raise); where it landed while the group
+        swapped its communicator, it waits for the swap and aborts the new one. Every rank then recovers
+        with a fresh uuid. (Transport-blind: shared memory only.)"""
+        from engine.communicator import Communicator
+        if self.transport != "shm":
+            return
+        handles = self._reconfigured("abortlate", 1520)
+        drop_store, freed = Communicator.drop_store, []
+
+        def then_abort(comm):   # (the last step before the group takes the new communicator)
+            drop_store(comm)
+            Communicator.drop_store = drop_store
+            free = comm.free
+            comm.free = lambda: (freed.append(comm), free())
+            late = threading.Thread(target=self.backend.abort)
+            late.start()
+            late.join()
+
+        if self.rank == 0:
+            Communicator.drop_store = then_abort
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1521 .*the group was aborted \(abort\(\)\) while "
+                                                      "it was reconfigured"):
+                self._reconfigure(1521, handles)
+            self.assertEqual(len(freed), 1)
+            with self.assertRaisesRegex(RuntimeError, "was aborted"):
+                dist.all_reduce(torch.ones(2))
+        else:
+            self._reconfigure(1521, handles)   # (made here: its first call would find rank 0 gone)
+        self._barrier("abortlate_observed")
+        self._reconfigure(1522, self._handles("abortlate_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("abortlate_done")
+
+    def test_a_reconfigure_ends_at_its_own_timeout_while_its_ranks_connect(self):
+        """Every member met, but rank 2 stalls after its TCP addresses went round, before it connects: the
+        others' connecting ends at the reconfigure's timeout (2 s), not the group's (30 s), naming it. A
+        reconfigure of every rank then recovers. (TCP only: shared memory's making waits in the
+        store, which the reconfigure's deadline bounds.)"""
+        import engine.tcp
+        if self.transport != "tcp":
+            return
+        handles = self._reconfigured("connectlate", 1530)
+        gather = engine.tcp.gather
+
+        def then_stall(*args, **kwargs):
+            out = gather(*args, **kwargs)
+            engine.tcp.gather = gather
+            time.sleep(4.0)
+            return out
+
+        opts = SimpleNamespace(uuid=1531, handles=handles, timeout=timedelta(seconds=2))
+        if self.rank == 2:
+            engine.tcp.gather = then_stall
+            with self.assertRaises(RuntimeError):   # (the others left: whatever its making then meets)
+                self.backend.reconfigure(opts)
+        else:
+            started = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1531 .*(the reconfigure's timeout \(2 s\) passed "
+                                                      r"while the new group was made|the first member .* ended)"):
+                self.backend.reconfigure(opts)
+            took = time.monotonic() - started
+            self.assertLess(took, 10.0, f"the reconfigure took {took:.1f} s: its connecting waited the group's timeout")
+        self._barrier("connectlate_observed")
+        self._reconfigure(1532, self._handles("connectlate_recover"))
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._finish("connectlate_done")
+
+    def test_a_shrink_retried_after_a_failed_one_meets_the_others_retry(self):
+        """A shrink that fails on every member (rank 0 could not read its settings, once) and is retried
+        by both, rank 0 a second after rank 1: the retry meets under keys of its own, where it would read
+        the failed attempt's (rank 0's old error) and fail again at once, then wait for ever. (Transport-blind:
+        shared memory only.)"""
+        import engine.communicator
+        if self.transport != "shm":
+            return
+        self._reconfigured("shrinkretry", 1540)
+        if self.rank == 2:   # (left out: it sits the shrinks out)
+            self._finish("shrinkretry_end")
+            return
+        host_identity = engine.communicator.host_identity
+
+        def fails_once():
+            engine.communicator.host_identity = host_identity
+            raise OSError("injected: a transient failure")
+
+        if self.rank == 0:
+            engine.communicator.host_identity = fails_once
+        with self.assertRaisesRegex(RuntimeError, "injected: a transient failure"):
+            self.backend.shrink([2])
+        if self.rank == 0:
+            time.sleep(1.0)
+        shrunk = self.backend.shrink([2])
+        t = torch.full((3,), self.rank + 1.0)
+        shrunk.allreduce([t]).wait()
+        self.assertEqual(t, torch.full((3,), 3.0))
+        shrunk.abort()
+        self._finish("shrinkretry_end")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next
@@ -558,3 +660,66 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         bad.close()
     finally:
         listener.close()
+
+
+def test_a_silent_connection_holds_up_neither_the_members_nor_abort():
+    """Anything may connect to a handle's port: one that connects and says nothing, or a byte at a
+    time, is read beside the members, not before them. The hub admits the member behind it at once,
+    and abort() during the meet ends it within a tick, both well inside the hello's 10 s."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    addr, port, secret = handles.parse_handle(listener.handle)
+    strangers = [socket.create_connection((addr, port)) for _ in range(2)]
+    try:
+        strangers[1].sendall(b"E")   # (a trickle: the first byte of a hello)
+        member = socket.create_connection((addr, port))
+        member.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        started = time.monotonic()
+        conns = listener.accept_members(9, 2, b"d" * 32, started + 30, [listener.handle] * 2, handles.Meeting(listener))
+        assert list(conns) == [1] and time.monotonic() - started < 5.0
+        conns[1].close()
+        member.close()
+        meeting = handles.Meeting(listener)
+        timer = threading.Timer(0.3, meeting.cancel, ["aborted"])
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="aborted"):
+            listener.accept_members(10, 2, b"d" * 32, started + 30, [listener.handle] * 2, meeting)
+        assert time.monotonic() - started < 5.0
+        timer.join()
+    finally:
+        for s in strangers:
+            s.close()
+        listener.close()
+
+
+def test_a_member_hears_the_first_members_reason_naming_who_never_came():
+    """Member 2 of 3 never comes. Member 1 started first, so its deadline falls before the hub's: it
+    still waits for the hub's answer, which names member 2, rather than blame the hub for not answering."""
+    from engine import handles
+
+    listeners = [handles.Listener() for _ in range(3)]
+    members = [lst.handle for lst in listeners]
+    outcome = {}
+
+    def member():
+        try:
+            handles.meet(listeners[1], 11, members, 1.0)
+        except Exception as exc:
+            outcome["member"] = f"{type(exc).__name__}: {exc}"
+
+    side = threading.Thread(target=member)
+    side.start()
+    time.sleep(0.3)
+    try:
+        with pytest.raises(TimeoutError, match=r"members \[2\]"):
+            handles.meet(listeners[0], 11, members, 1.0)
+        side.join(10)
+        assert re.search(r"ConnectionError: the first member \(.*\) ended this reconfigure: members \[2\] .*never "
+                         r"connected", outcome["member"]), outcome
+    finally:
+        for lst in listeners:
+            lst.close()

@@ -185,6 +185,92 @@ def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_ca
     assert StoreBootstrap(store, 0, 3, "u").allgather("rank 0's") == [f"rank {r}'s" for r in range(3)]
 
 
+def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
+    """Rank 1 came to the first exchange of the group's making and never to the next (the shared
+    segment's): rank 0 names it at the group's timeout and starts no further exchange, where one
+    would wait for it as long again before the error."""
+    import torch.distributed as dist
+    import engine
+
+    class FirstRoundOnly(dist.Store):   # rank 1 says in the first exchange what rank 0 says, then nothing
+        def __init__(self):
+            super().__init__()
+            self.store, self.rounds = dist.HashStore(), []
+
+        def set(self, key, value):
+            self.store.set(key, value)
+            if key.endswith("/0"):
+                self.rounds.append(key)
+            if key == "g/boot/0/0":
+                self.store.set("g/boot/0/1", value)
+
+        def get(self, key):
+            return self.store.get(key)
+
+        def check(self, keys):
+            return self.store.check(keys)
+
+        def wait(self, keys, timeout):
+            return self.store.wait(keys, timeout)
+
+    store = FirstRoundOnly()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 never joined the group's bootstrap \(g\)"):
+        engine.Communicator.from_store(store, 0, 2, prefix="g", transport="shm", timeout=0.5, name="g")
+    assert store.rounds == ["g/boot/0/0", "g/boot/1/0"], store.rounds
+
+
+def test_a_bootstrap_value_naming_code_is_refused_unrun():
+    """Whoever can write to the store could leave a pickle that runs code where it is read: the ranks
+    exchange plain data only, and a value naming a function is refused, unrun."""
+    import pickle
+
+    import torch.distributed as dist
+    from engine.bootstrap import StoreBootstrap
+
+    class Runs:
+        def __reduce__(self):
+            return (os.system, ("touch /nonexistent/ran",))
+
+    store = dist.HashStore()
+    store.set("g/boot/0/1", pickle.dumps(Runs()))
+    with pytest.raises(pickle.UnpicklingError, match=r"names posix.system: only plain data"):
+        StoreBootstrap(store, 0, 2, "g", timeout=5).allgather(("rank 0's", {1, 2}, [3.5, b"x"], None))
+
+
+_RANK_SCRIPT = """
+import datetime, sys
+import numpy as np
+import torch.distributed as dist
+from engine import Communicator
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+comm = Communicator.from_store(store, rank, 2, timeout=30)
+x = np.full(4, rank + 1.0)
+comm.allreduce(x)
+print(comm.transport, x.tolist(), flush=True)
+comm.free()
+"""
+
+
+def test_ranks_of_one_host_in_different_pid_namespaces_meet_over_tcp():
+    """Two containers on one host that share its name but not its process ids (Kubernetes' hostNetwork
+    pods) can't attach each other's segment through /proc/<pid>: they are different hosts, over TCP."""
+    import shutil
+    import subprocess
+
+    from ports import free_port
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not allowed here")
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = [subprocess.Popen(prefix + [sys.executable, "-c", _RANK_SCRIPT, str(rank), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, prefix in ((0, []), (1, ["unshare", "--pid", "--fork", "--mount-proc"]))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [o.strip() for o, _ in outs] == ["tcp [3.0, 3.0, 3.0, 3.0]"] * 2, outs
+
+
 def test_a_stage_one_rank_cannot_make_fails_the_group_on_every_rank():
     """engine.hierarchy.build over a 2x2 layout (4 ranks as threads, one store): rank 0 fails to make
     its host's stage. Every rank raises, rank 0 its own error and the others naming rank 0 and that

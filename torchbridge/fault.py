@@ -63,6 +63,11 @@ class FaultTolerance:
         self._abort_hooks = {}
         # what a failure that breaks the group calls (its watch, the CUDA watchdog): the hooks, not the group
         self._abort_hooks_on_failure = functools.partial(_run_abort_hooks, self._abort_hooks, self._name)
+        # abort() may come from another thread (torchft's timers) while a reconfigure swaps the communicator:
+        # the swap and abort's detach exclude each other, and a reconfigure that an abort overtook fails
+        self._swapping = threading.RLock()   # (re-entrant: a signal handler's abort in the swapping thread)
+        self._aborts = 0
+        self._shrink_calls = 0
 
     # -- what torch asks --
 
@@ -89,35 +94,51 @@ class FaultTolerance:
             raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
                                "reconfigure")
         seconds = _seconds_of(getattr(opts, "timeout", None)) or self._timeout_seconds()
+        deadline, aborts = time.monotonic() + seconds, self._aborts
+        what = f"engine reconfigure {uuid} of group {self._name!r}"
         listener = self._listener if self._listener is not None else _handles.Listener()
         self._listener = listener
         try:
             store, index, n = _handles.meet(listener, uuid, opts.handles, seconds)
         except (TimeoutError, ConnectionError, OSError) as exc:
-            raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
-        deadline = time.monotonic() + seconds
+            raise RuntimeError(f"{what}: {exc}") from None
+        # The making waits as long as the reconfigure may, not the group's timeout its transport is given
+        # (its TCP connecting would): at the deadline the meeting fails, which ends those waits.
+        late = threading.Timer(max(0.0, deadline - time.monotonic()), store.meeting.lose,
+                               [f"the reconfigure's timeout ({seconds:g} s) passed while the new group was made"])
+        late.daemon = True
+        late.start()
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=own_transport(), timeout=self._timeout_seconds(),
                                           name=self._name, on_cancel=store.meeting.on_cancel)
         except BaseException as exc:
             store.close(deadline, made=False)
-            if isinstance(exc, (TimeoutError, ConnectionError, EngineAborted)):   # (EngineAborted: the TCP connecting's)
-                raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
-            raise
+            if isinstance(exc, (ValueError, TypeError)) or not isinstance(exc, Exception):
+                raise
+            raise RuntimeError(f"{what}: {exc}") from None
+        finally:
+            late.cancel()
         try:
-            store.close(deadline)   # (every member made its end, or the reconfigure failed on every member)
+            # (the members' makings end about when this one's did: a second to say so, where it ended late)
+            store.close(max(deadline, time.monotonic() + 1.0))
         except (TimeoutError, ConnectionError) as exc:
             comm.free()
-            raise RuntimeError(f"engine reconfigure {uuid} of group {self._name!r}: {exc}") from None
+            raise RuntimeError(f"{what}: {exc}") from None
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
-        self._uuids.add(uuid)
-        if self is dist.distributed_c10d._world.default_pg:
-            self._members_changed = True
-            failure.recovered()
-        self._release(*self._detach(None))
-        self._rank, self._size = index, n
-        self._attach(comm)
+        with self._swapping:
+            if self._aborts != aborts:
+                comm.free()
+                raise RuntimeError(f"{what}: the group was aborted (abort()) while it was reconfigured; reconfigure "
+                                   "it again with a fresh uuid")
+            self._uuids.add(uuid)
+            if self is dist.distributed_c10d._world.default_pg:
+                self._members_changed = True
+                failure.recovered()
+            old = self._detach(None)
+            self._rank, self._size = index, n
+            self._attach(comm)
+        self._release(*old)
         return CompletedWork()
 
     @property
@@ -132,6 +153,7 @@ class FaultTolerance:
         ranks: where one doesn't, or doesn't call, the others fail at the group's timeout, naming it.
         The group's options are kept (opts_override is not read)."""
         what = f"engine shrink of process group {self._name!r}"
+        self._shrink_calls += 1   # (every call, as every member calls: where the arguments are wrong too)
         excluded = sorted({int(r) for r in ranks_to_exclude})
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
@@ -139,13 +161,15 @@ class FaultTolerance:
         self._check_torch_knows_members(what, "leave ranks out")
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
-        count = getattr(self, "_shrinks", 0) + 1    # (kept once it worked: a retry meets the others' retry)
+        count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
         members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
         world = self is dist.distributed_c10d._world.default_pg
         name = f"{self._name}:shrunk-{count}"
-        store = dist.PrefixStore(f"engine/shrink/{self._name}/{count}/without-" + "-".join(map(str, excluded)),
-                                 self._store)
+        # The members meet under their count of shrink calls, which a retry after a failed one advances on
+        # every member alike: under the failed attempt's keys, a retry would read what that attempt left.
+        store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._shrink_calls}/without-" +
+                                 "-".join(map(str, excluded)), self._store)
         try:
             comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
                                            timeout=self._timeout_seconds())
@@ -223,12 +247,15 @@ class FaultTolerance:
         abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
         fresh uuid, or make a new group."""
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
-        if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
-            self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
-                                     "waited for its members")
-        error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
-                              "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
-        self._release(*self._detach(error))
+        with self._swapping:
+            self._aborts += 1   # (a reconfigure past its waits sees it before it attaches its communicator)
+            if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
+                self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
+                                         "waited for its members")
+            error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
+                                  "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
+            old = self._detach(error)
+        self._release(*old)
 
     supports_abort_hooks = True        # torch 2.15 asks (they run on abort() and when a call fails)
     supports_completion_hooks = False
