@@ -6,11 +6,15 @@ bucket, with the dtype cast of compression and the AVG/PREMUL scale fused in), o
 unpack. With several buckets a helper thread packs bucket k+1 and unpacks bucket k-1 while bucket k is
 being reduced. Over shared memory the copy the transport needs anyway is the pack: each bucket is
 packed straight into the segment and unpacked straight out of it (Communicator.allreduce_parts), so a
-bucket costs two copies instead of four and needs no flat buffer.
+bucket costs two copies instead of four and needs no flat buffer. A call is checked whole before any
+of its data moves: a bucket refused half way would leave the buckets before it reduced.
 """
 
+import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 
 from . import _core, forks
@@ -26,11 +30,41 @@ COMPRESSIONS = (None, "float16", "bfloat16")
 
 def bucket_sizes(bucket_bytes=None, direct_bytes=None):
     """(bucket cap, direct size) in bytes: the arguments, else ENGINE_BUCKET_BYTES and
-    ENGINE_FUSION_DIRECT_BYTES, else the defaults; the fusions (CPU, CUDA) and DistributedOptimizer read
-    them here. A direct size of 0 sends every tensor alone (no packing)."""
+    ENGINE_FUSION_DIRECT_BYTES as they are now, else the defaults; the fusions (CPU, CUDA, at each call)
+    and DistributedOptimizer read them here. A direct size of 0 sends every tensor alone (no packing)."""
+    return _sizes(bucket_bytes, direct_bytes, os.environ.get("ENGINE_BUCKET_BYTES"),
+                  os.environ.get("ENGINE_FUSION_DIRECT_BYTES"))
+
+
+@functools.lru_cache(maxsize=16)
+def _sizes(bucket_bytes, direct_bytes, *settings):
+    # (settings: the variables' text, the cache's key: every fused call reads them, and parsing costs
+    # more than the look-up)
     return (bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1),
             env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=0) if direct_bytes is None
             else direct_bytes)
+
+
+class SizedFusion:
+    """A fusion's bucket cap and direct size: those it was made with, else the environment's at each
+    call (a group's fusion is made once, with the group, and the settings are documented per call)."""
+
+    def __init__(self, bucket_bytes=None, direct_bytes=None):
+        self._given = (bucket_bytes, direct_bytes)
+        bucket_sizes(bucket_bytes, direct_bytes)   # (a setting it can't use fails where the group is made)
+
+    @property
+    def sizes(self):
+        """(bucket cap, direct size) in bytes, now."""
+        return bucket_sizes(*self._given)
+
+    @property
+    def bucket_bytes(self):
+        return self.sizes[0]
+
+    @property
+    def direct_bytes(self):
+        return self.sizes[1]
 
 
 @dataclass(frozen=True)
@@ -96,12 +130,29 @@ def bucket_scales(code, wire, dtype, size, prescale):
     return before, after
 
 
-class FusedAllreduce:
+def check_reducible(like, dtype, code, prescale=1.0):
+    """Raises what a plain allreduce of `dtype` under `code` raises (AVG of integers among it), or scale()'s
+    error for a prescale of a dtype that can't be scaled. The kernels are asked, on an empty view of
+    `like` (a tensor or array of `dtype`), so the rules stay in one place (pyx/dtypes.pxi)."""
+    probe = like.reshape(-1)[:0]
+    try:
+        _core.scale(probe, prescale)   # (no elements: only whether dtype scales)
+    except ValueError:
+        if code == ReduceOp.AVG:   # (it raises: AVG needs a dtype that scales)
+            _core.reduce_into(probe, probe, probe, code)
+        if prescale != 1.0:
+            raise
+    if code != ReduceOp.AVG:   # (reduce_into refuses AVG itself; its SUM reduces every dtype that scales)
+        _core.reduce_into(probe, probe, probe, code)
+
+
+class FusedAllreduce(SizedFusion):
     """Allreduce of a list of tensors/arrays through fused buckets, in place."""
 
     def __init__(self, comm, bucket_bytes=None, direct_bytes=None):
+        super().__init__(bucket_bytes, direct_bytes)
         self.comm = comm
-        self.bucket_bytes, self.direct_bytes = bucket_sizes(bucket_bytes, direct_bytes)
+        self._checked = set()  # (dtype, op, prescaled) that check_reducible passed
         self._buffers = {}  # (wire dtype, slot) -> flat buffer, grown on demand
         self._worker = None
         self._lock = threading.Lock()
@@ -114,20 +165,26 @@ class FusedAllreduce:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
         summed = ReduceOp.SUM if code == ReduceOp.AVG else code  # (AVG's division: on pack or unpack)
+        cap, direct = self.sizes
         in_segment = getattr(self.comm, "packs_in_segment", False)
         if in_segment:
             # Read once, in C: where every tensor is of one dtype, none travels alone and all fit one
             # bucket (many small tensors: all_reduce_coalesced), that bucket is plan_buckets' plan.
             parts = _core.parse_parts(tensors)
-            if (parts is not None and parts.largest_bytes < min(self.direct_bytes, self.bucket_bytes)
-                    and parts.total_bytes <= self.bucket_bytes):
+            if parts is not None and parts.largest_bytes < min(direct, cap) and parts.total_bytes <= cap:
+                self._check(tensors[0], parts.dtype_name, code, prescale)
                 if parts.total_bytes:
                     self._reduce_in_segment(parts, parts.dtype_name, code, summed, compression, prescale)
                 return tensors
         # The MPI path takes host memory only (the buffer layer refuses device tensors), so every
         # bucket here is a "cpu" one; the device field keeps plans ready for device-side fusion.
         specs = [(count, dtype, itemsize, "cpu") for count, itemsize, dtype in map(_core.message_shape, tensors)]
-        buckets = plan_buckets(specs, self.bucket_bytes, self.direct_bytes)
+        first_of = {}  # dtype -> its first tensor; empty ones count too (a plain allreduce refuses those as well)
+        for i, spec in enumerate(specs):
+            first_of.setdefault(spec[1], i)
+        for dtype, i in first_of.items():
+            self._check(tensors[i], dtype, code, prescale)
+        buckets = plan_buckets(specs, cap, direct)
         if not buckets:
             return tensors
         if in_segment:
@@ -144,6 +201,12 @@ class FusedAllreduce:
                 self._pipelined(tensors, buckets, code, summed, compression, prescale)
         return tensors
 
+    def _check(self, like, dtype, code, prescale):
+        key = (dtype, code, prescale != 1.0)
+        if key not in self._checked:
+            check_reducible(like, dtype, code, prescale)
+            self._checked.add(key)
+
     def _reduce_in_segment(self, parts, dtype, code, summed, compression, prescale):
         """One bucket's parts (of `dtype`), packed straight into the shared segment and out of it."""
         wire = wire_dtype(dtype, compression)
@@ -153,17 +216,25 @@ class FusedAllreduce:
     def _pipelined(self, tensors, buckets, code, summed, compression, prescale):
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="engine-fusion")
-        pending = [None] * len(buckets)
-        pending[0] = self._worker.submit(self._pack, tensors, buckets[0], 0, code, compression, prescale)
-        unpacked = []
-        for k, bucket in enumerate(buckets):
-            flat, scale_after = pending[k].result()
-            if k + 1 < len(buckets):  # packs into the other slot, after that slot's unpack (same worker)
-                pending[k + 1] = self._worker.submit(self._pack, tensors, buckets[k + 1], (k + 1) % 2, code,
-                                                     compression, prescale)
-            self.comm.allreduce(flat, op=summed)
-            unpacked.append(self._worker.submit(self._unpack, flat, scale_after, tensors, bucket))
-        for f in unpacked:
+        submitted = []
+
+        def submit(fn, *args):
+            submitted.append(self._worker.submit(fn, *args))
+            return submitted[-1]
+
+        try:
+            pending = submit(self._pack, tensors, buckets[0], 0, code, compression, prescale)
+            for k, bucket in enumerate(buckets):
+                flat, scale_after = pending.result()
+                if k + 1 < len(buckets):  # packs into the other slot, after that slot's unpack (same worker)
+                    pending = submit(self._pack, tensors, buckets[k + 1], (k + 1) % 2, code, compression, prescale)
+                self.comm.allreduce(flat, op=summed)
+                submit(self._unpack, flat, scale_after, tensors, bucket)
+        finally:
+            # Whether or not this call fails, none of its work may outlive it: the worker writes the
+            # caller's tensors, and the slot buffers are the next call's.
+            wait_all(submitted)
+        for f in submitted:  # the first failure
             f.result()
 
     def _pack(self, tensors, bucket, slot, code, compression, prescale):

@@ -5,40 +5,47 @@ others, or tells them it failed. The ranks meet in the store, not on the group's
 collective stuck on the group can't hold the barrier up. The messages are Gloo's, word for word where
 torch's tests read them."""
 
+import contextlib
 import time
 from datetime import timedelta
 
 from . import forks
 
+# Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
+# loaded machine (rank 0 reads each rank's key and writes its verdict).
+GRACE_SECONDS = 5.0
+
 
 def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what):
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
-    how long the other ranks wait for rank 0's verdict; what: the barrier, for messages."""
+    how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
-        return _report_to_rank_0(store, key, rank, answer_seconds, what)
-    start = time.monotonic()
-    arrived, missing, error = [], [], None
-    for r in range(1, size):
-        left = start + seconds - time.monotonic()
-        if _arrives(store, key + str(r), left):
-            arrived.append(r)
-            continue
-        if wait_all:
-            missing.append(r)
-            continue
-        if left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
-            error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
-                     f"before rank {r} arrived ({what}; ranks that arrived: {', '.join(map(str, arrived)) or 'none'})")
-        else:
-            error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out "
-                     f"waiting for it ({what})")
-        break
-    if missing:
-        error = (f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} failed to "
-                 f"pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out waiting for "
-                 f"{'them' if len(missing) > 1 else 'it'} ({what})")
-    store.set(key + "verdict", error or "ok")
+        return _report_to_rank_0(store, key, rank, seconds, answer_seconds, what)
+    with _store_errors("[Rank 0]: ", what):
+        store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
+        start = time.monotonic()
+        arrived, missing, error = [], [], None
+        for r in range(1, size):
+            left = start + seconds - time.monotonic()
+            if _arrives(store, key + str(r), left):
+                arrived.append(r)
+                continue
+            if wait_all:
+                missing.append(r)
+                continue
+            if left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
+                error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
+                         f"before rank {r} arrived ({what}; ranks that arrived: "
+                         f"{', '.join(map(str, arrived)) or 'none'})")
+            else:
+                error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out "
+                         f"waiting for it ({what})")
+            break
+        if missing:   # ("Ranks" even for one: Gloo's words)
+            error = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
+                     f"{seconds * 1e3:.0f} ms: Timed out waiting for {'them' if len(missing) > 1 else 'it'} ({what})")
+        store.set(key + "verdict", error or "ok")
     if error is not None:
         raise RuntimeError(error)
 
@@ -49,20 +56,36 @@ def _arrives(store, key, seconds):
         try:
             store.wait([key], timedelta(seconds=seconds))
             return True
-        except RuntimeError:  # the store's timeout (its own exception type and wording)
+        except RuntimeError:  # the store's timeout (its own exception type and wording); a lost store fails the check
             pass
     return store.check([key])
 
 
-def _report_to_rank_0(store, key, rank, seconds, what):
+@contextlib.contextmanager
+def _store_errors(opening, what):
+    """A store that fails (its host gone: torch's DistNetworkError) ends the barrier in its own words."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise RuntimeError(f"{opening}the store failed ({type(exc).__name__}: {exc}) ({what})") from exc
+
+
+def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what):
     store.set(key + str(rank), "")
-    # Rank 0 answers when everyone arrived or its own timeout ran out; this rank waits as long as the
-    # group's timeout (as Gloo's other ranks do): rank 0 itself may be the one late.
-    if not _arrives(store, key + "verdict", seconds):
-        raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
-                           f"for send/recv from rank 0: Timed out after {seconds:g} s waiting for rank 0's answer "
-                           f"({what}); rank 0 did not arrive")
-    verdict = store.get(key + "verdict").decode()
+    failed = (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
+              "from rank 0: ")
+    # Rank 0 itself may be the one late: this rank waits for it as long as the group's timeout (as Gloo's
+    # other ranks do). Once it came, its verdict comes within its own timeout, which may be the longer:
+    # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
+    with _store_errors(failed, what):
+        came = _arrives(store, key + "0", answer_seconds)
+        answered = came and _arrives(store, key + "verdict", seconds + GRACE_SECONDS)
+        verdict = store.get(key + "verdict").decode() if answered else None
+    if not came:
+        raise RuntimeError(f"{failed}Timed out after {answer_seconds:g} s waiting for rank 0 ({what}); rank 0 "
+                           "did not arrive")
+    if verdict is None:
+        raise RuntimeError(f"{failed}rank 0 arrived but gave no answer within {seconds + GRACE_SECONDS:g} s (its "
+                           f"timeout of {seconds:g} s and a grace) ({what})")
     if verdict != "ok":
-        raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
-                           f"for send/recv from rank 0: rank 0 reported: {verdict}")
+        raise RuntimeError(f"{failed}rank 0 reported: {verdict}")

@@ -512,8 +512,8 @@ cdef class CoreComm:
         cdef Call c
         _same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
-        self.invoke(&c, self.select(OP_ALLGATHER, _nbytes(ms), ms.dtype, OPBIT_NONE, counts is not None, None),
+        largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
+        self.invoke(&c, self.select(OP_ALLGATHER, largest, ms.dtype, OPBIT_NONE, counts is not None, None),
                     mr.count, (ms, mr))
         return recvbuf
 
@@ -532,18 +532,14 @@ cdef class CoreComm:
         cdef Message ms = as_message(sendbuf, False, "sendbuf")
         cdef Message mr = as_message(recvbuf, True, "recvbuf")
         cdef Reduction red
-        cdef size_t largest = mr.count
-        cdef int i
         cdef Call c
         _same_dtype(ms, mr, "reduce_scatter")
         red = resolve_op(op, ms.dtype)
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
-        _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
-        for i in range(self.size):
-            largest = max(largest, c.counts[i])
-        self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest * ms.itemsize, ms.dtype, opbit_of(&red.c),
-                                    counts is not None, None), ms.count, (ms, mr))
+        largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
+        self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
+                    ms.count, (ms, mr))
         return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
@@ -554,7 +550,7 @@ cdef class CoreComm:
         cdef size_t *sd = self.cnt + self.size
         cdef size_t *rc = self.cnt + 2 * self.size
         cdef size_t *rd = self.cnt + 3 * self.size
-        cdef size_t block, largest = 0, sent = 0
+        cdef size_t block, largest = 0
         cdef int i
         cdef Call c
         _same_dtype(ms, mr, "alltoall")
@@ -564,12 +560,12 @@ cdef class CoreComm:
         alltoall_sizes(self.size, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
         for i in range(self.size):
             largest = max(largest, sc[i], rc[i])
-            sent = max(sent, sc[i])
         _check_fits(self, OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")
         c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
-        self.invoke(&c, self.select(OP_ALLTOALL, sent * ms.itemsize, ms.dtype, OPBIT_NONE, not even, None), ms.count,
-                    (ms, mr))
+        # (uneven: no size is known to every rank, so each runs the rule for the largest calls, engine.registry.EVERY)
+        self.invoke(&c, self.select(OP_ALLTOALL, sc[0] * ms.itemsize if even else <size_t>1 << 62, ms.dtype,
+                                    OPBIT_NONE, not even, None), ms.count, (ms, mr))
         return recvbuf
 
     def check_even_split(self, size_t count, str side):
@@ -641,17 +637,20 @@ cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1:
     return 0
 
 
-cdef int _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
-                     str whole_role, str what) except -1:
-    """v_sizes for this group's call; fills c.counts / c.displs."""
-    cdef size_t total
+cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
+                        str whole_role, str what) except? 0:
+    """v_sizes for this group's call; fills c.counts / c.displs. Returns the largest part's bytes, which
+    picks the call's rule: every rank knows it (its own part's size differs where the counts do)."""
+    cdef size_t total, largest = 0
     _check_fits(self, c.op, mine.count, what)
     c.counts, c.displs = self.cnt, self.cnt + self.size
     total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
                     -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
     if counts is not None:
         _check_fits(self, c.op, total, what)
-    return 0
+    for i in range(self.size):
+        largest = max(largest, c.counts[i])
+    return largest * mine.itemsize
 
 
 cdef int _same_dtype(Message a, Message b, str what) except -1:
@@ -682,9 +681,8 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
                  mine.dtype)
     c.root = root
-    _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
-    self.invoke(&c, self.select(op, _nbytes(mine), mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
-                (ms, mr))
+    largest = _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
+    self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count, (ms, mr))
 
 
 cdef Request _post_user(CoreComm self, object buf, int peer, object tag_, bint recv, str call, str what):

@@ -75,7 +75,7 @@ cdef class Hierarchy:
                 largest = g.cnt[0]
             else:
                 even_counts(g.cnt, g.cnt + g.size, g.size, count)
-        g.invoke(&s, g.select(op, (largest if op == OP_REDUCE_SCATTER else s.count) * isz, dtype,
+        g.invoke(&s, g.select(op, largest * isz, dtype,
                               OPBIT_NONE if red == NULL else opbit_of(red), uneven, None), s.count, keep)
         return 0
 

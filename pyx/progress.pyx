@@ -215,24 +215,26 @@ cdef class Progress:
         pthread_mutex_unlock(&self.mtx)
 
     def wait(self, Task task, timeout=None):
-        """Blocks until task is done, running it here if it is first in line and nothing runs; False
-        on timeout. Inside a callback of a task (a torch Future's then(): PowerSGD's hook submits its
+        """Blocks until task is done, running it here if it is first in line and nothing runs (without
+        a timeout); False on timeout, the task still queued or running. Inside a callback of a task (a torch Future's then(): PowerSGD's hook submits its
         next allreduce there and waits for it), on whichever thread ran the task (the engine's own
         or a caller's), it runs the queue through, in order, up to task: left to the thread's loop,
         task would wait for this very thread for ever."""
         cdef double until = -1 if timeout is None else eng_now() + timeout
         cdef bint through = PyThread_get_thread_ident() == self.cb_thread
+        # (with a timeout the group's thread runs the task: run here, it would block past the timeout)
+        cdef bint claims = through or until < 0
         cdef Task mine
         cdef double left, start = eng_now(), stall
         while task.state != TASK_DONE:
             mine = self._runnable_for(task, through)
-            if self._claim(mine):
+            if claims and self._claim(mine):
                 self._execute(mine)
                 continue
             with self.cv:   # (a task's end, here or on another thread, wakes this)
                 self.waiters += 1
                 try:
-                    if task.state == TASK_DONE or self._claimable(self._runnable_for(task, through)):
+                    if task.state == TASK_DONE or (claims and self._claimable(self._runnable_for(task, through))):
                         continue
                     if until >= 0 and eng_now() >= until:
                         return False

@@ -402,6 +402,9 @@ cdef int _poll_flags(void *unused, void *arg, bint *done) except -1 nogil:
     return 0
 
 
+SEGMENT_MAX = 1 << 44   # far beyond any host's memory, far below where the layout's arithmetic wraps
+
+
 cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
     if size < 1:
         raise ValueError(f"a group needs at least one rank, got {size}")
@@ -410,6 +413,10 @@ cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
                          f"{max(4096, 64 * size + _align(8 * (2 * size + 1), LINE))})")
     if queue_bytes < 4096:
         raise ValueError(f"ENGINE_SHM_QUEUE_BYTES={queue_bytes} is too small (at least 4096)")
+    # (in Python's integers: the layout's size_t sums would wrap, and the segment be smaller than its offsets)
+    if (2 * <object>half_bytes + NCHANNELS * <object>size * <object>queue_bytes) * size > SEGMENT_MAX:
+        raise ValueError(f"ENGINE_SHM_SLOT_BYTES={half_bytes} and ENGINE_SHM_QUEUE_BYTES={queue_bytes} make a segment "
+                         f"of more than {SEGMENT_MAX >> 40} TiB for {size} ranks: use smaller values")
     return _align(half_bytes, LINE), _align(queue_bytes, PAGE)
 
 

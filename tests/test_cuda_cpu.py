@@ -53,6 +53,31 @@ def test_bad_reductions_raise_clear_errors():
             check_reduction("float8_e4m3fn", op)
 
 
+def test_a_fused_batch_is_checked_whole_before_any_bucket_is_enqueued():
+    """A bucket the GPU can't reduce refuses the call before the buckets ahead of it are enqueued (which
+    would leave them reduced when it raises); on a stand-in communicator that records what is enqueued."""
+    from types import SimpleNamespace
+
+    from engine.cuda.fusion import CudaFusedAllreduce
+    enqueued = []
+
+    def record(name):
+        return lambda *args: enqueued.append(name)
+
+    comm = SimpleNamespace(size=2, kernels=SimpleNamespace(pack=record("pack"), unpack=record("unpack"),
+                                                           scale=record("scale")),
+                           _message=lambda buf: buf,   # (pointer, count, item size, dtype, device)
+                           _scratch=lambda nbytes, stream: SimpleNamespace(data=SimpleNamespace(ptr=0x9000)),
+                           _allreduce=record("allreduce"))
+    fused = CudaFusedAllreduce(comm, bucket_bytes=256)
+    buffers = [(0x1000, 10, 4, "int32", 0), (0x2000, 10, 4, "float32", 0)]
+    with pytest.raises(TypeError, match="BAND needs an integer or bool dtype, got float32"):
+        fused.run(buffers, ReduceOp.BAND, stream=0)
+    assert enqueued == []
+    fused.run(buffers[:1], ReduceOp.BAND, stream=0)
+    assert enqueued == ["allreduce"]   # (alone: in place)
+
+
 def test_forced_gpu_algorithm(monkeypatch):
     monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "ring")
     assert registry.Plan("nccl", stage=True).choose("allreduce", 1 << 20, 2, "float32", "sum").name == "ring"

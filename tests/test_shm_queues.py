@@ -125,3 +125,20 @@ def test_whatever_a_peer_writes_in_its_queue_ends_in_messages_or_an_error(frames
         receive_until_it_ends(core, len(frames), QUEUE, "rank 1", timeout_ends=True)
     finally:
         peer.mem.close()
+
+
+@pytest.mark.parametrize("half, queue", [(1 << 20, 1 << 62), (1 << 62, 1 << 16), (1 << 46, 1 << 16)])
+def test_a_segment_too_large_to_lay_out_is_refused_naming_the_settings(half, queue):
+    """Slot and queue sizes whose layout would wrap size_t (a segment of a few MiB holding queues of
+    2**62 bytes, written past its end at the first message) are refused when it is made, and where a
+    descriptor carries them."""
+    with pytest.raises(ValueError, match=r"ENGINE_SHM_SLOT_BYTES=\d+ and ENGINE_SHM_QUEUE_BYTES=\d+ make a segment "
+                                         r"of more than 16 TiB for 2 ranks"):
+        _core.ShmSegment.create(2, half, queue)
+    seg = _core.ShmSegment.create(2, 8192, QUEUE)
+    try:
+        desc = dict(seg.descriptor(), half_bytes=half, queue_bytes=queue)
+        with pytest.raises(ValueError, match="make a segment of more than"):
+            _core.ShmSegment.attach(1, 2, desc)
+    finally:
+        seg.close_fd()

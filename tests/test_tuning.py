@@ -139,3 +139,58 @@ def test_waits_spin_only_where_no_peer_needs_the_core(monkeypatch, ranks, cores,
     monkeypatch.setenv("ENGINE_SPIN_US", "7")
     _polite_waits(core, network, everyone, 0)
     assert core.spin == 7.0
+
+
+def _uneven_calls(rank, path, tuning, out):
+    import numpy as np
+    import torch.distributed as dist
+    import engine
+    os.environ.update(ENGINE_TUNING_FILE=tuning, ENGINE_TRANSPORT="shm", ENGINE_TIMEOUT="5")
+    try:
+        comm = engine.Communicator.from_store(dist.FileStore(path, 2), rank, 2, name="uneven")
+        counts = [2048, 100]   # (rank 0's part above the rules' 4096 bytes, rank 1's below)
+        mine = np.full(counts[rank], rank + 1.0, np.float32)
+        whole = np.concatenate([np.full(n, r + 1.0, np.float32) for r, n in enumerate(counts)])
+        got = np.zeros(sum(counts), np.float32)
+        comm.allgather(mine, got, counts)
+        assert np.array_equal(got, whole), "allgather"
+        got[:] = 0
+        comm.gather(mine, got if rank == 1 else None, root=1, counts=counts)
+        assert rank != 1 or np.array_equal(got, whole), "gather"
+        part = np.zeros(counts[rank], np.float32)
+        comm.scatter(whole if rank == 0 else None, part, root=0, counts=counts)
+        assert np.array_equal(part, whole[sum(counts[:rank]):][:counts[rank]]), "scatter"
+        comm.reduce_scatter(whole, part, counts=counts)
+        assert np.array_equal(part, 2 * whole[sum(counts[:rank]):][:counts[rank]]), "reduce_scatter"
+        sends = [[2048, 2048], [100, 100]][rank]   # (rank r sends blocks of counts[r] to each rank)
+        received = np.zeros(sum(counts), np.float32)
+        comm.alltoall(np.full(sum(sends), rank + 1.0, np.float32), received, sends, counts)
+        assert np.array_equal(received, whole), "alltoall"
+        comm.free()
+        out.put((rank, "ok"))
+    except BaseException as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_uneven_calls_pick_the_same_rule_on_every_rank(tmp_path):
+    """Rules whose byte ranges split the parts of an uneven call (ENGINE_TUNING_FILE: the point-to-point
+    algorithms up to 4 KiB over shared memory): every rank picks its rule from the largest part, which
+    all know, not from its own, where rank 0 would run one algorithm and rank 1 another, and both time
+    out. An uneven alltoall, whose sizes no rank knows whole, runs the rule for the largest calls."""
+    import multiprocessing as mp
+    small = {"min_bytes": 0, "max_bytes": 4096}
+    tuning = write(tmp_path, {"format": "engine-tuning/2", "rules": {
+        "allgather": {"shm": [{"algorithm": "ring", **small}]},
+        "gather": {"shm": [{"algorithm": "linear", **small}]},
+        "scatter": {"shm": [{"algorithm": "linear", **small}]},
+        "reduce_scatter": {"shm": [{"algorithm": "ring", **small}]},
+        "alltoall": {"shm": [{"algorithm": "pairwise", **small}]}}})
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_uneven_calls, args=(r, str(tmp_path / "store"), tuning, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == [(0, "ok"), (1, "ok")], results

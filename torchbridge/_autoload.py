@@ -63,7 +63,8 @@ def _wrap_init_process_group(dist):
 
 def _bounded_init(dist, original, backend, init_method, args, kwargs):
     """torch's init_process_group with its rendezvous bounded by the timeout (torchbridge.rendezvous:
-    torch's TCPStore client can wait forever): the store it makes is passed on as torch's own."""
+    torch's TCPStore client can wait forever): the store it makes is passed on as torch's own, under
+    the prefix torch gives the store it makes itself (a store passed in it takes as it is)."""
     import inspect
     from . import rendezvous
     call = inspect.signature(original).bind(backend, init_method, *args, **kwargs)
@@ -74,7 +75,7 @@ def _bounded_init(dist, original, backend, init_method, args, kwargs):
     store, rank, world_size = rendezvous.rendezvous(given.get("init_method"), given.get("rank", -1),
                                                     given.get("world_size", -1), timeout)
     store.set_timeout(timeout)
-    given.update(init_method=None, store=store, rank=rank, world_size=world_size)
+    given.update(init_method=None, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size)
     return original(*call.args, **call.kwargs)
 
 

@@ -276,6 +276,8 @@ cdef class Method:
     cdef int args[3]
     cdef bint host_only                 # moves no tensor: CUDA routing doesn't apply (barrier)
     cdef bint even_split                # all_to_all_single: a queued call checks divisibility first
+    cdef bint reals_only                # reduces, and torch hands it complex tensors as they are (reduce,
+                                        # reduce_scatter): the general form reduces their real view
 
     def __init__(self, Py_ssize_t index, str call, str arguments, str options, str name, str general):
         words = arguments.split()
@@ -285,6 +287,7 @@ cdef class Method:
         self.args = [ARGUMENTS[w] for w in words] + [ARG_NONE] * (3 - len(words))
         self.host_only = call == "barrier"
         self.even_split = call == "alltoall"
+        self.reals_only = call in ("reduce_to_root", "reduce_scatter")
 
 
 cdef inline object _arg(int which, t, u, int op, int64_t root):
@@ -343,7 +346,7 @@ cdef class FastPath:
         falls back; a queued call can't fall back once queued, so it checks both first."""
         cdef int64_t root = 0
         cdef int call, op
-        if (self.cuda and not m.host_only) or self.hooked or _profiling():
+        if (self.cuda and not m.host_only) or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
             return None
         call = _read(m.layout, opts, &root)
         if call < 0:

@@ -12,9 +12,11 @@ Parameters are planned into buckets once (engine.fusion.plan_buckets, in reverse
 which is roughly the order gradients become ready). A post-accumulate-grad hook counts ready gradients;
 a full bucket is launched asynchronously (fused pack, one allreduce, unpack, on the group's progress
 thread) as soon as it and every bucket before it are complete, so all ranks launch the same buckets in
-the same order. With backward_passes_per_step=N nothing is communicated until the N-th backward.
+the same order. With backward_passes_per_step=N nothing is communicated until the N-th backward; one
+more before step() is refused (its gradients would be added to those being averaged).
 """
 
+import functools
 import time
 
 import torch
@@ -48,13 +50,25 @@ class DistributedOptimizer:
         self.bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self.launch_times = []  # (bucket index, time.perf_counter()) of the last step, for overlap reports
         self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        # A parameter without elements has no bucket (nothing to average): no hook either, so its empty
+        # gradient stays as torch made it. A leaf's tensor hook runs before its gradient is accumulated.
+        bucketed = [p for p in self.params if id(p) in self.bucket_of]
+        self._hooks = [p.register_hook(functools.partial(self._check_not_reduced, p)) for p in bucketed] + \
+                      [p.register_post_accumulate_grad_hook(self._grad_ready) for p in bucketed]
 
     def _reset(self):
         self._ready = [0] * len(self.buckets)
         self._counts = {}
         self._works = [None] * len(self.buckets)
         self._next = 0
+
+    def _check_not_reduced(self, p, grad):
+        """Refuses a gradient beyond backward_passes_per_step before it is added to p.grad, which the
+        step's averaging (on the progress thread) may be writing: ranks would step apart."""
+        if self._counts.get(id(p), 0) == self.passes:
+            self._wait_launched()   # (the error leaves no bucket of this step in flight)
+            raise RuntimeError("Gradients were computed more than backward_passes_per_step times before call to "
+                               "step(). Increase backward_passes_per_step to accumulate gradients locally.")
 
     def _grad_ready(self, p):
         n = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
@@ -72,6 +86,8 @@ class DistributedOptimizer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in self.buckets[k]]
+            if k == 0:
+                self.launch_times = []
             self.launch_times.append((k, time.perf_counter()))
             self._works[k] = self.group.fused_allreduce_async(grads, ReduceOp.AVG, compression=self.compression,
                                                               name=f"gradient bucket {k}")
@@ -80,7 +96,10 @@ class DistributedOptimizer:
     def synchronize(self):
         """Launches what is left (parameters without gradients get zeros) and waits for every bucket."""
         self._launch_ready(force=True)
-        for w in self._works:
+        self._wait_launched()
+
+    def _wait_launched(self):
+        for w in self._works[:self._next]:
             w.wait()
 
     def step(self, closure=None):

@@ -67,6 +67,19 @@ def _reduce_op(opts):
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 
 
+def _real(tensors, opts, what):
+    """Complex tensors as their real views ((re, im) pairs: the last dimension doubled), on which SUM,
+    AVG and PREMUL_SUM are the complex ones, and the others refused as torch refuses them. torch does
+    this before all_reduce and its coalesced form, not before reduce and reduce_scatter (Gloo reduces
+    complex tensors); a mix of complex and real tensors is left to the dtype checks."""
+    if not all(t.is_complex() for t in tensors):
+        return tensors
+    op = (opts.reduceOp if opts is not None else dist.ReduceOp(dist.ReduceOp.SUM)).op
+    if not dist.distributed_c10d.supports_complex(op):
+        raise ValueError(f"engine {what} does not support {op} on complex tensors: SUM, AVG and PREMUL_SUM reduce them")
+    return [torch.view_as_real(t) for t in tensors]
+
+
 def _check_premul(t):
     if not t.is_floating_point():
         raise RuntimeError(f"PREMUL_SUM needs a floating dtype, got {t.dtype}")
@@ -402,6 +415,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         t = _one(tensors, "reduce")
         dev = self._device(t)
         op, factor = _reduce_op(opts)
+        t, = _real([t], opts, "reduce")
         root, comm = opts.rootRank, dev.comm
 
         def run():
@@ -420,6 +434,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         dev = self._device(out)
         op, factor = _reduce_op(opts)
         _check_per_rank(inputs, self.size(), out.dtype, "reduce_scatter", "input")
+        out, *inputs = _real([out, *inputs], opts, "reduce_scatter")
         comm = dev.comm
 
         def run():
@@ -431,11 +446,12 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _reduce_scatter_single(self, output, input, opts=None):
         dev = self._device(output)
         op, factor = _reduce_op(opts)
+        out, real_input = _real([output, input], opts, "reduce_scatter_tensor")
         comm = dev.comm
 
         def run():
-            src = _source(input, factor)
-            _write(output, lambda buf: comm.reduce_scatter(src, buf, op))
+            src = _source(real_input, factor)
+            _write(out, lambda buf: comm.reduce_scatter(src, buf, op))
 
         return dev.launch("reduce_scatter_tensor", run, None, None, None, 0, [output], opts)
 

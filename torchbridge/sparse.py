@@ -4,10 +4,22 @@ import math
 
 import torch
 
+from engine import DTYPE_NAMES
+
 
 def uneven(counts):
     """counts, or None where every rank's is the same (the engine's even form)."""
     return None if len(set(counts)) <= 1 else counts
+
+
+def _dtype_code(dtype):
+    """dtype's code among the engine's dtypes (-1: one it does not move, which the allgathers refuse)."""
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else -1
+
+
+def _dtype_name(code):
+    return f"torch.{DTYPE_NAMES[code]}" if code >= 0 else "one the engine does not move"
 
 
 def sparse_sum(t, comm):
@@ -15,8 +27,8 @@ def sparse_sum(t, comm):
     are gathered, concatenated in rank order and summed by coalescing; the sum is written into t."""
     mine = t.coalesce()
     indices, values = mine.indices(), mine.values()
-    meta = torch.tensor([mine._nnz(), mine.sparse_dim(), mine.dim(), hash(tuple(mine.shape)), t.dtype.itemsize,
-                         t.dtype.is_floating_point, t.dtype.is_complex], dtype=torch.int64)
+    meta = torch.tensor([mine._nnz(), mine.sparse_dim(), mine.dim(), hash(tuple(mine.shape)), _dtype_code(t.dtype)],
+                        dtype=torch.int64)
     metas = torch.empty(comm.size * meta.numel(), dtype=torch.int64)
     comm.allgather(meta, metas)
     metas = metas.view(comm.size, -1)
@@ -24,7 +36,8 @@ def sparse_sum(t, comm):
         differ = [r for r in range(comm.size) if not bool((metas[r, 1:] == meta[1:]).all())]
         raise ValueError(f"engine all_reduce of a sparse tensor: ranks {', '.join(map(str, differ))} passed a "
                          f"sparse tensor of another shape, sparse dimension or dtype than this rank's "
-                         f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions")
+                         f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions (their dtypes: "
+                         f"{', '.join(f'rank {r} ' + _dtype_name(int(metas[r, 4])) for r in differ)})")
     counts = metas[:, 0].tolist()
     total = sum(counts)
     if total == 0:

@@ -2,15 +2,15 @@
 per bucket whatever its tensor count, with the compression cast and the AVG/PREMUL scale fused in),
 one allreduce per bucket, all enqueued on one stream."""
 
-from ..fusion import COMPRESSIONS, ITEMSIZE, bucket_scales, bucket_sizes, plan_buckets, wire_dtype
+from ..fusion import COMPRESSIONS, ITEMSIZE, SizedFusion, bucket_scales, plan_buckets, wire_dtype
 from ..ops import ReduceOp, op_code
 from .tables import check_reduction
 
 
-class CudaFusedAllreduce:
+class CudaFusedAllreduce(SizedFusion):
     def __init__(self, cuda_comm, bucket_bytes=None, direct_bytes=None):
+        super().__init__(bucket_bytes, direct_bytes)
         self.comm = cuda_comm
-        self.bucket_bytes, self.direct_bytes = bucket_sizes(bucket_bytes, direct_bytes)
 
     def run(self, buffers, op=ReduceOp.SUM, *, stream, compression=None, prescale=1.0):
         """buffers[i] = op over ranks of buffers[i], in place, for every i (contiguous CUDA buffers)."""
@@ -21,8 +21,10 @@ class CudaFusedAllreduce:
         specs = [(count, dtype, itemsize, f"cuda:{dev}") for _, count, itemsize, dtype, dev in messages]
         comm, kernels = self.comm, self.comm.kernels
         reduce_op = ReduceOp.SUM if code == ReduceOp.AVG else code
-        for bucket in plan_buckets(specs, self.bucket_bytes, self.direct_bytes):
+        buckets = plan_buckets(specs, *self.sizes)
+        for bucket in buckets:  # all before any is enqueued: one refused later would leave these reduced
             check_reduction(bucket.dtype, code)
+        for bucket in buckets:
             wire = wire_dtype(bucket.dtype, compression)
             before, after = bucket_scales(code, wire, bucket.dtype, comm.size, prescale)
             itemsize = messages[bucket.indices[0]][2]

@@ -172,6 +172,51 @@ def test_reduce_scatter_variants_vs_gloo(op):
         assert torch.equal(gout, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
+    """torch hands reduce and reduce_scatter complex tensors as they are (all_reduce's it views as real):
+    SUM, AVG and PREMUL_SUM reduce them as Gloo does, on their real views; MAX, MIN and PRODUCT are
+    refused, as torch's all_reduce refuses them."""
+    def value(r, n):
+        k = torch.arange(n, dtype=torch.float64)
+        return torch.complex(k + r, 2.0 - k * (r + 1)).to(dtype)
+
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    n = 2 * P
+    ops = {"sum": (dist.ReduceOp.SUM, 1.0), "avg": (dist.ReduceOp.AVG, 1.0 / P),
+           "premul": (dist._make_nccl_premul_sum(0.5), 0.5)}
+    for op, (red, scale) in ops.items():
+        expected = sum(value(r, n) for r in range(P)) * scale
+        t = value(R, n)
+        dist.reduce(t, dst=P - 1, op=red)
+        if R == P - 1:
+            assert torch.allclose(t, expected, rtol=1e-6, atol=0), (op, t)
+        out = torch.empty(2, dtype=dtype)
+        reduce_scatter_single(out, value(R, n), op=red)
+        assert torch.allclose(out, expected[2 * R:2 * R + 2], rtol=1e-6, atol=0), (op, out)
+        listed = torch.empty(2, dtype=dtype)
+        dist.reduce_scatter(listed, list(value(R, n).chunk(P)), op=red)
+        assert torch.equal(listed, out), op
+    g = value(R, n)
+    dist.reduce(t := value(R, n), dst=0)
+    dist.reduce(g, dst=0, group=GLOO)
+    if R == 0:
+        assert torch.equal(t, g)
+    reduce_scatter_single(gout := torch.empty(2, dtype=dtype), value(R, n), group=GLOO)
+    reduce_scatter_single(out := torch.empty(2, dtype=dtype), value(R, n))
+    assert torch.equal(out, gout)
+    dist.reduce_scatter(gout, list(value(R, n).chunk(P)), group=GLOO)
+    dist.reduce_scatter(out, list(value(R, n).chunk(P)))
+    assert torch.equal(out, gout)
+    for red in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        with pytest.raises(ValueError, match="does not support .* on complex tensors"):
+            dist.reduce(value(R, n), dst=0, op=red)
+        with pytest.raises(ValueError, match="does not support .* on complex tensors"):
+            reduce_scatter_single(torch.empty(2, dtype=dtype), value(R, n), op=red)
+        with pytest.raises(ValueError, match="does not support .* on complex tensors"):
+            dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
+
+
 def test_all_to_all_equal_and_uneven_splits():
     inp = torch.arange(2 * P, dtype=torch.float32) + 100 * R
     out = torch.empty(2 * P)
@@ -316,6 +361,20 @@ def test_each_collective_on_each_path_of_the_adapter():
     if P > 1:
         with pytest.raises(ValueError, match="not divisible by the group size"):
             dist.all_to_all_single(torch.zeros(n + 1), torch.zeros(n + 1))
+
+
+def test_a_key_of_the_worlds_store_lands_where_torch_puts_it():
+    """torch wraps the store its rendezvous makes in PrefixStore("default_pg") (other users of that store
+    keep out of the group's keys); the engine's bounded rendezvous makes the store and hands it in, so
+    torch leaves it as it is: the engine adds the prefix, and a key lands where it lands on Gloo."""
+    key = "engine-test/where-it-lands"
+    if R == 0:
+        dist.distributed_c10d._get_default_store().set(key, "1")
+    dist.barrier()
+    raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=datetime.timedelta(seconds=20))
+    name = dist.group.WORLD.group_name
+    assert raw.check([f"default_pg/{name}//{key}"]) and not raw.check([f"{name}//{key}"])
 
 
 def test_barrier_and_object_helpers():
@@ -652,6 +711,26 @@ def test_a_receives_wait_with_a_timeout_raises_and_the_message_still_arrives():
     else:
         dist.barrier(group=GLOO)
     dist.barrier()
+
+
+def test_a_collectives_wait_with_a_timeout_raises_and_the_collective_still_completes():
+    """Work.wait(timeout) of an all_reduce a peer joins late raises after that timeout, as Gloo's (where
+    the waiting thread ran it, it blocked until the peer came); the call goes on, and a later wait
+    gets its sum."""
+    if P < 2:
+        pytest.skip("needs a peer")
+    t = torch.full((5,), R + 1.0)
+    if R == 1:
+        dist.barrier(group=GLOO)
+        work = dist.all_reduce(t, async_op=True)
+    else:
+        work = dist.all_reduce(t, async_op=True)
+        if R == 0:
+            with pytest.raises(RuntimeError, match=r"Work.wait: Timed out after 0.3 s waiting for allreduce"):
+                work.wait(datetime.timedelta(seconds=0.3))
+        dist.barrier(group=GLOO)
+    work.wait()
+    assert torch.equal(t, torch.full((5,), P * (P + 1) / 2))
 
 
 def test_a_barriers_own_timeout_ends_it_naming_the_rank_that_did_not_come():

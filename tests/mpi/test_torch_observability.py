@@ -135,11 +135,12 @@ def test_monitored_barrier_passes_when_everyone_arrives():
 
 
 @pytest.mark.skipif(P < 2, reason="needs a missing rank")
-@pytest.mark.parametrize("wait_all", [False, True])
-def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all):
-    """The last rank (with wait_all_ranks, every rank but 0) arrives only after rank 0's timeout: rank 0
-    names it, the ranks that arrived in time hear from rank 0 that it failed, and so does the late one."""
-    late = list(range(1, P)) if wait_all else [P - 1]
+@pytest.mark.parametrize("wait_all,every", [(False, False), (True, False), (True, True)])
+def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all, every):
+    """The last rank (or every rank but 0) arrives only after rank 0's timeout: rank 0 names it (with
+    wait_all_ranks, every one, as "Ranks" even if one: Gloo's words), the ranks that arrived in time hear
+    from rank 0 that it failed, and so does the late one."""
+    late = list(range(1, P)) if every else [P - 1]
     timeout = timedelta(seconds=1)
     dist.barrier()
     if R in late:
@@ -152,7 +153,7 @@ def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all):
     if R == 0:
         for r in late:
             dist.send(torch.empty(1), r)
-        named = f"Rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
+        named = f"Rank{'s' if wait_all else ''} {', '.join(map(str, late))}"
         assert f"[Rank 0]: {named} failed to pass monitoredBarrier in 1000 ms: Timed out waiting for" in message
         assert elapsed > 0.9, elapsed   # it waited its timeout (no upper bound: the machine may be busy)
     else:
@@ -160,6 +161,42 @@ def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all):
                                   f"for send/recv from rank 0: rank 0 reported: [Rank 0]: Rank"), message
     dist.barrier()
     WORLD.monitored_barrier(timedelta(seconds=30))  # everyone in step again
+
+
+@pytest.mark.skipif(P < 3, reason="needs a rank that waits for rank 0's answer while another is late")
+def test_a_monitored_barrier_longer_than_the_groups_timeout_ends_alike_on_every_rank():
+    """The last rank arrives after the group's timeout but within the barrier's: rank 0 waits for it and
+    passes, and so must rank 1, which arrived at once (it waited for rank 0's answer only as long as the
+    group's timeout, and failed blaming rank 0, which had arrived)."""
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    if R == P - 1:
+        time.sleep(4)
+    group.monitored_barrier(timedelta(seconds=8))
+    dist.destroy_process_group(group)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_monitored_barrier_whose_store_goes_away_says_so_as_its_other_errors(rank):
+    """The store's host (rank 0's process, under torch's rendezvous) ends while a rank waits in the
+    barrier: the rank raises the barrier's error, naming the store's, not the store's bare error."""
+    import gc
+    import threading
+
+    from engine.monitored_barrier import monitored_barrier
+    hosts = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    store = dist.TCPStore("127.0.0.1", hosts[0].port, is_master=False, timeout=timedelta(seconds=10))
+    ends = threading.Timer(0.5, lambda: (hosts.clear(), gc.collect()))
+    ends.start()
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            monitored_barrier(store, "mb/", rank, 2, 5, 5, False, "the test's barrier")
+    finally:
+        ends.join()
+    opening = "[Rank 0]: " if rank == 0 else ("Rank 1 successfully reached monitoredBarrier, but received errors "
+                                              "while waiting for send/recv from rank 0: ")
+    assert str(raised.value).startswith(opening + "the store failed (DistNetworkError: "), raised.value
+    assert str(raised.value).endswith("(the test's barrier)"), raised.value
 
 
 def test_monitored_barrier_with_no_time_left_blames_rank_0():
@@ -218,6 +255,11 @@ def test_sparse_all_reduce_refuses_other_ops_and_mismatched_tensors():
         others = f"ranks {P - 1}" if R != P - 1 else f"ranks {', '.join(map(str, range(P - 1)))}"
         with pytest.raises(ValueError, match=f"{others} passed a sparse tensor of another shape"):
             dist.all_reduce(t)
+    if P > 1:   # (one size, float-ness and shape: only the dtype tells them apart)
+        dtype = torch.float16 if R == 0 else torch.bfloat16
+        with pytest.raises(ValueError, match="another shape, sparse dimension or dtype than this rank's .*"
+                                             f"{dtype}.*{torch.bfloat16 if R == 0 else torch.float16}"):
+            dist.all_reduce(sparse_input(R, dtype))
     t = torch.full((3,), 1.0)
     dist.all_reduce(t)  # the group goes on
     assert torch.equal(t, torch.full((3,), float(P)))

@@ -22,8 +22,8 @@ def make_model(seed=0):
                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def batches(steps, micro=1):
-    gen = torch.Generator().manual_seed(1000 + R)
+def batches(steps, micro=1, rank=R):
+    gen = torch.Generator().manual_seed(1000 + rank)
     return [[(torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(micro)]
             for _ in range(steps)]
 
@@ -96,6 +96,67 @@ def test_bucket_cap_follows_engine_bucket_bytes(monkeypatch):
         opt.remove_hooks()
     assert len(given.buckets) >= 3
     assert [[id(p) for p in b] for b in from_env.buckets] == [[id(p) for p in b] for b in given.buckets]
+
+
+class WithAnEmptyParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.net(x) + self.empty.sum()
+
+
+def test_a_parameter_without_elements_trains_with_the_others():
+    """Its gradient hook fires in backward, but it has no bucket (nothing to average): it keeps the empty
+    gradient torch gives it, and the others are averaged as one process would on every rank's batch."""
+    model = WithAnEmptyParameter()
+    opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, bucket_bytes=512)
+    torchbridge.broadcast_parameters(model, opt)
+    alone = WithAnEmptyParameter()
+    alone.load_state_dict(model.state_dict())
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=0.05)
+    every_rank = [batches(3, rank=r) for r in range(P)]
+    train(model, opt, every_rank[R])
+    for step in zip(*every_rank):
+        alone_opt.zero_grad()
+        x, y = (torch.cat(t) for t in zip(*(s[0] for s in step)))
+        torch.nn.functional.mse_loss(alone(x), y).backward()
+        alone_opt.step()
+    assert model.empty.grad is not None and model.empty.grad.shape == (0,)
+    for a, b in zip(model.parameters(), alone.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+
+
+def test_a_backward_more_than_backward_passes_per_step_is_refused_and_the_first_still_steps():
+    """With backward_passes_per_step=1 the first backward's buckets are in flight, writing the gradients
+    in place, when a second backward would add to them (a race: the ranks would step apart). The second
+    is refused before it adds to any gradient, once the first's buckets are done; step() applies the
+    first's average, and training goes on as DDP's on Gloo."""
+    data = batches(2)
+    model = make_model()
+    opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                           bucket_bytes=512)
+    torchbridge.broadcast_parameters(model, opt)
+    (x, y), = data[0]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"Gradients were computed more than backward_passes_per_step times "
+                                           r"before call to step\(\)\. Increase backward_passes_per_step"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert all(w is not None and w.is_completed() for w in opt._works)   # nothing left in flight
+    opt.step()
+    train(model, opt, data[1:])
+    for a, b in zip(model.parameters(), gloo_ddp_reference(data)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+
+
+def test_launch_times_are_the_last_steps():
+    model = make_model()
+    opt = torchbridge.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, bucket_bytes=256)
+    train(model, opt, batches(3))
+    assert [k for k, _ in opt.launch_times] == list(range(len(opt.buckets)))
 
 
 def test_step_without_backward_is_an_error():
