@@ -2,6 +2,7 @@
 run on its thread and wait there for work queued behind them."""
 
 import threading
+import time
 
 from engine.progress import Progress
 
@@ -83,7 +84,7 @@ def test_what_a_callback_issues_runs_before_what_was_queued_behind_its_task():
             progress.wait(mine)
         assert order == ["mine", threading.current_thread().name, "issued by the callback"], order
         after = progress.submit(lambda: order.append("after"), (), "after")
-        assert progress.wait(after, 10) and order[-1] == "after"
+        assert progress.wait(after) and order[-1] == "after"   # (without a timeout: here)
 
         # on the engine's thread, a callback that raises is reported there, and the queue goes on
         progress.grace = 50e-6
@@ -91,6 +92,25 @@ def test_what_a_callback_issues_runs_before_what_was_queued_behind_its_task():
         progress.add_done_callback(raising, lambda task: 1 / 0)
         last = progress.submit(lambda: order.append("last"), (), "last")
         assert progress.wait(last, 10) and order[-2:] == ["raising", "last"], order
+    finally:
+        release.set()
+        progress.close()
+
+
+def test_a_wait_with_a_timeout_leaves_the_task_to_the_groups_thread_and_returns_at_the_timeout():
+    """A caller that waits for a queued task without a timeout runs it itself; with one, it leaves the
+    task to the group's thread: run here, a collective whose peer is late would hold the caller past
+    its timeout (Work.wait(timeout) as Gloo's: it raises, the call goes on)."""
+    progress = Progress(name="engine-progress-timeout")
+    release, ran_on = threading.Event(), []
+    try:
+        task = progress.submit(lambda: (ran_on.append(threading.current_thread().name), release.wait(10)), (),
+                               "allreduce")
+        started = time.monotonic()
+        assert not progress.wait(task, 0.2)
+        assert time.monotonic() - started < 5.0
+        release.set()
+        assert progress.wait(task, 10) and ran_on == ["engine-progress-timeout"], ran_on
     finally:
         release.set()
         progress.close()
