@@ -235,6 +235,7 @@ class _Hellos:
 
     def __init__(self, sock):
         self.sock, self.waiting = sock, {}   # socket -> (when it must have said hello, what it said so far)
+        sock.setblocking(False)   # (a connection reset between the select and the accept: none to take)
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ)
 

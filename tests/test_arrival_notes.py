@@ -229,3 +229,29 @@ store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, ti
 print(store.port, flush=True)
 time.sleep(120)
 """
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_monitored_barrier_whose_store_goes_away_says_so_as_its_other_errors(rank):
+    """The store's host (rank 0's process, under torch's rendezvous) ends while a rank waits in the
+    barrier: the rank raises the barrier's error, naming the store's, not the store's bare error."""
+    import gc
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.monitored_barrier import monitored_barrier
+    hosts = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    store = dist.TCPStore("127.0.0.1", hosts[0].port, is_master=False, timeout=timedelta(seconds=10))
+    ends = threading.Timer(0.2, lambda: (hosts.clear(), gc.collect()))
+    ends.start()
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            monitored_barrier(store, "mb/", rank, 2, 5, 5, False, "the test's barrier")
+    finally:
+        ends.join()
+    opening = "[Rank 0]: " if rank == 0 else ("Rank 1 successfully reached monitoredBarrier, but received errors "
+                                              "while waiting for send/recv from rank 0: ")
+    assert str(raised.value).startswith(opening + "the store failed (DistNetworkError: "), raised.value
+    assert str(raised.value).endswith("(the test's barrier)"), raised.value

@@ -163,7 +163,8 @@ def test_monitored_barrier_names_the_ranks_that_did_not_arrive(wait_all, every):
     WORLD.monitored_barrier(timedelta(seconds=30))  # everyone in step again
 
 
-@pytest.mark.skipif(P < 3, reason="needs a rank that waits for rank 0's answer while another is late")
+@pytest.mark.skipif(P != 3, reason="needs a rank that waits for rank 0's answer while another is late (at 3 "
+                                    "ranks only: it waits 4 s, in every suite that runs it)")
 def test_a_monitored_barrier_longer_than_the_groups_timeout_ends_alike_on_every_rank():
     """The last rank arrives after the group's timeout but within the barrier's: rank 0 waits for it and
     passes, and so must rank 1, which arrived at once (it waited for rank 0's answer only as long as the
@@ -174,29 +175,6 @@ def test_a_monitored_barrier_longer_than_the_groups_timeout_ends_alike_on_every_
     group.monitored_barrier(timedelta(seconds=8))
     dist.destroy_process_group(group)
     dist.barrier()
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_monitored_barrier_whose_store_goes_away_says_so_as_its_other_errors(rank):
-    """The store's host (rank 0's process, under torch's rendezvous) ends while a rank waits in the
-    barrier: the rank raises the barrier's error, naming the store's, not the store's bare error."""
-    import gc
-    import threading
-
-    from engine.monitored_barrier import monitored_barrier
-    hosts = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
-    store = dist.TCPStore("127.0.0.1", hosts[0].port, is_master=False, timeout=timedelta(seconds=10))
-    ends = threading.Timer(0.5, lambda: (hosts.clear(), gc.collect()))
-    ends.start()
-    try:
-        with pytest.raises(RuntimeError) as raised:
-            monitored_barrier(store, "mb/", rank, 2, 5, 5, False, "the test's barrier")
-    finally:
-        ends.join()
-    opening = "[Rank 0]: " if rank == 0 else ("Rank 1 successfully reached monitoredBarrier, but received errors "
-                                              "while waiting for send/recv from rank 0: ")
-    assert str(raised.value).startswith(opening + "the store failed (DistNetworkError: "), raised.value
-    assert str(raised.value).endswith("(the test's barrier)"), raised.value
 
 
 def test_monitored_barrier_with_no_time_left_blames_rank_0():
