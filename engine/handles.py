@@ -256,7 +256,7 @@ class _Hellos:
                 self._accept(now)
                 continue
             conn = key.fileobj
-            until, said = self.waiting[conn]
+            said = self.waiting[conn][1]
             try:
                 data = conn.recv(_HELLO.size - len(said))
             except BlockingIOError:
@@ -279,9 +279,7 @@ class _Hellos:
     def _accept(self, now):
         try:
             conn, _ = self.sock.accept()
-        except (BlockingIOError, socket.timeout):
-            return
-        except OSError:   # (out of descriptors: the connection waits in the backlog for the next try)
+        except OSError:   # (none to take after all, or out of descriptors: it waits in the backlog for the next try)
             return
         if len(self.waiting) >= MAX_PARKED:
             conn.close()
