@@ -11,9 +11,19 @@ OPS = ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]
 
 
 def rank_data(rank, n, dtype, salt=0):
-    """Small integers (-3..3, 0..6 unsigned), so float sums, products and averages stay exact."""
-    i = np.arange(n, dtype=np.int64)
-    v = (i * 7 + rank * 13 + salt * 5) % 7
+    """Small integers (-3..3, 0..6 unsigned), so float sums, products and averages stay exact. They
+    vary along the array with no short period, and each rank and salt has its own sequence: a block
+    moved, repeated or taken from another rank shows (splitmix64 of the position, rank and salt,
+    scaled to 0..6 without a division)."""
+    u = np.uint64
+    z = np.arange(n, dtype=u)
+    z += u((rank * 1_000_003 + salt * 7_919 + 1) * 0x9E3779B97F4A7C15 % 2**64)
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z ^= z >> u(shift)
+        z *= u(factor)
+    z >>= u(48)   # (the top 16 bits)
+    z *= u(7)
+    v = (z >> u(16)).astype(np.int64)
     if dtype == "bool":
         return (v % 3 == 0)
     if dtype.startswith("uint"):
