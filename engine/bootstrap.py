@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import socket
+import time
 
 from .config import env_choice, env_int
 
@@ -18,8 +19,31 @@ TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 INTERHOST = ("mpi", "tcp")
 
 
+# A making that may be cancelled waits on the store in slices this long, looking at its cancel between.
+CANCEL_CHECK_SECONDS = 0.2
+
+
 class MissingRanks(RuntimeError):
     """Ranks never came to an exchange of the group's making, within its timeout."""
+
+
+class Cancel:
+    """Where a group's making can be ended from another thread (abort() of a shrink in flight): the
+    making's waits register fn(why) with on_cancel, and cancel(why) runs each (one registered after
+    it at once)."""
+
+    def __init__(self):
+        self.why, self._fns = None, []
+
+    def on_cancel(self, fn):
+        self._fns.append(fn)
+        if self.why is not None:
+            fn(self.why)
+
+    def cancel(self, why):
+        self.why = why
+        for fn in list(self._fns):
+            fn(why)
 
 
 class MpiBootstrap:
@@ -52,13 +76,20 @@ class StoreBootstrap:
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
         self.on_cancel, self.timeout = on_cancel, timeout
         self._round = 0
+        self._cancelled = None   # (why the making was cancelled: its store waits end within a slice)
+        if on_cancel is not None:
+            on_cancel(self._cancel)
+
+    def _cancel(self, why):
+        self._cancelled = why
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
-        values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})")
+        values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
+                                         None if self.on_cancel is None else lambda: self._cancelled)
         if missing:
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
@@ -86,7 +117,7 @@ def plain_loads(data):
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
-def read_keys(store, keys, seconds, what):
+def read_keys(store, keys, seconds, what, cancelled=None):
     """(the values of keys, [], None) once every one is set; else (None, the positions of those never
     set, what the store said). The wait is bounded by seconds, a group's own timeout, where the store
     can wait so long (torch's store.wait; its gets wait the store's own timeout, the world's: 30
@@ -94,14 +125,15 @@ def read_keys(store, keys, seconds, what):
     The values come in one round trip where the store has multi_get (torch's stores; a Python
     subclass of torch's Store that defines get only inherits one that calls its get; the
     reconfigure's members' stores), else a get a key. A store cancelled or gone (ConnectionError: it
-    says which) passes its error on."""
+    says which) passes its error on. cancelled: where given, returns why the making was cancelled (else
+    None): the wait ends then, within CANCEL_CHECK_SECONDS, in a ConnectionError saying why."""
     multi_get = getattr(store, "multi_get", None)
 
     def values():
         return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
     try:
         if seconds is not None and hasattr(store, "wait"):
-            store.wait(keys, datetime.timedelta(seconds=seconds))
+            _wait(store, keys, seconds, cancelled)
         return values(), [], None
     except ConnectionError:
         raise
@@ -115,6 +147,26 @@ def read_keys(store, keys, seconds, what):
         if not missing:   # (all there now: they came just late)
             return values(), [], None
         return None, missing, str(exc).split(", keys:")[0]   # (the store's words, without its list of keys)
+
+
+def _wait(store, keys, seconds, cancelled):
+    """store.wait(keys) for seconds; in slices where the wait may be cancelled (store.wait can't be
+    interrupted). A slice's own timeout waits on; a failure that comes sooner (the store gone) does not."""
+    if cancelled is None:
+        return store.wait(keys, datetime.timedelta(seconds=seconds))
+    deadline = time.monotonic() + seconds
+    while True:
+        if cancelled() is not None:
+            raise ConnectionError(cancelled())
+        start = time.monotonic()
+        piece = min(CANCEL_CHECK_SECONDS, deadline - start)
+        try:
+            return store.wait(keys, datetime.timedelta(seconds=max(piece, 0.001)))
+        except ConnectionError:
+            raise
+        except Exception:
+            if time.monotonic() >= deadline or time.monotonic() - start < piece / 2:
+                raise
 
 
 def gather(boot, make, what):

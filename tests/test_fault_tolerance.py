@@ -410,6 +410,23 @@ class FaultToleranceScenarios(ForkedRanks):
         shrunk.abort()
         self._finish("shrinkretry_end")
 
+    def test_abort_ends_a_shrink_waiting_for_a_member(self):
+        """abort() from another thread ends a shrink that waits in the store for a member that never
+        comes (rank 1 makes no shrink), within a second of the abort, naming it, where the shrink waited
+        the group's timeout (30 s) in torch's store, which nothing interrupts."""
+        self._reconfigured("shrinkabort", 1560)
+        if self.rank == 0:
+            timer = threading.Timer(1.0, self.backend.abort)
+            timer.start()
+            started = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"engine shrink of process group .* without ranks \[2\]: process "
+                                                      r"group .* was aborted \(abort\(\)\) while this shrink waited"):
+                self.backend.shrink([2])
+            took = time.monotonic() - started
+            timer.join()
+            self.assertLess(took, 5.0, f"the shrink took {took:.1f} s after abort() at 1 s")
+        self._finish("shrinkabort_end")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, failure, forks
-from engine.bootstrap import read_keys
+from engine.bootstrap import Cancel, read_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
 from engine import handles as _handles
@@ -68,6 +68,7 @@ class FaultTolerance:
         self._swapping = threading.RLock()   # (re-entrant: a signal handler's abort in the swapping thread)
         self._aborts = 0
         self._shrink_calls = 0
+        self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
 
     # -- what torch asks --
 
@@ -170,13 +171,18 @@ class FaultTolerance:
         # every member alike: under the failed attempt's keys, a retry would read what that attempt left.
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._shrink_calls}/without-" +
                                  "-".join(map(str, excluded)), self._store)
+        with self._swapping:
+            self._shrinking = cancel = Cancel()
         try:
             comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
-                                           timeout=self._timeout_seconds())
+                                           timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel)
         except Exception as exc:
             raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
                                f"{members}[i] of this one; every member that stays passes the same ranks)"
                                ) from exc
+        finally:
+            with self._swapping:
+                self._shrinking = None
         self._shrinks = count
         group = type(self)(comm, index, size, self._timeout, store, name)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
@@ -243,15 +249,18 @@ class FaultTolerance:
 
     def abort(self):
         """Ends every queued and running call of this group at once (EngineAborted), and a reconfigure
-        in flight where it waits on its members (the meet, the new group's making), after running the
-        abort hooks; frees the group as soon as no call is inside it. Recover with reconfigure() and a
-        fresh uuid, or make a new group."""
+        or a shrink in flight where it waits on its members (the meet, the new group's making), after
+        running the abort hooks; frees the group as soon as no call is inside it. Recover with
+        reconfigure() and a fresh uuid, or make a new group."""
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         with self._swapping:
             self._aborts += 1   # (a reconfigure past its waits sees it before it attaches its communicator)
             if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
                 self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
                                          "waited for its members")
+            if self._shrinking is not None:
+                self._shrinking.cancel(f"process group {self._name!r} was aborted (abort()) while this shrink waited "
+                                       "for its members")
             error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
                                   "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
             old = self._detach(error)
