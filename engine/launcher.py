@@ -15,13 +15,27 @@ MPIRUN_HINT = "launch the job with `mpirun -n N python script.py` (or srun with 
 
 
 def detect_launcher(environ=None):
-    """(launcher name, rank, size, local rank, local size or None) from the environment, or None."""
+    """(launcher name, rank, size, local rank, local size or None) from the environment, or None. Never
+    for a torchrun worker (TORCHELASTIC_RUN_ID): torchrun started by srun or mpirun runs its workers
+    beside the launcher's rank, whose variables they inherit, not as ranks of the launcher's job."""
     env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return None
     for name, rank, size, local, local_size in LAUNCHERS:
         if rank in env and size in env:
             ls = env.get(local_size, "")
             return (name, int(env[rank]), int(env[size]), int(env.get(local, 0)),
                     int(ls) if ls.isdigit() else None)
+    return None
+
+
+def launcher_of_world(world_size, environ=None):
+    """detect_launcher() where the world being made is the launcher's job (world_size: the size the
+    caller gave, or None), else None: a world of another size is made beside it (mp.spawn under
+    `srun -n 1`, a world made by hand with its store and size inside an MPI job), through torch's store."""
+    launched = detect_launcher(environ)
+    if launched is None or world_size in (None, -1, "") or int(world_size) == launched[2]:
+        return launched
     return None
 
 

@@ -15,10 +15,14 @@ _YIELD = "OMPI_MCA_mpi_yield_when_idle"
 
 def singleton_env(environ=None):
     """A process no MPI launcher started is an MPI singleton: it has no peers, and Open MPI's shared-
-    memory BTL would leave a 16 MiB segment in /dev/shm that no launcher cleans up. Use only `self`."""
+    memory BTL would leave a 16 MiB segment in /dev/shm that no launcher cleans up. Use only `self`.
+    Returns whether it set the variable: MPI reads it as it starts, and a job this process launches
+    later (mpiexec in a subprocess) must not inherit it."""
     env = os.environ if environ is None else environ
     if detect_launcher(env) is None and "OMPI_MCA_btl" not in env:
         env["OMPI_MCA_btl"] = "self"
+        return True
+    return False
 
 
 def polite_env(environ=None, cores=None):
@@ -100,12 +104,15 @@ def load():
         return _loaded[0]
     failure.configure()
     started = "mpi4py.MPI" in sys.modules
-    if not started:
-        singleton_env()
+    singleton = not started and singleton_env()
     for note in (survivable_finalize_env(started=started), None if started else polite_env()):
         if note and (detect_launcher() or (None, 0))[1] == 0:
             print(note, file=sys.stderr, flush=True)
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    finally:
+        if singleton:
+            os.environ.pop("OMPI_MCA_btl", None)
     failure.arm(MPI)  # a rank leaving after a failure aborts the job instead of hanging in MPI_Finalize
     _loaded.append(MPI)
     return MPI

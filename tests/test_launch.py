@@ -188,6 +188,23 @@ def test_user_values_win_and_are_checked():
         prepare_env(world_size=4, environ={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
 
 
+def test_a_world_beside_the_launchers_job_is_left_to_torch():
+    """A torchrun worker that srun or mpirun started inherits the launcher's variables (TORCHELASTIC_RUN_ID
+    says it is torchrun's), and mp.spawn under `srun -n 1` makes a world of another size than the job:
+    neither is the launcher's world, so RANK, WORLD_SIZE and the store are torch's, as for Gloo (the engine
+    refused them: 'RANK=1 disagrees with the MPI launcher (Slurm srun), which says 0'). (In a job of
+    several ranks, a world of another size over env:// stays an error: test_user_values_win_and_are_checked.)"""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    torchrun = {**slurm, "TORCHELASTIC_RUN_ID": "job", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    env = dict(torchrun)
+    assert detect_launcher(env) is None and prepare_env(environ=env) is None and env == torchrun
+    for given in (dict(world_size=2, rank=1), {}):   # (the size given, or in WORLD_SIZE)
+        env = dict(slurm, **({} if given else {"WORLD_SIZE": "2", "RANK": "1"}))
+        kept = dict(env)
+        assert prepare_env(environ=env, **given) is None and env == kept
+
+
 def test_local_rank_of_another_layer_is_replaced_by_the_launchers_with_one_warning():
     """DeepSpeed's MPI discovery numbers a host's ranks by processor name, Open MPI in its mapping's order:
     LOCAL_RANK changes nothing the engine does, so a differing value is accepted and made the launcher's
@@ -236,6 +253,81 @@ def test_plain_python_is_a_world_of_one():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "world 1 engine [1.0, 1.0, 1.0] False" in proc.stdout
+
+
+BESIDE_MPI = textwrap.dedent("""
+    import datetime, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def world(rank, how, rounds):
+        for i in range(rounds):
+            if how == "store":   # (a world of one made by hand, inside an MPI job)
+                dist.init_process_group("engine", store=dist.HashStore(), rank=0, world_size=1)
+            elif how.startswith("tcp://"):
+                dist.init_process_group("engine", init_method=how, rank=rank, world_size=2)
+            else:
+                if i and dist_rank == 0:
+                    time.sleep(0.5)   # (rank 1 reaches the store first: it must not read the last world's keys)
+                dist.init_process_group("engine", init_method=how)
+            t = torch.ones(3) * (dist.get_rank() + 1)
+            dist.all_reduce(t)
+            with open(os.path.join(sys.argv[3], f"{os.getpid()}"), "a") as out:   # (ranks' prints would interleave)
+                print("round", i, "rank", dist.get_rank(), "of", dist.get_world_size(), t.tolist(), file=out)
+            dist.destroy_process_group()
+
+    dist_rank = int(os.environ.get("RANK", "0"))
+    if __name__ == "__main__":
+        how, rounds = sys.argv[1], int(sys.argv[2])
+        if how == "spawn":
+            mp.spawn(world, args=(sys.argv[4], rounds), nprocs=2)
+        else:
+            world(dist_rank, how, rounds)
+""")
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1"}
+
+
+@pytest.mark.parametrize("case", ["torchrun-under-srun", "spawn-under-srun", "world-of-one-under-mpiexec",
+                                  "env-with-query-under-mpiexec"])
+def test_worlds_beside_an_mpi_launchers_job_and_made_again(case, tmp_path):
+    """Worlds that are not the MPI launcher's job, made as Gloo makes them: torchrun started by srun
+    (the launcher's variables inherited; three worlds one after another on torchrun's store, rank 0
+    coming to each new one after rank 1, which must not read the keys the last one left: a segment
+    of another size), mp.spawn under `srun -n 1` (a tcp:// world of 2), a world of one made with its
+    own store in each rank of an MPI job (the engine took MPI's world of 2 for it), and env:// with a
+    query (`env://?use_libuv=0`: the zero-config fill skipped it)."""
+    script, outs = tmp_path / "beside.py", tmp_path / "out"
+    script.write_text(BESIDE_MPI)
+    outs.mkdir()
+    if case == "torchrun-under-srun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(script), "env://", "3", str(outs)]
+        env, expect = clean_env(**SLURM), [f"round {i} rank {r} of 2 [3.0, 3.0, 3.0]" for i in range(3) for r in range(2)]
+    elif case == "spawn-under-srun":
+        cmd = [sys.executable, str(script), "spawn", "1", str(outs), f"tcp://127.0.0.1:{free_port()}"]
+        env, expect = clean_env(**SLURM), [f"round 0 rank {r} of 2 [3.0, 3.0, 3.0]" for r in range(2)]
+    else:
+        how = "store" if case.startswith("world-of-one") else "env://?use_libuv=0"
+        cmd, env = mpiexec_command(2) + [sys.executable, str(script), how, "1", str(outs)], mpi_env()
+        expect = ["round 0 rank 0 of 1 [1.0, 1.0, 1.0]"] * 2 if how == "store" else \
+            [f"round 0 rank {r} of 2 [3.0, 3.0, 3.0]" for r in range(2)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = [line for f in outs.iterdir() for line in f.read_text().splitlines()]
+    assert sorted(got) == sorted(expect), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_timeout_that_is_not_a_timedelta_is_refused_as_torch_refuses_it():
+    code = "import torch.distributed as dist; dist.init_process_group('engine', timeout=60)"
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert "TypeError: Expected timeout argument to be of type datetime.timedelta, got 60" in proc.stderr, proc.stderr
+
+
+def test_mpi_started_alone_leaves_no_singleton_setting_behind():
+    """MPI started in a process no launcher started (engine.MPI) runs on Open MPI's `self` BTL alone: the
+    setting (OMPI_MCA_btl=self) is there while MPI starts, and gone after, where an MPI job this process
+    launches would inherit it and fail (its ranks could not reach each other)."""
+    code = ("import os, engine; engine.MPI.COMM_WORLD.Get_size(); print('left', os.environ.get('OMPI_MCA_btl'))")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert "left None" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_registration_does_not_import_mpi_or_the_engine():

@@ -46,7 +46,7 @@ def _wrap_init_process_group(dist):
         if not named or dist.is_initialized():  # a second init: torch refuses it at once
             return original(backend, init_method, *args, **kwargs)
         try:
-            if init_method in (None, "env://") and kwargs.get("store") is None:
+            if (init_method is None or str(init_method).startswith("env://")) and kwargs.get("store") is None:
                 from .launch import prepare_env
                 prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1))
             group = _bounded_init(dist, original, backend, init_method, args, kwargs)
@@ -69,6 +69,8 @@ def _bounded_init(dist, original, backend, init_method, args, kwargs):
     from . import rendezvous
     call = inspect.signature(original).bind(backend, init_method, *args, **kwargs)
     given = call.arguments
+    if given.get("timeout") is not None:   # (torch's own check, before the rendezvous reads it)
+        dist.distributed_c10d._check_valid_timeout(given["timeout"])
     if given.get("store") is not None or not rendezvous.bounded(given.get("init_method")):
         return original(backend, init_method, *args, **kwargs)
     timeout = given.get("timeout") or dist.distributed_c10d._get_default_timeout(dist.Backend(backend))
@@ -85,16 +87,15 @@ def _failed_at_init(exc):
     or a script or library that initialised MPI first) the rank would wait in MPI_Finalize for ranks
     that wait for it: it aborts the job at exit instead (engine.failure). Without MPI up, Open MPI's
     mpirun and torchrun see the process exit non-zero and end the job; MPICH's mpiexec (Hydra) and srun
-    do not, and the others wait for this rank inside MPI_Init: it starts MPI, to abort the job at exit."""
-    import os
+    do not, and the others wait for this rank inside MPI_Init: it starts MPI, to abort the job at exit
+    (not a torchrun worker's: detect_launcher says no launcher there)."""
     import sys
     from engine import failure
     from engine.launcher import detect_launcher
     MPI = sys.modules.get("mpi4py.MPI")   # looked up, never imported: `import torch` must not load MPI
     if MPI is None or not MPI.Is_initialized():
         launched = detect_launcher()
-        # (a torchrun that srun or mpiexec started runs several ranks on one launcher rank: not MPI's)
-        if launched is None or launched[0] == "Open MPI" or launched[2] == 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        if launched is None or launched[0] == "Open MPI" or launched[2] == 1:
             return
         print(f"engine: rank {launched[1]}: init_process_group failed ({failure.describe(exc)}); starting MPI, "
               f"which the other ranks wait in, to end the job at exit ({launched[0]} does not end it at this "

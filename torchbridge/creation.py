@@ -6,7 +6,7 @@ import os
 import torch.distributed as dist
 
 from engine import Communicator, forks
-from engine.launcher import MPIRUN_HINT, detect_launcher
+from engine.launcher import MPIRUN_HINT, launcher_of_world
 
 from .fault import agree_on_members, own_transport, reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
@@ -20,23 +20,29 @@ def create_process_group(opts, backend_options=None):
     group is made through MPI; otherwise (torchrun, mp.spawn, plain python) through torch's store
     (shared memory inside a host, the engine's TCP transport between hosts). After a reconfigure the
     store is used under MPI too: MPI's world no longer says who the members are. A group made with
-    enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure."""
+    enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure. A world
+    of another size than the MPI launcher's job (mp.spawn under `srun -n 1`, a world made by hand
+    with its store inside an MPI job) is made through the store, and its groups too."""
     seconds = in_seconds(opts.timeout)
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
     changed = reconfigured()
+    world_size = dist.get_world_size() if ranks and dist.is_initialized() else opts.group_size
+    over_mpi = launcher_of_world(world_size) is not None and not changed   # (after a reconfigure or a shrink: never)
     # (in a forked child: not through the store or the MPI it inherited, before anything reaches them)
-    forks.check_can_make(f"group {name!r}", store, mpi=detect_launcher() is not None and not changed)
+    forks.check_can_make(f"group {name!r}", store, mpi=over_mpi)
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
+    if store is not None:
+        store = made_anew(store, opts.group_rank)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group")
-    if detect_launcher() is None or changed:   # (after a reconfigure or a shrink: never MPI, as there)
+    if not over_mpi:
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name, transport=own_transport() if changed else None)
     else:
@@ -56,6 +62,16 @@ def attempt_store(store):
     if store is None or attempt is None:
         return store
     return dist.PrefixStore(f"engine/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
+
+
+def made_anew(store, rank):
+    """The part of a group's store for this making of it. A group of the same name made again on the
+    same store (init_process_group after destroy_process_group under torchrun, whose agent's store
+    outlives the worlds of one attempt; mp.spawn re-using its tcp:// port) would otherwise read the
+    keys its earlier making left: the earlier segment's size, its addresses. Each rank counts its own
+    makings of the group (the ranks of one making count alike); a rank started twice counts ahead of
+    the others, and is named missing where they meet."""
+    return dist.PrefixStore(f"engine/made-{store.add(f'engine/makings-of-rank-{rank}', 1)}", store)
 
 
 def _mpi_group(opts, ranks):

@@ -10,7 +10,7 @@ import socket
 import warnings
 
 
-from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher  # noqa: F401  (re-exported)
+from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher, launcher_of_world  # noqa: F401  (re-exported)
 
 
 _chosen_port = {}   # id(environ) -> the MASTER_PORT this process chose for its last group
@@ -18,7 +18,10 @@ _chosen_port = {}   # id(environ) -> the MASTER_PORT this process chose for its 
 
 def prepare_env(world_size=-1, rank=-1, environ=None):
     """Fills the env:// variables torch reads from the MPI launcher. Without one (torchrun and
-    mp.spawn set them themselves; plain `python` is a world of one) nothing is needed from MPI.
+    mp.spawn set them themselves; plain `python` is a world of one), or where the launcher's job is
+    this one process and the world is bigger (given as world_size or WORLD_SIZE: mp.spawn under
+    `srun -n 1`), nothing is needed from MPI. In a job of several ranks, a world of another size is
+    an error (the launcher's variables are the only ones env:// has there).
     A MASTER_PORT the engine chose for an earlier world of this process is chosen anew: a rank that
     reached its next init_process_group first would join the earlier world's store, still up in
     rank 0 (it was destroyed there a moment later), and leave rank 0's new store waiting for it."""
@@ -26,6 +29,8 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     if env.get("MASTER_PORT") is not None and env.get("MASTER_PORT") == _chosen_port.get(id(env)):
         del env["MASTER_PORT"]
     launcher = detect_launcher(env)
+    if launcher is not None and launcher[2] == 1:
+        launcher = launcher_of_world(world_size if world_size not in (None, -1) else env.get("WORLD_SIZE"), env)
     if launcher is None:
         size = world_size if world_size not in (None, -1) else int(env.get("WORLD_SIZE", "1"))
         if size != 1:
