@@ -49,7 +49,7 @@ cdef class CoreComm:
     def __cinit__(self, *args, **kwargs):
         self.spin = -1
         self.interval = 1.0
-        self.limbo = []
+        self.limbo, self.detached = [], []
         self.named_index = {}
         self.transport = "?"
         self.log = Recorder()
@@ -175,6 +175,7 @@ cdef class CoreComm:
 
     cdef void release_transports(self) noexcept:
         """What release() frees: the transports' (a transport with more of its own adds it)."""
+        self.detached = []   # (cancelled: the group is gone)
         self.algo_tp.release()
         if self.user_tp is not self.algo_tp:
             self.user_tp.release()

@@ -24,10 +24,20 @@ cdef class Request:
             if self.tp.cancel(&self.req):
                 _LIMBO.append(self.msg)
 
+    def detach(self):
+        """The Work holding this request was dropped while it is in flight: the message still goes (as
+        MPI_Request_free leaves it; cancelling a send not yet begun would withdraw it, and the peer's
+        receive would take the next message in its place), its buffer kept alive. The group holds it
+        until it is done (post_request looks, for each new message); its release cancels the rest."""
+        if not self.done and req_active(&self.req) and self.comm.orphaned is None and not self.comm.released:
+            self.comm.detached.append(self)
+
     def wait(self, timeout=None):
         """Blocks (without the GIL) until complete; returns (source, tag, count) for receives. timeout
         (seconds): raises EngineTimeout after it, the request still posted."""
         cdef int ierr = 0
+        if self.error is not None:
+            raise self.error
         if not self.done:   # aborted: the transport may be released already, so it is not touched
             _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else 0)
             if timeout is not None:
@@ -42,7 +52,7 @@ cdef class Request:
                         ierr = self.tp.wait(&self.req, &self.st, &self.ctx)
                 finally:
                     eng_sub32(&self.tp.waiting)
-                _request_check(self, ierr)
+                _request_check(self, ierr, True)
             finally:
                 self.deadline = 0
                 self.comm.call_left()
@@ -50,10 +60,13 @@ cdef class Request:
         return self._result()
 
     def test(self):
-        """True once complete (then wait() returns at once)."""
+        """True once complete (then wait() returns at once); raises how it failed, then and later."""
         cdef bint flag = False
+        if self.error is not None:
+            raise self.error
         if not self.done:
-            _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else self.tp.test(&self.req, &flag, &self.st))
+            _request_check(self, ENG_ERR_ABORTED if self.comm.aborted else self.tp.test(&self.req, &flag, &self.st),
+                           True)
             self.done = flag
         return self.done
 
@@ -63,9 +76,12 @@ cdef class Request:
         return (self.st.source, self.st.tag, self.st.nbytes // self.msg.itemsize)
 
 
-cdef int _request_check(Request r, int ierr) except -1:   # raises the request's error for ierr (0: none)
+cdef int _request_check(Request r, int ierr, bint keep=False) except -1:   # raises the error for ierr (0: none)
     if ierr:
-        raise _message_error(r.comm, ierr, "irecv" if r.is_recv else "isend", r.tp)
+        exc = _message_error(r.comm, ierr, "irecv" if r.is_recv else "isend", r.tp)
+        if keep and not req_active(&r.req):   # (spent by its failure: a later wait would find nothing to wait on)
+            r.done, r.error = True, exc
+        raise exc
     return 0
 
 
@@ -92,6 +108,8 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
         r.ctx.alive, r.ctx.alive_arg = peer_alive, &r.watch
     if comm.aborted:
         raise comm.error(ENG_ERR_ABORTED, what, tp)
+    if comm.detached:
+        comm.detached = [d for d in comm.detached if not _finished(d)]
     if recv:
         ierr = tp.irecv(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
     else:
@@ -99,3 +117,12 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     if ierr:
         raise _message_error(comm, ierr, what, tp)
     return r
+
+
+cdef bint _finished(Request r):
+    """Whether a detached request is done (or failed: its failure reached the group's watch, where it
+    broke the group, as any message's does)."""
+    try:
+        return r.test()
+    except Exception:
+        return True

@@ -212,7 +212,8 @@ cdef class ShmSegment:
         err = eng_seg_attach(desc["pid"], desc["fd"], want.total, &base)
         if err:
             raise RuntimeError(f"engine shm: rank {rank} cannot open rank 0's segment (pid {desc['pid']}): "
-                               f"{_attach_error(err)}; ENGINE_TRANSPORT=mpi avoids shared memory")
+                               f"{_attach_error(err)}; ENGINE_TRANSPORT=tcp (or mpi, under an MPI launcher) avoids "
+                               "shared memory")
         seg.base = <char*>base
         seg.total = want.total
         token = bytes.fromhex(desc["token"])

@@ -391,6 +391,9 @@ cdef class FastPath:
             w = PyList_GET_ITEM(self.works, i)    # borrowed: when 1, the list's reference is the only one
             if w.ob_refcnt == 1 and w != <PyObject *>None:
                 work = <object>w
+                old = work._request
+                if old is not None:
+                    old.detach()   # (a Work dropped in flight: its message still goes)
                 work.reset(request, outputs, None, self.kick)
                 return work
         work = PointToPointWork.of(request, outputs, None, self.kick)

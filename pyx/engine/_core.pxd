@@ -373,6 +373,7 @@ cdef class CoreComm:
     cdef unsigned avg_fused     # the IMPL_* that divide AVG inside their reduction (dispatch divides the rest)
     cdef Hierarchy hier         # runs the IMPL_COMPOSITE entries (None: the group has one level)
     cdef list limbo             # buffers of requests left posted by a failed operation
+    cdef list detached          # the user's messages whose Work was dropped in flight: they still go (request.pxi)
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
     cdef readonly bint released # release() freed its transports: every call is refused
@@ -453,6 +454,7 @@ cdef class Request:      # request.pxi; comm.pxi posts them
     cdef PeerWatch watch    # its ctx.alive's argument where the group checks its peers (shared memory)
     cdef double deadline    # the running wait's own end (Work.wait(timeout)); 0: the group's timeout only
     cdef double limit       # that wait's timeout, in seconds
+    cdef object error       # how it failed, once spent by the failure: every later test() and wait() raises it
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what)
 

@@ -816,3 +816,29 @@ def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
     assert torch.equal(t, torch.full((3,), float(P)))
     dist.destroy_process_group(everyone)
 
+
+
+def test_messages_whose_works_are_dropped_in_flight_still_go_whole_and_in_order():
+    """Six 4 MB isends whose Works are dropped at once (dist.isend unkept), posted before the receiver
+    posts anything, then a small one kept: each arrives whole and in order, as MPI_Request_free leaves
+    a send. (The fast path reused a dropped Work once four were made, and freeing its request cancelled
+    the message: over TCP a send not yet begun was withdrawn, and the peer's receive took the next
+    one's bytes, then lost the connection.)"""
+    if P < 2:
+        pytest.skip("needs two ranks")
+    n = 1 << 20
+    if R == 0:
+        for i in range(6):
+            dist.isend(torch.full((n,), float(i)), 1)
+    dist.barrier(group=GLOO)   # (rank 1 receives only now: every send is still in flight)
+    if R == 0:
+        dist.isend(torch.full((4,), 99.0), 1).wait()
+    elif R == 1:
+        for i in range(6):
+            t = torch.empty(n)
+            dist.recv(t, 0)
+            assert t.min().item() == t.max().item() == float(i), (i, t.min().item(), t.max().item())
+        t = torch.empty(4)
+        dist.recv(t, 0)
+        assert t.tolist() == [99.0] * 4
+    dist.barrier(group=GLOO)
