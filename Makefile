@@ -165,7 +165,8 @@ test-mpich: .mpich/.installed
 	$(COPY_TRACKED) .mpich   # (this tree's edits since the copy was built)
 	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
 	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
-		"tests/test_mpi_suites.py::test_receives_from_any_rank_over_mpi" tests/test_launch.py --durations=5
+		"tests/test_mpi_suites.py::test_receives_from_any_rank_over_mpi" tests/test_launch.py --durations=5 \
+		$(foreach c,torchrun-under-srun spawn-under-srun,--deselect "tests/test_launch.py::test_worlds_beside_an_mpi_launchers_job_and_made_again[$(c)]")
 
 test-torch2.15: setup-torch2.15
 	.venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20

@@ -20,6 +20,7 @@ from schedule cimport *
 from team cimport *
 
 include "errors.pxi"
+include "exit_deadline.pxi"
 include "dtypes.pxi"
 include "message.pxi"
 include "kernels_api.pxi"

@@ -315,6 +315,33 @@ def test_worlds_beside_an_mpi_launchers_job_and_made_again(case, tmp_path):
     assert sorted(got) == sorted(expect), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def test_a_rank_that_never_calls_init_ends_the_job_at_the_timeout_of_the_others():
+    """Under an MPI launcher without MASTER_ADDR, init_process_group meets the other ranks in MPI's start-up,
+    which waits for every rank of the job and can't be interrupted (MPI_Init holds the GIL): rank 1 never
+    calls init_process_group; rank 0 (timeout 3 s) says so at its timeout and exits 1, which ends the job,
+    where it waited in MPI_Init for as long as rank 1 stayed away (for ever, for a rank stuck before it)."""
+    code = textwrap.dedent("""
+        import datetime, os, time, torch.distributed as dist
+        from engine.launcher import detect_launcher
+        if detect_launcher()[1] == 1:
+            time.sleep(30)
+            raise SystemExit(0)
+        dist.init_process_group("engine", timeout=datetime.timedelta(seconds=3))
+        print("init returned", flush=True)
+    """)
+    env = {k: v for k, v in mpi_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    start = time.monotonic()
+    proc = subprocess.run(mpiexec_command(2) + [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "init returned" not in out, out[-3000:]
+    assert re.search(r"engine: rank 0 of 2 \(.*\) waited 3 s \(the group's timeout\) for every rank of the job to "
+                     r"start MPI .*: some rank never called init_process_group", out), out[-3000:]
+    if under_open_mpi():   # (its launcher ends the job at the rank's exit; MPICH's waits for rank 1's)
+        assert took < 25, f"the job ended {took:.1f} s after it started\n" + out[-3000:]
+
+
 def test_a_timeout_that_is_not_a_timedelta_is_refused_as_torch_refuses_it():
     code = "import torch.distributed as dist; dist.init_process_group('engine', timeout=60)"
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)

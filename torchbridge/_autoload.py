@@ -48,7 +48,9 @@ def _wrap_init_process_group(dist):
         try:
             if (init_method is None or str(init_method).startswith("env://")) and kwargs.get("store") is None:
                 from .launch import prepare_env
-                prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1))
+                timeout = kwargs.get("timeout")
+                prepare_env(world_size=kwargs.get("world_size", -1), rank=kwargs.get("rank", -1),
+                            timeout=timeout.total_seconds() if hasattr(timeout, "total_seconds") else None)
             group = _bounded_init(dist, original, backend, init_method, args, kwargs)
         except BaseException as exc:
             _failed_at_init(exc)

@@ -16,7 +16,7 @@ from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher, launcher_of
 _chosen_port = {}   # id(environ) -> the MASTER_PORT this process chose for its last group
 
 
-def prepare_env(world_size=-1, rank=-1, environ=None):
+def prepare_env(world_size=-1, rank=-1, environ=None, timeout=None):
     """Fills the env:// variables torch reads from the MPI launcher. Without one (torchrun and
     mp.spawn set them themselves; plain `python` is a world of one), or where the launcher's job is
     this one process and the world is bigger (given as world_size or WORLD_SIZE: mp.spawn under
@@ -24,7 +24,11 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
     an error (the launcher's variables are the only ones env:// has there).
     A MASTER_PORT the engine chose for an earlier world of this process is chosen anew: a rank that
     reached its next init_process_group first would join the earlier world's store, still up in
-    rank 0 (it was destroyed there a moment later), and leave rank 0's new store waiting for it."""
+    rank 0 (it was destroyed there a moment later), and leave rank 0's new store waiting for it.
+    timeout (seconds; None: the engine's default, a group's) is how long the ranks wait for each other
+    in MPI's start-up and the agreement on the store's address. MPI_Init can't be interrupted (it
+    holds the GIL): at the timeout the rank says why and exits, which ends the job, where it waited
+    for ever on a rank that never called init_process_group."""
     env = os.environ if environ is None else environ
     if env.get("MASTER_PORT") is not None and env.get("MASTER_PORT") == _chosen_port.get(id(env)):
         del env["MASTER_PORT"]
@@ -54,15 +58,25 @@ def prepare_env(world_size=-1, rank=-1, environ=None):
         _choose_port(env, str(free_port()))
         return
     from engine import mpi
-    comm = mpi.load().COMM_WORLD
-    if comm.Get_size() != mpi_size or comm.Get_rank() != mpi_rank:
-        raise RuntimeError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()} but the {name} environment says "
-                           f"{mpi_rank} of {mpi_size}; {MPIRUN_HINT}")
-    # Across hosts, probe which of rank 0's addresses every rank reaches (decided by rank 0 for all:
-    # the probe is collective).
-    probe = comm.bcast(local_size != mpi_size and not env.get("MASTER_ADDR") if mpi_rank == 0 else None, root=0)
-    addr = reachable_address(comm) if probe else (env.get("MASTER_ADDR") or "127.0.0.1")
-    addr, port = comm.bcast((addr, env.get("MASTER_PORT") or str(free_port())) if mpi_rank == 0 else None, root=0)
+    from engine._core import ExitDeadline
+    from engine.watch import Watch
+    seconds = Watch.timeout_of(timeout)   # (the group's: given, else ENGINE_TIMEOUT, else torch's default)
+    deadline = ExitDeadline(seconds, f"engine: rank {mpi_rank} of {mpi_size} ({name}) waited {seconds:g} s (the "
+                                     "group's timeout) for every rank of the job to start MPI and agree on the store's "
+                                     "address in init_process_group: some rank never called init_process_group (or is "
+                                     "stuck before it); this rank exits (1), which ends the job\n")
+    try:
+        comm = mpi.load().COMM_WORLD
+        if comm.Get_size() != mpi_size or comm.Get_rank() != mpi_rank:
+            raise RuntimeError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()} but the {name} environment says "
+                               f"{mpi_rank} of {mpi_size}; {MPIRUN_HINT}")
+        # Across hosts, probe which of rank 0's addresses every rank reaches (decided by rank 0 for all:
+        # the probe is collective).
+        probe = comm.bcast(local_size != mpi_size and not env.get("MASTER_ADDR") if mpi_rank == 0 else None, root=0)
+        addr = reachable_address(comm) if probe else (env.get("MASTER_ADDR") or "127.0.0.1")
+        addr, port = comm.bcast((addr, env.get("MASTER_PORT") or str(free_port())) if mpi_rank == 0 else None, root=0)
+    finally:
+        deadline.cancel()
     env.setdefault("MASTER_ADDR", addr)
     _choose_port(env, port)
 
