@@ -236,7 +236,7 @@ class Watch:
             self._noted = (rec[SEQ], 2)
             missing = self.missing(rec)
             print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec[OP]} #{rec[SEQ]} of group "
-                  f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.timeout - elapsed:.0f} s)",
+                  f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.limit - elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
 
     def timed_out(self, rec, elapsed, limit):

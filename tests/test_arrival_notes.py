@@ -122,6 +122,21 @@ def test_reads_of_the_notes_double_in_spacing_and_start_later_in_large_groups(si
     assert read_at == reads
 
 
+def test_the_stall_warning_counts_down_to_the_calls_own_timeout(monkeypatch, capsys):
+    """2 s into a call with its own 4 s timeout (dist.barrier(timeout=...)) in a group whose timeout is
+    60 s, the stall warning says the timeout comes in 2 s (it said 58 s, the group's); a call without
+    one counts down to the group's."""
+    monkeypatch.setenv("ENGINE_STALL_WARNING_SECONDS", "2")
+    w, core = watch(0, 2, Store())
+    core.rec = record(1, ALLREDUCE_SUM)
+    with w.call_timeout(4.0):
+        w.check(core.rec, 2.1)
+    assert "rank 1 did not arrive (timeout in 2 s)" in capsys.readouterr().err
+    core.rec = record(2, ALLREDUCE_SUM)
+    w.check(core.rec, 2.1)
+    assert "rank 1 did not arrive (timeout in 58 s)" in capsys.readouterr().err
+
+
 def test_a_call_key_in_words():
     assert describe_call(key("reduce", red="avg", root=2), 5) == "reduce of 5 float32, op AVG, root 2"
     assert describe_call(key("allgather", "bfloat16"), 16) == "allgather of 16 bfloat16"

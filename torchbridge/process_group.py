@@ -19,7 +19,7 @@ from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
-from .work import in_seconds
+from .work import all_of, in_seconds
 
 
 def _end_cuda_side(name, comm, devices, watchdog, error):
@@ -125,12 +125,26 @@ def _scatter_back(flat, outputs):
         out.copy_(piece.view(out.shape))
 
 
-def _coalesced(single, name):
-    """The coalesced form of pair method `single`, traced as `name`: the last pair's Work (a barrier's for none)."""
+def _coalesced(single, name, gathers):
+    """The coalesced form of pair method `single`, traced as `name`: every pair checked before any is
+    queued (a bad one raises naming its index, nothing runs), then one Work for them all (a barrier's
+    for none). gathers: each output holds size() inputs (all_gather), else each input size() outputs."""
     @traced(name, second)
     def coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{name}: {len(outputs)} output tensors for {len(inputs)} inputs; it takes one "
+                             "output per input")
+        size = self.size()
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            if out.dtype != inp.dtype:
+                raise TypeError(f"{name}: output tensor at index {i} is {out.dtype} but input tensor {i} is "
+                                f"{inp.dtype}; they must have the same dtype")
+            whole, block, side = (out, inp, "output") if gathers else (inp, out, "input")
+            if whole.numel() != block.numel() * size:
+                raise ValueError(f"{name}: invalid size of {side} tensor at index {i}: it has {whole.numel()} "
+                                 f"elements; it needs {block.numel()} x {size} ranks = {block.numel() * size}")
         works = [single(self, o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._barrier()
+        return all_of(works, outputs) if works else self._barrier()
     return coalesced
 
 
@@ -457,7 +471,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     _reduce_scatter_tensor = traced("reduce_scatter_tensor", second_one)(_reduce_scatter_single)
 
-    reduce_scatter_single_coalesced = _coalesced(_reduce_scatter_single, "reduce_scatter_tensor_coalesced")
+    reduce_scatter_single_coalesced = _coalesced(_reduce_scatter_single, "reduce_scatter_tensor_coalesced", False)
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement --
@@ -496,14 +510,27 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     _all_gather_into_tensor = traced("all_gather_into_tensor", second_one)(_all_gather_single)
 
-    all_gather_single_coalesced = _coalesced(_all_gather_single, "all_gather_into_tensor_coalesced")
+    all_gather_single_coalesced = _coalesced(_all_gather_single, "all_gather_into_tensor_coalesced", True)
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @traced("all_gather_coalesced", second)
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """output_lists[r][j] receives rank r's input_list[j]: one allgather per input."""
+        """output_lists[r][j] receives rank r's input_list[j]: one allgather per input, every one checked
+        before any is queued, one Work for them all."""
+        size, rank = self.size(), self.rank()
+        if len(output_lists) != size:
+            raise ValueError(f"all_gather_coalesced needs one output list per rank ({size}), got {len(output_lists)}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_list):
+                raise ValueError(f"all_gather_coalesced: the output list of rank {r} has {len(outs)} tensors; it "
+                                 f"needs one per input ({len(input_list)})")
+        for j, inp in enumerate(input_list):
+            _check_dtypes([outs[j] for outs in output_lists], inp.dtype, "all_gather_coalesced")
+            if output_lists[rank][j].numel() != inp.numel():
+                raise ValueError(f"all_gather_coalesced: invalid size of output tensor at index {j}: this rank's "
+                                 f"has {output_lists[rank][j].numel()} elements; its input has {inp.numel()}")
         works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
-        return works[-1] if works else self._barrier()
+        return all_of(works, [t for outs in output_lists for t in outs]) if works else self._barrier()
 
     @traced("gather", second)
     def gather(self, output_lists, input_tensors, opts=None):

@@ -1,6 +1,7 @@
 """Work objects: what every call of the process group returns (torch's c10d Work contract)."""
 
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,10 @@ def future_pair():
     return completer, completer.then(lambda fut: fut.value())   # (value() raises what set_exception gave)
 
 
+# Gloo's words for result() on a Work that is not complete yet
+NOT_COMPLETED = "Work needs to be completed before calling result(). Should call wait() before result()."
+
+
 class _OutputsWork(dist._Work):
     """What the engine's Works share: the output tensors as result, nothing to synchronize on CPU,
     success as completion without an exception."""
@@ -33,6 +38,8 @@ class _OutputsWork(dist._Work):
     __slots__ = ()
 
     def result(self):
+        if not self.is_completed():
+            raise RuntimeError(NOT_COMPLETED)
         return list(self._outputs)
 
     def synchronize(self):
@@ -80,6 +87,8 @@ class CollectiveWork(_OutputsWork):
         return self._task.error
 
     def result(self):
+        if self._task.state != DONE:
+            raise RuntimeError(NOT_COMPLETED)
         return list(self._task.outputs)
 
     def get_future(self):
@@ -122,16 +131,93 @@ class CompletedWork(_OutputsWork):
         return fut
 
 
+def all_of(works, outputs):
+    """One Work for the Works of a coalesced call's parts (Gloo's coalesced calls return one)."""
+    return works[0] if len(works) == 1 else CoalescedWork(works, outputs)
+
+
+class CoalescedWork(_OutputsWork):
+    """The parts of a coalesced call as one Work: complete when every part is, failed with the first
+    part's failure, raised once every part is done (none still writes its output then); its future
+    completes likewise, with every part's outputs as value."""
+
+    def __init__(self, works, outputs):
+        super().__init__()
+        self._works = works
+        self._outputs = list(outputs)
+        self._future = None
+
+    def wait(self, timeout=None):
+        seconds = in_seconds(timeout) if timeout else None
+        deadline = None if seconds is None else time.monotonic() + seconds
+        error = None
+        for work in self._works:
+            try:
+                work.wait(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
+            except EngineTimeout as exc:
+                if deadline is not None and str(exc).startswith("Work.wait:"):   # (this wait's own: the
+                    raise                                                      # parts go on)
+                error = error or exc
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return True
+
+    def synchronize(self):
+        for work in self._works:
+            work.synchronize()
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self._works)
+
+    def exception(self):
+        return next((exc for exc in (work.exception() for work in self._works) if exc is not None), None)
+
+    def get_future(self):
+        if self._future is None:
+            futures = [work.get_future() for work in self._works]
+            if not any(type(work) is CollectiveWork for work in self._works):
+                # every part complete (run in place), or ordered on a CUDA stream: as each part's future
+                cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
+                fut = torch.futures.Future(devices=sorted(cuda, key=str) or None)
+                fut.set_result(list(self._outputs))
+            else:
+                completer, fut = future_pair()
+                left, lock = [len(futures)], threading.Lock()
+
+                def part_done(_):
+                    with lock:
+                        left[0] -= 1
+                        if left[0]:
+                            return
+                    error = self.exception()
+                    if error is not None:
+                        completer.set_exception(error)
+                    else:
+                        completer.set_result(list(self._outputs))
+
+                for part in futures:
+                    part.add_done_callback(part_done)
+            self._future = fut
+        return self._future
+
+
 class PointToPointWork(_OutputsWork):
     """A posted isend/irecv. It never occupies the progress thread, so an isend and an irecv to the
     same peer can't block each other; `finish` copies a staged receive into its tensor. Its
     completion is seen when it is made (a message the transport finished while posting it), or by
     whoever waits on it or tests it; then the done callbacks run.
 
+    One thread at a time waits on the request (`_waiting`), without the lock: a second waiter (the
+    user's wait(timeout) while a future's thread waits) waits on `_cond` for that one's outcome, within
+    its own timeout, and is_completed() answers at once.
+
     Made by of() (pybind's own __init__ only, as CollectiveWork); reset() readies one nothing holds
     any more for the next message (torchbridge._fastpath reuses them)."""
 
-    __slots__ = ("_request", "_outputs", "_finish", "_status", "_error", "_lock", "_future", "_callbacks")
+    __slots__ = ("_request", "_outputs", "_finish", "_status", "_error", "_lock", "_future", "_callbacks",
+                 "_waiting", "_cond")
 
     @staticmethod
     def of(request, outputs, finish=None, kick=None):
@@ -145,7 +231,8 @@ class PointToPointWork(_OutputsWork):
         self._request = request
         self._outputs = outputs
         self._finish = finish
-        self._status = self._error = self._future = self._callbacks = None
+        self._status = self._error = self._future = self._callbacks = self._cond = None
+        self._waiting = False
         if finish is None:
             # A message the transport finished while posting it (a small send, a receive whose
             # message was already there) is complete now: its wait() takes no lock. A failure found
@@ -163,23 +250,25 @@ class PointToPointWork(_OutputsWork):
     def wait(self, timeout=None):
         if self._status is not None:   # set last, once any staged copy is made: nothing left to do
             return True
+        seconds = in_seconds(timeout) if timeout else None
         callbacks = None
         lock = self._lock
         lock.acquire()   # (not `with`: on every message, and half the cost)
         try:
+            if self._waiting:   # another thread waits on the request (a future's): its outcome is this one's
+                seconds = self._await_waiter(seconds)
             if self._status is None and self._error is None:
-                seconds = in_seconds(timeout) if timeout else None
+                self._waiting = True
+                lock.release()   # (is_completed, add_done_callback and other waiters go on meanwhile)
                 try:
-                    status = self._request.wait(seconds) or ()
-                    if self._finish is not None:
-                        self._finish()
-                    self._status = status
-                except EngineTimeout as exc:
-                    if seconds is not None and str(exc).startswith("Work.wait:"):   # (this wait's own: the
-                        raise                                                      # message stays posted)
-                    self._error = exc
-                except Exception as exc:
-                    self._error = exc
+                    status, error = self._settle(seconds)
+                finally:
+                    lock.acquire()
+                    self._waiting = False
+                    if self._cond is not None:
+                        self._cond.notify_all()
+                self._error = error
+                self._status = status
                 callbacks, self._callbacks = self._callbacks, None
         finally:
             lock.release()
@@ -190,6 +279,48 @@ class PointToPointWork(_OutputsWork):
             raise self._error
         return True
 
+    def _settle(self, seconds):
+        """Waits on the request (the lock not held): (status, None), or (None, the failure). Raises this
+        wait's own timeout (Work.wait(timeout)), the message still posted."""
+        try:
+            status = self._request.wait(seconds) or ()
+            if self._finish is not None:
+                self._finish()
+            return status, None
+        except EngineTimeout as exc:
+            if seconds is not None and str(exc).startswith("Work.wait:"):   # (this wait's own: the
+                raise                                                      # message stays posted)
+            return None, exc
+        except Exception as exc:
+            return None, exc
+
+    def _await_waiter(self, seconds):
+        """With the lock held, until the thread waiting on the request is done (within `seconds`: else
+        EngineTimeout, as the request's own wait raises it); the seconds left."""
+        cond = self._cond
+        if cond is None:
+            cond = self._cond = threading.Condition(self._lock)
+        if seconds is None:
+            while self._waiting:
+                cond.wait()
+            return None
+        deadline = time.monotonic() + seconds
+        while self._waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineTimeout(f"Work.wait: Timed out after {seconds:g} s waiting for its isend/irecv to "
+                                    "complete (it stays posted: wait on it again; the group's timeout ends it if "
+                                    "its peer never comes)")
+            cond.wait(left)
+        return max(deadline - time.monotonic(), 1e-6)
+
+    def __del__(self):
+        # Dropped while its message is in flight (dist.isend unkept): the message still goes, as
+        # MPI_Request_free leaves it; freeing the request would cancel it (Request.detach).
+        request = getattr(self, "_request", None)
+        if request is not None and self._status is None and self._error is None:
+            request.detach()
+
     def add_done_callback(self, fn):
         """fn() runs once the transfer is seen complete (at once if it already is)."""
         with self._lock:
@@ -199,7 +330,30 @@ class PointToPointWork(_OutputsWork):
         fn()
 
     def is_completed(self):
-        return self._status is not None or self._error is not None or (self._request.test() and self.wait())
+        """Never raises, nor blocks (torch's contract): a failure the test finds is kept, for wait() to
+        raise and exception() to give, and the Work is complete."""
+        if self._status is not None or self._error is not None:
+            return True
+        callbacks = None
+        with self._lock:
+            if self._status is None and self._error is None:
+                if self._waiting:   # (another thread waits on the request: it completes the Work)
+                    return False
+                try:
+                    if not self._request.test():
+                        return False
+                except Exception as exc:
+                    self._error = exc
+                    callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for fn in callbacks:
+                fn()
+        if self._status is None and self._error is None:
+            try:
+                self.wait()   # (complete: returns at once, after any staged copy)
+            except Exception:
+                pass          # (kept: wait() raises it, exception() gives it)
+        return True
 
     def exception(self):
         return self._error
@@ -259,6 +413,9 @@ class CudaWork(_OutputsWork):
 
     def synchronize(self):
         self.wait()
+
+    def result(self):   # (NCCL's: the outputs, complete or not: they are ready for work on the stream)
+        return list(self._outputs)
 
     def is_completed(self):
         self._post()

@@ -134,6 +134,41 @@ def test_all_gather_variants():
         assert torch.equal(outputs[r][1], data(r, 5, torch.float32, salt=2))
 
 
+def test_a_coalesced_call_whose_first_part_is_wrong_raises_naming_it_and_runs_no_part():
+    """Under _coalescing_manager an all_gather_into_tensor whose output has a wrong size, then a good
+    one: the coalesced call raises naming index 0, as Gloo's, and no part runs; the same for
+    reduce_scatter_tensor and all_gather_coalesced (only the last part's Work came back: the first's
+    error was dropped, its output silently unwritten). Good parts complete under one Work, whose
+    future holds every output."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    bad, good = torch.zeros(4 * P + 1), torch.zeros(4 * P)
+    with pytest.raises(ValueError, match=r"all_gather_into_tensor_coalesced: invalid size of output tensor at "
+                                         rf"index 0: it has {4 * P + 1} elements; it needs 4 x {P} ranks"):
+        with _coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_into_tensor(bad, torch.ones(4))
+            dist.all_gather_into_tensor(good, torch.ones(4))
+        cm.wait()
+    assert not good.any()
+    with pytest.raises(ValueError, match=r"reduce_scatter_tensor_coalesced: invalid size of input tensor at index 0"):
+        with _coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * P + 1))
+            dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * P))
+        cm.wait()
+    with pytest.raises(ValueError, match=r"all_gather_coalesced: invalid size of output tensor at index 0"):
+        dist.group.WORLD.allgather_coalesced([[torch.zeros(3), torch.zeros(2)] for _ in range(P)],
+                                             [torch.ones(2), torch.ones(2)])
+    firsts, seconds = torch.zeros(2 * P), torch.zeros(3 * P)
+    with _coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(firsts, torch.full((2,), float(R)))
+        dist.all_gather_into_tensor(seconds, torch.full((3,), float(R)))
+    work = cm.works[0]
+    assert work.get_future().wait() == [firsts, seconds]
+    cm.wait()
+    assert work.is_completed() and work.exception() is None
+    assert torch.equal(firsts, torch.arange(P).repeat_interleave(2).float())
+    assert torch.equal(seconds, torch.arange(P).repeat_interleave(3).float())
+
+
 def test_gather_and_scatter():
     for root in range(P):
         outs = [torch.empty(4) for _ in range(P)] if R == root else None
@@ -713,6 +748,92 @@ def test_a_receives_wait_with_a_timeout_raises_and_the_message_still_arrives():
     dist.barrier()
 
 
+def test_a_receives_wait_with_a_timeout_raises_in_time_while_its_future_waits():
+    """get_future() of an irecv, then Work.wait(timeout) before the message comes: raises at that
+    timeout, and is_completed() answers at once (the future's thread waited holding the Work's lock,
+    so wait blocked until the message came, or the group's timeout); the message then completes the
+    Work and its future. Rank 1 sends when rank 0 says so, or after 3 s (where rank 0 blocked)."""
+    import time
+    if P < 2:
+        pytest.skip("needs a peer")
+    store = dist.distributed_c10d._get_default_store()
+    go = "engine-tests/p2p-future-wait-timeout/go"
+    if R == 0:
+        t = torch.zeros(3)
+        work = dist.irecv(t, src=1)
+        fut = work.get_future()
+        start = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match=r"Work.wait: Timed out after 0.2 s"):
+                work.wait(datetime.timedelta(seconds=0.2))
+            assert not work.is_completed()
+            assert time.monotonic() - start < 2
+        finally:
+            store.set(go, "1")
+        assert work.wait() and work.is_success()
+        assert fut.wait()[0] is t and torch.equal(t, torch.ones(3))
+    elif R == 1:
+        try:
+            store.wait([go], datetime.timedelta(seconds=3))
+        except Exception:
+            pass
+        dist.send(torch.ones(3), 0)
+    dist.barrier()
+
+
+def test_is_completed_of_a_receive_that_fails_returns_true_and_wait_raises_the_failure():
+    """An irecv of 4 elements whose message (8 elements) comes after it was posted: is_completed()
+    returns True and never raises, as Gloo's isCompleted(); exception() gives the failure, wait()
+    raises it (is_completed raised it and kept nothing: a later wait() returned True with the tensor
+    unwritten)."""
+    import time
+    if P < 2:
+        pytest.skip("needs a peer")
+    if R == 1:
+        work = dist.irecv(torch.zeros(4), 0, tag=11)
+        dist.barrier(group=GLOO)   # (posted before its message is sent)
+        deadline = time.monotonic() + 10
+        while not work.is_completed():
+            assert time.monotonic() < deadline, "the receive never completed"
+            time.sleep(0.001)
+        assert not work.is_success() and "truncated" in str(work.exception())
+        with pytest.raises(Exception, match="truncated"):
+            work.wait()
+        assert work.is_completed() and "truncated" in str(work.exception())
+    else:
+        dist.barrier(group=GLOO)
+        if R == 0:
+            dist.send(torch.arange(8.0), 1, tag=11)
+    dist.barrier()
+
+
+def test_a_works_result_before_it_completes_raises_as_gloos():
+    """result() of an all_reduce a peer has not joined, and of an irecv whose message has not come,
+    raises Gloo's error (it returned the tensors, unreduced and unwritten); after wait() it gives them."""
+    if P < 2:
+        pytest.skip("needs a peer")
+    t = torch.full((4,), R + 1.0)
+    if R == 1:
+        dist.barrier(group=GLOO)
+        work = dist.all_reduce(t, async_op=True)
+        dist.send(torch.ones(2), 0)
+    else:
+        work = dist.all_reduce(t, async_op=True)
+        if R == 0:
+            inbox = torch.zeros(2)
+            message = dist.irecv(inbox, 1)
+            for w in (work, message):
+                with pytest.raises(RuntimeError, match=r"Work needs to be completed before calling result\(\)\. "
+                                                       r"Should call wait\(\) before result\(\)\."):
+                    w.result()
+        dist.barrier(group=GLOO)
+    work.wait()
+    assert work.result()[0] is t and torch.equal(t, torch.full((4,), P * (P + 1) / 2))
+    if R == 0:
+        message.wait()
+        assert message.result()[0] is inbox and torch.equal(inbox, torch.ones(2))
+
+
 def test_a_collectives_wait_with_a_timeout_raises_and_the_collective_still_completes():
     """Work.wait(timeout) of an all_reduce a peer joins late raises after that timeout, as Gloo's (where
     the waiting thread ran it, it blocked until the peer came); the call goes on, and a later wait
@@ -818,18 +939,21 @@ def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
 
 
 
-def test_messages_whose_works_are_dropped_in_flight_still_go_whole_and_in_order():
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_messages_whose_works_are_dropped_in_flight_still_go_whole_and_in_order(path):
     """Six 4 MB isends whose Works are dropped at once (dist.isend unkept), posted before the receiver
     posts anything, then a small one kept: each arrives whole and in order, as MPI_Request_free leaves
-    a send. (The fast path reused a dropped Work once four were made, and freeing its request cancelled
+    a send; on the fast path, and on the general one (taken under torch's profiler), whose Work is
+    freed. (The fast path reused a dropped Work once four were made, and freeing its request cancelled
     the message: over TCP a send not yet begun was withdrawn, and the peer's receive took the next
     one's bytes, then lost the connection.)"""
     if P < 2:
         pytest.skip("needs two ranks")
     n = 1 << 20
     if R == 0:
-        for i in range(6):
-            dist.isend(torch.full((n,), float(i)), 1)
+        with torch.autograd.profiler.profile(enabled=path == "general"):
+            for i in range(6):
+                dist.isend(torch.full((n,), float(i)), 1)
     dist.barrier(group=GLOO)   # (rank 1 receives only now: every send is still in flight)
     if R == 0:
         dist.isend(torch.full((4,), 99.0), 1).wait()

@@ -1,0 +1,102 @@
+"""User reductions (engine/udf.py) compiled in one process: what the cached path writes into its
+generated module, and when it steps aside for the uncached compile (cache=False's). Their use by every
+algorithm across ranks is tests/mpi/test_udf.py."""
+
+import math
+import os
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import engine
+from engine.kernels import reduce_into
+
+
+def reduced(op, a, b):
+    out = np.empty_like(a)
+    reduce_into(out, a, b, op)
+    return out
+
+
+def generated(folder):
+    return [n for n in os.listdir(folder) if n.startswith("engine_udf_") and n.endswith(".py")]
+
+
+def clipped(limit):
+    @engine.reduction
+    def clipsum(a, b):
+        return min(a + b, limit)
+    return clipsum
+
+
+def test_captured_infinities_and_numpy_scalars_compile_to_their_values(tmp_path, monkeypatch):
+    """A closure capturing float('inf') (written as `inf`: not defined in the generated module) and
+    one capturing np.float64(2.5) (written as `np.float64(2.5)`: `np` not defined) both failed to
+    compile; now each gives its value's result, the infinity from the cache, the numpy scalar uncached."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    a, b = np.array([1.0, -2.0, 3.0]), np.array([4.0, 5.0, -6.0])
+    np.testing.assert_array_equal(reduced(clipped(float("inf")), a, b), [5.0, 3.0, -3.0])
+    assert len(generated(tmp_path)) == 1
+    np.testing.assert_array_equal(reduced(clipped(float("-inf")), a, b), [-math.inf] * 3)
+    np.testing.assert_array_equal(reduced(clipped(np.float64(2.5)), a, b), [2.5, 2.5, -3.0])
+    np.testing.assert_array_equal(reduced(clipped(0.1), a, b), [0.1, 0.1, -3.0])   # (exactly 0.1's bits)
+
+
+def test_default_arguments_keep_their_values(tmp_path, monkeypatch):
+    """def wsum(a, b, k=k) made in a loop: each op adds its own k (the generated module's copy
+    evaluated `k=k` where no k was defined, and both failed to compile)."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    ops = []
+    for k in (1.0, 2.0):
+        def wsum(a, b, k=k):
+            return a + k * b
+        ops.append(engine.reduction(wsum))
+    ones = np.ones(3)
+    assert [reduced(op, ones, ones).tolist() for op in ops] == [[2.0] * 3, [3.0] * 3]
+
+
+def test_a_cache_folder_that_cant_be_made_compiles_uncached(tmp_path, monkeypatch):
+    """ENGINE_CACHE_DIR under a plain file (no folder can be made there, even by root): the op still
+    works, compiled as cache=False compiles it (the error ended the call)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "file" / "udf"))
+
+    @engine.reduction
+    def larger(a, b):
+        return a if a > b else b
+
+    np.testing.assert_array_equal(reduced(larger, np.arange(4.0), np.ones(4)), [1.0, 1.0, 2.0, 3.0])
+
+
+def test_threads_compiling_one_op_at_once_all_succeed(tmp_path, monkeypatch):
+    """Eight threads compile the same function (eight op objects) at once into an empty cache folder,
+    for each of three dtypes: each gets a working kernel, and one generated file per dtype is left
+    (they wrote one temporary file named by the process id: some read it half written or found it
+    moved, and failed)."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+
+    def plus_one_more(a, b):
+        return a + b + 1
+
+    errors = []
+    for dtype in ("float64", "float32", "int64"):
+        start = threading.Barrier(8)
+
+        def compile_one():
+            op = engine.reduction(plus_one_more)
+            start.wait()
+            try:
+                np.testing.assert_array_equal(reduced(op, np.ones(2, dtype), np.ones(2, dtype)), [3, 3])
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=compile_one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert len(generated(tmp_path)) == 3 and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
