@@ -342,6 +342,32 @@ def test_a_rank_that_never_calls_init_ends_the_job_at_the_timeout_of_the_others(
         assert took < 25, f"the job ended {took:.1f} s after it started\n" + out[-3000:]
 
 
+def test_a_rank_that_never_starts_mpi_ends_the_job_at_the_engines_timeout():
+    """The engine's own API under mpiexec (engine.world()): rank 1 never starts MPI; rank 0, waiting in
+    MPI's start-up, says so at ENGINE_TIMEOUT (3 s) and exits 1, where it waited for as long as rank 1
+    stayed away."""
+    code = textwrap.dedent("""
+        import time
+        from engine.launcher import detect_launcher
+        if detect_launcher()[1] == 1:
+            time.sleep(30)
+            raise SystemExit(0)
+        import engine
+        engine.world()
+        print("world made", flush=True)
+    """)
+    start = time.monotonic()
+    proc = subprocess.run(mpiexec_command(2) + [sys.executable, "-c", code], env={**mpi_env(), "ENGINE_TIMEOUT": "3"},
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "world made" not in out, out[-3000:]
+    assert re.search(r"engine: rank 0 of 2 \(.*\) waited 3 s \(ENGINE_TIMEOUT\) in MPI's start-up for every rank of "
+                     r"the job to start MPI: some rank never did", out), out[-3000:]
+    if under_open_mpi():
+        assert took < 25, f"the job ended {took:.1f} s after it started\n" + out[-3000:]
+
+
 def test_a_timeout_that_is_not_a_timedelta_is_refused_as_torch_refuses_it():
     code = "import torch.distributed as dist; dist.init_process_group('engine', timeout=60)"
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
