@@ -98,11 +98,12 @@ def any_source_by_probe(library_version, environ=None):
 _loaded = []
 
 
-def load():
+def load(deadline=True):
     """mpi4py's MPI module, initialised with MPI_THREAD_MULTIPLE (the progress threads call MPI).
     MPI's start-up waits for every rank of the job, holding the GIL: a rank that never starts MPI
     would hold this one for ever. At the group's default timeout (ENGINE_TIMEOUT, else 30 minutes)
-    an ExitDeadline says so and ends this rank, which ends the job."""
+    an ExitDeadline says so and ends this rank, which ends the job. deadline=False: the caller has
+    armed its own around this (init_process_group's rendezvous, at the group's timeout)."""
     if _loaded:
         return _loaded[0]
     failure.configure()
@@ -112,20 +113,20 @@ def load():
     for note in (survivable_finalize_env(started=started), None if started else polite_env()):
         if note and (launched or (None, 0))[1] == 0:
             print(note, file=sys.stderr, flush=True)
-    deadline = None
-    if not started and launched is not None and launched[2] > 1:
+    exit_at = None
+    if deadline and not started and launched is not None and launched[2] > 1:
         from ._core import ExitDeadline
         from .watch import Watch
         seconds = Watch.timeout_of(None)
-        deadline = ExitDeadline(seconds, f"engine: rank {launched[1]} of {launched[2]} ({launched[0]}) waited "
+        exit_at = ExitDeadline(seconds, f"engine: rank {launched[1]} of {launched[2]} ({launched[0]}) waited "
                                          f"{seconds:g} s (ENGINE_TIMEOUT) in MPI's start-up for every rank of the job "
                                          "to start MPI: some rank never did (or is stuck before it); this rank exits "
                                          "(1), which ends the job\n")
     try:
         from mpi4py import MPI
     finally:
-        if deadline is not None:
-            deadline.cancel()
+        if exit_at is not None:
+            exit_at.cancel()
         if singleton:
             os.environ.pop("OMPI_MCA_btl", None)
     failure.arm(MPI)  # a rank leaving after a failure aborts the job instead of hanging in MPI_Finalize

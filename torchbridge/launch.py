@@ -66,7 +66,7 @@ def prepare_env(world_size=-1, rank=-1, environ=None, timeout=None):
                                      "address in init_process_group: some rank never called init_process_group (or is "
                                      "stuck before it); this rank exits (1), which ends the job\n")
     try:
-        comm = mpi.load().COMM_WORLD
+        comm = mpi.load(deadline=False).COMM_WORLD   # (under this deadline, with its words)
         if comm.Get_size() != mpi_size or comm.Get_rank() != mpi_rank:
             raise RuntimeError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()} but the {name} environment says "
                                f"{mpi_rank} of {mpi_size}; {MPIRUN_HINT}")
