@@ -1,6 +1,7 @@
 # make test  : create .venv (torch 2.13) and run the whole suite on it while .venv-torch2.14, .venv-torch2.15 and
-#              .venv-mpich install behind it, install MPI + the engine in each, then run the torch-facing suites
-#              on torch 2.15, their version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
+#              .venv-mpich install beside it, install MPI + the engine in each, then, beside the first suite, the
+#              torch-facing suites on torch 2.15, their version-bound part on torch 2.14, and the core suites
+#              under MPICH (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
@@ -71,7 +72,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # module a run imports is compiled once, on its first import, so the runs here may write bytecode.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup setup-torch2.14 setup-torch2.15 check test test-torch2.13 test-torch2.14 test-torch2.15 test-mpich \
+.PHONY: setup setup-torch2.14 setup-torch2.15 check test later-stages test-torch2.13 test-torch2.14 test-torch2.15 test-mpich \
 	clients-full demo ddp torch-suite asan clean
 setup: $(VENV)/.installed
 setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
@@ -82,8 +83,8 @@ setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
 # package uv resolves or builds (-b: a package built from source builds in an environment of its own).
 # (FIND_LINKS asks pip only when an install runs, not at every make.)
 FIND_LINKS = $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell python3 -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
-packages = $(1)/bin/python -m pip install -q uv==0.13.9 && \
-	$(1)/bin/uv pip install -q --python $(1)/bin/python -c $(2) -b $(2) $(FIND_LINKS)
+packages = $(3) $(1)/bin/python -m pip install -q uv==0.13.9 && \
+	$(3) $(1)/bin/uv pip install -q --python $(1)/bin/python -c $(2) -b $(2) $(FIND_LINKS)
 $(VENV)/.packages: requirements-dev.txt requirements-clients.txt constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call packages,$(VENV),constraints.txt) -r requirements-dev.txt -r requirements-clients.txt
@@ -95,9 +96,9 @@ $(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The later environments' packages install while .venv's engine builds: after .venv's packages, which
-# the build waits on (begun at once, the three installs shared the machine, and the build began last),
-# and beside the build, which keeps one core busy most of its time. torch 2.14.1 and 2.15.0 are CUDA
+# The later environments' packages install while .venv's engine builds, at the lowest priority: after
+# .venv's packages, which the build waits on (begun at once, the three installs shared the machine, and
+# the build began last), and beside the build, which keeps one core busy most of its time. torch 2.14.1 and 2.15.0 are CUDA
 # builds of several GB from PyPI. The engine goes into each as the modules .venv built
 # (ENGINE_BUILD_EXTENSIONS=0, setup.py): they import no torch, and every environment pins the same
 # Open MPI and mpi4py.
@@ -105,7 +106,7 @@ $(VENV)/.installed: $(VENV)/.packages pyproject.toml setup.py \
 .venv-torch%/.packages: requirements-dev.txt requirements-clients.txt requirements-torchft.txt constraints-torch%.txt \
 		| $(VENV)/.packages
 	test -x .venv-torch$*/bin/python || python3 -m venv .venv-torch$*
-	$(call packages,.venv-torch$*,constraints-torch$*.txt) -r requirements-dev.txt -r requirements-clients.txt \
+	$(call packages,.venv-torch$*,constraints-torch$*.txt,nice -n 19) -r requirements-dev.txt -r requirements-clients.txt \
 		-r requirements-torchft.txt
 	touch $@
 
@@ -121,7 +122,7 @@ MPICH_PY := $(CURDIR)/.venv-mpich/bin/python
 COPY_TRACKED = git ls-files -z | xargs -0 cp --parents -t
 .venv-mpich/.packages: requirements-mpich.txt constraints.txt | $(VENV)/.packages
 	test -x $(MPICH_PY) || python3 -m venv .venv-mpich
-	$(call packages,.venv-mpich,constraints.txt) -r requirements-mpich.txt
+	$(call packages,.venv-mpich,constraints.txt,nice -n 19) -r requirements-mpich.txt
 	touch $@
 
 .mpich/.installed: .venv-mpich/.packages $(VENV)/.installed
@@ -139,22 +140,28 @@ CHECK := tests/test_kernels.py tests/test_schedules.py tests/test_registry.py te
 check: setup
 	$(PY) -m pytest $(CHECK) --durations=5
 
-# The later environments' packages (GBs of downloads, mostly waiting on the network) install in the
-# background at the lowest priority, from .venv's build through the first torch's suite, which they
-# delay little (their log follows it); the engine then goes into each, and the suites run one after another.
-LATER_PACKAGES := .venv-torch2.14/.packages .venv-torch2.15/.packages .venv-mpich/.packages
+# `make test` runs two streams of suites side by side, as make jobs: the first torch's whole suite, and
+# the later ones' suites with MPICH's after them, each stream's tests seeing a /dev/shm of its own
+# (tests/own_shm.sh). Most suites' time is waiting (timeouts, launches, a rank's peers), so the machine's
+# two cores take both. The later environments' packages (GBs of downloads, mostly waiting on the network)
+# install at the lowest priority while .venv's engine builds and its suite starts; the engine then goes
+# into each. Where no mount namespace can be made (not root) the streams run one after the other. The
+# later stream's output is in .later-stages.log, printed at the end.
+OWN_SHM := $(shell tests/own_shm.sh --probe && echo tests/own_shm.sh)
+LATER_INSTALLED := .venv-torch2.14/.installed .venv-torch2.15/.installed .mpich/.installed
 test: $(VENV)/.packages
-	nice -n 19 $(MAKE) -j3 --output-sync=line $(LATER_PACKAGES) > .later-packages.log 2>&1 & later=$$!; \
-	$(MAKE) test-torch2.13; rc=$$?; \
-	wait $$later; later_rc=$$?; cat .later-packages.log; test $$rc -eq 0 && test $$later_rc -eq 0
-	$(MAKE) -j3 --output-sync=line .venv-torch2.14/.installed .venv-torch2.15/.installed .mpich/.installed
-	$(MAKE) test-torch2.14 test-torch2.15 test-mpich
+	$(MAKE) -k -j6 test-torch2.13 later-stages; rc=$$?; \
+	cat .later-stages.log 2>/dev/null; exit $$rc
+
+later-stages: $(LATER_INSTALLED) | $(if $(OWN_SHM),,test-torch2.13)
+	@echo "the later torches' and MPICH's suites: their output follows the first torch's (.later-stages.log)"
+	$(MAKE) -j1 test-torch2.14 test-torch2.15 test-mpich > .later-stages.log 2>&1
 
 test-torch2.13: setup
-	$(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
+	$(OWN_SHM) $(PY) -m pytest tests $(WHOLE_SKIP) --durations=400
 
 test-torch2.14: setup-torch2.14
-	ENGINE_CLIENTS_COMPILE_BACKEND=aot_eager .venv-torch2.14/bin/python -m pytest $(TORCH_PREVIOUS) --durations=10
+	ENGINE_CLIENTS_COMPILE_BACKEND=aot_eager $(OWN_SHM) .venv-torch2.14/bin/python -m pytest $(TORCH_PREVIOUS) --durations=10
 
 # Under MPICH's mpiexec, after checking that MPICH is what runs: the core suites at 2 ranks on MPI
 # (native collectives and the engine's algorithms over MPICH's point-to-point), and the launch tests
@@ -164,12 +171,12 @@ test-torch2.14: setup-torch2.14
 test-mpich: .mpich/.installed
 	$(COPY_TRACKED) .mpich   # (this tree's edits since the copy was built)
 	cd .mpich && $(MPICH_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'MPICH' in v, v"
-	cd .mpich && $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
+	cd .mpich && $(OWN_SHM:tests/%=$(CURDIR)/tests/%) $(MPICH_PY) -m pytest -q -p no:cacheprovider "tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-2]" \
 		"tests/test_mpi_suites.py::test_receives_from_any_rank_over_mpi" tests/test_launch.py --durations=5 \
 		$(foreach c,torchrun-under-srun spawn-under-srun,--deselect "tests/test_launch.py::test_worlds_beside_an_mpi_launchers_job_and_made_again[$(c)]")
 
 test-torch2.15: setup-torch2.15
-	.venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
+	$(OWN_SHM) .venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
 clients-full: setup
@@ -211,4 +218,4 @@ asan: setup
 
 clean:
 	rm -rf build .asan .mpich engine/*.so torchbridge/*.so pyx/*.c *.egg-info $(VENV)/.installed $(VENV)/.packages .venv-torch*/.installed .venv-torch*/.packages \
-		.venv-mpich/.packages .later-packages.log
+		.venv-mpich/.packages .later-stages.log
