@@ -47,8 +47,7 @@ cdef class CoreComm:
     Buffers: numpy arrays, torch CPU tensors, bytearrays or DLPack objects, read without copies."""
 
     def __cinit__(self, *args, **kwargs):
-        self.spin = -1
-        self.interval = 1.0
+        self.spin, self.interval = -1, 1.0
         self.limbo, self.detached = [], []
         self.named_index = {}
         self.transport = "?"
@@ -62,8 +61,7 @@ cdef class CoreComm:
         free(self.cnt)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1:
-        self.rank = algo_tp.rank
-        self.size = algo_tp.size
+        self.rank, self.size = algo_tp.rank, algo_tp.size
         self.algo_tp = algo_tp
         self.user_tp = self.side_tp = user_tp
         self.ring = RingAllreduce(algo_tp, ring_segment_bytes)
@@ -99,9 +97,7 @@ cdef class CoreComm:
         group (a lost peer). None: waits are never interrupted."""
         if interval <= 0:
             raise ValueError("watch interval must be positive")
-        self.hook = hook
-        self.interval = interval
-        self.p2p_watch = p2p
+        self.hook, self.interval, self.p2p_watch = hook, interval, p2p
 
     def set_spin(self, double microseconds):
         """This group's waits, and its helper threads between jobs, spin this long before yielding (< 0:
@@ -120,9 +116,7 @@ cdef class CoreComm:
 
     cdef void start(self, WaitCtx *ctx) noexcept:
         start_wait(ctx, self.hook, self.interval)
-        ctx.alive = self.alive
-        ctx.alive_arg = self.alive_arg
-        ctx.spin = self.spin
+        ctx.alive, ctx.alive_arg, ctx.spin = self.alive, self.alive_arg, self.spin
         ctx.abort = &self.aborted
         ctx.side = nudge_transport    # (the user's messages go on during every wait of the group)
         ctx.side_arg = <void*>self.side_tp
@@ -316,6 +310,7 @@ cdef class CoreComm:
         cdef WaitCtx ctx
         cdef int ierr = 0
         cdef bint avg
+        cdef double spread = 0.0
         cdef Reduction total
         cdef Hierarchy hier = self.hier    # (a reference of its own: free() may drop the group's meanwhile)
         cdef uint64_t key = call_key(c)
@@ -324,10 +319,10 @@ cdef class CoreComm:
         # (seq + 1: the number log.begin gives this call, composite or not)
         self.algo_tp.begin_call(eng_call_tag_base(key, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
-            # AVG: the stages sum, and this core divides once, as dispatch() does for every algorithm
-            # that doesn't divide inside its reduction.
+            # AVG: the stages sum, and this core divides, before (an allreduce's) and after, as dispatch().
             avg = c.red != NULL and c.red.avg
             if avg:
+                spread = avg_before(c, self.size)
                 total = resolve_op(ENG_SUM, c.dtype)
                 c.red = &total.c
             rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False, key)
@@ -338,7 +333,7 @@ cdef class CoreComm:
                 hier.run(c, rule.entry, keep)
                 if avg:
                     with nogil:
-                        eng_scale(c.dst, c.count, c.dtype, self.size, 1)
+                        avg_after(c, self.size, spread)
             except BaseException as exc:
                 self.log.end(rec, exc)
                 raise
@@ -373,15 +368,18 @@ cdef class CoreComm:
         return False
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:
-        """Runs the call, then AVG's division (for every transport and algorithm here, unless the
-        algorithm divided inside its reduction: avg_fused). A group of one has nothing to divide."""
+        """Runs the call between AVG's divisions (dtypes.pxi), for every transport and algorithm that
+        doesn't divide inside its reduction (avg_fused). A group of one divides nothing."""
+        cdef double spread = 0.0
         cdef int ierr
         if self.size == 1 and c.aux == NULL:
             return self.run_alone(c)
+        if not (self.avg_fused & (1u << c.impl)):
+            spread = avg_before(c, self.size)
         ierr = self.run(c, ctx)
         if (not ierr and c.red != NULL and c.red.avg and not (self.avg_fused & (1u << c.impl)) and c.dst != NULL
                 and (c.op != OP_REDUCE or self.rank == c.root)):
-            eng_scale(c.dst, c.count, c.dtype, self.size, 1)
+            avg_after(c, self.size, spread)
         return ierr
 
     cdef int run_alone(self, Call *c) except -1 nogil:

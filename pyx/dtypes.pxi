@@ -18,6 +18,35 @@ cdef inline bint _is_float(int dtype) noexcept nogil:
     return ENG_FLOAT16 <= dtype <= ENG_FLOAT64
 
 
+cdef double avg_before(Call *c, int size) noexcept nogil:
+    """An allreduce's AVG, where its algorithm doesn't divide inside its reduction (eng_reduce_many does
+    the same there), divides its input before the sum by the power of two at or over the group's size,
+    and the sum by what is left after it (avg_after), so a mean that fits its dtype never comes back as
+    an overflowed sum (inf: float16 overflows at 65504; NCCL premultiplies too). A power of two divides
+    exactly: wherever the plain sum fits and no input falls below the dtype's normal range, the bits
+    are those of summing, then dividing by the size. The other collectives' AVG divides after. An
+    out-of-place call's input goes to its output, divided, and the call runs in place. Returns the
+    power of two, or 0 where c is no such call."""
+    cdef double spread = 2.0
+    if c.op != OP_ALLREDUCE or c.red == NULL or not c.red.avg or c.aux != NULL or c.dst == NULL or size < 2:
+        return 0.0
+    while spread < size:
+        spread *= 2
+    if c.src != c.dst:
+        memmove(c.dst, c.src, c.count * eng_itemsize[c.dtype])
+        c.src = c.dst
+    eng_scale(c.dst, c.count, c.dtype, 1.0 / spread, 0)   # (a power of two: its inverse multiplies exactly)
+    return spread
+
+
+cdef void avg_after(Call *c, int size, double spread) noexcept nogil:
+    """AVG's division of the sum in c's output: by the size, or by what avg_before left (spread)."""
+    if not spread:
+        eng_scale(c.dst, c.count, c.dtype, size, 1)
+    elif spread != size:
+        eng_scale(c.dst, c.count, c.dtype, size / spread, 1)
+
+
 cdef class Reduction:
     """A reduce op resolved for one dtype: the engine kernel (and, for MPI, which MPI op matches)."""
 

@@ -221,27 +221,62 @@ static int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_i
 
 #define ENG_REDUCE_BLOCK 8192 /* bytes: an L1-resident staging block */
 
+/* Whether any of n floats of dtype (16-, 32- or 64-bit) is inf or NaN: its exponent all ones. */
+#define ENG_ANY_NONFINITE(T, MASK)                                                       \
+  {                                                                                      \
+    const T *x = (const T *)data; T hit = 0;                                             \
+    for (size_t i = 0; i < n; i++) hit |= (T)((x[i] & (MASK)) == (MASK));                \
+    return hit != 0;                                                                     \
+  }
+static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
+  switch (dtype) {
+  case ENG_FLOAT16: ENG_ANY_NONFINITE(uint16_t, 0x7c00u)
+  case ENG_BFLOAT16: ENG_ANY_NONFINITE(uint16_t, 0x7f80u)
+  case ENG_FLOAT32: ENG_ANY_NONFINITE(uint32_t, 0x7f800000u)
+  case ENG_FLOAT64: ENG_ANY_NONFINITE(uint64_t, 0x7ff0000000000000ull)
+  default: return 0;
+  }
+}
+
 /* dst1 (and dst2 unless NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc - 1], in that order (so every
  * rank that reduces the same inputs gets the same bits), divided by `divisor` when it is not 0 (AVG).
- * Works through an L1-resident block, so a destination may alias any source. */
+ * AVG's sum of a block that comes out inf or NaN is made again from the inputs divided first by the
+ * power of two at or over the divisor (exact), then divided by what is left, as CoreComm's avg_before
+ * does for the other algorithms: a mean that fits the dtype never comes back as an overflowed sum.
+ * (Where the plain sum fits, its bits are the same either way; inputs already inf or NaN give what
+ * they gave.) Works through L1-resident blocks, so a destination may alias any source. */
 static void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs, int nsrc,
                             size_t n, size_t itemsize, int dtype, double divisor) {
   _Alignas(64) char tmp[ENG_REDUCE_BLOCK];
+  _Alignas(64) char part[ENG_REDUCE_BLOCK];
   const size_t per = ENG_REDUCE_BLOCK / itemsize;
+  double spread = 2.0;
   if (nsrc == 2 && dst2 == NULL && divisor == 0.0) { /* one element-wise pass: dst may alias either source */
     fn(dst1, srcs[0], srcs[1], n);
     return;
   }
+  while (spread < divisor) spread *= 2;
   for (size_t off = 0; off < n; off += per) {
     const size_t m = n - off < per ? n - off : per;
     const size_t b = off * itemsize;
+    double left = divisor;
     if (nsrc == 1) {
       memcpy(tmp, (const char *)srcs[0] + b, m * itemsize);
     } else {
       fn(tmp, (const char *)srcs[0] + b, (const char *)srcs[1] + b, m);
       for (int k = 2; k < nsrc; k++) fn(tmp, tmp, (const char *)srcs[k] + b, m);
+      if (divisor != 0.0 && eng_any_nonfinite(tmp, m, dtype)) {
+        memcpy(tmp, (const char *)srcs[0] + b, m * itemsize);
+        eng_scale(tmp, m, dtype, 1.0 / spread, 0);
+        for (int k = 1; k < nsrc; k++) {
+          memcpy(part, (const char *)srcs[k] + b, m * itemsize);
+          eng_scale(part, m, dtype, 1.0 / spread, 0);
+          fn(tmp, tmp, part, m);
+        }
+        left = divisor / spread;
+      }
     }
-    if (divisor != 0.0) eng_scale(tmp, m, dtype, divisor, 1);
+    if (left != 0.0 && left != 1.0) eng_scale(tmp, m, dtype, left, 1);
     memcpy((char *)dst1 + b, tmp, m * itemsize);
     if (dst2 != NULL) memcpy((char *)dst2 + b, tmp, m * itemsize);
   }

@@ -317,6 +317,11 @@ cdef struct Call:     # one collective call, as the core hands it to its transpo
     void *aux               # a transport's own description of the call (shared memory's fused path)
 
 
+# dtypes.pxi: AVG's divisions, before and after the sum (CoreComm.dispatch and its hierarchy's calls)
+cdef double avg_before(Call *c, int size) noexcept nogil
+cdef void avg_after(Call *c, int size, double spread) noexcept nogil
+
+
 cdef inline Call new_call(int op, const void *src, void *dst, size_t count, int dtype) noexcept nogil:
     cdef Call c
     memset(&c, 0, sizeof(c))

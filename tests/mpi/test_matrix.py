@@ -24,6 +24,7 @@ import torch.distributed as dist
 import engine
 import torch_world
 from engine import registry
+from engine._core import Impl
 from refdata import NUMPY_DTYPES, op_supported, rank_data, reference, torch_data, torch_op_supported, torch_reference
 
 R, P, _ = torch_world.init()
@@ -109,6 +110,7 @@ def check_allreduce(pg, comm, entry):
                 t = torch_data(R, n, dt)
                 dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=pg)
                 equal(t, (torch_reference("sum", n, torch.float64, range(P)) * 0.5).to(dt), f"PREMUL_SUM {dt} n={n}")
+    avg_near_the_largest_value(pg, comm, entry)
     for dt in (torch.float32, torch.bfloat16, torch.int64):
         ts = [torch_data(R, n, dt, salt=i) for i, n in enumerate(sizes(dt.itemsize) * 2)]
         with warnings.catch_warnings():  # torch announces its deprecation; code written for it still calls it
@@ -135,7 +137,53 @@ def check_allreduce(pg, comm, entry):
             ran(comm, entry, "comm.allreduce user op")
 
 
+# AVG of values whose sum overflows the dtype but whose mean doesn't: the mean, never inf. Every
+# allreduce; reduce and reduce_scatter where their algorithm divides inside its reduction (the
+# segment's own: pyx/shm_collectives.pxi SHM_IMPLS; over point-to-point they divide after the sum).
+NEAR_THE_LARGEST = ((torch.float16, 40000.0), (torch.bfloat16, 2.0 ** 127), (torch.float32, 2.0 ** 127))
+DIVIDES_INSIDE = {Impl.ONESHOT, Impl.TWOSHOT, Impl.THREADED, Impl.SEGMENT, Impl.SINGLE_COPY}
+
+
+def near_the_largest(dt, big, n):
+    t = torch.full((n,), big, dtype=dt)
+    t[1::2] = -big
+    return t
+
+
+def avg_near_the_largest_value(pg, comm, entry):
+    if entry.collective != "allreduce" and not (entry.transport == "shm" and entry.impl in DIVIDES_INSIDE):
+        return
+    for dt, big in NEAR_THE_LARGEST:
+        if not entry.takes_call(name_of(dt), "avg"):
+            continue
+        for n in sizes(dt.itemsize):
+            want = near_the_largest(dt, big, n)
+            what = f"{entry.collective} AVG of {big} {dt} n={n}"
+            if entry.collective == "allreduce":
+                t = want.clone()
+                dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+                equal(t, want, what)
+            elif entry.collective == "reduce":
+                t = want.clone()
+                dist.reduce(t, dst=dist.get_global_rank(pg, P - 1), op=dist.ReduceOp.AVG, group=pg)
+                if R == P - 1:
+                    equal(t, want, what)
+            else:
+                whole = near_the_largest(dt, big, n * P)
+                out = torch.empty(n, dtype=dt)
+                reduce_scatter_single(out, whole, op=dist.ReduceOp.AVG, group=pg)
+                equal(out, whole[R * n:(R + 1) * n], what)
+            ran(comm, entry, what)
+    if entry.collective == "allreduce" and entry.takes_call("float16", "avg"):
+        n = 2 * P + 1
+        src, out = np.full(n, 40000.0, dtype=np.float16), np.zeros(n, dtype=np.float16)
+        comm.allreduce(src, out, op="avg")
+        np.testing.assert_array_equal(out, src, err_msg="comm.allreduce AVG of 40000 float16 out of place")
+        np.testing.assert_array_equal(src, np.full(n, 40000.0, dtype=np.float16), err_msg="its input changed")
+
+
 def check_reduce(pg, comm, entry):
+    avg_near_the_largest_value(pg, comm, entry)
     for root in range(P):
         for dt, op, n in cases(entry, TORCH_DTYPES, torch_op_supported):
             t = torch_data(R, n, dt)
@@ -155,6 +203,7 @@ def check_reduce(pg, comm, entry):
 def check_reduce_scatter(pg, comm, entry):
     if entry.name == "single_copy":
         assert comm.core.pull_piece == int(SETTINGS["ENGINE_SHM_PULL_PIECE_BYTES"]), comm.core.pull_piece
+    avg_near_the_largest_value(pg, comm, entry)
     for dt, op, n in cases(entry, TORCH_DTYPES, torch_op_supported):
         whole = torch_reference(op, n * P, dt, range(P))
         out = torch.empty(n, dtype=dt)
