@@ -56,17 +56,11 @@ def pytest_unconfigure(config):
     if OWN_TMPDIR is not None:
         shutil.rmtree(OWN_TMPDIR, ignore_errors=True)
 
-# The fast, broad checks run first: a broken kernel, schedule or algorithm choice fails `pytest -x`
-# within its first minute (`make check` runs the core suites at 2 ranks in about a minute). The suites
-# that keep both cores busy throughout (tests/test_mpi_suites.py) run last: under `make test` the later
-# torches' stream runs beside the first part of this one, whose launcher, host and fault scenarios mostly
-# wait, and is done by then.
-FIRST = ("test_kernels.py", "test_fusion_plan.py", "test_tuning.py")
-LAST = ("test_mpi_suites.py",)
+# The fast, broad checks run first: a broken kernel, algorithm or collective fails `pytest -x` within
+# its first minute or two, before the slower launcher, host and fault scenarios.
+FIRST = ("test_kernels.py", "test_fusion_plan.py", "test_tuning.py", "test_mpi_suites.py")
 
 
 def pytest_collection_modifyitems(items):
-    def place(item):
-        name = os.path.basename(str(item.fspath))
-        return FIRST.index(name) if name in FIRST else len(FIRST) + 1 if name in LAST else len(FIRST)
-    items.sort(key=place)  # stable: the rest keep their order
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(FIRST)))  # stable: the rest keep order
