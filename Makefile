@@ -144,8 +144,8 @@ check: setup
 # the later ones' suites with MPICH's after them, each stream's tests seeing a /dev/shm of its own
 # (tests/own_shm.sh). Alone, the first torch's suite keeps two cores about two-thirds busy (its tests
 # wait on timeouts, launches, a rank's peers); side by side the streams fill them. Its fault and launch
-# tests slow the most beside the other stream, so that stream stays short (the namespace hosts' suite at
-# its end took 1565 s in all, against 1335 s). The later environments' packages (GBs of downloads,
+# tests slow the most beside the other stream, so that stream stays short (the namespace hosts' suite
+# stays in the first). The later environments' packages (GBs of downloads,
 # mostly waiting on the network) install at the lowest priority while .venv's engine builds and its
 # suite starts; the engine then goes into each. Where no mount namespace can be made (not root) the
 # streams run one after the other. The later stream's output is in .later-stages.log, printed at the end.

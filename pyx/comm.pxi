@@ -370,14 +370,15 @@ cdef class CoreComm:
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:
         """Runs the call between AVG's divisions (dtypes.pxi), for every transport and algorithm that
         doesn't divide inside its reduction (avg_fused). A group of one divides nothing."""
+        cdef bint divides_here = not (self.avg_fused & (1u << c.impl))
         cdef double spread = 0.0
         cdef int ierr
         if self.size == 1 and c.aux == NULL:
             return self.run_alone(c)
-        if not (self.avg_fused & (1u << c.impl)):
+        if divides_here:
             spread = avg_before(c, self.size)
         ierr = self.run(c, ctx)
-        if (not ierr and c.red != NULL and c.red.avg and not (self.avg_fused & (1u << c.impl)) and c.dst != NULL
+        if (not ierr and divides_here and c.red != NULL and c.red.avg and c.dst != NULL
                 and (c.op != OP_REDUCE or self.rank == c.root)):
             avg_after(c, self.size, spread)
         return ierr

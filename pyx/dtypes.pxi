@@ -27,11 +27,10 @@ cdef double avg_before(Call *c, int size) noexcept nogil:
     are those of summing, then dividing by the size. The other collectives' AVG divides after. An
     out-of-place call's input goes to its output, divided, and the call runs in place. Returns the
     power of two, or 0 where c is no such call."""
-    cdef double spread = 2.0
+    cdef double spread
     if c.op != OP_ALLREDUCE or c.red == NULL or not c.red.avg or c.aux != NULL or c.dst == NULL or size < 2:
         return 0.0
-    while spread < size:
-        spread *= 2
+    spread = eng_avg_spread(size)
     if c.src != c.dst:
         memmove(c.dst, c.src, c.count * eng_itemsize[c.dtype])
         c.src = c.dst

@@ -238,6 +238,14 @@ static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
   }
 }
 
+/* AVG's first divisor: the power of two at or over the group size, which divides any float exactly (in
+ * its normal range), so a sum of inputs divided by it is the plain sum divided, wherever that fits. */
+static inline double eng_avg_spread(double size) {
+  double spread = 2.0;
+  while (spread < size) spread *= 2;
+  return spread;
+}
+
 /* dst1 (and dst2 unless NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc - 1], in that order (so every
  * rank that reduces the same inputs gets the same bits), divided by `divisor` when it is not 0 (AVG).
  * AVG's sum of a block that comes out inf or NaN is made again from the inputs divided first by the
@@ -250,12 +258,11 @@ static void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void
   _Alignas(64) char tmp[ENG_REDUCE_BLOCK];
   _Alignas(64) char part[ENG_REDUCE_BLOCK];
   const size_t per = ENG_REDUCE_BLOCK / itemsize;
-  double spread = 2.0;
+  const double spread = eng_avg_spread(divisor);
   if (nsrc == 2 && dst2 == NULL && divisor == 0.0) { /* one element-wise pass: dst may alias either source */
     fn(dst1, srcs[0], srcs[1], n);
     return;
   }
-  while (spread < divisor) spread *= 2;
   for (size_t off = 0; off < n; off += per) {
     const size_t m = n - off < per ? n - off : per;
     const size_t b = off * itemsize;

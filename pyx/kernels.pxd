@@ -28,6 +28,7 @@ cdef extern from "kernels.h" nogil:
 
     eng_reduce_fn eng_reduce_lookup(int dtype, int op)
     int eng_scale(void *data, size_t n, int dtype, double factor, int divide)
+    double eng_avg_spread(double size)
     int eng_convertible(int d, int s, double scale)
     int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_itemsize, void *const *parts,
                        const size_t *counts, size_t nparts, int part_dtype, size_t part_itemsize, double scale,
