@@ -121,13 +121,17 @@ def wire_dtype(dtype, compression):
 
 
 def bucket_scales(code, wire, dtype, size, prescale):
-    """(factor applied on pack, factor applied on unpack) of one bucket. Compressed AVG divides
-    before the sum (as torch's fp16 hook does) so half precision can't overflow; otherwise the
-    division is fused into unpack. Pure: shared by the CPU and GPU fusion."""
-    avg = code == ReduceOp.AVG
-    before = prescale * (1.0 / size if avg and wire != dtype else 1.0)
-    after = 1.0 / size if avg and wire == dtype else 1.0
-    return before, after
+    """(factor applied on pack, factor applied on unpack) of one bucket. AVG divides before the sum,
+    so a mean that fits the dtype never comes back as an overflowed sum: compressed, by the size (as
+    torch's fp16 hook does, before the cast to half precision); otherwise by the power of two at or
+    over the size (exact), and by what is left on unpack, as a plain allreduce's AVG does. Pure:
+    shared by the CPU and GPU fusion."""
+    if code != ReduceOp.AVG:
+        return prescale, 1.0
+    if wire != dtype:
+        return prescale / size, 1.0
+    spread = _core.avg_spread(size)
+    return prescale / spread, spread / size
 
 
 def check_reducible(like, dtype, code, prescale=1.0):
@@ -242,8 +246,10 @@ class FusedAllreduce(SizedFusion):
         wire = wire_dtype(bucket.dtype, compression)
         before, after = bucket_scales(code, wire, bucket.dtype, self.comm.size, prescale)
         parts = [tensors[i] for i in bucket.indices]
-        if len(parts) == 1 and wire == bucket.dtype and before == 1.0:
-            return parts[0], after  # nothing to fuse: reduce the tensor itself, in place
+        if len(parts) == 1 and wire == bucket.dtype:  # nothing to fuse: reduce the tensor itself, in place
+            if before != 1.0:
+                _core.scale(parts[0], before)   # (the sum overwrites it)
+            return parts[0], after
         flat = self._buffer(parts[0], wire, slot, bucket.count)
         _core.pack(parts, flat, before)
         return flat, after

@@ -59,6 +59,7 @@ cdef class CoreComm:
             free(self.rules[op])
             free(self.named[op])
         free(self.cnt)
+        free(self.avg_input)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1:
         self.rank, self.size = algo_tp.rank, algo_tp.size
@@ -319,10 +320,10 @@ cdef class CoreComm:
         # (seq + 1: the number log.begin gives this call, composite or not)
         self.algo_tp.begin_call(eng_call_tag_base(key, self.log.seq + 1, self.algo_tp.wide_tags))
         if rule.impl == IMPL_COMPOSITE:
-            # AVG: the stages sum, and this core divides, before (an allreduce's) and after, as dispatch().
+            # AVG: the stages sum, and this core divides, before and after, as dispatch().
             avg = c.red != NULL and c.red.avg
             if avg:
-                spread = avg_before(c, self.size)
+                spread = avg_before(c, self.rank, self.size, &self.avg_input, &self.avg_input_bytes)
                 total = resolve_op(ENG_SUM, c.dtype)
                 c.red = &total.c
             rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, False, key)
@@ -332,33 +333,32 @@ cdef class CoreComm:
                     raise self.error(ENG_ERR_ABORTED, OP_KIND_NAMES[c.op])
                 hier.run(c, rule.entry, keep)
                 if avg:
-                    with nogil:
-                        avg_after(c, self.size, spread)
+                    avg_after(c, self.size, spread)
+                exc_ = None
             except BaseException as exc:
-                self.log.end(rec, exc)
-                raise
-            finally:
-                self.call_left()
-            self.log.end(rec, None)
-            return 0
-        c.impl = rule.impl
-        rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c), key)
-        self.start(&ctx)
-        self.busy += 1
-        try:
-            if self.aborted:   # again: a tracer's Python may have let another thread abort or release it
-                ierr = ENG_ERR_ABORTED
-            else:
-                with nogil:
-                    ierr = self.dispatch(c, &ctx)
-            exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
-        except BaseException as exc:
-            exc_ = exc
+                exc_ = exc
+        else:
+            c.impl = rule.impl
+            rec = self.log.begin(c.op, recorded, c.dtype, rule.entry, rule.impl == IMPL_NATIVE and self.blocks(c), key)
+            self.start(&ctx)
+            self.busy += 1
+            try:
+                if self.aborted:   # again: a tracer's Python may have let another thread abort or release it
+                    ierr = ENG_ERR_ABORTED
+                else:
+                    with nogil:
+                        ierr = self.dispatch(c, &ctx)
+                exc_ = self.error(ierr, OP_KIND_NAMES[c.op]) if ierr else None
+            except BaseException as exc:
+                exc_ = exc
         self.call_left()
         if exc_ is not None and keep is not None:
             # (a cancel can't take back all that MPI, the point-to-point algorithms or a peer's single
-            # copy still move: a failed call's buffers are never freed, so it lands in no reused memory)
+            # copy still move: a failed call's buffers are never freed, so it lands in no reused memory;
+            # nor is AVG's divided input)
             self.limbo.append(keep)
+        if exc_ is not None and <void*>c.src == self.avg_input:
+            self.avg_input, self.avg_input_bytes = NULL, 0
         self.log.end(rec, exc_)
         if exc_ is not None:
             raise exc_
@@ -376,7 +376,7 @@ cdef class CoreComm:
         if self.size == 1 and c.aux == NULL:
             return self.run_alone(c)
         if divides_here:
-            spread = avg_before(c, self.size)
+            spread = avg_before(c, self.rank, self.size, &self.avg_input, &self.avg_input_bytes)
         ierr = self.run(c, ctx)
         if (not ierr and divides_here and c.red != NULL and c.red.avg and c.dst != NULL
                 and (c.op != OP_REDUCE or self.rank == c.root)):

@@ -18,23 +18,41 @@ cdef inline bint _is_float(int dtype) noexcept nogil:
     return ENG_FLOAT16 <= dtype <= ENG_FLOAT64
 
 
-cdef double avg_before(Call *c, int size) noexcept nogil:
-    """An allreduce's AVG, where its algorithm doesn't divide inside its reduction (eng_reduce_many does
-    the same there), divides its input before the sum by the power of two at or over the group's size,
-    and the sum by what is left after it (avg_after), so a mean that fits its dtype never comes back as
-    an overflowed sum (inf: float16 overflows at 65504; NCCL premultiplies too). A power of two divides
-    exactly: wherever the plain sum fits and no input falls below the dtype's normal range, the bits
-    are those of summing, then dividing by the size. The other collectives' AVG divides after. An
-    out-of-place call's input goes to its output, divided, and the call runs in place. Returns the
-    power of two, or 0 where c is no such call."""
+cdef double avg_before(Call *c, int rank, int size, void **spare, size_t *spare_cap) except -1 nogil:
+    """AVG of an allreduce, reduce or reduce_scatter, where its algorithm doesn't divide inside its
+    reduction (eng_reduce_many does the same there), divides its input before the sum by the power of
+    two at or over the group's size, and the sum by what is left after it (avg_after), so a mean that
+    fits its dtype never comes back as an overflowed sum (inf: float16 overflows at 65504; NCCL
+    premultiplies too). A power of two divides exactly: wherever the plain sum fits and no input falls
+    below the dtype's normal range, the bits are those of summing, then dividing by the size. The
+    divided input goes where this rank's result will (an allreduce, a reduce's root) and the call runs
+    in place; an input the call must leave as it was (a reduce's elsewhere, a reduce_scatter's) is
+    divided into *spare, grown to fit (spare_cap: its bytes), and read from there. Returns the power of
+    two, or 0 where c is no such call."""
     cdef double spread
-    if c.op != OP_ALLREDUCE or c.red == NULL or not c.red.avg or c.aux != NULL or c.dst == NULL or size < 2:
+    cdef size_t n = c.count, isz = eng_itemsize[c.dtype], i
+    cdef char *divided = c.dst
+    if c.red == NULL or not c.red.avg or c.aux != NULL or size < 2:
         return 0.0
+    if c.op == OP_REDUCE_SCATTER:
+        n = 0
+        for i in range(<size_t>size):
+            n = max(n, c.displs[i] + c.counts[i])
+        divided = NULL
+    elif c.op == OP_REDUCE:
+        divided = c.dst if rank == c.root else NULL
+    elif c.op != OP_ALLREDUCE or c.dst == NULL:
+        return 0.0
+    if n == 0:
+        return 0.0
+    if divided == NULL:
+        grow(spare, spare_cap, n * isz, 1, "AVG's divided input")
+        divided = <char*>spare[0]
     spread = eng_avg_spread(size)
-    if c.src != c.dst:
-        memmove(c.dst, c.src, c.count * eng_itemsize[c.dtype])
-        c.src = c.dst
-    eng_scale(c.dst, c.count, c.dtype, 1.0 / spread, 0)   # (a power of two: its inverse multiplies exactly)
+    if c.src != divided:
+        memmove(divided, c.src, n * isz)
+        c.src = divided
+    eng_scale(divided, n, c.dtype, 1.0 / spread, 0)   # (a power of two: its inverse multiplies exactly)
     return spread
 
 

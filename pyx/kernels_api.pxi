@@ -73,6 +73,12 @@ def scale(buf, double factor, bint divide=False):
         raise ValueError(f"scale needs a floating dtype, got {DTYPE_NAMES[m.dtype]}")
 
 
+def avg_spread(int size):
+    """The power of two AVG divides each input by before a group of `size` sums them (1 alone), so that
+    a mean that fits its dtype never overflows on the way (dtypes.pxi avg_before)."""
+    return eng_avg_spread(size) if size > 1 else 1.0
+
+
 cdef class _PartList:
     """Parsed parts: pointers and counts in C arrays, of one dtype (-1: they mix dtypes). parse_parts()
     hands one to Python, which passes it back to pack, unpack and allreduce_parts in place of the

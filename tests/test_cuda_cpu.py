@@ -103,7 +103,9 @@ def test_buffer_layer_refuses_host_memory():
 
 
 def test_bucket_scales_divide_once():
-    assert bucket_scales(ReduceOp.AVG, "float32", "float32", 4, 1.0) == (1.0, 0.25)
+    assert bucket_scales(ReduceOp.AVG, "float32", "float32", 4, 1.0) == (0.25, 1.0)
+    assert bucket_scales(ReduceOp.AVG, "float32", "float32", 3, 1.0) == (0.25, 4 / 3)
+    assert bucket_scales(ReduceOp.AVG, "float32", "float32", 1, 1.0) == (1.0, 1.0)
     assert bucket_scales(ReduceOp.AVG, "float16", "float32", 4, 2.0) == (0.5, 1.0)
     assert bucket_scales(ReduceOp.SUM, "float16", "float32", 4, 1.0) == (1.0, 1.0)
 

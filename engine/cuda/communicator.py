@@ -8,7 +8,7 @@ cupy's stream-ordered pool: reused across calls, never freed while the stream st
 """
 
 from .. import forks, registry
-from .._core import Impl, alltoall_table, count_table
+from .._core import Impl, alltoall_table, avg_spread, count_table
 from ..ops import ReduceOp, op_code
 from .buffers import device_message
 from .kernels import GpuKernels
@@ -79,11 +79,16 @@ class CudaCommunicator:
         self._ring_allreduce(ptr, count, itemsize, dtype, op, stream)
 
     def _ring_allreduce(self, ptr, count, itemsize, dtype, op, stream):
+        """The engine's ring, in place. AVG divides as the CPU core's does (pyx/dtypes.pxi avg_before):
+        the inputs by a power of two before the sum, the sum by what is left, so it can't overflow."""
         scratch = self._scratch(-(-count // self.size) * itemsize, stream)
+        spread = avg_spread(self.size) if op == ReduceOp.AVG else 1.0
+        if spread != 1.0:
+            self.kernels.scale(ptr, count, dtype, 1.0 / spread, stream)
         self._ring.run(ptr, count, itemsize, dtype, ReduceOp.SUM if op == ReduceOp.AVG else op,
                        scratch.data.ptr, stream)
-        if op == ReduceOp.AVG and self.size > 1:
-            self.kernels.scale(ptr, count, dtype, self.size, stream, divide=True)
+        if op == ReduceOp.AVG and spread != self.size:
+            self.kernels.scale(ptr, count, dtype, self.size / spread, stream, divide=True)
 
     def reduce(self, sendbuf, recvbuf, op, root, *, stream):
         """recvbuf on root = op over ranks of sendbuf (recvbuf may be sendbuf; ignored off the root)."""

@@ -29,9 +29,11 @@ class CudaFusedAllreduce(SizedFusion):
             before, after = bucket_scales(code, wire, bucket.dtype, comm.size, prescale)
             itemsize = messages[bucket.indices[0]][2]
             parts = [(messages[i][0], messages[i][1]) for i in bucket.indices]
-            if len(parts) == 1 and wire == bucket.dtype and before == 1.0:  # alone: reduced in place
+            if len(parts) == 1 and wire == bucket.dtype:  # alone: reduced in place
                 flat = None
                 ptr = parts[0][0]
+                if before != 1.0:
+                    kernels.scale(ptr, bucket.count, wire, before, stream)
             else:
                 flat = comm._scratch(bucket.count * ITEMSIZE[wire], stream)
                 ptr = flat.data.ptr

@@ -318,7 +318,7 @@ cdef struct Call:     # one collective call, as the core hands it to its transpo
 
 
 # dtypes.pxi: AVG's divisions, before and after the sum (CoreComm.dispatch and its hierarchy's calls)
-cdef double avg_before(Call *c, int size) noexcept nogil
+cdef double avg_before(Call *c, int rank, int size, void **spare, size_t *spare_cap) except -1 nogil
 cdef void avg_after(Call *c, int size, double spread) noexcept nogil
 
 
@@ -376,6 +376,8 @@ cdef class CoreComm:
     cdef dict named_index       # (collective, entry name) -> index into named[collective]
     cdef unsigned impls         # bit mask of the IMPL_* this transport implements
     cdef unsigned avg_fused     # the IMPL_* that divide AVG inside their reduction (dispatch divides the rest)
+    cdef void *avg_input        # AVG's divided copy of an input its call leaves unchanged (avg_before)
+    cdef size_t avg_input_bytes
     cdef Hierarchy hier         # runs the IMPL_COMPOSITE entries (None: the group has one level)
     cdef list limbo             # buffers of requests left posted by a failed operation
     cdef list detached          # the user's messages whose Work was dropped in flight: they still go (request.pxi)

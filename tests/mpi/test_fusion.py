@@ -100,6 +100,23 @@ def test_compression_casts_on_pack_and_back_on_unpack():
         assert torch.equal(ts[2], expected[2])  # integers are never compressed
 
 
+@pytest.mark.parametrize("fused", [SMALL_CAP, BIG_CAP, PIPELINED], ids=["small-cap", "big-cap", "pipelined"])
+def test_avg_of_values_whose_sum_overflows_is_their_mean(fused):
+    """AVG near the largest float16, bfloat16 and float32 (alternating sign): the mean, never inf, in
+    buckets of many tensors and for a tensor alone."""
+    def near_the_largest(dt, big, n):
+        t = torch.full((n,), big, dtype=dt)
+        t[1::2] = -big
+        return t
+
+    for dt, big in ((torch.float16, 40000.0), (torch.bfloat16, 2.0 ** 127), (torch.float32, 2.0 ** 127)):
+        for counts in ([5, 3, 7], [1 << 12], [9, 1 << 12]):
+            tensors = [near_the_largest(dt, big, n) for n in counts]
+            fused.run(tensors, "avg")
+            for t, n in zip(tensors, counts):
+                assert torch.equal(t, near_the_largest(dt, big, n)), (dt, counts, t)
+
+
 def test_numpy_arrays_and_a_tensor_larger_than_the_cap():
     arrays = [np.full(1000, R + 1, np.float32), np.full(3, R, np.int64), np.zeros(0, np.float32)]
     SMALL_CAP.run(arrays)

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import engine
 import torch_world
 from engine import registry
-from engine._core import Impl
 from refdata import NUMPY_DTYPES, op_supported, rank_data, reference, torch_data, torch_op_supported, torch_reference
 
 R, P, _ = torch_world.init()
@@ -137,11 +136,9 @@ def check_allreduce(pg, comm, entry):
             ran(comm, entry, "comm.allreduce user op")
 
 
-# AVG of values whose sum overflows the dtype but whose mean doesn't: the mean, never inf. Every
-# allreduce; reduce and reduce_scatter where their algorithm divides inside its reduction (the
-# segment's own: pyx/shm_collectives.pxi SHM_IMPLS; over point-to-point they divide after the sum).
+# AVG of values whose sum overflows the dtype but whose mean doesn't: the mean, never inf, on every
+# allreduce, reduce and reduce_scatter entry; the inputs a rank doesn't get back stay as they were.
 NEAR_THE_LARGEST = ((torch.float16, 40000.0), (torch.bfloat16, 2.0 ** 127), (torch.float32, 2.0 ** 127))
-DIVIDES_INSIDE = {Impl.ONESHOT, Impl.TWOSHOT, Impl.THREADED, Impl.SEGMENT, Impl.SINGLE_COPY}
 
 
 def near_the_largest(dt, big, n):
@@ -151,8 +148,6 @@ def near_the_largest(dt, big, n):
 
 
 def avg_near_the_largest_value(pg, comm, entry):
-    if entry.collective != "allreduce" and not (entry.transport == "shm" and entry.impl in DIVIDES_INSIDE):
-        return
     for dt, big in NEAR_THE_LARGEST:
         if not entry.takes_call(name_of(dt), "avg"):
             continue
@@ -166,13 +161,13 @@ def avg_near_the_largest_value(pg, comm, entry):
             elif entry.collective == "reduce":
                 t = want.clone()
                 dist.reduce(t, dst=dist.get_global_rank(pg, P - 1), op=dist.ReduceOp.AVG, group=pg)
-                if R == P - 1:
-                    equal(t, want, what)
+                equal(t, want, what if R == P - 1 else f"{what}: a non-root's tensor")
             else:
                 whole = near_the_largest(dt, big, n * P)
                 out = torch.empty(n, dtype=dt)
                 reduce_scatter_single(out, whole, op=dist.ReduceOp.AVG, group=pg)
                 equal(out, whole[R * n:(R + 1) * n], what)
+                equal(whole, near_the_largest(dt, big, n * P), f"{what}: its input")
             ran(comm, entry, what)
     if entry.collective == "allreduce" and entry.takes_call("float16", "avg"):
         n = 2 * P + 1
