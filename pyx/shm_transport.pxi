@@ -8,6 +8,8 @@
 # Large messages (ENGINE_SHM_CMA_MIN_BYTES and up, when the group may use process_vm_readv) send
 # only an RTS frame with the buffer's address: the receiver copies the message straight out of the
 # sender's memory once a receive matches, then answers with an ACK frame, which completes the send.
+# The receive completes once its ACK is in the ring (it may wait there for room): a rank never leaves
+# a call owing an ACK, which nothing might send while it runs other groups' calls, its sender waiting.
 #
 # Any wait on the channel moves every pending message, so an isend and an irecv to the same peer never
 # block each other. A mutex keeps the channel's state whole when several threads wait on it.
@@ -59,7 +61,8 @@ cdef struct PMsg:
     uint64_t id         # RTS sends, unexpected RTS, pending ACKs
     Status st
     PMsg *next
-    PMsg *bound         # a receive waiting for an unexpected message still arriving, and vice versa
+    PMsg *bound         # a receive waiting for an unexpected message still arriving, and vice versa; or
+                        # for its ACK to be written, and that ACK
 
 
 cdef inline PMsg *_new_msg(int kind, char *buf, size_t nbytes, int peer, int tag) noexcept nogil:
@@ -226,6 +229,9 @@ cdef class ShmTransport(Transport):
             m = ps.acks.head
             self.put(peer, &head, FRAME_ACK, 0, 0, NULL, 0, 0, m.id)
             _unlink(&ps.acks, m)
+            if m.bound != NULL:     # the receive it answers is complete now
+                m.bound.bound = NULL
+                m.bound.state = PS_DONE
             free(m)
         m = ps.sendq.head
         while m != NULL:
@@ -356,8 +362,9 @@ cdef class ShmTransport(Transport):
         return 0
 
     cdef int _pull(self, PMsg *r, int peer, int tag, size_t nbytes, uint64_t addr, uint64_t id) noexcept nogil:
-        """Receive r takes an RTS message: one copy out of the sender's memory, then the ACK."""
-        cdef PMsg *ack = _new_msg(PM_ACK, NULL, 0, peer, 0)     # sent once the ring has room (progress_send)
+        """Receive r takes an RTS message: one copy out of the sender's memory, then the ACK, written
+        once the ring has room (progress_send), which completes r."""
+        cdef PMsg *ack = _new_msg(PM_ACK, NULL, 0, peer, 0)
         r.st.source, r.st.tag, r.st.nbytes = peer, tag, nbytes
         if ack == NULL:   # (r fails, its message taken: the frame is not read again into the next receive)
             r.err = ENG_ERR_NOMEM
@@ -366,12 +373,14 @@ cdef class ShmTransport(Transport):
         else:
             r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
             r.done = nbytes
-        r.state = PS_DONE
         r.bound = NULL
-        self._release_if_orphan(r)
-        if ack != NULL:
-            ack.id = id
-            _push(&self.pr[peer].acks, ack)
+        if ack == NULL:
+            r.state = PS_DONE
+            return 0
+        r.state = PS_ACTIVE
+        r.bound, ack.bound, ack.id = ack, r, id
+        _push(&self.pr[peer].acks, ack)
+        self.progress_send(peer)
         return 0
 
     cdef int _acked(self, int peer, uint64_t id) noexcept nogil:
@@ -542,8 +551,6 @@ cdef class ShmTransport(Transport):
         elif u.state == PS_DONE:
             _unlink(&self.unexpected, u)
             ierr = self._deliver(u, m)
-            if u.rts:
-                self.progress_send(u.peer)   # the ACK
             _free_msg(u)
         else:   # still arriving: it completes into m once in
             u.bound = m
@@ -589,8 +596,8 @@ cdef class ShmTransport(Transport):
         elif m.kind == PM_RECV:
             if m.state == PS_QUEUED:            # still posted: take it back
                 _unlink(&self.posted, m)
-            elif m.bound != NULL:               # bound to an unexpected message still arriving
-                m.bound.bound = NULL
+            elif m.bound != NULL:               # bound to an unexpected message still arriving, or to
+                m.bound.bound = NULL            # the ACK it owes (sent all the same)
             else:                               # frames arriving into it: drop the rest
                 self.pr[m.st.source].incoming = NULL
                 self.pr[m.st.source].discarding = True

@@ -39,6 +39,10 @@ class Peer:
         self.head_at = index + ((src * 2 * NCHANNELS + USER) * size + dst) * LINE
         self.ring_at = queues + ((USER * size + src) * size + dst) * self.q
         self.head = 0
+        # rank 0's ring to rank 1: rank 0 moves its head, this peer the tail
+        self.in_head_at = index + ((dst * 2 * NCHANNELS + USER) * size + src) * LINE
+        self.in_tail_at = index + ((src * 2 * NCHANNELS + NCHANNELS + USER) * size + dst) * LINE
+        self.in_ring_at = queues + ((USER * size + dst) * size + src) * self.q
 
     def write(self, frame, payload, advance):
         """A 64-byte frame header and its payload at the head (wrapping as bytes do), then the head
@@ -50,6 +54,23 @@ class Peer:
             self.mem[self.ring_at + at:self.ring_at + at + len(chunk)] = chunk
         self.head += -(-len(data) // LINE) * LINE if advance is None else advance
         struct.pack_into("<Q", self.mem, self.head_at, self.head % (1 << 64))
+
+
+    def read(self):
+        """The frames rank 0 wrote to rank 1 since the last read, as (kind, tag, total, len, addr, id),
+        taken (the tail moved past them: room for more)."""
+        head, = struct.unpack_from("<Q", self.mem, self.in_head_at)
+        tail, = struct.unpack_from("<Q", self.mem, self.in_tail_at)
+        frames = []
+        while tail < head:
+            frame = struct.unpack_from("<IiQQQQ", self.mem, self.in_ring_at + tail % self.q)
+            if frame[0] == WRAP:
+                tail += self.q - tail % self.q
+                continue
+            frames.append(frame)
+            tail += -(-(64 + frame[3]) // LINE) * LINE
+        struct.pack_into("<Q", self.mem, self.in_tail_at, tail)
+        return frames
 
 
 def made():
@@ -96,6 +117,26 @@ def test_a_message_too_large_to_hold_fails_naming_its_sender(pair):
     peer.write((FIRST, 3, 1 << 48, 0, 0, 0), b"", None)
     with pytest.raises(EngineError, match="out of memory for a message from rank 1 that no receive had asked"):
         core.recv(np.zeros(16, np.uint8), 1, 9)
+
+
+def test_a_receive_by_single_copy_ends_once_its_ack_is_in_the_ring(pair):
+    """A message moved by single copy completes its receive only once the ACK that frees the sender's
+    buffer is written: with the ring to the sender full, the receive waits for room. (Before, it
+    ended with the ACK still owed: a rank that went on to another group's collective left its
+    sender waiting for good, seen as a ring allreduce through 4 KiB queues whose sender timed out.)"""
+    core, peer = pair
+    core.seg.watch_peers([os.getpid(), os.getpid()])    # (rank 1's memory: this process's)
+    core.seg.set_cma(True, 64)
+    # rank 0 fills its ring to rank 1, which reads nothing yet: one frame per single-copy send
+    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
+    data = np.arange(100, dtype=np.uint8)
+    peer.write((RTS, 5, data.nbytes, 0, data.ctypes.data, 0), b"", None)
+    out = np.zeros(100, np.uint8)
+    recv = core.irecv(out, 1, 5)
+    assert not recv.test() and not recv.test()   # copied, but its ACK has no room
+    assert [f[0] for f in peer.read()] == [RTS] * len(sends)    # rank 1 takes the frames: room
+    assert recv.test() and recv.wait() == (1, 5, 100) and np.array_equal(out, data)
+    assert [(f[0], f[5]) for f in peer.read()] == [(ACK, 0)]
 
 
 SIZES = st.sampled_from([0, 1, 8, 63, 64, 1000, QUEUE - 64, QUEUE, 1 << 48, (1 << 64) - 1])
