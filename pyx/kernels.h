@@ -238,10 +238,11 @@ static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
   }
 }
 
-/* AVG's first divisor: the power of two at or over the group size, which divides any float exactly (in
- * its normal range), so a sum of inputs divided by it is the plain sum divided, wherever that fits. */
+/* AVG's first divisor: the power of two at or over the group size (1 for a group of one), which divides
+ * any float exactly (in its normal range), so a sum of inputs divided by it is the plain sum divided,
+ * wherever that fits. */
 static inline double eng_avg_spread(double size) {
-  double spread = 2.0;
+  double spread = 1.0;
   while (spread < size) spread *= 2;
   return spread;
 }

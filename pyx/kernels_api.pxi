@@ -76,7 +76,7 @@ def scale(buf, double factor, bint divide=False):
 def avg_spread(int size):
     """The power of two AVG divides each input by before a group of `size` sums them (1 alone), so that
     a mean that fits its dtype never overflows on the way (dtypes.pxi avg_before)."""
-    return eng_avg_spread(size) if size > 1 else 1.0
+    return eng_avg_spread(size)
 
 
 cdef class _PartList:

@@ -373,9 +373,8 @@ cdef class ShmTransport(Transport):
         else:
             r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
             r.done = nbytes
-        r.bound = NULL
         if ack == NULL:
-            r.state = PS_DONE
+            r.state, r.bound = PS_DONE, NULL
             return 0
         r.state = PS_ACTIVE
         r.bound, ack.bound, ack.id = ack, r, id
