@@ -27,6 +27,11 @@ def future_pair():
     return completer, completer.then(lambda fut: fut.value())   # (value() raises what set_exception gave)
 
 
+# A Work's first get_future() makes its future under this lock: two threads asking at once (a hook's
+# and the user's) get the same future, and it completes once. (Reentrant: a coalesced Work's future is
+# made from its parts'.)
+_FUTURE_LOCK = threading.RLock()
+
 # Gloo's words for result() on a Work that is not complete yet
 NOT_COMPLETED = "Work needs to be completed before calling result(). Should call wait() before result()."
 
@@ -94,9 +99,12 @@ class CollectiveWork(_OutputsWork):
     def get_future(self):
         fut = getattr(self, "_future", None)
         if fut is None:
-            self._completer, fut = future_pair()
-            self._future = fut
-            self._task.progress.add_done_callback(self._task, self._complete_future)
+            with _FUTURE_LOCK:
+                fut = getattr(self, "_future", None)
+                if fut is None:
+                    self._completer, fut = future_pair()
+                    self._future = fut
+                    self._task.progress.add_done_callback(self._task, self._complete_future)
         return fut
 
     def _complete_future(self, task):
@@ -176,31 +184,36 @@ class CoalescedWork(_OutputsWork):
 
     def get_future(self):
         if self._future is None:
-            futures = [work.get_future() for work in self._works]
-            if not any(type(work) is CollectiveWork for work in self._works):
-                # every part complete (run in place), or ordered on a CUDA stream: as each part's future
-                cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
-                fut = torch.futures.Future(devices=sorted(cuda, key=str) or None)
-                fut.set_result(list(self._outputs))
-            else:
-                completer, fut = future_pair()
-                left, lock = [len(futures)], threading.Lock()
-
-                def part_done(_):
-                    with lock:
-                        left[0] -= 1
-                        if left[0]:
-                            return
-                    error = self.exception()
-                    if error is not None:
-                        completer.set_exception(error)
-                    else:
-                        completer.set_result(list(self._outputs))
-
-                for part in futures:
-                    part.add_done_callback(part_done)
-            self._future = fut
+            with _FUTURE_LOCK:
+                if self._future is None:
+                    self._future = self._make_future()
         return self._future
+
+    def _make_future(self):
+        futures = [work.get_future() for work in self._works]
+        if not any(type(work) is CollectiveWork for work in self._works):
+            # every part complete (run in place), or ordered on a CUDA stream: as each part's future
+            cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
+            fut = torch.futures.Future(devices=sorted(cuda, key=str) or None)
+            fut.set_result(list(self._outputs))
+        else:
+            completer, fut = future_pair()
+            left, lock = [len(futures)], threading.Lock()
+
+            def part_done(_):
+                with lock:
+                    left[0] -= 1
+                    if left[0]:
+                        return
+                error = self.exception()
+                if error is not None:
+                    completer.set_exception(error)
+                else:
+                    completer.set_result(list(self._outputs))
+
+            for part in futures:
+                part.add_done_callback(part_done)
+        return fut
 
 
 class PointToPointWork(_OutputsWork):
@@ -368,16 +381,19 @@ class PointToPointWork(_OutputsWork):
 
     def get_future(self):
         if self._future is None:
-            completer, self._future = future_pair()
+            with _FUTURE_LOCK:
+                if self._future is None:
+                    completer, future = future_pair()
 
-            def complete():
-                try:
-                    self.wait()
-                    completer.set_result(list(self._outputs))
-                except Exception as exc:
-                    completer.set_exception(exc)
+                    def complete():
+                        try:
+                            self.wait()
+                            completer.set_result(list(self._outputs))
+                        except Exception as exc:
+                            completer.set_exception(exc)
 
-            threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
+                    threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
+                    self._future = future
         return self._future
 
 
@@ -429,9 +445,12 @@ class CudaWork(_OutputsWork):
 
     def get_future(self):
         if self._future is None:
-            self._raise_failure()
-            fut = self._future = torch.futures.Future(devices=[torch.device("cuda", self._device)])
-            with torch.cuda.device(self._device):
-                torch.cuda.current_stream().wait_event(self._event)
-                fut.set_result(list(self._outputs))
+            with _FUTURE_LOCK:
+                if self._future is None:
+                    self._raise_failure()
+                    fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+                    with torch.cuda.device(self._device):
+                        torch.cuda.current_stream().wait_event(self._event)
+                        fut.set_result(list(self._outputs))
+                    self._future = fut
         return self._future

@@ -70,6 +70,58 @@ def test_future_then_chain_does_not_block():
     assert torch.equal(fut.wait(), torch.full((100,), float(P * (P + 1))))
 
 
+def test_a_works_future_asked_for_by_two_threads_at_once_is_one_future_that_completes():
+    """Two threads call get_future() on one Work at the same moment (a comm hook's and the user's): both
+    get the same future, and it completes with the outputs, for a collective's Work, a coalesced call's
+    and a receive's. (Each thread made its own future: one never completed, and the progress thread
+    raised completing the other twice.) A tiny switch interval lets the threads interleave inside it."""
+    import sys
+    import threading
+    import time
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    def calls():
+        yield lambda: dist.all_reduce(torch.ones(5), async_op=True)
+        def coalesced():
+            with _coalescing_manager(async_ops=True) as cm:
+                dist.all_gather_into_tensor(torch.zeros(2 * P), torch.ones(2))
+                dist.all_gather_into_tensor(torch.zeros(3 * P), torch.ones(3))
+            return cm.works[0]
+        yield coalesced
+        if P > 1:
+            def receive():
+                work = dist.irecv(torch.zeros(4), src=(R - 1) % P)
+                dist.isend(torch.ones(4), (R + 1) % P).wait()
+                return work
+            yield receive
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for call in calls():
+            for round_ in range(60):
+                work = call()
+                futures = [None, None]
+                start = threading.Barrier(2)
+
+                def ask(k):
+                    start.wait()
+                    futures[k] = work.get_future()
+
+                threads = [threading.Thread(target=ask, args=(k,)) for k in range(2)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                deadline = time.monotonic() + 10
+                while not all(f.done() for f in futures) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert futures[0] is futures[1], (type(work).__name__, round_)
+                assert futures[0].done() and futures[0].value() == work.result(), (type(work).__name__, round_)
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_premul_sum():
     t = torch.full((10,), float(R + 1))
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
