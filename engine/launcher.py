@@ -1,6 +1,7 @@
 """Who started this process: an MPI launcher (mpirun / mpiexec / srun), or something MPI cannot
 join (torchrun, mp.spawn, plain python). Read from the environment only; nothing is imported."""
 
+import math
 import os
 
 # (name, rank, size, local rank, local size) variables of each launcher; the first whose rank is set wins.
@@ -50,9 +51,67 @@ def local_size(environ=None):
     return found[4] if found else None
 
 
-def usable_cores():
-    """The cores this process may run on (its affinity: a launcher that binds ranks narrows it)."""
+def usable_cores(root="/"):
+    """The cores this process may run on: its affinity (a launcher that binds ranks narrows it), the
+    first of them only where its cgroup's CPU quota grants fewer (a container's CPU limit, as
+    Kubernetes sets it: the host's cores are all in the affinity, and a rank spinning on more than
+    the quota is throttled)."""
     try:
-        return tuple(sorted(os.sched_getaffinity(0)))
+        cores = tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return tuple(range(os.cpu_count() or 1))
+        cores = tuple(range(os.cpu_count() or 1))
+    quota = cpu_quota(root)
+    return cores[:quota] if quota is not None else cores
+
+
+def cpu_quota(root="/"):
+    """The CPUs this process's cgroup may use over time, rounded up (cgroup v2's cpu.max, v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us; the smallest along its path up the tree, since a parent's
+    limit holds for its children), or None where no quota is set or the files can't be read. root:
+    where / is (tests give a made-up tree)."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            base = os.path.join(root, "sys/fs/cgroup")          # v2: one tree (beside v1's, in hybrid mode)
+            if not os.path.exists(os.path.join(base, "cgroup.controllers")):
+                base = os.path.join(base, "unified")
+            read = _v2_quota
+        elif "cpu" in controllers.split(","):
+            base = os.path.join(root, "sys/fs/cgroup", controllers)   # v1: the cpu controller's tree
+            if not os.path.isdir(base):
+                base = os.path.join(root, "sys/fs/cgroup/cpu")
+            read = _v1_quota
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            quota = read(os.path.join(base, *parts[:depth]))
+            if quota is not None:
+                found.append(quota)
+    return max(1, math.ceil(min(found))) if found else None
+
+
+def _v2_quota(directory):
+    try:
+        with open(os.path.join(directory, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(directory):
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None

@@ -8,7 +8,7 @@ import re
 import sys
 
 from . import failure
-from .launcher import detect_launcher
+from .launcher import cpu_quota, detect_launcher
 
 _YIELD = "OMPI_MCA_mpi_yield_when_idle"
 
@@ -33,8 +33,10 @@ def polite_env(environ=None, cores=None):
     launched = detect_launcher(env)
     if launched is None or launched[4] is None or _YIELD in env or launched[0].startswith("MPICH"):
         return None
-    # this host's cores (before MPI starts, the affinity a launcher set says one rank's share)
-    cores = cores or os.cpu_count() or 1
+    # this host's cores (before MPI starts, the affinity a launcher set says one rank's share), within a
+    # container's CPU quota
+    if not cores:
+        cores = min(os.cpu_count() or 1, cpu_quota() or os.cpu_count() or 1)
     if launched[4] < cores:
         return None
     env[_YIELD] = "1"

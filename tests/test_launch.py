@@ -62,6 +62,42 @@ def test_open_mpi_is_made_to_yield_when_its_ranks_fill_the_cores_and_mpich_is_le
     assert polite_env(env, cores=2) is None and "OMPI_MCA_mpi_yield_when_idle" not in env
 
 
+def _cgroup_tree(root, lines, files):
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("".join(line + "\n" for line in lines))
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+def test_a_containers_cpu_quota_caps_the_cores_a_rank_counts(tmp_path):
+    """engine.launcher.cpu_quota reads the cgroup's CPU limit (a Kubernetes pod's): cgroup v2's cpu.max,
+    alone or beside v1 (hybrid), and v1's CFS quota; the smallest along the path up the tree, rounded up.
+    usable_cores keeps that many of the affinity's cores, so that ranks filling a quota smaller than
+    the host yield their waits (they counted the host's cores: spinning ranks were throttled)."""
+    from engine.launcher import cpu_quota, usable_cores
+    v2 = {"sys/fs/cgroup/cgroup.controllers": "cpu", "sys/fs/cgroup/cpu.max": "max 100000",
+          "sys/fs/cgroup/pod/cpu.max": "250000 100000", "sys/fs/cgroup/pod/rank/cpu.max": "max 100000"}
+    assert cpu_quota(_cgroup_tree(tmp_path / "v2", ["0::/pod/rank"], v2)) == 3
+    hybrid = {"sys/fs/cgroup/unified/cgroup.controllers": "", "sys/fs/cgroup/unified/job/cpu.max": "50000 100000"}
+    assert cpu_quota(_cgroup_tree(tmp_path / "hybrid", ["4:memory:/job", "0::/job"], hybrid)) == 1
+    v1 = {"sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1", "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000",
+          "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_quota_us": "400000",
+          "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_period_us": "100000",
+          "sys/fs/cgroup/cpu,cpuacct/a/b/cpu.cfs_quota_us": "600000",
+          "sys/fs/cgroup/cpu,cpuacct/a/b/cpu.cfs_period_us": "100000"}
+    assert cpu_quota(_cgroup_tree(tmp_path / "v1", ["3:cpu,cpuacct:/a/b", "2:memory:/a/b"], v1)) == 4
+    unlimited = _cgroup_tree(tmp_path / "none", ["1:cpu:/", "0::/"],
+                             {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"})
+    assert cpu_quota(unlimited) is None and cpu_quota(str(tmp_path / "nothing")) is None
+    affinity = tuple(sorted(os.sched_getaffinity(0)))
+    assert usable_cores(unlimited) == affinity
+    assert usable_cores(_cgroup_tree(tmp_path / "one", ["0::/"], {"sys/fs/cgroup/cgroup.controllers": "",
+                                                                  "sys/fs/cgroup/cpu.max": "100000 100000"})) \
+        == affinity[:1]
+
+
 def test_ulfm_jobs_finalize_without_the_fence_over_dead_ranks():
     """engine.mpi.survivable_finalize_env: under ULFM (the launcher's OMPI_MCA_mpi_ft_enable) Open MPI's
     async_mpi_finalize is set before MPI starts, so the survivors' MPI_Finalize skips the PMIx fence
