@@ -9,7 +9,7 @@ LAUNCHERS = (
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("MPICH/Hydra or Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("Slurm srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("Slurm srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
 )
 
 MPIRUN_HINT = "launch the job with `mpirun -n N python script.py` (or srun with PMI/PMIx)"
@@ -25,9 +25,29 @@ def detect_launcher(environ=None):
     for name, rank, size, local, local_size in LAUNCHERS:
         if rank in env and size in env:
             ls = env.get(local_size, "")
+            if local_size == "SLURM_STEP_TASKS_PER_NODE":
+                ls = _slurm_tasks_here(ls or env.get("SLURM_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", ""))
             return (name, int(env[rank]), int(env[size]), int(env.get(local, 0)),
                     int(ls) if ls.isdigit() else None)
     return None
+
+
+def _slurm_tasks_here(counts, node):
+    """This node's task count from Slurm's per-node list ("2(x3),1": two tasks on each of the first three
+    nodes, one on the fourth) and the node's index (SLURM_NODEID), as text ("" where either is
+    missing or malformed). (SLURM_NTASKS_PER_NODE is what the job asked for, set only when it asked.)"""
+    if not node.isdigit():
+        return ""
+    left = int(node)
+    for part in counts.split(","):
+        count, repeated, times = part.partition("(x")
+        times = times[:-1] if repeated and times.endswith(")") else "" if repeated else "1"
+        if not (count.isdigit() and times.isdigit()):
+            return ""
+        if left < int(times):
+            return count
+        left -= int(times)
+    return ""
 
 
 def launcher_of_world(world_size, environ=None):

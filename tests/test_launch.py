@@ -41,6 +41,17 @@ def clean_env(**extra):
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ("Open MPI", 2, 4, 0, 2)),
     ({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1"}, ("MPICH/Hydra or Intel MPI", 1, 3, 1, None)),
     ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, ("Slurm srun", 5, 8, 1, None)),
+    # the local size: this node's entry in the step's per-node counts (the job's where srun gave none)
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+      "SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS_PER_NODE": "2"}, ("Slurm srun", 6, 7, 0, 1)),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+      "SLURM_TASKS_PER_NODE": "2(x3),1"}, ("Slurm srun", 2, 7, 0, 2)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "3"}, ("Slurm srun", 0, 3, 0, 3)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "4",
+      "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, ("Slurm srun", 0, 3, 0, None)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "2(x"}, ("Slurm srun", 0, 3, 0, None)),
     ({}, None),
 ])
 def test_detect_launcher(environ, expected):
@@ -318,7 +329,8 @@ BESIDE_MPI = textwrap.dedent("""
         else:
             world(dist_rank, how, rounds)
 """)
-SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1"}
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+         "SLURM_STEP_TASKS_PER_NODE": "1"}
 
 
 @pytest.mark.parametrize("case", ["torchrun-under-srun", "spawn-under-srun", "world-of-one-under-mpiexec",
