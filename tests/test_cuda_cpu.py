@@ -242,6 +242,128 @@ def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
         dog.watch(Stuck(), "reduce", Comm())
 
 
+def test_the_watchdog_fails_the_group_on_a_gpu_error_and_never_waits_on_a_busy_communicator():
+    """A CUDA event whose query raises (a sticky error: a kernel's illegal access) fails the group naming
+    it, runs on_fail once and aborts (the watchdog's thread died, and later calls were never refused).
+    NCCL's error state is not asked while a call holds the communicator's lock (it may be blocked in
+    NCCL on a peer that never comes): the deadline still aborts (the watchdog waited on the lock)."""
+    import threading
+    from engine.cuda.nccl import NcclComm
+    from engine.cuda.watchdog import Watchdog
+    from engine.watch import EngineTimeout
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class Stuck:
+        def query(self):
+            return False
+
+    aborted, hooks = [], []
+
+    class Comm:
+        def check_async_error(self):
+            pass
+
+        def abort(self, error):
+            aborted.append(str(error))
+
+    dog = Watchdog("g", 0, 2, 60, on_fail=hooks.append)
+    dog.watch(Broken(), "allreduce", Comm())
+    for _ in range(500):
+        if aborted:
+            break
+        threading.Event().wait(0.01)
+    dog.close()
+    assert len(aborted) == 1 and "allreduce of group 'g' (rank 0 of 2) failed on the GPU: CUDA error: an illegal" \
+        in aborted[0] and hooks == aborted
+    with pytest.raises(EngineTimeout, match="illegal memory access"):
+        dog.watch(Stuck(), "reduce", Comm())
+
+    class Nccl:   # cupy's communicator: its error state and abort
+        def check_async_error(self):
+            raise AssertionError("asked while a call held the lock")
+
+        def abort(self):
+            aborted.append("ncclCommAbort")
+
+    comm = object.__new__(NcclComm)   # (its state only: making one needs a GPU)
+    comm.lock, comm._comm, comm.error = threading.RLock(), Nccl(), None
+    held, release = threading.Event(), threading.Event()
+
+    def call_blocked_in_nccl():
+        with comm.lock:
+            held.set()
+            release.wait(30)
+
+    blocked = threading.Thread(target=call_blocked_in_nccl)
+    blocked.start()
+    held.wait(5)
+    try:
+        comm.check_async_error()   # (returns at once)
+        dog = Watchdog("g", 0, 2, 0.2)
+        dog.watch(Stuck(), "broadcast", comm)
+        for _ in range(500):
+            if dog.error is not None and aborted[-1] == "ncclCommAbort":
+                break
+            threading.Event().wait(0.01)
+        assert "broadcast of group 'g' (rank 0 of 2): Timed out" in str(dog.error) and aborted[-1] == "ncclCommAbort"
+    finally:
+        release.set()
+        blocked.join()
+        dog.close()
+
+
+def test_a_cuda_send_whose_posting_failed_is_complete_and_raises_and_the_end_waits_for_the_gpu():
+    """A deferred send or receive that could not be posted: its Work is complete, gives the failure and
+    raises it (its event, never recorded, read as complete: wait() succeeded, the data never moved).
+    A group's CUDA device ends after its GPU work, or after the watchdog's abort of it
+    (ncclCommDestroy waits for unfinished operations with nothing to end the wait)."""
+    import threading
+    from engine.cuda.watchdog import Watchdog
+    from torchbridge.devices import CudaDevice
+    from torchbridge.work import CudaWork
+
+    class Unrecorded:
+        def query(self):
+            return True
+
+    dog = Watchdog("g", 0, 2, 60)
+    work = CudaWork(Unrecorded(), [], 0, dog)
+    work.fail(RuntimeError("send to rank 3: no such rank"))
+    assert work.is_completed() and not work.is_success()
+    assert str(work.exception()) == "send to rank 3: no such rank"
+    with pytest.raises(RuntimeError, match="no such rank"):
+        work.wait()
+    with pytest.raises(RuntimeError, match="no such rank"):
+        work.get_future()
+
+    order = []
+
+    class Stuck:
+        def query(self):
+            return "abort" in order
+
+    class Comm:
+        def check_async_error(self):
+            pass
+
+        def abort(self, error):
+            order.append("abort")
+
+        def free(self):
+            order.append("free")
+
+    dog = Watchdog("g", 0, 2, 0.3)
+    dog.watch(Stuck(), "send", Comm())
+    done = threading.Thread(target=CudaDevice(Comm(), 0, dog).shutdown)
+    done.start()
+    done.join(30)
+    dog.close()
+    assert order == ["abort", "free"], order
+
+
 def test_a_cuda_collective_is_refused_once_the_groups_cpu_side_broke():
     """A CUDA device's collective is refused when it is made once the group's CPU communicator broke (a
     lost peer, a timeout, a mismatch there): NCCL would otherwise wait for the same peer until its

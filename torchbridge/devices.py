@@ -16,6 +16,9 @@ enqueued on torch's current stream (the Work waits on a CUDA event). StagedDevic
 through pinned host memory and the CPU communicator, for clusters without NCCL and ranks sharing a GPU.
 """
 
+import sys
+import time
+
 import torch
 
 from engine._core import NotContiguousError
@@ -213,20 +216,34 @@ class CudaDevice:
     def _defer(self, kind, t, peer, outputs):
         self._check()
         buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        # (what the message comes after on its caller's stream: the flush's stream, maybe another one,
+        # waits for it)
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
-        self._pending.append((kind, t, buf, peer, event))
-        return CudaWork(event, outputs, self.device, self.watchdog, flush=self.flush)
+        work = CudaWork(event, outputs, self.device, self.watchdog, flush=self.flush)
+        self._pending.append((kind, t, buf, peer, issued, event, work))
+        return work
 
     def flush(self):
-        """Posts the deferred sends and receives in one group call, on the current stream."""
+        """Posts the deferred sends and receives in one group call, on the current stream, after what
+        came before each on the stream it was issued on. A failure to post fails each of their Works."""
         pending, self._pending = self._pending, []
         if not pending:
             return
         stream = torch.cuda.current_stream(self.device)
-        self.cc.sendrecv([(buf, peer) for kind, _, buf, peer, _ in pending if kind == "send"],
-                         [(buf, peer) for kind, _, buf, peer, _ in pending if kind == "recv"],
-                         stream=stream.cuda_stream)
-        for kind, t, buf, _, event in pending:
+        try:
+            for _, _, buf, _, issued, _, _ in pending:
+                stream.wait_event(issued)
+                buf.record_stream(stream)   # (a send's contiguous copy, a receive's staging: freed after)
+            self.cc.sendrecv([(buf, peer) for kind, _, buf, peer, *_ in pending if kind == "send"],
+                             [(buf, peer) for kind, _, buf, peer, *_ in pending if kind == "recv"],
+                             stream=stream.cuda_stream)
+        except Exception as exc:
+            for *_, work in pending:
+                work.fail(exc)
+            raise
+        for kind, t, buf, _, _, event, _ in pending:
             if buf is not t:
                 t.copy_(buf)
             event.record(stream)
@@ -239,7 +256,16 @@ class CudaDevice:
         self.cc.abort(error)
 
     def shutdown(self):
-        self.flush()
+        """Posts what was deferred, waits for the group's GPU work, then destroys the communicator.
+        ncclCommDestroy waits for unfinished operations itself, with nothing to end that wait (a send
+        its peer never receives); this wait ends at the watchdog's deadline, whose abort frees them."""
+        try:
+            self.flush()
+        except Exception as exc:   # (its Works hold the failure)
+            print(f"engine: posting the deferred sends and receives at the group's end failed: {exc}",
+                  file=sys.stderr, flush=True)
+        while self.watchdog.error is None and self.watchdog.unfinished():
+            time.sleep(0.01)
         self.cc.free()
 
 

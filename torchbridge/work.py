@@ -411,6 +411,13 @@ class CudaWork(_OutputsWork):
         self._watchdog = watchdog
         self._flush = flush  # posts deferred point-to-point (its event is recorded then)
         self._future = None
+        self._error = None   # why its deferred message was never posted (fail())
+
+    def fail(self, error):
+        """Its deferred message could not be posted: it is complete, failed with error (its event is
+        never recorded, and an event never recorded reads as complete)."""
+        self._error = error
+        self._flush = None
 
     def _post(self):
         if self._flush is not None:
@@ -419,6 +426,8 @@ class CudaWork(_OutputsWork):
 
     def _raise_failure(self):
         self._post()
+        if self._error is not None:
+            raise self._error
         if self._watchdog.error is not None:
             raise self._watchdog.error
 
@@ -434,14 +443,17 @@ class CudaWork(_OutputsWork):
         return list(self._outputs)
 
     def is_completed(self):
-        self._post()
-        return bool(self._event.query())
+        try:
+            self._post()
+        except Exception:
+            pass   # (kept by fail(): exception() gives it, wait() raises it)
+        return self._error is not None or bool(self._event.query())
 
     def is_success(self):
-        return self._watchdog.error is None and self.is_completed()
+        return self.is_completed() and self.exception() is None
 
     def exception(self):
-        return self._watchdog.error
+        return self._error if self._error is not None else self._watchdog.error
 
     def get_future(self):
         if self._future is None:

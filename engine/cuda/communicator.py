@@ -47,7 +47,9 @@ class CudaCommunicator:
 
     def _copy(self, dst, src, nbytes, stream):
         if nbytes and dst != src:
-            self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
+            # (on the group's device: torch's default stream is handle 0, which means the current device's)
+            with self._cupy.cuda.Device(self.device):
+                self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
 
     # -- reductions --
 

@@ -110,14 +110,27 @@ class NcclComm:
                 for ptr, nbytes, peer in recvs:
                     if nbytes:
                         comm.recv(ptr, nbytes, NCCL_INT8, peer, stream)
-            finally:
+            except BaseException as exc:
+                # groupEnd launches what was posted: a part of the exchange, which the peers' whole
+                # exchanges would wait on for good. The communicator can't be used again.
                 self._nccl.groupEnd()
+                self.abort(RuntimeError(f"an NCCL exchange failed part-way through posting it ({exc}); the "
+                                        "communicator was aborted, since its peers wait on the whole exchange"))
+                raise
+            self._nccl.groupEnd()
 
     def check_async_error(self):
-        """Raises NcclError when NCCL hit an asynchronous error (a peer vanished, a network failure)."""
-        with self.lock:
+        """Raises NcclError when NCCL hit an asynchronous error (a peer vanished, a network failure).
+        Asks nothing while a call holds the lock: that call may be blocked inside NCCL on a peer that
+        never comes (a full launch queue, a lazy connection), and the watchdog asking here must go on to
+        its deadline, whose abort ends it."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
             if self._comm is not None:
                 self._comm.check_async_error()
+        finally:
+            self.lock.release()
 
     def abort(self, error):
         """ncclCommAbort: frees the GPU kernels waiting on peers that will never come. Under the lock when

@@ -56,7 +56,13 @@ class Watchdog:
             now = time.monotonic()
             for item in pending:
                 event, deadline, what, comm = item
-                if event.query():
+                try:
+                    complete = event.query()
+                except Exception as exc:   # a sticky CUDA error (a kernel's illegal access): every later
+                    self._fail(comm, EngineTimeout(   # call of the process fails too
+                        f"{what} of group '{self.name}' (rank {self.rank} of {self.size}) failed on the GPU: {exc}"))
+                    return
+                if complete:
                     done.add(id(item))
                     continue
                 if id(comm) not in checked:
