@@ -150,15 +150,22 @@ def make_core(boot, seg_bytes, timeout, parent, cfg):
     addr, _, _, _, how = everyone[boot.rank]
     token = everyone[0][3]
     transports = []
-    try:
+
+    def make_ends():
         for ch in range(2):
             peers = [(a, ports[ch], host) for a, ports, host, _, _ in everyone]
             transports.append(_core.TcpTransport(boot.rank, boot.size, ch, fds[ch][0], token, peers,
                                                  nstreams=cfg["streams"], split_min=cfg["stream_min"],
                                                  eager_max=cfg["eager"], fail_any=ch == 0, ordered=ch == 0))
+
+    try:
+        # (a rank that can't make its end is named by the others, through the bootstrap: its closed
+        # sockets alone raced with the goodbye of a peer that saw them first, which was named instead)
+        gather(boot, make_ends, "make its end of the group's TCP transport")
     except BaseException:
         for fd, _ in fds[len(transports):]:
             _core.close_fd(fd)
+        transports.clear()   # (the made ones close their sockets as they go)
         raise
     _live.update(transports)
     core = _core.TcpComm(transports[0], transports[1], seg_bytes)

@@ -364,7 +364,9 @@ def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
     """tests/faults/tcp_end_fails.py at 3 ranks: rank 1's TCP transport can't be made after the
     addresses went round (injected). Ranks 0 and 2 fail within seconds, not at the group's 60 s,
-    naming rank 1 and that it may have failed to make its end (its sockets close with it)."""
+    naming rank 1 and that it could not make its end (told through the bootstrap: from its closed
+    sockets alone, the rank that saw them first failed and left, and under load the last rank named
+    that one instead)."""
     proc, out = launch("tcp_end_fails.py", 3, 90)
     assert proc.returncode == 0, out[-5000:]
     said = {int(r): (float(s), rest) for r, s, rest in
@@ -373,7 +375,7 @@ def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
     assert said[1][1] == "MemoryError - -", out[-5000:]
     for r in (0, 2):
         seconds, what = said[r]
-        assert seconds < 5 and what in ("RuntimeError rank-1 its-end", "EnginePeerLost rank-1 its-end"), out[-5000:]
+        assert seconds < 5 and what == "RuntimeError rank-1 its-end", out[-5000:]
 
 
 def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():

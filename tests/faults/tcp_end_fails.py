@@ -1,7 +1,7 @@
 """Under mpiexec with 3 ranks: rank 1 can't make its end of a TCP group after the group's addresses
 went round (its TcpTransport raises MemoryError: injected, as a rank out of memory or descriptors
 would). The others must fail at once, not wait in the mesh's connect for the group's 60 s, naming
-rank 1 and that it may have failed to make its end (tests/test_faults.py).
+rank 1 and that it could not make its end (tests/test_faults.py).
 
 Prints one short line a rank, `rank R: SECONDS TYPE NAMES HINT` (NAMES: `rank-1` where the message names
 rank 1, HINT: `its-end` where it says it may have failed to make its end; else `-`), or `rank R: made`;
@@ -28,6 +28,6 @@ try:
 except Exception as exc:
     text = str(exc)
     print(f"rank {rank}: {time.monotonic() - start:.2f} {type(exc).__name__} "
-          f"{'rank-1' if 'rank 1 (' in text else '-'} "
-          f"{'its-end' if 'failed to make its end of the group' in text else '-'}", flush=True)
+          f"{'rank-1' if 'rank 1 could not' in text else '-'} "
+          f"{'its-end' if 'make its end of the group' in text else '-'}", flush=True)
     print(f"rank {rank}: {text}", file=sys.stderr, flush=True)
