@@ -103,7 +103,7 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
     r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
     comm.start(&r.ctx)
     r.ctx.hook = <void*>r
-    if r.ctx.alive == peers_alive and peer != ANY_PEER:   # (a rank that left fails only its own messages)
+    if r.ctx.alive == peers_alive:   # (a rank that left fails only its own messages, and wildcard receives once all left)
         r.watch.peers, r.watch.peer = <Peers*>r.ctx.alive_arg, peer
         r.ctx.alive, r.ctx.alive_arg = peer_alive, &r.watch
     if comm.aborted:

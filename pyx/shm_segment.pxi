@@ -66,11 +66,20 @@ cdef int peer_alive(void *arg) noexcept nogil:
     """WaitCtx.alive of a message to or from one rank (a PeerWatch): a dead process fails it, whichever
     rank (the group is lost, as over TCP), but a rank that left the group only where it is the peer:
     the members still in it may go on exchanging messages (a rank that destroyed a group it is done
-    with, as Gloo allows)."""
+    with, as Gloo allows). A receive from any rank fails once every other rank left."""
     cdef PeerWatch *w = <PeerWatch*>arg
     cdef Peers *p = w.peers
+    cdef int q
     if _any_dead(p):
         return ENG_ERR_PEER_DEAD
+    if w.peer == ANY_PEER:
+        for q in range(p.n):
+            if q != p.self_rank and not _has_left(p, q):
+                return 0
+        if p.n > 1:
+            p.dead = 1 if p.self_rank == 0 else 0
+            return ENG_ERR_PEER_LEFT
+        return 0
     if w.peer != p.self_rank and _has_left(p, w.peer):
         p.dead = w.peer
         return ENG_ERR_PEER_LEFT

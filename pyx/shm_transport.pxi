@@ -486,8 +486,8 @@ cdef class ShmTransport(Transport):
         return 0
 
     cdef int in_flight(self) noexcept nogil:
-        # Sends with frames still to write or an ACK to send, receives posted or half-read: each
-        # needs this rank to copy (a peer's failure ends that: its waits name it). 2: frames moved.
+        # Sends with frames still to write, an ACK to send or one to read, receives posted or half-read:
+        # each needs this rank to copy (a peer's failure ends that: its waits name it). 2: frames moved.
         cdef int p, busy
         cdef bint failed
         cdef uint64_t before
@@ -498,7 +498,8 @@ cdef class ShmTransport(Transport):
         busy = not failed and self.posted.head != NULL
         if not (busy or failed):
             for p in range(self.size):
-                if self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL or self.pr[p].incoming != NULL:
+                if (self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL or self.pr[p].incoming != NULL
+                    or self.pr[p].awaiting.head != NULL):   # (its ACK comes in a ring only a drive reads)
                     busy = 1
                     break
         if busy and self.positions() != before:
@@ -584,6 +585,8 @@ cdef class ShmTransport(Transport):
 
     cdef int cancel(self, Req *req) noexcept nogil:
         cdef PMsg *m = <PMsg*>req.w[0]
+        cdef PMsg *u
+        cdef PMsg *r
         cdef char *rest
         cdef int kept = 0
         if m == NULL:
@@ -596,7 +599,14 @@ cdef class ShmTransport(Transport):
             if m.state == PS_QUEUED:            # still posted: take it back
                 _unlink(&self.posted, m)
             elif m.bound != NULL:               # bound to an unexpected message still arriving, or to
-                m.bound.bound = NULL            # the ACK it owes (sent all the same)
+                u = m.bound                     # the ACK it owes (sent all the same: now, if there's room)
+                u.bound = NULL
+                if u.kind == PM_UNEXPECTED:     # the next posted receive it matches takes it, in post order
+                    r = self._match_posted(u.peer, u.tag)
+                    if r != NULL:
+                        u.bound, r.bound, r.state = r, u, PS_ACTIVE
+                else:
+                    self.progress_send(u.peer)
             else:                               # frames arriving into it: drop the rest
                 self.pr[m.st.source].incoming = NULL
                 self.pr[m.st.source].discarding = True

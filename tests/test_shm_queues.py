@@ -139,6 +139,60 @@ def test_a_receive_by_single_copy_ends_once_its_ack_is_in_the_ring(pair):
     assert [(f[0], f[5]) for f in peer.read()] == [(ACK, 0)]
 
 
+def test_a_cancelled_receive_hands_the_message_arriving_into_it_to_the_next_receive(pair):
+    """A receive waiting on a message still arriving is cancelled: the next posted receive that matches
+    takes that message when it is in, before any later one (it stayed in the unexpected queue, and the
+    next receive took the sender's next message: out of order, or never, where none came)."""
+    core, peer = pair
+    peer.write((FIRST, 5, 8, 4, 0, 0), b"abcd", None)          # half of a message nothing asked for
+    probe = core.irecv(np.zeros(1, np.uint8), 1, 99)
+    assert not probe.test()                                    # (read into the unexpected queue)
+    first = core.irecv(np.zeros(8, np.uint8), 1, 5)            # waits on it
+    out = np.zeros(8, np.uint8)
+    second = core.irecv(out, 1, 5)
+    del first                                                  # cancelled
+    peer.write((CONT, 0, 0, 4, 0, 0), b"efgh", None)
+    peer.write((FIRST, 5, 2, 2, 0, 0), b"ZZ", None)            # the sender's next message
+    assert second.wait() == (1, 5, 8) and out.tobytes() == b"abcdefgh"
+    later = np.zeros(8, np.uint8)
+    assert core.recv(later, 1, 5) == (1, 5, 2) and later[:2].tobytes() == b"ZZ"
+    del probe
+
+
+def test_a_single_copy_send_keeps_its_channel_in_flight_until_its_ack_is_read(pair):
+    """A single-copy send waiting for its ACK is in flight: the group's progress thread drives the
+    channel until the ACK is read (it let the channel go once the RTS was written, and the ACK waited
+    in the ring for a wait of this rank, while a receive of the peer's behind it waited for room)."""
+    import ctypes
+    core, peer = pair
+    core.seg.watch_peers([os.getpid(), os.getpid()])
+    core.seg.set_cma(True, 64)
+    fn, channel, _ = core.driver
+    drive = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)(fn)
+    send = core.isend(np.zeros(256, np.uint8), 1, 7)
+    (rts,) = peer.read()
+    assert rts[0] == RTS and drive(channel, 0.0) != 0
+    peer.write((ACK, 0, 0, 0, 0, rts[5]), b"", None)
+    assert drive(channel, 0.0) == 0 and send.test()
+
+
+def test_a_receive_cancelled_while_it_owes_its_ack_writes_it_at_once(pair):
+    """A receive that copied its message by single copy and waits for room for its ACK is cancelled
+    (its call failed): the ACK is written as soon as there is room, at the cancel (it waited for the
+    channel's next progress, its sender held until then)."""
+    core, peer = pair
+    core.seg.watch_peers([os.getpid(), os.getpid()])
+    core.seg.set_cma(True, 64)
+    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
+    data = np.arange(100, dtype=np.uint8)
+    peer.write((RTS, 5, data.nbytes, 0, data.ctypes.data, 3), b"", None)
+    recv = core.irecv(np.zeros(100, np.uint8), 1, 5)
+    assert not recv.test()                                     # copied; no room for the ACK
+    assert len(peer.read()) == len(sends)                      # room now
+    del recv
+    assert [(f[0], f[5]) for f in peer.read()] == [(ACK, 3)]
+
+
 SIZES = st.sampled_from([0, 1, 8, 63, 64, 1000, QUEUE - 64, QUEUE, 1 << 48, (1 << 64) - 1])
 # Frames as a sender writes them (a message whole in one frame, or its first part and the rest), and
 # any other: kinds valid and not, lengths from none to past the ring and uint64's top, heads moved by
