@@ -406,6 +406,34 @@ def test_subgroup_collective_over_members_only():
     WORLD.barrier()
 
 
+def test_a_receive_from_any_rank_goes_on_after_another_rank_left_the_group():
+    """Rank 2 frees a group of ranks 0-2 while rank 0 waits on a receive from any rank; rank 1's message
+    then still completes it (a rank that left fails only what involves it: on shared memory the
+    wildcard receive failed within its first liveness check, naming rank 2). Rank 1 sends once rank 2
+    is gone and rank 0 has waited past that check. (The world's messages say when.)"""
+    if P < 3:
+        pytest.skip("needs three ranks")
+    members = [0, 1, 2]
+    sub = WORLD.subgroup(members) if R in members else None
+    word = np.zeros(1, np.int64)
+    if R == 0:
+        got = np.zeros(3, np.float32)
+        request = sub.irecv(got)
+        WORLD.send(word, 2)                   # posted
+        assert request.wait() == (1, 0, 3) and (got == 1).all()
+    elif R == 1:
+        WORLD.recv(word, 2)                   # rank 2 left
+        time.sleep(0.5)                       # (rank 0 waits meanwhile: its liveness checks see rank 2 gone)
+        sub.send(np.ones(3, np.float32), 0)
+    elif R == 2:
+        WORLD.recv(word, 0)
+        sub.free()
+        WORLD.send(word, 1)
+    if sub is not None and R != 2:
+        sub.free()
+    WORLD.barrier()
+
+
 def test_subgroups_interleaved_with_world():
     if P < 2:
         pytest.skip("two overlapping sub-groups need two ranks")
