@@ -36,7 +36,7 @@ def polite_env(environ=None, cores=None):
     # this host's cores (before MPI starts, the affinity a launcher set says one rank's share), within a
     # container's CPU quota
     if not cores:
-        cores = min(os.cpu_count() or 1, cpu_quota() or os.cpu_count() or 1)
+        cores = min(os.cpu_count() or 1, cpu_quota() or float("inf"))
     if launched[4] < cores:
         return None
     env[_YIELD] = "1"

@@ -220,9 +220,8 @@ class CudaDevice:
         # waits for it)
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(self.device))
-        event = torch.cuda.Event()
-        work = CudaWork(event, outputs, self.device, self.watchdog, flush=self.flush)
-        self._pending.append((kind, t, buf, peer, issued, event, work))
+        work = CudaWork(torch.cuda.Event(), outputs, self.device, self.watchdog, flush=self.flush)
+        self._pending.append((kind, t, buf, peer, issued, work))
         return work
 
     def flush(self):
@@ -233,7 +232,7 @@ class CudaDevice:
             return
         stream = torch.cuda.current_stream(self.device)
         try:
-            for _, _, buf, _, issued, _, _ in pending:
+            for _, _, buf, _, issued, _ in pending:
                 stream.wait_event(issued)
                 buf.record_stream(stream)   # (a send's contiguous copy, a receive's staging: freed after)
             self.cc.sendrecv([(buf, peer) for kind, _, buf, peer, *_ in pending if kind == "send"],
@@ -243,11 +242,11 @@ class CudaDevice:
             for *_, work in pending:
                 work.fail(exc)
             raise
-        for kind, t, buf, _, _, event, _ in pending:
+        for kind, t, buf, _, _, work in pending:
             if buf is not t:
                 t.copy_(buf)
-            event.record(stream)
-            self.watchdog.watch(event, kind, self.cc)
+            work._event.record(stream)
+            self.watchdog.watch(work._event, kind, self.cc)
 
     def abort(self, error):
         """The group's abort(): what was deferred is dropped and NCCL's kernels are freed

@@ -32,6 +32,17 @@ def future_pair():
 # made from its parts'.)
 _FUTURE_LOCK = threading.RLock()
 
+
+def future_once(work):
+    """work's future: made by work._make_future() at the first call, under _FUTURE_LOCK."""
+    fut = getattr(work, "_future", None)   # (a slot: unset until made)
+    if fut is None:
+        with _FUTURE_LOCK:
+            fut = getattr(work, "_future", None)
+            if fut is None:
+                fut = work._future = work._make_future()
+    return fut
+
 # Gloo's words for result() on a Work that is not complete yet
 NOT_COMPLETED = "Work needs to be completed before calling result(). Should call wait() before result()."
 
@@ -96,15 +107,11 @@ class CollectiveWork(_OutputsWork):
             raise RuntimeError(NOT_COMPLETED)
         return list(self._task.outputs)
 
-    def get_future(self):
-        fut = getattr(self, "_future", None)
-        if fut is None:
-            with _FUTURE_LOCK:
-                fut = getattr(self, "_future", None)
-                if fut is None:
-                    self._completer, fut = future_pair()
-                    self._future = fut
-                    self._task.progress.add_done_callback(self._task, self._complete_future)
+    get_future = future_once
+
+    def _make_future(self):
+        self._completer, fut = future_pair()
+        self._task.progress.add_done_callback(self._task, self._complete_future)
         return fut
 
     def _complete_future(self, task):
@@ -182,12 +189,7 @@ class CoalescedWork(_OutputsWork):
     def exception(self):
         return next((exc for exc in (work.exception() for work in self._works) if exc is not None), None)
 
-    def get_future(self):
-        if self._future is None:
-            with _FUTURE_LOCK:
-                if self._future is None:
-                    self._future = self._make_future()
-        return self._future
+    get_future = future_once
 
     def _make_future(self):
         futures = [work.get_future() for work in self._works]
@@ -379,22 +381,20 @@ class PointToPointWork(_OutputsWork):
 
     _source_rank = source_rank
 
-    def get_future(self):
-        if self._future is None:
-            with _FUTURE_LOCK:
-                if self._future is None:
-                    completer, future = future_pair()
+    get_future = future_once
 
-                    def complete():
-                        try:
-                            self.wait()
-                            completer.set_result(list(self._outputs))
-                        except Exception as exc:
-                            completer.set_exception(exc)
+    def _make_future(self):
+        completer, future = future_pair()
 
-                    threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
-                    self._future = future
-        return self._future
+        def complete():
+            try:
+                self.wait()
+                completer.set_result(list(self._outputs))
+            except Exception as exc:
+                completer.set_exception(exc)
+
+        threading.Thread(target=complete, name="engine-p2p-future", daemon=True).start()
+        return future
 
 
 class CudaWork(_OutputsWork):
@@ -455,14 +455,12 @@ class CudaWork(_OutputsWork):
     def exception(self):
         return self._error if self._error is not None else self._watchdog.error
 
-    def get_future(self):
-        if self._future is None:
-            with _FUTURE_LOCK:
-                if self._future is None:
-                    self._raise_failure()
-                    fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
-                    with torch.cuda.device(self._device):
-                        torch.cuda.current_stream().wait_event(self._event)
-                        fut.set_result(list(self._outputs))
-                    self._future = fut
-        return self._future
+    get_future = future_once
+
+    def _make_future(self):
+        self._raise_failure()
+        fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+        with torch.cuda.device(self._device):
+            torch.cuda.current_stream().wait_event(self._event)
+            fut.set_result(list(self._outputs))
+        return fut
