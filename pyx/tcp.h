@@ -328,6 +328,10 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
   {
     int parts = (n >= t->split_min && t->nstreams > 1) ? t->nstreams : 1;
     size_t step = parts > 1 ? (n / (size_t)parts + ENG_TCP_PART_ALIGN - 1) / ENG_TCP_PART_ALIGN * ENG_TCP_PART_ALIGN : n;
+    if (step == 0) {   /* (fewer bytes than streams: one frame, as an empty part reads as a malformed stream) */
+      parts = 1;
+      step = n;
+    }
     uint64_t seq = p->send_seq++;
     tcp_item *items[ENG_TCP_MAX_STREAMS];
     int k = 0;
@@ -384,8 +388,10 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   if (m != NULL && t->other_peer < 0) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
-  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || t->other_peer >= 0 || tcp_out_of_order(t, peer)) {
-    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL : t->peers[peer].dead;
+  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || t->other_peer >= 0 || tcp_out_of_order(t, peer) ||
+             (peer < 0 && tcp_none_left(t, err_peer))) {
+    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL :
+             peer < 0 ? tcp_none_left(t, err_peer) : t->peers[peer].dead;
     if (rc == ENG_ERR_OTHER_CALL) *err_peer = t->other_peer;
     pthread_mutex_unlock(&t->lock);
     free(r);
@@ -490,10 +496,7 @@ static int eng_tcp_cancel(eng_tcp *t, tcp_req *r) {
     free(r);
   } else if (r->kind == TCP_RECV) {
     if (r->state == TCP_QUEUED) tcp_unlink_posted(t, r);
-    else if (r->in != NULL) {
-      r->in->req = NULL;
-      r->in->buf = NULL;          /* the rest of its bytes are read and dropped */
-    }
+    else if (r->in != NULL) tcp_unbind(t, r, r->in);
     free(r);
   } else {
     tcp_peer *p = &t->peers[r->peer];

@@ -77,6 +77,35 @@ static void tcp_bind(eng_tcp *t, tcp_req *r, tcp_in *m) {
   }
 }
 
+/* Receive r, bound to message m still arriving, is cancelled (the caller frees r). m's bytes so far
+ * move to a buffer of the transport's, and m goes to the next posted receive it matches, else among
+ * the unexpected, before its sender's later messages: as MPI would match it, had r never been posted
+ * (the next receive must not take the sender's next message in its place). Out of memory for the
+ * copy, the peer fails, as where an unexpected message can't be buffered. */
+static void tcp_unbind(eng_tcp *t, tcp_req *r, tcp_in *m) {
+  char *own = (char *)malloc(m->total ? m->total : 1);
+  r->in = NULL;
+  m->req = NULL;
+  if (own == NULL) {
+    m->buf = NULL;
+    tcp_peer_failed(t, m->peer, ENG_ERR_NOMEM, ENOMEM);
+    return;
+  }
+  if (m->total) memcpy(own, m->buf, m->total);   /* (parts on other streams may have filled any range) */
+  m->buf = own;
+  m->owns = 1;
+  tcp_req *next = tcp_match_posted(t, m->peer, m->tag);
+  if (next != NULL) {
+    tcp_bind(t, next, m);
+    return;
+  }
+  tcp_in **at = &t->unexp_head;
+  while (*at != NULL && !((*at)->peer == m->peer && (*at)->seq > m->seq)) at = &(*at)->next;
+  m->next = *at;
+  *at = m;
+  if (m->next == NULL) t->unexp_tail = m;
+}
+
 /* Ordered channels (the algorithms': every rank runs the same collectives, whose receives each name
  * their peer and tag, posted in the order that peer sends): a message that no posted receive takes
  * shows its sender in another collective when a receive waits on that sender (its message came

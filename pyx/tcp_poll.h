@@ -25,6 +25,26 @@ static void tcp_close_peer(eng_tcp *t, tcp_peer *p) {
   (void)t;
 }
 
+/* Whether no other rank is left to send to a receive from any rank (every other one's end came: it left
+ * or died): the error code to end such a receive with, naming in *who the first rank that died, the
+ * cause, else the last one failed; 0 while one is left (or the group is this rank alone). */
+static int tcp_none_left(eng_tcp *t, int *who) {
+  int last = -1;
+  for (int q = 0; q < t->size; q++) {
+    if (q == t->rank) continue;
+    if (!t->peers[q].dead) return 0;
+    last = q;
+  }
+  if (last < 0) return 0;
+  for (int q = 0; q < t->size; q++)
+    if (q != t->rank && t->peers[q].dead != ENG_ERR_PEER_LEFT) {
+      *who = q;
+      return t->peers[q].dead;
+    }
+  *who = last;
+  return ENG_ERR_PEER_LEFT;
+}
+
 /* peer failed (code, errno): every request involving it ends with that error. */
 static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
   tcp_peer *p = &t->peers[peer];
@@ -77,6 +97,17 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
       tcp_unlink_posted(t, r);
       r->src = peer;
       tcp_finish_req(t, r, code, peer);
+    }
+    r = next;
+  }
+  /* receives from any rank, where none is left to send */
+  int who = -1, none = tcp_none_left(t, &who);
+  for (r = t->posted_head; none && r != NULL;) {
+    tcp_req *next = r->next;
+    if (r->peer < 0) {
+      tcp_unlink_posted(t, r);
+      r->src = who;
+      tcp_finish_req(t, r, none, who);
     }
     r = next;
   }

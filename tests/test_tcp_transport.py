@@ -36,7 +36,7 @@ def header(kind, tag, seq, a, b):
     return struct.pack("<IiQQQ", kind, tag, seq, a, b)
 
 
-def group_of(size, collective_user_channel=False):
+def group_of(size, collective_user_channel=False, nstreams=2, split_min=1 << 20):
     """Rank 0 of a group of `size` whose other ranks are this test: (core, their listeners (None for
     rank 0), rank 0's ports). collective_user_channel: the user's channel fails every request when a peer
     crashes (fail_any), as the collectives' channel does, so that tests can drive that rule by send/recv."""
@@ -50,7 +50,7 @@ def group_of(size, collective_user_channel=False):
         ports.append(port)
         peers = [("127.0.0.1", port, "rank0")] + [("127.0.0.1", f.getsockname()[1], f"rank{q}")
                                                    for q, f in enumerate(fakes) if f is not None]
-        transports.append(_core.TcpTransport(0, size, ch, fd, TOKEN, peers, nstreams=2, split_min=1 << 20,
+        transports.append(_core.TcpTransport(0, size, ch, fd, TOKEN, peers, nstreams=nstreams, split_min=split_min,
                                              eager_max=64 << 10, fail_any=ch == 0 or collective_user_channel))
     core = _core.TcpComm(transports[0], transports[1], 1 << 16)
     core.set_watch(Deadline(), 0.05, p2p=Deadline())
@@ -362,6 +362,80 @@ def test_a_cancelled_send_whose_part_went_out_still_sends_its_first_frame(rank0)
         c.close()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 4096 * 3 + 1])
+def test_a_message_with_fewer_bytes_than_streams_goes_in_frames_each_carrying_bytes(n):
+    """Split over 4 streams from 1 byte up (ENGINE_TCP_STREAM_MIN_BYTES=1): a message too short to give
+    every stream a part goes in fewer frames, none empty (the receiver takes an empty part for a
+    malformed stream); together they carry it once, in order."""
+    core, fakes, _ = group_of(2, nstreams=4, split_min=1)
+    fakes[1].settimeout(5)
+    payload = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+    r = core.isend(payload, 1, 7)
+    conns = {}
+
+    def accept_all():
+        while len(conns) < 4:
+            c, _ = fakes[1].accept()
+            conns[struct.unpack_from("<I", recv_exact(c, HELLO), 36)[0]] = c   # (by its stream)
+
+    acceptor = threading.Thread(target=accept_all)
+    acceptor.start()
+    while acceptor.is_alive():
+        r.test()
+        time.sleep(0.001)
+    r.wait()
+    got, frames = bytearray(n), []
+    for stream, c in sorted(conns.items()):
+        while True:
+            c.settimeout(0.05)   # (recv_exact sets its own)
+            try:
+                c.recv(HDR, socket.MSG_PEEK)
+            except socket.timeout:
+                break
+            kind, tag, seq, a, b = struct.unpack("<IiQQQ", recv_exact(c, HDR))
+            frames.append((stream, kind, a, b))
+            off = 0 if kind == MSG else a
+            got[off:off + b] = recv_exact(c, b)
+    assert frames[0][:3] == (0, MSG, n) and all(b > 0 for *_, b in frames), frames
+    assert sum(b for *_, b in frames) == n and bytes(got) == payload.tobytes(), frames
+    for c in conns.values():
+        c.close()
+    fakes[1].close()
+
+
+@pytest.mark.parametrize("case", ["next receive posted before the cancel", "next receive posted after it",
+                                  "sender's next message already in"])
+def test_a_cancelled_receive_hands_the_message_arriving_into_it_to_the_next_receive(rank0, case):
+    """A receive taking a message whose bytes are still arriving is cancelled (its Request dropped): the
+    message goes, whole, to the next receive that matches it, not the sender's next message (which
+    would come out of order, or never where none followed), as on shared memory. Where the sender's
+    next message is in already (the first waits for its part on another stream), it stays behind."""
+    core, _, ports = rank0
+    first = np.random.default_rng(5).integers(0, 255, 8192, dtype=np.uint8).tobytes()
+    split = case.startswith("sender's")
+    s0 = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 8192, 4096 if split else 8192) + first[:100])
+    r = core.irecv(np.zeros(8192, np.uint8), 1, 3)
+    assert drive(r, lambda: core.user_transport.waiting_on() != [] and keeps_waiting(r, 0.05)), "never bound"
+    out = np.zeros(8192, np.uint8)
+    later = core.irecv(out, 1, 3) if case.endswith("before the cancel") else None
+    if split:
+        s0.sendall(first[100:4096] + header(MSG, 3, 1, 2, 2) + b"ok")
+        assert keeps_waiting(r, 0.2)    # (the next message read in behind it, unexpected)
+    del r
+    gc.collect()            # the Request's end cancels it, the message bound to it part-way in
+    if split:
+        s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 3, 0, 4096, 4096) + first[4096:])
+    else:
+        s0.sendall(first[100:] + header(MSG, 3, 1, 2, 2) + b"ok")
+    later = later or core.irecv(out, 1, 3)
+    assert later.wait() == (1, 3, 8192) and out.tobytes() == first
+    second = np.zeros(2, np.uint8)
+    assert core.irecv(second, 1, 3).wait() == (1, 3, 2) and second.tobytes() == b"ok"
+    s0.close()
+    if split:
+        s1.close()
+
+
 def test_a_rank_out_of_descriptors_fails_saying_so_instead_of_spinning(rank0):
     """A connection the rank can't accept (EMFILE: its descriptors are used up) leaves the listener
     ready for ever: the wait fails saying so, not at the timeout after spinning on it."""
@@ -609,6 +683,38 @@ def test_a_peer_that_died_is_named_before_one_that_left_after_it(trio):
     leaving.close()                                       # (over loopback both ends are queued at once)
     with pytest.raises(EnginePeerLost, match=r"rank 2 \(rank2, .*\) closed its connection.* without leaving"):
         r.wait()
+
+
+@pytest.mark.parametrize("how", ["this rank left", "every other crashed", "every other left in order",
+                                 "posted after every other left"])
+def test_a_receive_from_any_rank_fails_once_no_other_rank_is_left_to_send(how):
+    """On the user's channel, where a rank that leaves fails only what involves it: a receive from any
+    rank waits while one other rank may still send, and ends, naming the cause, once none is left,
+    instead of waiting for the timeout (as on shared memory)."""
+    core, fakes, ports = group_of(3)
+    r = core.irecv(np.zeros(2, np.uint8), None, 0) if how != "posted after every other left" else None
+    if how == "this rank left":
+        core.user_transport.goodbye()
+        expected = r"rank 0 left this group"
+    else:
+        bye = header(BYE, 0, 0, 0, 0) if "crashed" not in how else b""
+        first = connect(ports[1], hello(frm=1, size=3) + bye)
+        second = connect(ports[1], hello(frm=2, size=3) + bye)
+        if r is not None:
+            assert keeps_waiting(r, 0.2)
+        first.close()
+        if r is not None:
+            assert keeps_waiting(r, 0.2), "failed while rank 2 could still send"
+        second.close()
+        expected = (r"rank 1 \(rank1, .*\) closed its connection.* without leaving" if "crashed" in how
+                    else r"rank 2 \(rank2, .*\) left the group")
+        if r is None:
+            time.sleep(0.1)
+            assert drive(core.irecv(np.zeros(2, np.uint8), 0, 5), lambda: False, 0.2) is False   # (progress)
+    with pytest.raises(EnginePeerLost, match=expected):
+        (r or core.irecv(np.zeros(2, np.uint8), None, 0)).wait()
+    for f in fakes[1:]:
+        f.close()
 
 
 def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
