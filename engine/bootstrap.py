@@ -140,6 +140,8 @@ def read_keys(store, keys, seconds, what, cancelled=None):
     except Exception as exc:   # the wait's timeout: who never came?
         try:
             missing = [i for i, k in enumerate(keys) if not store.check([k])]
+        except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's first member)
+            raise ConnectionError(f"{what}: {exc}; then {gone}") from None
         except Exception:
             raise RuntimeError(f"engine: the store stopped answering in {what}: {exc}; its server may have run in "
                                "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
