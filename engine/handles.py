@@ -24,6 +24,7 @@ A connection that does not prove the secret is closed unread. One for a uuid thi
 reached yet is kept for that reconfigure; one for a uuid it already used is told so and closed.
 """
 
+import errno
 import hashlib
 import hmac
 import os
@@ -523,6 +524,34 @@ class HubStore:
             raise ConnectionError(why)
 
 
+def _connect(addr, port, seconds, meeting):
+    """A connection to addr:port within seconds, made in ticks that read abort() (meeting.check): a
+    blocking connect can't be interrupted, and a host that is gone (its SYNs unanswered) would hold
+    it for the reconfigure's whole timeout."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setblocking(False)
+        err = sock.connect_ex(where)
+        deadline = time.monotonic() + seconds
+        with selectors.DefaultSelector() as sel:
+            sel.register(sock, selectors.EVENT_WRITE)
+            while err in (errno.EINPROGRESS, errno.EAGAIN):
+                meeting.check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                if sel.select(min(left, ACCEPT_TICK_SECONDS)):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+        sock.setblocking(True)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
 class MemberStore:
     """A member's side of the hub's store (torch's Store API as StoreBootstrap uses it)."""
 
@@ -531,11 +560,12 @@ class MemberStore:
         self.where = f"{addr}:{port}"
         self.deadline = deadline
         self.meeting = meeting
-        left = max(0.1, deadline - time.monotonic())
         try:
-            self.sock = socket.create_connection((addr, port), timeout=left)
+            self.sock = _connect(addr, port, max(0.1, deadline - time.monotonic()), meeting)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # (a multi_get's replies come back to back)
         except OSError as exc:
+            if isinstance(exc, ConnectionError) and meeting.cancelled is not None:
+                raise
             raise ConnectionError(f"can't reach the first member's handle at {self.where} ({exc.strerror or exc}): "
                                   "is that process gone?") from None
         meeting.socks.append(self.sock)
@@ -643,10 +673,11 @@ def order(handles):
     return members
 
 
-def meet(listener, uuid, handles, timeout):
+def meet(listener, uuid, handles, timeout, aborted=None):
     """(store, index, n): the rendezvous store of reconfigure `uuid` among `handles`, this process's
     index among them, their count. The caller builds its communicator through the store, then calls
-    store.close(deadline)."""
+    store.close(deadline). aborted: why the caller was aborted since it began, else None, asked once
+    the meeting can hear of an abort (listener.interrupt): one that came before found none to end."""
     members = order(handles)
     if listener.handle not in members:
         raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "
@@ -658,6 +689,9 @@ def meet(listener, uuid, handles, timeout):
         raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
                            "reconfigure")
     meeting = Meeting(listener)
+    why = aborted() if aborted is not None else None
+    if why is not None:
+        meeting.cancel(why)
     try:
         if index == 0:
             conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}

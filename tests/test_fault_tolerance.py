@@ -743,3 +743,77 @@ def test_a_member_hears_the_first_members_reason_naming_who_never_came():
     finally:
         for lst in listeners:
             lst.close()
+
+
+def test_abort_ends_a_members_connect_to_a_first_member_that_never_answers():
+    """The first member's host drops the connection's SYNs (gone, or a full backlog as here): abort()
+    (listener.interrupt) ends the member's connect within a tick, not at the reconfigure's timeout."""
+    import socket
+
+    from engine import handles
+
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    gone.listen(0)
+    filler = []
+    for _ in range(3):   # (the backlog full: further SYNs are dropped, and a connect waits on)
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(gone.getsockname())
+        filler.append(s)
+    first = f"engine1/127.0.0.1/{gone.getsockname()[1]}/{'00' * 16}"
+    listener = handles.Listener()
+    outcome = []
+
+    def member():
+        try:
+            handles.meet(listener, 31, [first, listener.handle], 30)
+        except Exception as exc:
+            outcome.append((time.monotonic(), exc))
+
+    side = threading.Thread(target=member)
+    try:
+        side.start()
+        time.sleep(0.5)
+        assert not outcome, outcome
+        aborted = time.monotonic()
+        listener.interrupt("aborted while connecting")
+        side.join(10)
+        assert outcome and isinstance(outcome[0][1], ConnectionError), outcome
+        assert str(outcome[0][1]) == "aborted while connecting" and outcome[0][0] - aborted < 1.0, outcome
+    finally:
+        listener.interrupt("test over")
+        side.join(40)
+        listener.close()
+        for s in filler + [gone]:
+            s.close()
+
+
+def test_an_abort_before_the_reconfigures_meeting_began_still_ends_it_at_once(monkeypatch):
+    """abort() from another thread after a reconfigure began but before its meeting could hear of it
+    (here while its handles are read) ends it at once: it waited for a member that never came until
+    its timeout, and only then said it was aborted."""
+    from engine import handles
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 1, store=dist.HashStore(), name="g")
+    stranger = handles.Listener()   # (a member that never comes)
+    read = handles.order
+    monkeypatch.setattr(handles, "order", lambda hs: (pg.abort(), read(hs))[1])
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"reconfigure 32 of group 'g': process group 'g' was aborted "
+                                               r"\(abort\(\)\) while this reconfigure waited for its members"):
+            pg.reconfigure(SimpleNamespace(uuid=32, handles=[pg.get_reconfigure_handle(), stranger.handle],
+                                           timeout=timedelta(seconds=6)))
+        assert time.monotonic() - started < 3.0
+        monkeypatch.setattr(handles, "order", read)
+        pg.reconfigure(SimpleNamespace(uuid=33, handles=[pg.get_reconfigure_handle()], timeout=timedelta(seconds=30)))
+        t = torch.ones(3)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.ones(3))
+    finally:
+        stranger.close()
+        pg.shutdown()

@@ -100,7 +100,8 @@ class FaultTolerance:
         listener = self._listener if self._listener is not None else _handles.Listener()
         self._listener = listener
         try:
-            store, index, n = _handles.meet(listener, uuid, opts.handles, seconds)
+            store, index, n = _handles.meet(listener, uuid, opts.handles, seconds,
+                                            lambda: self._reconfigure_aborted() if self._aborts != aborts else None)
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise RuntimeError(f"{what}: {exc}") from None
         # The making waits as long as the reconfigure may, not the group's timeout its transport is given
@@ -256,8 +257,7 @@ class FaultTolerance:
         with self._swapping:
             self._aborts += 1   # (a reconfigure past its waits sees it before it attaches its communicator)
             if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
-                self._listener.interrupt(f"process group {self._name!r} was aborted (abort()) while this reconfigure "
-                                         "waited for its members")
+                self._listener.interrupt(self._reconfigure_aborted())
             if self._shrinking is not None:
                 self._shrinking.cancel(f"process group {self._name!r} was aborted (abort()) while this shrink waited "
                                        "for its members")
@@ -265,6 +265,9 @@ class FaultTolerance:
                                   "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
             old = self._detach(error)
         self._release(*old)
+
+    def _reconfigure_aborted(self):
+        return f"process group {self._name!r} was aborted (abort()) while this reconfigure waited for its members"
 
     supports_abort_hooks = True        # torch 2.15 asks (they run on abort() and when a call fails)
     supports_completion_hooks = False
