@@ -106,6 +106,7 @@ class Listener:
         self.used = set()      # uuids this hub served (a late hello for one is refused)
         self.failed = {}       # uuid -> why, of the reconfigures that failed here (a late hello hears why)
         self.meeting = None    # the Meeting of the reconfigure in flight, if one is
+        self.unsaid = {}       # connections accepted whose hello is still to come (_Hellos)
         forks.track(self)
 
     def interrupt(self, why):
@@ -132,6 +133,9 @@ class Listener:
             for conn, _, _ in members.values():
                 conn.close()
         self.parked.clear()
+        for conn in self.unsaid:
+            conn.close()
+        self.unsaid.clear()
 
     def accept_members(self, uuid, n, digest, deadline, handles, meeting):
         """The n - 1 authenticated connections of reconfigure uuid: {index: socket}. Where it fails, the
@@ -150,7 +154,7 @@ class Listener:
             raise
 
     def _accept(self, mine, uuid, n, digest, deadline, handles, meeting):
-        with _Hellos(self.sock) as hellos:
+        with _Hellos(self.sock, self.unsaid) as hellos:
             return self._accept_from(hellos, mine, uuid, n, digest, deadline, handles, meeting)
 
     def _accept_from(self, hellos, mine, uuid, n, digest, deadline, handles, meeting):
@@ -234,18 +238,21 @@ class _Hellos:
     one that stays silent (anything may connect to the handle's port) holds up neither the members
     behind it nor abort(). One silent for HELLO_SECONDS, or beyond MAX_PARKED waiting, is closed."""
 
-    def __init__(self, sock):
-        self.sock, self.waiting = sock, {}   # socket -> (when it must have said hello, what it said so far)
+    def __init__(self, sock, waiting):
+        # waiting: socket -> (when it must have said hello, what it said so far), the listener's: a
+        # connection accepted in one meeting that has not said its hello when it ends (a member of the
+        # next reconfigure, come early) says it to the next
+        self.sock, self.waiting = sock, waiting
         sock.setblocking(False)   # (a connection reset between the select and the accept: none to take)
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ)
+        for conn in waiting:
+            self.selector.register(conn, selectors.EVENT_READ)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        for conn in self.waiting:
-            conn.close()
         self.selector.close()
 
     def poll(self, seconds):
@@ -673,6 +680,11 @@ def order(handles):
     return members
 
 
+def members_digest(members):
+    """What names a member list (in its order) where members compare theirs: its handles' hash."""
+    return hashlib.sha256("\n".join(members).encode()).digest()
+
+
 def meet(listener, uuid, handles, timeout, aborted=None):
     """(store, index, n): the rendezvous store of reconfigure `uuid` among `handles`, this process's
     index among them, their count. The caller builds its communicator through the store, then calls
@@ -683,7 +695,7 @@ def meet(listener, uuid, handles, timeout, aborted=None):
         raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "
                           "reconfigure: every member passes the same list, itself included")
     index, n = members.index(listener.handle), len(members)
-    digest = hashlib.sha256("\n".join(members).encode()).digest()
+    digest = members_digest(members)
     deadline = time.monotonic() + timeout
     if uuid in listener.used:
         raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "

@@ -148,6 +148,25 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, WORLD + 1)))
         self._finish("split_done")
 
+    def test_a_monitored_barrier_after_a_reconfigure_waits_for_the_members_of_now(self):
+        """Ranks 0 and 1 reconfigure to the two of them and pass a monitored barrier; all three then
+        reconfigure back. Rank 2's first monitored barrier waits for rank 0's (whose barriers it counted
+        apart: it read the pair's verdict in the store and returned at once), and every rank's next
+        one passes."""
+        handles = self._reconfigured("monitored", 1700)
+        if self.rank < 2:
+            self._reconfigure(1701, handles[:2])
+            self.backend.monitored_barrier(timedelta(seconds=20))
+        self._reconfigure(1702, handles)
+        if self.rank == 0:
+            time.sleep(0.5)                 # (rank 2 reaches the barrier first)
+            self.store.set("monitored_rank0_calls", "1")
+        self.backend.monitored_barrier(timedelta(seconds=20))
+        if self.rank == 2:
+            self.assertTrue(self.store.check(["monitored_rank0_calls"]), "rank 2 passed before rank 0 arrived")
+        self.backend.monitored_barrier(timedelta(seconds=20))
+        self._finish("monitored_done")
+
     def test_a_set_of_handles_orders_the_ranks_alike_everywhere(self):
         self._init()
         handles = self._handles("set")
@@ -412,6 +431,21 @@ class FaultToleranceScenarios(ForkedRanks):
         self.assertEqual(t, torch.full((3,), 3.0))
         shrunk.abort()
         self._finish("shrinkretry_end")
+
+    def test_a_shrink_in_a_second_world_on_the_same_store_meets_under_its_own_keys(self):
+        """A world made, reconfigured and shrunk, destroyed, then made again on the same store (as
+        torchrun's agent's outlives the worlds of one attempt), reconfigured and shrunk alike: the
+        second shrink meets under keys of its own making (on torch 2.14, whose groups wait for their
+        first reconfigure, it read the first world's: its members' addresses, long gone)."""
+        for world in range(2):
+            self._reconfigured(f"shrink2w{world}", 1580 + world)
+            if self.rank < 2:
+                shrunk = self.backend.shrink([2])
+                t = torch.full((3,), self.rank + 1.0)
+                shrunk.allreduce([t]).wait()
+                self.assertEqual(t, torch.full((3,), 3.0))
+                shrunk.abort()
+            self._finish(f"shrink2w{world}_end")
 
     def test_abort_ends_a_shrink_waiting_for_a_member(self):
         """abort() from another thread ends a shrink that waits in the store for a member that never
@@ -678,6 +712,36 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         conns[1].close()
         good.close()
         bad.close()
+    finally:
+        listener.close()
+
+
+def test_a_member_of_the_next_reconfigure_connecting_while_the_last_one_ends_is_kept_for_it():
+    """The first member accepted a connection whose hello (for the next reconfigure) had not all come
+    when the meeting it served was complete: the rest of the hello is read in the next meeting, which
+    admits it (the connection was closed, and that member's reconfigure failed: "the first member
+    closed the connection")."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    addr, port, secret = handles.parse_handle(listener.handle)
+    early_hello = handles._HELLO.pack(handles.MAGIC, secret, 42, 1, 2, b"e" * 32)
+    try:
+        early = socket.create_connection((addr, port))        # (first in the backlog: accepted first)
+        early.sendall(early_hello[:10])
+        member = socket.create_connection((addr, port))
+        member.sendall(handles._HELLO.pack(handles.MAGIC, secret, 41, 1, 2, b"d" * 32))
+        conns = listener.accept_members(41, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2,
+                                        handles.Meeting(listener))
+        assert list(conns) == [1]
+        early.sendall(early_hello[10:])
+        conns2 = listener.accept_members(42, 2, b"e" * 32, time.monotonic() + 3, [listener.handle] * 2,
+                                         handles.Meeting(listener))
+        assert list(conns2) == [1]
+        for c in (conns[1], conns2[1], early, member):
+            c.close()
     finally:
         listener.close()
 

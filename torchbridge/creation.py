@@ -35,10 +35,10 @@ def create_process_group(opts, backend_options=None):
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
-    if getattr(opts, "enable_reconfigure", False):
-        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if store is not None:
         store = made_anew(store, opts.group_rank)
+    if getattr(opts, "enable_reconfigure", False):
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group")

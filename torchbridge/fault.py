@@ -69,6 +69,8 @@ class FaultTolerance:
         self._aborts = 0
         self._shrink_calls = 0
         self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
+        self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
+        self._monitored_seq = 0  # (monitored barriers since then)
 
     # -- what torch asks --
 
@@ -134,6 +136,11 @@ class FaultTolerance:
                 raise RuntimeError(f"{what}: the group was aborted (abort()) while it was reconfigured; reconfigure "
                                    "it again with a fresh uuid")
             self._uuids.add(uuid)
+            # (the store's keys of this membership: members of an earlier one, or of another made under the
+            # same uuid beside it, count their monitored barriers apart)
+            members = _handles.members_digest(_handles.order(opts.handles))
+            self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
+            self._monitored_seq = 0
             if self is dist.distributed_c10d._world.default_pg:
                 self._members_changed = True
                 failure.recovered()

@@ -285,12 +285,12 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         `(group or dist.group.WORLD).monitored_barrier(timeout)`. An aborted group refuses it, as every call."""
         if self._comm is None:
             raise self._cpu.error   # (the stand-in's reason: aborted, or no members before a reconfigure)
-        seq = self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
+        seq = self._monitored_seq = self._monitored_seq + 1
         if self.size() == 1:
             return
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
-        monitored_barrier(self._store, f"engine/monitored-barrier/{seq}/", self.rank(), self.size(),
+        monitored_barrier(self._store, f"engine/monitored-barrier/{self._membership}{seq}/", self.rank(), self.size(),
                           in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}")
 
