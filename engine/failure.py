@@ -15,30 +15,40 @@ failures at init.
 import os
 import sys
 import time
+import weakref
 
 from . import forks
 from .config import env_duration
 
-_group_failure = []  # why a group of this process failed, if one did (the first failure)
+_group_failure = []  # (source, why) of each failure of a group of this process (its watch: the first first)
+_retired = weakref.WeakSet()   # the sources replaced by a recovery (recovered)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
 _grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS (configure)
 
 
-def group_failed(why):
-    """A group of this process failed (a timeout, a lost peer, a mismatch): the job ends at exit."""
-    _group_failure.append(why)
+def group_failed(why, source=None):
+    """A group of this process failed (a timeout, a lost peer, a mismatch): the job ends at exit.
+    source: what failed (the group's watch), unless a recovery replaced it: a call still running on
+    a communicator a reconfigure took off its group fails that one, not the group."""
+    if source is None or source not in _retired:
+        _group_failure.append((source, why))
 
 
-def recovered():
-    """Every failed group of this process was replaced (a reconfigure succeeded): nothing is left to
-    end the job for."""
-    _group_failure.clear()
+def recovered(source=None):
+    """source's group was replaced (a reconfigure or a shrink of it succeeded): its failures no longer
+    end the job, nor do its later ones. None: the world was replaced: nothing is left to end the job
+    for, whichever group failed before."""
+    if source is None:
+        _group_failure.clear()
+        return
+    _retired.add(source)
+    _group_failure[:] = [(s, why) for s, why in _group_failure if s is not source]
 
 
 def failure():
     """The first group failure of this process, or None."""
-    return _group_failure[0] if _group_failure else None
+    return _group_failure[0][1] if _group_failure else None
 
 
 def init_failed(why):

@@ -252,7 +252,7 @@ class Watch:
 
     def _break(self, msg, error):
         self.core.set_broken(msg, BROKEN_AFTER[error])
-        failure.group_failed(msg)
+        failure.group_failed(msg, self)
         self.dump(msg)
         self._reported = msg
         self._broke()
@@ -296,7 +296,7 @@ class Watch:
         """What a failed operation, collective or message, leaves: a lost peer or a mismatch ends the job
         at exit under MPI; where the group is broken (those, a corrupt frame), the abort hooks run."""
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
-            failure.group_failed(str(exc))
+            failure.group_failed(str(exc), self)
         if self.core.broken is not None:
             self._broke()
 

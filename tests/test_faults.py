@@ -361,6 +361,15 @@ def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
         assert f"rank {rank}: the two reconfigured and summed" in out, out[-5000:]
 
 
+@TRANSPORTS
+def test_a_failed_subgroup_replaced_by_a_shrink_lets_the_job_end_normally(transport):
+    """Under MPI a rank whose group failed aborts the job at exit, unless the group was replaced: a
+    subgroup's shrink replaces it, as a reconfigure of the world does (tests/faults/recovered_subgroup.py)."""
+    proc, out = launch("recovered_subgroup.py", 3, 120, ENGINE_TRANSPORT=transport)
+    assert proc.returncode == 0 and "aborting the job" not in out, out[-3000:]
+    assert sorted(re.findall(r"rank (\d): recovered", out)) == ["0", "1", "2"], out[-3000:]
+
+
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():
     """tests/faults/tcp_end_fails.py at 3 ranks: rank 1's TCP transport can't be made after the
     addresses went round (injected). Ranks 0 and 2 fail within seconds, not at the group's 60 s,

@@ -141,6 +141,8 @@ class FaultTolerance:
             members = _handles.members_digest(_handles.order(opts.handles))
             self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
             self._monitored_seq = 0
+            if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
+                failure.recovered(self._comm.watch)
             if self is dist.distributed_c10d._world.default_pg:
                 self._members_changed = True
                 failure.recovered()
@@ -168,6 +170,7 @@ class FaultTolerance:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
         self._check_torch_knows_members(what, "leave ranks out")
+        replaced = self._comm.watch if self._comm is not None else None   # (before SHRINK_ABORT takes it off)
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
@@ -196,6 +199,8 @@ class FaultTolerance:
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
         # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
         group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]
+        if replaced is not None:   # (torch puts the new group in this one's place)
+            failure.recovered(replaced)
         if world:
             group._members_changed, group._world_shrinks = True, world_shrinks() + 1
             failure.recovered()
