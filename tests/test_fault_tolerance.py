@@ -351,8 +351,8 @@ class FaultToleranceScenarios(ForkedRanks):
 
         if self.rank == 0:
             Communicator.drop_store = then_abort
-            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1521 .*the group was aborted \(abort\(\)\) while "
-                                                      "it was reconfigured"):
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1521 .*process group '0' was aborted \(abort\(\)\) "
+                                                      "while it was reconfigured"):
                 self._reconfigure(1521, handles)
             self.assertEqual(len(freed), 1)
             with self.assertRaisesRegex(RuntimeError, "was aborted"):
@@ -714,6 +714,44 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         bad.close()
     finally:
         listener.close()
+
+
+def test_destroying_a_group_ends_its_reconfigure_in_flight_and_it_stays_destroyed():
+    """shutdown() (destroy_process_group) from another thread while the group's reconfigure waits for
+    its first member: the reconfigure ends at once, saying so, and the group stays without a
+    communicator (it waited for its timeout, and one that completed would have run the destroyed group
+    on a new communicator)."""
+    from engine import handles
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 1, store=dist.HashStore(), name="g")
+    hub = handles.Listener()   # (a first member that never meets: its hello waits unanswered)
+    outcome = []
+
+    def reconfigure():
+        try:
+            pg.reconfigure(SimpleNamespace(uuid=34, handles=[hub.handle, pg.get_reconfigure_handle()],
+                                           timeout=timedelta(seconds=6)))
+            outcome.append((time.monotonic(), None))
+        except Exception as exc:
+            outcome.append((time.monotonic(), exc))
+
+    side = threading.Thread(target=reconfigure)
+    try:
+        side.start()
+        time.sleep(0.5)
+        ended = time.monotonic()
+        pg.shutdown()
+        side.join(20)
+        assert outcome and isinstance(outcome[0][1], RuntimeError), outcome
+        assert re.search(r"reconfigure 34 of group 'g': process group 'g' was shut down \(destroy_process_group\) "
+                         r"while this reconfigure waited for its members", str(outcome[0][1])), outcome
+        assert outcome[0][0] - ended < 2.0, outcome
+        assert pg._comm is None
+    finally:
+        hub.close()
 
 
 def test_a_member_of_the_next_reconfigure_connecting_while_the_last_one_ends_is_kept_for_it():

@@ -66,7 +66,8 @@ class FaultTolerance:
         # abort() may come from another thread (torchft's timers) while a reconfigure swaps the communicator:
         # the swap and abort's detach exclude each other, and a reconfigure that an abort overtook fails
         self._swapping = threading.RLock()   # (re-entrant: a signal handler's abort in the swapping thread)
-        self._aborts = 0
+        self._aborts = 0         # (abort() and shutdown() count here, _ended saying which came last)
+        self._ended = None
         self._shrink_calls = 0
         self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
         self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
@@ -133,8 +134,8 @@ class FaultTolerance:
         with self._swapping:
             if self._aborts != aborts:
                 comm.free()
-                raise RuntimeError(f"{what}: the group was aborted (abort()) while it was reconfigured; reconfigure "
-                                   "it again with a fresh uuid")
+                raise RuntimeError(f"{what}: {self._ended} while it was reconfigured; reconfigure it again with a "
+                                   "fresh uuid, or make a new group")
             self._uuids.add(uuid)
             # (the store's keys of this membership: members of an earlier one, or of another made under the
             # same uuid beside it, count their monitored barriers apart)
@@ -267,19 +268,24 @@ class FaultTolerance:
         reconfigure() and a fresh uuid, or make a new group."""
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         with self._swapping:
-            self._aborts += 1   # (a reconfigure past its waits sees it before it attaches its communicator)
-            if self._listener is not None:   # (a reconfigure in flight ends too, where it waits on its members)
-                self._listener.interrupt(self._reconfigure_aborted())
-            if self._shrinking is not None:
-                self._shrinking.cancel(f"process group {self._name!r} was aborted (abort()) while this shrink waited "
-                                       "for its members")
+            self._end_remaking(f"process group {self._name!r} was aborted (abort())")
             error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
                                   "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
             old = self._detach(error)
         self._release(*old)
 
     def _reconfigure_aborted(self):
-        return f"process group {self._name!r} was aborted (abort()) while this reconfigure waited for its members"
+        return f"{self._ended} while this reconfigure waited for its members"
+
+    def _end_remaking(self, why):
+        """abort() or shutdown() (why: which, in words): a reconfigure or a shrink in flight ends where
+        it waits on its members, and one past its waits fails before it attaches its communicator."""
+        self._aborts += 1
+        self._ended = why
+        if self._listener is not None:
+            self._listener.interrupt(self._reconfigure_aborted())
+        if self._shrinking is not None:
+            self._shrinking.cancel(f"{why} while this shrink waited for its members")
 
     supports_abort_hooks = True        # torch 2.15 asks (they run on abort() and when a call fails)
     supports_completion_hooks = False

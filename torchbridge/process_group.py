@@ -644,12 +644,14 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         """destroy_process_group: what is queued runs, then the group's memory, descriptors and threads go.
         The store goes too: a destroyed group a caller still holds must not keep torch's store (its
         sockets, and rank 0's server thread) alive."""
-        self._close_listener()
-        self._store = None
-        if self._comm is None:
-            return
-        self._release(*self._detach(RuntimeError(
-            f"process group {self._name!r} was shut down (destroy_process_group); create a new one"), abort=False))
+        why = f"process group {self._name!r} was shut down (destroy_process_group)"
+        with self._swapping:   # (a reconfigure or a shrink in flight ends, and does not bring the group back)
+            self._end_remaking(why)
+            self._close_listener()
+            self._store = None
+            old = self._detach(RuntimeError(f"{why}; create a new one"), abort=False) if self._comm is not None else None
+        if old is not None:
+            self._release(*old)
 
 
 # The latency path's fast forms (torchbridge/_fastpath.pyx), falling back to the general forms here.
