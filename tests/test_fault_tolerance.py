@@ -167,6 +167,29 @@ class FaultToleranceScenarios(ForkedRanks):
         self.backend.monitored_barrier(timedelta(seconds=20))
         self._finish("monitored_done")
 
+    def test_a_group_made_from_torchs_table_after_a_reconfigure_that_moved_ranks_is_refused_everywhere(self):
+        """A reconfigure swaps ranks 0 and 1 (rank 2 keeps its place): a shrink, made through torch's
+        table of the group's ranks, is refused at once on every member (rank 2 compared only its own
+        place, went into the store and waited for the others until the group's timeout, 30 s)."""
+        handles = self._reconfigured("moved", 1750)
+        self._reconfigure(1751, [handles[1], handles[0], handles[2]])
+        self.assertEqual(dist.get_rank(), [1, 0, 2][self.rank])
+        if self.rank != 1:   # (new rank 0 is left out)
+            started = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"reconfigured to other members, which torch's table of its "
+                                                      r"ranks does not know"):
+                self.backend.shrink([0])
+            self.assertLess(time.monotonic() - started, 5.0)
+        self._sum_is(sum(range(1, WORLD + 1)))
+        self._reconfigure(1752, handles)   # (every member in its place again: torch's table holds)
+        if self.rank != 2:
+            shrunk = self.backend.shrink([2])
+            t = torch.full((3,), self.rank + 1.0)
+            shrunk.allreduce([t]).wait()
+            self.assertEqual(t, torch.full((3,), 3.0))
+            shrunk.abort()
+        self._finish("moved_done")
+
     def test_a_set_of_handles_orders_the_ranks_alike_everywhere(self):
         self._init()
         handles = self._handles("set")

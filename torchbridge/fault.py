@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, failure, forks
-from engine.bootstrap import Cancel, read_keys
+from engine.bootstrap import Cancel, StoreBootstrap, read_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.watch import Watch
 from engine import handles as _handles
@@ -70,6 +70,7 @@ class FaultTolerance:
         self._ended = None
         self._shrink_calls = 0
         self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
+        self._torch_knows_members = True   # (every member where torch's table of the group's ranks puts it)
         self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
         self._monitored_seq = 0  # (monitored barriers since then)
 
@@ -113,11 +114,20 @@ class FaultTolerance:
                                [f"the reconfigure's timeout ({seconds:g} s) passed while the new group was made"])
         late.daemon = True
         late.start()
+        comm = None
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=own_transport(), timeout=self._timeout_seconds(),
                                           name=self._name, on_cancel=store.meeting.on_cancel)
+            # Whether torch's table of the group's ranks still holds (every member in its place): every
+            # member learns it alike, so that a group made later through torch's store from that table
+            # (shrink_group, split_group) is refused on all of them or none.
+            torch_ranks = StoreBootstrap(store, index, n, f"engine/reconfigure/{uuid}/torch", timeout=seconds,
+                                         on_cancel=store.meeting.on_cancel).allgather(
+                (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)))
         except BaseException as exc:
+            if comm is not None:
+                comm.free()
             store.close(deadline, made=False)
             if isinstance(exc, (ValueError, TypeError)) or not isinstance(exc, Exception):
                 raise
@@ -138,10 +148,10 @@ class FaultTolerance:
                                    "fresh uuid, or make a new group")
             self._uuids.add(uuid)
             # (the store's keys of this membership: members of an earlier one, or of another made under the
-            # same uuid beside it, count their monitored barriers apart)
+            # same uuid beside it, count their monitored barriers and shrinks apart)
             members = _handles.members_digest(_handles.order(opts.handles))
             self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
-            self._monitored_seq = 0
+            self._monitored_seq = self._shrink_calls = 0
             if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
                 failure.recovered(self._comm.watch)
             if self is dist.distributed_c10d._world.default_pg:
@@ -149,6 +159,7 @@ class FaultTolerance:
                 failure.recovered()
             old = self._detach(None)
             self._rank, self._size = index, n
+            self._torch_knows_members = torch_ranks == [(i, n) for i in range(n)]
             self._attach(comm)
         self._release(*old)
         return CompletedWork()
@@ -181,7 +192,7 @@ class FaultTolerance:
         name = f"{self._name}:shrunk-{count}"
         # The members meet under their count of shrink calls, which a retry after a failed one advances on
         # every member alike: under the failed attempt's keys, a retry would read what that attempt left.
-        store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._shrink_calls}/without-" +
+        store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._membership}{self._shrink_calls}/without-" +
                                  "-".join(map(str, excluded)), self._store)
         with self._swapping:
             self._shrinking = cancel = Cancel()
@@ -213,7 +224,7 @@ class FaultTolerance:
         table does not know."""
         if self._store is None:
             raise RuntimeError(f"{what}: the group was destroyed (its store is gone): use a live group")
-        if (self._rank, self._size) != (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)):
+        if not self._torch_knows_members:
             raise RuntimeError(f"{what}: it was reconfigured to other members, which torch's table of its ranks "
                                f"does not know: {instead} with dist._reconfigure(uuid, handles) instead")
 
