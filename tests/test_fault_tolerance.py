@@ -739,6 +739,45 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         listener.close()
 
 
+def test_an_abort_from_a_signal_handler_inside_the_swap_leaves_the_group_aborted():
+    """abort() from a signal handler that runs in the reconfiguring thread while it swaps communicators
+    (between taking the old one off and attaching the new one; the swap's lock lets it in): the
+    reconfigure fails and the group stays aborted (the abort ended the stand-in, and the group then
+    ran on the new communicator)."""
+    import signal
+
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 1, store=dist.HashStore(), name="g")
+    detach = pg._detach
+
+    def detach_then_signal(error, abort=True):
+        taken = detach(error, abort)
+        if error is None:
+            signal.raise_signal(signal.SIGUSR1)
+        return taken
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: pg.abort())
+    pg._detach = detach_then_signal
+    try:
+        with pytest.raises(RuntimeError, match=r"reconfigure 35 of group 'g': process group 'g' was aborted "
+                                               r"\(abort\(\)\) while it was reconfigured"):
+            pg.reconfigure(SimpleNamespace(uuid=35, handles=[pg.get_reconfigure_handle()],
+                                           timeout=timedelta(seconds=30)))
+        del pg._detach
+        with pytest.raises(RuntimeError, match="was aborted"):
+            pg.allreduce([torch.ones(3)]).wait()
+        pg.reconfigure(SimpleNamespace(uuid=36, handles=[pg.get_reconfigure_handle()], timeout=timedelta(seconds=30)))
+        t = torch.ones(3)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.ones(3))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        pg.shutdown()
+
+
 def test_destroying_a_group_ends_its_reconfigure_in_flight_and_it_stays_destroyed():
     """shutdown() (destroy_process_group) from another thread while the group's reconfigure waits for
     its first member: the reconfigure ends at once, saying so, and the group stays without a

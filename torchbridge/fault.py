@@ -67,6 +67,7 @@ class FaultTolerance:
         # the swap and abort's detach exclude each other, and a reconfigure that an abort overtook fails
         self._swapping = threading.RLock()   # (re-entrant: a signal handler's abort in the swapping thread)
         self._aborts = 0         # (abort() and shutdown() count here, _ended saying which came last)
+        self._swap_thread = None  # (the thread swapping in a reconfigure's communicator)
         self._ended = None
         self._shrink_calls = 0
         self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
@@ -141,28 +142,43 @@ class FaultTolerance:
             comm.free()
             raise RuntimeError(f"{what}: {exc}") from None
         comm.drop_store()   # the rendezvous store is gone: timeouts can't ask it who is missing
+        overtaken = f"{what}: {{}} while it was reconfigured; reconfigure it again with a fresh uuid, or make a new group"
         with self._swapping:
             if self._aborts != aborts:
                 comm.free()
-                raise RuntimeError(f"{what}: {self._ended} while it was reconfigured; reconfigure it again with a "
-                                   "fresh uuid, or make a new group")
+                raise RuntimeError(overtaken.format(self._ended))
             self._uuids.add(uuid)
-            # (the store's keys of this membership: members of an earlier one, or of another made under the
-            # same uuid beside it, count their monitored barriers and shrinks apart)
-            members = _handles.members_digest(_handles.order(opts.handles))
-            self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
-            self._monitored_seq = self._shrink_calls = 0
-            if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
-                failure.recovered(self._comm.watch)
-            if self is dist.distributed_c10d._world.default_pg:
-                self._members_changed = True
-                failure.recovered()
-            old = self._detach(None)
-            self._rank, self._size = index, n
-            self._torch_knows_members = torch_ranks == [(i, n) for i in range(n)]
-            self._attach(comm)
+            self._swap_thread = threading.get_ident()
+            try:
+                old = self._swap(comm, uuid, opts.handles, index, n, torch_ranks)
+            finally:
+                self._swap_thread = None
+            aborted = self._aborts != aborts   # (abort() from a signal handler of this thread, in the swap)
+            if aborted:
+                new = self._detach(self._aborted_error())
         self._release(*old)
+        if aborted:
+            self._release(*new)
+            raise RuntimeError(overtaken.format(self._ended))
         return CompletedWork()
+
+    def _swap(self, comm, uuid, handles, index, n, torch_ranks):
+        """Puts comm in the group's place (under the swap lock); returns what _release frees of the old."""
+        # (the store's keys of this membership: members of an earlier one, or of another made under the
+        # same uuid beside it, count their monitored barriers and shrinks apart)
+        members = _handles.members_digest(_handles.order(handles))
+        self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
+        self._monitored_seq = self._shrink_calls = 0
+        if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
+            failure.recovered(self._comm.watch)
+        if self is dist.distributed_c10d._world.default_pg:
+            self._members_changed = True
+            failure.recovered()
+        old = self._detach(None)
+        self._rank, self._size = index, n
+        self._torch_knows_members = torch_ranks == [(i, n) for i in range(n)]
+        self._attach(comm)
+        return old
 
     @property
     def supports_shrinking(self):
@@ -280,10 +296,14 @@ class FaultTolerance:
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         with self._swapping:
             self._end_remaking(f"process group {self._name!r} was aborted (abort())")
-            error = EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; "
-                                  "reconfigure it with a fresh uuid (dist._reconfigure) or create a new group")
-            old = self._detach(error)
+            if self._swap_thread == threading.get_ident():   # (a signal handler inside this thread's swap: the
+                return                                        # swap ends the communicator it attached)
+            old = self._detach(self._aborted_error())
         self._release(*old)
+
+    def _aborted_error(self):
+        return EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; reconfigure "
+                             "it with a fresh uuid (dist._reconfigure) or create a new group")
 
     def _reconfigure_aborted(self):
         return f"{self._ended} while this reconfigure waited for its members"
