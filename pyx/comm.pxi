@@ -557,7 +557,7 @@ cdef class CoreComm:
         if ms.ptr == mr.ptr and ms.count:
             raise ValueError("alltoall: sendbuf and recvbuf are the same memory; pass separate buffers")
         cdef bint even = send_counts is None and recv_counts is None
-        alltoall_sizes(self.size, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
+        alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
         for i in range(self.size):
             largest = max(largest, sc[i], rc[i])
         _check_fits(self, OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")

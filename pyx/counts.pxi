@@ -67,14 +67,19 @@ cdef int _alltoall_side(int size, counts, size_t n, size_t *out, size_t *displs,
     return 0
 
 
-cdef int alltoall_sizes(int size, send_counts, size_t scount, recv_counts, size_t rcount, size_t *sc, size_t *sd,
-                        size_t *rc, size_t *rd) except -1:
-    """The one check of an alltoall's sizes: each side's counts, or its buffer split evenly."""
+cdef int alltoall_sizes(int size, int rank, send_counts, size_t scount, recv_counts, size_t rcount, size_t *sc,
+                        size_t *sd, size_t *rc, size_t *rd) except -1:
+    """The one check of an alltoall's sizes: each side's counts, or its buffer split evenly, and the
+    piece this rank sends itself as long as the one it receives from itself (a peer's pieces are the
+    transport's to check: a message longer than its receive fails as truncated)."""
     _alltoall_side(size, send_counts, scount, sc, sd, "send")
     _alltoall_side(size, recv_counts, rcount, rc, rd, "recv")
     if send_counts is None and recv_counts is None and rcount != scount:
         raise ValueError(f"alltoall: sendbuf has {scount} elements but recvbuf {rcount}; an even split needs "
                          f"the same number (pass send_counts= and recv_counts= for uneven splits)")
+    if sc[rank] != rc[rank]:
+        raise ValueError(f"alltoall: rank {rank} sends itself {sc[rank]} elements but receives {rc[rank]} from itself "
+                         f"(its send count and its receive count for rank {rank} must be equal)")
     return 0
 
 
@@ -94,11 +99,11 @@ def count_table(int size, int rank, counts, size_t mine, str mine_role, whole, s
     return _tables(buf, size)
 
 
-def alltoall_table(int size, send_counts, size_t scount, recv_counts, size_t rcount):
+def alltoall_table(int size, int rank, send_counts, size_t scount, recv_counts, size_t rcount):
     """alltoall_sizes for a communicator outside the core: (send counts, send displacements, receive
     counts, receive displacements), in elements."""
-    _group_args(size, 0)
+    _group_args(size, rank)
     cdef bytearray buf = bytearray(4 * size * sizeof(size_t))
     cdef size_t *t = <size_t*><char*>buf
-    alltoall_sizes(size, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
+    alltoall_sizes(size, rank, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
     return _tables(buf, size)

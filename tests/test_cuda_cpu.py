@@ -198,14 +198,16 @@ def test_the_cuda_communicator_reads_the_cores_count_tables():
         count_table(2, 1, [1, 2], 3, "recvbuf", 3, "sendbuf", "scatter")
     with pytest.raises(ValueError, match="gather counts has 2 entries; it needs one per rank"):
         count_table(3, 0, [1, 2], 1, "sendbuf", 3, "recvbuf", "gather")
-    assert alltoall_table(3, None, 6, [1, 1, 3], 5) == ([2, 2, 2], [0, 2, 4], [1, 1, 3], [0, 1, 2])
+    assert alltoall_table(3, 0, None, 6, [2, 1, 2], 5) == ([2, 2, 2], [0, 2, 4], [2, 1, 2], [0, 2, 3])
+    with pytest.raises(ValueError, match=r"alltoall: rank 1 sends itself 2 elements but receives 1 from itself"):
+        alltoall_table(3, 1, None, 6, [2, 1, 2], 5)
     with pytest.raises(NotDivisibleError, match="alltoall: sendbuf has 7 elements, not divisible by the group size 3"):
-        alltoall_table(3, None, 7, None, 7)
+        alltoall_table(3, 0, None, 7, None, 7)
     with pytest.raises(ValueError, match="alltoall: recv_counts add up to 4 but recvbuf has 5"):
-        alltoall_table(2, None, 4, [2, 2], 5)
+        alltoall_table(2, 0, None, 4, [2, 2], 5)
     for bad in (lambda: count_table(0, 0, None, 1, "sendbuf", 0, "recvbuf", "allgather"),
                 lambda: count_table(2, 2, None, 1, "sendbuf", 2, "recvbuf", "allgather"),
-                lambda: alltoall_table(0, None, 4, None, 4)):
+                lambda: alltoall_table(0, 0, None, 4, None, 4), lambda: alltoall_table(2, 2, None, 4, None, 4)):
         with pytest.raises(ValueError, match="a group of . ranks has no rank"):
             bad()
 

@@ -156,7 +156,7 @@ class CudaCommunicator:
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None, *, stream):
         sptr, scount, itemsize, _, _ = self._message(sendbuf)
         rptr, rcount = self._message(recvbuf)[:2]
-        send_counts, so, recv_counts, ro = alltoall_table(self.size, send_counts, scount, recv_counts, rcount)
+        send_counts, so, recv_counts, ro = alltoall_table(self.size, self.rank, send_counts, scount, recv_counts, rcount)
         so, ro = [d * itemsize for d in so], [d * itemsize for d in ro]
         me = self.rank
         if send_counts[me] != recv_counts[me]:

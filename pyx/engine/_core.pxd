@@ -297,8 +297,8 @@ cdef struct Rule:
 # counts.pxi: the v-collectives' count tables, CoreComm's and the CUDA communicator's
 cdef size_t v_sizes(int size, int rank, object counts, size_t mine, str mine_role, Py_ssize_t whole,
                     str whole_role, str what, size_t *out, size_t *displs) except? 0
-cdef int alltoall_sizes(int size, send_counts, size_t scount, recv_counts, size_t rcount, size_t *sc, size_t *sd,
-                        size_t *rc, size_t *rd) except -1
+cdef int alltoall_sizes(int size, int rank, send_counts, size_t scount, recv_counts, size_t rcount, size_t *sc,
+                        size_t *sd, size_t *rc, size_t *rd) except -1
 
 cdef struct Call:     # one collective call, as the core hands it to its transport (CoreComm.dispatch)
     int op              # OP_*

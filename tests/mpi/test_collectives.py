@@ -259,6 +259,28 @@ def test_alltoall_equal_and_uneven():
     np.testing.assert_array_equal(out, np.concatenate([np.full(recv_counts[r], r * 100 + R, np.float32) for r in range(P)]))
 
 
+def test_alltoall_refuses_a_piece_to_itself_longer_or_shorter_than_the_piece_from_itself():
+    """Each side's counts add up, but this rank sends itself 2 elements and receives 1 from itself: a
+    ValueError on every rank before anything moves (shared memory read past the send buffer, the
+    point-to-point path wrote past the receive buffer). The group goes on."""
+    send_counts, recv_counts = [1] * P, [1] * P
+    send_counts[R] = 2
+    os.environ["ENGINE_ALLTOALL_ALGO"] = "pairwise"   # (the point-to-point algorithm, on every transport)
+    try:
+        pairwise = WORLD.subgroup(list(range(P)))
+    finally:
+        del os.environ["ENGINE_ALLTOALL_ALGO"]
+    for comm in (WORLD, pairwise):
+        with pytest.raises(ValueError, match=rf"alltoall: rank {R} sends itself 2 elements but receives 1 from itself"):
+            comm.alltoall(np.ones(P + 1, np.float32), np.zeros(P, np.float32), send_counts=send_counts,
+                          recv_counts=recv_counts)
+        out = np.zeros(P, np.float32)
+        comm.alltoall(np.full(P, R, np.float32), out)
+        np.testing.assert_array_equal(out, np.arange(P, dtype=np.float32))
+    assert pairwise.core.records()[-1][4] == "pairwise"
+    pairwise.free()
+
+
 def _memfd_rss():
     """{mapping start: Rss bytes} of this process's engine segments (/proc/self/smaps)."""
     out, start = {}, None
