@@ -462,6 +462,7 @@ cdef class ShmComm(CoreComm):
         cdef int P = self.size, r = self.rank, q, ierr, err
         cdef size_t tail = count // P, head = count - tail
         cdef uint64_t step
+        cdef bint tail_failed
         self.sign(OP_BROADCAST, dtype, OPBIT_NONE, IMPL_SINGLE_COPY, root, count, 0)
         ierr = self.open_step(0, ctx)
         if ierr:
@@ -478,14 +479,21 @@ cdef class ShmComm(CoreComm):
                 q += 1
             self.seg.table(r, step)[P + 1] = ierr != 0    # the readers must not return a tail never written
             self.seg.post(PHASE_FINISHED)
+            if ierr == ENG_ERR_MISMATCH:   # (a rank in another call never finishes this step; what a reader
+                return ierr                # still copies from buf stays alive: a failed call's buffers are kept)
             err = self.seg.wait_all(step, PHASE_FINISHED, ctx, False)    # the readers are done with buf
             return ierr if ierr else err
         ierr = self.seg.wait_peer(root, step, PHASE_POSTED, ctx, True)
+        if ierr == ENG_ERR_MISMATCH:       # (the root saw it too, and wrote nothing here)
+            return ierr
         if not ierr:
             ierr = self.seg.cma_copy(root, buf, self.seg.table(root, step)[P], head * isz, False)
-        self.seg.post(PHASE_FINISHED)
         err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
-        if not ierr and not err and self.seg.table(root, step)[P + 1]:
+        # The root's word on its writes is read before this rank finishes: once every reader finished,
+        # the root may run on to the step that reuses this half, table and all.
+        tail_failed = not ierr and not err and self.seg.table(root, step)[P + 1]
+        self.seg.post(PHASE_FINISHED)
+        if tail_failed:
             self.seg.err_peer = root
             return ENG_ERR_CMA
         return ierr if ierr else err

@@ -281,6 +281,40 @@ def test_alltoall_refuses_a_piece_to_itself_longer_or_shorter_than_the_piece_fro
     pairwise.free()
 
 
+def test_a_single_copy_broadcast_reader_reads_the_roots_word_on_its_writes_before_it_finishes():
+    """Broadcast by single copy from rank 0, one-shot reduce to rank 1, alltoall by single copy, over
+    and over, every rank on one core (an oversubscribed host: a reader that finished sleeps). A
+    reader read the root's word on its writes after it finished the step; the root, free to run on
+    two steps to the half's next use, wrote an alltoall's piece address there first, and the reader
+    failed a broadcast that had worked (`a single copy ... failed`)."""
+    if P < 2:
+        pytest.skip("a broadcast needs a reader")
+    forced = {"ENGINE_BROADCAST_ALGO": "shm:single_copy", "ENGINE_REDUCE_ALGO": "shm:oneshot",
+              "ENGINE_ALLTOALL_ALGO": "shm:single_copy"}
+    os.environ.update(forced)
+    try:
+        sub = WORLD.subgroup(list(range(P)), transport="shm")
+    finally:
+        for name in forced:
+            del os.environ[name]
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        big, small = np.zeros(1 << 20, np.float32), np.ones(64, np.float32)
+        pieces, out = np.full(P * 16384, R, np.float32), np.zeros(P * 16384, np.float32)
+        for i in range(200):
+            if R == 0:
+                big[:] = i
+            sub.broadcast(big, root=0)
+            assert big[0] == i and big[-1] == i, (i, big[0], big[-1])
+            sub.reduce(small.copy(), root=1)
+            sub.alltoall(pieces, out)
+        assert [rec[4] for rec in sub.core.records()[-3:]] == ["single_copy", "oneshot", "single_copy"]
+    finally:
+        os.sched_setaffinity(0, cores)
+        sub.free()
+
+
 def _memfd_rss():
     """{mapping start: Rss bytes} of this process's engine segments (/proc/self/smaps)."""
     out, start = {}, None

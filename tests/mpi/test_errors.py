@@ -1,5 +1,6 @@
 """Bad input raises a clear exception before any communication (so no rank is left waiting)."""
 
+import os
 import time
 
 import numpy as np
@@ -323,3 +324,25 @@ def test_a_collective_that_ends_midway_breaks_the_group_rather_than_pair_with_th
     sub.free()
     failure.recovered()
     check_still_usable()
+
+
+def test_a_single_copy_broadcast_against_another_collective_fails_at_once_on_every_rank():
+    """Rank 0 broadcasts by single copy while the others all_reduce: every rank raises EngineMismatch at
+    once (the root waited for the others to finish a step they never ran, until the timeout)."""
+    if P < 2:
+        pytest.skip("a mismatch needs two ranks")
+    os.environ["ENGINE_BROADCAST_ALGO"] = "shm:single_copy"
+    try:
+        sub = WORLD.subgroup(list(range(P)), transport="shm")
+    finally:
+        del os.environ["ENGINE_BROADCAST_ALGO"]
+    started = time.monotonic()
+    with pytest.raises(engine.EngineMismatch):
+        if R == 0:
+            sub.broadcast(np.zeros(1 << 16, np.float32), root=0)
+        else:
+            sub.allreduce(np.zeros(1 << 16, np.float32))
+    assert time.monotonic() - started < 2.0, f"the mismatch took {time.monotonic() - started:.1f} s"
+    WORLD.barrier()
+    sub.free()
+    failure.recovered()     # (every rank freed the failed group: the job need not end for it at exit)
