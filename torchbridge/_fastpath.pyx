@@ -314,6 +314,11 @@ cdef enum:
     P2P_WORKS = 4   # point-to-point Works kept for reuse: a batch_isend_irecv to both neighbours holds four
 
 
+cdef inline Py_ssize_t _rows(t):
+    """A tensor's rows, what all_to_all_single splits (a 0-dim tensor: its one element)."""
+    return t.shape[0] if t.dim() else 1
+
+
 cdef class FastPath:
     """One group's state for the latency path: its CPU communicator's calls (METHODS' order) and
     progress engine."""
@@ -321,7 +326,8 @@ cdef class FastPath:
     cdef public bint hooked         # the group has collective hooks: every call takes the general form
     cdef object run, submit, check_usable, kick
     cdef list calls
-    cdef object reduce, check_even_split
+    cdef object reduce
+    cdef int size
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
     cdef Py_ssize_t next_work       # the slot of works the next new one takes
 
@@ -332,7 +338,7 @@ cdef class FastPath:
         self.calls = [self._reduce_to_root if call == "reduce_to_root" else getattr(comm, call)
                       for _, _, call, _, _, _, _ in METHODS]
         self.reduce = comm.reduce
-        self.check_even_split = comm.check_even_split
+        self.size = comm.size
         self.works = [None] * P2P_WORKS
         self.next_work = 0
 
@@ -348,6 +354,8 @@ cdef class FastPath:
         cdef int call, op
         if (self.cuda and not m.host_only) or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
             return None
+        if m.even_split and (_rows(t) % self.size or _rows(u) % self.size):
+            return None   # (split by rows, as torch's backends do: the general form says what is wrong)
         call = _read(m.layout, opts, &root)
         if call < 0:
             return None
@@ -359,9 +367,6 @@ cdef class FastPath:
         if call & 1:
             if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
                 return None
-            if m.even_split:
-                self.check_even_split(t.numel(), "send")
-                self.check_even_split(u.numel(), "recv")
             self.check_usable(m.name)
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))
         try:

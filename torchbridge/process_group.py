@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from engine import ReduceOp
+from engine._core import NotDivisibleError
 from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
@@ -153,8 +154,11 @@ def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes
     size = comm.size
 
     def counts(t, splits, side):
-        if not splits:
-            comm.check_even_split(t.numel(), "send" if side == "input" else "recv")
+        if not splits:   # (split by rows, as torch's backends do: not by elements, which would cut rows)
+            rows = t.shape[0] if t.dim() else 1
+            if rows % size:
+                raise NotDivisibleError(f"all_to_all_single: the {side} tensor's first dimension ({rows}) is not "
+                                        f"divisible by the group size {size}; pass {side}_split_sizes")
             return None
         if len(splits) != size:
             raise ValueError(f"all_to_all_single: {side}_split_sizes has {len(splits)} entries, needs {size}")

@@ -448,6 +448,12 @@ def test_each_collective_on_each_path_of_the_adapter():
     if P > 1:
         with pytest.raises(ValueError, match="not divisible by the group size"):
             dist.all_to_all_single(torch.zeros(n + 1), torch.zeros(n + 1))
+        # rows, not elements: P + 1 rows of P elements divide evenly by elements, never by rows (torch's
+        # backends split by rows; a split by elements sent rows cut in pieces)
+        for async_op in (False, True):
+            with pytest.raises(ValueError, match=rf"all_to_all_single: the input tensor's first dimension \({P + 1}\) "
+                                                 rf"is not divisible by the group size {P}"):
+                dist.all_to_all_single(torch.zeros(P + 1, P), torch.zeros(P + 1, P), async_op=async_op)
 
 
 def test_a_key_of_the_worlds_store_lands_where_torch_puts_it():
