@@ -168,6 +168,8 @@ class FusedAllreduce(SizedFusion):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
+        if _core.parts_overlap(tensors):
+            return self._run_on_copies(tensors, op, compression, prescale)
         summed = ReduceOp.SUM if code == ReduceOp.AVG else code  # (AVG's division: on pack or unpack)
         cap, direct = self.sizes
         in_segment = getattr(self.comm, "packs_in_segment", False)
@@ -203,6 +205,21 @@ class FusedAllreduce(SizedFusion):
                 self._unpack(flat, scale_after, tensors, buckets[0])
             else:
                 self._pipelined(tensors, buckets, code, summed, compression, prescale)
+        return tensors
+
+    def _run_on_copies(self, tensors, op, compression, prescale):
+        """run() of tensors that share memory (the same one twice, overlapping views): each is read
+        into a copy first and written back after, in order, as one flattened allreduce reads every
+        input before it writes any result (Gloo's allreduce_coalesced). In place, a part travelling
+        alone, or a bucket packed after another's unpack, read what was already reduced."""
+        copies = []
+        for t in tensors:
+            count, _, dtype = _core.message_shape(t)
+            copies.append(_empty_like(t, dtype, count))
+            _core.pack([t], copies[-1])
+        self.run(copies, op, compression=compression, prescale=prescale)
+        for t, c in zip(tensors, copies):
+            _core.unpack(c, [t])
         return tensors
 
     def _check(self, like, dtype, code, prescale):

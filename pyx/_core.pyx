@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.stdlib cimport malloc, calloc, realloc, free, qsort
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY

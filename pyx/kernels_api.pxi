@@ -152,6 +152,41 @@ def parse_parts(parts):
     return pl if pl.dtype >= 0 else None
 
 
+cdef int _by_start(const void *a, const void *b) noexcept nogil:
+    cdef size_t x = (<const size_t*>a)[0], y = (<const size_t*>b)[0]
+    return -1 if x < y else (1 if x > y else 0)
+
+
+def parts_overlap(parts):
+    """Whether two of parts (buffers, or what parse_parts made) share memory: the same tensor twice,
+    or views of one buffer that overlap. A fused allreduce of such parts must read every one before it
+    writes any result, as one flattened allreduce does (engine/fusion.py)."""
+    cdef _PartList pl = _parse_parts(parts, False, "parts", False)
+    cdef size_t *spans
+    cdef size_t k, n = 0, end = 0
+    cdef Message m
+    cdef bint overlap = False
+    if pl.n < 2:
+        return False
+    spans = <size_t*>malloc(2 * pl.n * sizeof(size_t))   # (start, end) pairs, by start
+    if spans == NULL:
+        raise MemoryError()
+    for k in range(pl.n):
+        m = <Message>pl.messages[k]
+        if m.count:
+            spans[2 * n] = <size_t>m.ptr
+            spans[2 * n + 1] = <size_t>m.ptr + m.count * m.itemsize
+            n += 1
+    qsort(spans, n, 2 * sizeof(size_t), _by_start)
+    for k in range(n):
+        if k and spans[2 * k] < end:
+            overlap = True
+            break
+        end = max(end, spans[2 * k + 1])
+    free(spans)
+    return overlap
+
+
 def pack(parts, flat, double scale=1.0):
     """Copies parts (a list of buffers of one dtype) back to back into flat, casting to flat's dtype
     and multiplying by scale, in one GIL-free call. Returns the number of elements written."""

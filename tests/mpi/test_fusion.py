@@ -196,3 +196,19 @@ def test_bucket_sizes_from_the_environment_are_read_at_each_call(monkeypatch):
     assert all(torch.equal(t, floats(16).fill_(P * (P + 1) / 2 * P ** 5)) for t in tensors)
     fused.close()
     given.close()
+
+
+@pytest.mark.parametrize("fused", [SMALL_CAP, BIG_CAP, PIPELINED, FusedAllreduce(WORLD)],
+                         ids=["small-cap", "big-cap", "pipelined", "default"])
+@pytest.mark.parametrize("n", [100, 100_000])   # (400 KB: over the 256 KB that travel alone, in place)
+def test_the_same_tensor_twice_or_overlapping_views_are_reduced_once(fused, n):
+    """[t, t] and overlapping views of one buffer end as one flattened allreduce leaves them (Gloo's
+    allreduce_coalesced: every input read, then every result written, in order): reduced once. A part
+    reduced in place, or a bucket packed after another's unpack, was reduced again."""
+    t = torch.full((n,), R + 1.0)
+    fused.run([t, t])
+    assert torch.equal(t, torch.full((n,), P * (P + 1) / 2)), t[:4]
+    flat = torch.arange(2 * n, dtype=torch.float64) + R
+    fused.run([flat[: n + n // 2], flat[n // 2:], torch.ones(3, dtype=torch.float64)])
+    want = P * torch.arange(2 * n, dtype=torch.float64) + P * (P - 1) / 2
+    assert torch.equal(flat, want), (flat[:4], want[:4])
