@@ -346,3 +346,20 @@ def test_a_single_copy_broadcast_against_another_collective_fails_at_once_on_eve
     WORLD.barrier()
     sub.free()
     failure.recovered()     # (every rank freed the failed group: the job need not end for it at exit)
+
+
+@pytest.mark.skipif(WORLD.transport != "mpi" or P < 2, reason="MPI's v-forms take int displacements")
+@pytest.mark.parametrize("collective", ["gather", "scatter"])
+def test_an_even_gather_or_scatter_past_mpis_int_displacements_is_refused_on_every_rank(collective):
+    """Over MPI the pieces travel by MPI_Igatherv / MPI_Iscatterv, whose displacements are ints: an even
+    call whose whole is past 2**31 - 1 elements is refused on every rank before anything moves (the
+    root's displacements wrapped negative, and it wrote outside its buffer)."""
+    piece = (1 << 31) // P + 1                  # (each piece fits; the whole does not)
+    mine = np.empty(piece, np.uint8)            # (never touched: the refusal comes first)
+    whole = np.empty(piece * P, np.uint8) if R == 0 else None
+    with pytest.raises(ValueError, match=rf"{collective}: {piece * P} elements exceed the mpi transport's limit"):
+        if collective == "gather":
+            WORLD.gather(mine, whole, root=0)
+        else:
+            WORLD.scatter(whole, mine, root=0)
+    check_still_usable()
