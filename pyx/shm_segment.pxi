@@ -354,7 +354,13 @@ cdef class ShmSegment:
         w.ctrl, w.size, w.me, w.only, w.next, w.target = self.ctrl, self.size, self.rank, only, 0, 4 * step + phase
         w.mine = self.my_sig if check else NULL
         w.sig_offset = LINE + (self.step & 1) * LINE
-        ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
+        w.alive, w.alive_arg = ctx.alive, ctx.alive_arg
+        if ctx.alive == peers_alive:   # (a peer that left counts only where this wait still needs it)
+            ctx.alive, ctx.alive_arg = _flags_alive, &w
+        try:
+            ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
+        finally:
+            ctx.alive, ctx.alive_arg = w.alive, w.alive_arg
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.err_peer = self.peers.dead
         elif ierr == ENG_ERR_MISMATCH:
@@ -380,6 +386,27 @@ cdef struct FlagWait:
     const uint64_t *mine    # this rank's signature, which each peer's must equal; NULL: not checked
     size_t sig_offset       # where the step's signature lies in a rank's control lines
     int other               # the peer whose signature differs
+    alive_fn alive          # the wait's own liveness check (the group's: peers_alive), which _flags_alive wraps
+    void *alive_arg
+
+
+cdef int _flags_alive(void *arg) noexcept nogil:
+    """The group's liveness check, for a wait on step flags: a dead process fails it (the group is
+    lost), a peer that left the group only where the wait still needs it. One that left after it
+    reached the flag waited for (a one-shot reduce's peer that finished its part, then destroyed the
+    group) is not missed, while the wait goes on for a slower rank."""
+    cdef FlagWait *w = <FlagWait*>arg
+    cdef Peers *p = <Peers*>w.alive_arg
+    cdef int rc = w.alive(w.alive_arg), q
+    if rc != ENG_ERR_PEER_LEFT:
+        return rc
+    for q in range(w.size):
+        if (q != w.me and (w.only < 0 or q == w.only) and _has_left(p, q)
+                and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>q * CTRL_BYTES)) < w.target):
+            p.dead = q
+            return ENG_ERR_PEER_LEFT
+    p.dead = -1
+    return 0
 
 
 cdef inline bint _signed_otherwise(FlagWait *w, int q) noexcept nogil:

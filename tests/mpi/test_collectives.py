@@ -315,6 +315,30 @@ def test_a_single_copy_broadcast_reader_reads_the_roots_word_on_its_writes_befor
         sub.free()
 
 
+def test_a_reduce_goes_on_after_a_peer_that_finished_its_part_left_the_group():
+    """One-shot reduce to rank 0 on shared memory: rank 1 gives its part, returns at once and destroys
+    the group; rank 2 comes half a second later. Rank 0, waiting for rank 2, completes: a rank that
+    left after reaching the step waited for is not missed (it failed naming rank 1 as having left)."""
+    if P < 3:
+        pytest.skip("needs a rank that leaves and one that comes late")
+    os.environ["ENGINE_REDUCE_ALGO"] = "shm:oneshot"
+    try:
+        sub = WORLD.subgroup(list(range(3)), transport="shm") if R < 3 else None
+    finally:
+        del os.environ["ENGINE_REDUCE_ALGO"]
+    if sub is not None:
+        x = np.full(256, R + 1.0, np.float32)
+        if R == 2:
+            time.sleep(0.5)   # (rank 0's liveness check, every 0.1 s, sees rank 1 gone meanwhile)
+        out = np.zeros(256, np.float32) if R == 0 else None
+        sub.reduce(x, out, root=0)
+        assert sub.core.records()[-1][4] == "oneshot"
+        if R == 0:
+            np.testing.assert_array_equal(out, np.full(256, 6.0, np.float32))
+        sub.free()
+    WORLD.barrier()
+
+
 def _memfd_rss():
     """{mapping start: Rss bytes} of this process's engine segments (/proc/self/smaps)."""
     out, start = {}, None
