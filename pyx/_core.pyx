@@ -12,6 +12,7 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY
 from libc.errno cimport ECONNREFUSED, EMFILE, ENFILE, ESRCH
+from cpython.pythread cimport PyThread_get_thread_ident
 
 from kernels cimport *
 from pthread cimport *

@@ -306,7 +306,20 @@ cdef class CoreComm:
 
     cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
         """Runs call c with rule's implementation as one recorded operation of this group (a composite
-        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails."""
+        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails. A
+        group's collectives run one at a time (MPI's rule too): two threads in them at once would
+        share its steps and scratch, and corrupt both results, so the second is refused."""
+        if self.collective_thread:
+            raise RuntimeError(f"{OP_KIND_NAMES[c.op]}: a collective of this group is running in another thread "
+                               f"(ident {self.collective_thread}): a group runs one collective at a time; call its "
+                               "collectives from one thread, or behind a lock, or give each thread a group of its own")
+        self.collective_thread = PyThread_get_thread_ident()
+        try:
+            return self._invoke(c, rule, recorded, keep)
+        finally:
+            self.collective_thread = 0
+
+    cdef int _invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
         cdef OpRec *rec
         cdef WaitCtx ctx
         cdef int ierr = 0
@@ -621,35 +634,6 @@ cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
         out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
         out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
     return out
-
-
-cdef int _check_root(CoreComm self, int root) except -1:
-    if root < 0 or root >= self.size:
-        raise ValueError(f"root {root} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
-    return 0
-
-
-cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1:
-    if n > self.max_count(op):
-        raise ValueError(f"{what}: {n} elements exceed the {self.transport} transport's limit of "
-                         f"{self.max_count(op)} for this collective; allreduce, broadcast and reduce take any "
-                         "size; split this buffer into smaller calls")
-    return 0
-
-
-cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
-                        str whole_role, str what) except? 0:
-    """v_sizes for this group's call; fills c.counts / c.displs. Returns the largest part's bytes, which
-    picks the call's rule: every rank knows it (its own part's size differs where the counts do)."""
-    cdef size_t total, largest = 0
-    _check_fits(self, c.op, mine.count, what)
-    c.counts, c.displs = self.cnt, self.cnt + self.size
-    total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
-                    -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
-    _check_fits(self, c.op, total, what)   # (the displacements: MPI's v-forms take them as ints)
-    for i in range(self.size):
-        largest = max(largest, c.counts[i])
-    return largest * mine.itemsize
 
 
 cdef int _same_dtype(Message a, Message b, str what) except -1:

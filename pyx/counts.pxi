@@ -1,5 +1,6 @@
 # The count tables of the v-collectives: every size check of allgather, gather, scatter,
-# reduce_scatter and alltoall, once. CoreComm fills its call's tables here; the CUDA communicator
+# reduce_scatter and alltoall, once, with a call's root and its transport's limits. CoreComm fills
+# its call's tables here; the CUDA communicator
 # (engine/cuda/communicator.py) reads the same tables through count_table and alltoall_table.
 
 from schedule cimport even_counts
@@ -107,3 +108,34 @@ def alltoall_table(int size, int rank, send_counts, size_t scount, recv_counts, 
     cdef size_t *t = <size_t*><char*>buf
     alltoall_sizes(size, rank, send_counts, scount, recv_counts, rcount, t, t + size, t + 2 * size, t + 3 * size)
     return _tables(buf, size)
+
+
+# ---- a CoreComm call's checks (comm.pxi) ----
+
+cdef int _check_root(CoreComm self, int root) except -1:
+    if root < 0 or root >= self.size:
+        raise ValueError(f"root {root} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
+    return 0
+
+
+cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1:
+    if n > self.max_count(op):
+        raise ValueError(f"{what}: {n} elements exceed the {self.transport} transport's limit of "
+                         f"{self.max_count(op)} for this collective; allreduce, broadcast and reduce take any "
+                         "size; split this buffer into smaller calls")
+    return 0
+
+
+cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
+                        str whole_role, str what) except? 0:
+    """v_sizes for this group's call; fills c.counts / c.displs. Returns the largest part's bytes, which
+    picks the call's rule: every rank knows it (its own part's size differs where the counts do)."""
+    cdef size_t total, largest = 0
+    _check_fits(self, c.op, mine.count, what)
+    c.counts, c.displs = self.cnt, self.cnt + self.size
+    total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
+                    -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
+    _check_fits(self, c.op, total, what)   # (the displacements: MPI's v-forms take them as ints)
+    for i in range(self.size):
+        largest = max(largest, c.counts[i])
+    return largest * mine.itemsize

@@ -383,6 +383,7 @@ cdef class CoreComm:
     cdef list detached          # the user's messages whose Work was dropped in flight: they still go (request.pxi)
     cdef uint32_t aborted       # set by abort() from any thread; every wait of this group reads it
     cdef int busy               # calls of this group inside the core now (abort's release waits for none)
+    cdef unsigned long collective_thread   # the thread running a collective of this group now, or 0
     cdef readonly bint released # release() freed its transports: every call is refused
     cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
     cdef bint release_due       # release() came while a call was inside: the last one out frees
@@ -397,6 +398,7 @@ cdef class CoreComm:
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
     cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
     cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
+    cdef int _invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run_alone(self, Call *c) except -1 nogil
@@ -404,6 +406,13 @@ cdef class CoreComm:
     cdef object error(self, int ierr, str what, Transport tp=*)
     cdef object broke(self, kind, str text, str what)
     cdef size_t max_count(self, int op) noexcept
+
+
+# a CoreComm call's checks (counts.pxi)
+cdef int _check_root(CoreComm self, int root) except -1
+cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1
+cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
+                        str whole_role, str what) except? 0
 
 
 cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries through it

@@ -294,6 +294,10 @@ def test_a_single_copy_broadcast_reader_reads_the_roots_word_on_its_writes_befor
     os.environ.update(forced)
     try:
         sub = WORLD.subgroup(list(range(P)), transport="shm")
+    except ValueError as exc:   # (every rank alike: ENGINE_SHM_CMA=0, as the tiny-segment suite sets)
+        if "lacks" not in str(exc):
+            raise
+        pytest.skip(f"no single copy here: {exc}")
     finally:
         for name in forced:
             del os.environ[name]
