@@ -665,6 +665,22 @@ class EngineTcpFaultToleranceTest(FaultToleranceScenarios, MultiProcessTestCase)
     transport = "tcp"
 
 
+def _started(fn):
+    """fn() in a thread of its own, started: (the thread, [(when fn ended, what it raised or None)])."""
+    outcome = []
+
+    def run():
+        try:
+            fn()
+            outcome.append((time.monotonic(), None))
+        except Exception as exc:
+            outcome.append((time.monotonic(), exc))
+
+    side = threading.Thread(target=run)
+    side.start()
+    return side, outcome
+
+
 def test_a_members_multi_get_sends_every_request_before_it_reads_a_reply():
     """A reconfigure's member reads an exchange's keys from the hub in one round trip: one send of every
     request, then the values in the order asked, each once the hub's side sets it (here in the other
@@ -790,19 +806,9 @@ def test_destroying_a_group_ends_its_reconfigure_in_flight_and_it_stays_destroye
     comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
     pg = EngineProcessGroup(comm, 0, 1, store=dist.HashStore(), name="g")
     hub = handles.Listener()   # (a first member that never meets: its hello waits unanswered)
-    outcome = []
-
-    def reconfigure():
-        try:
-            pg.reconfigure(SimpleNamespace(uuid=34, handles=[hub.handle, pg.get_reconfigure_handle()],
-                                           timeout=timedelta(seconds=6)))
-            outcome.append((time.monotonic(), None))
-        except Exception as exc:
-            outcome.append((time.monotonic(), exc))
-
-    side = threading.Thread(target=reconfigure)
     try:
-        side.start()
+        side, outcome = _started(lambda: pg.reconfigure(SimpleNamespace(
+            uuid=34, handles=[hub.handle, pg.get_reconfigure_handle()], timeout=timedelta(seconds=6))))
         time.sleep(0.5)
         ended = time.monotonic()
         pg.shutdown()
@@ -927,17 +933,8 @@ def test_abort_ends_a_members_connect_to_a_first_member_that_never_answers():
         filler.append(s)
     first = f"engine1/127.0.0.1/{gone.getsockname()[1]}/{'00' * 16}"
     listener = handles.Listener()
-    outcome = []
-
-    def member():
-        try:
-            handles.meet(listener, 31, [first, listener.handle], 30)
-        except Exception as exc:
-            outcome.append((time.monotonic(), exc))
-
-    side = threading.Thread(target=member)
     try:
-        side.start()
+        side, outcome = _started(lambda: handles.meet(listener, 31, [first, listener.handle], 30))
         time.sleep(0.5)
         assert not outcome, outcome
         aborted = time.monotonic()

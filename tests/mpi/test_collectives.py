@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import engine
+from forced_groups import forced_subgroup
 from refdata import NUMPY_DTYPES, OPS, bf16, op_supported, rank_data, reference
 
 WORLD = engine.world()
@@ -265,11 +266,7 @@ def test_alltoall_refuses_a_piece_to_itself_longer_or_shorter_than_the_piece_fro
     point-to-point path wrote past the receive buffer). The group goes on."""
     send_counts, recv_counts = [1] * P, [1] * P
     send_counts[R] = 2
-    os.environ["ENGINE_ALLTOALL_ALGO"] = "pairwise"   # (the point-to-point algorithm, on every transport)
-    try:
-        pairwise = WORLD.subgroup(list(range(P)))
-    finally:
-        del os.environ["ENGINE_ALLTOALL_ALGO"]
+    pairwise = forced_subgroup(WORLD, range(P), alltoall="pairwise")   # (the point-to-point one, on every transport)
     for comm in (WORLD, pairwise):
         with pytest.raises(ValueError, match=rf"alltoall: rank {R} sends itself 2 elements but receives 1 from itself"):
             comm.alltoall(np.ones(P + 1, np.float32), np.zeros(P, np.float32), send_counts=send_counts,
@@ -289,18 +286,8 @@ def test_a_single_copy_broadcast_reader_reads_the_roots_word_on_its_writes_befor
     failed a broadcast that had worked (`a single copy ... failed`)."""
     if P < 2:
         pytest.skip("a broadcast needs a reader")
-    forced = {"ENGINE_BROADCAST_ALGO": "shm:single_copy", "ENGINE_REDUCE_ALGO": "shm:oneshot",
-              "ENGINE_ALLTOALL_ALGO": "shm:single_copy"}
-    os.environ.update(forced)
-    try:
-        sub = WORLD.subgroup(list(range(P)), transport="shm")
-    except ValueError as exc:   # (every rank alike: ENGINE_SHM_CMA=0, as the tiny-segment suite sets)
-        if "lacks" not in str(exc):
-            raise
-        pytest.skip(f"no single copy here: {exc}")
-    finally:
-        for name in forced:
-            del os.environ[name]
+    sub = forced_subgroup(WORLD, range(P), "shm", broadcast="shm:single_copy", reduce="shm:oneshot",
+                          alltoall="shm:single_copy")
     cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(cores)})
     try:
@@ -325,11 +312,7 @@ def test_a_reduce_goes_on_after_a_peer_that_finished_its_part_left_the_group():
     left after reaching the step waited for is not missed (it failed naming rank 1 as having left)."""
     if P < 3:
         pytest.skip("needs a rank that leaves and one that comes late")
-    os.environ["ENGINE_REDUCE_ALGO"] = "shm:oneshot"
-    try:
-        sub = WORLD.subgroup(list(range(3)), transport="shm") if R < 3 else None
-    finally:
-        del os.environ["ENGINE_REDUCE_ALGO"]
+    sub = forced_subgroup(WORLD, range(3), "shm", reduce="shm:oneshot") if R < 3 else None
     if sub is not None:
         x = np.full(256, R + 1.0, np.float32)
         if R == 2:

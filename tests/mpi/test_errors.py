@@ -1,6 +1,5 @@
 """Bad input raises a clear exception before any communication (so no rank is left waiting)."""
 
-import os
 import time
 
 import numpy as np
@@ -9,6 +8,7 @@ import torch
 
 import engine
 from engine import failure
+from forced_groups import forced_subgroup
 
 WORLD = engine.world()
 R, P = WORLD.rank, WORLD.size
@@ -331,15 +331,7 @@ def test_a_single_copy_broadcast_against_another_collective_fails_at_once_on_eve
     once (the root waited for the others to finish a step they never ran, until the timeout)."""
     if P < 2:
         pytest.skip("a mismatch needs two ranks")
-    os.environ["ENGINE_BROADCAST_ALGO"] = "shm:single_copy"
-    try:
-        sub = WORLD.subgroup(list(range(P)), transport="shm")
-    except ValueError as exc:   # (every rank alike: ENGINE_SHM_CMA=0, as the tiny-segment suite sets)
-        if "lacks" not in str(exc):
-            raise
-        pytest.skip(f"no single copy here: {exc}")
-    finally:
-        del os.environ["ENGINE_BROADCAST_ALGO"]
+    sub = forced_subgroup(WORLD, range(P), "shm", broadcast="shm:single_copy")
     started = time.monotonic()
     with pytest.raises(engine.EngineMismatch):
         if R == 0:
