@@ -168,15 +168,15 @@ class FusedAllreduce(SizedFusion):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
-        if _core.parts_overlap(tensors):
+        parts = _core.parse_parts(tensors)   # (read once, in C; None where they mix dtypes)
+        if _core.parts_overlap(tensors if parts is None else parts):
             return self._run_on_copies(tensors, op, compression, prescale)
         summed = ReduceOp.SUM if code == ReduceOp.AVG else code  # (AVG's division: on pack or unpack)
         cap, direct = self.sizes
         in_segment = getattr(self.comm, "packs_in_segment", False)
         if in_segment:
-            # Read once, in C: where every tensor is of one dtype, none travels alone and all fit one
-            # bucket (many small tensors: all_reduce_coalesced), that bucket is plan_buckets' plan.
-            parts = _core.parse_parts(tensors)
+            # Where every tensor is of one dtype, none travels alone and all fit one bucket (many small
+            # tensors: all_reduce_coalesced), that bucket is plan_buckets' plan.
             if parts is not None and parts.largest_bytes < min(direct, cap) and parts.total_bytes <= cap:
                 self._check(tensors[0], parts.dtype_name, code, prescale)
                 if parts.total_bytes:
