@@ -20,7 +20,8 @@ import weakref
 from . import forks
 from .config import env_duration
 
-_group_failure = []  # (source, why) of each failure of a group of this process (its watch: the first first)
+_group_failure = []  # (weak reference to its source or None, why) of each failure of a group of this process
+                     # (the first first; weak: a failed group's watch must still go with its group)
 _retired = weakref.WeakSet()   # the sources replaced by a recovery (recovered)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
@@ -32,7 +33,7 @@ def group_failed(why, source=None):
     source: what failed (the group's watch), unless a recovery replaced it: a call still running on
     a communicator a reconfigure took off its group fails that one, not the group."""
     if source is None or source not in _retired:
-        _group_failure.append((source, why))
+        _group_failure.append((None if source is None else weakref.ref(source), why))
 
 
 def recovered(source=None):
@@ -43,7 +44,7 @@ def recovered(source=None):
         _group_failure.clear()
         return
     _retired.add(source)
-    _group_failure[:] = [(s, why) for s, why in _group_failure if s is not source]
+    _group_failure[:] = [(s, why) for s, why in _group_failure if s is None or s() is not source]
 
 
 def failure():

@@ -130,9 +130,15 @@ def main():
         dist.all_reduce(t)
         assert t[0].item() == size * (size + 1) / 2, t[0]
         usage("reconfigure", i)
-    # No rank leaves before every rank counted its last cycle (a peer's exit closes its store connection).
+    # No rank leaves before every rank counted its last cycle (a peer's exit closes its store connection);
+    # rank 0, which hosts the store, leaves last, once every other rank's wait is answered: its exit
+    # closed the store under a wait still being answered (a set sends and is done).
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(size)])
+    if rank:
+        store.set(f"through/{rank}", "1")
+    else:
+        store.wait([f"through/{r}" for r in range(1, size)])
     dist.destroy_process_group()
 
 
