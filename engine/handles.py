@@ -348,8 +348,9 @@ class Meeting:
     the TCP transport's connecting), and the reason. It is the listener's from meet() until the meet
     fails or its store is closed (end())."""
 
-    def __init__(self, listener):
+    def __init__(self, listener, digest=None):
         self.listener = listener
+        self.digest = digest   # the member list's SHA-256, which every member compares (meet)
         self.cancelled = None
         self.lost = None       # why the meeting failed, where a member was lost (HubStore._lost)
         self.socks = []        # the meeting's connections, shut down on cancel
@@ -680,11 +681,6 @@ def order(handles):
     return members
 
 
-def members_digest(members):
-    """What names a member list (in its order) where members compare theirs: its handles' hash."""
-    return hashlib.sha256("\n".join(members).encode()).digest()
-
-
 def meet(listener, uuid, handles, timeout, aborted=None):
     """(store, index, n): the rendezvous store of reconfigure `uuid` among `handles`, this process's
     index among them, their count. The caller builds its communicator through the store, then calls
@@ -695,12 +691,12 @@ def meet(listener, uuid, handles, timeout, aborted=None):
         raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "
                           "reconfigure: every member passes the same list, itself included")
     index, n = members.index(listener.handle), len(members)
-    digest = members_digest(members)
+    digest = hashlib.sha256("\n".join(members).encode()).digest()
     deadline = time.monotonic() + timeout
     if uuid in listener.used:
         raise RuntimeError(f"reconfigure uuid {uuid} was already used by this group: pass a fresh uuid to every "
                            "reconfigure")
-    meeting = Meeting(listener)
+    meeting = Meeting(listener, digest)
     why = aborted() if aborted is not None else None
     if why is not None:
         meeting.cancel(why)

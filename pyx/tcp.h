@@ -385,13 +385,12 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
   pthread_mutex_lock(&t->lock);
   tcp_in *m = t->unexp_head;
   while (m != NULL && !tcp_matches(r, m->peer, m->tag)) m = m->next;
+  int gone = peer >= 0 ? t->peers[peer].dead : tcp_none_left(t, err_peer);   /* (any rank: none left to send) */
   if (m != NULL && t->other_peer < 0) {
     tcp_unlink_unexpected(t, m);
     tcp_bind(t, r, m);
-  } else if ((peer >= 0 && t->peers[peer].dead) || t->said_bye || t->other_peer >= 0 || tcp_out_of_order(t, peer) ||
-             (peer < 0 && tcp_none_left(t, err_peer))) {
-    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL :
-             peer < 0 ? tcp_none_left(t, err_peer) : t->peers[peer].dead;
+  } else if (gone || t->said_bye || t->other_peer >= 0 || tcp_out_of_order(t, peer)) {
+    int rc = t->said_bye ? ENG_ERR_PEER_LEFT : t->other_peer >= 0 ? ENG_ERR_OTHER_CALL : gone;
     if (rc == ENG_ERR_OTHER_CALL) *err_peer = t->other_peer;
     pthread_mutex_unlock(&t->lock);
     free(r);

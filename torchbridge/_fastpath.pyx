@@ -314,8 +314,9 @@ cdef enum:
     P2P_WORKS = 4   # point-to-point Works kept for reuse: a batch_isend_irecv to both neighbours holds four
 
 
-cdef inline Py_ssize_t _rows(t):
-    """A tensor's rows, what all_to_all_single splits (a 0-dim tensor: its one element)."""
+cpdef Py_ssize_t rows(t):
+    """A tensor's rows, what all_to_all_single splits, evenly or by split sizes (a 0-dim tensor: its one
+    element); the general form (process_group.all_to_all_counts) reads them here too."""
     return t.shape[0] if t.dim() else 1
 
 
@@ -354,7 +355,7 @@ cdef class FastPath:
         cdef int call, op
         if (self.cuda and not m.host_only) or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
             return None
-        if m.even_split and (_rows(t) % self.size or _rows(u) % self.size):
+        if m.even_split and (rows(t) % self.size or rows(u) % self.size):
             return None   # (split by rows, as torch's backends do: the general form says what is wrong)
         call = _read(m.layout, opts, &root)
         if call < 0:

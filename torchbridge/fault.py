@@ -150,7 +150,7 @@ class FaultTolerance:
             self._uuids.add(uuid)
             self._swap_thread = threading.get_ident()
             try:
-                old = self._swap(comm, uuid, opts.handles, index, n, torch_ranks)
+                old = self._swap(comm, f"reconfigure-{uuid}-{store.meeting.digest.hex()[:16]}/", index, n, torch_ranks)
             finally:
                 self._swap_thread = None
             aborted = self._aborts != aborts   # (abort() from a signal handler of this thread, in the swap)
@@ -162,12 +162,12 @@ class FaultTolerance:
             raise RuntimeError(overtaken.format(self._ended))
         return CompletedWork()
 
-    def _swap(self, comm, uuid, handles, index, n, torch_ranks):
-        """Puts comm in the group's place (under the swap lock); returns what _release frees of the old."""
-        # (the store's keys of this membership: members of an earlier one, or of another made under the
-        # same uuid beside it, count their monitored barriers and shrinks apart)
-        members = _handles.members_digest(_handles.order(handles))
-        self._membership = f"reconfigure-{uuid}-{members.hex()[:16]}/"
+    def _swap(self, comm, membership, index, n, torch_ranks):
+        """Puts comm in the group's place (under the swap lock); returns what _release frees of the old.
+        membership: the store's keys of the new members (uuid and their list's digest): members of an
+        earlier membership, or of another made under the same uuid beside it, count their monitored
+        barriers and shrinks apart."""
+        self._membership = membership
         self._monitored_seq = self._shrink_calls = 0
         if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
             failure.recovered(self._comm.watch)

@@ -15,7 +15,7 @@ from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
 from . import _fastpath
-from ._fastpath import PREMUL, op_of
+from ._fastpath import PREMUL, op_of, rows
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
@@ -154,18 +154,18 @@ def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes
     size = comm.size
 
     def counts(t, splits, side):
-        if not splits:   # (split by rows, as torch's backends do: not by elements, which would cut rows)
-            rows = t.shape[0] if t.dim() else 1
-            if rows % size:
-                raise NotDivisibleError(f"all_to_all_single: the {side} tensor's first dimension ({rows}) is not "
+        n = rows(t)   # (split by rows, as torch's backends do: not by elements, which would cut rows)
+        if not splits:
+            if n % size:
+                raise NotDivisibleError(f"all_to_all_single: the {side} tensor's first dimension ({n}) is not "
                                         f"divisible by the group size {size}; pass {side}_split_sizes")
             return None
         if len(splits) != size:
             raise ValueError(f"all_to_all_single: {side}_split_sizes has {len(splits)} entries, needs {size}")
         row = t[0].numel() if t.dim() and t.shape[0] else 1
-        if sum(splits) != (t.shape[0] if t.dim() else t.numel()):
+        if sum(splits) != n:
             raise ValueError(f"all_to_all_single: {side}_split_sizes add up to {sum(splits)} but the {side} "
-                             f"tensor has {t.shape[0] if t.dim() else t.numel()} rows")
+                             f"tensor has {n} rows")
         return [s * row for s in splits]
 
     return counts(input, input_split_sizes, "input"), counts(output, output_split_sizes, "output")
