@@ -3,6 +3,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
@@ -17,6 +18,7 @@ if not (os.environ.get("ENGINE_MPI_SUITE") or os.environ.get("ENGINE_TORCHRUN_SU
 # end. The engine itself writes nothing there (its segments are in /dev/shm, which the tests check).
 # A pytest run inside a launched suite inherits its parent's directory and leaves it to the parent.
 OWN_TMPDIR = None
+SESSION_START = time.time()
 if "ENGINE_TESTS_TMPDIR" not in os.environ:
     OWN_TMPDIR = os.environ["TMPDIR"] = os.environ["ENGINE_TESTS_TMPDIR"] = tempfile.mkdtemp(prefix="engine-tests-")
     tempfile.tempdir = None   # read TMPDIR again
@@ -52,9 +54,49 @@ def pytest_configure(config):
             signal.signal(signum, _interrupted)
 
 
+def _open_files():
+    held = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+    return held
+
+
+def _remove_orphaned_hydra_topology_files():
+    """MPICH's Hydra proxy writes the node's topology to /tmp/hydra_hwloc_xmlfile_* (a fixed directory,
+    not TMPDIR) and holds it open while it lives, but removes it only when its job ends cleanly: a job
+    ended by MPI_Abort (the launch tests' failing ranks) leaves it. Those this session made and no
+    process holds any more are removed."""
+    orphans = []
+    for name in os.listdir("/tmp"):
+        path = os.path.join("/tmp", name)
+        try:
+            if name.startswith("hydra_hwloc_xmlfile_") and os.lstat(path).st_mtime >= SESSION_START:
+                orphans.append(path)
+        except OSError:
+            pass
+    if orphans:
+        held = _open_files()
+        for path in orphans:
+            if path not in held:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
 def pytest_unconfigure(config):
     if OWN_TMPDIR is not None:
         shutil.rmtree(OWN_TMPDIR, ignore_errors=True)
+        _remove_orphaned_hydra_topology_files()
 
 # The fast, broad checks run first: a broken kernel, algorithm or collective fails `pytest -x` within
 # its first minute or two, before the slower launcher, host and fault scenarios.
