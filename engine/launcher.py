@@ -18,18 +18,37 @@ MPIRUN_HINT = "launch the job with `mpirun -n N python script.py` (or srun with 
 def detect_launcher(environ=None):
     """(launcher name, rank, size, local rank, local size or None) from the environment, or None. Never
     for a torchrun worker (TORCHELASTIC_RUN_ID): torchrun started by srun or mpirun runs its workers
-    beside the launcher's rank, whose variables they inherit, not as ranks of the launcher's job."""
+    beside the launcher's rank, whose variables they inherit, not as ranks of the launcher's job. Nor
+    for a Slurm batch script or an salloc shell: they carry SLURM_PROCID and SLURM_NTASKS of the
+    allocation, but only a step srun launched has SLURM_STEP_ID; a script that runs mp.spawn there
+    makes a world of its own."""
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in env:
         return None
-    for name, rank, size, local, local_size in LAUNCHERS:
+    for name, rank, size, _, _ in _present(env):
         if rank in env and size in env:
+            local_rank, local_size = local_of(env, int(env[rank]))
+            return name, int(env[rank]), int(env[size]), local_rank or 0, local_size
+    return None
+
+
+def _present(env):
+    """The launchers whose variables describe this process (Slurm's only in a step srun launched)."""
+    return [launcher for launcher in LAUNCHERS if launcher[0] != "Slurm srun" or "SLURM_STEP_ID" in env]
+
+
+def local_of(env, rank):
+    """(local rank, local size or None) of this rank from the first launcher that numbers the ranks of
+    a host and agrees on its rank, or (None, None). srun's PMI-2 plugin (--mpi=pmi2, MPICH's and Intel
+    MPI's usual one under Slurm) sets Hydra's PMI_RANK and PMI_SIZE but not its MPI_LOCALRANKID: the
+    local rank is then Slurm's own."""
+    for _, rank_var, _, local, local_size in _present(env):
+        if local in env and env.get(rank_var, "").strip() == str(rank):
             ls = env.get(local_size, "")
             if local_size == "SLURM_STEP_TASKS_PER_NODE":
                 ls = _slurm_tasks_here(ls or env.get("SLURM_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", ""))
-            return (name, int(env[rank]), int(env[size]), int(env.get(local, 0)),
-                    int(ls) if ls.isdigit() else None)
-    return None
+            return int(env[local]), int(ls) if ls.isdigit() else None
+    return None, None
 
 
 def _slurm_tasks_here(counts, node):

@@ -36,22 +36,34 @@ def clean_env(**extra):
     return env
 
 
+S = {"SLURM_STEP_ID": "0"}   # (a step srun launched)
+
+
 @pytest.mark.parametrize("environ,expected", [
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ("Open MPI", 2, 4, 0, 2)),
     ({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1"}, ("MPICH/Hydra or Intel MPI", 1, 3, 1, None)),
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, ("Slurm srun", 5, 8, 1, None)),
+    ({**S, "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, ("Slurm srun", 5, 8, 1, None)),
     # the local size: this node's entry in the step's per-node counts (the job's where srun gave none)
-    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+    ({**S, "SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
       "SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS_PER_NODE": "2"}, ("Slurm srun", 6, 7, 0, 1)),
-    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+    ({**S, "SLURM_PROCID": "2", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
       "SLURM_TASKS_PER_NODE": "2(x3),1"}, ("Slurm srun", 2, 7, 0, 2)),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+    ({**S, "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
       "SLURM_STEP_TASKS_PER_NODE": "3"}, ("Slurm srun", 0, 3, 0, 3)),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "4",
+    ({**S, "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "4",
       "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, ("Slurm srun", 0, 3, 0, None)),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+    ({**S, "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
       "SLURM_STEP_TASKS_PER_NODE": "2(x"}, ("Slurm srun", 0, 3, 0, None)),
+    # srun --mpi=pmi2: Hydra's rank and size without its local rank, which Slurm's variables give
+    ({**S, "PMI_RANK": "3", "PMI_SIZE": "8", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+      "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, ("MPICH/Hydra or Intel MPI", 3, 8, 3, 4)),
+    # a batch script (or an salloc shell): the allocation's variables, no step; a launcher's job only
+    # where that launcher numbers the ranks itself
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+      "SLURM_TASKS_PER_NODE": "4"}, None),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
+     ("MPICH/Hydra or Intel MPI", 1, 2, 0, None)),
     ({}, None),
 ])
 def test_detect_launcher(environ, expected):
@@ -241,7 +253,7 @@ def test_a_world_beside_the_launchers_job_is_left_to_torch():
     neither is the launcher's world, so RANK, WORLD_SIZE and the store are torch's, as for Gloo (the engine
     refused them: 'RANK=1 disagrees with the MPI launcher (Slurm srun), which says 0'). (In a job of
     several ranks, a world of another size over env:// stays an error: test_user_values_win_and_are_checked.)"""
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}
     torchrun = {**slurm, "TORCHELASTIC_RUN_ID": "job", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
     env = dict(torchrun)
@@ -271,6 +283,12 @@ def test_local_rank_of_another_layer_is_replaced_by_the_launchers_with_one_warni
         warnings.simplefilter("error")
         prepare_env(environ=env)
     assert env["LOCAL_RANK"] == "1"
+    # srun --mpi=pmi2: Hydra's rank without its local rank; Slurm's numbering is the launcher's (every
+    # rank of a node was given LOCAL_RANK=0, and scripts put them all on one device)
+    env = {"PMI_RANK": "3", "PMI_SIZE": "8", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+           "SLURM_STEP_ID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    prepare_env(environ=env)
+    assert env["LOCAL_RANK"] == "3"
     # RANK and WORLD_SIZE decide the result: a disagreement stays an error.
     with pytest.raises(RuntimeError, match="RANK=0 disagrees with the MPI launcher"):
         prepare_env(environ={"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3",
@@ -330,7 +348,7 @@ BESIDE_MPI = textwrap.dedent("""
             world(dist_rank, how, rounds)
 """)
 SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-         "SLURM_STEP_TASKS_PER_NODE": "1"}
+         "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_ID": "0"}
 
 
 @pytest.mark.parametrize("case", ["torchrun-under-srun", "spawn-under-srun", "world-of-one-under-mpiexec",

@@ -10,7 +10,7 @@ import socket
 import warnings
 
 
-from engine.launcher import LAUNCHERS, MPIRUN_HINT, detect_launcher, launcher_of_world  # noqa: F401  (re-exported)
+from engine.launcher import MPIRUN_HINT, detect_launcher, launcher_of_world, local_of
 
 
 _chosen_port = {}   # id(environ) -> the MASTER_PORT this process chose for its last group
@@ -47,7 +47,7 @@ def prepare_env(world_size=-1, rank=-1, environ=None, timeout=None):
             raise RuntimeError(f"{var}={given} disagrees with the MPI launcher ({name}), which says {mpi_value}: "
                                f"unset {var} (the engine reads it from MPI) or make it agree")
         env.setdefault(var, str(mpi_value))
-    if name == "singleton" or not any(n == name and local in env for n, _, _, local, _ in LAUNCHERS):
+    if name == "singleton" or local_of(env, mpi_rank)[0] is None:
         env.setdefault("LOCAL_RANK", str(local_rank))  # no launcher's numbering to follow: a value set wins
     else:
         _follow_launchers_local_rank(env, name, local_rank)
