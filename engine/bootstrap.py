@@ -10,7 +10,7 @@ import pickle
 import socket
 import time
 
-from .config import env_choice, env_int
+from .config import env_choice, env_int, finite_seconds
 
 TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 # What carries bytes between hosts under an MPI launcher (ENGINE_INTERHOST): MPI, as before the TCP
@@ -155,7 +155,7 @@ def _wait(store, keys, seconds, cancelled):
     """store.wait(keys) for seconds; in slices where the wait may be cancelled (store.wait can't be
     interrupted). A slice's own timeout waits on; a failure that comes sooner (the store gone) does not."""
     if cancelled is None:
-        return store.wait(keys, datetime.timedelta(seconds=seconds))
+        return store.wait(keys, datetime.timedelta(seconds=finite_seconds(seconds)))
     deadline = time.monotonic() + seconds
     while True:
         if cancelled() is not None:

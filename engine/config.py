@@ -25,6 +25,15 @@ def env_choice(name, choices, default):
     return raw
 
 
+# What "no limit" (a timeout of inf) becomes where a wait takes a finite length (a store's wait, a
+# thread's join): about 31 years.
+FOREVER_SECONDS = 1e9
+
+
+def finite_seconds(seconds):
+    return min(seconds, FOREVER_SECONDS)
+
+
 def env_duration(name, default, unit="seconds", maximum=math.inf):
     """A duration (inf: never, where maximum allows it); a negative value or NaN would turn a timeout
     into a wait that never ends, so they are refused here, naming the variable."""

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 
 from . import forks
+from .config import finite_seconds
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
@@ -54,7 +55,7 @@ def _arrives(store, key, seconds):
     """Whether key is set in the store within seconds (at once when seconds <= 0)."""
     if seconds > 0:
         try:
-            store.wait([key], timedelta(seconds=seconds))
+            store.wait([key], timedelta(seconds=finite_seconds(seconds)))
             return True
         except RuntimeError:  # the store's timeout (its own exception type and wording); a lost store fails the check
             pass

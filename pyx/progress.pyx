@@ -18,10 +18,13 @@ from shm cimport eng_now, eng_sleep
 #   waits right away runs it itself (wait() takes a task that is first in line and not started) instead
 #   of sleeping while the thread runs it: async_op=True + wait() costs about what a synchronous call does.
 # Order is kept either way: only the head of the queue runs, and never two at once.
-# - A task's done callbacks (a torch Future's then(): DDP's comm hooks) run before the next task starts,
-#   and what they issue runs next, ahead of what other threads queued meanwhile: every rank issues its
-#   collectives in the same order whether a callback ran early or late (PowerSGD's hook issues two
-#   allreduces from callbacks while backward queues the next buckets'), as on a CUDA stream.
+# - A task's done callbacks (a torch Future's then(): DDP's comm hooks) run before the next task starts.
+#   What one issues takes the place in line it would have had had it run when it was registered (the
+#   Work's get_future()): after what was queued before that, ahead of what was queued since. A callback
+#   registered on a task already done runs at once, in the registering thread, and what it issues goes
+#   to the back: the same place. So every rank issues its collectives in one order whether its callback
+#   ran early or late (PowerSGD's hook issues two allreduces from callbacks while backward queues the
+#   next buckets'; a script may issue two allreduces and chain a third on the first's future).
 # - drive(driver) / kick(): while it has nothing to run, the thread moves the point-to-point messages
 #   left in flight on the group's user channel (a pipeline stage's isend while it computes the next
 #   micro-batch), without the GIL, as Gloo's own threads do.
@@ -52,6 +55,7 @@ cdef class Task:
     cdef public str name
     cdef public int state
     cdef double submitted
+    cdef long long seq              # its place in line: what submit() counted, or its issuing callback's
     cdef bint nested                # claimed inside another task's callbacks, by the thread running them
 
     @property
@@ -106,6 +110,8 @@ cdef class Progress:
     cdef unsigned long cb_thread    # the thread running a task's callbacks, the run slot still held (0: none)
     cdef double cb_since            # since when (the outermost task's callbacks)
     cdef str cb_of                  # whose callbacks (the task's name)
+    cdef long long submits          # tasks submitted so far, not by callbacks: the places in line
+    cdef long long cb_seq           # the place of the callback running now (what it issues goes after it)
     cdef public double stall_seconds   # a waiter held this long behind callbacks fails (the group's timeout)
     cdef public double grace
     cdef channel_driver driver      # moves the user's messages in flight (drive()), or NULL
@@ -194,17 +200,31 @@ cdef class Progress:
         task.args = args
         task.name = name
         task.submitted = self.last_submit = eng_now()
-        # (issued by a callback of the task just run: it runs next, here, at once; see wait)
+        # (issued by a callback of the task just run: it goes to its callback's place and runs, through
+        # what is ahead of it, here, at once; see wait)
         inline = PyThread_get_thread_ident() == self.cb_thread
         if inline:
-            self.queue.appendleft(task)
+            task.seq = self.cb_seq
+            self.queue.insert(self._place_of(self.cb_seq), task)
         else:
+            self.submits += 1
+            task.seq = self.submits
             self.queue.append(task)
         self.pending += 1
         self._signal()
         if inline:
             self.wait(task)
         return task
+
+    cdef Py_ssize_t _place_of(self, long long seq):
+        """Where in the queue a task issued at place seq goes: behind every task of a place up to seq."""
+        cdef Py_ssize_t i = 0
+        cdef Task queued
+        for queued in self.queue:
+            if queued.seq > seq:
+                return i
+            i += 1
+        return i
 
     cdef void _signal(self) noexcept:
         # Under the mutex the idle thread checks `pending` before it sleeps, so this can't miss it;
@@ -282,11 +302,15 @@ cdef class Progress:
         return False
 
     def add_done_callback(self, Task task, callback):
-        """callback(task) runs once the task is done (at once if it already is)."""
+        """callback(task) runs once the task is done (at once if it already is). What it issues goes
+        where it would have gone had it run now (see submit)."""
         if task.state != TASK_DONE:
             if task.callbacks is None:
                 task.callbacks = []
-            task.callbacks.append(callback)
+            # (registered inside another callback: at that callback's place, not at what other threads
+            # have queued meanwhile)
+            task.callbacks.append((callback, self.cb_seq if PyThread_get_thread_ident() == self.cb_thread
+                                   else self.submits))
             return
         callback(task)
 
@@ -333,7 +357,7 @@ cdef class Progress:
         self._signal()
         for task in failed:
             callbacks, task.callbacks = task.callbacks, None
-            for cb in callbacks or ():
+            for cb, _ in callbacks or ():
                 cb(task)
         return self.running
 
@@ -355,6 +379,7 @@ cdef class Progress:
 
     cdef _execute(self, Task task):
         cdef unsigned long outer
+        cdef long long outer_seq
         callbacks = None   # (self.current is task since _claim)
         try:
             task.fn(*task.args)
@@ -368,14 +393,16 @@ cdef class Progress:
             if callbacks:
                 # (the run slot stays held: the next task waits for them, and what they issue runs first)
                 outer, self.cb_thread = self.cb_thread, PyThread_get_thread_ident()
+                outer_seq = self.cb_seq
                 if not outer:
                     self.cb_since, self.cb_of = eng_now(), task.name
                 self._wake()   # (whoever waits for this task returns now)
                 try:
-                    for cb in callbacks:
+                    for cb, self.cb_seq in callbacks:
                         cb(task)
                 finally:
                     self.cb_thread = outer
+                    self.cb_seq = outer_seq
         finally:
             if task.nested:   # (the callbacks that ran it still hold the slot)
                 self._wake()

@@ -97,6 +97,61 @@ def test_what_a_callback_issues_runs_before_what_was_queued_behind_its_task():
         progress.close()
 
 
+def test_what_a_callback_issues_keeps_the_place_its_registration_had_whether_it_ran_early_or_late():
+    """Two tasks queued, then a callback registered on the first that issues a third: the third goes
+    after the second on every rank, whether the first was still running when the callback was
+    registered (it runs on the thread that ran the first, before the second starts) or already done
+    (it runs at once, in the registering thread). It went ahead of the second in the first case and
+    behind it in the second: two ranks that differed only in timing paired one's second collective
+    with the other's third."""
+    for late in (True, False):
+        progress = Progress(name="engine-progress-place")
+        order, gate, called = [], threading.Event(), threading.Event()
+        try:
+            first = progress.submit(lambda: (gate.wait(10), order.append("first")), (), "first")
+            if not late:
+                gate.set()
+                assert progress.wait(first, 10)
+            hold = threading.Event()
+            second = progress.submit(lambda: (hold.wait(10), order.append("second")), (), "second")
+
+            def callback(task):
+                third = progress.submit(lambda: order.append("third"), (), "third")
+                if late:
+                    assert third.done   # (run here, through the second, ahead of it in line)
+                called.set()
+
+            if late:
+                hold.set()
+            progress.add_done_callback(first, callback)
+            gate.set()
+            hold.set()
+            assert called.wait(10)
+            assert progress.wait(second, 10)
+            progress.wait(progress.submit(lambda: None, (), "last"), 10)
+            assert order == ["first", "second", "third"], (late, order)
+
+            # a callback registered by a callback takes the first's place, not what was queued since
+            del order[:]
+            gate.clear()
+            hold.clear()
+            first = progress.submit(lambda: (gate.wait(10), order.append("first")), (), "first")
+            if not late:
+                gate.set()
+                assert progress.wait(first, 10)
+            second = progress.submit(lambda: (hold.wait(10), order.append("second")), (), "second")
+            progress.add_done_callback(first, lambda task: progress.add_done_callback(
+                second, lambda task: progress.submit(lambda: order.append("third"), (), "third")))
+            fourth = progress.submit(lambda: order.append("fourth"), (), "fourth")
+            gate.set()
+            hold.set()
+            assert progress.wait(fourth, 10)
+            assert order == ["first", "second", "third", "fourth"], (late, order)
+        finally:
+            gate.set()
+            progress.close()
+
+
 def test_a_wait_with_a_timeout_leaves_the_task_to_the_groups_thread_and_returns_at_the_timeout():
     """A caller that waits for a queued task without a timeout runs it itself; with one, it leaves the
     task to the group's thread: run here, a collective whose peer is late would hold the caller past

@@ -21,6 +21,8 @@ import threading
 import time
 from urllib.parse import parse_qs, urlparse
 
+from engine.config import finite_seconds
+
 # Beyond the timeout: torch's own connect loop gives up at the timeout, up to one connect attempt (3 s
 # where no host answers) after it; its error (which names the address) should win over this one.
 GRACE_SECONDS = 5.0
@@ -152,7 +154,7 @@ def rendezvous(url, rank, world_size, timeout):
 
     helper = threading.Thread(target=run, name="engine-rendezvous", daemon=True)
     helper.start()
-    helper.join(seconds + GRACE_SECONDS)
+    helper.join(finite_seconds(seconds + GRACE_SECONDS))
     if not result:
         connected = _shut_connections_to(host, port)
         helper.join(GRACE_SECONDS)

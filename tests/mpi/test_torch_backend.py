@@ -70,6 +70,30 @@ def test_future_then_chain_does_not_block():
     assert torch.equal(fut.wait(), torch.full((100,), float(P * (P + 1))))
 
 
+def test_a_collective_chained_on_a_future_runs_in_issue_order_whether_its_callback_ran_early_or_late():
+    """Two async allreduces, then a third issued from a then() on the first's future: rank 0 chains it
+    at once, while the first is still running (its callback runs on the group's thread), the others
+    once the first is done (their callback runs at once, in this thread). Every rank runs them in issue
+    order: first, second, third. (The late callback's allreduce went ahead of the second: rank 0's
+    second met the others' third, and both came out mixed.)"""
+    import time
+    n = 64
+    for rounds in range(3):
+        a, b, c = (torch.full((n,), float(10 ** k * (R + 1))) for k in range(3))
+        if R != 0:
+            time.sleep(0.1)    # (rank 0 chains its callback while its first waits for them)
+        first = dist.all_reduce(a, async_op=True)
+        second = dist.all_reduce(b, async_op=True)
+        if R != 0:
+            first.wait()
+        chained = first.get_future().then(lambda fut: dist.all_reduce(c))
+        chained.wait()
+        second.wait()
+        total = P * (P + 1) / 2
+        for k, t in enumerate((a, b, c)):
+            assert torch.equal(t, torch.full((n,), 10 ** k * total)), (rounds, k, t[:4])
+
+
 def test_a_works_future_asked_for_by_two_threads_at_once_is_one_future_that_completes():
     """Two threads call get_future() on one Work at the same moment (a comm hook's and the user's): both
     get the same future, and it completes with the outputs, for a collective's Work, a coalesced call's
