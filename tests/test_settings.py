@@ -73,6 +73,32 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
         config.env_duration("ENGINE_X", 1.0, maximum=60.0)
 
 
+def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
+    """ENGINE_TIMEOUT=inf (no limit) reached the store's wait as timedelta(seconds=inf): its
+    OverflowError read as the wait's timeout, and a group whose peers wrote their keys a moment late
+    failed ('rank 1 never joined the group's bootstrap: cannot convert float infinity to integer')."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from engine.bootstrap import read_keys
+    from engine.monitored_barrier import _arrives
+    store = dist.HashStore()
+    late = threading.Thread(target=lambda: (time.sleep(0.2), store.set("key", "v")))
+    late.start()
+    try:
+        assert read_keys(store, ["key"], float("inf"), "a test") == ([b"v"], [], None)
+    finally:
+        late.join()
+    late = threading.Thread(target=lambda: (time.sleep(0.2), store.set("arrived", "1")))
+    late.start()
+    try:
+        assert _arrives(store, "arrived", float("inf"))
+    finally:
+        late.join()
+
+
 @pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),
                                          ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M"),
                                          ("ENGINE_TRACE", "/proc/no/such/folder/t.json")])
