@@ -5,6 +5,11 @@
 
 from schedule cimport even_counts
 
+# The most elements counts may add up to: their bytes, at any element size up to 16, fit a size_t (a
+# sum that wrapped around would pass the checks against a buffer's size, and place parts outside it).
+cdef size_t MAX_ELEMENTS = (<size_t>-1) >> 4
+
+
 cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, str role) except? 0:
     """Fills out/displs from a list of per-rank element counts; returns their sum."""
     cdef size_t total = 0
@@ -15,6 +20,9 @@ cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, st
         c = counts[i]
         if c < 0:
             raise ValueError(f"{role}[{i}] is negative ({c})")
+        if c > MAX_ELEMENTS - total:
+            raise ValueError(f"{role} add up to more than {MAX_ELEMENTS} elements at [{i}] ({c}): no buffer holds "
+                             "so many")
         out[i] = <size_t>c
         displs[i] = total
         total += <size_t>c

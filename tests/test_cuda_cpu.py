@@ -198,6 +198,11 @@ def test_the_cuda_communicator_reads_the_cores_count_tables():
         count_table(2, 1, [1, 2], 3, "recvbuf", 3, "sendbuf", "scatter")
     with pytest.raises(ValueError, match="gather counts has 2 entries; it needs one per rank"):
         count_table(3, 0, [1, 2], 1, "sendbuf", 3, "recvbuf", "gather")
+    # counts whose sum wraps around a size_t passed as 8 elements, their parts far outside the buffer
+    with pytest.raises(ValueError, match=r"gather counts add up to more than \d+ elements at \[1\]"):
+        count_table(3, 0, [4, 2 ** 63, 2 ** 63 + 4], 4, "sendbuf", 8, "recvbuf", "gather")
+    with pytest.raises(ValueError, match=r"alltoall recv_counts add up to more than \d+ elements at \[2\]"):
+        alltoall_table(3, 0, None, 6, [2, 2 ** 59, 2 ** 59], 6)
     assert alltoall_table(3, 0, None, 6, [2, 1, 2], 5) == ([2, 2, 2], [0, 2, 4], [2, 1, 2], [0, 2, 3])
     with pytest.raises(ValueError, match=r"alltoall: rank 1 sends itself 2 elements but receives 1 from itself"):
         alltoall_table(3, 1, None, 6, [2, 1, 2], 5)
