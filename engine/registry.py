@@ -478,6 +478,28 @@ class Plan:
                 return e
         return None
 
+    def sizes_running(self, collective, impl, size):
+        """The byte sizes at which a call of `collective` in a group of `size` ranks runs an entry of
+        implementation `impl` (the first rule each size matches; dtypes, ops and uneven counts aside),
+        as (lo, hi) ranges in ascending order."""
+        taken, found = [], []   # (ranges the rules before took; ranges impl gets)
+        for e, lo, hi, lo_r, hi_r in self.rules[collective]:
+            if not lo_r <= size <= hi_r:
+                continue
+            if e.impl == impl:
+                pieces = [(lo, hi)]
+                for t_lo, t_hi in taken:   # (what an earlier rule took is not this one's)
+                    pieces = [p for a, b in pieces for p in ((a, min(b, t_lo - 1)), (max(a, t_hi + 1), b)) if p[0] <= p[1]]
+                found += pieces
+            taken.append((lo, hi))
+        merged = []
+        for lo, hi in sorted(found):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
+
     def configure(self, core):
         """Hands every collective's rules to the compiled core."""
         names = [e.name for e in ENTRIES]

@@ -107,9 +107,14 @@ class Shm(_Transport):
 
     @staticmethod
     def configure(core, plan):
-        """Point-to-point's single-copy range, which the transport reads per message."""
-        sc = [(lo, hi) for e, lo, hi, _, _ in plan.rules["sendrecv"] if e.impl == _core.Impl.SINGLE_COPY]
-        core.seg.set_cma(core.seg.cma, *(sc[0] if sc else (registry.EVERY, 0)))
+        """Point-to-point's single-copy range, which the transport reads per message: the sizes whose
+        first sendrecv rule is single copy (a rule ahead of it, forced or tuned, takes its sizes)."""
+        ranges = plan.sizes_running("sendrecv", _core.Impl.SINGLE_COPY, core.size)
+        if len(ranges) > 1:
+            raise ValueError(f"the sendrecv rules give single copy {len(ranges)} ranges of sizes ({ranges}); the "
+                             "shared-memory transport moves one range by single copy: make the tuning file's "
+                             "sendrecv rules leave it one")
+        core.seg.set_cma(core.seg.cma, *(ranges[0] if ranges else (registry.EVERY, 0)))
 
 
 class Tcp(_Transport):

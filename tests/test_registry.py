@@ -131,6 +131,47 @@ def test_a_tuning_files_rules_and_thresholds_and_the_environment_over_both(tmp_p
     assert Plan("shm").choose("allreduce", 1001, 2).name == "oneshot"  # the environment wins
 
 
+def test_point_to_point_moves_by_single_copy_only_at_the_sizes_its_first_rule_says(tmp_path, monkeypatch):
+    """The shared-memory transport's single-copy range for point-to-point messages (Shm.configure, which
+    the transport reads per message) is the sizes whose first sendrecv rule is single copy:
+    ENGINE_SENDRECV_ALGO=queue, or a tuned queue rule, takes its sizes. (The first single-copy rule's
+    own range was taken: every message of 32 KiB and up still moved by single copy.)"""
+    from engine.transports import Shm
+    for var in [v for v in os.environ if v.startswith("ENGINE_")]:
+        monkeypatch.delenv(var)
+
+    class Segment:
+        cma, got = True, None
+
+        def set_cma(self, enabled, lo, hi):
+            self.got = (enabled, lo, hi)
+
+    def single_copy_range():
+        core = type("Core", (), {"size": 2, "seg": Segment()})()
+        Shm.configure(core, Plan("shm", {"single_copy"}))
+        return core.seg.got
+
+    every = registry.EVERY
+    assert single_copy_range() == (True, 32 << 10, every)
+    monkeypatch.setenv("ENGINE_SENDRECV_ALGO", "queue")
+    assert single_copy_range() == (True, every, 0)     # none
+    monkeypatch.setenv("ENGINE_SENDRECV_ALGO", "single_copy")
+    assert single_copy_range() == (True, 0, every)
+    monkeypatch.delenv("ENGINE_SENDRECV_ALGO")
+    for i, (rules, expected) in enumerate((
+            ([{"algorithm": "queue", "max_bytes": 1 << 20}], (True, (1 << 20) + 1, every)),
+            ([{"algorithm": "single_copy", "max_bytes": 1 << 20}], (True, 0, every)),   # (and the registry's above)
+            ([{"algorithm": "queue", "min_bytes": 64 << 10, "max_bytes": 1 << 20}], ValueError))):
+        path = tmp_path / f"tuned{i}.json"   # (a file is read once)
+        path.write_text(json.dumps({"format": tuning.FORMAT, "rules": {"sendrecv": {"shm": rules}}}))
+        monkeypatch.setenv("ENGINE_TUNING_FILE", str(path))
+        if expected is ValueError:   # (32-64 KiB and from 1 MiB up: the transport takes one range)
+            with pytest.raises(ValueError, match=r"the sendrecv rules give single copy 2 ranges of sizes"):
+                single_copy_range()
+        else:
+            assert single_copy_range() == expected, rules
+
+
 def test_the_settings_ranks_compare_are_their_transports_thresholds_forced_names_and_tuned_rules(tmp_path, monkeypatch):
     """registry.settings(transport): what engine.Communicator compares across a new group's ranks before it
     builds anything (tests/test_faults.py runs ranks that differ): the thresholds and parameters of the
