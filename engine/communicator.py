@@ -85,6 +85,7 @@ class Communicator:
                              mpi=_boot is None or isinstance(_boot, MpiBootstrap))
         self._mpi_comms = []
         self._store_prefix = None
+        self._subgroups_made = {}   # name -> how many subgroups of that name this rank has made (store keys)
         self.name = name
         self._hier, self._stages = None, ()
         if _boot is None:
@@ -244,9 +245,13 @@ class Communicator:
         name = name or f"{self.name}/{'-'.join(map(str, ranks))}"
         kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, name=name,
                       timeout=self.watch.timeout if timeout is None else timeout)
-        if self.mpi_comm is None:   # made through a store: the members meet under a key of their own
-            return Communicator.from_store(self.watch.store, ranks.index(self.rank), len(ranks),
-                                           prefix=f"{self._store_prefix}/sub/{name}", **kwargs)
+        if self.mpi_comm is None:
+            # Made through a store: the members meet under a key of their own, counted per name, since
+            # a subgroup made again (each epoch, after free()) must not read the keys the last one left.
+            made = self._subgroups_made[name] = self._subgroups_made.get(name, 0) + 1
+            return Communicator.from_store(self.watch.store if store is None else store, ranks.index(self.rank),
+                                           len(ranks), prefix=f"{self._store_prefix}/sub/{name}/{made}",
+                                           transport=transport, **kwargs)
         coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:

@@ -86,6 +86,38 @@ def test_collectives_over_a_store_without_mpi(size):
     assert _shm_files() <= before
 
 
+def _subgroup_made_again(rank, size, port, out):
+    import time
+    try:
+        world, _store = _group(rank, size, port, timeout=20)
+        for epoch in range(3):
+            if rank == 0:
+                time.sleep(0.5)   # (rank 1 comes first to each making: the last one's keys are there)
+            if rank in (0, 1):
+                sub = world.subgroup([0, 1])
+                x = np.full(5, float(rank + 10 * epoch), np.float32)
+                sub.allreduce(x)
+                assert np.array_equal(x, np.full(5, 1.0 + 20 * epoch, np.float32)), (epoch, x)
+                sub.free()
+            world.barrier()
+        out.put((rank, "ok"))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_subgroup_of_a_store_made_group_made_again_meets_anew():
+    """world.subgroup([0, 1]) once an epoch, freed after use, on a group made through a store: each
+    making meets under keys of its own. (It met under the same prefix each time: rank 1, first to the
+    second making, read rank 0's keys of the first, a segment already gone, and failed.)"""
+    before = _shm_files()
+    procs, out = _run(_subgroup_made_again, 3)
+    results = sorted(out.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert [r[1] for r in results] == ["ok"] * 3, results
+    assert _shm_files() <= before
+
+
 def test_dead_peer_is_named_well_before_the_timeout():
     before = _shm_files()
     procs, out = _run(_dies, 3)
