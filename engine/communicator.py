@@ -30,16 +30,18 @@ _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 # Where a setting _agreed() names comes from when it is not the variable itself.
 _HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
           "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))",
-          "engine.__version__": " (install the same engine on every host)"}
+          "engine.__version__": " (install the same engine on every host)",
+          "the group's size": " (WORLD_SIZE, or the world_size given to init_process_group or from_store)"}
 
 
-def _opening(transport, ring_segment_bytes):
+def _opening(transport, ring_segment_bytes, size):
     """What decides how a group opens: a rank opening shared memory while another opens sockets, or
     connecting every socket while another waits for the first message, would wait for ever. Ranks of
-    another engine release may cut, tag or lay out the same call differently."""
+    another engine release may cut, tag or lay out the same call differently. A rank told a larger
+    group than the others (its WORLD_SIZE) reads their parts as well as its own: it names the size."""
     from . import __version__
     from .tcp import connect_mode
-    return {"engine.__version__": __version__,
+    return {"engine.__version__": __version__, "the group's size": size,
             "ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
             "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": hierarchy.forced_sockets(),
             "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
@@ -102,8 +104,8 @@ class Communicator:
 
         def read_opening():
             cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
-            return (host_identity(), secrets.token_hex(8), sorted(_opening(transport, ring_segment_bytes).items()),
-                    Watch.timeout_of(timeout))
+            opening = _opening(transport, ring_segment_bytes, _boot.size)
+            return host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout)
         everyone = gather(_boot, read_opening, "read its settings")
         opening = _agreed(name, [o for _, _, o, _ in everyone])
         notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]

@@ -118,6 +118,37 @@ def test_a_subgroup_of_a_store_made_group_made_again_meets_anew():
     assert _shm_files() <= before
 
 
+def _sized(rank, size, port, out):
+    try:
+        import torch.distributed as dist
+        import engine
+        store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=__import__("datetime").timedelta(seconds=30),
+                              wait_for_workers=False)
+        told = 3 if rank == 2 else 2
+        comm = engine.Communicator.from_store(store, rank, told, timeout=20)
+        if rank < 2:
+            x = np.ones(3, np.float32)
+            comm.allreduce(x)
+            assert np.all(x == 2)
+        out.put((rank, "ok"))
+        store.wait(["done"] if rank == 0 else [])   # (rank 0 hosts the store until rank 2 has read it)
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+        store.set("done", "1")
+
+
+def test_a_rank_told_a_larger_group_than_the_others_names_the_size():
+    """Ranks 0 and 1 make a group of 2; rank 2, told a group of 3 (its WORLD_SIZE), reads their parts
+    as well as its own: it names the sizes that differ. (It read on, and failed attaching the segment,
+    'the ranks disagree on the group (corrupt bootstrap?)'.)"""
+    procs, out = _run(_sized, 3)
+    results = sorted(out.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert results[:2] == [(0, "ok"), (1, "ok")], results
+    assert "have different settings (the group's size=2 on rank 0, 3 on rank 2 (WORLD_SIZE" in results[2][1], results
+
+
 def test_dead_peer_is_named_well_before_the_timeout():
     before = _shm_files()
     procs, out = _run(_dies, 3)
