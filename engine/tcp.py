@@ -95,7 +95,33 @@ def listen_address(environ=None):
                            f"({socket.gethostname()}) has no such interface with an address (it has "
                            f"{', '.join(have)})")
     if master:
-        return _route_to(master), f"the route to MASTER_ADDR={master}"
+        addr = _route_to(master)
+        if not _loopback(addr) or _loopback(master) or master.lower() in LOOPBACK_NAMES:
+            return addr, f"the route to MASTER_ADDR={master}"
+        # MASTER_ADDR names this host, and its name resolves here to a loopback address (Debian's and
+        # Ubuntu's /etc/hosts: 127.0.1.1), where the other hosts reach it at another: listening there,
+        # this rank could be reached from this host only.
+        found = _this_hosts_address()
+        if found is not None:
+            return found[0], (f"{found[1]} (MASTER_ADDR={master} is this host, whose name resolves here to the "
+                              f"loopback address {addr})")
+        return addr, f"the route to MASTER_ADDR={master}"
+    found = _this_hosts_address()
+    return found if found is not None else ("127.0.0.1", "the loopback address (no MASTER_ADDR, no other address)")
+
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def _loopback(address):
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _this_hosts_address():
+    """(an IPv4 address of this host that is not loopback, how it was found), or None."""
     try:
         addr = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
         if not addr.startswith("127."):
@@ -103,7 +129,7 @@ def listen_address(environ=None):
     except socket.gaierror:
         pass
     others = [a for _, fam, a in _core.tcp_interfaces() if fam == 4 and not a.startswith("127.")]
-    return (others[0] if others else "127.0.0.1"), "the first interface's address (no MASTER_ADDR)"
+    return (others[0], "the first interface's address") if others else None
 
 
 def settings():

@@ -617,6 +617,23 @@ def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     with pytest.raises(RuntimeError, match="MASTER_ADDR='no-such-host.invalid' does not resolve"):
         tcp.listen_address()
+    # MASTER_ADDR naming this host, whose name resolves here to a loopback address (Debian's /etc/hosts:
+    # 127.0.1.1 nodea), while the other hosts reach it at its real one: it listened on 127.0.0.1, and
+    # the other hosts' connections went to their own loopback
+    resolve = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        return resolve("127.0.1.1" if host == "nodea" else host, *args, **kwargs)
+    monkeypatch.setattr(tcp.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setenv("MASTER_ADDR", "nodea")
+    found = tcp._this_hosts_address()
+    addr, how = tcp.listen_address()
+    if found is not None:   # (a host with an address besides loopback)
+        assert addr == found[0] and not addr.startswith("127.") and \
+            "MASTER_ADDR=nodea is this host, whose name resolves here to the loopback address 127.0.0.1" in how, how
+    for local in ("localhost", "127.0.0.1"):   # (said to be loopback: every rank is here)
+        monkeypatch.setenv("MASTER_ADDR", local)
+        assert tcp.listen_address() == ("127.0.0.1", f"the route to MASTER_ADDR={local}")
 
 
 def keeps_waiting(request, seconds=0.3):
