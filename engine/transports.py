@@ -148,7 +148,7 @@ class Mpi(_Transport):
         core = mpi.core().MpiComm(*comms, seg_bytes, cfg["tag_ub"])
         core.set_chunk(cfg["chunk"])
         core.set_any_source_by_probe(cfg["any_source_by_probe"])
-        return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"]}
+        return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"], "ENGINE_MPI_ANY_SOURCE": cfg["any_source_by_probe"]}
 
 
 TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

@@ -3,7 +3,8 @@
 # and waited on through the engine's one wait, so the group's watch (stall warnings, the timeout naming
 # who did not arrive), the peers' liveness check and abort() reach them as they reach every other wait.
 # The reductions and allgather block inside MPI, where nothing can interrupt them, and the watchdog
-# thread watches those (engine.watch; `blocks` says which): their nonblocking forms (Open MPI's libnbc)
+# thread watches those (engine.watch; `blocks` says which; where receives from any rank probe they
+# are posted too, `posts`): their nonblocking forms (Open MPI's libnbc)
 # measured up to 2-4x slower than the blocking ones (docs/robustness.md), and a user (Numba) op finds
 # its kernel in a thread-local, while MPI runs a nonblocking reduction in whichever thread progresses it.
 # Element-wise collectives go in pieces of at most `chunk` elements, so counts past MPI's int limit
@@ -35,18 +36,30 @@ cdef class MpiComm(CoreComm):
             free(self.ibuf)
 
     cdef bint blocks(self, Call *c) noexcept nogil:
-        return c.red != NULL or c.op == OP_ALLGATHER
+        return (c.red != NULL or c.op == OP_ALLGATHER) and not self.posts(c)
+
+    cdef bint posts(self, Call *c) noexcept nogil:
+        """Whether a collective that would block inside MPI is posted and waited on instead: where
+        receives from any rank wait for a probe to find their message (ENGINE_MPI_ANY_SOURCE=probe), a
+        blocking collective would never look (MPI moves only posted receives), and a sender that waits
+        for its message before it joins the collective would wait for ever. Every rank of the group
+        decides alike (MPI never matches a blocking collective with a nonblocking one): by the group's
+        mode, which its ranks compare, and the op. A user (Numba) op blocks still: its kernel is found
+        through the calling thread."""
+        return self.tp.probed is not None and (c.red == NULL or c.red.code >= 0)
 
     cdef int finish(self, int ierr, MPI_Request *req, WaitCtx *ctx) except -1 nogil:
         """Waits for a posted collective (ierr: its posting's code). MPI moves it only inside MPI_Test,
         so the wait yields between polls and never sleeps. One that ends early (a timeout, an abort)
         stays posted: MPI forbids freeing a collective's request."""
+        cdef bint earlier = self.abandoned
         if ierr:
             return self.tp.failed(ierr)
         ctx.busy_poll = True
+        self.abandoned = True   # (until it completes: a timeout raises out of the wait)
         ierr = wait_until(_poll_mpi, <void*>self.tp, req, ctx, NULL)
-        if ierr:
-            self.abandoned = True
+        if not ierr:
+            self.abandoned = earlier
         return ierr
 
     def set_any_source_by_probe(self, bint on):
@@ -89,13 +102,21 @@ cdef class MpiComm(CoreComm):
         if c.op == OP_BARRIER:
             return self.finish(MPI_Ibarrier(self.coll, &req), &req, ctx)
         t, isz = MPI_TYPES[c.dtype], eng_itemsize[c.dtype]
+        cdef bint posts = self.posts(c)
+        cdef const void *src
         if c.op == OP_ALLGATHER and all_equal(c.counts, self.size):
-            return self.tp.failed(MPI_Allgather(MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src,
-                                                <int>c.count, t, c.dst, <int>c.count, t, self.coll))
+            src = MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src
+            if posts:
+                return self.finish(MPI_Iallgather(src, <int>c.count, t, c.dst, <int>c.count, t, self.coll, &req), &req,
+                                   ctx)
+            return self.tp.failed(MPI_Allgather(src, <int>c.count, t, c.dst, <int>c.count, t, self.coll))
         if c.op == OP_ALLGATHER:
-            return self.tp.failed(MPI_Allgatherv(MPI_IN_PLACE if c.src == c.dst + c.displs[self.rank] * isz else c.src,
-                                                 <int>c.count, t, c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1),
-                                                 t, self.coll))
+            src = MPI_IN_PLACE if c.src == c.dst + c.displs[self.rank] * isz else c.src
+            if posts:
+                return self.finish(MPI_Iallgatherv(src, <int>c.count, t, c.dst, self.ints(c.counts, 0),
+                                                   self.ints(c.displs, 1), t, self.coll, &req), &req, ctx)
+            return self.tp.failed(MPI_Allgatherv(src, <int>c.count, t, c.dst, self.ints(c.counts, 0),
+                                                 self.ints(c.displs, 1), t, self.coll))
         # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
         # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
         # root alone, so every rank's call matches whatever the root's counts are.
@@ -106,8 +127,14 @@ cdef class MpiComm(CoreComm):
             return self.finish(MPI_Iscatterv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, c.dst, <int>c.count,
                                              t, c.root, self.coll, &req), &req, ctx)
         if c.op == OP_REDUCE_SCATTER and all_equal(c.counts, self.size):
+            if posts:
+                return self.finish(MPI_Ireduce_scatter_block(c.src, c.dst, <int>c.count, t, mpi_op(c.red), self.coll,
+                                                             &req), &req, ctx)
             return self.tp.failed(MPI_Reduce_scatter_block(c.src, c.dst, <int>c.count, t, mpi_op(c.red), self.coll))
         if c.op == OP_REDUCE_SCATTER:
+            if posts:
+                return self.finish(MPI_Ireduce_scatter(c.src, c.dst, self.ints(c.counts, 0), t, mpi_op(c.red),
+                                                       self.coll, &req), &req, ctx)
             return self.tp.failed(MPI_Reduce_scatter(c.src, c.dst, self.ints(c.counts, 0), t, mpi_op(c.red), self.coll))
         if c.even:
             return self.finish(MPI_Ialltoall(c.src, <int>c.counts[0], t, c.dst, <int>c.rcounts[0], t, self.coll, &req),
@@ -124,17 +151,23 @@ cdef class MpiComm(CoreComm):
         cdef MPI_Op op = mpi_op(c.red) if c.red != NULL else MPI_OP_NULL
         cdef MPI_Request req
         cdef void *d
+        cdef const void *s
+        cdef bint posts = self.posts(c)
         while off < c.count:
             n = <int>min(self.chunk, c.count - off)
             d = NULL if c.dst == NULL else c.dst + off * isz
             if c.op == OP_BROADCAST:
                 ierr = self.finish(MPI_Ibcast(d, n, t, c.root, self.coll, &req), &req, ctx)
-            elif c.op == OP_ALLREDUCE:
-                ierr = self.tp.failed(MPI_Allreduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op,
-                                                    self.coll))
             else:
-                ierr = self.tp.failed(MPI_Reduce(MPI_IN_PLACE if c.src == c.dst else c.src + off * isz, d, n, t, op,
-                                                 c.root, self.coll))
+                s = MPI_IN_PLACE if c.src == c.dst else c.src + off * isz
+                if c.op == OP_ALLREDUCE and posts:
+                    ierr = self.finish(MPI_Iallreduce(s, d, n, t, op, self.coll, &req), &req, ctx)
+                elif c.op == OP_ALLREDUCE:
+                    ierr = self.tp.failed(MPI_Allreduce(s, d, n, t, op, self.coll))
+                elif posts:
+                    ierr = self.finish(MPI_Ireduce(s, d, n, t, op, c.root, self.coll, &req), &req, ctx)
+                else:
+                    ierr = self.tp.failed(MPI_Reduce(s, d, n, t, op, c.root, self.coll))
             if ierr:
                 return ierr
             off += n

@@ -33,6 +33,36 @@ def plain():
     return comm, rank, size, wait
 
 
+def across_collectives():
+    """A receive from any rank left pending across the collectives that block inside MPI (its
+    reductions and allgather): its sender waits for its (rendezvous) send before it joins them, so
+    rank 0's receive must get its message while rank 0 waits in the collective, as a posted receive
+    does by MPI's progress rule. (A probing receive, ENGINE_MPI_ANY_SOURCE=probe, never did: rank 0
+    sat in MPI_Allgather, rank 1 in its send, until the timeout.) A job of its own: after the
+    exchanges of main(), Open MPI 5.0.11's shared-memory module was seen to corrupt memory under
+    mpi4py alone (docs/hosts.md)."""
+    import engine
+    comm = engine.Communicator(transport="mpi", timeout=30)
+    rank, size = comm.rank, comm.size
+    mode = "probe" if comm._core.any_source_by_probe else "post"
+    calls = {"allreduce": lambda: comm.allreduce(np.ones(16, np.float32), algorithm="native"),
+             "reduce": lambda: comm.reduce(np.ones(16, np.float32), root=size - 1),
+             "allgather": lambda: comm.allgather(np.ones(4, np.float32), np.empty(4 * size, np.float32)),
+             "reduce_scatter": lambda: comm.reduce_scatter(np.ones(4 * size, np.float32), np.empty(4, np.float32))}
+    big = 1 << 20
+    for name, call in calls.items():
+        if rank == 0:
+            got = np.empty(big, np.float32)
+            r = comm.irecv(got, None, 9)
+            call()
+            assert r.wait()[:2] == (1, 9) and (got == 1).all(), name
+        else:
+            if rank == 1:
+                comm.isend(np.ones(big, np.float32), 0, 9).wait()
+            call()
+    print(f"any-source across collectives: ok {mode} rank {rank}", flush=True)
+
+
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "engine"
     if mode == "plain":
@@ -85,4 +115,7 @@ def main():
     print(f"any-source: ok {mode} rank {rank}", flush=True)   # (engine: how it received from any rank)
 
 
-main()
+if sys.argv[1:] == ["collectives"]:
+    across_collectives()
+else:
+    main()
