@@ -344,18 +344,23 @@ class Communicator:
         for part in getattr(self, "_stages", ()):
             part.free()
         self._hier, self._stages = None, ()
+        comms, self._mpi_comms = ([] if orphan else self._mpi_comms), []
+        if comms and hasattr(self._core, "free_communicators"):
+            # (MPI's core frees them with its transports: a call still inside, another thread's blocking
+            # MPI collective, may be using them)
+            self._core.free_communicators(comms)
+            comms = []
         if self._core is not None:
             self._core.release()   # (leaves the group; frees it now, not at collection: a caller may hold it)
         self._core = None
         for name in _CORE_CALLS + _ALWAYS_BOUND:
             self.__dict__.pop(name, None)
-        if self._mpi_comms and not orphan:
+        if comms:
             from . import mpi
             MPI = mpi.load()
-            for c in self._mpi_comms:
+            for c in comms:
                 if c != MPI.COMM_NULL:
                     c.Free()
-        self._mpi_comms = []
 
     # -- collectives (see _CORE_CALLS) --
 

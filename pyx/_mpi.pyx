@@ -2,6 +2,8 @@
 """engine._mpi: the MPI transport (point-to-point for the engine's algorithms and the user's
 send/recv) and MPI's native collectives, behind engine._core's seam."""
 
+import sys
+
 from libc.stdlib cimport malloc, free, realloc
 from libc.limits cimport INT_MAX
 from libc.stdint cimport SIZE_MAX, uint32_t

@@ -19,6 +19,7 @@ cdef class MpiComm(CoreComm):
     cdef int *ibuf              # 4 x size ints: counts and displacements as MPI takes them
     cdef readonly size_t chunk
     cdef bint abandoned         # a collective was left posted (timeout, abort): MPI may still read ibuf
+    cdef object comms           # the group's MPI communicators (mpi4py's) it frees with its transports, or None
 
     def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes, int max_tag=0):
         self.coll = coll.ob_mpi
@@ -30,6 +31,27 @@ cdef class MpiComm(CoreComm):
         if self.ibuf == NULL:
             raise MemoryError()
         self.chunk = INT_MAX  # MPI counts are ints: larger messages are cut (engine.registry sets the piece)
+
+    def free_communicators(self, comms):
+        """Frees comms (the group's MPI communicators) with the transports: at once if they are gone,
+        else at release(), or when the last call inside leaves after it. MPI forbids freeing a
+        communicator while a call uses it (abort() can't end a blocking MPI collective)."""
+        self.comms = list(comms)
+        if self.released:
+            self._free_comms()
+
+    cdef void release_transports(self) noexcept:
+        CoreComm.release_transports(self)
+        self._free_comms()
+
+    cdef void _free_comms(self) noexcept:
+        comms, self.comms = self.comms, None
+        for c in comms or ():
+            try:
+                if c != _MPI.COMM_NULL:
+                    c.Free()
+            except Exception as exc:   # (the group's end goes on: one communicator's failure is said)
+                print(f"engine: freeing an MPI communicator of the group failed: {exc}", file=sys.stderr)
 
     def __dealloc__(self):
         if not self.abandoned:

@@ -241,6 +241,35 @@ def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
     check_still_usable()
 
 
+def test_a_groups_mpi_communicators_are_freed_once_the_blocking_mpi_call_inside_has_left():
+    """free() from another thread while MPI's own allgather, which blocks inside MPI where abort()
+    can't reach it, is inside the group: its MPI communicators are freed once that call has left, not
+    under it (they were freed at once: a call still inside could post on a freed communicator)."""
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("a subgroup over a chosen transport is made through MPI; a blocked call needs a peer")
+    import threading
+    from mpi4py import MPI
+    sub = WORLD.subgroup(range(P), transport="mpi")
+    core, comms, out = sub.core, list(sub._mpi_comms), np.empty(4 * P, np.float32)
+    if R == 0:
+        waiter = threading.Thread(target=lambda: sub.allgather(np.full(4, R, np.float32), out))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while core.busy == 0 and time.monotonic() < deadline:   # (the call has begun)
+            time.sleep(0.01)
+        sub.free()
+        assert not any(c == MPI.COMM_NULL for c in comms), "freed under the call inside"
+        WORLD.barrier()   # (the others join the allgather only now)
+        waiter.join(20)
+        assert not waiter.is_alive() and core.busy == 0
+        assert all(c == MPI.COMM_NULL for c in comms), "not freed once the call left"
+    else:
+        WORLD.barrier()
+        sub.allgather(np.full(4, R, np.float32), out)
+        sub.free()
+    check_still_usable()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mpi"])
 def test_a_late_roots_broadcast_lands_in_no_memory_reused_after_the_others_timed_out(transport):
     """The root comes after the others' timeout, and they have dropped their buffers and allocated
