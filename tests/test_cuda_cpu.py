@@ -371,6 +371,35 @@ def test_a_cuda_send_whose_posting_failed_is_complete_and_raises_and_the_end_wai
     assert order == ["abort", "free"], order
 
 
+def test_a_cuda_works_wait_with_a_timeout_waits_on_the_host_and_raises_at_it():
+    """Work.wait(timeout) as torch's NCCL Work: the host waits for the work, at most the timeout, then
+    raises; a failure the watchdog finds meanwhile is raised instead. (It returned at once, never
+    raising, for a collective that would never complete.)"""
+    import time
+    from datetime import timedelta
+
+    from engine.cuda.watchdog import Watchdog
+    from engine.watch import EngineTimeout
+    from torchbridge.work import CudaWork
+
+    class Never:
+        def query(self):
+            return False
+
+    dog = Watchdog("g", 0, 2, 60)
+    try:
+        work = CudaWork(Never(), [], 0, dog)
+        start = time.monotonic()
+        with pytest.raises(EngineTimeout, match=r"Work.wait: Timed out after 0.2 s waiting for the collective on the CUDA"):
+            work.wait(timedelta(seconds=0.2))
+        assert 0.2 <= time.monotonic() - start < 5
+        dog.error = RuntimeError("rank 1 never joined allreduce #3")
+        with pytest.raises(RuntimeError, match="never joined"):
+            work.wait(timedelta(seconds=30))
+    finally:
+        dog.close()
+
+
 def test_a_cuda_collective_is_refused_once_the_groups_cpu_side_broke():
     """A CUDA device's collective is refused when it is made once the group's CPU communicator broke (a
     lost peer, a timeout, a mismatch there): NCCL would otherwise wait for the same peer until its

@@ -432,7 +432,21 @@ class CudaWork(_OutputsWork):
             raise self._watchdog.error
 
     def wait(self, timeout=None):
+        """Without a timeout, the current stream waits for the work (the host goes on). With one, as
+        torch's NCCL Work: the host waits for it, at most that long, then raises (it stays enqueued;
+        the group's watchdog ends it if a rank never joins)."""
         self._raise_failure()
+        seconds = in_seconds(timeout) if timeout else None
+        if seconds:
+            deadline, pause = time.monotonic() + seconds, 20e-6
+            while not self._event.query():
+                self._raise_failure()
+                if time.monotonic() >= deadline:
+                    raise EngineTimeout(f"Work.wait: Timed out after {seconds:g} s waiting for the collective on the "
+                                        "CUDA stream to complete (it stays enqueued; the group's watchdog ends it "
+                                        "if a rank never joins)")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
         torch.cuda.current_stream(self._device).wait_event(self._event)
         return True
 
