@@ -193,7 +193,7 @@ cdef class Progress:
         task.progress = self
         if self.closed:
             if self.refusal is not None:
-                raise self.refusal
+                raise self.refusal.with_traceback(None)   # (one object, raised again: its traceback would grow each time)
             raise RuntimeError(f"{name}: this process group was shut down (destroy_process_group); "
                                "create a new one with init_process_group / new_group")
         task.fn = fn

@@ -257,3 +257,26 @@ def test_messages_left_in_flight_are_moved_once_the_caller_is_away():
     finally:
         channel.in_flight = 1                            # (close() ends the thread however busy the channel)
         progress.close()
+
+
+def test_the_error_an_aborted_engine_refuses_with_keeps_one_calls_traceback():
+    """After abort(error), every submit raises that one error object (as does a broken group's stand-in,
+    torchbridge.fault.Unavailable): its traceback is this call's, not every refused call's so far
+    strung together (a retry loop grew it, and the memory it holds, without end)."""
+    import traceback
+
+    import pytest
+
+    from torchbridge.fault import Unavailable
+    progress = Progress(name="engine-progress-refusal")
+    error = RuntimeError("the group was aborted")
+    progress.abort(error)
+    stand_in = Unavailable(RuntimeError("the group broke"), 0, 2)
+    for call in (lambda: progress.submit(lambda: None, (), "op"), stand_in):
+        depths = []
+        for _ in range(50):
+            with pytest.raises(RuntimeError) as caught:
+                call()
+            depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+        assert depths[-1] == depths[0], depths[:3] + depths[-3:]
+    progress.close()

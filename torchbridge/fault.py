@@ -45,7 +45,7 @@ class Unavailable:
         self.error, self.rank, self.size = error, rank, size
 
     def __call__(self, *args, **kwargs):
-        raise self.error
+        raise self.error.with_traceback(None)   # (one object, raised again: its traceback would grow each time)
 
     def __getattr__(self, name):
         if name.startswith("__"):
