@@ -397,12 +397,19 @@ cdef class Progress:
                 if not outer:
                     self.cb_since, self.cb_of = eng_now(), task.name
                 self._wake()   # (whoever waits for this task returns now)
+                failed = None
                 try:
                     for cb, self.cb_seq in callbacks:
-                        cb(task)
+                        try:
+                            cb(task)
+                        except BaseException as exc:   # (the others still run: one is a torch Future's)
+                            if failed is None:
+                                failed = exc
                 finally:
                     self.cb_thread = outer
                     self.cb_seq = outer_seq
+                if failed is not None:
+                    raise failed
         finally:
             if task.nested:   # (the callbacks that ran it still hold the slot)
                 self._wake()

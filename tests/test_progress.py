@@ -280,3 +280,33 @@ def test_the_error_an_aborted_engine_refuses_with_keeps_one_calls_traceback():
             depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
         assert depths[-1] == depths[0], depths[:3] + depths[-3:]
     progress.close()
+
+
+def test_every_done_callback_runs_when_one_raises_and_a_future_takes_an_interrupt_as_an_error():
+    """A task the caller runs itself, interrupted (KeyboardInterrupt, SystemExit from a signal handler):
+    the caller gets the interrupt, every done callback still runs, and the Work's torch Future completes
+    failed with a RuntimeError naming it (torch's Future takes an Exception only: its assertion ended
+    the callbacks, and the future never completed)."""
+    import pytest
+    import torch  # noqa: F401  (torchbridge.work)
+
+    from torchbridge.work import CollectiveWork
+    progress = Progress(name="engine-progress-interrupt")
+    progress.grace = 60.0   # (the caller runs it)
+    try:
+        def interrupted():
+            raise KeyboardInterrupt
+        task = progress.submit(interrupted, (), "allreduce")
+        work = CollectiveWork.of(task)
+        task.outputs = []
+        fut = work.get_future()
+        ran = []
+        progress.add_done_callback(task, lambda t: ran.append("after"))
+        with pytest.raises(KeyboardInterrupt):
+            work.wait()
+        assert ran == ["after"] and fut.done()
+        with pytest.raises(RuntimeError, match=r"allreduce was interrupted \(KeyboardInterrupt\) before it completed"):
+            fut.wait()
+    finally:
+        progress.grace = 50e-6
+        progress.close()

@@ -116,7 +116,12 @@ class CollectiveWork(_OutputsWork):
 
     def _complete_future(self, task):
         if task.error is not None:
-            self._completer.set_exception(task.error)
+            error = task.error
+            if not isinstance(error, Exception):
+                # (torch's Future takes an Exception only: a ^C or sys.exit in the caller's run of the call)
+                error = RuntimeError(f"{task.name} was interrupted ({type(error).__name__}) before it completed")
+                error.__cause__ = task.error
+            self._completer.set_exception(error)
         else:
             self._completer.set_result(list(task.outputs))
 
