@@ -141,15 +141,40 @@ def _compile(fn, dtype, cache):
             source = _KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=True,
                                            source=portable[0], context=portable[1], fname=fn.__name__)
             try:
-                return _load_generated(source, f"engine_udf_{hashlib.sha1(source.encode()).hexdigest()[:16]}")
+                module = _load_generated(source, f"engine_udf_{hashlib.sha1(source.encode()).hexdigest()[:16]}")
+                return _checked(module.kernel, module._elem, dtype, name)
+            except _ResultType:
+                raise
             except Exception:
                 pass   # (a cache folder it can't write, a copy that doesn't compile: uncached, as cache=False)
         namespace = {"_user_fn": fn}
         exec(_KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=False, source="", context="",
                                    fname="_user_fn"), namespace)
-        return namespace["kernel"]
+        return _checked(namespace["kernel"], namespace["_elem"], dtype, name)
+    except _ResultType:
+        raise
     except Exception as exc:
         raise TypeError(f"user reduction {name!r} failed to compile for {dtype} with Numba: {exc}") from exc
+
+
+class _ResultType(TypeError):
+    pass
+
+
+def _checked(kernel, elem, dtype, name):
+    """kernel, unless the function gives a float for integer elements: the kernel would store it back
+    truncated (Numba types uint64 with a signed integer, a literal `1` among them, as float64: uint64
+    values above 2**53 came back rounded)."""
+    if dtype.startswith(("int", "uint")):
+        from numba import types as nt
+        args = (getattr(nt, dtype),) * 2
+        elem.compile(args)
+        result = elem.overloads[args].signature.return_type
+        if isinstance(result, nt.Float):
+            raise _ResultType(f"user reduction {name!r} gives {result} for {dtype} elements, which would be stored "
+                              f"back truncated or rounded; keep its arithmetic in {dtype} (Numba makes {dtype} with a "
+                              f"signed integer or a float a float: write numpy.{dtype}(1), not 1)")
+    return kernel
 
 
 _LOADING = threading.Lock()   # one generated module written and loaded at a time in this process
@@ -159,7 +184,7 @@ def _load_generated(source, modname):
     with _LOADING:
         loaded = sys.modules.get(modname)
         if loaded is not None and hasattr(loaded, "kernel"):
-            return loaded.kernel   # (the same source and dtype from another op object)
+            return loaded   # (the same source and dtype from another op object)
         folder = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine", "udf")
         os.makedirs(folder, exist_ok=True)
@@ -184,4 +209,4 @@ def _load_generated(source, modname):
         except BaseException:
             sys.modules.pop(modname, None)
             raise
-        return module.kernel
+        return module

@@ -100,3 +100,24 @@ def test_threads_compiling_one_op_at_once_all_succeed(tmp_path, monkeypatch):
             t.join()
     assert errors == []
     assert len(generated(tmp_path)) == 3 and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def bumpmax(a, b):
+    return a if a > b else b + 1
+
+
+def bumpmax_exact(a, b):
+    return a if a > b else b + np.uint64(1)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_reduction_that_gives_floats_for_integers_is_refused_by_name(tmp_path, monkeypatch, cache):
+    """Numba makes uint64 with a signed integer (the literal 1) a float64: the kernel stored it back
+    rounded (2**63 + 3, bumped, came back 2**63). Such a function is refused for integer elements,
+    naming the type it gives; written in the element type it reduces exactly."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    a, b = np.array([2**63 + 1], np.uint64), np.array([2**63 + 3], np.uint64)
+    with pytest.raises(TypeError, match=r"user reduction 'bumpmax' gives float64 for uint64 elements.*numpy.uint64\(1\)"):
+        reduced(engine.reduction(bumpmax, cache=cache), a, b)
+    assert reduced(engine.reduction(bumpmax_exact, cache=cache), a, b).tolist() == [2**63 + 4]
+    assert reduced(engine.reduction(bumpmax, cache=cache), np.array([5], np.int64), np.array([7], np.int64)).tolist() == [8]
