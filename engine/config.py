@@ -4,17 +4,25 @@ import math
 import os
 
 
-def env_int(name, default, minimum=None):
-    """A count or a size (K/M/G suffixes), at least `minimum` where one is given."""
+# The largest count or size a setting takes (the registry's "no bound"): the compiled code keeps them
+# in 64-bit fields, where a larger one would fail unnamed, or wrap.
+MAX_SETTING = 1 << 62
+
+
+def env_int(name, default, minimum=None, maximum=MAX_SETTING):
+    """A count or a size (one K/M/G suffix), at least `minimum` where one is given, at most `maximum`."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
+    body, unit = (raw[:-1], raw[-1].lower()) if raw[-1] in "kKmMgG" else (raw, "")
     try:
-        value = int(float(raw.rstrip("kKmMgG")) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1))
+        value = int(float(body) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit, 1))
     except (ValueError, OverflowError):   # (inf, nan)
         raise ValueError(f"{name}={raw!r} is not a number (sizes accept K/M/G suffixes)") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={raw!r}: expected at least {minimum}")
+    if value > maximum:
+        raise ValueError(f"{name}={raw!r}: expected at most {maximum}")
     return value
 
 

@@ -25,7 +25,7 @@ import os
 
 from . import tuning
 from ._core import DTYPE_NAMES, OP_KIND_NAMES, OPBITS, Impl
-from .config import env_choice, env_int
+from .config import MAX_SETTING, env_choice, env_int
 
 EVERY = 1 << 62                 # no upper bound (bytes or ranks)
 COLLECTIVES = OP_KIND_NAMES     # the core's order: allreduce .. barrier, then sendrecv (point-to-point)
@@ -43,11 +43,12 @@ class Tunable:
     doc: str
     minimum: int = 0    # the least value that means something (the core refuses less)
     local: bool = False  # a rank's own (how it splits its own work): the group's ranks may differ
+    maximum: int = MAX_SETTING   # the most the core takes
 
     def value(self):
-        doc = tuned()   # (its thresholds were checked against the same minimum when it was read)
+        doc = tuned()   # (its thresholds were checked against the same bounds when it was read)
         return env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default,
-                       minimum=self.minimum)
+                       minimum=self.minimum, maximum=self.maximum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce o
 SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
                          "bytes of each peer's input a single-copy reduce_scatter reads at once", local=True)
 MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast",
-                    minimum=1)
+                    minimum=1, maximum=2**31 - 1)   # (MPI's counts are ints)
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")
             for c in ("allreduce", "broadcast", "allgather", "reduce_scatter")}
 TCP_RDOUBLE_MAX = Tunable("ENGINE_TCP_RDOUBLE_MAX_BYTES", 64 << 10, "largest recursive-doubling allreduce over TCP")
@@ -385,8 +386,9 @@ def tuned(path=None):
         for name, value in doc["thresholds"].items():
             if name not in known:
                 raise tuning.fail(path, f"unknown threshold {name!r} (the registry's: {', '.join(sorted(known))})")
-            if value < known[name].minimum:
-                raise tuning.fail(path, f"threshold {name} must be at least {known[name].minimum}, not {value}")
+            if not known[name].minimum <= value <= known[name].maximum:
+                raise tuning.fail(path, f"threshold {name} must be {known[name].minimum}..{known[name].maximum}, "
+                                        f"not {value}")
         _tuned[path] = doc
     return _tuned[path]
 

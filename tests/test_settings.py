@@ -56,6 +56,16 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
         config.env_int("ENGINE_X", 7, minimum=(3 << 19) + 1)
     monkeypatch.setenv("ENGINE_X", "")
     assert config.env_int("ENGINE_X", 7) == 7 and config.env_duration("ENGINE_X", 2.0) == 2.0
+    for bad in ("1Mk", "2kk"):   # (one suffix: the others were stripped too, and 1Mk read as 1024)
+        monkeypatch.setenv("ENGINE_X", bad)
+        with pytest.raises(ValueError, match=rf"ENGINE_X='{bad}' is not a number \(sizes"):
+            config.env_int("ENGINE_X", 7)
+    monkeypatch.setenv("ENGINE_X", "1e20")   # (past what the compiled fields hold: it failed later, unnamed)
+    with pytest.raises(ValueError, match=r"ENGINE_X='1e20': expected at most 4611686018427387904"):
+        config.env_int("ENGINE_X", 7)
+    monkeypatch.setenv("ENGINE_MPI_CHUNK_ELEMENTS", "3G")   # (MPI's int counts: the core's own error named no variable)
+    with pytest.raises(ValueError, match=r"ENGINE_MPI_CHUNK_ELEMENTS='3G': expected at most 2147483647"):
+        registry.MPI_CHUNK.value()
     for bad in ("inf", "nan", "1e400"):   # (inf reached int() as a bare OverflowError)
         monkeypatch.setenv("ENGINE_X", bad)
         with pytest.raises(ValueError, match=r"ENGINE_X=.* is not a number \(sizes"):
