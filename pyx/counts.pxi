@@ -143,8 +143,7 @@ cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str
     c.counts, c.displs = self.cnt, self.cnt + self.size
     total = v_sizes(self.size, self.rank, counts, mine.count, mine_role,
                     -1 if whole is None else <Py_ssize_t>whole.count, whole_role, what, self.cnt, self.cnt + self.size)
-    if whole is not None:   # (the displacements, MPI's v-forms take them as ints: where they are read, the root's
-        _check_fits(self, c.op, total, what)   # for gather and scatter, whose others may have no counts)
+    _check_fits(self, c.op, total, what)   # (the displacements: MPI's v-forms take them as ints)
     for i in range(self.size):
         largest = max(largest, c.counts[i])
     return largest * mine.itemsize

@@ -20,4 +20,4 @@ def test_over_two_billion_elements(transport):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for what in ("allreduce", "broadcast"):
         assert proc.stdout.count(f": {what} ok") == 2, proc.stdout
-    assert "rank 0: reduce ok" in proc.stdout and "rank 0: gather ok" in proc.stdout
+    assert "rank 0: reduce ok" in proc.stdout

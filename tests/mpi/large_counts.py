@@ -40,17 +40,3 @@ c.reduce(y, root=0)  # in place at the root
 if r == 0:
     check("reduce", y[[0, 2**31, N - 1]], np.array([P * (P + 1) // 2, P * (P + 1) // 2, 3 * P * (P + 1) // 2], np.int8))
 c.barrier()
-
-del y
-
-# A gather whose counts only the root gives (torch's gather of tensors of different sizes): rank 1's
-# part alone times the group size passes 2**31 - 1, the root's counts add up below it. Rank 1 refused
-# it, checking a total only the root has (MPI reads Gatherv's displacements there), and the root waited.
-M = 2**30 + 8
-part = np.full(1 if r == 0 else M, r + 1, np.int8)
-whole = np.zeros(1 + M, np.int8) if r == 0 else None
-c.gather(part, whole, root=0, counts=[1] + [M] * (P - 1) if r == 0 else None) if P == 2 else None
-if r == 0 and P == 2:
-    check("gather", whole[[0, 1, M]], np.array([1, 2, 2], np.int8))
-del part, whole
-c.barrier()
