@@ -19,7 +19,7 @@ from schedule cimport all_equal
 from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transport, req_active, posted_tag, CoreComm,
                            IMPL_NATIVE, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER,
                            OP_ALLTOALL, OP_BARRIER, ANY_PEER, ANY_TAG_, ENG_ERR_MPI, ENG_ERR_NOMEM, ENG_ERR_OTHER_CALL,
-                           ENG_ERR_PEER_DEAD, ENG_ERR_PEER_LEFT, eng_other_call)
+                           ENG_ERR_PEER_DEAD, ENG_ERR_PEER_LEFT, ENG_ERR_TRUNCATE, eng_other_call)
 from mpi4py import MPI as _MPI
 
 from engine._core import EngineError, _kernel_slot
