@@ -42,6 +42,9 @@ cdef class MpiComm(CoreComm):
 
     cdef void release_transports(self) noexcept:
         CoreComm.release_transports(self)
+        if self.comms is not None:   # (what peers sent on the group's channels that nobody took goes first)
+            self.tp.drain()
+            (<MpiTransport>self.user_tp).drain()
         self._free_comms()
 
     cdef void _free_comms(self) noexcept:

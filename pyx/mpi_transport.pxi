@@ -186,6 +186,33 @@ cdef class MpiTransport(Transport):
             return ENG_ERR_TRUNCATE
         return self.failed(ierr)
 
+    cdef void drain(self) noexcept nogil:
+        """Receives and drops every message sent on this channel that nobody took, before its
+        communicator is freed. Open MPI gives a freed communicator's context to the next one made,
+        and a message still queued for the old one (a peer's send whose receive this rank never
+        posted: a call that failed there, a message the user left) was matched by a receive of the
+        new group, its data taken for that group's."""
+        cdef int flag = 1, count
+        cdef MPI_Message msg
+        cdef MPI_Status status
+        cdef MPI_Count n = 0
+        cdef MPI_Datatype dt
+        cdef void *buf
+        while flag:
+            flag = 0
+            if MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, &msg, &status) != 0 or not flag:
+                return
+            MPI_Get_elements_x(&status, MPI_BYTE, &n)
+            buf = malloc(<size_t>n if n > 0 else 1)
+            if buf == NULL or _byte_type(<size_t>n, &count, &dt) != 0:
+                MPI_Mrecv(NULL, 0, MPI_BYTE, &msg, MPI_STATUS_IGNORE)   # (its end, truncated: it goes)
+                free(buf)
+                continue
+            MPI_Mrecv(buf, count, dt, &msg, MPI_STATUS_IGNORE)
+            if dt != MPI_BYTE:
+                MPI_Type_free(&dt)
+            free(buf)
+
     cdef int _add_probing(self, void *buf, size_t nbytes, int tag, Req *req) noexcept nogil:
         cdef Req **grown
         pthread_mutex_lock(&self.probing_lock)

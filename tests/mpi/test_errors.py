@@ -248,6 +248,32 @@ def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
     check_still_usable()
 
 
+def test_a_message_nobody_received_in_a_freed_group_never_reaches_the_next_group():
+    """Rank 0 sends a message on a group that its peer never receives, and the peer frees the group
+    without a call into MPI in between; the next group the same ranks make carries only its own
+    messages. (Open MPI gives the freed communicator's context to the next one, and the message still
+    queued for the old one was matched by the new group's receive: its data taken for that group's,
+    silently. A call that fails there leaves such sends: a timeout's.)"""
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("a subgroup over a chosen transport is made through MPI; needs a peer")
+    last = P - 1
+    for round_ in range(3):
+        sub = WORLD.subgroup(range(P), transport="mpi")
+        if R == 0:
+            sub.isend(np.full(4, 99.0 + round_, np.float32), last, tag=5).wait()   # (never received)
+        time.sleep(0.2)   # (its receiver makes no call into MPI before it frees the group)
+        sub.free()
+        again, got = WORLD.subgroup(range(P), transport="mpi"), np.zeros(4, np.float32)
+        if R == 0:
+            again.send(np.full(4, 7.0, np.float32), last, tag=5)
+        elif R == last:
+            again.recv(got, None, tag=5)
+            assert (got == 7.0).all(), f"round {round_}: received {got[0]}, sent on the freed group"
+        WORLD.barrier()
+        again.free()
+    check_still_usable()
+
+
 def test_a_groups_mpi_communicators_are_freed_once_the_blocking_mpi_call_inside_has_left():
     """free() from another thread while MPI's own allgather, which blocks inside MPI where abort()
     can't reach it, is inside the group: its MPI communicators are freed once that call has left, not
