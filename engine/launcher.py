@@ -43,11 +43,13 @@ def local_of(env, rank):
     MPI's usual one under Slurm) sets Hydra's PMI_RANK and PMI_SIZE but not its MPI_LOCALRANKID: the
     local rank is then Slurm's own."""
     for _, rank_var, _, local, local_size in _present(env):
-        if local in env and env.get(rank_var, "").strip() == str(rank):
-            ls = env.get(local_size, "")
-            if local_size == "SLURM_STEP_TASKS_PER_NODE":
-                ls = _slurm_tasks_here(ls or env.get("SLURM_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", ""))
-            return int(env[local]), int(ls) if ls.isdigit() else None
+        if env.get(rank_var, "").strip() != str(rank):
+            continue
+        ls = env.get(local_size, "")
+        if local_size == "SLURM_STEP_TASKS_PER_NODE":
+            ls = _slurm_tasks_here(ls or env.get("SLURM_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", ""))
+        if local in env or ls.isdigit():
+            return int(env[local]) if local in env else None, int(ls) if ls.isdigit() else None
     return None, None
 
 
