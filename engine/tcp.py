@@ -96,16 +96,15 @@ def listen_address(environ=None):
                            f"{', '.join(have)})")
     if master:
         addr = _route_to(master)
-        if not _loopback(addr) or _loopback(master) or master.lower() in LOOPBACK_NAMES:
-            return addr, f"the route to MASTER_ADDR={master}"
-        # MASTER_ADDR names this host, and its name resolves here to a loopback address (Debian's and
+        # MASTER_ADDR naming this host, whose name resolves here to a loopback address (Debian's and
         # Ubuntu's /etc/hosts: 127.0.1.1), where the other hosts reach it at another: listening there,
         # this rank could be reached from this host only.
-        found = _this_hosts_address()
-        if found is not None:
-            return found[0], (f"{found[1]} (MASTER_ADDR={master} is this host, whose name resolves here to the "
-                              f"loopback address {addr})")
-        return addr, f"the route to MASTER_ADDR={master}"
+        named_here = _loopback(addr) and not (_loopback(master) or master.lower() in LOOPBACK_NAMES)
+        found = _this_hosts_address() if named_here else None
+        if found is None:
+            return addr, f"the route to MASTER_ADDR={master}"
+        return found[0], f"{found[1]} (MASTER_ADDR={master} is this host, whose name resolves here to the loopback " \
+                         f"address {addr})"
     found = _this_hosts_address()
     return found if found is not None else ("127.0.0.1", "the loopback address (no MASTER_ADDR, no other address)")
 

@@ -137,32 +137,26 @@ def _compile(fn, dtype, cache):
         raise ImportError("user reductions need Numba: pip install numba (or engine[numba])") from None
     portable = _portable_source(fn) if cache else None
     try:
+        made = None
         if portable is not None:
             source = _KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=True,
                                            source=portable[0], context=portable[1], fname=fn.__name__)
             try:
-                module = _load_generated(source, f"engine_udf_{hashlib.sha1(source.encode()).hexdigest()[:16]}")
-                return _checked(module.kernel, module._elem, dtype, name)
-            except _ResultType:
-                raise
+                made = vars(_load_generated(source, f"engine_udf_{hashlib.sha1(source.encode()).hexdigest()[:16]}"))
             except Exception:
                 pass   # (a cache folder it can't write, a copy that doesn't compile: uncached, as cache=False)
-        namespace = {"_user_fn": fn}
-        exec(_KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=False, source="", context="",
-                                   fname="_user_fn"), namespace)
-        return _checked(namespace["kernel"], namespace["_elem"], dtype, name)
-    except _ResultType:
-        raise
+        if made is None:
+            made = {"_user_fn": fn}
+            exec(_KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=False, source="", context="",
+                                       fname="_user_fn"), made)
     except Exception as exc:
         raise TypeError(f"user reduction {name!r} failed to compile for {dtype} with Numba: {exc}") from exc
+    _check_result(made["_elem"], dtype, name)
+    return made["kernel"]
 
 
-class _ResultType(TypeError):
-    pass
-
-
-def _checked(kernel, elem, dtype, name):
-    """kernel, unless the function gives a float for integer elements: the kernel would store it back
+def _check_result(elem, dtype, name):
+    """Refuses a function that gives a float for integer elements: the kernel would store it back
     truncated (Numba types uint64 with a signed integer, a literal `1` among them, as float64: uint64
     values above 2**53 came back rounded)."""
     if dtype.startswith(("int", "uint")):
@@ -171,10 +165,9 @@ def _checked(kernel, elem, dtype, name):
         elem.compile(args)
         result = elem.overloads[args].signature.return_type
         if isinstance(result, nt.Float):
-            raise _ResultType(f"user reduction {name!r} gives {result} for {dtype} elements, which would be stored "
-                              f"back truncated or rounded; keep its arithmetic in {dtype} (Numba makes {dtype} with a "
-                              f"signed integer or a float a float: write numpy.{dtype}(1), not 1)")
-    return kernel
+            raise TypeError(f"user reduction {name!r} gives {result} for {dtype} elements, which would be stored "
+                            f"back truncated or rounded; keep its arithmetic in {dtype} (Numba makes {dtype} with a "
+                            f"signed integer or a float a float: write numpy.{dtype}(1), not 1)")
 
 
 _LOADING = threading.Lock()   # one generated module written and loaded at a time in this process
