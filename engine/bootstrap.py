@@ -10,6 +10,7 @@ import pickle
 import socket
 import time
 
+from . import failure
 from .config import env_choice, env_int, finite_seconds
 
 TRANSPORTS = ("auto", "shm", "mpi", "tcp")
@@ -47,22 +48,36 @@ class Cancel:
 
 
 class MpiBootstrap:
+    """The exchanges of a group's making over an MPI communicator: MPI's blocking collectives, which
+    nothing interrupts; one that waits past `timeout` (seconds; None: for ever) aborts the job
+    (engine.failure.blocked_in_mpi), since a rank that never makes the group would leave the others
+    in it for ever."""
     group = None   # (every bootstrap) the name of the group made over it, for its errors: Communicator's
     on_cancel = None   # (every bootstrap) where set, on_cancel(fn): fn(why) ends a wait of the group's making
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, timeout=None):
+        self.comm, self.timeout = comm, timeout
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
+    def _blocking(self, call):
+        return failure.blocked_in_mpi(f"making group {self.group!r} over MPI ({call})", self.rank, self.timeout)
+
     def allgather(self, obj):
-        return self.comm.allgather(obj)
+        with self._blocking("MPI_Allgather"):
+            return self.comm.allgather(obj)
+
+    def dup(self):
+        """A communicator of the same ranks (collective)."""
+        with self._blocking("MPI_Comm_dup"):
+            return self.comm.Dup()
 
     def split(self, color, key, name):
         """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
         from . import mpi
         MPI = mpi.load()
-        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else MpiBootstrap(sub)
+        with self._blocking(f"MPI_Comm_split for {name!r}"):
+            sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else MpiBootstrap(sub, self.timeout)
 
 
 class StoreBootstrap:

@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from . import _core, forks, hierarchy, registry
+from . import _core, failure, forks, hierarchy, registry
 from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather,
                         host_identity, interhost, local_cores, possible_transports, requested_transport)
 from .config import env_duration
@@ -93,7 +93,7 @@ class Communicator:
         if _boot is None:
             from . import mpi
             MPI = mpi.load()
-            _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD)
+            _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD, Watch.timeout_of(timeout))
         _boot.group = name
         self._core = None
         # Every rank reads its settings before the first exchange, which carries a rank's failure to
@@ -257,7 +257,9 @@ class Communicator:
         coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:
-            sub = coll.Create_group(group, tag=0)
+            with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_create_group)", self.rank,
+                                        kwargs["timeout"]):
+                sub = coll.Create_group(group, tag=0)
         finally:
             group.Free()
         return Communicator(sub, transport=transport, store=store, _owned=sub, **kwargs)

@@ -66,8 +66,8 @@ class _Transport:
         if isinstance(boot, MpiBootstrap):
             from . import mpi
             MPI = mpi.load()
-            comms = [owned if owned is not None else boot.comm.Dup()]
-            comms += [boot.comm.Dup() for _ in range(cls.mpi_comms - 1)]
+            comms = [owned if owned is not None else boot.dup()]
+            comms += [boot.dup() for _ in range(cls.mpi_comms - 1)]
             for c in comms:
                 c.Set_errhandler(MPI.ERRORS_RETURN)
         elif owned is not None:

@@ -159,6 +159,20 @@ def test_native_collective_that_never_completes_ends_the_job(skip):
     assert shm_files() <= before  # no shared-memory segment left behind
 
 
+@pytest.mark.parametrize("making, waits_in", [("world", r"'world' over MPI \(MPI_Allgather\)"),
+                                              ("subgroup", r"'world/0-1' over MPI \(MPI_Comm_create_group\)")])
+def test_a_rank_that_never_makes_a_group_over_mpi_ends_the_job_at_the_timeout(making, waits_in):
+    """The making's MPI collectives can't be interrupted: at the group's timeout the job is aborted,
+    naming the making and the call MPI is blocked in."""
+    before = shm_files()
+    proc, out = launch("mpi_making.py", 3, 90, MAKING=making)
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(rf"engine: rank [02]: making group {waits_in}: Timed out after 5 s \(timeout 5 s\): a rank "
+                     r"of the group never joined it .* aborting the job", out), out[-3000:]
+    assert "returned (unexpected)" not in out
+    assert shm_files() <= before
+
+
 def test_shm_rank_that_never_arrives_ends_the_job():
     """Over shared memory every wait is watched: the broadcast's root returns at once (its data is in the
     segment), rank 2 gets it too; both then time out in the barrier rank 1 never reaches, name it, and

@@ -46,7 +46,7 @@ def create_process_group(opts, backend_options=None):
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name, transport=own_transport() if changed else None)
     else:
-        mpi_comm = _mpi_group(opts, ranks)
+        mpi_comm = _mpi_group(opts, ranks, name, seconds)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
     return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
 
@@ -74,9 +74,10 @@ def made_anew(store, rank):
     return dist.PrefixStore(f"engine/made-{store.add(f'engine/makings-of-rank-{rank}', 1)}", store)
 
 
-def _mpi_group(opts, ranks):
-    """An MPI communicator of the group's members (collective over them only)."""
-    from engine import mpi
+def _mpi_group(opts, ranks, name, seconds):
+    """An MPI communicator of the group's members (collective over them only; aborting the job past
+    the group's timeout, `seconds`, as any call blocked inside MPI)."""
+    from engine import failure, mpi
     MPI = mpi.load()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError("backend 'engine' needs MPI_THREAD_MULTIPLE (its progress thread calls MPI); this MPI "
@@ -89,11 +90,14 @@ def _mpi_group(opts, ranks):
                 f"torch.distributed says rank {opts.group_rank} of {opts.group_size}, but MPI says rank "
                 f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher; "
                 f"{MPIRUN_HINT}")
-        return world.Dup()
+        with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_dup)", opts.group_rank, seconds):
+            return world.Dup()
     if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
         raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
     group = world.Get_group().Incl(ranks)
     try:
-        return world.Create_group(group, tag=_GROUP_TAG)
+        with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_create_group)", opts.group_rank,
+                                    seconds):
+            return world.Create_group(group, tag=_GROUP_TAG)
     finally:
         group.Free()
