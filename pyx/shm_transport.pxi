@@ -137,6 +137,8 @@ cdef class ShmTransport(Transport):
     cdef PeerState *pr              # per peer
     cdef int corrupt_peer
     cdef int other_peer             # the first peer seen in another collective (_unmatched), or -1
+    cdef bint released              # the group was freed: its segment is unmapped (a request dropped
+                                    # after that is cancelled without touching the rings)
 
     def __cinit__(self, ShmSegment seg, int channel):
         cdef int P = seg.size
@@ -605,10 +607,10 @@ cdef class ShmTransport(Transport):
                     r = self._match_posted(u.peer, u.tag)
                     if r != NULL:
                         u.bound, r.bound, r.state = r, u, PS_ACTIVE
-                else:
+                elif not self.released:
                     self.progress_send(u.peer)
-            else:                               # frames arriving into it: drop the rest
-                self.pr[m.st.source].incoming = NULL
+            elif not self._unexpected_from(m):   # frames arriving into it: out of memory to keep the
+                self.pr[m.st.source].incoming = NULL   # rest for the next receive: dropped
                 self.pr[m.st.source].discarding = True
             free(m)
         elif m.state == PS_QUEUED:              # a send nothing of which moved: withdraw it
@@ -630,6 +632,29 @@ cdef class ShmTransport(Transport):
                 kept = 1                        # out of memory: the caller keeps the buffer alive
         pthread_mutex_unlock(&self.lock)
         return kept
+
+    cdef bint _unexpected_from(self, PMsg *m) noexcept nogil:
+        """Receive m, cancelled while its message's frames arrive into it: the message goes on as one
+        nobody asked for yet (what came so far copied into a buffer of the channel's), which the next
+        receive matching it takes, posted already or later, before the sender's next message. False
+        when out of memory for it."""
+        cdef char *buf = <char*>malloc(m.st.nbytes if m.st.nbytes else 1)
+        cdef PMsg *u = _new_msg(PM_UNEXPECTED, buf, m.st.nbytes, m.st.source, m.st.tag) if buf != NULL else NULL
+        cdef PMsg *r
+        if u == NULL:
+            free(buf)
+            return False
+        memcpy(buf, m.buf, m.done)
+        u.done, u.owns_buf, u.state = m.done, True, PS_ACTIVE
+        _push(&self.unexpected, u)
+        self.pr[u.peer].incoming = u
+        r = self._match_posted(u.peer, u.tag)
+        if r != NULL:
+            u.bound, r.bound, r.state = r, u, PS_ACTIVE
+        return True
+
+    cdef void release(self) noexcept:
+        self.released = True
 
     cdef object error_text(self, int code):
         if code == ENG_ERR_CORRUPT:

@@ -159,6 +159,42 @@ def test_a_cancelled_receive_hands_the_message_arriving_into_it_to_the_next_rece
     del probe
 
 
+@pytest.mark.parametrize("next_posted", ["before", "after"])
+def test_a_receive_cancelled_while_its_message_arrives_into_it_hands_the_message_on(pair, next_posted):
+    """A posted receive that half its message arrived into is cancelled (a blocking recv whose wait
+    raised, to be tried again): the message goes on to the next receive that matches, posted before
+    the cancel or after, whole and before the sender's next (its rest was dropped, and the retry got
+    the sender's next message in its place)."""
+    core, peer = pair
+    first = core.irecv(np.zeros(8, np.uint8), 1, 5)             # posted first: frames go straight into it
+    peer.write((FIRST, 5, 8, 4, 0, 0), b"abcd", None)
+    assert not first.test()
+    out = np.zeros(8, np.uint8)
+    second = core.irecv(out, 1, 5) if next_posted == "before" else None
+    del first                                                   # cancelled
+    peer.write((CONT, 0, 0, 4, 0, 0), b"efgh", None)
+    peer.write((FIRST, 5, 2, 2, 0, 0), b"ZZ", None)             # the sender's next message
+    assert (second.wait() if second else core.recv(out, 1, 5)) == (1, 5, 8) and out.tobytes() == b"abcdefgh"
+    later = np.zeros(8, np.uint8)
+    assert core.recv(later, 1, 5) == (1, 5, 2) and later[:2].tobytes() == b"ZZ"
+
+
+def test_a_receive_dropped_after_its_group_was_freed_touches_nothing(pair):
+    """A receive that copied its message by single copy and still owes its ACK (no room in the ring) is
+    dropped after the group was freed (its segment unmapped): nothing is written (the cancel wrote the
+    ACK into the unmapped ring: a crash)."""
+    core, peer = pair
+    core.seg.watch_peers([os.getpid(), os.getpid()])
+    core.seg.set_cma(True, 64)
+    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
+    data = np.arange(100, dtype=np.uint8)
+    peer.write((RTS, 5, data.nbytes, 0, data.ctypes.data, 3), b"", None)
+    recv = core.irecv(np.zeros(100, np.uint8), 1, 5)
+    assert not recv.test()                                      # copied; no room for the ACK
+    assert core.release()
+    del recv, sends
+
+
 def test_a_single_copy_send_keeps_its_channel_in_flight_until_its_ack_is_read(pair):
     """A single-copy send waiting for its ACK is in flight: the group's progress thread drives the
     channel until the ACK is read (it let the channel go once the RTS was written, and the ACK waited
