@@ -32,6 +32,10 @@ static inline uint32_t eng_load32(const uint32_t *p) { return __atomic_load_n(p,
 static inline void eng_store32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
 static inline void eng_add32(uint32_t *p) { __atomic_fetch_add(p, 1, __ATOMIC_SEQ_CST); }
 static inline void eng_sub32(uint32_t *p) { __atomic_fetch_sub(p, 1, __ATOMIC_SEQ_CST); }
+/* *p from `expected` to `desired`, if it still holds `expected`; whether it did. */
+static inline int eng_cas64(uint64_t *p, uint64_t expected, uint64_t desired) {
+  return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
 /* A full fence: a store before it is visible before any load after it (Dekker: see ring/doze). */
 static inline void eng_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 

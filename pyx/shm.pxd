@@ -10,6 +10,7 @@ cdef extern from "shm.h" nogil:
     void eng_store32(uint32_t *p, uint32_t v)
     void eng_add32(uint32_t *p)
     void eng_sub32(uint32_t *p)
+    bint eng_cas64(uint64_t *p, uint64_t expected, uint64_t desired)
     void eng_fence()
     void eng_futex_wait(uint32_t *addr, uint32_t val, double seconds)
     void eng_futex_wake(uint32_t *addr)

@@ -46,6 +46,11 @@ cdef enum:   # what ShmComm runs itself (the rest: CoreComm.run, over the segmen
     SHM_IMPLS = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
                  | (1u << IMPL_SINGLE_COPY))
 
+# A broadcast reader's table entry (its buffer's address) as the root's single-copy write of the
+# tail marks it (user-space addresses never reach these bits).
+cdef uint64_t TAIL_CLAIMED = 1ULL << 62
+cdef uint64_t TAIL_WRITTEN = 1ULL << 63
+
 
 cdef class ShmComm(CoreComm):
     """A group whose ranks share one host: every collective through one segment."""
@@ -475,7 +480,7 @@ cdef class ShmComm(CoreComm):
             q = 0
             while not ierr and q < P:
                 if q != root:
-                    ierr = self.seg.cma_copy(q, buf + head * isz, self.seg.table(q, step)[P] + head * isz, tail * isz, True)
+                    ierr = self.write_tail(q, step, buf + head * isz, head * isz, tail * isz)
                 q += 1
             self.seg.table(r, step)[P + 1] = ierr != 0    # the readers must not return a tail never written
             self.seg.post(PHASE_FINISHED)
@@ -483,12 +488,17 @@ cdef class ShmComm(CoreComm):
                 return ierr                # still copies from buf stays alive: a failed call's buffers are kept)
             err = self.seg.wait_all(step, PHASE_FINISHED, ctx, False)    # the readers are done with buf
             return ierr if ierr else err
-        ierr = self.seg.wait_peer(root, step, PHASE_POSTED, ctx, True)
-        if ierr == ENG_ERR_MISMATCH:       # (the root saw it too, and wrote nothing here)
-            return ierr
-        if not ierr:
-            ierr = self.seg.cma_copy(root, buf, self.seg.table(root, step)[P], head * isz, False)
-        err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
+        ierr = err = -1   # (until a wait returns: one that raises leaves through the finally)
+        try:
+            ierr = self.seg.wait_peer(root, step, PHASE_POSTED, ctx, True)
+            if ierr == ENG_ERR_MISMATCH:       # (the root saw it too, and wrote nothing here)
+                return ierr
+            if not ierr:
+                ierr = self.seg.cma_copy(root, buf, self.seg.table(root, step)[P], head * isz, False)
+            err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
+        finally:
+            if ierr or err:   # leaving before they are known done
+                self.withdraw_buffer(root, step, <uint64_t>buf)
         # The root's word on its writes is read before this rank finishes: once every reader finished,
         # the root may run on to the step that reuses this half, table and all.
         tail_failed = not ierr and not err and self.seg.table(root, step)[P + 1]
@@ -497,6 +507,32 @@ cdef class ShmComm(CoreComm):
             self.seg.err_peer = root
             return ENG_ERR_CMA
         return ierr if ierr else err
+
+    cdef int write_tail(self, int q, uint64_t step, char *src, size_t at, size_t nbytes) noexcept nogil:
+        """The root's write of a broadcast's tail into reader q's buffer, at `at` bytes, as q published
+        it in its table: claimed first, so that a reader that left the call (its wait failed: a timeout,
+        abort()) and took its buffer back is never written to once its caller may reuse it; marked
+        written after."""
+        cdef uint64_t *entry = &self.seg.table(q, step)[self.size]
+        cdef uint64_t addr = eng_load_acquire(entry)
+        cdef int ierr
+        if addr == 0 or not eng_cas64(entry, addr, addr | TAIL_CLAIMED):
+            return 0    # taken back: that reader never finishes this step, and the wait for it fails
+        ierr = self.seg.cma_copy(q, src, addr + at, nbytes, True)
+        eng_store_release(entry, addr | TAIL_CLAIMED | TAIL_WRITTEN)
+        return ierr
+
+    cdef void withdraw_buffer(self, int root, uint64_t step, uint64_t buf) noexcept nogil:
+        """A broadcast's reader leaving before it knows the root's write into buf is done (its wait
+        failed): takes buf back from its table, or, where the root claimed it first, waits until that
+        write is done or the root's process is gone: one copy of a part of the message, never a wait
+        on anyone's call."""
+        cdef uint64_t *entry = &self.seg.table(self.rank, step)[self.size]
+        if eng_cas64(entry, buf, 0):
+            return
+        while (not eng_load_acquire(entry) & TAIL_WRITTEN and
+               eng_pid_alive(self.seg.peers.pidfds[root], self.seg.peers.pids[root])):
+            eng_sleep(1e-4)
 
     cdef int rooted(self, int op, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                     const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:
