@@ -484,6 +484,7 @@ cdef class CoreComm:
             _same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
+            ms = apart(ms, mr, 0)
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.red = &red.c
         self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
@@ -512,6 +513,7 @@ cdef class CoreComm:
             _same_dtype(ms, mr, "reduce")
             if mr.count != ms.count:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
+            ms = apart(ms, mr, 0)
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, root
         self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
@@ -526,6 +528,8 @@ cdef class CoreComm:
         _same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
         largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
+        ms = apart(ms, mr, c.displs[self.rank] * ms.itemsize)   # (in place: this rank's part of recvbuf)
+        c.src = <char*>ms.ptr
         self.invoke(&c, self.select(OP_ALLGATHER, largest, ms.dtype, OPBIT_NONE, counts is not None, None),
                     mr.count, (ms, mr))
         return recvbuf
@@ -551,6 +555,8 @@ cdef class CoreComm:
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
         largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
+        ms = apart(ms, mr, -<Py_ssize_t>(c.displs[self.rank] * ms.itemsize))   # (in place: recvbuf is its block)
+        c.src = <char*>ms.ptr
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
                     ms.count, (ms, mr))
         return recvbuf
@@ -567,8 +573,7 @@ cdef class CoreComm:
         cdef int i
         cdef Call c
         _same_dtype(ms, mr, "alltoall")
-        if ms.ptr == mr.ptr and ms.count:
-            raise ValueError("alltoall: sendbuf and recvbuf are the same memory; pass separate buffers")
+        ms = apart(ms, mr, NOT_IN_PLACE)
         cdef bint even = send_counts is None and recv_counts is None
         alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
         for i in range(self.size):
@@ -665,6 +670,9 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
                  mine.dtype)
     c.root = root
     largest = _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
+    if whole is not None:   # (in place: the root's own part of the whole)
+        ms = apart(ms, mr, (1 if gather else -1) * <Py_ssize_t>(c.displs[root] * mine.itemsize))
+        c.src = <char*>ms.ptr
     self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count, (ms, mr))
 
 

@@ -260,6 +260,37 @@ def test_alltoall_equal_and_uneven():
     np.testing.assert_array_equal(out, np.concatenate([np.full(recv_counts[r], r * 100 + R, np.float32) for r in range(P)]))
 
 
+@pytest.mark.parametrize("n", [5, 300_000])   # (a small call, and one large enough for single copy and the ring)
+def test_an_input_overlapping_its_output_other_than_in_place_is_read_whole(n):
+    """Input and output share memory other than as the call's in-place layout (every rank's input at
+    the output's start, an alltoall in place, an output at the input's start): the result is what
+    separate buffers give (the algorithms read a peer's input while its output was written: whole
+    blocks wrong, silently)."""
+    mine = rank_data(R, n, "float32")
+    whole = [rank_data(r, n, "float32") for r in range(P)]
+    out = np.zeros(n * P, np.float32)
+    out[:n] = mine
+    WORLD.allgather(out[:n], out)
+    np.testing.assert_array_equal(out, np.concatenate(whole))
+    buf = np.concatenate([rank_data(R, n, "float32", salt=q) for q in range(P)])
+    want = reference("sum", [np.concatenate([rank_data(r, n, "float32", salt=q) for q in range(P)]) for r in range(P)])
+    WORLD.reduce_scatter(buf, buf[:n])
+    np.testing.assert_array_equal(buf[:n], want[R * n:(R + 1) * n])
+    both = np.concatenate([np.full(n, R * 100 + j, np.float32) for j in range(P)])
+    WORLD.alltoall(both, both)
+    np.testing.assert_array_equal(both, np.concatenate([np.full(n, r * 100 + R, np.float32) for r in range(P)]))
+    shifted = np.zeros(2 * n, np.float32)
+    shifted[n // 2:n // 2 + n] = mine
+    WORLD.allreduce(shifted[n // 2:n // 2 + n], shifted[:n])
+    np.testing.assert_array_equal(shifted[:n], reference("sum", whole))
+    for root in range(P):
+        got = np.zeros(n * P, np.float32)
+        got[:n] = mine
+        WORLD.gather(got[:n], got if R == root else None, root=root)
+        if R == root:
+            np.testing.assert_array_equal(got, np.concatenate(whole))
+
+
 def test_alltoall_refuses_a_piece_to_itself_longer_or_shorter_than_the_piece_from_itself():
     """Each side's counts add up, but this rank sends itself 2 elements and receives 1 from itself: a
     ValueError on every rank before anything moves (shared memory read past the send buffer, the
