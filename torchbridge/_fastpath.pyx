@@ -18,8 +18,8 @@ roots and timeouts. Where torch's layout differs (another version, another ABI),
 through pybind, as the general path reads it; tests/test_torch_options.py compares the two.
 
 A synchronous call (torch's async_op=False) runs in the caller's thread through the group's progress
-engine (engine.progress.Progress.run: in place when nothing is queued) and returns the shared completed
-Work; an asynchronous one is queued and returns a CollectiveWork. A point-to-point Work torch has
+engine (engine.progress.Progress.run: in place when nothing is queued) and returns a completed Work
+holding its outputs; an asynchronous one is queued and returns a CollectiveWork. A point-to-point Work torch has
 already dropped is reused for the next message (see _p2p_work).
 """
 
@@ -37,8 +37,7 @@ from torch.autograd import profiler as _profiler
 from engine import ReduceOp
 from engine._core import NotContiguousError, NotDivisibleError
 
-from torchbridge.devices import COMPLETED
-from torchbridge.work import CollectiveWork, PointToPointWork
+from torchbridge.work import CollectiveWork, CompletedWork, PointToPointWork
 
 cdef extern from *:
     """
@@ -330,6 +329,7 @@ cdef class FastPath:
     cdef object reduce
     cdef int size
     cdef list works                 # the last point-to-point Works made, to reuse (see _p2p_work)
+    cdef object completed           # the last synchronous call's Work, to reuse (see _completed)
     cdef Py_ssize_t next_work       # the slot of works the next new one takes
 
     def __init__(self, comm, progress, bint cuda):
@@ -341,13 +341,14 @@ cdef class FastPath:
         self.reduce = comm.reduce
         self.size = comm.size
         self.works = [None] * P2P_WORKS
+        self.completed = CompletedWork.of()
         self.next_work = 0
 
     def _reduce_to_root(self, t, op, root):
         self.reduce(t, None, op, root)
 
     cdef object collective(self, Method m, t, u, opts, outputs):
-        """m's call on t (input) and u (output): run now (COMPLETED), or queued where torch asked for
+        """m's call on t (input) and u (output): run now (a CompletedWork), or queued where torch asked for
         async_op (a CollectiveWork); None: the general form takes it. A run meets a tensor that isn't
         contiguous, or an even split's count the group size doesn't divide, before anything moves, and
         falls back; a queued call can't fall back once queued, so it checks both first."""
@@ -372,7 +373,7 @@ cdef class FastPath:
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))
         try:
             self.run(fn, a, b, c, m.nargs, m.name)
-            return COMPLETED
+            return self._completed(outputs)
         except (NotContiguousError, NotDivisibleError):
             return None
 
@@ -385,6 +386,17 @@ cdef class FastPath:
             return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)
         except NotContiguousError:
             return None
+
+    cdef object _completed(self, outputs):
+        # A synchronous call's Work (its outputs as result and future value), reused as _p2p_work's once
+        # nothing but this holds it: torch's synchronous calls (dist.*(async_op=False)) come from Python,
+        # which waits and drops the Work.
+        cdef PyObject *w = <PyObject *>self.completed
+        if w.ob_refcnt == 1:
+            self.completed._outputs = outputs
+        else:
+            self.completed = CompletedWork.of(outputs)
+        return self.completed
 
     cdef object _p2p_work(self, request, outputs):
         # A pybind Work costs more than the rest of a message's path. The last few made are reused

@@ -27,8 +27,6 @@ from engine.ops import ReduceOp
 
 from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork
 
-COMPLETED = CompletedWork()
-
 
 def own_timeout(opts):
     """A call's own timeout in seconds from torch's options (dist.barrier(timeout=...)), or None: unset
@@ -77,7 +75,7 @@ class CpuDevice:
             fn, a, b, c, nargs = self._within, fn, (a, b, c)[:nargs], seconds, 3
         if opts is not None and not opts.asyncOp:
             self.progress.run(fn, a, b, c, nargs, name)
-            return COMPLETED
+            return CompletedWork.of(outputs)
         self.comm.check_usable(name)   # (a broken group refuses a queued call now, not when it runs)
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
 
@@ -88,7 +86,7 @@ class CpuDevice:
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         if sync:
             self.progress.run(self._fused, tensors, op, (compression, prescale), 3, name)
-            return COMPLETED
+            return CompletedWork.of(tensors)
         self.comm.check_usable(name)
         return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale)), name,
                                                       tensors))
@@ -307,14 +305,14 @@ class StagedDevice:
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         torch.cuda.current_stream().synchronize()
         self.cpu.progress.run(fn, a, b, c, nargs, name)
-        return CompletedWork(outputs)
+        return CompletedWork.of(outputs)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
         hosts = [_pinned(t).copy_(t) for t in tensors]
         self.cpu.fused(hosts, op, compression, prescale, name, sync=True)
         for t, h in zip(tensors, hosts):
             t.copy_(h)
-        return CompletedWork(tensors)
+        return CompletedWork.of(tensors)
 
     def send(self, t, dst, tag, outputs):
         return self.cpu.send(t.cpu(), dst, tag, outputs)

@@ -160,7 +160,7 @@ class FaultTolerance:
         if aborted:
             self._release(*new)
             raise RuntimeError(overtaken.format(self._ended))
-        return CompletedWork()
+        return CompletedWork.of()
 
     def _swap(self, comm, membership, index, n, torch_ranks):
         """Puts comm in the group's place (under the swap lock); returns what _release frees of the old.

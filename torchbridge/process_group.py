@@ -87,9 +87,10 @@ def _check_premul(t):
 
 
 def _premul(t, factor):
-    """A scaled copy for PREMUL_SUM (the input itself is never modified)."""
+    """A scaled copy for PREMUL_SUM (the input itself is never modified), in t's dtype, as NCCL scales
+    (a factor tensor of another dtype would promote the copy)."""
     _check_premul(t)
-    return t * factor
+    return t * (factor.to(t.dtype) if isinstance(factor, torch.Tensor) else factor)
 
 
 def _source(t, factor):

@@ -128,12 +128,17 @@ class CollectiveWork(_OutputsWork):
 
 class CompletedWork(_OutputsWork):
     """What a synchronous call (async_op=False) returns: it already ran, in the caller's thread, and
-    raised there if it failed. torch waits on it once and drops it, so one shared instance serves the
-    CPU path; the staged CUDA path gives its outputs, which the future then holds (DDP hooks read them)."""
+    raised there if it failed. Its result and its future's value are the call's outputs, as an
+    asynchronous call's (DDP hooks read them). Made by of(outputs): no __init__ of its own, as
+    CollectiveWork."""
 
-    def __init__(self, outputs=()):
-        super().__init__()
-        self._outputs = list(outputs)
+    __slots__ = ("_outputs",)
+
+    @staticmethod
+    def of(outputs=()):
+        work = CompletedWork()
+        work._outputs = outputs
+        return work
 
     def wait(self, timeout=None):
         return True

@@ -150,6 +150,15 @@ def test_premul_sum():
     t = torch.full((10,), float(R + 1))
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
     assert torch.equal(t, torch.full((10,), P * (P + 1) / 4))
+    for factor in (torch.tensor([0.5], dtype=torch.float64), torch.tensor(0.5, dtype=torch.float16)):
+        # (a factor tensor of another dtype scales in the tensor's, as NCCL's: it was refused as a
+        # float64 send buffer beside the float32 receive buffer, which the caller never passed)
+        t = torch.full((10,), float(R + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+        assert t.dtype == torch.float32 and torch.equal(t, torch.full((10,), P * (P + 1) / 4)), factor
+        out = torch.zeros(2)
+        dist.reduce_scatter_tensor(out, torch.full((2 * P,), float(R + 1)), op=dist._make_nccl_premul_sum(factor))
+        assert torch.equal(out, torch.full((2,), P * (P + 1) / 4)), factor
 
 
 def test_all_reduce_non_contiguous_tensor_is_correct():
@@ -1048,3 +1057,53 @@ def test_messages_whose_works_are_dropped_in_flight_still_go_whole_and_in_order(
         dist.recv(t, 0)
         assert t.tolist() == [99.0] * 4
     dist.barrier(group=GLOO)
+
+
+def test_a_synchronous_calls_work_gives_its_outputs_as_an_asynchronous_calls_does():
+    """A Work of a call made with asyncOp=False (a caller of the group's own methods may ask for one)
+    gives the call's outputs from result() and from its future, as the same call's asynchronous Work
+    does (it gave [], the fast path's and the general path's alike)."""
+    pg = dist.distributed_c10d._get_default_group()
+    c10d = dist.distributed_c10d
+
+    def mine(n=2):
+        return torch.full((n,), float(R + 1))
+
+    calls = {
+        "allreduce": (c10d.AllreduceOptions, lambda o: pg.allreduce([mine()], o)),
+        "broadcast": (c10d.BroadcastOptions, lambda o: pg.broadcast([mine()], o)),
+        "reduce": (c10d.ReduceOptions, lambda o: pg.reduce([mine()], o)),
+        "allgather": (c10d.AllgatherOptions, lambda o: pg.allgather([[mine() for _ in range(P)]], [mine()], o)),
+        "_allgather_base": (c10d.AllgatherOptions, lambda o: pg._allgather_base(mine(2 * P), mine(), o)),
+        "gather": (c10d.GatherOptions,
+                   lambda o: pg.gather([[mine() for _ in range(P)]] if R == 0 else [], [mine()], o)),
+        "scatter": (c10d.ScatterOptions,
+                    lambda o: pg.scatter([mine()], [[mine() for _ in range(P)]] if R == 0 else [], o)),
+        "reduce_scatter": (c10d.ReduceScatterOptions, lambda o: pg.reduce_scatter([mine()], [[mine() for _ in range(P)]], o)),
+        "_reduce_scatter_base": (c10d.ReduceScatterOptions, lambda o: pg._reduce_scatter_base(mine(), mine(2 * P), o)),
+        "alltoall_base": (c10d.AllToAllOptions, lambda o: pg.alltoall_base(mine(2 * P), mine(2 * P), [], [], o)),
+        "alltoall": (c10d.AllToAllOptions, lambda o: pg.alltoall([mine() for _ in range(P)], [mine() for _ in range(P)], o)),
+        "allreduce_coalesced": (c10d.AllreduceCoalescedOptions, lambda o: pg.allreduce_coalesced([mine(), mine(3)], o)),
+    }
+
+    def flat(x):
+        return [t for part in x for t in flat(part)] if isinstance(x, list) else [x]
+
+    for name, (options, call) in calls.items():
+        seen = []
+        for asynchronous in (True, False):
+            opts = options()
+            opts.asyncOp = asynchronous
+            work = call(opts)
+            work.wait()
+            seen.append([flat(work.result()), flat(work.get_future().value())])
+        (result, value), (sync_result, sync_value) = seen
+        for got in (sync_result, sync_value):
+            assert len(got) == len(result) and all(torch.equal(a, b) for a, b in zip(got, result)), (name, got, result)
+        assert len(value) == len(result), (name, value, result)
+    opts = c10d.AllreduceOptions()
+    opts.asyncOp = False
+    a, b = mine(), mine()
+    first = pg.allreduce([a], opts)     # (held while the next is made: never handed out again)
+    second = pg.allreduce([b], opts)
+    assert first.result()[0] is a and second.result()[0] is b
