@@ -141,7 +141,8 @@ class Communicator:
                 raise failed
             layouts.append(None if _stage else hierarchy.layout(self, everyone))
             self.plan = registry.Plan(self.transport, caps | (registry.hierarchy_caps(registry.hier_mode())
-                                                              if layouts[0] is not None else set()), stage=_stage)
+                                                              if layouts[0] is not None else set()), stage=_stage,
+                                      alone=self.size == 1)
             agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
                              "ENGINE_CUDA_TRANSPORT": os.environ.get("ENGINE_CUDA_TRANSPORT", "").strip().lower()
                              or "auto",

@@ -31,6 +31,7 @@ EVERY = 1 << 62                 # no upper bound (bytes or ranks)
 COLLECTIVES = OP_KIND_NAMES     # the core's order: allreduce .. barrier, then sendrecv (point-to-point)
 TRANSPORTS = ("shm", "mpi", "tcp", "nccl")
 REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
+ROOTED = ("gather", "scatter")   # (uneven: the counts are the root's alone)
 OP_NAMES = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg", "user")
 
 
@@ -382,6 +383,11 @@ def tuned(path=None):
                                             f"{transport} transport (its {coll} runs {', '.join(names)})")
             doc["rules"][coll, transport] = [(name, lo, EVERY if hi is None else hi, lo_r, EVERY if hi_r is None
                                               else hi_r) for name, lo, hi, lo_r, hi_r in rules]
+            if coll in ROOTED and any(lo or hi < EVERY for _, lo, hi, _, _ in doc["rules"][coll, transport]):
+                raise tuning.fail(path, f"{coll}.{transport}: a {coll} rule can't depend on the call's size: off the "
+                                        "root a rank knows only its own part (torch gives the counts to the root "
+                                        "alone), so the ranks of an uneven call would choose differently; give "
+                                        "rules for every size")
         known = {t.env: t for t in tunables()}
         for name, value in doc["thresholds"].items():
             if name not in known:
@@ -431,16 +437,19 @@ class Plan:
 
     caps: what the group has ("single_copy", "hierarchy", and "hier:slice" or "hier:leader" for the
     ENGINE_HIER mode). A stage of a composite (a hierarchy's local and cross groups) and the CUDA
-    communicator ignore a forced name their transport does not run; a group a user made refuses it."""
+    communicator ignore a forced name their transport does not run; a group a user made refuses it.
+    A forced entry needing what the group lacks is refused too, but by a group of one rank (alone),
+    whose calls move nothing whatever entry they name: a script forcing single copy runs at one rank
+    as at two."""
 
-    def __init__(self, transport, caps=(), *, stage=False, environ=None):
+    def __init__(self, transport, caps=(), *, stage=False, alone=False, environ=None):
         measured = tuned()
         self.transport, self.caps = transport, frozenset(caps)
         self.rules, self.named = {}, {}
         for coll in COLLECTIVES:
             mine = entries(coll, transport)
             runnable = [e for e in mine if e.needs <= self.caps]
-            forced = self._forced(coll, mine, stage, environ)
+            forced = self._forced(coll, mine, stage, alone, environ)
             from_file = measured["rules"].get((coll, transport), ()) if measured else ()
             rules = [(entry(transport, coll, name), lo, hi, lo_r, hi_r) for name, lo, hi, lo_r, hi_r in from_file]
             rules = [r for r in rules if r[0].needs <= self.caps]
@@ -452,7 +461,7 @@ class Plan:
                 rules = [(forced, 0, EVERY, 1, EVERY)] + [r for r in rules if r[0] is not forced]
             self.rules[coll], self.named[coll] = rules, runnable
 
-    def _forced(self, coll, mine, stage, environ):
+    def _forced(self, coll, mine, stage, alone, environ):
         for transport, name in forced_items(coll, environ):
             if transport not in (None, self.transport):
                 continue
@@ -465,7 +474,7 @@ class Plan:
                 continue
             missing = match[0].needs - self.caps
             if missing:
-                if stage:
+                if stage or alone:
                     continue
                 raise ValueError(f"{force_variable(coll)}={name}: {coll} {name} needs {', '.join(sorted(missing))}, "
                                  f"which this {self.transport} group lacks ({_why(missing)})")

@@ -297,3 +297,21 @@ def test_the_shm_core_implements_every_shm_entry():
     import engine
     core = engine.Communicator.from_store(None, 0, 1).core
     assert {e.impl for e in registry.entries(transport="shm")} <= core.impls, core.impls
+
+
+def test_a_group_of_one_takes_a_forced_entry_it_lacks_what_for(monkeypatch):
+    """ENGINE_ALLGATHER_ALGO=single_copy, which a group of two without single copy refuses, is taken by
+    a group of one (its calls move nothing, whatever entry they name: the script that forces it at
+    two ranks runs at one, or with subgroups of one; it refused the group)."""
+    env = {"ENGINE_ALLGATHER_ALGO": "single_copy"}
+    with pytest.raises(ValueError, match="needs single_copy, which this shm group lacks"):
+        Plan("shm", environ=env)
+    assert Plan("shm", alone=True, environ=env).choose("allgather", 1 << 20, 1).name == "segment"
+    monkeypatch.setenv("ENGINE_ALLGATHER_ALGO", "single_copy")
+    import numpy as np
+    import engine
+    comm = engine.Communicator.single()
+    out = np.zeros(3, np.float32)
+    comm.allgather(np.arange(3, dtype=np.float32), out)
+    assert out.tolist() == [0, 1, 2]
+    comm.free()
