@@ -198,6 +198,8 @@ class FusedAllreduce(SizedFusion):
                 self._reduce_in_segment([tensors[i] for i in bucket.indices], bucket.dtype, code, summed,
                                         compression, prescale)
             return tensors
+        for bucket in buckets:   # (every flat buffer can be made: checked before any bucket moves)
+            _check_flat(tensors[bucket.indices[0]], wire_dtype(bucket.dtype, compression))
         with self._lock:  # the flat buffers are shared by the calls of this object
             if len(buckets) == 1:  # nothing to pipeline: no helper thread
                 flat, scale_after = self._pack(tensors, buckets[0], 0, code, compression, prescale)
@@ -308,6 +310,12 @@ def _empty_like(like, dtype, count):
         import torch
         return torch.empty(count, dtype=getattr(torch, dtype))
     import numpy as np
-    if dtype == "bfloat16":
-        raise TypeError("bfloat16 compression needs torch tensors (numpy has no bfloat16)")
+    _check_flat(like, dtype)
     return np.empty(count, dtype=dtype)
+
+
+def _check_flat(like, dtype):
+    """Raises where no flat buffer of `dtype` is made of like's kind: numpy has no bfloat16."""
+    if dtype == "bfloat16" and type(like).__module__.split(".")[0] != "torch":
+        raise TypeError("bfloat16 compression needs torch tensors (numpy has no bfloat16) outside shared memory, "
+                        "whose segment is the flat buffer")

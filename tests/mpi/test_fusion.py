@@ -212,3 +212,19 @@ def test_the_same_tensor_twice_or_overlapping_views_are_reduced_once(fused, n):
     fused.run([flat[: n + n // 2], flat[n // 2:], torch.ones(3, dtype=torch.float64)])
     want = P * torch.arange(2 * n, dtype=torch.float64) + P * (P - 1) / 2
     assert torch.equal(flat, want), (flat[:4], want[:4])
+
+
+def test_numpy_buckets_compressed_to_bfloat16_are_refused_before_any_moves_or_run_in_the_segment():
+    """numpy has no bfloat16 for a flat buffer: outside shared memory (whose segment is the flat
+    buffer) a call compressing numpy float32 buckets to it is refused whole, before its first bucket
+    moves (an int32 bucket ahead of it was reduced, then the call failed)."""
+    fusion = FusedAllreduce(WORLD, bucket_bytes=64, direct_bytes=32)
+    a, b = np.full(3, R + 1, np.int32), np.full(3, R + 1.0, np.float32)
+    if WORLD.packs_in_segment:
+        fusion.run([a, b], compression="bfloat16")
+        assert (a == P * (P + 1) // 2).all() and (b == P * (P + 1) / 2).all()
+    else:
+        with pytest.raises(TypeError, match="numpy has no bfloat16"):
+            fusion.run([a, b], compression="bfloat16")
+        assert (a == R + 1).all() and (b == R + 1).all()
+    fusion.close()
