@@ -88,6 +88,12 @@ cdef Message as_message(object obj, bint writable, str role):
         if not obj.is_contiguous():
             raise NotContiguousError(f"{role} is not contiguous; pass tensor.contiguous() "
                              "(and copy the result back if it is an output)")
+        if obj.is_neg() or (code == ENG_COMPLEX64 or code == ENG_COMPLEX128) and obj.is_conj():
+            # (its memory holds what the tensor shows negated, or conjugated: torch applies the bit lazily)
+            fix = "resolve_neg" if obj.is_neg() else "resolve_conj"
+            raise ValueError(f"{role} is a lazily {'negated' if obj.is_neg() else 'conjugated'} view (its memory "
+                             f"holds the values before that); pass tensor.{fix}() (and copy the result back if "
+                             "it is an output)")
         m.ptr = <void*><size_t>obj.data_ptr()
         m.count = obj.numel()
     elif PyObject_CheckBuffer(obj):

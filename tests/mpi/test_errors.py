@@ -67,6 +67,14 @@ def test_non_contiguous_and_read_only_buffers():
     with pytest.raises(ValueError, match="read-only"):
         WORLD.broadcast(bytes(8))
     WORLD.allreduce(ro, np.empty(4, np.float32))  # a read-only *input* is fine
+    # A lazily negated or conjugated tensor's memory holds the values before the negation: read raw, a
+    # MAX came out as the MIN, a broadcast of z.conj() gave z (torch refuses conj only in reductions).
+    with pytest.raises(ValueError, match=r"lazily negated view .* pass tensor.resolve_neg\(\)"):
+        WORLD.allreduce(torch._neg_view(torch.ones(4)), op="max")
+    with pytest.raises(ValueError, match=r"lazily conjugated view .* pass tensor.resolve_conj\(\)"):
+        WORLD.broadcast(torch.ones(4, dtype=torch.complex64).conj(), root=0)
+    with pytest.raises(ValueError, match="lazily negated"):
+        WORLD.allgather(torch.ones(2), torch._neg_view(torch.zeros(2 * P)))
     check_still_usable()
 
 
