@@ -484,7 +484,7 @@ cdef class CoreComm:
             _same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
-            ms = apart(ms, mr, 0)
+            ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.red = &red.c
         self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
@@ -513,7 +513,7 @@ cdef class CoreComm:
             _same_dtype(ms, mr, "reduce")
             if mr.count != ms.count:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
-            ms = apart(ms, mr, 0)
+            ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, root
         self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
@@ -528,7 +528,7 @@ cdef class CoreComm:
         _same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
         largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
-        ms = apart(ms, mr, c.displs[self.rank] * ms.itemsize)   # (in place: this rank's part of recvbuf)
+        ms = apart(ms, mr, <char*>mr.ptr + c.displs[self.rank] * ms.itemsize)   # (in place: its part of recvbuf)
         c.src = <char*>ms.ptr
         self.invoke(&c, self.select(OP_ALLGATHER, largest, ms.dtype, OPBIT_NONE, counts is not None, None),
                     mr.count, (ms, mr))
@@ -555,7 +555,7 @@ cdef class CoreComm:
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
         largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
-        ms = apart(ms, mr, -<Py_ssize_t>(c.displs[self.rank] * ms.itemsize))   # (in place: recvbuf is its block)
+        ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize)   # (in place: recvbuf is its block)
         c.src = <char*>ms.ptr
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
                     ms.count, (ms, mr))
@@ -573,7 +573,7 @@ cdef class CoreComm:
         cdef int i
         cdef Call c
         _same_dtype(ms, mr, "alltoall")
-        ms = apart(ms, mr, NOT_IN_PLACE)
+        ms = apart(ms, mr, NULL)
         cdef bint even = send_counts is None and recv_counts is None
         alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
         for i in range(self.size):
@@ -656,6 +656,7 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     cdef str whole_role = "recvbuf" if gather else "sendbuf"
     cdef Message mine, whole = None, ms, mr
     cdef Call c
+    cdef size_t at
     _check_root(self, root)
     mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
     if self.rank == root:
@@ -671,7 +672,8 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     c.root = root
     largest = _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
     if whole is not None:   # (in place: the root's own part of the whole)
-        ms = apart(ms, mr, (1 if gather else -1) * <Py_ssize_t>(c.displs[root] * mine.itemsize))
+        at = c.displs[root] * mine.itemsize
+        ms = apart(ms, mr, <char*>mr.ptr + at if gather else <char*>mr.ptr - at)
         c.src = <char*>ms.ptr
     self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count, (ms, mr))
 

@@ -6,7 +6,6 @@ from cpython.buffer cimport (PyObject_CheckBuffer, PyObject_GetBuffer, PyBuffer_
                              PyBUF_FORMAT, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE,
                              PyBUF_STRIDES)
 from cpython.bytearray cimport PyByteArray_AS_STRING
-from cpython.pyport cimport PY_SSIZE_T_MIN
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_SetName
 
 cdef class Message:
@@ -149,19 +148,16 @@ cdef Message as_message(object obj, bint writable, str role):
     return m
 
 
-cdef Py_ssize_t NOT_IN_PLACE = PY_SSIZE_T_MIN
-
-
-cdef Message apart(Message ms, Message mr, Py_ssize_t in_place):
+cdef Message apart(Message ms, Message mr, const char *in_place):
     """A call's input as it reads it: ms itself, or a copy of it where its bytes overlap the output's,
-    mr's, other than as the call's in-place layout (ms at `in_place` bytes into mr; NOT_IN_PLACE:
-    none). The algorithms read the peers' inputs while the outputs are written, so an input the
-    output overwrites would be read half written (Gloo copies too; NCCL leaves the overlap undefined)."""
+    mr's, other than as the call's in-place layout (ms at `in_place`; NULL: the call has none). The
+    algorithms read the peers' inputs while the outputs are written, so an input the output
+    overwrites would be read half written (Gloo copies too; NCCL leaves the overlap undefined)."""
     cdef size_t sb = ms.count * ms.itemsize, rb = mr.count * mr.itemsize
-    cdef char *s = <char*>ms.ptr
-    cdef char *r = <char*>mr.ptr
+    cdef const char *s = <const char*>ms.ptr
+    cdef const char *r = <const char*>mr.ptr
     cdef Message copy
-    if not sb or not rb or s + sb <= r or r + rb <= s or (in_place != NOT_IN_PLACE and s == r + in_place):
+    if not sb or not rb or s + sb <= r or r + rb <= s or s == in_place:
         return ms
     copy = Message.__new__(Message)
     copy.owner = bytearray(sb)

@@ -51,6 +51,7 @@ cdef class Message:
 
 
 cdef Message as_message(object obj, bint writable, str role)
+cdef Message apart(Message ms, Message mr, const char *in_place)
 
 
 # ---- reductions ----
