@@ -217,6 +217,42 @@ def test_the_cuda_communicator_reads_the_cores_count_tables():
             bad()
 
 
+def _recording_cuda_communicator(rank=0, size=2):
+    """A CudaCommunicator over a stand-in NCCL that records what it is asked to do (no GPU); buffers are
+    given as device_message's tuples (pointer, count, itemsize, dtype, device)."""
+    from engine.cuda.communicator import CudaCommunicator
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args))
+    comm = CudaCommunicator.__new__(CudaCommunicator)
+    comm.rank, comm.size, comm.device, comm.comm = rank, size, 0, Recording()
+    comm._plan = registry.Plan("nccl", stage=True)
+    comm._message = lambda buf: buf
+    comm._copy = lambda *args: calls.append(("copy", args))
+    return comm, calls
+
+
+def test_a_cuda_collectives_output_of_another_dtype_is_refused_before_anything_is_enqueued():
+    """float32 in, float16 out of the same element count: NCCL writes the input's dtype, past the
+    output's end (twice its bytes: all_gather_into_tensor and reduce_scatter_tensor, which torch does
+    not check). Refused as the CPU core refuses it, nothing enqueued."""
+    comm, calls = _recording_cuda_communicator()
+    f32, f16 = (0x1000, 8, 4, "float32", 0), (0x2000, 8, 2, "float16", 0)
+    for call in (lambda: comm.allgather((0x1000, 4, 4, "float32", 0), f16, stream=0),
+                 lambda: comm.reduce_scatter(f32, (0x2000, 4, 2, "float16", 0), ReduceOp.SUM, stream=0),
+                 lambda: comm.reduce(f32, f16, ReduceOp.SUM, 0, stream=0),
+                 lambda: comm.alltoall(f32, f16, stream=0),
+                 lambda: comm.gather((0x1000, 4, 4, "float32", 0), f16, 0, stream=0),
+                 lambda: comm.scatter(f16, (0x1000, 4, 4, "float32", 0), 0, stream=0)):
+        with pytest.raises(TypeError, match="send buffer is float.. but receive buffer is float..; they must have"):
+            call()
+    assert calls == []
+    comm.allgather((0x1000, 4, 4, "float32", 0), f32, stream=0)
+    assert [name for name, _ in calls] == ["allgather"]
+
+
 def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
     """A collective whose event never completes: past the timeout the watchdog runs on_fail (the
     group's abort hooks) once, then aborts the communicator, and every later call raises the timeout."""

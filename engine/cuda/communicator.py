@@ -40,6 +40,15 @@ class CudaCommunicator:
                              f"collective)")
         return msg
 
+    def _output(self, recvbuf, dtype, what):
+        """recvbuf's (pointer, count), of the input's dtype, as the CPU core checks: NCCL writes the
+        input's dtype, which a narrower output would not hold."""
+        ptr, count, _, rdtype, _ = self._message(recvbuf)
+        if rdtype != dtype:
+            raise TypeError(f"{what}: send buffer is {dtype} but receive buffer is {rdtype}; they must have the "
+                            "same dtype")
+        return ptr, count
+
     def _scratch(self, nbytes, stream):
         cp = self._cupy
         with cp.cuda.Device(self.device), self.kernels._stream(stream):
@@ -95,7 +104,7 @@ class CudaCommunicator:
     def reduce(self, sendbuf, recvbuf, op, root, *, stream):
         """recvbuf on root = op over ranks of sendbuf (recvbuf may be sendbuf; ignored off the root)."""
         sptr, count, itemsize, dtype, _ = self._message(sendbuf)
-        rptr = self._message(recvbuf)[0] if recvbuf is not None and self.rank == root else sptr
+        rptr = self._output(recvbuf, dtype, "reduce")[0] if recvbuf is not None and self.rank == root else sptr
         code = op_code(op)
         check_reduction(dtype, code)
         if count == 0:
@@ -112,7 +121,7 @@ class CudaCommunicator:
     def reduce_scatter(self, sendbuf, recvbuf, op=ReduceOp.SUM, counts=None, *, stream):
         """recvbuf = this rank's block of op over ranks of sendbuf; blocks even, or `counts` elements each."""
         sptr, total, itemsize, dtype, _ = self._message(sendbuf)
-        rptr, rcount = self._message(recvbuf)[:2]
+        rptr, rcount = self._output(recvbuf, dtype, "reduce_scatter")
         code = op_code(op)
         check_reduction(dtype, code)
         counts, displs = count_table(self.size, self.rank, counts, rcount, "recvbuf", total, "sendbuf",
@@ -139,8 +148,8 @@ class CudaCommunicator:
 
     def allgather(self, sendbuf, recvbuf, counts=None, *, stream):
         """recvbuf = concat over ranks of sendbuf; `counts` elements per rank when uneven."""
-        sptr, scount, itemsize, _, _ = self._message(sendbuf)
-        rptr, rcount = self._message(recvbuf)[:2]
+        sptr, scount, itemsize, dtype, _ = self._message(sendbuf)
+        rptr, rcount = self._output(recvbuf, dtype, "allgather")
         counts, displs = count_table(self.size, self.rank, counts, scount, "sendbuf", rcount, "recvbuf", "allgather")
         uneven = len(set(counts)) > 1
         if rcount == 0:
@@ -154,8 +163,8 @@ class CudaCommunicator:
                                  [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None, *, stream):
-        sptr, scount, itemsize, _, _ = self._message(sendbuf)
-        rptr, rcount = self._message(recvbuf)[:2]
+        sptr, scount, itemsize, dtype, _ = self._message(sendbuf)
+        rptr, rcount = self._output(recvbuf, dtype, "alltoall")
         send_counts, so, recv_counts, ro = alltoall_table(self.size, self.rank, send_counts, scount, recv_counts, rcount)
         so, ro = [d * itemsize for d in so], [d * itemsize for d in ro]
         me = self.rank   # (alltoall_table checked this rank's piece to itself against its piece from itself)
@@ -164,22 +173,25 @@ class CudaCommunicator:
                                  [(rptr + ro[p], recv_counts[p] * itemsize, p) for p in self._peers()], stream)
 
     def gather(self, sendbuf, recvbuf, root, counts=None, *, stream):
-        sptr, scount, itemsize, _, _ = self._message(sendbuf)
+        sptr, scount, itemsize, dtype, _ = self._message(sendbuf)
         if self.rank != root:
             self.comm.exchange([(sptr, scount * itemsize, root)], [], stream)
             return
-        rptr, rcount = self._message(recvbuf)[:2]
+        rptr, rcount = self._output(recvbuf, dtype, "gather")
         counts, displs = count_table(self.size, self.rank, counts, scount, "sendbuf", rcount, "recvbuf", "gather")
         offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr, rptr + offs[root], scount * itemsize, [],
                                  [(rptr + offs[p], counts[p] * itemsize, p) for p in self._peers()], stream)
 
     def scatter(self, sendbuf, recvbuf, root, counts=None, *, stream):
-        rptr, rcount, itemsize, _, _ = self._message(recvbuf)
+        rptr, rcount, itemsize, dtype, _ = self._message(recvbuf)
         if self.rank != root:
             self.comm.exchange([], [(rptr, rcount * itemsize, root)], stream)
             return
-        sptr, scount = self._message(sendbuf)[:2]
+        sptr, scount, _, sdtype, _ = self._message(sendbuf)
+        if sdtype != dtype:
+            raise TypeError(f"scatter: send buffer is {sdtype} but receive buffer is {dtype}; they must have the "
+                            "same dtype")
         counts, displs = count_table(self.size, self.rank, counts, rcount, "recvbuf", scount, "sendbuf", "scatter")
         offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr + offs[root], rptr, rcount * itemsize,
