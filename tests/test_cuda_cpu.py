@@ -78,6 +78,50 @@ def test_a_fused_batch_is_checked_whole_before_any_bucket_is_enqueued():
     assert enqueued == ["allreduce"]   # (alone: in place)
 
 
+@pytest.mark.parametrize("bucket_bytes, direct_bytes", [(256, None), (40, None), (1 << 20, 40)])
+def test_a_fused_batch_holding_one_buffer_twice_reduces_it_once(bucket_bytes, direct_bytes):
+    """The same buffer twice in a fused allreduce, on a stand-in that keeps device memory in numpy and
+    sums as two ranks holding the same data would (doubling): each is read into a copy first, as the
+    CPU fusion does. Where its two places went to two buckets, or it travelled alone in place, the
+    second reduced the first's result again (4 where 2 is due)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from engine.cuda.fusion import CudaFusedAllreduce
+    memory = {0x1000: np.ones(10, np.float32)}
+
+    def at(ptr):
+        base = max(p for p in memory if p <= ptr)
+        return memory[base][(ptr - base) // 4:]
+
+    def scratch(nbytes, stream):
+        ptr = 0x100000 * (len(memory) + 1)
+        memory[ptr] = np.zeros(max(nbytes // 4, 1), np.float32)
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    def copy(dst, src, nbytes, stream):
+        at(dst)[:nbytes // 4] = at(src)[:nbytes // 4]
+
+    def pack(ptr, wire, parts, dtype, itemsize, stream, before):
+        out = at(ptr)
+        for p, n in parts:
+            out[:n], out = at(p)[:n] * before, out[n:]
+
+    def unpack(ptr, wire, parts, dtype, itemsize, stream, after):
+        flat = at(ptr)
+        for p, n in parts:
+            at(p)[:n], flat = flat[:n] * after, flat[n:]
+
+    def allreduce(ptr, count, itemsize, dtype, op, stream):
+        at(ptr)[:count] *= 2
+
+    comm = SimpleNamespace(size=2, kernels=SimpleNamespace(pack=pack, unpack=unpack, scale=None), _copy=copy,
+                           _message=lambda buf: buf, _scratch=scratch, _allreduce=allreduce)
+    buf = (0x1000, 10, 4, "float32", 0)
+    CudaFusedAllreduce(comm, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes).run([buf, buf], stream=0)
+    assert (memory[0x1000] == 2).all(), memory[0x1000]
+
+
 def test_forced_gpu_algorithm(monkeypatch):
     monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "ring")
     assert registry.Plan("nccl", stage=True).choose("allreduce", 1 << 20, 2, "float32", "sum").name == "ring"

@@ -18,6 +18,25 @@ class CudaFusedAllreduce(SizedFusion):
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         code = op_code(op)
         messages = [self.comm._message(b) for b in buffers]
+        if _overlap(messages):
+            self._run_on_copies(messages, code, stream, compression, prescale)
+        else:
+            self._run(messages, code, stream, compression, prescale)
+        return buffers
+
+    def _run_on_copies(self, messages, code, stream, compression, prescale):
+        """run() of buffers that share memory (the same one twice, overlapping views): each is read into
+        a copy first and written back after, in order, as the CPU fusion does (engine/fusion.py): in
+        place, the second would be reduced again."""
+        comm = self.comm
+        copies = [comm._scratch(count * itemsize, stream) for _, count, itemsize, _, _ in messages]  # (held to the end)
+        for (ptr, count, itemsize, _, _), copy in zip(messages, copies):
+            comm._copy(copy.data.ptr, ptr, count * itemsize, stream)
+        self._run([(copy.data.ptr, *m[1:]) for m, copy in zip(messages, copies)], code, stream, compression, prescale)
+        for (ptr, count, itemsize, _, _), copy in zip(messages, copies):
+            comm._copy(ptr, copy.data.ptr, count * itemsize, stream)
+
+    def _run(self, messages, code, stream, compression, prescale):
         specs = [(count, dtype, itemsize, f"cuda:{dev}") for _, count, itemsize, dtype, dev in messages]
         comm, kernels = self.comm, self.comm.kernels
         reduce_op = ReduceOp.SUM if code == ReduceOp.AVG else code
@@ -44,4 +63,9 @@ class CudaFusedAllreduce(SizedFusion):
                     kernels.scale(ptr, bucket.count, wire, after, stream)
             else:
                 kernels.unpack(ptr, wire, parts, bucket.dtype, itemsize, stream, after)
-        return buffers
+
+
+def _overlap(messages):
+    """Whether two of the buffers (device_message's tuples) share memory."""
+    spans = sorted((ptr, ptr + count * itemsize) for ptr, count, itemsize, _, _ in messages if count)
+    return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
