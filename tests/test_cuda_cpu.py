@@ -569,3 +569,45 @@ def test_abort_aborts_the_cuda_side_and_a_reconfigure_sets_it_up_anew():
     assert "was reconfigured or destroyed while a CUDA collective of its earlier members had not finished" in \
         events[0][1]
     pg.shutdown()
+
+
+def test_a_destroyed_groups_cuda_collective_still_running_finishes_rather_than_is_aborted():
+    """destroy_process_group while a healthy collective still runs on the GPU (every CUDA collective
+    returns before the GPU is done, synchronous ones too): its device is shut down (which waits for
+    its work, to the watchdog's deadline), never aborted (ncclCommAbort: a result saved right after
+    the destroy could be half written)."""
+    import time
+
+    import torch.distributed as dist
+    from engine import Communicator
+    from engine.cuda.watchdog import Watchdog
+    from torchbridge.process_group import EngineProcessGroup
+
+    events = []
+
+    class Device:
+        def abort(self, error):
+            events.append("abort")
+
+        def shutdown(self):
+            events.append("shutdown")
+
+        def check_async_error(self):
+            pass
+
+    class Running:   # (completes 0.5 s later)
+        t0 = time.monotonic()
+
+        def query(self):
+            return time.monotonic() - self.t0 > 0.5
+
+    cpu = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(cpu, 0, 1, store=dist.HashStore(), name="g")
+    dog = Watchdog("g", 0, 1, 30.0)
+    pg._devices, pg._watchdog, pg._cuda_transport = {0: Device()}, dog, "nccl"
+    dog.watch(Running(), "allreduce", Device())
+    pg.shutdown()
+    deadline = time.monotonic() + 10
+    while "shutdown" not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ["shutdown"] and dog.error is None, (events, dog.error)

@@ -23,13 +23,15 @@ from .tracing import CollectiveHooks, first, root_inputs, second, second_one, tr
 from .work import all_of, in_seconds
 
 
-def _end_cuda_side(name, comm, devices, watchdog, error):
+def _end_cuda_side(name, comm, devices, watchdog, error, swap):
     """Aborts a group's CUDA devices (ncclCommAbort) where a destroy could wait for ever: on abort()
-    (error), and when the group is swapped (a reconfigure) or destroyed while broken or with a
-    collective still unfinished on the GPU, which may wait on a peer that is gone. Otherwise the
-    release destroys them after what they run. The watchdog goes first, so that what the devices'
-    abort makes NCCL report is not taken for a failure of its own."""
-    stuck = watchdog is not None and (watchdog.error is not None or watchdog.unfinished())
+    (error), when the group is broken, and when it is swapped (swap: a reconfigure) with a collective
+    still unfinished on the GPU, which may wait on a peer that is gone. Otherwise the release destroys
+    them after what they run: a destroyed group's collectives still running finish first (the
+    release waits for them, at most to the watchdog's deadline, whose abort ends them). The watchdog
+    goes first, so that what the devices' abort makes NCCL report is not taken for a failure of its
+    own."""
+    stuck = watchdog is not None and (watchdog.error is not None or (swap and watchdog.unfinished()))
     if error is None and not (stuck or comm.watch.broken):
         return
     error = error or RuntimeError(f"process group {name!r} was reconfigured or destroyed while a CUDA collective "
@@ -216,7 +218,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             comm.abort()
             cpu.progress.abort(error)
         if comm is not None and devices:
-            _end_cuda_side(self._name, comm, devices, watchdog, error if abort else None)
+            _end_cuda_side(self._name, comm, devices, watchdog, error if abort else None, error is None)
         stand_in = Unavailable(error or RuntimeError("process group is being reconfigured"), self._rank, self._size)
         self._comm = None
         self._cpu = stand_in
