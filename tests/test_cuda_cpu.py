@@ -611,3 +611,21 @@ def test_a_destroyed_groups_cuda_collective_still_running_finishes_rather_than_i
     while "shutdown" not in events and time.monotonic() < deadline:
         time.sleep(0.01)
     assert events == ["shutdown"] and dog.error is None, (events, dog.error)
+
+
+def test_every_cuda_tensor_of_a_call_is_recorded_on_the_stream_it_runs_on():
+    """Each CUDA tensor among a call's arguments and outputs, lists of them included, is recorded on the
+    stream the call is enqueued on (ProcessGroupNCCL's record_stream): freed before the work ends, an
+    input allocated on another stream was handed out again while NCCL still read it. On stand-ins."""
+    from torchbridge.devices import used_on
+
+    class Tensor:
+        def __init__(self, is_cuda):
+            self.is_cuda, self.streams = is_cuda, []
+
+        def record_stream(self, stream):
+            self.streams.append(stream)
+
+    a, b, c, host = Tensor(True), Tensor(True), Tensor(True), Tensor(False)
+    used_on("s1", (a, [b, [c]], None, 3, host), [a])
+    assert a.streams == ["s1", "s1"] and b.streams == c.streams == ["s1"] and host.streams == []

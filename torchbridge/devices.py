@@ -55,6 +55,20 @@ def _through_contiguous(fn, tensors, *args, **kwargs):
             t.copy_(w)
 
 
+def used_on(stream, *groups):
+    """Marks every CUDA tensor in groups (sequences of tensors and of nested lists of them, as a call's
+    arguments are) used on `stream`, as ProcessGroupNCCL records its tensors: the caching allocator
+    then keeps a tensor's memory until the stream is past this point, whichever stream allocated it
+    (freed before the work ends, an input allocated on another stream was handed out again while NCCL
+    still read it)."""
+    for group in groups:
+        for item in group:
+            if isinstance(item, (list, tuple)):
+                used_on(stream, item)
+            elif getattr(item, "is_cuda", False):
+                item.record_stream(stream)
+
+
 def _pinned(t):
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
@@ -189,6 +203,7 @@ class CudaDevice:
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         self._check(name)
         self.flush()  # point-to-point issued earlier goes first
+        used_on(torch.cuda.current_stream(self.device), (a, b, c)[:nargs], outputs)
         (fn(a, b, c) if nargs == 3 else fn(a, b) if nargs == 2 else fn(a) if nargs == 1 else fn())
         return self._work(name, outputs)
 
@@ -196,6 +211,7 @@ class CudaDevice:
         from engine.cuda.fusion import CudaFusedAllreduce
         self._check(name)
         self.flush()
+        used_on(torch.cuda.current_stream(self.device), tensors)
         if self._fusion is None:
             self._fusion = CudaFusedAllreduce(self.cc)
         _through_contiguous(self._fusion.run, tensors, op, stream=self.comm._stream(), compression=compression,
