@@ -629,3 +629,30 @@ def test_every_cuda_tensor_of_a_call_is_recorded_on_the_stream_it_runs_on():
     a, b, c, host = Tensor(True), Tensor(True), Tensor(True), Tensor(False)
     used_on("s1", (a, [b, [c]], None, 3, host), [a])
     assert a.streams == ["s1", "s1"] and b.streams == c.streams == ["s1"] and host.streams == []
+
+
+def test_a_barrier_posts_the_sends_and_receives_a_cuda_device_deferred():
+    """isend on a CUDA tensor, then dist.barrier(), then wait(): the deferred send is posted by the
+    barrier (a peer may wait on it, its recv then .item(), before it reaches the barrier: it was posted
+    only at the wait, after the barrier both then waited in until the timeout). A group with CUDA
+    takes the general barrier, which flushes every CUDA device, on stand-ins."""
+    import torch.distributed as dist
+    from engine import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    flushed = []
+
+    class Device:
+        def flush(self):
+            flushed.append(True)
+
+        def shutdown(self):
+            pass
+
+    cpu = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(cpu, 0, 1, store=dist.HashStore(), name="g")
+    pg._devices = {0: Device()}
+    pg._traced_barrier().wait()
+    assert flushed == [True]
+    pg._devices = {}
+    pg.shutdown()

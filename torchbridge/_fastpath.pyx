@@ -273,7 +273,6 @@ cdef class Method:
     cdef _Layout layout
     cdef int nargs
     cdef int args[3]
-    cdef bint host_only                 # moves no tensor: CUDA routing doesn't apply (barrier)
     cdef bint even_split                # all_to_all_single: a queued call checks divisibility first
     cdef bint reals_only                # reduces, and torch hands it complex tensors as they are (reduce,
                                         # reduce_scatter): the general form reduces their real view
@@ -284,7 +283,6 @@ cdef class Method:
         self.layout = LAYOUTS[options] if options else None
         self.nargs = len(words)
         self.args = [ARGUMENTS[w] for w in words] + [ARG_NONE] * (3 - len(words))
-        self.host_only = call == "barrier"
         self.even_split = call == "alltoall"
         self.reals_only = call in ("reduce_to_root", "reduce_scatter")
 
@@ -354,7 +352,7 @@ cdef class FastPath:
         falls back; a queued call can't fall back once queued, so it checks both first."""
         cdef int64_t root = 0
         cdef int call, op
-        if (self.cuda and not m.host_only) or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
+        if self.cuda or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
             return None
         if m.even_split and (rows(t) % self.size or rows(u) % self.size):
             return None   # (split by rows, as torch's backends do: the general form says what is wrong)

@@ -623,7 +623,12 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     def _barrier(self, opts=None):
         # The ranks meet on the host: no CUDA device is involved (torch's own NCCL barrier would allreduce
-        # on the GPU); CUDA work already enqueued keeps its own order.
+        # on the GPU); CUDA work already enqueued keeps its own order. Sends and receives a CUDA device
+        # deferred are posted first: a peer may wait on one (its recv, then .item()) before it comes.
+        for dev in list(self._devices.values()):
+            flush = getattr(dev, "flush", None)
+            if flush is not None:
+                flush()
         return self._cpu.launch("barrier", getattr(self._comm, "barrier", None), None, None, None, 0, [], opts)
 
     _traced_barrier = traced("barrier")(_barrier)
