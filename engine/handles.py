@@ -410,7 +410,6 @@ class HubStore:
 
     def __init__(self, conns, deadline, meeting, handles):
         self.meeting = meeting
-        meeting.hub = self
         self.data = {}
         self.cv = threading.Condition()
         self.deadline = deadline
@@ -421,6 +420,7 @@ class HubStore:
         self.serving = len(self.conns)   # members not yet done (nor gone)
         self.finished = []                # the connections of members that are done: they wait for the verdict
         self.closing = False              # close() shuts the connections: a member's end is no news then
+        meeting.hub = self   # (once fail() can run: an abort() from another thread calls it from here on)
         for t in self.threads:
             t.start()
 

@@ -978,3 +978,27 @@ def test_an_abort_before_the_reconfigures_meeting_began_still_ends_it_at_once(mo
     finally:
         stranger.close()
         pg.shutdown()
+
+
+def test_an_abort_landing_while_the_hub_is_made_is_heard_rather_than_raise(monkeypatch):
+    """abort() from another thread lands while the first member makes its hub (the meeting told the hub
+    before the hub could fail: AttributeError out of abort(), and nothing aborted). The meeting holds
+    the abort, which the making reads once the hub is made."""
+    from engine import handles
+
+    listener = handles.Listener()
+    meeting = handles.Meeting(listener)
+    real = threading.Condition
+
+    def condition(*args):
+        meeting.cancel("aborted")   # (abort(), from another thread, at this moment)
+        return real(*args)
+
+    monkeypatch.setattr(handles, "threading", SimpleNamespace(Condition=condition, Thread=threading.Thread))
+    try:
+        store = handles.HubStore({}, time.monotonic() + 5, meeting, [listener.handle])
+        assert meeting.cancelled == "aborted"
+        store.fail(meeting.cancelled)
+        assert store.error == "aborted"
+    finally:
+        listener.close()
