@@ -167,15 +167,15 @@ class Watch:
     def call_timeout(self, seconds):
         """The collectives run inside wait `seconds`, not the group's timeout (c10d's per-call
         options.timeout: dist.barrier(timeout=...)); point-to-point waits keep the group's."""
-        kept = self.note_after, self.interval
         self.call_limit = seconds
-        self.note_after, self.interval = (min(mine, call) for mine, call in zip(kept, Watch._pace(seconds)))
+        self.note_after, self.interval = (min(mine, call) for mine, call in zip(Watch._pace(self.timeout),
+                                                                                Watch._pace(seconds)))
         self.core.set_watch(self, self.interval, p2p=self)
         try:
             yield
-        finally:
+        finally:   # (the group's pace, of its timeout now: a set_timeout() meanwhile keeps its own)
             self.call_limit = None
-            self.note_after, self.interval = kept
+            self.note_after, self.interval = Watch._pace(self.timeout)
             self.core.set_watch(self, self.interval, p2p=self)
 
     @staticmethod

@@ -137,6 +137,16 @@ def test_the_stall_warning_counts_down_to_the_calls_own_timeout(monkeypatch, cap
     assert "rank 1 did not arrive (timeout in 58 s)" in capsys.readouterr().err
 
 
+def test_a_set_timeout_during_a_calls_own_timeout_keeps_its_pace_after_it():
+    """set_timeout(0.2) while a call with its own 5 s timeout waits: once the call is out, the waits
+    poll and note as a 0.2 s timeout asks (the call's end put back the pace it found when it began, the
+    60 s group's: a 0.2 s timeout was enforced up to half a second late)."""
+    w, _ = watch(0, 2, Store())
+    with w.call_timeout(5.0):
+        w.set_timeout(0.2)
+    assert (w.note_after, w.interval) == Watch._pace(0.2) == (0.05, 0.05)
+
+
 def test_a_call_key_in_words():
     assert describe_call(key("reduce", red="avg", root=2), 5) == "reduce of 5 float32, op AVG, root 2"
     assert describe_call(key("allgather", "bfloat16"), 16) == "allgather of 16 bfloat16"
