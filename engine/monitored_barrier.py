@@ -10,26 +10,30 @@ import time
 from datetime import timedelta
 
 from . import forks
+from ._core import EngineError
 from .config import finite_seconds
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
 GRACE_SECONDS = 5.0
+# A wait's slice: between two, whether the group was aborted (an abort() ends the barrier within one).
+SLICE_SECONDS = 0.05
 
 
-def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what):
+def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what, aborted=None):
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
-    how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages."""
+    how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages. aborted(): the
+    exception that ends the barrier now (the group's abort()), or None; asked between slices of a wait."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
-        return _report_to_rank_0(store, key, rank, seconds, answer_seconds, what)
+        return _report_to_rank_0(store, key, rank, seconds, answer_seconds, what, aborted)
     with _store_errors("[Rank 0]: ", what):
         store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
         start = time.monotonic()
         arrived, missing, error = [], [], None
         for r in range(1, size):
             left = start + seconds - time.monotonic()
-            if _arrives(store, key + str(r), left):
+            if _arrives(store, key + str(r), left, aborted):
                 arrived.append(r)
                 continue
             if wait_all:
@@ -51,14 +55,25 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
         raise RuntimeError(error)
 
 
-def _arrives(store, key, seconds):
-    """Whether key is set in the store within seconds (at once when seconds <= 0)."""
-    if seconds > 0:
+def _arrives(store, key, seconds, aborted=None):
+    """Whether key is set in the store within seconds (at once when seconds <= 0), waiting in slices
+    between which aborted() may end it (raising what it returns)."""
+    end = time.monotonic() + finite_seconds(seconds)
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        part = min(left, SLICE_SECONDS) if aborted is not None else left
+        began = time.monotonic()
         try:
-            store.wait([key], timedelta(seconds=finite_seconds(seconds)))
+            store.wait([key], timedelta(seconds=part))
             return True
         except RuntimeError:  # the store's timeout (its own exception type and wording); a lost store fails the check
-            pass
+            if time.monotonic() - began < part / 2:   # (not a timeout: the check says what)
+                break
+        why = aborted() if aborted is not None else None
+        if why is not None:
+            raise why
     return store.check([key])
 
 
@@ -67,11 +82,13 @@ def _store_errors(opening, what):
     """A store that fails (its host gone: torch's DistNetworkError) ends the barrier in its own words."""
     try:
         yield
+    except EngineError:   # (the group's abort)
+        raise
     except RuntimeError as exc:
         raise RuntimeError(f"{opening}the store failed ({type(exc).__name__}: {exc}) ({what})") from exc
 
 
-def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what):
+def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what, aborted):
     store.set(key + str(rank), "")
     failed = (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
               "from rank 0: ")
@@ -79,8 +96,8 @@ def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what):
     # other ranks do). Once it came, its verdict comes within its own timeout, which may be the longer:
     # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
     with _store_errors(failed, what):
-        came = _arrives(store, key + "0", answer_seconds)
-        answered = came and _arrives(store, key + "verdict", seconds + GRACE_SECONDS)
+        came = _arrives(store, key + "0", answer_seconds, aborted)
+        answered = came and _arrives(store, key + "verdict", seconds + GRACE_SECONDS, aborted)
         verdict = store.get(key + "verdict").decode() if answered else None
     if not came:
         raise RuntimeError(f"{failed}Timed out after {answer_seconds:g} s waiting for rank 0 ({what}); rank 0 "

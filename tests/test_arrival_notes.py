@@ -280,3 +280,26 @@ def test_a_monitored_barrier_whose_store_goes_away_says_so_as_its_other_errors(r
                                               "while waiting for send/recv from rank 0: ")
     assert str(raised.value).startswith(opening + "the store failed (DistNetworkError: "), raised.value
     assert str(raised.value).endswith("(the test's barrier)"), raised.value
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_monitored_barrier_ends_soon_after_its_group_is_aborted(rank):
+    """abort() 0.3 s into a monitored barrier whose peer never comes (timeout 20 s): the barrier raises
+    the group's EngineAborted within a slice of its wait, on rank 0 and on the others (it waited in the
+    store until its timeout)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from engine._core import EngineAborted
+    from engine.monitored_barrier import monitored_barrier
+    aborted = []
+    timer = threading.Timer(0.3, aborted.append, [EngineAborted("process group 'g' was aborted (abort())")])
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineAborted, match="was aborted"):
+        monitored_barrier(dist.HashStore(), "mb/", rank, 2, 20, 20, False, "the test's barrier",
+                          aborted=lambda: aborted[0] if aborted else None)
+    assert time.monotonic() - start < 3
+    timer.join()
