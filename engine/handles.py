@@ -45,6 +45,7 @@ MAX_VALUE = 16 << 20
 MAX_MEMBERS = 1 << 16
 HELLO_SECONDS = 10.0                     # an accepted connection must say hello within this
 HELLO_ANSWER_GRACE_SECONDS = 2.0         # a member waits for the hub's answer this long past its deadline
+MAX_WAIT_SECONDS = 7 * 24 * 3600.0        # the most a member takes from the hub's answer as the hub's time left
 ACCEPT_TICK_SECONDS = 0.05               # the hub's accept wait reads abort() this often
 PROBE_SECONDS = (1.0, 30.0)              # the hub probes a member not yet connected after 1 s, then ever less often
 PROBE_CONNECT_SECONDS = 0.05             # (a refusal comes in one round trip; silence proves nothing)
@@ -194,8 +195,8 @@ class Listener:
         meeting.check()   # (an abort since the last look: the members hear of it from the hub's error)
         meeting.socks.extend(mine.values())
         meeting.admitted = []
-        for conn in mine.values():
-            _reply(conn, OK, "")
+        for conn in mine.values():   # (with the seconds this hub gives the meeting: its members wait its verdict so long)
+            _reply(conn, OK, f"{max(0.0, deadline - time.monotonic()):.3f}")
         return mine
 
     def _hello(self, conn, hello, uuid, n, digest, mine, meeting):
@@ -583,7 +584,8 @@ class MemberStore:
         # deadline why it gave up, naming the members that never came)
         self.sock.settimeout(max(0.1, deadline - time.monotonic()) + HELLO_ANSWER_GRACE_SECONDS)
         try:
-            self._answer("the first member's answer to this rank's hello", refused=RuntimeError)
+            left = self._answer("the first member's answer to this rank's hello", refused=RuntimeError)
+            self.verdict_by = max(deadline, time.monotonic() + _seconds(left))   # (the hub's deadline, if later)
         except TimeoutError as exc:
             self.sock.close()
             raise TimeoutError(f"{exc}: it still waits for other members to connect, or it is stuck") from None
@@ -651,7 +653,10 @@ class MemberStore:
         it has failed, and the hub ends the meeting for every member."""
         try:
             if made:
-                self.sock.settimeout(max(0.1, (deadline or self.deadline) - time.monotonic()))
+                # (the verdict comes at the hub's deadline at the latest, which may fall after this rank's:
+                # a member that gave up on it sooner would fail alone, the others succeeding)
+                self.sock.settimeout(max(0.1, max(deadline or self.deadline, self.verdict_by) - time.monotonic())
+                                     + HELLO_ANSWER_GRACE_SECONDS)
                 try:
                     self.sock.sendall(_REQ.pack(OP_DONE, 0, 0))
                 except OSError:
@@ -662,6 +667,14 @@ class MemberStore:
         finally:
             self.sock.close()
             self.meeting.end()
+
+
+def _seconds(text):
+    """The hub's seconds left, from its answer to a hello: bounded (a hub of an older release says none)."""
+    try:
+        return min(max(float(text), 0.0), MAX_WAIT_SECONDS)
+    except ValueError:
+        return 0.0
 
 
 def order(handles):

@@ -915,6 +915,38 @@ def test_a_member_hears_the_first_members_reason_naming_who_never_came():
             lst.close()
 
 
+def test_a_member_whose_deadline_comes_first_waits_for_the_first_members_verdict():
+    """Member 1's timeout (1 s) ends before the first member's (6 s), which makes its end slowly (2 s):
+    member 1 says it is done and waits for the verdict to the first member's deadline, which the hub
+    told it, so both succeed (it gave up at its own deadline and failed alone, the hub succeeding: a
+    split outcome)."""
+    from engine import handles
+
+    listeners = [handles.Listener() for _ in range(2)]
+    members = [lst.handle for lst in listeners]
+    outcome = {}
+
+    def member():
+        try:
+            store, _, _ = handles.meet(listeners[1], 12, members, 1.0)
+            store.close(made=True)
+            outcome["member"] = "ok"
+        except Exception as exc:
+            outcome["member"] = f"{type(exc).__name__}: {exc}"
+
+    side = threading.Thread(target=member)
+    side.start()
+    try:
+        store, _, _ = handles.meet(listeners[0], 12, members, 6.0)
+        time.sleep(2.0)   # (its end made slowly)
+        store.close(time.monotonic() + 4.0)
+        side.join(10)
+        assert outcome == {"member": "ok"}, outcome
+    finally:
+        for lst in listeners:
+            lst.close()
+
+
 def test_abort_ends_a_members_connect_to_a_first_member_that_never_answers():
     """The first member's host drops the connection's SYNs (gone, or a full backlog as here): abort()
     (listener.interrupt) ends the member's connect within a tick, not at the reconfigure's timeout."""
