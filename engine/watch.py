@@ -61,9 +61,10 @@ class _StoreLine:
         cls._lines, cls._lock = {}, threading.Lock()
 
     @classmethod
-    def ask(cls, store, query, wait):
-        """query() on store's line; waits up to `wait` s. Returns (True, its result) or (False, why):
-        the store did not answer in time, or its line is stuck. query's exceptions are its result."""
+    def ask(cls, store, query, wait, interrupted=None):
+        """query() on store's line; waits up to `wait` s, or until interrupted() (asked every 50 ms: the
+        group's abort) says so. Returns (True, its result) or (False, why): the store did not answer in
+        time, its line is stuck, or the wait was interrupted. query's exceptions are its result."""
         conn = forks.base_store(store)
         done, out = threading.Event(), []
         with cls._lock:
@@ -83,9 +84,13 @@ class _StoreLine:
                 except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
                     del cls._lines[id(conn)]
                     return False, "the store could not be asked (the interpreter is shutting down)"
-        if not done.wait(wait):
-            return False, (f"the store did not answer within {wait:g} s (the rank hosting it, or the link to it, "
-                           "may be gone)")
+        end = time.monotonic() + wait
+        while not done.wait(max(0.0, min(end - time.monotonic(), 0.05 if interrupted is not None else wait))):
+            if time.monotonic() >= end:
+                return False, (f"the store did not answer within {wait:g} s (the rank hosting it, or the link to it, "
+                               "may be gone)")
+            if interrupted():
+                return False, "the wait for the store's answer was interrupted (the group was aborted)"
         return True, out[0]
 
     def _serve(self):
@@ -376,7 +381,7 @@ class Watch:
                     except ValueError:   # not a note this engine writes: as good as none
                         pass
             return got
-        answered, got = _StoreLine.ask(store, read, STORE_QUERY_SECONDS)
+        answered, got = _StoreLine.ask(store, read, STORE_QUERY_SECONDS, lambda: self.core.aborted)
         if not answered:
             return got
         if isinstance(got, Exception):

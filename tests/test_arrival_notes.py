@@ -34,7 +34,7 @@ class Core:
     """What a watch asks of a group's compiled core, with the record of the call it waits in."""
 
     def __init__(self):
-        self.rec, self.broken = None, None
+        self.rec, self.broken, self.aborted = None, None, False
 
     def set_recorder(self, *args, **kwargs):
         pass
@@ -302,4 +302,26 @@ def test_a_monitored_barrier_ends_soon_after_its_group_is_aborted(rank):
         monitored_barrier(dist.HashStore(), "mb/", rank, 2, 20, 20, False, "the test's barrier",
                           aborted=lambda: aborted[0] if aborted else None)
     assert time.monotonic() - start < 3
+    timer.join()
+
+
+def test_abort_ends_a_wait_for_the_notes_from_a_store_that_stopped_answering():
+    """The store's host stopped (SIGSTOP): 2 s into a wait the watch asks it for the notes; abort() 0.3 s
+    later ends that ask within a slice (the wait, which reads the abort between polls, ended up to
+    5 s, STORE_QUERY_SECONDS, after the abort)."""
+    import threading
+    import time
+
+    class Stopped(Store):
+        def check(self, keys):
+            time.sleep(30)
+
+    w, core = watch(0, 2, Stopped())
+    core.rec = record(1, ALLREDUCE_SUM)
+    w.check(core.rec, 1.2)     # (noted: its reads come next)
+    timer = threading.Timer(0.3, setattr, [core, "aborted", True])
+    timer.start()
+    start = time.monotonic()
+    w.check(core.rec, 2.5)
+    assert time.monotonic() - start < 1.5
     timer.join()
