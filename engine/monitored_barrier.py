@@ -26,7 +26,7 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
     exception that ends the barrier now (the group's abort()), or None; asked between slices of a wait."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
-        return _report_to_rank_0(store, key, rank, seconds, answer_seconds, what, aborted)
+        return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted)
     with _store_errors("[Rank 0]: ", what):
         store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
         start = time.monotonic()
@@ -35,6 +35,7 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
             left = start + seconds - time.monotonic()
             if _arrives(store, key + str(r), left, aborted):
                 arrived.append(r)
+                _forget(store, key + str(r))
                 continue
             if wait_all:
                 missing.append(r)
@@ -88,7 +89,26 @@ def _store_errors(opening, what):
         raise RuntimeError(f"{opening}the store failed ({type(exc).__name__}: {exc}) ({what})") from exc
 
 
-def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what, aborted):
+def _tidy(store, key, size):
+    """The last rank to read the verdict deletes it and rank 0's key (rank 0 deleted the others' as it
+    read them): a barrier each step leaves no keys behind in the store. A store failing here fails
+    nothing: the barrier is through."""
+    try:
+        if store.add(key + "read", 1) == size - 1:
+            for name in ("0", "verdict", "read"):
+                _forget(store, key + name)
+    except RuntimeError:
+        pass
+
+
+def _forget(store, key):
+    try:
+        store.delete_key(key)
+    except (RuntimeError, AttributeError):   # (a store without deletes keeps it: no harm)
+        pass
+
+
+def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted):
     store.set(key + str(rank), "")
     failed = (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
               "from rank 0: ")
@@ -105,5 +125,6 @@ def _report_to_rank_0(store, key, rank, seconds, answer_seconds, what, aborted):
     if verdict is None:
         raise RuntimeError(f"{failed}rank 0 arrived but gave no answer within {seconds + GRACE_SECONDS:g} s (its "
                            f"timeout of {seconds:g} s and a grace) ({what})")
+    _tidy(store, key, size)
     if verdict != "ok":
         raise RuntimeError(f"{failed}rank 0 reported: {verdict}")

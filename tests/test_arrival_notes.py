@@ -325,3 +325,29 @@ def test_abort_ends_a_wait_for_the_notes_from_a_store_that_stopped_answering():
     w.check(core.rec, 2.5)
     assert time.monotonic() - start < 1.5
     timer.join()
+
+
+def test_monitored_barriers_leave_no_keys_in_the_store():
+    """Three ranks pass 20 monitored barriers through one store: none of their keys is left (each left
+    size + 1, for good: a barrier each step grew torch's store without bound)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engine.monitored_barrier import monitored_barrier
+    store = dist.HashStore()
+    errors = []
+
+    def rank(r):
+        try:
+            for i in range(20):
+                monitored_barrier(store, f"mb/{i}/", r, 3, 20, 20, False, "the test's barrier")
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and store.num_keys() == 0, (errors, store.num_keys())
