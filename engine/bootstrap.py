@@ -50,7 +50,7 @@ class Cancel:
 class MpiBootstrap:
     """The exchanges of a group's making over an MPI communicator: MPI's blocking collectives, which
     nothing interrupts; one that waits past `timeout` (seconds; None: for ever) aborts the job
-    (engine.failure.blocked_in_mpi), since a rank that never makes the group would leave the others
+    (engine.failure.blocked_in), since a rank that never makes the group would leave the others
     in it for ever."""
     group = None   # (every bootstrap) the name of the group made over it, for its errors: Communicator's
     on_cancel = None   # (every bootstrap) where set, on_cancel(fn): fn(why) ends a wait of the group's making
@@ -60,7 +60,7 @@ class MpiBootstrap:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def _blocking(self, call):
-        return failure.blocked_in_mpi(f"making group {self.group!r} over MPI ({call})", self.rank, self.timeout)
+        return failure.blocked_in("MPI", f"making group {self.group!r} over MPI ({call})", self.rank, self.timeout)
 
     def allgather(self, obj):
         with self._blocking("MPI_Allgather"):

@@ -258,8 +258,8 @@ class Communicator:
         coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:
-            with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_create_group)", self.rank,
-                                        kwargs["timeout"]):
+            with failure.blocked_in("MPI", f"making group {name!r} over MPI (MPI_Comm_create_group)", self.rank,
+                                    kwargs["timeout"]):
                 sub = coll.Create_group(group, tag=0)
         finally:
             group.Free()

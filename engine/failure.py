@@ -114,15 +114,16 @@ def _at_exit(MPI):
 
 
 @contextlib.contextmanager
-def blocked_in_mpi(what, rank, seconds):
-    """Around a call of MPI's own that nothing can interrupt, where a rank that never joins would leave
-    the others in it for ever: the blocking collectives that make a group over MPI (a rank that skipped
-    the making, or waits somewhere else). Past `seconds` (None or inf: never) the job is aborted, as
-    the watchdog aborts a collective blocked inside MPI (engine.watch). what: the call, for the report."""
+def blocked_in(library, what, rank, seconds):
+    """Around a call of `library`'s (MPI, NCCL) that nothing can interrupt, where a rank that never
+    joins would leave the others in it for ever: the blocking collectives that make a group over MPI
+    (a rank that skipped the making, or waits somewhere else), NCCL's communicator setup. Past
+    `seconds` (None or inf: never) the job is aborted, as the watchdog aborts a collective blocked
+    inside MPI (engine.watch). what: the call, for the report."""
     if seconds is None or not math.isfinite(seconds):
         yield
         return
-    timer = threading.Timer(seconds, _blocked_too_long, (what, rank, seconds))
+    timer = threading.Timer(seconds, _blocked_too_long, (library, what, rank, seconds))
     timer.daemon = True
     timer.start()
     try:
@@ -131,10 +132,10 @@ def blocked_in_mpi(what, rank, seconds):
         timer.cancel()
 
 
-def _blocked_too_long(what, rank, seconds):
+def _blocked_too_long(library, what, rank, seconds):
     print(f"engine: rank {rank}: {what}: Timed out after {seconds:g} s (timeout {seconds:g} s): a rank of the "
           "group never joined it (every member must make the group; one skipped it, or waits elsewhere); the call "
-          "is blocked inside MPI and cannot be interrupted: aborting the job",
+          f"is blocked inside {library} and cannot be interrupted: aborting the job",
           file=sys.stderr, flush=True)
     abort(3)
 

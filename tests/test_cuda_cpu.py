@@ -656,3 +656,17 @@ def test_a_barrier_posts_the_sends_and_receives_a_cuda_device_deferred():
     assert flushed == [True]
     pg._devices = {}
     pg.shutdown()
+
+
+def test_a_setup_blocked_inside_nccl_ends_the_process_at_the_timeout():
+    """ncclCommInitRank waits for every rank, before any watchdog exists: one that got the id and then
+    died would hold the others there for good. The setup runs under failure.blocked_in, which ends the
+    process at the group's timeout, naming the call (here a stand-in that blocks, without MPI: the
+    process exits, and torchrun's agent ends the job)."""
+    code = ("import time\nfrom engine import failure\n"
+            "with failure.blocked_in('NCCL', \"making group 'g''s NCCL communicator (ncclCommInitRank)\", 1, 0.5):\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 3, proc
+    assert ("engine: rank 1: making group 'g''s NCCL communicator (ncclCommInitRank): Timed out after 0.5 s "
+            "(timeout 0.5 s)") in proc.stderr and "blocked inside NCCL" in proc.stderr, proc.stderr

@@ -90,14 +90,14 @@ def _mpi_group(opts, ranks, name, seconds):
                 f"torch.distributed says rank {opts.group_rank} of {opts.group_size}, but MPI says rank "
                 f"{world.Get_rank()} of {world.Get_size()}: the processes were not started by one MPI launcher; "
                 f"{MPIRUN_HINT}")
-        with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_dup)", opts.group_rank, seconds):
+        with failure.blocked_in("MPI", f"making group {name!r} over MPI (MPI_Comm_dup)", opts.group_rank, seconds):
             return world.Dup()
     if world.Get_rank() not in ranks or ranks.index(world.Get_rank()) != opts.group_rank:
         raise RuntimeError(f"rank {world.Get_rank()} asked to join group {ranks} as rank {opts.group_rank}")
     group = world.Get_group().Incl(ranks)
     try:
-        with failure.blocked_in_mpi(f"making group {name!r} over MPI (MPI_Comm_create_group)", opts.group_rank,
-                                    seconds):
+        with failure.blocked_in("MPI", f"making group {name!r} over MPI (MPI_Comm_create_group)", opts.group_rank,
+                                seconds):
             return world.Create_group(group, tag=_GROUP_TAG)
     finally:
         group.Free()

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from engine import ReduceOp
+from engine import ReduceOp, failure
 from engine._core import NotDivisibleError
 from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
@@ -340,11 +340,14 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         from engine.cuda.watchdog import Watchdog
         rank, size = self.rank(), self.size()
         uid = self._over_cpu(lambda comm: unique_id_over(comm, ready=load_cupy, group=self._name), "NCCL's unique id")
-        with torch.cuda.device(index):
+        seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
+        # (ncclCommInitRank waits for every rank: one that got the id and then failed or died would hold
+        # the others there for good, before any watchdog exists)
+        with torch.cuda.device(index), failure.blocked_in("NCCL", f"making group {self._name!r}'s NCCL "
+                                                          "communicator (ncclCommInitRank)", rank, seconds):
             cc = CudaCommunicator(uid, rank, size, index)
         watchdog = self._watchdog
         if watchdog is None:
-            seconds = self._timeout_seconds()   # as the CPU path: the group's, else ENGINE_TIMEOUT
             watchdog = Watchdog(self._name, rank, size, seconds, on_fail=self._abort_hooks_on_failure)
         return CudaDevice(cc, index, watchdog, cpu_comm=self._comm), watchdog
 
