@@ -670,3 +670,47 @@ def test_a_setup_blocked_inside_nccl_ends_the_process_at_the_timeout():
     assert proc.returncode == 3, proc
     assert ("engine: rank 1: making group 'g''s NCCL communicator (ncclCommInitRank): Timed out after 0.5 s "
             "(timeout 0.5 s)") in proc.stderr and "blocked inside NCCL" in proc.stderr, proc.stderr
+
+
+def test_a_staged_calls_device_copies_go_on_the_callers_stream_and_are_done_when_it_returns(monkeypatch):
+    """The staged path's Work is complete when made: the call's device copies (its outputs written back)
+    are issued on the caller's stream even where the progress thread runs it, and that stream is
+    synchronized after (they went on the progress thread's stream, unsynchronized: a reader on
+    another stream after wait() read stale outputs). On stand-ins for torch's streams."""
+    import threading
+    from types import SimpleNamespace
+
+    from torchbridge.devices import StagedDevice
+
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("synchronize")
+
+    caller = Stream()
+
+    class Using:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            events.append(("stream", self.stream is caller))
+
+        def __exit__(self, *exc):
+            events.append("left")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: caller)
+    monkeypatch.setattr(torch.cuda, "stream", Using)
+
+    class Progress:   # (runs the call on another thread, as behind queued calls)
+        def run(self, fn, a, b, c, nargs, name):
+            t = threading.Thread(target=fn, args=(a, b, c)[:nargs])
+            t.start()
+            t.join()
+
+    cpu = SimpleNamespace(progress=Progress(), comm=None)
+    work = StagedDevice(cpu).launch("allreduce", lambda x: events.append(("copies", x)), 7, None, None, 1, ["out"],
+                                    None)
+    assert events == ["synchronize", ("stream", True), ("copies", 7), "left", "synchronize"], events
+    assert work.result() == ["out"]

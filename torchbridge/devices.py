@@ -69,6 +69,11 @@ def used_on(stream, *groups):
                 item.record_stream(stream)
 
 
+def _on_stream(fn, args, stream):
+    with torch.cuda.stream(stream):
+        fn(*args)
+
+
 def _pinned(t):
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
@@ -319,8 +324,13 @@ class StagedDevice:
         self.comm = _HostOps(cpu.comm)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
-        torch.cuda.current_stream().synchronize()
-        self.cpu.progress.run(fn, a, b, c, nargs, name)
+        # The call's device copies (its outputs written back) go on the caller's stream wherever it runs
+        # (in place, or on the progress thread behind queued calls, whose stream is another), and are
+        # done before it returns: its Work is complete, for a reader on any stream.
+        stream = torch.cuda.current_stream()
+        stream.synchronize()   # (its inputs are written)
+        self.cpu.progress.run(_on_stream, fn, (a, b, c)[:nargs], stream, 3, name)
+        stream.synchronize()
         return CompletedWork.of(outputs)
 
     def fused(self, tensors, op, compression, prescale, name, sync=False):
