@@ -179,18 +179,27 @@ def test_a_receive_cancelled_while_its_message_arrives_into_it_hands_the_message
     assert core.recv(later, 1, 5) == (1, 5, 2) and later[:2].tobytes() == b"ZZ"
 
 
+_DATA = np.arange(100, dtype=np.uint8)   # (what the peer's single-copy sends read: alive for good)
+
+
+def _owing_an_ack(core, peer):
+    """(sends that fill rank 0's ring to the peer, a receive that copied the peer's message by single
+    copy and owes its ACK, for which the ring has no room)."""
+    core.seg.watch_peers([os.getpid(), os.getpid()])
+    core.seg.set_cma(True, 64)
+    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
+    peer.write((RTS, 5, _DATA.nbytes, 0, _DATA.ctypes.data, 3), b"", None)
+    recv = core.irecv(np.zeros(100, np.uint8), 1, 5)
+    assert not recv.test()                                      # copied; no room for the ACK
+    return sends, recv
+
+
 def test_a_receive_dropped_after_its_group_was_freed_touches_nothing(pair):
     """A receive that copied its message by single copy and still owes its ACK (no room in the ring) is
     dropped after the group was freed (its segment unmapped): nothing is written (the cancel wrote the
     ACK into the unmapped ring: a crash)."""
     core, peer = pair
-    core.seg.watch_peers([os.getpid(), os.getpid()])
-    core.seg.set_cma(True, 64)
-    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
-    data = np.arange(100, dtype=np.uint8)
-    peer.write((RTS, 5, data.nbytes, 0, data.ctypes.data, 3), b"", None)
-    recv = core.irecv(np.zeros(100, np.uint8), 1, 5)
-    assert not recv.test()                                      # copied; no room for the ACK
+    sends, recv = _owing_an_ack(core, peer)
     assert core.release()
     del recv, sends
 
@@ -217,13 +226,7 @@ def test_a_receive_cancelled_while_it_owes_its_ack_writes_it_at_once(pair):
     (its call failed): the ACK is written as soon as there is room, at the cancel (it waited for the
     channel's next progress, its sender held until then)."""
     core, peer = pair
-    core.seg.watch_peers([os.getpid(), os.getpid()])
-    core.seg.set_cma(True, 64)
-    sends = [core.isend(np.zeros(64, np.uint8), 1, 7) for _ in range(QUEUE // LINE)]
-    data = np.arange(100, dtype=np.uint8)
-    peer.write((RTS, 5, data.nbytes, 0, data.ctypes.data, 3), b"", None)
-    recv = core.irecv(np.zeros(100, np.uint8), 1, 5)
-    assert not recv.test()                                     # copied; no room for the ACK
+    sends, recv = _owing_an_ack(core, peer)
     assert len(peer.read()) == len(sends)                      # room now
     del recv
     assert [(f[0], f[5]) for f in peer.read()] == [(ACK, 3)]
