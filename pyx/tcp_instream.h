@@ -97,7 +97,9 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   in->rpos += ENG_TCP_HDR;
   if (h->tag < 0) return tcp_corrupt(t, peer);
   if (h->kind == ENG_TCP_MSG) {
-    if (h->a > ENG_TCP_MAX_MESSAGE || h->b > h->a || h->seq < t->peers[peer].recv_seq || in != &t->peers[peer].in[0])
+    /* (a peer of one stream carries every byte on it: a message saying the rest comes elsewhere never ends) */
+    if (h->a > ENG_TCP_MAX_MESSAGE || h->b > h->a || h->seq < t->peers[peer].recv_seq || in != &t->peers[peer].in[0] ||
+        (t->peers[peer].nin == 1 && h->b != h->a))
       return tcp_corrupt(t, peer);
     return 0;
   }

@@ -266,6 +266,16 @@ def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
     s.close()
 
 
+def test_a_message_whose_rest_would_come_on_a_stream_its_peer_has_not_fails_naming_it(rank0):
+    """A peer that announced one stream sends a message whose header says 4 of its 8 bytes follow on
+    it, the rest on another: it never ends (the receive waited to the timeout)."""
+    core, _, ports = rank0
+    s = connect(ports[1], hello() + header(MSG, 0, 0, 8, 4) + b"abcd")
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
+        core.recv(np.zeros(8, np.uint8), 1, 0)
+    s.close()
+
+
 # A frame as the fuzz writes it: kinds valid and not, tags and numbers in and out of order, sizes from
 # none to past ENG_TCP_MAX_MESSAGE and uint64's top, and up to 64 payload bytes whatever the header says.
 SIZES = st.sampled_from([0, 1, 7, 8, 4096, 70_000, 1 << 48, (1 << 64) - 1])
@@ -461,7 +471,7 @@ def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0
     other = core.irecv(np.zeros(4, np.uint8), 1, 9)    # a receive for another tag: the stream is read on
-    s = connect(ports[1], hello() + header(MSG, 3, 0, 1 << 48, 0))
+    s = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 1 << 48, 0))   # (its bytes on the other stream)
     with pytest.raises(EngineError, match=r"out of memory for a message from rank 1 \(rank1, 127\.0\.0\.1 port"):
         other.wait()
     s.close()
