@@ -50,6 +50,7 @@ cdef class CoreComm:
         self.spin, self.interval = -1, 1.0
         self.limbo, self.detached = [], []
         self.named_index = {}
+        self.reduce_scatters_in_place = True
         self.transport = "?"
         self.log = Recorder()
 
@@ -555,7 +556,8 @@ cdef class CoreComm:
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
         largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
-        ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize)   # (in place: recvbuf is its block)
+        ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize if self.reduce_scatters_in_place
+                   else NULL)   # (in place: recvbuf is its block)
         c.src = <char*>ms.ptr
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
                     ms.count, (ms, mr))

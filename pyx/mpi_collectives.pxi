@@ -27,6 +27,7 @@ cdef class MpiComm(CoreComm):
         self.tp = MpiTransport(algo, True, max_tag)
         self.init_core(self.tp, MpiTransport(p2p), ring_segment_bytes)
         self.impls |= 1u << IMPL_NATIVE
+        self.reduce_scatters_in_place = False   # (an output inside the input is given a copy of the input)
         self.ibuf = <int*>malloc(4 * self.size * sizeof(int))
         if self.ibuf == NULL:
             raise MemoryError()
@@ -129,6 +130,7 @@ cdef class MpiComm(CoreComm):
         t, isz = MPI_TYPES[c.dtype], eng_itemsize[c.dtype]
         cdef bint posts = self.posts(c)
         cdef const void *src
+        cdef void *dst
         if c.op == OP_ALLGATHER and all_equal(c.counts, self.size):
             src = MPI_IN_PLACE if c.src == c.dst + self.rank * c.count * isz else c.src
             if posts:
@@ -145,11 +147,15 @@ cdef class MpiComm(CoreComm):
         # gather and scatter: always the v-forms. Only the root knows every count (torch's gather of
         # tensors of different sizes gives none to the others), and MPI_Gatherv reads the counts on the
         # root alone, so every rank's call matches whatever the root's counts are.
+        # (in place on the root, as MPI says it: the root's part already in its place, MPI_IN_PLACE for it;
+        # MPI's buffers must not alias, and MPICH refuses it)
         if c.op == OP_GATHER:
-            return self.finish(MPI_Igatherv(c.src, <int>c.count, t, c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1),
+            src = MPI_IN_PLACE if self.rank == c.root and c.src == c.dst + c.displs[c.root] * isz else c.src
+            return self.finish(MPI_Igatherv(src, <int>c.count, t, c.dst, self.ints(c.counts, 0), self.ints(c.displs, 1),
                                             t, c.root, self.coll, &req), &req, ctx)
         if c.op == OP_SCATTER:
-            return self.finish(MPI_Iscatterv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, c.dst, <int>c.count,
+            dst = MPI_IN_PLACE if self.rank == c.root and c.dst == c.src + c.displs[c.root] * isz else c.dst
+            return self.finish(MPI_Iscatterv(c.src, self.ints(c.counts, 0), self.ints(c.displs, 1), t, dst, <int>c.count,
                                              t, c.root, self.coll, &req), &req, ctx)
         if c.op == OP_REDUCE_SCATTER and all_equal(c.counts, self.size):
             if posts:

@@ -377,6 +377,8 @@ cdef class CoreComm:
     cdef dict named_index       # (collective, entry name) -> index into named[collective]
     cdef unsigned impls         # bit mask of the IMPL_* this transport implements
     cdef unsigned avg_fused     # the IMPL_* that divide AVG inside their reduction (dispatch divides the rest)
+    cdef bint reduce_scatters_in_place   # takes a reduce_scatter whose output is its block of the input (MPI's
+                                         # in-place form puts it elsewhere, and its buffers must not alias)
     cdef void *avg_input        # AVG's divided copy of an input its call leaves unchanged (avg_before)
     cdef size_t avg_input_bytes
     cdef Hierarchy hier         # runs the IMPL_COMPOSITE entries (None: the group has one level)

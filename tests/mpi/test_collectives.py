@@ -289,6 +289,12 @@ def test_an_input_overlapping_its_output_other_than_in_place_is_read_whole(n):
         WORLD.gather(got[:n], got if R == root else None, root=root)
         if R == root:
             np.testing.assert_array_equal(got, np.concatenate(whole))
+        # scatter in place on the root (its part left where it is), and its part elsewhere in its input
+        for own in (root, (root + 1) % P):
+            src = np.concatenate(whole)
+            out = src[own * n:(own + 1) * n] if R == root else np.zeros(n, np.float32)
+            WORLD.scatter(src if R == root else None, out, root=root)
+            np.testing.assert_array_equal(out, whole[R])
 
 
 def test_alltoall_refuses_a_piece_to_itself_longer_or_shorter_than_the_piece_from_itself():
