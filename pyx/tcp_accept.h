@@ -28,6 +28,7 @@ static void tcp_accept(eng_tcp *t) {
     tcp_sockopts(fd);
     tcp_pending *q = &t->pending[t->npending++];
     q->fd = fd;
+    q->ready = 1;
     q->got = 0;
     q->deadline = eng_now() + ENG_TCP_HELLO_SECONDS;
   }

@@ -228,6 +228,8 @@ static void tcp_progress(eng_tcp *t) {
     int kind = t->pwhat[i] >> 24, q = (t->pwhat[i] >> 4) & 0xfffff, s = t->pwhat[i] & 15;
     if (kind == PF_LISTEN) {
       tcp_accept(t);
+    } else if (kind == PF_PENDING) {
+      t->pending[t->pwhat[i] & 0xffffff].ready = 1;
     } else if (kind == PF_IN) {
       if (rev & (POLLHUP | POLLERR)) t->peers[q].closing = 1;   /* (a held stream is watched for these only) */
       tcp_in_progress(t, q, &t->peers[q].in[s]);
@@ -239,9 +241,19 @@ static void tcp_progress(eng_tcp *t) {
       if (rev & POLLOUT) tcp_out_progress(t, q, s);
     }
   }
-  /* connections still proving themselves (pending entries move: walk by index) */
-  for (int i = 0; i < t->npending;)
+  /* connections still proving themselves, those with something to read or past their deadline: an idle
+   * one costs no read each round (strangers holding entries slowed every message). Entries move: walk by
+   * index. */
+  double now = t->npending ? eng_now() : 0.0;
+  for (int i = 0; i < t->npending;) {
+    tcp_pending *q = &t->pending[i];
+    if (!q->ready && q->deadline > now) {
+      i++;
+      continue;
+    }
+    q->ready = 0;
     if (!tcp_hello_progress(t, i)) i++;
+  }
   /* messages waiting for a receive (a receive may have been posted since), closing peers */
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];

@@ -135,6 +135,7 @@ typedef struct {
 
 typedef struct {
   int fd;
+  int ready;                 /* readable when last polled (or just accepted): its hello is read then */
   double deadline;
   size_t got;
   unsigned char buf[ENG_TCP_HELLO];
