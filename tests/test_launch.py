@@ -381,6 +381,35 @@ def test_worlds_beside_an_mpi_launchers_job_and_made_again(case, tmp_path):
     assert sorted(got) == sorted(expect), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+REMADE_GROUPS = textwrap.dedent("""
+    import datetime, torch, torch.distributed as dist
+    seconds = datetime.timedelta(seconds=20)
+    for world, members in enumerate(([0, 1], [0, 1, 2])):
+        dist.init_process_group("engine", timeout=seconds)
+        group = dist.new_group(members, timeout=seconds)   # (torch names it "1" in each world)
+        t = torch.ones(1)
+        if dist.get_rank() in members:
+            dist.all_reduce(t, group=group)
+        print(f"world {world} rank {dist.get_rank()} {t.item()}", flush=True)
+        dist.destroy_process_group()
+""")
+
+
+def test_a_worlds_groups_made_again_under_torchrun_read_nothing_the_last_world_left(tmp_path):
+    """Under torchrun a world made again after destroy_process_group meets on the agent's store, where
+    torch names its groups from 1 again: group "1" of ranks [0, 1, 2] after the last world's of [0, 1].
+    It is made (rank 2 read the last world's keys: "rank 0 was given ranks [0, 1]", and the others
+    waited to the timeout)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(tmp_path / "remade.py")]
+    (tmp_path / "remade.py").write_text(REMADE_GROUPS)
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = sorted(line for line in proc.stdout.splitlines() if line.startswith("world"))
+    assert got == sorted([f"world 0 rank {r} {2.0 if r < 2 else 1.0}" for r in range(3)] +
+                         [f"world 1 rank {r} 3.0" for r in range(3)]), proc.stdout[-3000:]
+
+
 def run_ended_in_mpi_init(cmd, env):
     """Runs a job whose rank 0 the engine ends inside MPI_Init. MPICH's start-up has made its shared
     segment by then (mpich_shm_*), which a rank ended there can't remove (MPICH's own, as at a SIGKILL

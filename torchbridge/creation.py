@@ -13,6 +13,7 @@ from .process_group import EngineProcessGroup
 from .work import in_seconds
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
+_worlds = [0]       # worlds this process made (init_process_group), whose groups' keys the store keeps apart
 
 
 def create_process_group(opts, backend_options=None):
@@ -35,6 +36,12 @@ def create_process_group(opts, backend_options=None):
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
+    if not ranks:
+        _worlds[0] += 1
+    elif store is not None:
+        # (torch names a new world's groups from 1 again, in a store that may be the last world's: torchrun's
+        # agent's. Its group "1" of other members would count its makings from the last one's keys.)
+        store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
     if store is not None:
         store = made_anew(store, opts.group_rank)
     if getattr(opts, "enable_reconfigure", False):
