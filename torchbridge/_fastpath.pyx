@@ -378,7 +378,7 @@ cdef class FastPath:
     cdef object message(self, Method m, tensors, peer, tag):
         """m's point-to-point call, posted at once (never queued behind collectives, as the general
         form does); None: the general form takes it."""
-        if len(tensors) != 1 or self.cuda or self.hooked or _profiling():
+        if len(tensors) != 1 or self.cuda or self.hooked or _profiling() or tag < 0:   # (a negative tag: refused there)
             return None
         try:
             return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)

@@ -46,6 +46,15 @@ def _end_cuda_side(name, comm, devices, watchdog, error, swap):
             print(f"engine: aborting group {name!r}'s CUDA device failed: {exc}", file=sys.stderr, flush=True)
 
 
+def _nonnegative(tag):
+    """A receive's tag as torch gives it: the engine's -1 (any tag) is no torch tag; a receive with it
+    took a message of any tag."""
+    if tag < 0:
+        raise ValueError(f"recv: tag {tag} is out of range; torch's tags are nonnegative (Gloo: Tag must be "
+                         "nonnegative)")
+    return tag
+
+
 def _one(tensors, what):
     if len(tensors) != 1:
         raise RuntimeError(f"engine {what}: expected a list with one tensor (one device per process), got {len(tensors)}")
@@ -648,12 +657,12 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     @traced("recv", first)
     def _recv(self, tensors, src, tag):
         t = _one(tensors, "recv")
-        return self._device(t).recv(t, src, tag, tensors)
+        return self._device(t).recv(t, src, _nonnegative(tag), tensors)
 
     @traced("recvAnySource", first)
     def _recv_anysource(self, tensors, tag):
         t = _one(tensors, "recv")
-        return self._device(t).recv(t, None, tag, tensors)
+        return self._device(t).recv(t, None, _nonnegative(tag), tensors)
 
     # -- lifetime --
 

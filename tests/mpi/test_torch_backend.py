@@ -1107,3 +1107,16 @@ def test_a_synchronous_calls_work_gives_its_outputs_as_an_asynchronous_calls_doe
     first = pg.allreduce([a], opts)     # (held while the next is made: never handed out again)
     second = pg.allreduce([b], opts)
     assert first.result()[0] is a and second.result()[0] is b
+
+
+def test_a_receive_with_a_negative_tag_is_refused_as_a_send_is():
+    """torch's tags are nonnegative (Gloo refuses others): a receive with tag -1, the engine's own any
+    tag, took a message of any tag, from one peer or any."""
+    if P < 2:
+        pytest.skip("needs a peer")
+    for call in (lambda: dist.irecv(torch.zeros(1), src=(R + 1) % P, tag=-1),
+                 lambda: dist.irecv(torch.zeros(1), tag=-1),
+                 lambda: dist.isend(torch.zeros(1), dst=(R + 1) % P, tag=-1)):
+        with pytest.raises(ValueError, match="tag -1 is out of range"):
+            call()
+    dist.barrier()
