@@ -19,6 +19,11 @@ from .tables import check_reduction, nccl_reduction
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing works out the direction
 
 
+def _same_dtype(send, recv, what):
+    if send != recv:
+        raise TypeError(f"{what}: send buffer is {send} but receive buffer is {recv}; they must have the same dtype")
+
+
 class CudaCommunicator:
     def __init__(self, unique_id, rank, size, device):
         self.comm = NcclComm(unique_id, rank, size, device)
@@ -44,9 +49,7 @@ class CudaCommunicator:
         """recvbuf's (pointer, count), of the input's dtype, as the CPU core checks: NCCL writes the
         input's dtype, which a narrower output would not hold."""
         ptr, count, _, rdtype, _ = self._message(recvbuf)
-        if rdtype != dtype:
-            raise TypeError(f"{what}: send buffer is {dtype} but receive buffer is {rdtype}; they must have the "
-                            "same dtype")
+        _same_dtype(dtype, rdtype, what)
         return ptr, count
 
     def _scratch(self, nbytes, stream):
@@ -189,9 +192,7 @@ class CudaCommunicator:
             self.comm.exchange([], [(rptr, rcount * itemsize, root)], stream)
             return
         sptr, scount, _, sdtype, _ = self._message(sendbuf)
-        if sdtype != dtype:
-            raise TypeError(f"scatter: send buffer is {sdtype} but receive buffer is {dtype}; they must have the "
-                            "same dtype")
+        _same_dtype(sdtype, dtype, "scatter")
         counts, displs = count_table(self.size, self.rank, counts, rcount, "recvbuf", scount, "sendbuf", "scatter")
         offs = [d * itemsize for d in displs]
         self._exchange_with_self(sptr + offs[root], rptr, rcount * itemsize,
