@@ -55,6 +55,22 @@ def launcher_output(text):
     return text if under_open_mpi() else re.sub(r"\[\d+\] ", "", text)
 
 
+# A line of a flight recorder's dump (engine.watch): 256 of them a rank would bury a report's errors.
+_RECORDER_LINE = re.compile(r"^.*engine:   #\d+ .*$\n?", re.M)
+_ERROR_LINE = re.compile(r"^.*(?:\bE {2,}\S|\bFAILED\b|\bERROR\b|Timed out after|Traceback).*$", re.M)
+
+
+def suite_report(stdout, stderr="", tail=12000):
+    """A failed launch's output for an assertion: its error lines first (pytest's `E` lines, FAILED,
+    timeouts; at most 40, each once), then the tail of stdout and of stderr without the flight
+    recorders' operation lines, which a timed-out rank prints by the hundred."""
+    errors = list(dict.fromkeys(m.group(0)[:400] for m in _ERROR_LINE.finditer(stdout + "\n" + stderr)))[:40]
+    dumped = len(_RECORDER_LINE.findall(stdout)) + len(_RECORDER_LINE.findall(stderr))
+    out, err = _RECORDER_LINE.sub("", stdout), _RECORDER_LINE.sub("", stderr)
+    return ("errors:\n" + "\n".join(errors) + f"\n(flight recorder lines left out: {dumped})\n--- stdout, its end:\n"
+            + out[-tail:] + "\n--- stderr, its end:\n" + err[-tail // 3:])
+
+
 def mpi_aborted(out, rank):
     """Whether Open MPI's launcher says that `rank` called MPI_Abort with code 1. (MPICH's may end the
     job before that rank's own report of it is out: there a job that ends at once, while the others

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from mpirun import run_pytest
+from mpirun import run_pytest, suite_report
 from test_faults import launch
 
 SUITE = os.path.join(os.path.dirname(__file__), "gpu", "test_cuda_backend.py")
@@ -39,8 +39,8 @@ def requires(gpus, nccl):
 def run_suite(nranks, transport):
     proc = run_pytest(nranks, SUITE, timeout=600, env={"ENGINE_CUDA_TRANSPORT": transport})
     if proc.returncode != 0:
-        pytest.fail(f"CUDA suite, {nranks} ranks, {transport}: exit {proc.returncode}\n{proc.stdout[-20000:]}\n"
-                    f"{proc.stderr[-5000:]}", pytrace=False)
+        pytest.fail(f"CUDA suite, {nranks} ranks, {transport}: exit {proc.returncode}\n"
+                    f"{suite_report(proc.stdout, proc.stderr)}", pytrace=False)
 
 
 @requires(1, nccl=True)

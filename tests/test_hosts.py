@@ -13,7 +13,7 @@ import pytest
 
 from engine.watch import STORE_QUERY_SECONDS
 from hosts import Hosts, collect, env_launch, mpirun_across, torchrun_across
-from mpirun import assert_every_rank_passed, assert_rank_1_shrunk_away, ulfm_unavailable
+from mpirun import assert_every_rank_passed, assert_rank_1_shrunk_away, suite_report, ulfm_unavailable
 from ports import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ def test_torch_suites_across_hosts_under_torchrun(hosts):
     results = torchrun_across(hosts, 2, ["-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", "-o",
                                          "addopts=", "--color=no", *paths], timeout=600, ENGINE_TIMEOUT="30")
     text = "\n".join(out for _, out in results)
-    assert all(rc == 0 for rc, _ in results), text[-20000:]
+    assert all(rc == 0 for rc, _ in results), suite_report(text)
     assert_every_rank_passed(text, 4)
     assert "a TCP group's suite" not in text, text[-5000:]      # the group is on TCP,
     assert "needs hierarchy" not in text, text[-5000:]          # hierarchical,

@@ -10,7 +10,7 @@ from importlib.metadata import version
 import pytest
 
 import mpirun
-from mpirun import assert_every_rank_passed
+from mpirun import assert_every_rank_passed, suite_report
 from torchrun import clean_env, run_pytest, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,7 +33,7 @@ def test_torch_suites_under_torchrun(nranks):
     elif nranks > 1:
         extra = ["-k", "not hier and not leader"]
     proc = run_pytest(nranks, TORCH_SUITES, timeout=420, extra=extra, env=env)
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
     # every rank ran what it collected, passes only (at one rank point-to-point and single copy skip: no peer)
     assert_every_rank_passed(proc.stdout, nranks, skips=nranks == 1)
 
@@ -44,7 +44,7 @@ def test_torch_backend_suite_in_debug_mode_under_torchrun():
     (uneven calls, a copied output, a call's own timeout) as a mismatch."""
     proc = run_pytest(2, [os.path.join(HERE, "mpi", "test_torch_backend.py")], timeout=300,
                       env={"ENGINE_TIMEOUT": "20", "ENGINE_DEBUG": "1"})
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
     assert_every_rank_passed(proc.stdout, 2)
 
 
@@ -52,14 +52,14 @@ def test_matrix_over_tcp_under_torchrun():
     """The conformance matrix's TCP rows on one host without MPI (ENGINE_TRANSPORT=tcp), 3 ranks."""
     proc = run_pytest(3, [os.path.join(HERE, "mpi", "test_matrix.py")], timeout=300,
                       env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": "tcp"})
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
     assert_every_rank_passed(proc.stdout, 3)
 
 
 def test_torch_parallelism_under_torchrun():
     """DeviceMesh (2-D at 4 ranks), FSDP2, tensor and pipeline parallelism, DCP, without MPI."""
     proc = run_pytest(4, [os.path.join(HERE, "mpi", "parallel_suite.py")], timeout=300, env={"ENGINE_TIMEOUT": "20"})
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
     assert_every_rank_passed(proc.stdout, 4, skips=False)
 
 
@@ -74,7 +74,7 @@ def test_split_group(launcher):
         proc = mpirun.run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20"})
     else:
         proc = run_pytest(3, suite, timeout=300, env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": launcher[9:]})
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
     assert_every_rank_passed(proc.stdout, 3, skips=False)
 
 
