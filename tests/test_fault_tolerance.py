@@ -1034,3 +1034,33 @@ def test_an_abort_landing_while_the_hub_is_made_is_heard_rather_than_raise(monke
         assert store.error == "aborted"
     finally:
         listener.close()
+
+
+def test_an_abort_before_the_shrinks_wait_began_still_ends_it_at_once(monkeypatch):
+    """abort() from another thread after a shrink began but before its wait for the members could hear
+    of it (here while it checks torch's table of ranks) ends it at once: it waited for a member that
+    never came (rank 1 of 3 makes no shrink) until its timeout. An abort() before the shrink was
+    called does not end it (a shrink after an abort is how a group is remade)."""
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 3, timeout=timedelta(seconds=6), store=dist.HashStore(), name="g")
+    pg.abort()   # (before: no effect on the shrink below)
+    check = pg._check_torch_knows_members
+
+    def aborted_meanwhile(*args):
+        aborter = threading.Thread(target=pg.abort)
+        aborter.start()
+        aborter.join()
+        return check(*args)
+
+    monkeypatch.setattr(pg, "_check_torch_knows_members", aborted_meanwhile)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"engine shrink of process group 'g' without ranks \[2\]: process group "
+                                               r"'g' was aborted \(abort\(\)\) as this shrink began"):
+            pg.shrink([2])
+        assert time.monotonic() - started < 3.0
+    finally:
+        pg.shutdown()

@@ -192,6 +192,7 @@ class FaultTolerance:
         ranks: where one doesn't, or doesn't call, the others fail at the group's timeout, naming it.
         The group's options are kept (opts_override is not read)."""
         what = f"engine shrink of process group {self._name!r}"
+        aborts = self._aborts   # (an abort() from another thread from here on ends this shrink)
         self._shrink_calls += 1   # (every call, as every member calls: where the arguments are wrong too)
         excluded = sorted({int(r) for r in ranks_to_exclude})
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
@@ -201,6 +202,7 @@ class FaultTolerance:
         replaced = self._comm.watch if self._comm is not None else None   # (before SHRINK_ABORT takes it off)
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
+            aborts += 1
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
         members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
@@ -211,6 +213,8 @@ class FaultTolerance:
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._membership}{self._shrink_calls}/without-" +
                                  "-".join(map(str, excluded)), self._store)
         with self._swapping:
+            if self._aborts != aborts:   # (it landed before there was a wait to end)
+                raise RuntimeError(f"{what} without ranks {excluded}: {self._ended} as this shrink began")
             self._shrinking = cancel = Cancel()
         try:
             comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
