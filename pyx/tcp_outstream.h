@@ -30,6 +30,10 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     }
     o->connecting = 0;
   }
+  if (o->hello_done == 0 && tcp_dropped_unproven(o)) {
+    tcp_redial(t, peer, s);
+    return;
+  }
   for (;;) {
     struct iovec iov[ENG_TCP_IOV];
     int n = 0;
@@ -90,35 +94,64 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
   }
 }
 
+/* Opens stream s of the connection to peer, without waiting for it. Returns 0 or an errno. */
+static int tcp_connect_stream(eng_tcp *t, int peer, int s) {
+  tcp_peer *p = &t->peers[peer];
+  tcp_out *o = &p->out[s];
+  int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno;
+  tcp_sockopts(fd);
+  o->fd = fd;
+  o->hello.magic = ENG_TCP_MAGIC;
+  o->hello.version = ENG_TCP_VERSION;
+  o->hello.hdr = ENG_TCP_HDR;
+  memcpy(o->hello.token, t->token, 16);
+  o->hello.from = (uint32_t)t->rank;
+  o->hello.to = (uint32_t)peer;
+  o->hello.channel = (uint32_t)t->channel;
+  o->hello.stream = (uint32_t)s;
+  o->hello.nstreams = (uint32_t)t->nstreams;
+  o->hello.size = (uint32_t)t->size;
+  o->hello_done = 0;
+  if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
+    if (errno != EINPROGRESS && errno != EINTR) return errno;
+    o->connecting = 1;
+  }
+  return 0;
+}
+
 /* Opens the connections to peer (nstreams of them), without waiting for them. */
 static int tcp_start_connect(eng_tcp *t, int peer) {
   tcp_peer *p = &t->peers[peer];
   if (p->nout) return 0;
   if (!p->has_addr) return EINVAL;
   for (int s = 0; s < t->nstreams; s++) {
-    tcp_out *o = &p->out[s];
-    int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) return errno;
-    tcp_sockopts(fd);
-    o->fd = fd;
-    o->hello.magic = ENG_TCP_MAGIC;
-    o->hello.version = ENG_TCP_VERSION;
-    o->hello.hdr = ENG_TCP_HDR;
-    memcpy(o->hello.token, t->token, 16);
-    o->hello.from = (uint32_t)t->rank;
-    o->hello.to = (uint32_t)peer;
-    o->hello.channel = (uint32_t)t->channel;
-    o->hello.stream = (uint32_t)s;
-    o->hello.nstreams = (uint32_t)t->nstreams;
-    o->hello.size = (uint32_t)t->size;
-    o->hello_done = 0;
-    p->nout = s + 1;
-    if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
-      if (errno != EINPROGRESS && errno != EINTR) return errno;
-      o->connecting = 1;
-    }
+    int rc = tcp_connect_stream(t, peer, s);
+    if (p->out[s].fd >= 0) p->nout = s + 1;
+    if (rc) return rc;
   }
   return 0;
+}
+
+/* Whether the peer closed (or reset) a connection this rank has written no byte of its hello on. */
+static int tcp_dropped_unproven(tcp_out *o) {
+  char c;
+  if (o->hello_done) return 0;
+  ssize_t got = recv(o->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return got == 0 || (got < 0 && (errno == ECONNRESET || errno == EPIPE));
+}
+
+/* The peer dropped stream s before its hello: a peer closes a connection that has not proved the
+ * token within ENG_TCP_HELLO_SECONDS, and nothing wrote it while this rank was away from the engine
+ * (lazy connections, no progress thread). What is queued goes on a new connection; a peer that keeps
+ * dropping them, or whose listener is gone (refused), fails. */
+static void tcp_redial(eng_tcp *t, int peer, int s) {
+  tcp_out *o = &t->peers[peer].out[s];
+  close(o->fd);
+  o->fd = -1;
+  o->connecting = 0;
+  int rc = ++o->redials > ENG_TCP_MAX_REDIALS ? ECONNRESET : tcp_connect_stream(t, peer, s);
+  if (rc) tcp_peer_failed(t, peer, ENG_ERR_CONNECT, rc);
 }
 
 #endif

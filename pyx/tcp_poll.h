@@ -180,6 +180,10 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   char extra;
   int full = o->back_got == ENG_TCP_HDR;
   if (o->fd < 0) return;   /* closed earlier in this round, with the peer's other streams */
+  if (tcp_dropped_unproven(o)) {
+    tcp_redial(t, peer, s);
+    return;
+  }
   ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
                      : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
   if (got == 0) {

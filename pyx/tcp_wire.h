@@ -28,6 +28,7 @@
 #define ENG_TCP_MAX_MESSAGE (1ULL << 48)
 #define ENG_TCP_MAX_PENDING 64              /* connections not yet through their hello */
 #define ENG_TCP_HELLO_SECONDS 30.0          /* how long one may take to send it */
+#define ENG_TCP_MAX_REDIALS 8               /* a stream's connections dropped before its hello, made again */
 #define ENG_TCP_IOV 64
 #define ENG_TCP_PART_ALIGN 4096
 
@@ -102,6 +103,7 @@ typedef struct {
   tcp_item *head, *tail;
   unsigned char back[ENG_TCP_HDR];  /* what the peer wrote back: its goodbye, or nothing */
   size_t back_got;
+  int redials;              /* connections made again after the peer dropped one before its hello */
 } tcp_out;
 
 typedef struct {
@@ -178,6 +180,8 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err);
 static int tcp_start_connect(eng_tcp *t, int peer);
 static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
 static void tcp_out_progress(eng_tcp *t, int peer, int s);
+static int tcp_dropped_unproven(tcp_out *o);
+static void tcp_redial(eng_tcp *t, int peer, int s);
 static void tcp_check_closing(eng_tcp *t, int peer);
 
 /* ---- small helpers ---- */

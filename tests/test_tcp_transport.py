@@ -372,6 +372,34 @@ def test_a_cancelled_send_whose_part_went_out_still_sends_its_first_frame(rank0)
         c.close()
 
 
+def test_a_connection_its_peer_dropped_before_its_hello_is_made_again(rank0):
+    """A connection opened lazily (here by a receive from rank 1, for rank 1's liveness) whose hello this
+    rank had not written when rank 1 dropped it: a peer closes a connection that has not proved the
+    token within 30 s, and nothing wrote it while this rank was away from the engine (no progress
+    thread). A message sent then goes on a new connection, where it went into the closed one, was
+    lost, and rank 1's receive waited to its timeout."""
+    core, listener, ports = rank0
+    listener.settimeout(5)
+    out = np.zeros(4, np.uint8)
+    r = core.irecv(out, 1, 5)                        # (connects both streams; no progress since)
+    for c in [listener.accept()[0] for _ in range(2)]:
+        c.close()                                    # (rank 1's hello deadline, passed)
+    time.sleep(0.2)
+    core.send(np.frombuffer(b"late", np.uint8), 1, 7)
+    conns = {}
+    while len(conns) < 2:
+        c, _ = listener.accept()
+        got = recv_exact(c, HELLO)
+        assert got[:8] == hello()[:8] and got[8:24] == TOKEN
+        conns[struct.unpack_from("<I", got, 36)[0]] = c   # (by its stream)
+    assert recv_exact(conns[0], HDR + 4) == header(MSG, 7, 0, 4, 4) + b"late"
+    back = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"back")
+    r.wait()
+    assert out.tobytes() == b"back"
+    for c in [back, *conns.values()]:
+        c.close()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 4096 * 3 + 1])
 def test_a_message_with_fewer_bytes_than_streams_goes_in_frames_each_carrying_bytes(n):
     """Split over 4 streams from 1 byte up (ENGINE_TCP_STREAM_MIN_BYTES=1): a message too short to give
