@@ -147,16 +147,39 @@ def connect_mode():
     return env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh")
 
 
-def make_core(boot, seg_bytes, timeout, parent, cfg):
+def reachable_from_other_hosts(everyone, hosts, rank):
+    """(address, how it was chosen) for rank, whose first choice (everyone[rank]: listen()'s) was a
+    loopback address in a group spanning hosts (`hosts`: each rank's host), which the others can't
+    reach: MASTER_ADDR=localhost or 127.0.0.1 on the rendezvous host (torchrun's default
+    --master-addr, Kubernetes' PyTorchJob on its master). The route to a rank's address on another
+    host, as the route to MASTER_ADDR is chosen; else this host's own address."""
+    addr, how = everyone[rank][0], everyone[rank][4]
+    if how.startswith("ENGINE_SOCKET_IFNAME"):
+        raise RuntimeError(f"engine: {how} gives the loopback address {addr}, which the group's ranks on other "
+                           "hosts can't reach: name an interface they reach this host on")
+    why = f"{how} gave the loopback address {addr}, which the group's other hosts can't reach"
+    for q, other in enumerate(everyone):
+        if hosts[q] != hosts[rank] and not _loopback(other[0]):
+            return _route_to(other[0]), f"the route to rank {q}'s address {other[0]} ({why})"
+    found = _this_hosts_address()
+    if found is None:
+        raise RuntimeError(f"engine: this rank has no address but loopback ({why}): set ENGINE_SOCKET_IFNAME to "
+                           "the interface the ranks reach each other on")
+    return found[0], f"{found[1]} ({why})"
+
+
+def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     """The compiled group (engine._core.TcpComm) over TCP between boot's ranks. Collective over them:
     each listens (one socket per channel), the addresses and rank 0's random token go round through
     the bootstrap, and with ENGINE_TCP_CONNECT=mesh every connection is made before it returns.
     parent: (this rank's rank, name) in the group this one is a stage of (the hierarchy's), so that an
-    error names a peer by its rank there too, or None. cfg: settings()."""
+    error names a peer by its rank there too, or None. cfg: settings(). hosts: each rank's host, where
+    known: a rank that chose a loopback address in a group spanning hosts listens again on one the
+    others reach (reachable_from_other_hosts), and the addresses go round again."""
     fds = []
 
-    def listen():
-        addr, how = listen_address()
+    def listen(chosen=None):
+        addr, how = chosen or listen_address()
         try:
             for _ in range(2):      # the algorithms' channel, the user's send/recv
                 fds.append(_core.tcp_listen(addr))
@@ -165,9 +188,19 @@ def make_core(boot, seg_bytes, timeout, parent, cfg):
         where = socket.gethostname() if parent is None else f"{socket.gethostname()}, rank {parent[0]} of group '{parent[1]}'"
         return addr, [port for _, port in fds], where, os.urandom(16) if boot.rank == 0 else None, how
 
+    def listen_again():
+        if not _loopback(everyone[boot.rank][0]):
+            return everyone[boot.rank]
+        for fd, _ in fds:
+            _core.close_fd(fd)
+        fds.clear()
+        return listen(reachable_from_other_hosts(everyone, hosts, boot.rank))
+
     try:
         # (a rank that can't listen, or has no address to listen on, is named by the others)
         everyone = gather(boot, listen, "listen for the group's TCP connections")
+        if hosts is not None and len(set(hosts)) > 1 and any(_loopback(e[0]) for e in everyone):
+            everyone = gather(boot, listen_again, "listen on an address the group's other hosts reach")
     except BaseException:
         for fd, _ in fds:
             _core.close_fd(fd)

@@ -128,7 +128,7 @@ class Tcp(_Transport):
     @staticmethod
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         from . import tcp
-        return tcp.make_core(boot, seg_bytes, timeout, parent, cfg), set(), {}
+        return tcp.make_core(boot, seg_bytes, timeout, parent, cfg, [h for h, _, _ in everyone]), set(), {}
 
 
 class Mpi(_Transport):

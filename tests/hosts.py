@@ -173,7 +173,8 @@ def torchrun_across(hosts, per_host, argv, timeout=300, capture=True, master=Non
 def env_launch(hosts, per_host, argv, master=None, port=None, **env):
     """Starts argv on every host, per_host ranks each, with torch's env:// variables set (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) as a Kubernetes or SLURM job sets them: no
-    launcher, no MPI. Returns the processes, rank by rank (collect() waits for them)."""
+    launcher, no MPI. master: MASTER_ADDR (host 0's address by default), or a list of one per host.
+    Returns the processes, rank by rank (collect() waits for them)."""
     from torchrun import clean_env, free_port
     port = port or free_port()
     procs = []
@@ -181,7 +182,8 @@ def env_launch(hosts, per_host, argv, master=None, port=None, **env):
         for local in range(per_host):
             rank_env = clean_env(RANK=str(i * per_host + local), WORLD_SIZE=str(per_host * len(hosts.names)),
                                  LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
-                                 MASTER_ADDR=master or hosts.addrs[0], MASTER_PORT=str(port), **env)
+                                 MASTER_ADDR=(master[i] if isinstance(master, list) else master) or hosts.addrs[0],
+                                 MASTER_PORT=str(port), **env)
             procs.append(hosts.popen(i, argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True))
     return procs

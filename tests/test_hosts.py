@@ -221,6 +221,20 @@ def test_conformance_matrix_across_hosts(hosts, per_host, mode):
     assert (hierarchical <= set(got)) == (per_host == 2 and mode == "auto"), got
 
 
+@pytest.mark.parametrize("master", ["localhost", "127.0.0.1"])
+def test_a_loopback_master_addr_on_the_rendezvous_host_is_not_given_to_the_other_hosts(hosts, master):
+    """MASTER_ADDR=localhost on the rendezvous host's ranks (Kubernetes' PyTorchJob sets it so on its
+    master), or 127.0.0.1 (torchrun's default --master-addr there), the other host's ranks meeting at
+    its address: every collective over TCP between the hosts, host 0's ranks listening on an address
+    host 1 reaches (they listened on loopback, and host 1's connections were refused by its own)."""
+    from hosts import env_launch_across
+    results = env_launch_across(hosts, 1, [sys.executable, os.path.join(ROOT, "examples", "check_collectives.py")],
+                                timeout=120, master=[master, hosts.addrs[0]], ENGINE_TIMEOUT="20")
+    text = "\n".join(out for _, out in results)
+    assert all(rc == 0 for rc, _ in results), suite_report(text)
+    assert "ALL PASS: 16 collectives on 2 ranks, transport tcp" in text, text[-3000:]
+
+
 @pytest.mark.parametrize("per_host", [1, 2])
 def test_abort_then_reconfigure_across_hosts_under_torchrun(hosts, per_host):
     """Across the two hosts over TCP (flat at 2x1, hierarchical at 2x2): the last rank never joins an
