@@ -155,7 +155,7 @@ def read_keys(store, keys, seconds, what, cancelled=None):
     except Exception as exc:   # the wait's timeout: who never came?
         try:
             missing = [i for i, k in enumerate(keys) if not store.check([k])]
-        except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's first member)
+        except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's hub)
             raise ConnectionError(f"{what}: {exc}; then {gone}") from None
         except Exception:
             raise RuntimeError(f"engine: the store stopped answering in {what}: {exc}; its server may have run in "

@@ -4,9 +4,12 @@ torch 2.14's contract (ProcessGroup.reconfigure): every process of a group made 
 enable_reconfigure=True hands out an opaque handle; a reconfigure names the new members by a list of
 handles (a member's rank is its handle's position) and a uuid fresh for every new communicator.
 
-A handle here is a capability: `engine1/<address>/<port>/<secret>`, the address and port this
-process listens on for reconfigures, and 16 random bytes only holders of the handle know. The first
-member of the list is the hub: every other member connects to it and sends a fixed-size hello whose
+A handle here is a capability: `engine2/<address>/<port>/<secret>/<host>`, the address and port this
+process listens on for reconfigures, 16 random bytes only holders of the handle know, and a digest of
+its host (engine.bootstrap.host_identity). The hub is the first member of the list whose handle's
+address is not a loopback one (the first member where all are): a host whose MASTER_ADDR is
+localhost or 127.0.0.1 (torchrun's default on the rendezvous host) hands out loopback handles, which
+other hosts can't reach. Every other member connects to the hub and sends a fixed-size hello whose
 first field after the magic is the hub's secret, compared in constant time before anything else the
 connection sends is read; then the uuid, its index, the member count and a digest of the whole list
 (so every member agrees on the membership and the order). The hub then serves a small key-value store
@@ -16,7 +19,7 @@ through torch's store is built: shared memory on one host, the engine's TCP tran
 
 A member that dies is named within a second, not at the reconfigure's timeout: the hub probes the
 handles of members that have not connected (a handle that refuses connections is a process that
-ended, on a host that lives), and a member's connection that closes before it said it is done
+ended, on a host that lives; a loopback handle of another host can't be probed), and a member's connection that closes before it said it is done
 (OP_DONE) fails the meeting. The hub then ends its own making and tells every member still connected
 why; the members that are done wait for its verdict, so a reconfigure succeeds on all or on none.
 
@@ -60,20 +63,35 @@ class HandleError(ValueError):
 
 
 def parse_handle(handle):
-    """(address, port, secret) of a handle; HandleError naming what is wrong."""
+    """(address, port, secret, host) of a handle; HandleError naming what is wrong."""
     if not isinstance(handle, str):
         raise HandleError(f"a reconfigure handle is a str, got {type(handle).__name__}")
     parts = handle.split("/")
-    if len(parts) != 4 or parts[0] != "engine1":
+    if len(parts) != 5 or parts[0] != "engine2":
         raise HandleError(f"{handle[:80]!r} is not a reconfigure handle of backend 'engine' (expected "
-                          "'engine1/<address>/<port>/<secret>', as get_reconfigure_handle() returns)")
+                          "'engine2/<address>/<port>/<secret>/<host>', as get_reconfigure_handle() returns)")
     try:
         port, secret = int(parts[2]), bytes.fromhex(parts[3])
     except ValueError:
         raise HandleError(f"reconfigure handle {handle!r}: its port or secret is malformed") from None
-    if not 0 < port < 65536 or len(secret) != 16:
-        raise HandleError(f"reconfigure handle {handle!r}: port out of range or secret not 16 bytes")
-    return parts[1], port, secret
+    if not 0 < port < 65536 or len(secret) != 16 or not parts[4]:
+        raise HandleError(f"reconfigure handle {handle!r}: port out of range, secret not 16 bytes or no host")
+    return parts[1], port, secret, parts[4]
+
+
+def this_host():
+    """This host, as handles name it: a digest of engine.bootstrap.host_identity()'s host."""
+    from .bootstrap import host_identity
+    return hashlib.sha256(host_identity()[0].encode()).hexdigest()[:16]
+
+
+def hub_of(members):
+    """The index of the reconfigure's hub among the member handles: the first whose address is not a
+    loopback one, else the first (every member derives the same from the same list)."""
+    for i, h in enumerate(members):
+        if not tcp.is_loopback(parse_handle(h)[0]):
+            return i
+    return 0
 
 
 def _recv_exact(sock, n, what):
@@ -102,7 +120,7 @@ class Listener:
             raise RuntimeError(f"engine: can't listen for reconfigures on {addr} (chosen by {self.how}): {exc}; "
                                "set ENGINE_SOCKET_IFNAME to the interface the ranks reach each other on") from None
         self.secret = os.urandom(16)
-        self.handle = f"engine1/{addr}/{self.sock.getsockname()[1]}/{self.secret.hex()}"
+        self.handle = f"engine2/{addr}/{self.sock.getsockname()[1]}/{self.secret.hex()}/{this_host()}"
         self.parked = {}       # uuid -> {index: (socket, member count, digest)}: hellos for later reconfigures
         self.used = set()      # uuids this hub served (a late hello for one is refused)
         self.failed = {}       # uuid -> why, of the reconfigures that failed here (a late hello hears why)
@@ -145,7 +163,7 @@ class Listener:
         try:
             return self._accept(mine, uuid, n, digest, deadline, handles, meeting)
         except BaseException as exc:
-            why = f"the first member ({_where(handles[0])}) ended this reconfigure: {exc}"
+            why = f"the hub ({_where(self.handle)}) ended this reconfigure: {exc}"
             if len(self.failed) >= MAX_PARKED:
                 del self.failed[next(iter(self.failed))]
             self.failed[uuid] = why
@@ -159,8 +177,9 @@ class Listener:
             return self._accept_from(hellos, mine, uuid, n, digest, deadline, handles, meeting)
 
     def _accept_from(self, hellos, mine, uuid, n, digest, deadline, handles, meeting):
+        hub = handles.index(self.handle)
         for index, (conn, count, dig) in self.parked.pop(uuid, {}).items():
-            self._admit(mine, conn, index, count, dig, n, digest, meeting)
+            self._admit(mine, conn, index, count, dig, n, digest, meeting, hub)
         probe_gap, probe_from = PROBE_SECONDS[0], 0
         probe_at = time.monotonic() + probe_gap
         while len(mine) < n - 1:
@@ -168,11 +187,11 @@ class Listener:
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
-                missing = [i for i in range(1, n) if i not in mine]
+                missing = [i for i in range(n) if i != hub and i not in mine]
                 raise TimeoutError(f"members {missing} ({', '.join(_where(handles[i]) for i in missing[:4])}) "
-                                   "never connected to this rank, the first member")
+                                   "never connected to this rank, the hub")
             if now >= probe_at:
-                missing = [i for i in range(1, n) if i not in mine]
+                missing = [i for i in range(n) if i != hub and i not in mine]
                 # (a round of probes takes at most 0.2 s, whatever the members' hosts answer, and reads
                 # abort() between probes: the rest wait for the next round, which starts where this one stopped)
                 probed = 0
@@ -189,7 +208,7 @@ class Listener:
                 probe_at = time.monotonic() + probe_gap
             for conn, hello in hellos.poll(min(left, ACCEPT_TICK_SECONDS)):
                 try:
-                    self._hello(conn, hello, uuid, n, digest, mine, meeting)
+                    self._hello(conn, hello, uuid, n, digest, mine, meeting, hub)
                 except (OSError, ValueError):
                     conn.close()
         meeting.check()   # (an abort since the last look: the members hear of it from the hub's error)
@@ -199,17 +218,17 @@ class Listener:
             _reply(conn, OK, f"{max(0.0, deadline - time.monotonic()):.3f}")
         return mine
 
-    def _hello(self, conn, hello, uuid, n, digest, mine, meeting):
+    def _hello(self, conn, hello, uuid, n, digest, mine, meeting, hub):
         magic, secret, their_uuid, index, count, dig = _HELLO.unpack(hello)
         if magic != MAGIC or not hmac.compare_digest(secret, self.secret):
             raise ValueError("not a member: wrong magic or secret")
         if their_uuid == uuid:
-            self._admit(mine, conn, index, count, dig, n, digest, meeting)
+            self._admit(mine, conn, index, count, dig, n, digest, meeting, hub)
         elif their_uuid in self.failed:
             _reply(conn, FAILED, self.failed[their_uuid])
             conn.close()
         elif their_uuid in self.used:
-            _reply(conn, REFUSED, f"uuid {their_uuid} was already used by this group's first member: pass a fresh uuid to "
+            _reply(conn, REFUSED, f"uuid {their_uuid} was already used by this group's hub: pass a fresh uuid to "
                             "every reconfigure")
             conn.close()
         elif sum(len(v) for v in self.parked.values()) < MAX_PARKED:
@@ -218,13 +237,13 @@ class Listener:
             conn.close()
 
     @staticmethod
-    def _admit(mine, conn, index, count, dig, n, digest, meeting):
+    def _admit(mine, conn, index, count, dig, n, digest, meeting, hub):
         if count != n or dig != digest:
-            _reply(conn, REFUSED, f"this reconfigure's first member was given {n} handles, and another list than "
+            _reply(conn, REFUSED, f"this reconfigure's hub was given {n} handles, and another list than "
                             f"member {index}'s ({count} handles): every member must pass the same handles in the same "
                             "order")
             conn.close()
-        elif not 1 <= index < n or index in mine:
+        elif not 0 <= index < n or index == hub or index in mine:
             _reply(conn, REFUSED, f"member index {index} is out of range or taken twice")
             conn.close()
         else:
@@ -305,7 +324,7 @@ class _Hellos:
 
 def _where(handle):
     try:
-        addr, port, _ = parse_handle(handle)
+        addr, port, _, _ = parse_handle(handle)
         return f"{addr}:{port}"
     except HandleError:
         return "?"
@@ -314,8 +333,11 @@ def _where(handle):
 def _refuses(handle):
     """True if the address of handle refuses connections: no process listens there any more (a process
     that lives keeps its handle's socket listening; a connection it does not accept waits in its
-    backlog and closes unread). A timeout or an unreachable host proves nothing."""
-    addr, port, _ = parse_handle(handle)
+    backlog and closes unread). A timeout or an unreachable host proves nothing, nor does a loopback
+    address of another host (this host's own answers)."""
+    addr, port, _, host = parse_handle(handle)
+    if tcp.is_loopback(addr) and host != this_host():
+        return False
     try:
         probe = socket.create_connection((addr, port), timeout=PROBE_CONNECT_SECONDS)
     except ConnectionRefusedError:
@@ -504,7 +526,7 @@ class HubStore:
         are given a second to hear why (their requests are answered so), no more. Raises
         ConnectionError where the meeting failed after this hub made its end: the group can't work."""
         if not made:
-            self.fail(f"reconfigure: the first member ({_where(self.meeting.listener.handle)}) could not make its "
+            self.fail(f"reconfigure: the hub ({_where(self.meeting.listener.handle)}) could not make its "
                       "end of the group")
         with self.cv:
             while self.serving and self.error is None and time.monotonic() < deadline:
@@ -565,7 +587,7 @@ class MemberStore:
     """A member's side of the hub's store (torch's Store API as StoreBootstrap uses it)."""
 
     def __init__(self, hub_handle, uuid, index, n, digest, deadline, meeting):
-        addr, port, secret = parse_handle(hub_handle)
+        addr, port, secret, _ = parse_handle(hub_handle)
         self.where = f"{addr}:{port}"
         self.deadline = deadline
         self.meeting = meeting
@@ -575,7 +597,7 @@ class MemberStore:
         except OSError as exc:
             if isinstance(exc, ConnectionError) and meeting.cancelled is not None:
                 raise
-            raise ConnectionError(f"can't reach the first member's handle at {self.where} ({exc.strerror or exc}): "
+            raise ConnectionError(f"can't reach the hub's handle at {self.where} ({exc.strerror or exc}): "
                                   "is that process gone?") from None
         meeting.socks.append(self.sock)
         meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
@@ -584,7 +606,7 @@ class MemberStore:
         # deadline why it gave up, naming the members that never came)
         self.sock.settimeout(max(0.1, deadline - time.monotonic()) + HELLO_ANSWER_GRACE_SECONDS)
         try:
-            left = self._answer("the first member's answer to this rank's hello", refused=RuntimeError)
+            left = self._answer("the hub's answer to this rank's hello", refused=RuntimeError)
             self.verdict_by = max(deadline, time.monotonic() + _seconds(left))   # (the hub's deadline, if later)
         except TimeoutError as exc:
             self.sock.close()
@@ -607,10 +629,10 @@ class MemberStore:
             _check_sizes(0, length)
             return status, _recv_exact(self.sock, length, what)
         except socket.timeout:
-            raise TimeoutError(f"{what}: the first member ({self.where}) did not answer in time") from None
+            raise TimeoutError(f"{what}: the hub ({self.where}) did not answer in time") from None
         except ConnectionError:
             self.meeting.check()
-            raise ConnectionError(f"{what}: the first member ({self.where}) closed the connection: it failed or "
+            raise ConnectionError(f"{what}: the hub ({self.where}) closed the connection: it failed or "
                                   "was aborted") from None
 
     @staticmethod
@@ -661,9 +683,9 @@ class MemberStore:
                     self.sock.sendall(_REQ.pack(OP_DONE, 0, 0))
                 except OSError:
                     self.meeting.check()
-                    raise ConnectionError(f"the first member ({self.where}) closed the connection: it failed or was "
+                    raise ConnectionError(f"the hub ({self.where}) closed the connection: it failed or was "
                                           "aborted") from None
-                self._answer("the first member's word that every member made its end", refused=ConnectionError)
+                self._answer("the hub's word that every member made its end", refused=ConnectionError)
         finally:
             self.sock.close()
             self.meeting.end()
@@ -703,7 +725,7 @@ def meet(listener, uuid, handles, timeout, aborted=None):
     if listener.handle not in members:
         raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "
                           "reconfigure: every member passes the same list, itself included")
-    index, n = members.index(listener.handle), len(members)
+    index, n, hub = members.index(listener.handle), len(members), hub_of(members)
     digest = hashlib.sha256("\n".join(members).encode()).digest()
     deadline = time.monotonic() + timeout
     if uuid in listener.used:
@@ -714,7 +736,7 @@ def meet(listener, uuid, handles, timeout, aborted=None):
     if why is not None:
         meeting.cancel(why)
     try:
-        if index == 0:
+        if index == hub:
             conns = listener.accept_members(uuid, n, digest, deadline, members, meeting) if n > 1 else {}
             listener.used.add(uuid)
             store = HubStore(conns, deadline, meeting, members)
@@ -724,7 +746,7 @@ def meet(listener, uuid, handles, timeout, aborted=None):
                 meeting.check()
             return store, index, n
         listener.used.add(uuid)
-        return MemberStore(members[0], uuid, index, n, digest, deadline, meeting), index, n
+        return MemberStore(members[hub], uuid, index, n, digest, deadline, meeting), index, n
     except BaseException:
         meeting.end()
         raise

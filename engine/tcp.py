@@ -99,7 +99,7 @@ def listen_address(environ=None):
         # MASTER_ADDR naming this host, whose name resolves here to a loopback address (Debian's and
         # Ubuntu's /etc/hosts: 127.0.1.1), where the other hosts reach it at another: listening there,
         # this rank could be reached from this host only.
-        named_here = _loopback(addr) and not (_loopback(master) or master.lower() in LOOPBACK_NAMES)
+        named_here = is_loopback(addr) and not (is_loopback(master) or master.lower() in LOOPBACK_NAMES)
         found = _this_hosts_address() if named_here else None
         if found is None:
             return addr, f"the route to MASTER_ADDR={master}"
@@ -112,7 +112,7 @@ def listen_address(environ=None):
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 
 
-def _loopback(address):
+def is_loopback(address):
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
@@ -159,7 +159,7 @@ def reachable_from_other_hosts(everyone, hosts, rank):
                            "hosts can't reach: name an interface they reach this host on")
     why = f"{how} gave the loopback address {addr}, which the group's other hosts can't reach"
     for q, other in enumerate(everyone):
-        if hosts[q] != hosts[rank] and not _loopback(other[0]):
+        if hosts[q] != hosts[rank] and not is_loopback(other[0]):
             return _route_to(other[0]), f"the route to rank {q}'s address {other[0]} ({why})"
     found = _this_hosts_address()
     if found is None:
@@ -189,7 +189,7 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
         return addr, [port for _, port in fds], where, os.urandom(16) if boot.rank == 0 else None, how
 
     def listen_again():
-        if not _loopback(everyone[boot.rank][0]):
+        if not is_loopback(everyone[boot.rank][0]):
             return everyone[boot.rank]
         for fd, _ in fds:
             _core.close_fd(fd)
@@ -199,7 +199,7 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     try:
         # (a rank that can't listen, or has no address to listen on, is named by the others)
         everyone = gather(boot, listen, "listen for the group's TCP connections")
-        if hosts is not None and len(set(hosts)) > 1 and any(_loopback(e[0]) for e in everyone):
+        if hosts is not None and len(set(hosts)) > 1 and any(is_loopback(e[0]) for e in everyone):
             everyone = gather(boot, listen_again, "listen on an address the group's other hosts reach")
     except BaseException:
         for fd, _ in fds:

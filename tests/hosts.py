@@ -149,7 +149,9 @@ def _forward(env):
 
 
 def torchrun_command(hosts, i, per_host, argv, port, master=None):
-    """torchrun as host i runs it: node i of the job, per_host ranks, meeting at host 0 (no MPI)."""
+    """torchrun as host i runs it: node i of the job, per_host ranks, meeting at host 0 (no MPI). master:
+    its --master-addr (host 0's address by default), or a list of one per host."""
+    master = master[i] if isinstance(master, list) else master
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts.names)), "--nproc-per-node",
             str(per_host), "--node-rank", str(i), "--master-addr", master or hosts.addrs[0], "--master-port",
             str(port), "--tee", "3", *argv]

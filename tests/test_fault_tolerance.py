@@ -339,9 +339,9 @@ class FaultToleranceScenarios(ForkedRanks):
             with self.assertRaises(RuntimeError):   # (the others left: whatever this rank's making then meets)
                 self._reconfigure(1511, handles)
         else:
-            # (rank 1 may hear first that rank 0, the first member, aborted: its store's connection closed)
-            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1511 .*(was aborted \(abort\(\)\)|the first "
-                                                      r"member \(.*\) closed the connection: it failed or was aborted)"):
+            # (rank 1 may hear first that rank 0, the hub, aborted: its store's connection closed)
+            with self.assertRaisesRegex(RuntimeError, r"reconfigure 1511 .*(was aborted \(abort\(\)\)|the hub "
+                                                      r"\(.*\) closed the connection: it failed or was aborted)"):
                 self._reconfigure(1511, handles)
             ended = time.monotonic()
             timers[0].join()
@@ -414,7 +414,7 @@ class FaultToleranceScenarios(ForkedRanks):
             started = time.monotonic()
             # (or, where the other waiting member's deadline passed first and it left: that member named)
             with self.assertRaisesRegex(RuntimeError, r"reconfigure 1531 .*(the reconfigure's timeout \(2 s\) passed "
-                                                      r"while the new group was made|the first member .* ended|"
+                                                      r"while the new group was made|the hub .* ended|"
                                                       r"rank [01] \(.*\) left the group)"):
                 self.backend.reconfigure(opts)
             took = time.monotonic() - started
@@ -731,7 +731,7 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
     from engine import handles
 
     listener = handles.Listener()
-    addr, port, secret = handles.parse_handle(listener.handle)
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
     try:
         bad = socket.create_connection((addr, port))
         bad.sendall(handles._HELLO.pack(handles.MAGIC, b"x" * 16, 7, 1, 2, b"d" * 32) + b"junk" * 100)
@@ -823,16 +823,16 @@ def test_destroying_a_group_ends_its_reconfigure_in_flight_and_it_stays_destroye
 
 
 def test_a_member_of_the_next_reconfigure_connecting_while_the_last_one_ends_is_kept_for_it():
-    """The first member accepted a connection whose hello (for the next reconfigure) had not all come
-    when the meeting it served was complete: the rest of the hello is read in the next meeting, which
-    admits it (the connection was closed, and that member's reconfigure failed: "the first member
-    closed the connection")."""
+    """The hub accepted a connection whose hello (for the next reconfigure) had not all come when the
+    meeting it served was complete: the rest of the hello is read in the next meeting, which admits it
+    (the connection was closed, and that member's reconfigure failed: "the hub closed the
+    connection")."""
     import socket
 
     from engine import handles
 
     listener = handles.Listener()
-    addr, port, secret = handles.parse_handle(listener.handle)
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
     early_hello = handles._HELLO.pack(handles.MAGIC, secret, 42, 1, 2, b"e" * 32)
     try:
         early = socket.create_connection((addr, port))        # (first in the backlog: accepted first)
@@ -861,7 +861,7 @@ def test_a_silent_connection_holds_up_neither_the_members_nor_abort():
     from engine import handles
 
     listener = handles.Listener()
-    addr, port, secret = handles.parse_handle(listener.handle)
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
     strangers = [socket.create_connection((addr, port)) for _ in range(2)]
     try:
         strangers[1].sendall(b"E")   # (a trickle: the first byte of a hello)
@@ -908,7 +908,7 @@ def test_a_member_hears_the_first_members_reason_naming_who_never_came():
         with pytest.raises(TimeoutError, match=r"members \[2\]"):
             handles.meet(listeners[0], 11, members, 1.0)
         side.join(10)
-        assert re.search(r"ConnectionError: the first member \(.*\) ended this reconfigure: members \[2\] .*never "
+        assert re.search(r"ConnectionError: the hub \(.*\) ended this reconfigure: members \[2\] .*never "
                          r"connected", outcome["member"]), outcome
     finally:
         for lst in listeners:
@@ -963,7 +963,7 @@ def test_abort_ends_a_members_connect_to_a_first_member_that_never_answers():
         s.setblocking(False)
         s.connect_ex(gone.getsockname())
         filler.append(s)
-    first = f"engine1/127.0.0.1/{gone.getsockname()[1]}/{'00' * 16}"
+    first = f"engine2/127.0.0.1/{gone.getsockname()[1]}/{'00' * 16}/{handles.this_host()}"
     listener = handles.Listener()
     try:
         side, outcome = _started(lambda: handles.meet(listener, 31, [first, listener.handle], 30))
@@ -1064,3 +1064,24 @@ def test_an_abort_before_the_shrinks_wait_began_still_ends_it_at_once(monkeypatc
         assert time.monotonic() - started < 3.0
     finally:
         pg.shutdown()
+
+
+def test_the_hub_is_the_first_member_other_hosts_reach_and_another_hosts_loopback_is_not_probed():
+    """The hub of a reconfigure is the first member whose handle's address is not loopback (a host whose
+    MASTER_ADDR is localhost hands out loopback handles; tests/test_hosts.py meets across hosts so); a
+    loopback handle of another host refusing here proves nothing (this host's own loopback answered),
+    one of this host refusing is a process that ended."""
+    import socket
+
+    from engine import handles
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()   # (nothing listens there now)
+    here = [f"engine2/127.0.0.1/{p}/{'00' * 16}/{handles.this_host()}" for p in (port, port + 1)]
+    there = f"engine2/10.0.0.2/{port}/{'00' * 16}/another-host"
+    assert handles.hub_of(here) == 0
+    assert handles.hub_of(here + [there]) == 2 and handles.hub_of([there] + here) == 0
+    assert handles._refuses(here[0])
+    assert not handles._refuses(f"engine2/127.0.0.1/{port}/{'00' * 16}/another-host")

@@ -239,9 +239,13 @@ def test_a_loopback_master_addr_on_the_rendezvous_host_is_not_given_to_the_other
 def test_abort_then_reconfigure_across_hosts_under_torchrun(hosts, per_host):
     """Across the two hosts over TCP (flat at 2x1, hierarchical at 2x2): the last rank never joins an
     all_reduce, abort() from another thread ends the others' call within 1 s, and a reconfigure of every
-    rank (the members meeting through their handles, no store) gives a group over TCP that sums right."""
+    rank (the members meeting through their handles, no store) gives a group over TCP that sums right.
+    At 2x1 host 0's torchrun has torchrun's default --master-addr, 127.0.0.1: its rank's handle names
+    a loopback address, which host 1 can't reach (host 1's rank is the hub), and its TCP end listens
+    again where host 1 reaches it."""
     script = os.path.join(ROOT, "tests", "faults", "abort_blocked.py")
-    results = torchrun_across(hosts, per_host, [script], timeout=180)
+    results = torchrun_across(hosts, per_host, [script], timeout=180,
+                              master=["127.0.0.1", hosts.addrs[0]] if per_host == 1 else None)
     text = "\n".join(out for _, out in results)
     assert all(rc == 0 for rc, _ in results), text[-8000:]
     ended = re.findall(r"abort: rank (\d+) all_reduce over (\w+) ended (\S+) s after abort\(\) \(thread\): (\w+)", text)

@@ -166,7 +166,7 @@ def test_dead_peer_is_named_well_before_the_timeout():
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
     """A rank that never writes its part is named at the group's timeout (else the store's); a store
     whose server is gone (torch raises on every call) is named as such, not as every rank missing; a
-    store that says why it went (a reconfigure's first member closed) passes that on."""
+    store that says why it went (a reconfigure's hub closed) passes that on."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -197,7 +197,7 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
                                            r"Broken pipe; its server may have run in a process that has exited"):
         StoreBootstrap(Gone(), 0, 3, "g").allgather("rank 0's")
 
-    class HubClosed:   # a reconfigure member's store: its read timed out, then the first member closed
+    class HubClosed:   # a reconfigure member's store: its read timed out, then the hub closed
         def set(self, key, value):
             pass
 
@@ -205,10 +205,10 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
             raise TimeoutError(f"reconfigure: no member set {key!r} in time")
 
         def check(self, keys):
-            raise ConnectionError("the first member (10.0.0.1:9) closed the connection: it failed or was aborted")
+            raise ConnectionError("the hub (10.0.0.1:9) closed the connection: it failed or was aborted")
 
     with pytest.raises(ConnectionError, match=r"^the group's bootstrap \(g\): reconfigure: no member set "
-                                              r"'g/boot/0/0' in time; then the first member \(10.0.0.1:9\) closed"):
+                                              r"'g/boot/0/0' in time; then the hub \(10.0.0.1:9\) closed"):
         StoreBootstrap(HubClosed(), 0, 3, "g").allgather("rank 0's")
 
 
