@@ -24,7 +24,8 @@ from shm cimport eng_now, eng_sleep
 #   registered on a task already done runs at once, in the registering thread, and what it issues goes
 #   to the back: the same place. So every rank issues its collectives in one order whether its callback
 #   ran early or late (PowerSGD's hook issues two allreduces from callbacks while backward queues the
-#   next buckets'; a script may issue two allreduces and chain a third on the first's future).
+#   next buckets'; a script may issue two allreduces and chain a third on the first's future), where
+#   nothing was issued between the get_future() and the then() (torch's Future hides the then()).
 # - drive(driver) / kick(): while it has nothing to run, the thread moves the point-to-point messages
 #   left in flight on the group's user channel (a pipeline stage's isend while it computes the next
 #   micro-batch), without the GIL, as Gloo's own threads do.
@@ -133,7 +134,7 @@ cdef class Progress:
     def __init__(self, name="engine-progress", double grace=50e-6, double stall_seconds=1800.0):
         self.queue = collections.deque()
         self.stall_seconds = stall_seconds
-        self.cv = threading.Condition(threading.Lock())
+        self.cv = threading.Condition(threading.RLock())   # (re-entrant: abort() from a signal handler while this thread holds it)
         self.grace = grace
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -315,11 +316,23 @@ cdef class Progress:
         callback(task)
 
     def close(self):
-        """Runs what is queued, then stops the thread."""
+        """Runs what is queued, then stops the thread. Done callbacks that have held the group's order
+        for its timeout (stall_seconds) are left running, said on stderr: one that waits for work
+        queued behind it through a torch Future (which can't run what it waits for, as wait() here
+        does) waits for ever, and the process's exit (_drain_at_exit) or the group's destroy with it."""
         self.closed = True
         self._signal()
-        if threading.current_thread() is not self.thread:
-            self.thread.join()
+        if threading.current_thread() is self.thread:
+            return
+        while self.thread.is_alive():
+            self.thread.join(0.1)
+            if self.cb_thread and eng_now() - self.cb_since >= self.stall_seconds and self.thread.is_alive():
+                sys.stderr.write(f"engine: {self.thread.name}: the done callbacks of {self.cb_of} still run after "
+                                 f"{eng_now() - self.cb_since:.0f} s (the group's timeout is {self.stall_seconds:g} "
+                                 f"s), holding {len(self.queue)} queued operation(s) behind them: a callback that "
+                                 "waits for one of those (through its torch Future) waits for ever. Left running; "
+                                 "wait on the Work instead, or issue the operation from the callback\n")
+                return
 
     def orphan(self, why):
         """In a child forked from this process (engine/forks.py), where this thread is not, and its locks
@@ -327,7 +340,7 @@ cdef class Progress:
         with EngineError naming the fork."""
         pthread_mutex_init(&self.mtx, NULL)
         pthread_cond_init(&self.cond, NULL)
-        self.cv = threading.Condition(threading.Lock())
+        self.cv = threading.Condition(threading.RLock())   # (re-entrant: abort() from a signal handler while this thread holds it)
         self.deep = self.waiters = 0
         if self.current is not None and self.current.state != TASK_DONE:
             self.queue.appendleft(self.current)   # (its thread is not here to end it: abort fails it)

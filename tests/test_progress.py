@@ -310,3 +310,63 @@ def test_every_done_callback_runs_when_one_raises_and_a_future_takes_an_interrup
     finally:
         progress.grace = 50e-6
         progress.close()
+
+
+def test_closing_leaves_callbacks_stuck_behind_the_groups_order_after_its_timeout_rather_than_hang():
+    """A done callback that waits, through a torch Future (which can't run it), for an operation queued
+    behind its task waits for ever: that operation runs only once the callbacks return. The process's
+    exit drains every group (close()), and hung with it; close() gives up on such callbacks once they
+    held the order for the group's timeout, saying so. (In a process of its own: its stuck thread.)"""
+    import subprocess
+    import sys
+
+    script = """
+import threading, time
+from engine.progress import Progress
+progress = Progress(name="engine-progress-stuck", stall_seconds=1.0)
+later_ran = threading.Event()
+first = progress.submit(lambda: None, (), "allreduce #1")
+later = progress.submit(later_ran.set, (), "allreduce #2")
+progress.add_done_callback(first, lambda task: later_ran.wait())   # (as f2.wait() would)
+time.sleep(0.3)
+started = time.monotonic()
+progress.close()
+print(f"closed after {time.monotonic() - started:.1f} s", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "closed after" in proc.stdout, proc.stdout + proc.stderr
+    assert float(proc.stdout.split("closed after ")[1].split()[0]) < 5
+    assert ("engine: engine-progress-stuck: the done callbacks of allreduce #1 still run after 1 s (the group's "
+            "timeout is 1 s), holding 1 queued operation(s) behind them") in proc.stderr, proc.stderr
+
+
+def test_a_coalesced_calls_future_completes_failed_when_a_part_was_interrupted():
+    """A coalesced call's Work (torchbridge.work.CoalescedWork) whose part the caller ran and a ^C
+    interrupted: its future completes failed, with a RuntimeError naming the interrupt (it took the
+    KeyboardInterrupt as given, torch's Future asserted inside the callback, and it never completed)."""
+    import pytest
+    import torch
+
+    from torchbridge.work import CoalescedWork, CollectiveWork
+    progress = Progress(name="engine-progress-coalesced")
+    progress.grace = 60.0   # (the caller runs them)
+    try:
+        def interrupted():
+            raise KeyboardInterrupt
+        tasks = [progress.submit(lambda: None, (), "allreduce part 0"), progress.submit(interrupted, (), "allreduce part 1")]
+        parts = []
+        for task in tasks:
+            task.outputs = [torch.zeros(1)]
+            parts.append(CollectiveWork.of(task))
+        work = CoalescedWork(parts, [t.outputs[0] for t in tasks])
+        fut = work.get_future()
+        parts[0].wait()
+        with pytest.raises(KeyboardInterrupt):
+            parts[1].wait()
+        assert fut.done()
+        with pytest.raises(RuntimeError, match=r"a part of a coalesced call was interrupted \(KeyboardInterrupt\)"):
+            fut.wait()
+    finally:
+        progress.grace = 50e-6
+        progress.close()

@@ -27,6 +27,17 @@ def future_pair():
     return completer, completer.then(lambda fut: fut.value())   # (value() raises what set_exception gave)
 
 
+def future_error(error, name):
+    """error as a torch Future takes it: an Exception only (its set_exception asserts so, inside the
+    callback that completes it, and the future never completed); a ^C or sys.exit in the caller's run
+    of the call becomes a RuntimeError naming it."""
+    if isinstance(error, Exception):
+        return error
+    wrapped = RuntimeError(f"{name} was interrupted ({type(error).__name__}) before it completed")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 # A Work's first get_future() makes its future under this lock: two threads asking at once (a hook's
 # and the user's) get the same future, and it completes once. (Reentrant: a coalesced Work's future is
 # made from its parts'.)
@@ -116,12 +127,7 @@ class CollectiveWork(_OutputsWork):
 
     def _complete_future(self, task):
         if task.error is not None:
-            error = task.error
-            if not isinstance(error, Exception):
-                # (torch's Future takes an Exception only: a ^C or sys.exit in the caller's run of the call)
-                error = RuntimeError(f"{task.name} was interrupted ({type(error).__name__}) before it completed")
-                error.__cause__ = task.error
-            self._completer.set_exception(error)
+            self._completer.set_exception(future_error(task.error, task.name))
         else:
             self._completer.set_result(list(task.outputs))
 
@@ -219,7 +225,7 @@ class CoalescedWork(_OutputsWork):
                         return
                 error = self.exception()
                 if error is not None:
-                    completer.set_exception(error)
+                    completer.set_exception(future_error(error, "a part of a coalesced call"))
                 else:
                     completer.set_result(list(self._outputs))
 
