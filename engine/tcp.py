@@ -1,10 +1,11 @@
 """The TCP transport's group setup: which address a rank listens on, the exchange of addresses and the
 group's token through its bootstrap (torch's store, or MPI under mpirun), and the compiled group.
 
-The interface is chosen as Gloo and NCCL choose theirs: ENGINE_SOCKET_IFNAME names it (comma-separated
-names: the first this host has), else the one the routing table uses to reach MASTER_ADDR (the
-rendezvous host every rank already reaches), else the hostname's address. IPv4 and IPv6 alike: the
-family follows MASTER_ADDR's.
+The interface: ENGINE_SOCKET_IFNAME names it (comma-separated names: the first this host has), else the
+one the routing table uses to reach MASTER_ADDR (the rendezvous host every rank already reaches; else
+the host of the group's TCPStore), else the hostname's address (Gloo's choice). IPv4 and IPv6 alike:
+the family follows MASTER_ADDR's. A rank left with a loopback address in a group spanning hosts
+listens again where the others reach it (make_core).
 """
 
 import atexit
@@ -47,13 +48,15 @@ def _family(address):
         return None
 
 
-def _route_to(host):
-    """The local address the routing table uses to reach host (a UDP connect sends nothing)."""
+def _route_to(host, label=None):
+    """The local address the routing table uses to reach host (a UDP connect sends nothing); label: host
+    in the errors' words (MASTER_ADDR=host)."""
+    label = label or f"MASTER_ADDR={host!r}"
     try:
         infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise RuntimeError(f"engine: MASTER_ADDR={host!r} does not resolve ({exc}): the TCP transport picks the "
-                           "interface that reaches it; set MASTER_ADDR to the rendezvous host's address, or "
+        raise RuntimeError(f"engine: {label} does not resolve ({exc}): the TCP transport picks the "
+                           "interface that reaches it; set it to the rendezvous host's address, or "
                            "ENGINE_SOCKET_IFNAME to the interface to use") from None
     errors = []
     for family, _, _, _, sockaddr in infos:
@@ -63,7 +66,7 @@ def _route_to(host):
                 return s.getsockname()[0]
             except OSError as exc:
                 errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
-    raise RuntimeError(f"engine: no route from this host to MASTER_ADDR={host!r} ({'; '.join(errors)}): set "
+    raise RuntimeError(f"engine: no route from this host to {label} ({'; '.join(errors)}): set "
                        "ENGINE_SOCKET_IFNAME to the interface the ranks reach each other on")
 
 
@@ -76,10 +79,25 @@ def _pick(addresses, family):
     return sorted(addresses, key=rank)[0][1] if addresses else None
 
 
-def listen_address(environ=None):
-    """(address, how it was chosen) for this rank's listening sockets."""
+def store_host(store):
+    """The host the torch TCPStore under store (through PrefixStores) meets at, or None (another store,
+    or none)."""
+    while getattr(store, "underlying_store", None) is not None:
+        store = store.underlying_store
+    host = getattr(store, "host", None)
+    return host if isinstance(host, str) and host else None
+
+
+def listen_address(environ=None, rendezvous=None):
+    """(address, how it was chosen) for this rank's listening sockets. rendezvous: the host the group's
+    store meets at (store_host), which stands for MASTER_ADDR where that is unset (init_method
+    tcp://host:port, or a TCPStore passed as store=)."""
     env = os.environ if environ is None else environ
     master = env.get("MASTER_ADDR", "").strip()
+    label = f"MASTER_ADDR={master}"
+    if not master and rendezvous:
+        master = rendezvous.strip()
+        label = f"the store's host {master} (no MASTER_ADDR)"
     family = (_family(master) or (6 if ":" in master else 4)) if master else 4
     names = [n.strip() for n in env.get("ENGINE_SOCKET_IFNAME", "").split(",") if n.strip()]
     if names:
@@ -95,15 +113,15 @@ def listen_address(environ=None):
                            f"({socket.gethostname()}) has no such interface with an address (it has "
                            f"{', '.join(have)})")
     if master:
-        addr = _route_to(master)
+        addr = _route_to(master, None if label.startswith("MASTER_ADDR") else label)
         # MASTER_ADDR naming this host, whose name resolves here to a loopback address (Debian's and
         # Ubuntu's /etc/hosts: 127.0.1.1), where the other hosts reach it at another: listening there,
         # this rank could be reached from this host only.
         named_here = is_loopback(addr) and not (is_loopback(master) or master.lower() in LOOPBACK_NAMES)
         found = _this_hosts_address() if named_here else None
         if found is None:
-            return addr, f"the route to MASTER_ADDR={master}"
-        return found[0], f"{found[1]} (MASTER_ADDR={master} is this host, whose name resolves here to the loopback " \
+            return addr, f"the route to {label}"
+        return found[0], f"{found[1]} ({label} is this host, whose name resolves here to the loopback " \
                          f"address {addr})"
     found = _this_hosts_address()
     return found if found is not None else ("127.0.0.1", "the loopback address (no MASTER_ADDR, no other address)")
@@ -179,7 +197,7 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     fds = []
 
     def listen(chosen=None):
-        addr, how = chosen or listen_address()
+        addr, how = chosen or listen_address(rendezvous=store_host(getattr(boot, "store", None)))
         try:
             for _ in range(2):      # the algorithms' channel, the user's send/recv
                 fds.append(_core.tcp_listen(addr))

@@ -235,6 +235,30 @@ def test_a_loopback_master_addr_on_the_rendezvous_host_is_not_given_to_the_other
     assert "ALL PASS: 16 collectives on 2 ranks, transport tcp" in text, text[-3000:]
 
 
+# torch's tcp:// rendezvous (or a TCPStore passed as store=), no MASTER_ADDR: the host the store meets at
+URL_INIT = """
+import os, torch, torch.distributed as dist
+url = "tcp://%s:%s" % (os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT"))
+dist.init_process_group("engine", init_method=url, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+t = torch.full((5,), dist.get_rank() + 1.0)
+dist.all_reduce(t)
+assert t.tolist() == [3.0] * 5, t
+print("rank %d: summed over %s" % (dist.get_rank(), dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._comm.transport))
+dist.destroy_process_group()
+"""
+
+
+def test_a_tcp_url_rendezvous_without_master_addr_listens_on_the_route_to_the_stores_host(hosts):
+    """init_method="tcp://host0:port", no MASTER_ADDR: the TCP transport listens on the route to the
+    store's host, as to MASTER_ADDR; it listened on the hostname's address, which here is a decoy no
+    other host reaches (tests/hosts.py), as on hosts with several networks."""
+    from hosts import env_launch_across
+    results = env_launch_across(hosts, 1, [sys.executable, "-c", URL_INIT], timeout=120, ENGINE_TIMEOUT="20")
+    text = "\n".join(out for _, out in results)
+    assert all(rc == 0 for rc, _ in results), suite_report(text)
+    assert sorted(re.findall(r"rank (\d): summed over tcp", text)) == ["0", "1"], text[-3000:]
+
+
 @pytest.mark.parametrize("per_host", [1, 2])
 def test_abort_then_reconfigure_across_hosts_under_torchrun(hosts, per_host):
     """Across the two hosts over TCP (flat at 2x1, hierarchical at 2x2): the last rank never joins an
