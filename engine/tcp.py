@@ -165,20 +165,37 @@ def connect_mode():
     return env_choice("ENGINE_TCP_CONNECT", CONNECT_MODES, "mesh")
 
 
+# The choices listen_address() falls back to without a route to the rendezvous host: in a group spanning
+# hosts, an address the others may not reach (a loopback one; the hostname's, or the first interface's,
+# may be on a network only this host has).
+UNSURE = ("the hostname's address", "the first interface's address", "the loopback address")
+
+
+def unsure(address, how):
+    """Whether a rank's address (as listen() gave it) may be out of other hosts' reach."""
+    return is_loopback(address) or how.startswith(UNSURE)
+
+
 def reachable_from_other_hosts(everyone, hosts, rank):
-    """(address, how it was chosen) for rank, whose first choice (everyone[rank]: listen()'s) was a
-    loopback address in a group spanning hosts (`hosts`: each rank's host), which the others can't
-    reach: MASTER_ADDR=localhost or 127.0.0.1 on the rendezvous host (torchrun's default
-    --master-addr, Kubernetes' PyTorchJob on its master). The route to a rank's address on another
-    host, as the route to MASTER_ADDR is chosen; else this host's own address."""
+    """(address, how it was chosen) for rank in a group spanning hosts (`hosts`: each rank's host), where
+    its first choice (everyone[rank]: listen()'s) may be out of the others' reach (unsure): a loopback
+    address (MASTER_ADDR=localhost or 127.0.0.1 on the rendezvous host: torchrun's default
+    --master-addr, Kubernetes' PyTorchJob on its master), or a fallback (MASTER_ADDR naming this host
+    whose name resolves here to 127.0.1.1). The route to the address of a rank on another host that
+    chose by a route, as the route to MASTER_ADDR is chosen; else, for a loopback address, this host's
+    own; else None (the first choice stays)."""
     addr, how = everyone[rank][0], everyone[rank][4]
     if how.startswith("ENGINE_SOCKET_IFNAME"):
+        if not is_loopback(addr):
+            return None
         raise RuntimeError(f"engine: {how} gives the loopback address {addr}, which the group's ranks on other "
                            "hosts can't reach: name an interface they reach this host on")
-    why = f"{how} gave the loopback address {addr}, which the group's other hosts can't reach"
+    why = f"{how} gave {addr}, which the group's other hosts may not reach"
     for q, other in enumerate(everyone):
-        if hosts[q] != hosts[rank] and not is_loopback(other[0]):
-            return _route_to(other[0]), f"the route to rank {q}'s address {other[0]} ({why})"
+        if hosts[q] != hosts[rank] and not unsure(other[0], other[4]):
+            return _route_to(other[0], f"rank {q}'s address {other[0]}"), f"the route to rank {q}'s address {other[0]} ({why})"
+    if not is_loopback(addr):
+        return None
     found = _this_hosts_address()
     if found is None:
         raise RuntimeError(f"engine: this rank has no address but loopback ({why}): set ENGINE_SOCKET_IFNAME to "
@@ -192,8 +209,9 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     the bootstrap, and with ENGINE_TCP_CONNECT=mesh every connection is made before it returns.
     parent: (this rank's rank, name) in the group this one is a stage of (the hierarchy's), so that an
     error names a peer by its rank there too, or None. cfg: settings(). hosts: each rank's host, where
-    known: a rank that chose a loopback address in a group spanning hosts listens again on one the
-    others reach (reachable_from_other_hosts), and the addresses go round again."""
+    known: a rank whose address may be out of reach in a group spanning hosts (a loopback one, a
+    fallback) listens again where the others reach it (reachable_from_other_hosts), and the addresses
+    go round again."""
     fds = []
 
     def listen(chosen=None):
@@ -207,17 +225,19 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
         return addr, [port for _, port in fds], where, os.urandom(16) if boot.rank == 0 else None, how
 
     def listen_again():
-        if not is_loopback(everyone[boot.rank][0]):
-            return everyone[boot.rank]
+        mine = everyone[boot.rank]
+        chosen = reachable_from_other_hosts(everyone, hosts, boot.rank) if unsure(mine[0], mine[4]) else None
+        if chosen is None or chosen[0] == mine[0]:
+            return mine
         for fd, _ in fds:
             _core.close_fd(fd)
         fds.clear()
-        return listen(reachable_from_other_hosts(everyone, hosts, boot.rank))
+        return listen(chosen)
 
     try:
         # (a rank that can't listen, or has no address to listen on, is named by the others)
         everyone = gather(boot, listen, "listen for the group's TCP connections")
-        if hosts is not None and len(set(hosts)) > 1 and any(is_loopback(e[0]) for e in everyone):
+        if hosts is not None and len(set(hosts)) > 1 and any(unsure(e[0], e[4]) for e in everyone):
             everyone = gather(boot, listen_again, "listen on an address the group's other hosts reach")
     except BaseException:
         for fd, _ in fds:

@@ -674,6 +674,34 @@ def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
         assert tcp.listen_address() == ("127.0.0.1", f"the route to MASTER_ADDR={local}")
 
 
+def test_a_rank_whose_address_others_may_not_reach_takes_the_route_to_one_on_another_host():
+    """In a group spanning hosts (tests/test_hosts.py makes them): a rank whose address came from a
+    fallback (MASTER_ADDR naming this host, whose name resolves here to 127.0.1.1: the hostname's
+    address, else the first interface's, maybe a network only this host has) or is loopback takes the
+    route to the address of a rank on another host that chose by a route; with none, a fallback stays
+    and loopback takes this host's own address; an explicit interface stays, or, loopback, is refused."""
+    from engine import tcp
+    fallback = ("10.99.0.1", [1, 2], "a", None, "the first interface's address (MASTER_ADDR=nodea is this host, ...)")
+    hosts = ["host-a", "host-b"]
+    found = tcp._this_hosts_address()   # (rank 1's address here: one this host has a route to)
+    if found is not None:
+        routed = (found[0], [3, 4], "b", None, "the route to MASTER_ADDR=nodea")
+        addr, how = tcp.reachable_from_other_hosts([fallback, routed], hosts, 0)
+        assert addr == found[0] and how.startswith(f"the route to rank 1's address {found[0]} (the first interface's"), how
+    assert tcp.unsure(*fallback[::4]) and not tcp.unsure("10.0.0.2", "the route to MASTER_ADDR=nodea")
+    assert tcp.unsure("127.0.0.1", "the route to MASTER_ADDR=localhost")
+    other_fallback = ("10.98.0.2", [3, 4], "b", None, "the hostname's address")
+    assert tcp.reachable_from_other_hosts([fallback, other_fallback], hosts, 0) is None
+    loop = ("127.0.0.1", [1, 2], "a", None, "the route to MASTER_ADDR=localhost")
+    if found is not None:
+        assert tcp.reachable_from_other_hosts([loop, other_fallback], hosts, 0)[0] == found[0]
+    routed = ("10.0.0.2", [3, 4], "b", None, "the route to MASTER_ADDR=nodea")
+    explicit = ("10.99.0.1", [1, 2], "a", None, "ENGINE_SOCKET_IFNAME=eth1")
+    assert tcp.reachable_from_other_hosts([explicit, routed], hosts, 0) is None
+    with pytest.raises(RuntimeError, match="ENGINE_SOCKET_IFNAME=lo gives the loopback address 127.0.0.1"):
+        tcp.reachable_from_other_hosts([("127.0.0.1", [1, 2], "a", None, "ENGINE_SOCKET_IFNAME=lo"), routed], hosts, 0)
+
+
 def keeps_waiting(request, seconds=0.3):
     """request is still unfinished (and has not failed: test() would raise) after `seconds` of progress."""
     return not drive(request, lambda: False, seconds) and not request.test()
