@@ -167,3 +167,12 @@ def _mpi_segments():
         return []
     return sorted(p for p in paths if os.path.basename(p).startswith(("sm_segment.", "mpich_shm_")) and
                   p.startswith("/"))
+
+
+def again(error):
+    """error, a stored one (a task's, a Work's) about to be raised once more, with the traceback it had
+    when first raised again: each raise adds the raising frames to its traceback, and a shared one (an
+    abort's, the CUDA watchdog's, a failed Work waited on in a loop) would grow with every wait,
+    keeping every waiter's frames, and their tensors, alive."""
+    first = error.__dict__.setdefault("_engine_first_traceback", error.__traceback__)
+    return error.with_traceback(first)

@@ -37,7 +37,7 @@ import threading
 import traceback
 import weakref
 
-from engine import forks
+from engine import failure, forks
 from engine._core import EngineError, EngineTimeout
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
@@ -185,7 +185,7 @@ cdef class Progress:
         task = self.submit(fn, (a, b, c)[:nargs], name)
         self.wait(task)
         if task.error is not None:
-            raise task.error
+            raise failure.again(task.error)
 
     def submit(self, fn, tuple args=(), str name="op", outputs=None):
         """Queues fn(*args); returns its Task at once."""

@@ -370,3 +370,31 @@ def test_a_coalesced_calls_future_completes_failed_when_a_part_was_interrupted()
     finally:
         progress.grace = 50e-6
         progress.close()
+
+
+def test_a_failed_works_error_raised_on_every_wait_keeps_the_traceback_it_first_had():
+    """A failed Work waited on again and again (a loop retrying wait(), every queued call of an aborted
+    group sharing the abort's error): each raise added the waiter's frames to the one stored error's
+    traceback, which grew with every wait and kept every waiter's frames, and their tensors, alive."""
+    import traceback
+
+    import torch  # noqa: F401  (torchbridge.work)
+
+    from torchbridge.work import CollectiveWork
+    progress = Progress(name="engine-progress-again")
+    try:
+        def failing():
+            raise ValueError("the call failed")
+        task = progress.submit(failing, (), "allreduce")
+        task.outputs = []
+        work = CollectiveWork.of(task)
+        depths = []
+        for _ in range(5):
+            try:
+                work.wait()
+            except ValueError as exc:
+                depths.append(len(traceback.extract_tb(exc.__traceback__)))
+        assert len(depths) == 5 and len(set(depths)) == 1, depths
+        assert any(frame.name == "failing" for frame in traceback.extract_tb(task.error.__traceback__))
+    finally:
+        progress.close()

@@ -7,6 +7,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine import failure
 from engine.progress import DONE
 from engine.watch import EngineTimeout
 
@@ -104,7 +105,7 @@ class CollectiveWork(_OutputsWork):
                                     f"(it is still queued or running; the group's own timeout ends it if a rank "
                                     f"never joins)")
         if task.error is not None:
-            raise task.error
+            raise failure.again(task.error)
         return True
 
     def is_completed(self):
@@ -192,7 +193,7 @@ class CoalescedWork(_OutputsWork):
             except Exception as exc:
                 error = error or exc
         if error is not None:
-            raise error
+            raise failure.again(error)
         return True
 
     def synchronize(self):
@@ -307,7 +308,7 @@ class PointToPointWork(_OutputsWork):
             for fn in callbacks:
                 fn()
         if self._error is not None:
-            raise self._error
+            raise failure.again(self._error)
         return True
 
     def _settle(self, seconds):
@@ -443,9 +444,9 @@ class CudaWork(_OutputsWork):
     def _raise_failure(self):
         self._post()
         if self._error is not None:
-            raise self._error
+            raise failure.again(self._error)
         if self._watchdog.error is not None:
-            raise self._watchdog.error
+            raise failure.again(self._watchdog.error)
 
     def wait(self, timeout=None):
         """Without a timeout, the current stream waits for the work (the host goes on). With one, as
