@@ -99,10 +99,10 @@ def listen_address(environ=None, rendezvous=None):
         master = rendezvous.strip()
         label = f"the store's host {master} (no MASTER_ADDR)"
     family = (_family(master) or (6 if ":" in master else 4)) if master else 4
-    names = [n.strip() for n in env.get("ENGINE_SOCKET_IFNAME", "").split(",") if n.strip()]
-    if names:
+    wanted = env.get("ENGINE_SOCKET_IFNAME", "").strip()
+    if wanted:
         interfaces = _core.tcp_interfaces()
-        for name in names:
+        for name in named_interfaces(wanted, [n for n, _, _ in interfaces]):
             addr = _pick([(fam, a) for n, fam, a in interfaces if n == name], family)
             if addr is not None:
                 if addr.startswith("fe80") and "%" not in addr:
@@ -125,6 +125,25 @@ def listen_address(environ=None, rendezvous=None):
                          f"address {addr})"
     found = _this_hosts_address()
     return found if found is not None else ("127.0.0.1", "the loopback address (no MASTER_ADDR, no other address)")
+
+
+def named_interfaces(wanted, names):
+    """The interfaces among `names` (this host's, in its order) that ENGINE_SOCKET_IFNAME's value
+    `wanted` names, first choice first, as NCCL_SOCKET_IFNAME reads it: comma-separated prefixes
+    ("eth" names eth0, eth1...), in the order given; after "=", exact names; after "^", every interface
+    but those the prefixes (or, after "^=", exact names) name, loopback last."""
+    exclude = wanted.startswith("^")
+    wanted = wanted[1:] if exclude else wanted
+    exact = wanted.startswith("=")
+    parts = [p.strip() for p in (wanted[1:] if exact else wanted).split(",") if p.strip()]
+    names = list(dict.fromkeys(names))
+
+    def matches(name, part):
+        return name == part if exact else name.startswith(part)
+    if exclude:
+        kept = [n for n in names if not any(matches(n, p) for p in parts)]
+        return sorted(kept, key=lambda n: n == "lo")
+    return [n for p in parts for n in names if matches(n, p)]
 
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")

@@ -649,6 +649,16 @@ def test_the_interface_follows_ifname_then_master_addr(monkeypatch):
     monkeypatch.setenv("ENGINE_SOCKET_IFNAME", "nosuch0")
     with pytest.raises(RuntimeError, match="ENGINE_SOCKET_IFNAME='nosuch0': this host .* has no such interface"):
         tcp.listen_address()
+    # NCCL_SOCKET_IFNAME's forms, which users copy: prefixes, "=" exact names, "^" exclusions
+    host = ["lo", "eth0", "docker0", "eth1", "ib0", "eth10"]
+    assert tcp.named_interfaces("eth", host) == ["eth0", "eth1", "eth10"]
+    assert tcp.named_interfaces("ib,eth1", host) == ["ib0", "eth1", "eth10"]
+    assert tcp.named_interfaces("=eth1", host) == ["eth1"]
+    assert tcp.named_interfaces("^docker,lo", host) == ["eth0", "eth1", "ib0", "eth10"]
+    assert tcp.named_interfaces("^docker", host) == ["eth0", "eth1", "ib0", "eth10", "lo"]
+    assert tcp.named_interfaces("^=eth1", host) == ["eth0", "docker0", "ib0", "eth10", "lo"]
+    monkeypatch.setenv("ENGINE_SOCKET_IFNAME", "^nosuch")   # (all but these: loopback last)
+    assert tcp.listen_address()[1] != "ENGINE_SOCKET_IFNAME=lo" or len({n for n, _, _ in _core.tcp_interfaces()}) == 1
     monkeypatch.delenv("ENGINE_SOCKET_IFNAME")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert tcp.listen_address() == ("127.0.0.1", "the route to MASTER_ADDR=127.0.0.1")
