@@ -62,6 +62,10 @@ def reduction(fn=None, *, cache=True):
     return UserOp(fn, cache=cache)
 
 
+# A kernel can't raise (a C function the collectives call): Numba's numpy error model gives a division
+# by zero numpy's results (inf, nan; 0 for integers), where its Python one stopped the loop at that
+# element, printed "Exception ignored", and left the rest of the output unwritten. An op's own `raise`
+# still can't be reported: it ends the loop likewise (docs/architecture.md).
 # The kernel lives in a small generated module holding a copy of the user's function source, one
 # file per (source, dtype), so Numba's on-disk cache is keyed to a stable, self-contained file (a
 # closure built here would recompile on every start). Functions whose source or globals can't be
@@ -74,11 +78,11 @@ import numba
 from numba import types
 {context}
 {source}
-_elem = numba.njit(inline="always")({fname})
+_elem = numba.njit(inline="always", error_model="numpy")({fname})
 _ptr = types.CPointer(types.{dtype})
 
 
-@numba.cfunc(types.void(_ptr, _ptr, _ptr, types.uintp), nopython=True, cache={cache})
+@numba.cfunc(types.void(_ptr, _ptr, _ptr, types.uintp), nopython=True, cache={cache}, error_model="numpy")
 def kernel(dst, a, b, n):  # dst may alias a or b: each element reads both before writing
     for i in range(n):
         dst[i] = _elem(a[i], b[i])

@@ -121,3 +121,27 @@ def test_a_reduction_that_gives_floats_for_integers_is_refused_by_name(tmp_path,
         reduced(engine.reduction(bumpmax, cache=cache), a, b)
     assert reduced(engine.reduction(bumpmax_exact, cache=cache), a, b).tolist() == [2**63 + 4]
     assert reduced(engine.reduction(bumpmax, cache=cache), np.array([5], np.int64), np.array([7], np.int64)).tolist() == [8]
+
+
+def ratio(a, b):
+    return a / b
+
+
+def floor_ratio(a, b):
+    return a // b
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_division_by_zero_gives_numpys_result_for_every_element(tmp_path, monkeypatch, cache):
+    """A user op dividing by zero: numpy's results (inf, nan; 0 for integers), every element written.
+    Under Numba's Python error model the kernel stopped at that element, printing 'Exception ignored',
+    and left the rest of the output as it was: each rank went on with what its buffer held."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    a, b = [10, 20, 30, 0, 50], [2, 5, 0, 0, 5]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for fn, dtype, want in ((ratio, np.float32, None), (ratio, np.float64, None),
+                                (floor_ratio, np.int32, [5, 4, 0, 0, 10]), (floor_ratio, np.int64, [5, 4, 0, 0, 10])):
+            x, y = np.array(a, dtype), np.array(b, dtype)
+            out = np.full(5, -7, dtype)
+            reduce_into(out, x, y, engine.reduction(fn, cache=cache))
+            np.testing.assert_array_equal(out, x / y if want is None else np.array(want, dtype), err_msg=f"{dtype}")
