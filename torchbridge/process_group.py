@@ -99,9 +99,10 @@ def _check_premul(t):
 
 def _premul(t, factor):
     """A scaled copy for PREMUL_SUM (the input itself is never modified), in t's dtype, as NCCL scales
-    (a factor tensor of another dtype would promote the copy)."""
+    (a factor tensor of another dtype would promote the copy), contiguous (a product keeps a dense
+    tensor's layout: channels_last, a transpose)."""
     _check_premul(t)
-    return t * (factor.to(t.dtype) if isinstance(factor, torch.Tensor) else factor)
+    return contiguous(t * (factor.to(t.dtype) if isinstance(factor, torch.Tensor) else factor))
 
 
 def _source(t, factor):

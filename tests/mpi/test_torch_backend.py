@@ -159,6 +159,17 @@ def test_premul_sum():
         out = torch.zeros(2)
         dist.reduce_scatter_tensor(out, torch.full((2 * P,), float(R + 1)), op=dist._make_nccl_premul_sum(factor))
         assert torch.equal(out, torch.full((2,), P * (P + 1) / 4)), factor
+    # a dense tensor of another layout (channels_last, a transpose): its scaled copy keeps the layout, and
+    # was refused as a send buffer that is not contiguous, where SUM takes it
+    for t in (torch.full((2, 3, 4, 4), float(R + 1)).to(memory_format=torch.channels_last),
+              torch.full((4, 6), float(R + 1)).t()):
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        assert torch.equal(t, torch.full(t.shape, P * (P + 1) / 4)), t.stride()
+        dist.reduce(t, dst=0, op=dist._make_nccl_premul_sum(2.0))
+        assert torch.equal(t, torch.full(t.shape, P * P * (P + 1) / 2 if R == 0 else P * (P + 1) / 4)), t.stride()
+    out = torch.zeros(2, 3)
+    dist.reduce_scatter_tensor(out, torch.full((3, 2 * P), float(R + 1)).t(), op=dist._make_nccl_premul_sum(0.5))
+    assert torch.equal(out, torch.full((2, 3), P * (P + 1) / 4))
 
 
 def test_all_reduce_non_contiguous_tensor_is_correct():
