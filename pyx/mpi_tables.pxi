@@ -3,7 +3,9 @@
 # bfloat16, Numba user ops) or does not reduce right, which call the engine's own kernels. Open MPI
 # 5.0.11's op/avx component sums 8- and 16-bit integers with saturating instructions (uint8 253 + 3
 # + 2 gives 255, not 2) once a message is a few hundred bytes long: their SUM and PRODUCT go through
-# the engine's kernels, which wrap as C and torch do (the conformance matrix caught it).
+# the engine's kernels, which wrap as C and torch do (the conformance matrix caught it). Its
+# MPI_MIN/MPI_MAX of float32/64 keep a NaN only where it is the accumulator's, not the incoming
+# operand's (a rank's NaN vanished): they go through the engine's kernels too, which keep it.
 
 cdef MPI_Datatype MPI_TYPES[ENG_NDTYPES]
 cdef MPI_Op MPI_OPS_STD[7]    # ENG_NOPS, for integers and float32/64
@@ -32,6 +34,10 @@ cdef inline int _engine_dtype(MPI_Datatype t) noexcept nogil:
         return ENG_UINT8
     if t == MPI_INT16_T:
         return ENG_INT16
+    if t == MPI_FLOAT:
+        return ENG_FLOAT32
+    if t == MPI_DOUBLE:
+        return ENG_FLOAT64
     return ENG_UINT16
 
 # MPI user functions compute inoutvec = invec (op) inoutvec.
@@ -79,6 +85,8 @@ cdef inline MPI_Op mpi_op(RedC *red) noexcept nogil:
         return MPI_ENGINE_OPS[red.code]
     if ENG_INT8 <= red.dtype <= ENG_UINT16 and red.code <= ENG_PRODUCT:   # MPI's may saturate (above)
         return MPI_ENGINE_OPS[red.code]
+    if (red.dtype == ENG_FLOAT32 or red.dtype == ENG_FLOAT64) and (red.code == ENG_MIN or red.code == ENG_MAX):
+        return MPI_ENGINE_OPS[red.code]   # (MPI's lose a NaN: above)
     return MPI_OPS_STD[red.code]
 
 
