@@ -124,8 +124,10 @@ def bucket_scales(code, wire, dtype, size, prescale):
     """(factor applied on pack, factor applied on unpack) of one bucket. AVG divides before the sum,
     so a mean that fits the dtype never comes back as an overflowed sum: compressed, by the size (as
     torch's fp16 hook does, before the cast to half precision); otherwise by the power of two at or
-    over the size (exact), and by what is left on unpack, as a plain allreduce's AVG does. Pure:
-    shared by the CPU and GPU fusion."""
+    over the size (exact), and by what is left on unpack, as a plain allreduce's AVG does, but as a
+    multiplication by its reciprocal (the unpack's, the segment's copy-out's and the CUDA kernels'
+    scale): within one unit in the last place of the plain call's division where the size is not a
+    power of two. Pure: shared by the CPU and GPU fusion."""
     if code != ReduceOp.AVG:
         return prescale, 1.0
     if wire != dtype:
