@@ -32,6 +32,7 @@ class UserOp:
     """A reduction for allreduce / reduce / reduce_scatter, built from an element-wise function."""
 
     def __init__(self, fn, *, cache=True):
+        fn = getattr(fn, "py_func", fn)   # (a function Numba compiled already: its Python one, compiled here)
         self.fn = fn
         self.name = getattr(fn, "__name__", "user_op")
         self.cache = cache

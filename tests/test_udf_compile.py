@@ -145,3 +145,18 @@ def test_a_division_by_zero_gives_numpys_result_for_every_element(tmp_path, monk
             out = np.full(5, -7, dtype)
             reduce_into(out, x, y, engine.reduction(fn, cache=cache))
             np.testing.assert_array_equal(out, x / y if want is None else np.array(want, dtype), err_msg=f"{dtype}")
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_function_numba_compiled_already_makes_a_reduction(tmp_path, monkeypatch, cache):
+    """@engine.reduction over @numba.njit: its Python function is compiled as any other (it failed with
+    AttributeError: 'CPUDispatcher' object has no attribute '__kwdefaults__')."""
+    import numba
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+
+    @numba.njit
+    def wider(a, b):
+        return a if abs(a) > abs(b) else b
+    op = engine.reduction(wider, cache=cache)
+    np.testing.assert_array_equal(reduced(op, np.array([1.0, -5.0, 2.0]), np.array([-3.0, 4.0, 2.5])),
+                                  [-3.0, -5.0, 2.5])
