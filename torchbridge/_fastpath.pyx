@@ -37,7 +37,7 @@ from torch.autograd import profiler as _profiler
 from engine import ReduceOp
 from engine._core import NotContiguousError, NotDivisibleError
 
-from torchbridge.work import CollectiveWork, CompletedWork, PointToPointWork
+from torchbridge.work import _INFLIGHT, CollectiveWork, CompletedWork, PointToPointWork
 
 cdef extern from *:
     """
@@ -379,6 +379,8 @@ cdef class FastPath:
         """m's point-to-point call, posted at once (never queued behind collectives, as the general
         form does); None: the general form takes it."""
         if len(tensors) != 1 or self.cuda or self.hooked or _profiling() or tag < 0:   # (a negative tag: refused there)
+            return None
+        if _INFLIGHT is not None and _INFLIGHT():   # (its Work is registered for wait_tensor there; reused ones aren't)
             return None
         try:
             return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)

@@ -25,7 +25,7 @@ from engine._core import NotContiguousError
 from engine.fusion import FusedAllreduce
 from engine.ops import ReduceOp
 
-from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork
+from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork, registered
 
 
 def own_timeout(opts):
@@ -203,7 +203,7 @@ class CudaDevice:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self.watchdog.watch(event, name, self.cc)
-        return CudaWork(event, outputs, self.device, self.watchdog)
+        return registered(CudaWork(event, outputs, self.device, self.watchdog), outputs)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         self._check(name)
@@ -239,7 +239,7 @@ class CudaDevice:
         # waits for it)
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(self.device))
-        work = CudaWork(torch.cuda.Event(), outputs, self.device, self.watchdog, flush=self.flush)
+        work = registered(CudaWork(torch.cuda.Event(), outputs, self.device, self.watchdog, flush=self.flush), outputs)
         self._pending.append((kind, t, buf, peer, issued, work))
         return work
 

@@ -55,6 +55,29 @@ def future_once(work):
                 fut = work._future = work._make_future()
     return fut
 
+# Under allow_inflight_collective_as_graph_input_ctx() torch's wait_tensor (eager, or in a compiled graph)
+# waits for the Work registered for its tensor, which torch's C++ methods register and a Python group's
+# are not: an asynchronous Work registers its outputs itself (a complete one needs no waiting).
+_INFLIGHT = getattr(torch._C._distributed_c10d, "_allow_inflight_collective_as_graph_input", None)
+_REGISTER = getattr(torch._C._distributed_c10d, "_register_work", None)
+
+
+def _tensors(outputs):
+    for out in outputs or ():
+        if isinstance(out, torch.Tensor):
+            yield out
+        elif isinstance(out, (list, tuple)):
+            yield from _tensors(out)
+
+
+def registered(work, outputs):
+    """work, its output tensors registered for torch's wait_tensor where torch asks for it."""
+    if _INFLIGHT is not None and _INFLIGHT():
+        for t in _tensors(outputs):
+            _REGISTER(t, work)
+    return work
+
+
 # Gloo's words for result() on a Work that is not complete yet
 NOT_COMPLETED = "Work needs to be completed before calling result(). Should call wait() before result()."
 
@@ -92,7 +115,7 @@ class CollectiveWork(_OutputsWork):
     def of(task):
         work = CollectiveWork()
         work._task = task
-        return work
+        return registered(work, task.outputs)
 
     def wait(self, timeout=None):
         task = self._task
@@ -256,7 +279,7 @@ class PointToPointWork(_OutputsWork):
         work = PointToPointWork()
         work._lock = threading.Lock()
         work.reset(request, outputs, finish, kick)
-        return work
+        return registered(work, outputs)
 
     def reset(self, request, outputs, finish=None, kick=None):
         """kick(): called when the message is left in flight (its group's progress thread moves it)."""

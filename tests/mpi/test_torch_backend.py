@@ -6,6 +6,7 @@ import datetime
 import inspect
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +145,32 @@ def test_a_works_future_asked_for_by_two_threads_at_once_is_one_future_that_comp
                 assert futures[0].done() and futures[0].value() == work.result(), (type(work).__name__, round_)
     finally:
         sys.setswitchinterval(interval)
+
+
+def test_wait_tensor_waits_for_what_was_issued_under_allow_inflight_collective_as_graph_input():
+    """Under allow_inflight_collective_as_graph_input_ctx() (an async collective issued in eager code and
+    waited on in a compiled region), torch's wait_tensor waits for the Work registered for its tensor:
+    torch's C++ methods register it, a Python group's did not, and wait_tensor returned at once, the
+    tensor still being reduced (or received)."""
+    from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
+    wait_tensor = torch.ops._c10d_functional.wait_tensor
+    x = torch.full((1 << 18,), float(R + 1))
+    with allow_inflight_collective_as_graph_input_ctx():
+        if R == P - 1:
+            time.sleep(0.3)   # (the others' reduction waits for this rank)
+        dist.all_reduce(x, async_op=True)
+        wait_tensor(x)
+        assert torch.equal(x, torch.full((1 << 18,), P * (P + 1) / 2))
+        if P > 1:
+            y = torch.zeros(1000)
+            if R == 0:
+                dist.irecv(y, P - 1)
+                wait_tensor(y)
+                assert torch.equal(y, torch.full((1000,), 7.0))
+            elif R == P - 1:
+                time.sleep(0.3)
+                dist.isend(torch.full((1000,), 7.0), 0).wait()
+    dist.barrier()
 
 
 def test_premul_sum():
