@@ -1085,3 +1085,23 @@ def test_the_hub_is_the_first_member_other_hosts_reach_and_another_hosts_loopbac
     assert handles.hub_of(here + [there]) == 2 and handles.hub_of([there] + here) == 0
     assert handles._refuses(here[0])
     assert not handles._refuses(f"engine2/127.0.0.1/{port}/{'00' * 16}/another-host")
+
+
+def test_a_group_made_with_a_device_id_is_bound_to_it():
+    """init_process_group("engine", device_id=torch.device("cuda", i)) (torch refuses a CPU one): torch
+    calls eager_connect_single_device on a backend that splits (this one: AttributeError, the group
+    not made) and binds the device on a ProcessGroup it then drops for this one (bound_device_id stayed
+    None: split_group said "No device associated with the default pg"), after which new_group asks a
+    rank outside the new group to join the split (perform_nocolor_split)."""
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 1, store=dist.HashStore(), name="g")
+    try:
+        assert pg.supports_splitting and pg.bound_device_id is None
+        pg.eager_connect_single_device(torch.device("cuda", 0))
+        assert pg.bound_device_id == torch.device("cuda", 0)
+        pg.perform_nocolor_split(pg.bound_device_id)   # (new_group on a rank outside it, the world bound)
+    finally:
+        pg.shutdown()

@@ -294,6 +294,18 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     get_backend = _get_backend
 
+    def eager_connect_single_device(self, device):
+        """init_process_group(..., device_id=...) (and new_group's): torch binds the group to the device
+        (bound_device_id, which DeviceMesh, split_group and barrier read) on a ProcessGroup it then drops
+        for this one, and asks a backend that splits to connect on it now. The binding is kept here; the
+        CUDA side is made at the group's first CUDA call, as without device_id."""
+        self.bound_device_id = torch.device(device)
+
+    def perform_nocolor_split(self, device):
+        """new_group on a rank outside it, where the world is bound to a device: torch asks a backend that
+        splits to join the split it makes (NCCL's ncclCommSplit takes every rank of the parent). The
+        engine makes a new group among its members alone: nothing to join."""
+
     @traced("monitored_barrier")
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """Gloo's monitored barrier (engine.monitored_barrier), in the group's store: rank 0 waits at most
