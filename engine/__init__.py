@@ -35,7 +35,7 @@ def world():
     if _world is None:
         from .launcher import MPIRUN_HINT, detect_launcher
         import os
-        if detect_launcher() is not None or os.environ.get("ENGINE_TRANSPORT") == "mpi":
+        if detect_launcher() is not None or os.environ.get("ENGINE_TRANSPORT", "").strip().lower() == "mpi":
             _world = Communicator()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise RuntimeError("engine.world() needs an MPI launch to find its peers (WORLD_SIZE is set, but no MPI "

@@ -18,7 +18,7 @@ import numpy as np
 from . import _core, failure, forks, hierarchy, registry
 from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather,
                         host_identity, interhost, local_cores, possible_transports, requested_transport)
-from .config import env_duration
+from .config import cuda_transport, env_duration, env_flag
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
 from .watch import Watch
@@ -113,8 +113,7 @@ class Communicator:
         seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
         self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone], mpi)
         self._transport = TRANSPORTS[self.transport]
-        self._debug = os.environ.get("ENGINE_DEBUG", "") not in ("", "0") or \
-            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        self._debug = env_flag("ENGINE_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         # The transport's own exchanges carry a failure to every rank; what fails here after them (the
         # watch's settings, a rank's trace file) goes round in the next exchange.
         failed = None
@@ -144,8 +143,7 @@ class Communicator:
                                                               if layouts[0] is not None else set()), stage=_stage,
                                       alone=self.size == 1)
             agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
-                             "ENGINE_CUDA_TRANSPORT": os.environ.get("ENGINE_CUDA_TRANSPORT", "").strip().lower()
-                             or "auto",
+                             "ENGINE_CUDA_TRANSPORT": cuda_transport(),
                              "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
             return agreed, self.plan.digest()[0]
         layouts = []   # (this rank's: hierarchy.layout())

@@ -16,14 +16,29 @@ def env_int(name, default, minimum=None, maximum=MAX_SETTING):
         return default
     body, unit = (raw[:-1], raw[-1].lower()) if raw[-1] in "kKmMgG" else (raw, "")
     try:
-        value = int(float(body) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit, 1))
+        exact = float(body) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit, 1)
+        value = int(exact)
     except (ValueError, OverflowError):   # (inf, nan)
         raise ValueError(f"{name}={raw!r} is not a number (sizes accept K/M/G suffixes)") from None
+    if value != exact:   # (2.9 threads were 2)
+        raise ValueError(f"{name}={raw!r}: expected a whole number")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={raw!r}: expected at least {minimum}")
     if value > maximum:
         raise ValueError(f"{name}={raw!r}: expected at most {maximum}")
     return value
+
+
+FLAG_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False,
+               "1": True, "true": True, "yes": True, "on": True}
+
+
+def env_flag(name):
+    """An on/off setting: 1, true, yes, on; or 0, false, no, off, unset (ENGINE_DEBUG=false was on)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw not in FLAG_VALUES:
+        raise ValueError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return FLAG_VALUES[raw]
 
 
 def env_choice(name, choices, default):
@@ -57,3 +72,12 @@ def env_duration(name, default, unit="seconds", maximum=math.inf):
     if value > maximum:
         raise ValueError(f"{name}={raw!r}: expected at most {maximum:g} {unit}")
     return value
+
+
+CUDA_TRANSPORTS = ("auto", "nccl", "staged")
+
+
+def cuda_transport():
+    """ENGINE_CUDA_TRANSPORT: how a group moves CUDA tensors (NCCL, through host memory, or the engine's
+    choice); read when a group is made, so a typo is refused in a CPU-only job too."""
+    return env_choice("ENGINE_CUDA_TRANSPORT", CUDA_TRANSPORTS, "auto")

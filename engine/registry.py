@@ -418,6 +418,9 @@ def forced_items(collective, environ=None):
         for item in (i.strip() for i in raw.split(",")):
             if not item:
                 continue
+            if prefix and ":" in item:   # (the CUDA-only variable names NCCL's entries alone)
+                raise ValueError(f"{var}={raw!r}: expected names of NCCL's allreduce entries (nccl, ring); "
+                                 f"use ENGINE_ALLREDUCE_ALGO={item} for another transport's")
             transport, _, name = (item if ":" in item else prefix + item).rpartition(":")
             if transport and transport not in TRANSPORTS:
                 raise ValueError(f"{var}={raw!r}: unknown transport {transport!r} (expected one of "

@@ -81,6 +81,23 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
     monkeypatch.setenv("ENGINE_X", "inf")
     with pytest.raises(ValueError, match=r"ENGINE_X='inf': expected at most 60 seconds"):
         config.env_duration("ENGINE_X", 1.0, maximum=60.0)
+    # a count with a fraction (ENGINE_THREADS=2.9 ran 2 threads); a size's fraction of its unit is whole
+    monkeypatch.setenv("ENGINE_X", "2.9")
+    with pytest.raises(ValueError, match=r"ENGINE_X='2.9': expected a whole number"):
+        config.env_int("ENGINE_X", 7)
+    monkeypatch.setenv("ENGINE_X", "0.5K")
+    assert config.env_int("ENGINE_X", 7) == 512
+    # an on/off setting: ENGINE_DEBUG=false (or off, no) turned debug on
+    for raw, on in (("false", False), ("Off", False), ("0", False), ("", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("ENGINE_X", raw)
+        assert config.env_flag("ENGINE_X") is on, raw
+    monkeypatch.setenv("ENGINE_X", "maybe")
+    with pytest.raises(ValueError, match=r"ENGINE_X='maybe': expected 1 or 0"):
+        config.env_flag("ENGINE_X")
+    # the CUDA-only allreduce variable names NCCL's entries: shm:ring forced the CPU groups' ring
+    monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "shm:ring")
+    with pytest.raises(ValueError, match=r"ENGINE_CUDA_ALLREDUCE_ALGO='shm:ring': expected names of NCCL's"):
+        registry.forced_items("allreduce")
 
 
 def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
@@ -111,9 +128,12 @@ def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
 
 @pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),
                                          ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M"),
-                                         ("ENGINE_TRACE", "/proc/no/such/folder/t.json")])
+                                         ("ENGINE_TRACE", "/proc/no/such/folder/t.json"),
+                                         ("ENGINE_DEBUG", "maybe"), ("ENGINE_CUDA_TRANSPORT", "stagd"),
+                                         ("ENGINE_THREADS", "2.9")])
 def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value):
-    """At the group's creation, not later (an unwritable trace was found at exit, its timeline lost)."""
+    """At the group's creation, not later (an unwritable trace was found at exit, its timeline lost; a
+    misspelt ENGINE_CUDA_TRANSPORT passed in a CPU-only job, read at the first CUDA call)."""
     from engine.watch import _Trace
     monkeypatch.setattr(_Trace, "_instance", None)   # (the process's trace is made once)
     monkeypatch.setenv(name, value)

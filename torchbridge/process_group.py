@@ -350,9 +350,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _make_cuda_device(self, index):
         """(the device communicator for CUDA device index, the group's watchdog or None): made at the
         group's first call on it, agreed among its members now over its CPU communicator."""
-        from engine.config import env_choice
+        from engine.config import cuda_transport
         if self._cuda_transport is None:
-            forced = env_choice("ENGINE_CUDA_TRANSPORT", ("auto", "nccl", "staged"), "auto")
+            forced = cuda_transport()
             self._cuda_transport = "staged" if forced == "staged" else self._nccl_or_staged(forced, index)
         if self._cuda_transport == "staged":
             return StagedDevice(self._cpu), self._watchdog
