@@ -17,9 +17,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _tests_text():
+    """The tests' code, without their comments (a comment naming a setting sets nothing)."""
+    import tokenize
     text = []
     for folder, _, files in os.walk(HERE):
-        text += [open(os.path.join(folder, f)).read() for f in files if f.endswith(".py")]
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f), "rb") as src:
+                    text += [tok.string for tok in tokenize.tokenize(src.readline) if tok.type != tokenize.COMMENT]
     return "\n".join(text)
 
 
@@ -215,3 +220,22 @@ def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
     monkeypatch.setenv("ENGINE_BUCKET_BYTES", "-1")
     with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES='-1': expected at least 1"):
         FusedAllreduce(comm)
+
+
+def test_interhost_chooses_what_carries_a_group_between_hosts_under_mpi(monkeypatch):
+    """ENGINE_INTERHOST: under an MPI launch, a group spanning hosts runs over MPI (the default) or the
+    engine's TCP transport; without one, TCP whatever it says; on one host, shared memory; a value it
+    can't use is refused by name. (tests/test_hosts.py runs both across namespace hosts, through the
+    benchmark's engine-interhost-* backends.)"""
+    from engine.bootstrap import choose_transport
+    monkeypatch.delenv("ENGINE_TRANSPORT", raising=False)
+    monkeypatch.delenv("ENGINE_INTERHOST", raising=False)
+    assert choose_transport(None, ["a", "b"], mpi=True) == "mpi"
+    for value, under_mpi in (("tcp", "tcp"), ("mpi", "mpi"), ("TCP", "tcp")):
+        monkeypatch.setenv("ENGINE_INTERHOST", value)
+        assert choose_transport(None, ["a", "b"], mpi=True) == under_mpi
+        assert choose_transport(None, ["a", "b"], mpi=False) == "tcp"
+        assert choose_transport(None, ["a", "a"], mpi=True) == "shm"
+    monkeypatch.setenv("ENGINE_INTERHOST", "ib")
+    with pytest.raises(ValueError, match=r"ENGINE_INTERHOST='ib': expected one of"):
+        choose_transport(None, ["a", "b"], mpi=True)
