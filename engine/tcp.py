@@ -1,7 +1,7 @@
 """The TCP transport's group setup: which address a rank listens on, the exchange of addresses and the
 group's token through its bootstrap (torch's store, or MPI under mpirun), and the compiled group.
 
-The interface: ENGINE_SOCKET_IFNAME names it (comma-separated names: the first this host has), else the
+The interface: ENGINE_SOCKET_IFNAME names it (read as NCCL_SOCKET_IFNAME: prefixes, =names, ^exclusions), else the
 one the routing table uses to reach MASTER_ADDR (the rendezvous host every rank already reaches; else
 the host of the group's TCPStore), else the hostname's address (Gloo's choice). IPv4 and IPv6 alike:
 the family follows MASTER_ADDR's. A rank left with a loopback address in a group spanning hosts
