@@ -101,8 +101,10 @@ class Communicator:
         # decides how the group opens goes round in it and must agree before anything opens; with
         # rank 0's random id, under which its ranks leave their arrival notes.
         cfgs, mpi = {}, isinstance(_boot, MpiBootstrap)
+        debug = []
 
         def read_opening():
+            debug.append(env_flag("ENGINE_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
             cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
             opening = _opening(transport, ring_segment_bytes, _boot.size)
             return host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout)
@@ -113,7 +115,7 @@ class Communicator:
         seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
         self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone], mpi)
         self._transport = TRANSPORTS[self.transport]
-        self._debug = env_flag("ENGINE_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        self._debug = debug[0]
         # The transport's own exchanges carry a failure to every rank; what fails here after them (the
         # watch's settings, a rank's trace file) goes round in the next exchange.
         failed = None

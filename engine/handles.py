@@ -108,8 +108,8 @@ def _recv_exact(sock, n, what):
 class Listener:
     """This process's end of reconfigure: a listening socket and the handle that names it."""
 
-    def __init__(self):
-        addr, self.how = tcp.listen_address()
+    def __init__(self, rendezvous=None):
+        addr, self.how = tcp.listen_address(rendezvous=rendezvous)   # (rendezvous: tcp.store_host's)
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)   # not inherited by children (PEP 446)
         try:

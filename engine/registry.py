@@ -418,7 +418,7 @@ def forced_items(collective, environ=None):
         for item in (i.strip() for i in raw.split(",")):
             if not item:
                 continue
-            if prefix and ":" in item:   # (the CUDA-only variable names NCCL's entries alone)
+            if prefix and ":" in item and not item.startswith(prefix):   # (the CUDA-only variable: NCCL's entries)
                 raise ValueError(f"{var}={raw!r}: expected names of NCCL's allreduce entries (nccl, ring); "
                                  f"use ENGINE_ALLREDUCE_ALGO={item} for another transport's")
             transport, _, name = (item if ":" in item else prefix + item).rpartition(":")

@@ -30,7 +30,7 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     }
     o->connecting = 0;
   }
-  if (o->hello_done == 0 && tcp_dropped_unproven(o)) {
+  if (tcp_dropped_unproven(t, p, o)) {
     tcp_redial(t, peer, s);
     return;
   }
@@ -74,6 +74,7 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
       if (k > left) k = left;
       o->hello_done += k;
       left -= k;
+      if (o->hello_done == ENG_TCP_HELLO) o->redials = 0;   /* (the budget is for drops in a row) */
     }
     while (o->head != NULL) {
       tcp_item *it = o->head;
@@ -133,12 +134,14 @@ static int tcp_start_connect(eng_tcp *t, int peer) {
   return 0;
 }
 
-/* Whether the peer closed (or reset) a connection this rank has written no byte of its hello on. */
-static int tcp_dropped_unproven(tcp_out *o) {
-  char c;
-  if (o->hello_done) return 0;
-  ssize_t got = recv(o->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-  return got == 0 || (got < 0 && (errno == ECONNRESET || errno == EPIPE));
+/* Whether a live peer closed a connection this rank has written no byte of its hello on (its end
+ * came: no error pending, which the caller reports as it did; a peer that left or is leaving is not
+ * connected to again). */
+static int tcp_dropped_unproven(eng_tcp *t, tcp_peer *p, tcp_out *o) {
+  if (o->hello_done || o->connecting || p->departed || p->closing || t->said_bye) return 0;
+  struct pollfd q = {o->fd, POLLRDHUP, 0};
+  if (poll(&q, 1, 0) <= 0) return 0;
+  return (q.revents & POLLRDHUP) && !(q.revents & POLLERR);
 }
 
 /* The peer dropped stream s before its hello: a peer closes a connection that has not proved the

@@ -180,7 +180,7 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   char extra;
   int full = o->back_got == ENG_TCP_HDR;
   if (o->fd < 0) return;   /* closed earlier in this round, with the peer's other streams */
-  if (tcp_dropped_unproven(o)) {
+  if (tcp_dropped_unproven(t, p, o)) {
     tcp_redial(t, peer, s);
     return;
   }

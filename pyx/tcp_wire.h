@@ -180,7 +180,7 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err);
 static int tcp_start_connect(eng_tcp *t, int peer);
 static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
 static void tcp_out_progress(eng_tcp *t, int peer, int s);
-static int tcp_dropped_unproven(tcp_out *o);
+static int tcp_dropped_unproven(eng_tcp *t, tcp_peer *p, tcp_out *o);
 static void tcp_redial(eng_tcp *t, int peer, int s);
 static void tcp_check_closing(eng_tcp *t, int peer);
 

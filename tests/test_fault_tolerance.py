@@ -1105,3 +1105,23 @@ def test_a_group_made_with_a_device_id_is_bound_to_it():
         pg.perform_nocolor_split(pg.bound_device_id)   # (new_group on a rank outside it, the world bound)
     finally:
         pg.shutdown()
+
+
+def test_a_handle_without_master_addr_names_the_route_to_the_groups_store(monkeypatch):
+    """init_method="tcp://host:port" (no MASTER_ADDR): a group's reconfigure handle listens on the route
+    to its TCPStore's host, as its TCP transport does, not on the hostname's address (which may be a
+    network the other hosts don't reach)."""
+    from engine import handles
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("ENGINE_SOCKET_IFNAME", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 1, store=dist.PrefixStore("g", store), name="g", listen=True)
+    try:
+        assert handles.parse_handle(pg.get_reconfigure_handle())[0] == "127.0.0.1", pg.get_reconfigure_handle()
+        assert pg._listener.how == "the route to the store's host 127.0.0.1 (no MASTER_ADDR)"
+    finally:
+        pg.shutdown()

@@ -103,6 +103,9 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
     monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", "shm:ring")
     with pytest.raises(ValueError, match=r"ENGINE_CUDA_ALLREDUCE_ALGO='shm:ring': expected names of NCCL's"):
         registry.forced_items("allreduce")
+    for named in ("ring", "nccl:ring"):   # (with or without NCCL's prefix, as docs/tuning.md writes it)
+        monkeypatch.setenv("ENGINE_CUDA_ALLREDUCE_ALGO", named)
+        assert registry.forced_items("allreduce") == [("nccl", "ring")]
 
 
 def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():

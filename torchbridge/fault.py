@@ -15,6 +15,7 @@ import torch.distributed as dist
 from engine import Communicator, failure, forks
 from engine.bootstrap import Cancel, StoreBootstrap, read_keys
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
+from engine.tcp import store_host
 from engine.watch import Watch
 from engine import handles as _handles
 
@@ -58,7 +59,7 @@ class FaultTolerance:
     `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
 
     def _init_fault_tolerance(self, listen):
-        self._listener = _handles.Listener() if listen else None
+        self._listener = _handles.Listener(store_host(self._store)) if listen else None
         self._uuids = set()
         self._abort_hooks = {}
         # what a failure that breaks the group calls (its watch, the CUDA watchdog): the hooks, not the group
@@ -88,7 +89,7 @@ class FaultTolerance:
     def get_reconfigure_handle(self):
         """This process's handle: give it to every member of a reconfigure (engine.handles)."""
         if self._listener is None:
-            self._listener = _handles.Listener()
+            self._listener = _handles.Listener(store_host(self._store))
         return self._listener.handle
 
     def reconfigure(self, opts):
@@ -102,7 +103,7 @@ class FaultTolerance:
         seconds = _seconds_of(getattr(opts, "timeout", None)) or self._timeout_seconds()
         deadline, aborts = time.monotonic() + seconds, self._aborts
         what = f"engine reconfigure {uuid} of group {self._name!r}"
-        listener = self._listener if self._listener is not None else _handles.Listener()
+        listener = self._listener if self._listener is not None else _handles.Listener(store_host(self._store))
         self._listener = listener
         try:
             store, index, n = _handles.meet(listener, uuid, opts.handles, seconds,
