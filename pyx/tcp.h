@@ -400,7 +400,7 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
     /* Waiting on a peer not yet connected: connect to it, so its end is noticed if it dies. */
     if (peer >= 0 && peer != t->rank && !t->peers[peer].nout && t->peers[peer].has_addr) {
       int rc = tcp_start_connect(t, peer);
-      if (rc) tcp_peer_failed(t, peer, ENG_ERR_CONNECT, rc);
+      if (rc) tcp_refused(t, peer, rc);
     }
   }
   *out = r;

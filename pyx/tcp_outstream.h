@@ -25,7 +25,7 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     if (poll(&q, 1, 0) <= 0) return;
     if (getsockopt(o->fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
     if (err) {
-      tcp_peer_failed(t, peer, ENG_ERR_CONNECT, err);
+      tcp_refused(t, peer, err);
       return;
     }
     o->connecting = 0;
@@ -132,6 +132,29 @@ static int tcp_start_connect(eng_tcp *t, int peer) {
     if (rc) return rc;
   }
   return 0;
+}
+
+/* A connection to peer could not be made (err). Refused, by a peer that connected to this rank (it was
+ * reachable, and its listener is gone: it left or ended), with nothing queued for it: what it sent is
+ * still read, and its end fails what waits for it once read (closing), as when it closes a connection
+ * this rank made. Else the connection failed (ENG_ERR_CONNECT). Its connections to this rank whose
+ * hellos wait are read first: it may have connected, sent and left before this rank looked. */
+static void tcp_refused(eng_tcp *t, int peer, int err) {
+  tcp_peer *p = &t->peers[peer];
+  int queued = 0;
+  for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
+  for (int i = 0; err == ECONNREFUSED && !queued && p->nin == 0 && i < t->npending;)
+    if (!tcp_hello_progress(t, i)) i++;
+  if (err != ECONNREFUSED || queued || p->nin == 0) {
+    tcp_peer_failed(t, peer, ENG_ERR_CONNECT, err);
+    return;
+  }
+  for (int k = 0; k < p->nout; k++) {
+    if (p->out[k].fd >= 0) close(p->out[k].fd);
+    p->out[k].fd = -1;
+    p->out[k].connecting = 0;
+  }
+  p->closing = 1;
 }
 
 /* Whether a live peer closed a connection this rank has written no byte of its hello on (its end

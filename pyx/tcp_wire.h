@@ -182,6 +182,8 @@ static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
 static void tcp_out_progress(eng_tcp *t, int peer, int s);
 static int tcp_dropped_unproven(eng_tcp *t, tcp_peer *p, tcp_out *o);
 static void tcp_redial(eng_tcp *t, int peer, int s);
+static void tcp_refused(eng_tcp *t, int peer, int err);
+static int tcp_hello_progress(eng_tcp *t, int i);
 static void tcp_check_closing(eng_tcp *t, int peer);
 
 /* ---- small helpers ---- */

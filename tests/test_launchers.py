@@ -56,6 +56,17 @@ def test_matrix_over_tcp_under_torchrun():
     assert_every_rank_passed(proc.stdout, 3)
 
 
+def test_tcp_suite_over_lazy_connections_under_torchrun():
+    """tests/mpi/tcp_suite.py (across hosts in tests/test_hosts.py) on one host over connections made at
+    first use (ENGINE_TCP_CONNECT=lazy), 3 ranks: among them a rank that gives its part to a gather and
+    leaves, whose listener is gone when the root, never connected to it, posts its receive (the
+    refused connection failed that receive at once, though the part had come)."""
+    proc = run_pytest(3, [os.path.join(HERE, "mpi", "tcp_suite.py")], timeout=300,
+                      env={"ENGINE_TIMEOUT": "20", "ENGINE_TRANSPORT": "tcp", "ENGINE_TCP_CONNECT": "lazy"})
+    assert proc.returncode == 0, suite_report(proc.stdout, proc.stderr)
+    assert_every_rank_passed(proc.stdout, 3)
+
+
 def test_torch_parallelism_under_torchrun():
     """DeviceMesh (2-D at 4 ranks), FSDP2, tensor and pipeline parallelism, DCP, without MPI."""
     proc = run_pytest(4, [os.path.join(HERE, "mpi", "parallel_suite.py")], timeout=300, env={"ENGINE_TIMEOUT": "20"})

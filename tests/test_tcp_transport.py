@@ -552,6 +552,21 @@ def test_what_a_closed_peer_sent_is_still_received(rank0):
         core.recv(out, 1, 1)
 
 
+def test_what_a_peer_that_left_sent_is_received_though_its_listener_is_gone(rank0):
+    """A peer that sent its message and left, its listener closed with it: a receive posted after that
+    connects to the peer for its liveness and is refused. The message it sent still comes, and the
+    receive after it fails naming the peer; the refusal failed the first receive at once (a rank
+    that leaves after its part failed the others, over lazy connections)."""
+    core, listener, ports = rank0
+    s = connect(ports[1], hello() + header(MSG, 1, 0, 3, 3) + b"abc")
+    s.close()
+    listener.close()
+    out = np.zeros(3, np.uint8)
+    assert core.recv(out, 1, 1) == (1, 1, 3) and out.tobytes() == b"abc"
+    with pytest.raises(EnginePeerLost, match="rank 1"):
+        core.recv(out, 1, 1)
+
+
 def test_a_truncated_receive_says_so_and_the_stream_goes_on(rank0):
     core, _, ports = rank0
     s = connect(ports[1], hello() + header(MSG, 1, 0, 8, 8) + b"12345678" + header(MSG, 1, 1, 2, 2) + b"ok")

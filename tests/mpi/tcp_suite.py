@@ -7,6 +7,7 @@ connections, torch's point-to-point on the same group, and every collective on f
 hosts (one rank per host; three ranks, uneven across them) through every TCP entry. Each result against
 what the rank computes."""
 
+import os
 import socket
 
 import numpy as np
@@ -154,8 +155,10 @@ def test_a_rank_that_leaves_after_its_part_does_not_fail_the_others():
             np.testing.assert_array_equal(out, np.repeat(np.arange(1, 4, dtype=np.uint8), counts))
         else:
             comm.gather(mine, None, 0, counts)
-        if g == 2:
-            assert tp.departed == [1], tp.departed   # it did leave while this rank waited
+        if g == 2 and os.environ.get("ENGINE_TCP_CONNECT", "mesh") == "mesh":
+            # it did leave while this rank waited (over lazy connections rank 2 never connected to rank 1,
+            # which could not say goodbye to it)
+            assert tp.departed == [1], tp.departed
         dist.destroy_process_group(pg)
         if g == 1:
             store.set("tcp_suite:left", "1")
