@@ -94,7 +94,7 @@ def listen_address(environ=None, rendezvous=None):
     tcp://host:port, or a TCPStore passed as store=)."""
     env = os.environ if environ is None else environ
     master = env.get("MASTER_ADDR", "").strip()
-    label = f"MASTER_ADDR={master}"
+    label = None   # (what gave master, in words: MASTER_ADDR's own by default)
     if not master and rendezvous:
         master = rendezvous.strip()
         label = f"the store's host {master} (no MASTER_ADDR)"
@@ -113,7 +113,8 @@ def listen_address(environ=None, rendezvous=None):
                            f"({socket.gethostname()}) has no such interface with an address (it has "
                            f"{', '.join(have)})")
     if master:
-        addr = _route_to(master, None if label.startswith("MASTER_ADDR") else label)
+        addr = _route_to(master, label)
+        label = label or f"MASTER_ADDR={master}"
         # MASTER_ADDR naming this host, whose name resolves here to a loopback address (Debian's and
         # Ubuntu's /etc/hosts: 127.0.1.1), where the other hosts reach it at another: listening there,
         # this rank could be reached from this host only.

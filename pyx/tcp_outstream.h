@@ -141,19 +141,14 @@ static int tcp_start_connect(eng_tcp *t, int peer) {
  * hellos wait are read first: it may have connected, sent and left before this rank looked. */
 static void tcp_refused(eng_tcp *t, int peer, int err) {
   tcp_peer *p = &t->peers[peer];
-  int queued = 0;
-  for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
+  int queued = tcp_queued_for(p);
   for (int i = 0; err == ECONNREFUSED && !queued && p->nin == 0 && i < t->npending;)
     if (!tcp_hello_progress(t, i)) i++;
   if (err != ECONNREFUSED || queued || p->nin == 0) {
     tcp_peer_failed(t, peer, ENG_ERR_CONNECT, err);
     return;
   }
-  for (int k = 0; k < p->nout; k++) {
-    if (p->out[k].fd >= 0) close(p->out[k].fd);
-    p->out[k].fd = -1;
-    p->out[k].connecting = 0;
-  }
+  tcp_close_outs(p);
   p->closing = 1;
 }
 

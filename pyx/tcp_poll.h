@@ -188,17 +188,13 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
                      : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
   if (got == 0) {
     /* It will read nothing more: what is queued for it can't go; what it sent is still read. */
-    int queued = 0;
-    for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
+    int queued = tcp_queued_for(p);
     p->closing = 1;
     if (queued || (o->back_got && !full)) {
       tcp_peer_failed(t, peer, queued ? tcp_end_code(p) : ENG_ERR_PEER_DEAD, 0);
       return;
     }
-    for (int k = 0; k < p->nout; k++) {
-      if (p->out[k].fd >= 0) close(p->out[k].fd);
-      p->out[k].fd = -1;
-    }
+    tcp_close_outs(p);
   } else if (got > 0) {
     tcp_hdr h;
     if (full) {

@@ -196,6 +196,22 @@ static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq,
   h->b = b;
 }
 
+/* Whether anything is queued for a peer on its outgoing streams. */
+static inline int tcp_queued_for(const tcp_peer *p) {
+  int queued = 0;
+  for (int k = 0; k < p->nout; k++) queued |= p->out[k].head != NULL;
+  return queued;
+}
+
+/* Closes a peer's outgoing streams: it reads nothing more (what it sent is still read). */
+static inline void tcp_close_outs(tcp_peer *p) {
+  for (int k = 0; k < p->nout; k++) {
+    if (p->out[k].fd >= 0) close(p->out[k].fd);
+    p->out[k].fd = -1;
+    p->out[k].connecting = 0;
+  }
+}
+
 /* Lists linked through ->next with a head and a tail: x appended, or x unlinked (nothing if it is not there). */
 #define TCP_PUSH(head, tail, x) \
   do { (x)->next = NULL; if ((tail) == NULL) (head) = (x); else (tail)->next = (x); (tail) = (x); } while (0)

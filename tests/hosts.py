@@ -148,12 +148,16 @@ def _forward(env):
     return [arg for name in env for arg in ("-x", name)]
 
 
+def master_of(hosts, i, master):
+    """Host i's MASTER_ADDR: master (one for all hosts, or a list of one per host), else host 0's address."""
+    return (master[i] if isinstance(master, list) else master) or hosts.addrs[0]
+
+
 def torchrun_command(hosts, i, per_host, argv, port, master=None):
     """torchrun as host i runs it: node i of the job, per_host ranks, meeting at host 0 (no MPI). master:
-    its --master-addr (host 0's address by default), or a list of one per host."""
-    master = master[i] if isinstance(master, list) else master
+    its --master-addr (master_of)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts.names)), "--nproc-per-node",
-            str(per_host), "--node-rank", str(i), "--master-addr", master or hosts.addrs[0], "--master-port",
+            str(per_host), "--node-rank", str(i), "--master-addr", master_of(hosts, i, master), "--master-port",
             str(port), "--tee", "3", *argv]
 
 
@@ -175,7 +179,7 @@ def torchrun_across(hosts, per_host, argv, timeout=300, capture=True, master=Non
 def env_launch(hosts, per_host, argv, master=None, port=None, **env):
     """Starts argv on every host, per_host ranks each, with torch's env:// variables set (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) as a Kubernetes or SLURM job sets them: no
-    launcher, no MPI. master: MASTER_ADDR (host 0's address by default), or a list of one per host.
+    launcher, no MPI. master: MASTER_ADDR (master_of).
     Returns the processes, rank by rank (collect() waits for them)."""
     from torchrun import clean_env, free_port
     port = port or free_port()
@@ -184,8 +188,7 @@ def env_launch(hosts, per_host, argv, master=None, port=None, **env):
         for local in range(per_host):
             rank_env = clean_env(RANK=str(i * per_host + local), WORLD_SIZE=str(per_host * len(hosts.names)),
                                  LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
-                                 MASTER_ADDR=(master[i] if isinstance(master, list) else master) or hosts.addrs[0],
-                                 MASTER_PORT=str(port), **env)
+                                 MASTER_ADDR=master_of(hosts, i, master), MASTER_PORT=str(port), **env)
             procs.append(hosts.popen(i, argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True))
     return procs

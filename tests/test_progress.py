@@ -1,6 +1,7 @@
 """The progress engine (engine.progress, pyx/progress.pyx) on its own: issue order, and callbacks that
 run on its thread and wait there for work queued behind them."""
 
+import contextlib
 import re
 import threading
 import time
@@ -283,6 +284,24 @@ def test_the_error_an_aborted_engine_refuses_with_keeps_one_calls_traceback():
     progress.close()
 
 
+@contextlib.contextmanager
+def callers_progress(name):
+    """A progress engine whose thread leaves every task to the caller that waits for it (a grace of a
+    minute), closed after."""
+    progress = Progress(name=name)
+    progress.grace = 60.0
+    try:
+        yield progress
+    finally:
+        progress.grace = 50e-6
+        progress.close()
+
+
+def interrupted():
+    """A call a ^C interrupts, in the caller's thread."""
+    raise KeyboardInterrupt
+
+
 def test_every_done_callback_runs_when_one_raises_and_a_future_takes_an_interrupt_as_an_error():
     """A task the caller runs itself, interrupted (KeyboardInterrupt, SystemExit from a signal handler):
     the caller gets the interrupt, every done callback still runs, and the Work's torch Future completes
@@ -292,11 +311,7 @@ def test_every_done_callback_runs_when_one_raises_and_a_future_takes_an_interrup
     import torch  # noqa: F401  (torchbridge.work)
 
     from torchbridge.work import CollectiveWork
-    progress = Progress(name="engine-progress-interrupt")
-    progress.grace = 60.0   # (the caller runs it)
-    try:
-        def interrupted():
-            raise KeyboardInterrupt
+    with callers_progress("engine-progress-interrupt") as progress:
         task = progress.submit(interrupted, (), "allreduce")
         work = CollectiveWork.of(task)
         task.outputs = []
@@ -308,9 +323,6 @@ def test_every_done_callback_runs_when_one_raises_and_a_future_takes_an_interrup
         assert ran == ["after"] and fut.done()
         with pytest.raises(RuntimeError, match=r"allreduce was interrupted \(KeyboardInterrupt\) before it completed"):
             fut.wait()
-    finally:
-        progress.grace = 50e-6
-        progress.close()
 
 
 def test_closing_leaves_callbacks_stuck_behind_the_groups_order_after_its_timeout_rather_than_hang():
@@ -350,11 +362,7 @@ def test_a_coalesced_calls_future_completes_failed_when_a_part_was_interrupted()
     import torch
 
     from torchbridge.work import CoalescedWork, CollectiveWork
-    progress = Progress(name="engine-progress-coalesced")
-    progress.grace = 60.0   # (the caller runs them)
-    try:
-        def interrupted():
-            raise KeyboardInterrupt
+    with callers_progress("engine-progress-coalesced") as progress:
         tasks = [progress.submit(lambda: None, (), "allreduce part 0"), progress.submit(interrupted, (), "allreduce part 1")]
         parts = []
         for task in tasks:
@@ -368,9 +376,6 @@ def test_a_coalesced_calls_future_completes_failed_when_a_part_was_interrupted()
         assert fut.done()
         with pytest.raises(RuntimeError, match=r"a part of a coalesced call was interrupted \(KeyboardInterrupt\)"):
             fut.wait()
-    finally:
-        progress.grace = 50e-6
-        progress.close()
 
 
 def test_a_failed_works_error_raised_on_every_wait_keeps_the_traceback_it_first_had():

@@ -59,7 +59,7 @@ class FaultTolerance:
     `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
 
     def _init_fault_tolerance(self, listen):
-        self._listener = _handles.Listener(store_host(self._store)) if listen else None
+        self._listener = self._new_listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
         # what a failure that breaks the group calls (its watch, the CUDA watchdog): the hooks, not the group
@@ -86,10 +86,15 @@ class FaultTolerance:
     def size(self):
         return self._size
 
+    def _new_listener(self):
+        """This process's end of reconfigure, listening where its group's TCP transport would (the route
+        to MASTER_ADDR, else to its TCPStore's host)."""
+        return _handles.Listener(store_host(self._store))
+
     def get_reconfigure_handle(self):
         """This process's handle: give it to every member of a reconfigure (engine.handles)."""
         if self._listener is None:
-            self._listener = _handles.Listener(store_host(self._store))
+            self._listener = self._new_listener()
         return self._listener.handle
 
     def reconfigure(self, opts):
@@ -103,7 +108,7 @@ class FaultTolerance:
         seconds = _seconds_of(getattr(opts, "timeout", None)) or self._timeout_seconds()
         deadline, aborts = time.monotonic() + seconds, self._aborts
         what = f"engine reconfigure {uuid} of group {self._name!r}"
-        listener = self._listener if self._listener is not None else _handles.Listener(store_host(self._store))
+        listener = self._listener if self._listener is not None else self._new_listener()
         self._listener = listener
         try:
             store, index, n = _handles.meet(listener, uuid, opts.handles, seconds,
