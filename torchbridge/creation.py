@@ -8,6 +8,7 @@ import torch.distributed as dist
 from engine import Communicator, forks
 from engine.launcher import MPIRUN_HINT, launcher_of_world
 
+from . import functional
 from .fault import agree_on_members, own_transport, reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
 from .work import in_seconds
@@ -24,6 +25,7 @@ def create_process_group(opts, backend_options=None):
     enable_reconfigure=True (torch 2.14) gets its communicator from its first reconfigure. A world
     of another size than the MPI launcher's job (mp.spawn under `srun -n 1`, a world made by hand
     with its store inside an MPI job) is made through the store, and its groups too."""
+    functional.install()
     seconds = in_seconds(opts.timeout)
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)

@@ -173,6 +173,113 @@ def test_wait_tensor_waits_for_what_was_issued_under_allow_inflight_collective_a
     dist.barrier()
 
 
+def _functional_collectives(group, members):
+    """{op of torch.ops._c10d_functional: a call of it on group (whose ranks are members) that checks
+    its result against the references}."""
+    F = torch.ops._c10d_functional
+    W = F.wait_tensor
+    name, me, n = group.group_name, members.index(R), len(members)
+
+    def x(count, salt=0, rank=R):
+        return data(rank, count, torch.float32, salt)
+
+    def total(count, salt=0):
+        return sum(x(count, salt, r) for r in members)
+
+    def gathered(count, salt=0):
+        return torch.cat([x(count, salt, r) for r in members])
+
+    def same(got, want):
+        assert torch.equal(got, want), (got[:6], want[:6])
+
+    def waited(tensors):   # (torch 2.15 waits for several at once)
+        return F.wait_tensors(tensors) if hasattr(F, "wait_tensors") else [W(t) for t in tensors]
+
+    def check_all_gather_out():
+        for g in (name, group):   # (torch takes the group itself where it takes its name)
+            out = torch.empty(5 * n)
+            assert W(F.all_gather_into_tensor_out(x(5), n, g, out=out)).data_ptr() == out.data_ptr()
+            same(out, gathered(5))
+        out = torch.empty(5 * n)   # in place, as inductor's bucketing calls it: the input is the rank's own slot
+        out[5 * me:5 * me + 5] = x(5)
+        W(F.all_gather_into_tensor_out(out[5 * me:5 * me + 5], n, name, out=out))
+        same(out, gathered(5))
+
+    def check_reduce_scatter_out():
+        out = torch.empty(3)
+        W(F.reduce_scatter_tensor_out(x(3 * n), "sum", n, name, out=out))
+        same(out, total(3 * n)[3 * me:3 * me + 3])
+
+    def check_all_to_all():   # member i sends i + j + 1 elements to member j
+        got = W(F.all_to_all_single(torch.cat([torch.full((me + j + 1,), float(10 * me + j)) for j in range(n)]),
+                                    [i + me + 1 for i in range(n)], [me + j + 1 for j in range(n)], name))
+        same(got, torch.cat([torch.full((i + me + 1,), float(10 * i + me)) for i in range(n)]))
+
+    # (a root or a peer is a rank of the group, as torch's kernels pass it on to the group)
+    def check_isend_irecv():
+        sent = W(F.isend(x(6, 1), (me + 1) % n, 0, name))
+        assert sent.numel() == 0
+        same(W(F.irecv(torch.empty(6), (me - 1) % n, 0, name)), x(6, 1, members[(me - 1) % n]))
+
+    def check_batch_p2p():   # to both neighbours and back
+        up, down = (me + 1) % n, (me - 1) % n
+        outs = F.batch_p2p_ops(["isend", "irecv", "irecv", "isend"], [up, down, up, down], [1, 1, 2, 2],
+                               [x(7, 2), torch.empty(7), torch.empty(4), x(4, 3)], name)
+        assert [t.numel() for t in outs] == [0, 7, 4, 0]
+        for t in outs:
+            W(t)
+        same(outs[1], x(7, 2, members[down]))
+        same(outs[2], x(4, 3, members[up]))
+
+    return {
+        "all_reduce": lambda: same(W(F.all_reduce(x(7), "sum", name)), total(7)),
+        "all_reduce_": lambda: same(W(F.all_reduce_(x(7), "avg", name)), total(7) / n),
+        "all_reduce_coalesced": lambda: [same(W(t), total(c, c)) for c, t in
+                                         zip((3, 8), F.all_reduce_coalesced([x(3, 3), x(8, 8)], "sum", name))],
+        "all_reduce_coalesced_": lambda: [same(W(t), total(c, c)) for c, t in
+                                          zip((3, 8), F.all_reduce_coalesced_([x(3, 3), x(8, 8)], "sum", name))],
+        "broadcast": lambda: same(W(F.broadcast(x(5), n - 1, name)), x(5, rank=members[-1])),
+        "broadcast_": lambda: same(W(F.broadcast_(x(5), 0, name)), x(5, rank=members[0])),
+        "all_gather_into_tensor": lambda: same(W(F.all_gather_into_tensor(x(5), n, name)), gathered(5)),
+        "all_gather_into_tensor_coalesced": lambda: [
+            same(t, gathered(c, c)) for c, t in
+            zip((2, 9), waited(F.all_gather_into_tensor_coalesced([x(2, 2), x(9, 9)], n, name)))],
+        "all_gather_into_tensor_out": check_all_gather_out,
+        "reduce_scatter_tensor": lambda: same(W(F.reduce_scatter_tensor(x(2 * n), "sum", n, name)),
+                                              total(2 * n)[2 * me:2 * me + 2]),
+        "reduce_scatter_tensor_coalesced": lambda: [
+            same(W(t), total(c * n, c)[c * me:c * me + c]) for c, t in
+            zip((1, 4), F.reduce_scatter_tensor_coalesced([x(n, 1), x(4 * n, 4)], "sum", n, name))],
+        "reduce_scatter_tensor_out": check_reduce_scatter_out,
+        "all_to_all_single": check_all_to_all,
+        "isend": check_isend_irecv,
+        "irecv": check_isend_irecv,
+        "batch_p2p_ops": check_batch_p2p,
+    }
+
+
+def test_every_functional_collective_gives_the_references_on_the_world_and_a_subgroup():
+    """torch.ops._c10d_functional, what torch.compile's graphs call: every op torch defines (a new one is
+    named here), on the world and on a group of the last ranks (group ranks not the world's). Two of
+    torch's C++ kernels ask a group for its C++ backend, which a Python group has not got:
+    all_gather_into_tensor_out (inductor's all-gather bucketing) and batch_p2p_ops (a compiled
+    batch_isend_irecv) failed with "No backend type associated with device type cpu"."""
+    ops = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("_c10d_functional::")}
+    calls = _functional_collectives(dist.group.WORLD, list(range(P)))
+    assert ops - {"wait_tensor", "wait_tensors", "_wrap_tensor_autograd"} <= set(calls), f"not tested here: {ops - set(calls)}"
+    members = list(range(P // 2, P))
+    sub = dist.new_group(members)
+    for group, ranks in ((dist.group.WORLD, list(range(P))), (sub, members)):
+        if R not in ranks:
+            continue
+        calls = _functional_collectives(group, ranks)
+        for op in sorted(ops & set(calls)):
+            if op in ("isend", "irecv", "batch_p2p_ops") and len(ranks) == 1:
+                continue   # (a rank sending to itself: torch's groups refuse it)
+            calls[op]()
+    dist.barrier()
+
+
 def test_premul_sum():
     t = torch.full((10,), float(R + 1))
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
