@@ -1066,6 +1066,43 @@ def test_an_abort_before_the_shrinks_wait_began_still_ends_it_at_once(monkeypatc
         pg.shutdown()
 
 
+@pytest.mark.parametrize("when", ["waiting", "before the wait"])
+def test_abort_ends_a_split_waiting_for_a_member(monkeypatch, when):
+    """abort() from another thread ends a split_group that waits in the store for a member that never
+    comes (rank 2 of 3 makes no split), at once, naming the abort: it waited the group's timeout (here
+    6 s), which abort() did not end; also where the abort lands after the split took the group's
+    communicator but before its wait could hear of it (while it reads the group's timeout)."""
+    from engine.communicator import Communicator
+    from torchbridge.process_group import EngineProcessGroup
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    pg = EngineProcessGroup(comm, 0, 3, timeout=timedelta(seconds=6), store=dist.HashStore(), name="g")
+    if when == "waiting":
+        timer = threading.Timer(0.5, pg.abort)
+        timer.start()
+        expected = "while this split waited for its members"
+    else:
+        seconds = pg._timeout_seconds
+
+        def aborted_meanwhile():
+            aborter = threading.Thread(target=pg.abort)
+            aborter.start()
+            aborter.join()
+            return seconds()
+        monkeypatch.setattr(pg, "_timeout_seconds", aborted_meanwhile)
+        expected = "as this split began"
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"engine split of process group 'g' into ranks \[0, 2\]: process group "
+                                               rf"'g' was aborted \(abort\(\)\) {expected}"):
+            pg.split_group([0, 2])
+        assert time.monotonic() - started < 3.0
+    finally:
+        if when == "waiting":
+            timer.join()
+        pg.shutdown()
+
+
 def test_the_hub_is_the_first_member_other_hosts_reach_and_another_hosts_loopback_is_not_probed():
     """The hub of a reconfigure is the first member whose handle's address is not loopback (a host whose
     MASTER_ADDR is localhost hands out loopback handles; tests/test_hosts.py meets across hosts so); a

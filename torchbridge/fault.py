@@ -4,6 +4,7 @@ has no communicator until its first reconfigure (torch's contract); its handle e
 torch reaches all of this from Python (dist._reconfigure, dist.get_backend_impl(...).abort(), ...), so
 a Python ProcessGroup answers for itself as its own backend (see process_group.py)."""
 
+import contextlib
 import functools
 import sys
 import threading
@@ -71,7 +72,7 @@ class FaultTolerance:
         self._swap_thread = None  # (the thread swapping in a reconfigure's communicator)
         self._ended = None
         self._shrink_calls = 0
-        self._shrinking = None   # (a shrink in flight's Cancel: abort() ends its waits)
+        self._making = None      # (a shrink or a split in flight: its kind and Cancel; abort() ends its waits)
         self._torch_knows_members = True   # (every member where torch's table of the group's ranks puts it)
         self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
         self._monitored_seq = 0  # (monitored barriers since then)
@@ -218,20 +219,14 @@ class FaultTolerance:
         # every member alike: under the failed attempt's keys, a retry would read what that attempt left.
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._membership}{self._shrink_calls}/without-" +
                                  "-".join(map(str, excluded)), self._store)
-        with self._swapping:
-            if self._aborts != aborts:   # (it landed before there was a wait to end)
-                raise RuntimeError(f"{what} without ranks {excluded}: {self._ended} as this shrink began")
-            self._shrinking = cancel = Cancel()
-        try:
-            comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
-                                           timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel)
-        except Exception as exc:
-            raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
-                               f"{members}[i] of this one; every member that stays passes the same ranks)"
-                               ) from exc
-        finally:
-            with self._swapping:
-                self._shrinking = None
+        with self._making_new_group("shrink", aborts, f"{what} without ranks {excluded}") as cancel:
+            try:
+                comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
+                                               timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel)
+            except Exception as exc:
+                raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
+                                   f"{members}[i] of this one; every member that stays passes the same ranks)"
+                                   ) from exc
         self._shrinks = count
         group = type(self)(comm, index, size, self._timeout, store, name)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
@@ -243,6 +238,22 @@ class FaultTolerance:
             group._members_changed, group._world_shrinks = True, world_shrinks() + 1
             failure.recovered()
         return group
+
+    @contextlib.contextmanager
+    def _making_new_group(self, kind, aborts, failed):
+        """A shrink or a split (kind) making its new group: an abort() from another thread ends its waits
+        on the members (through the Cancel this gives), and one that landed since the group's count of
+        aborts read `aborts` (before there was a wait to end) ends it at once. failed: how its error
+        begins."""
+        with self._swapping:
+            if self._aborts != aborts:
+                raise RuntimeError(f"{failed}: {self._ended} as this {kind} began")
+            self._making = (kind, Cancel())
+        try:
+            yield self._making[1]
+        finally:
+            with self._swapping:
+                self._making = None
 
     def _check_torch_knows_members(self, what, instead):
         """A new group of some of this one's members is made through its store, from torch's table of
@@ -263,8 +274,10 @@ class FaultTolerance:
         MPI, else through this group's store (shared memory on one host, TCP across hosts). A member
         that split into other ranks than a member of its split is named at once (ValueError). It serves
         every device this group serves; opts and device_types are not read (the engine's settings are
-        the environment's)."""
+        the environment's). An abort() of this group from another thread ends it where it waits for
+        its members in the store (a split made through MPI waits inside MPI, bounded by the timeout)."""
         what = f"engine split of process group {self._name!r}"
+        aborts = self._aborts   # (an abort() from another thread from here on ends this split)
         # The members meet under this group's count of splits, which every rank of it advances on each
         # call (torch's contract: they all call), not under torch's name for the split: torch counts
         # its names on every rank of the world, and a split of a subgroup advances only its members'.
@@ -280,18 +293,23 @@ class FaultTolerance:
             raise self._cpu.error   # (aborted, or no members before its first reconfigure)
         name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
         seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
-        agree_on_members(self._store, f"engine/split-{count}", self._rank, members, seconds, what, "split into",
-                         "split_ranks")
         store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
         index, size = members.index(self._rank), len(members)
-        try:
-            if comm.mpi_comm is not None and not reconfigured():
-                new = comm.subgroup(members, name=name, store=store, timeout=seconds)
-            else:
-                new = Communicator.from_store(store, index, size, name=name, transport=own_transport(),
-                                              timeout=seconds)
-        except Exception as exc:
-            raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)") from exc
+        with self._making_new_group("split", aborts, f"{what} into ranks {members}") as cancel:
+            try:
+                agree_on_members(self._store, f"engine/split-{count}", self._rank, members, seconds, what,
+                                 "split into", "split_ranks", cancelled=lambda: cancel.why)
+            except ConnectionError as exc:   # (aborted, or the store is gone)
+                raise RuntimeError(f"{what} into ranks {members}: {exc}") from exc
+            try:
+                if comm.mpi_comm is not None and not reconfigured():
+                    new = comm.subgroup(members, name=name, store=store, timeout=seconds)
+                else:
+                    new = Communicator.from_store(store, index, size, name=name, transport=own_transport(),
+                                                  timeout=seconds, on_cancel=cancel.on_cancel)
+            except Exception as exc:
+                raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)"
+                                   ) from exc
         group = type(self)(new, index, size, timeout or self._timeout, store, name)
         group._set_group_name(group_name or name)
         if group_desc:
@@ -325,8 +343,9 @@ class FaultTolerance:
         self._ended = why
         if self._listener is not None:
             self._listener.interrupt(self._reconfigure_aborted())
-        if self._shrinking is not None:
-            self._shrinking.cancel(f"{why} while this shrink waited for its members")
+        if self._making is not None:
+            kind, cancel = self._making
+            cancel.cancel(f"{why} while this {kind} waited for its members")
 
     supports_abort_hooks = True        # torch 2.15 asks (they run on abort() and when a call fails)
     supports_completion_hooks = False
@@ -408,17 +427,17 @@ class FaultTolerance:
             self._listener = None
 
 
-def agree_on_members(store, key, me, members, seconds, what, verb, argument):
+def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None):
     """Each member of a new group (me: its rank in the group it is made from) says which ranks it was
     given, and reads its members': ranks given different lists fail at once naming the rank and both
     lists, where they would wait for each other in the store until its timeout, or meet with positions
     that disagree. Members that never come are named at the new group's timeout (seconds), not the
-    store's."""
+    store's. cancelled: as read_keys's (where the wait can be ended from another thread)."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]
-    values, missing, why = read_keys(store, keys, seconds, what)
+    values, missing, why = read_keys(store, keys, seconds, what, cancelled)
     if missing:
         raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
                            f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
