@@ -9,7 +9,10 @@ MPI communicators the group owns.
 - mpi: MPI under an MPI launcher (engine._mpi.MpiComm, over three duplicates of the group's communicator).
 """
 
+import atexit
+import os
 import sys
+import weakref
 from collections import namedtuple
 
 from . import _core, registry
@@ -86,6 +89,22 @@ class _Transport:
         """The plan's settings the transport itself reads, beyond the rules the core takes: none by default."""
 
 
+# Every live shared-memory core, told to leave its group when the process ends normally (an unhandled
+# exception included), as TCP's goodbye (engine/tcp.py): a rank that did its part and ended, while its
+# peers still finish that collective, must not look like a crash to them. SIGKILL or os._exit skip this,
+# and the peers see a crash. Only the process that made a core leaves with it (not a fork's copy).
+_live_shm = weakref.WeakKeyDictionary()
+
+
+def _leave_at_exit():
+    for core, pid in list(_live_shm.items()):
+        if pid == os.getpid():
+            core.leave()
+
+
+atexit.register(_leave_at_exit)   # (in a fork too: its own groups leave, its copies of the parent's not)
+
+
 class Shm(_Transport):
     network = False
 
@@ -98,6 +117,7 @@ class Shm(_Transport):
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         seg = make_segment(boot, everyone, cfg)
         core = _core.ShmComm(seg, seg_bytes, cfg["chunk"])
+        _live_shm[core] = os.getpid()
         core.pull_piece = cfg["pull_piece"]
         count, has = threads(everyone, boot.rank, cfg["threads"])
         core.set_threads(count)

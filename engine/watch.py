@@ -390,11 +390,15 @@ class Watch:
         return got
 
     def missing(self, rec):
-        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed."""
+        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed.
+        A rank writes its note only once it stalls: one that did its part at once and went on (or left
+        the group) has none, and is not named where the transport knows it passed (core.passed())."""
         notes = self.notes(rec)
         if notes is None or isinstance(notes, str):
             return notes
-        return [r for r in range(self.size) if r != self.rank and (r not in notes or notes[r][0] < rec[SEQ])]
+        passed = set(self.core.passed())
+        return [r for r in range(self.size) if r != self.rank and r not in passed
+                and (r not in notes or notes[r][0] < rec[SEQ])]
 
     def other_call(self, notes, rec):
         """The error's text if a rank's note shows it in call rec's seq with another call, else None."""

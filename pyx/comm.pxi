@@ -433,6 +433,12 @@ cdef class CoreComm:
         (a sentence), or None where the transport can't say (the store's arrival notes name them)."""
         return None
 
+    def passed(self):
+        """The peers this rank's transport knows to be past its running collective (gone from the group
+        in order, or, where it can see it, past the step this rank waits at): not late, whatever the
+        store's arrival notes lack."""
+        return []
+
     def leave(self):
         """This rank leaves the group (it is being freed): a transport whose peers must tell a departure
         from a crash says so now, not whenever the object is collected (MPI has nothing to say)."""

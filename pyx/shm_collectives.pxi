@@ -67,6 +67,7 @@ cdef class ShmComm(CoreComm):
     cdef bint team_started
     cdef public int threads         # threads IMPL_THREADED splits a blocking call's kernels over (1: none)
     cdef public size_t thread_slice # bytes: the least slice a thread takes (engine.registry's parameter)
+    cdef object __weakref__         # engine/transports.py leaves through live ones at exit
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
@@ -103,11 +104,18 @@ cdef class ShmComm(CoreComm):
         if ierr == ENG_ERR_MISMATCH:   # the segment holds both signatures: name what each rank called
             kind, text = EngineMismatch, (f"collective mismatch in this group: rank {self.rank}: "
                                           f"{_describe_sig(self.seg.my_sig)}; rank {q}: {_describe_sig(self.seg.err_sig)}")
+        elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
+            awaited = self.seg.err_awaited
+            kind, text = EnginePeerLost, (
+                f"rank {q} (pid {self.seg.peers.pids[q]}) exited without leaving the group (killed, crashed, "
+                f"os._exit) while rank {self.rank} was in {what} #{self.seq}, after it had done its part there"
+                + (f"; rank {self.rank} was waiting for rank {awaited}" if awaited >= 0 else ""))
         elif ierr == ENG_ERR_PEER_DEAD:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
         else:
-            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it) "
+            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
+                                          "or its process ended) "
                                           f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
                                           "not run the same collectives, or one destroyed the group early")
         return self.broke(kind, text, what)
@@ -118,9 +126,24 @@ cdef class ShmComm(CoreComm):
         self.stop_team()
         self.seg.release()
 
+    def waiting_on(self):
+        """Whom this rank's collective waits on in the segment (the step flags it waits for), or None."""
+        awaited = self.seg.awaited() if not self.released else None
+        if not awaited or not awaited[0]:
+            return None
+        return "; ".join(f"this rank waits on rank {q} (pid {self.seg.peers.pids[q]}) to reach its step"
+                         for q in awaited[0])
+
+    def passed(self):
+        """The peers past the step this rank's collective waits at, and those that left the group."""
+        awaited = self.seg.awaited() if not self.released else None
+        gone = [q for q in range(self.size) if q != self.rank and not self.released and eng_load32(self.seg.left(q))]
+        return sorted(set(gone) | set(awaited[1] if awaited else ()))
+
     def leave(self):
         """Marks this rank gone from the group in the segment: a peer still waiting for it fails at
-        its next liveness check (ENG_ERR_PEER_LEFT), as over TCP, not at the timeout."""
+        its next liveness check (ENG_ERR_PEER_LEFT), as over TCP, not at the timeout. The group's end,
+        and the process's normal exit (engine/transports.py), call it."""
         cdef int q
         if self.released:
             return

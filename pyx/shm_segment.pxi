@@ -115,7 +115,7 @@ cdef class ShmSegment:
     point-to-point. create() on the group's first rank, attach() on the others (same host)."""
     def __cinit__(self):
         self.fd = -1
-        self.err_peer = -1
+        self.err_peer = self.err_awaited = -1
         self.peers.dead = -1
 
     def __dealloc__(self):
@@ -357,12 +357,18 @@ cdef class ShmSegment:
         w.alive, w.alive_arg = ctx.alive, ctx.alive_arg
         if ctx.alive == peers_alive:   # (a peer that left counts only where this wait still needs it)
             ctx.alive, ctx.alive_arg = _flags_alive, &w
+        self.awaited_only = only     # (for a timeout's report, from the watch's thread: whom it waits on)
+        self.awaited_target = w.target
         try:
             ierr = wait_until(_poll_flags, NULL, &w, ctx, &self.door)
         finally:
             ctx.alive, ctx.alive_arg = w.alive, w.alive_arg
+            self.awaited_target = 0
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
             self.err_peer = self.peers.dead
+            # (a peer that died after it did its part here is not what this wait waited for: say so)
+            self.err_peer_passed = self.err_peer >= 0 and self.reached(self.err_peer, w.target)
+            self.err_awaited = self.short_of(w.target, only, self.err_peer)
         elif ierr == ENG_ERR_MISMATCH:
             memcpy(self.err_sig, self.sig(w.other, self.step), sizeof(self.err_sig))
             self.err_peer = w.other
@@ -376,6 +382,28 @@ cdef class ShmSegment:
 
     cdef uint64_t peer_aux(self, int q) noexcept nogil:
         return self.sig(q, self.step)[4]
+
+    cdef inline bint reached(self, int q, uint64_t target) noexcept nogil:
+        return eng_load_acquire(<uint64_t*>(self.ctrl + <size_t>q * CTRL_BYTES)) >= target
+
+    cdef int short_of(self, uint64_t target, int only, int skip) noexcept nogil:
+        """The first peer (`only`, or any where -1) other than `skip` that has not reached target, or -1."""
+        cdef int q
+        for q in range(self.size):
+            if q != self.rank and q != skip and (only < 0 or q == only) and not self.reached(q, target):
+                return q
+        return -1
+
+    def awaited(self):
+        """(The peers the flag wait in progress still waits for, every peer past its flag), or None
+        with no such wait."""
+        cdef uint64_t target = self.awaited_target
+        cdef int only = self.awaited_only, q
+        if target == 0 or self.ctrl == NULL:
+            return None
+        peers = [q for q in range(self.size) if q != self.rank]
+        return ([q for q in peers if (only < 0 or q == only) and not self.reached(q, target)],
+                [q for q in peers if self.reached(q, target)])
 
 
 cdef struct FlagWait:

@@ -343,6 +343,10 @@ cdef class TcpComm(CoreComm):
     def user_transport(self):
         return self.user_tp
 
+    def passed(self):
+        """The peers that left the group in order (their goodbye came)."""
+        return (<TcpTransport>self.algo_tp).departed
+
     def waiting_on(self):
         """Whom this rank's collective waits on, as the TCP transport sees it (for a timeout's report:
         the store that would name the missing ranks may be out of reach behind a cut link), or None."""

@@ -60,7 +60,9 @@ def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_
     for _, msg in raised:
         assert 5 <= timed_out_after(msg) < 10, msg  # as the engine reports it; group timeout 5 s
         assert msg.startswith("allreduce #2 of group '0' (rank ") and ": Timed out after " in msg \
-            and msg.endswith("(timeout 5 s): rank 1 did not arrive"), msg
+            and "(timeout 5 s): rank 1 did not arrive" in msg, msg
+        if transport == "shm":   # (the segment's step flags say whom the wait waits on)
+            assert msg.endswith("did not arrive; this rank waits on rank 1 (pid " + msg.split("(pid ")[-1]), msg
     assert "engine: flight recorder of group '0'" in out  # dumped on the timeout
     assert proc.returncode != 0
 
@@ -184,6 +186,28 @@ def test_shm_rank_that_never_arrives_ends_the_job():
     assert "aborting the job, after 0.5 s of grace" in out
     assert "returned (unexpected)" not in out
     assert shm_files() <= before
+
+
+@pytest.mark.parametrize("transport,then", [("shm", "exit"), ("shm", "kill"), ("shm", "stay"), ("tcp", "exit")])
+def test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_came(transport, then):
+    """tests/faults/done_then_gone.py: rank 2 never comes to a reduce whose root (rank 0) waits; rank 1
+    did its part, then exits normally, is gone at once (os._exit) or waits outside the engine. Rank 0's
+    error names rank 2, and not rank 1 as not arrived (it has no arrival note: it never stalled) nor
+    as the rank the call waited for (shared memory named its exit so, and over both transports a
+    normal exit looked like a crash, where TCP's goodbye at exit now has shared memory's leave)."""
+    proc, out = launch("done_then_gone.py", 3, 90, ENGINE_TRANSPORT=transport, DONE_THEN=then)
+    assert proc.returncode != 0 and "rank 1: did its part" in out, out[-3000:]
+    raised = re.findall(r"rank 0: raised after [\d.]+ s: (\w+): (.*)", out)
+    assert len(raised) == 1, out[-3000:]
+    kind, msg = raised[0]
+    if then == "kill":
+        assert kind == "EnginePeerLost" and re.match(
+            r"reduce failed: rank 1 \(pid \d+\) exited without leaving the group \(killed, crashed, os._exit\) while "
+            r"rank 0 was in reduce #2, after it had done its part there; rank 0 was waiting for rank 2$", msg), msg
+    else:
+        assert kind == "EngineTimeout" and re.match(
+            r"reduce #2 of group '0' \(rank 0 of 3\): Timed out after [\d.]+ s \(timeout 5 s\): rank 2 did not "
+            r"arrive; this rank waits on rank 2 \(", msg), msg
 
 
 @TRANSPORTS

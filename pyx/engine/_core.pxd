@@ -542,6 +542,10 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef uint64_t my_sig[SIGW]
     cdef uint64_t err_sig[SIGW]
     cdef int err_peer
+    cdef bint err_peer_passed       # the peer an error names had reached the flag waited for (its part done)
+    cdef int err_awaited            # with it: another peer the failed wait still waited for, or -1
+    cdef uint64_t awaited_target    # the flag wait in progress: its target (0: none), and its one peer or -1
+    cdef int awaited_only
     cdef readonly bytes token
     cdef readonly bint cma          # process_vm_readv works between every pair of the group
     cdef readonly size_t cma_min, cma_max
@@ -564,5 +568,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef inline int wait_all(self, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef uint64_t peer_aux(self, int q) noexcept nogil
+    cdef inline bint reached(self, int q, uint64_t target) noexcept nogil
+    cdef int short_of(self, uint64_t target, int only, int skip) noexcept nogil
 
 
