@@ -14,7 +14,7 @@
 import argparse
 import sys
 
-from .backends import BACKENDS, CUDA_BACKENDS, DTYPES, OPS
+from .backends import ALGO_BACKENDS, BACKENDS, CUDA_BACKENDS, DTYPES, OPS
 from .busbw import COLLECTIVES, parse_size
 
 
@@ -42,7 +42,8 @@ def parse_args(argv):
     cuda_algos = {e.name for e in registry.entries("allreduce", "nccl")}
     p.add_argument("--algo", default=None, choices=sorted(cpu_algos | cuda_algos),
                    help="force the engine's allreduce entry (engine/registry.py, docs/algorithms.md): on the CPU for "
-                        "the direct engine backends whose transport has it, or on CUDA tensors")
+                        f"{', '.join(ALGO_BACKENDS['cpu'])} (refused where their transport lacks it), on CUDA "
+                        "for engine; at least one of --backends must take it")
     p.add_argument("--json", default=None, help="write every row and the run's metadata here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (the median is reported)")
     p.add_argument("--budget", type=float, default=0.3,
@@ -61,6 +62,11 @@ def parse_args(argv):
         p.error(f"backend(s) {', '.join(wrong)} do not run with --device {args.device}; choose from {', '.join(allowed)}")
     if args.algo and args.algo not in (cuda_algos if args.device == "cuda" else cpu_algos):
         p.error(f"--algo {args.algo} is not an algorithm of --device {args.device}")
+    takers = ALGO_BACKENDS[args.device]
+    if args.algo and not set(args.backends) & set(takers):
+        # else it would be measured as if forced and force nothing
+        p.error(f"--algo {args.algo}: none of --backends {','.join(args.backends)} can force it; on --device "
+                f"{args.device} only {', '.join(takers)} take an allreduce algorithm")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     return args
@@ -85,7 +91,7 @@ def main(argv=None):
         from .report import markdown_table, read_json
         doc = read_json(argv[1])
         for coll in argv[2:] or list(dict.fromkeys(r["collective"] for r in doc["rows"])):
-            print(f"### {coll}\n\n{markdown_table(doc['rows'], coll, doc['meta']['backends'][0])}\n")
+            print(f"### {coll}\n\n{markdown_table(doc['rows'], coll, doc['meta']['backends'][0], doc['meta'])}\n")
         return
     if argv[:1] == ["kernels"]:
         from .kernels import main as kernels

@@ -37,6 +37,10 @@ BACKENDS = ("engine", "engine-async", "engine-group", "engine-interhost-tcp", "e
             "engine-shm", "engine-mpi", "engine-tcp", "gloo", "mpi4py", "nop", "nop+direct", "direct-group", "nccl",
             "deepspeed-shm")
 CUDA_BACKENDS = ("engine", "nccl", "gloo")  # what runs on CUDA tensors (--device cuda)
+# What can take --algo (the engine's allreduce entry), per device: on the CPU the direct calls, which pass it
+# per call; on CUDA the engine's group, made under ENGINE_CUDA_ALLREDUCE_ALGO. The rest never see it.
+ALGO_BACKENDS = {"cpu": ("engine-direct", "engine-shm", "engine-mpi", "engine-tcp", "nop+direct", "direct-group"),
+                 "cuda": ("engine",)}
 DTYPES = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "double": torch.float64, "float64": torch.float64, "int32": torch.int32,
           "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
@@ -69,8 +73,10 @@ def count_wrong(got, want):
 
 
 class Case:
-    def __init__(self, run, reset, result, expected):
-        self.run, self._reset, self._result, self._expected = run, reset, result, expected
+    """idle: this rank only waits out the others' calls (pingpong's unpaired rank): its time is no one's."""
+
+    def __init__(self, run, reset, result, expected, idle=False):
+        self.run, self._reset, self._result, self._expected, self.idle = run, reset, result, expected, idle
 
     def check(self):
         self._reset()
@@ -85,7 +91,7 @@ class Case:
         def both():
             first()
             run()
-        return Case(both, self._reset, self._result, self._expected)
+        return Case(both, self._reset, self._result, self._expected, self.idle)
 
 
 class Problem:
@@ -159,7 +165,10 @@ _WAITED = types.SimpleNamespace(**{name: _waited(fn) for name, fn in vars(_SYNC)
 
 
 class TorchDistBackend:
-    """torch.distributed on one group: engine (default group), Gloo, or NCCL (CUDA tensors)."""
+    """torch.distributed on one group: engine (default group), Gloo, or NCCL (CUDA tensors).
+    algorithm: the allreduce entry its group is made to use (engine on CUDA: ENGINE_CUDA_ALLREDUCE_ALGO)."""
+
+    algorithm = None
 
     def __init__(self, name, group=None, device="cpu", asynchronous=False):
         self.name, self.group, self.device, self.asynchronous = name, group, device, asynchronous
@@ -225,8 +234,10 @@ def _pingpong(p, send, recv, out):
     def reset():
         out.zero_()
 
+    if p.size < 2:
+        return None  # no pair: every rank would idle
     if p.peer is None:
-        return Case(lambda: None, reset, lambda: None, None)
+        return Case(lambda: None, reset, lambda: None, None, idle=True)
     if p.rank % 2 == 0:
         def run():
             send()
@@ -266,7 +277,11 @@ class EngineDirectBackend:
             default = dist.distributed_c10d._get_default_group().communicator
             self.comm = default if default.transport == "shm" else engine.Communicator(transport="shm",
                                                                                       name="bench-shm")
-        self.algorithm = algorithm if algorithm in self.comm.core.algorithms else None
+        if algorithm is not None and algorithm not in self.comm.core.algorithms:
+            raise SystemExit(f"--algo {algorithm}: backend {name}'s group ({self.comm.transport}) has no allreduce "
+                             f"entry {algorithm!r}, only {', '.join(self.comm.core.algorithms)}; drop {name} from "
+                             f"--backends or choose one of those")
+        self.algorithm = algorithm
 
     def case(self, p, mode):
         comm, c, op = self.comm, p.coll, p.op.replace("prod", "product")
@@ -318,7 +333,7 @@ class DirectGroupBackend:
     name = "direct-group"
 
     def __init__(self, direct):
-        self.direct = direct
+        self.direct, self.algorithm = direct, direct.algorithm
 
     def case(self, p, mode):
         from .nop import direct_group
@@ -335,6 +350,7 @@ class BackToBackBackend:
 
     def __init__(self, name, first, second):
         self.name, self.first, self.second = name, first, second
+        self.algorithm = getattr(second, "algorithm", None)
 
     def case(self, p, mode):
         a, b = self.first.case(p, mode), self.second.case(p, mode)
@@ -506,6 +522,8 @@ def make_backends(names, algorithm=None, device="cpu", control=None):
     for name in names:
         if name == "engine":
             made.append(TorchDistBackend("engine", device=device))
+            if device == "cuda":
+                made[-1].algorithm = algorithm  # (the sweep set ENGINE_CUDA_ALLREDUCE_ALGO before making the group)
         elif name == "engine-async":
             made.append(TorchDistBackend("engine-async", device=device, asynchronous=True))
         elif name == "engine-group":

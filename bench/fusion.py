@@ -28,7 +28,7 @@ def resnet50_shapes():
 
 
 def small_tensor_shapes(n=200, seed=0):
-    """The issue's case: n float32 tensors of 1-64 KB."""
+    """The issue's case: n float32 tensors of 1-64 KiB."""
     g = torch.Generator().manual_seed(seed)
     return [(int(k),) for k in torch.randint(256, 16384 + 1, (n,), generator=g)]
 
@@ -64,10 +64,10 @@ def main(rounds=5):
     rank = dist.get_rank()
     if rank == 0:
         print(f"# gradient allreduce per step, {dist.get_world_size()} ranks, float32, ms (median of {rounds} rounds)")
-        print(f"{'model':<24} {'tensors':>7} {'MB':>7} {'fused':>9} {'per-tensor':>11} {'gloo coal.':>11} "
+        print(f"{'model':<24} {'tensors':>7} {'MiB':>7} {'fused':>9} {'per-tensor':>11} {'gloo coal.':>11} "
               f"{'DDP gloo':>9} {'DDP engine':>11}")
-    for name, shapes in (("200 tensors of 1-64 KB", small_tensor_shapes()), ("resnet50 (161 tensors)", resnet50_shapes()),
-                         ("transformer 6x512", transformer_shapes())):
+    for name, shapes in (("200 tensors of 1-64 KiB", small_tensor_shapes()),
+                         ("resnet50 (161 tensors)", resnet50_shapes()), ("transformer 6x512", transformer_shapes())):
         grads = [torch.randn(s) for s in shapes]
         models = {b: Grads(shapes) for b in ("gloo", "engine")}
         ddps = {"gloo": torch.nn.parallel.DistributedDataParallel(models["gloo"], process_group=gloo),
@@ -87,7 +87,7 @@ def main(rounds=5):
             for k, (fn, n) in cases.items():
                 samples[k].append(timed(fn, n))
         med = {k: statistics.median(v) for k, v in samples.items()}
-        mb = sum(g.numel() for g in grads) * 4 / 1e6
+        mb = sum(g.numel() for g in grads) * 4 / 2 ** 20   # MiB, as the flat table's
         if rank == 0:
             print(f"{name:<24} {len(grads):>7} {mb:>7.1f} {med['fused']:>9.2f} {med['per-tensor']:>11.2f} "
                   f"{med['gloo coal.']:>11.2f} {med['DDP gloo']:>9.2f} {med['DDP engine']:>11.2f}   "
@@ -114,10 +114,10 @@ def coalesced_vs_flat(rounds=7):
         print("| tensors | bytes | coalesced | flat | coalesced / flat | torch's share (nop) | engine fused, direct | "
               "engine flat, direct | fused / flat, direct |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, shapes, dtype in (("200 x 1 KB", [(256,)] * 200, torch.float32),
-                                ("200 x 16 KB", [(4096,)] * 200, torch.float32),
-                                ("200 of 1-64 KB", small_tensor_shapes(), torch.float32),
-                                ("200 x 16 KB bf16", [(8192,)] * 200, torch.bfloat16)):
+    for name, shapes, dtype in (("200 x 1 KiB", [(256,)] * 200, torch.float32),
+                                ("200 x 16 KiB", [(4096,)] * 200, torch.float32),
+                                ("200 of 1-64 KiB", small_tensor_shapes(), torch.float32),
+                                ("200 x 16 KiB bf16", [(8192,)] * 200, torch.bfloat16)):
         tensors = [torch.randn(s).to(dtype) for s in shapes]
         flat = torch.randn(sum(t.numel() for t in tensors)).to(dtype)
         cases = {"coalesced": lambda: dist.all_reduce_coalesced(tensors), "flat": lambda: dist.all_reduce(flat),
@@ -129,7 +129,7 @@ def coalesced_vs_flat(rounds=7):
                 samples[k].append(timed(fn, 50) * 1e3)
         med = {k: statistics.median(v) for k, v in samples.items()}
         if rank == 0:
-            print(f"| {name} | {flat.numel() * flat.element_size() / 2 ** 20:.2f} MB | {med['coalesced']:.1f} | "
+            print(f"| {name} | {flat.numel() * flat.element_size() / 2 ** 20:.2f} MiB | {med['coalesced']:.1f} | "
                   f"{med['flat']:.1f} | {med['coalesced'] / med['flat']:.2f} | {med['nop']:.1f} | {med['fused']:.1f} | "
                   f"{med['flat direct']:.1f} | {med['fused'] / med['flat direct']:.2f} |", flush=True)
     dist.destroy_process_group()

@@ -5,11 +5,12 @@ instruction set this CPU runs (rounds interleaved, medians):
     python -m bench kernels -b 16M -e 16M --isa avx2
     python -m bench kernels -b 64M -e 64M --threads 1,2   # the threaded collectives' split (engine.kernels)
 
-A row's size is the bytes the kernel writes (a reduction's output, a cast's float32 side); GB/s is
-that size over the time, and "x memcpy" the kernel's time over memcpy's (glibc, through ctypes, the
-same Python call overhead as the kernels'). With --threads, the bf16 and fp32 sums and a copy also run
-split over that many threads (engine.kernels.reduce_into/copy_into(threads=N): the team a threaded
-collective's steps use). Every buffer comes from torch's allocator.
+A row's size is the bytes the kernel writes (a reduction's output, a cast's float32 side; KiB, MiB: 1024,
+1024^2 bytes); GB/s is that size over the time (1 GB = 1e9 bytes), and "x memcpy" the kernel's time over
+memcpy's (glibc, through ctypes, the same Python call overhead as the kernels'). With --threads, the bf16
+and fp32 sums and a copy also run split over that many threads
+(engine.kernels.reduce_into/copy_into(threads=N): the team a threaded collective's steps use). Every
+buffer comes from torch's allocator.
 """
 
 import argparse
@@ -98,7 +99,8 @@ def main(argv):
     torch.set_num_threads(1)
     previous = engine.kernels.isa()
     print(f"# engine kernels vs memcpy (one thread), {engine.kernels.cpu()['model']}, torch {torch.__version__}; "
-          f"ISAs this CPU runs: {', '.join(engine.kernels.isas())}; median of {args.rounds} interleaved rounds")
+          f"ISAs this CPU runs: {', '.join(engine.kernels.isas())}; median of {args.rounds} interleaved rounds; "
+          "1 GB = 1e9 bytes")
     print("| size | kernel | " + " | ".join(f"{isa} GB/s | x memcpy" for isa in isas) + " |")
     print("| --- | --- | " + " | ".join("--- | ---" for _ in isas) + " |")
     try:
@@ -122,7 +124,7 @@ def main(argv):
 
 
 def _size(n):
-    for unit, shift in (("GB", 30), ("MB", 20), ("KB", 10)):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return f"{n} B"

@@ -28,29 +28,63 @@ DESCRIPTIONS = {
 }
 
 
-def _cols(row):
+def cpu_of(meta):
+    """The CPU a run's numbers belong to, as its JSON recorded it."""
+    if meta.get("cpu_model"):
+        return meta["cpu_model"]
+    return "CPU not named by /proc/cpuinfo" if "cpu_model" in meta else "CPU not recorded"
+
+
+def timing(meta):
+    """How a run's times were taken: runs before meta recorded it averaged each rank's mean over ranks."""
+    return meta.get("timing", "each rank's mean per call averaged over ranks")
+
+
+def _not_run(meta, collective, backend=None):
+    return [x for x in meta.get("not_run", ()) if x["collective"] == collective and backend in (None, x["backend"])]
+
+
+def _notes(refused):
+    """{(backend, size, mode): footnote number} and the footnotes, one per backend and reason: why a
+    cell is N/A where the backend refused the case (a bare N/A: the API has no such form)."""
+    numbers, marks = {}, {}
+    for x in refused:
+        marks[(x["backend"], x["size"], x["mode"])] = numbers.setdefault((x["backend"], x["reason"]), len(numbers) + 1)
+    return marks, [f"[{n}] {backend} refused: {reason}" for (backend, reason), n in numbers.items()]
+
+
+def _cols(row, note=None):
     if row is None:
-        return f"{'N/A':>10} {'':>7} {'':>7} {'':>6}"
+        return f"{'N/A' if note is None else f'N/A [{note}]':>10} {'':>7} {'':>7} {'':>6}"
     wrong = "N/A" if row["wrong"] < 0 else str(row["wrong"])
     return f"{row['time_us']:>10.2f} {row['algbw']:>7.2f} {row['busbw']:>7.2f} {wrong:>6}"
 
 
 def backend_table(rows, backend, collective, meta):
     mine = [r for r in rows if r["backend"] == backend and r["collective"] == collective]
-    if not mine:
+    refused = _not_run(meta, collective, backend)
+    if not mine and not refused:
         return ""
+    marks, footnotes = _notes(refused)
+    forced = sorted({r["algorithm"] for r in mine if r.get("algorithm")})
+    time = "round trip" if collective == "pingpong" else "time"   # a send and a recv each way
     lines = [f"# {collective} on {backend}: {DESCRIPTIONS.get(backend, backend)}, {meta['world_size']} ranks"
-             + (" (oversubscribed)" if meta.get("oversubscribed") else ""),
+             + (" (oversubscribed)" if meta.get("oversubscribed") else "")
+             + (f", allreduce algorithm {', '.join(forced)} forced" if forced else ""),
              f"# {'':>51} {'out-of-place':>32} {'in-place':>32}",
              f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-             f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
+             f"{time:>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {time:>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
              f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>5} "
              f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"]
-    for size in sorted({r["size"] for r in mine}):
+    for size in sorted({r["size"] for r in mine + refused}):
         by_mode = {r["mode"]: r for r in mine if r["size"] == size}
-        any_row = next(iter(by_mode.values()))
+        any_row = next(r for r in mine + refused if r["size"] == size)
+        cols = [_cols(by_mode.get(mode), marks.get((backend, size, mode))) for mode in ("out-of-place", "in-place")]
         lines.append(f"  {size:>10} {any_row['count']:>12} {any_row['type']:>8} {any_row['redop']:>6} "
-                     f"{any_row['root']:>5} {_cols(by_mode.get('out-of-place'))} {_cols(by_mode.get('in-place'))}")
+                     f"{any_row['root']:>5} {cols[0]} {cols[1]}")
+    lines += [f"# {note}" for note in footnotes]
+    if not mine:
+        return "\n".join(lines)
     wrong = sum(max(r["wrong"], 0) for r in mine)
     checked = any(r["wrong"] >= 0 for r in mine)
     lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
@@ -59,13 +93,14 @@ def backend_table(rows, backend, collective, meta):
     return "\n".join(lines)
 
 
-def _comparison(rows, collective, base):
+def _comparison(rows, collective, base, also=()):
     """(other backends, [(size, mode, base time, [each other's time or None])]) of one collective: the
-    base backend (the first of --backends) beside the others, same size and mode, from the same run."""
+    base backend (the first of --backends) beside the others (and beside `also`, which may have no
+    row), same size and mode, from the same run."""
     mine = [r for r in rows if r["collective"] == collective]
     if not any(r["backend"] == base for r in mine):
         return [], []
-    others = [b for b in dict.fromkeys(r["backend"] for r in mine) if b != base]
+    others = [b for b in dict.fromkeys([r["backend"] for r in mine] + list(also)) if b != base]
     index = {(r["backend"], r["size"], r["mode"]): r["time_us"] for r in mine}
     lines = [(size, mode, index[(base, size, mode)], [index.get((b, size, mode)) for b in others])
              for size in sorted({r["size"] for r in mine}) for mode in ("out-of-place", "in-place")
@@ -88,22 +123,31 @@ def ratio_table(rows, collective, base):
     return "\n".join(out)
 
 
-def markdown_table(rows, collective, base):
-    """The same comparison as a Markdown table (BENCHMARKS.md): times in us, then the base backend's
-    time over each other's, and the wrong elements of the whole collective."""
-    others, lines = _comparison(rows, collective, base)
+def markdown_table(rows, collective, base, meta=None):
+    """The same comparison as a Markdown table (BENCHMARKS.md): the CPU and ranks it ran on, times in
+    us, then the base backend's time over each other's, why a backend refused a case, and the wrong
+    elements of the whole collective."""
+    meta = meta or {}
+    refused = _not_run(meta, collective)
+    others, lines = _comparison(rows, collective, base, [x["backend"] for x in refused])
     if not lines:
         return ""
+    marks, footnotes = _notes(refused)
     backends = [base] + others
-    out = ["| size | mode | " + " | ".join(backends) + " | " + " | ".join(f"{base}/{b}" for b in others) + " |",
+    what = "per round trip (a send and a recv each way)" if collective == "pingpong" else "per call"
+    out = [f"{cpu_of(meta)}, {meta.get('world_size', '?')} ranks; us {what}, {timing(meta)}; "
+           "KiB, MiB: 1024, 1024^2 bytes.", "",
+           "| size | mode | " + " | ".join(backends) + " | " + " | ".join(f"{base}/{b}" for b in others) + " |",
            "| --- " * (2 + len(backends) + len(others)) + "|"]
     for size, mode, t, ts in lines:
-        cells = [f"{x:.2f}" if x else "N/A" for x in [t] + ts]
+        cells = [f"{x:.2f}" if x else "N/A" + (f" [{marks[(b, size, mode)]}]" if (b, size, mode) in marks else "")
+                 for b, x in zip(backends, [t] + ts)]
         ratios = [f"{t / x:.3f}" if x else "N/A" for x in ts]
         out.append(f"| {_size(size)} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     mine = [r for r in rows if r["collective"] == collective]
     wrong = sum(max(r["wrong"], 0) for r in mine)
-    out += ["", f"Wrong elements: {wrong}." if any(r["wrong"] >= 0 for r in mine) else "Results not checked (no -c 1)."]
+    out += [""] + [f"- {note}" for note in footnotes] + ([""] if footnotes else [])
+    out += [f"Wrong elements: {wrong}." if any(r["wrong"] >= 0 for r in mine) else "Results not checked (no -c 1)."]
     return "\n".join(out)
 
 
@@ -148,23 +192,24 @@ def torch_layer_table(rows, torch_backend="engine"):
 
 
 def _size(n):
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}B"
+            return f"{n >> shift} {unit}"
     return f"{n} B"
 
 
 def print_report(rows, meta, out):
     print(f"# engine bench: {meta['command']}", file=out)
-    print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), torch {meta['torch']}, "
-          f"mpi4py {meta['mpi4py']}, {meta['mpi_library']}", file=out)
+    print(f"# {meta['world_size']} ranks on {meta['host']} ({meta['cores']} cores), {cpu_of(meta)}", file=out)
+    print(f"# torch {meta['torch']}, mpi4py {meta['mpi4py']}, {meta['mpi_library']}", file=out)
     if meta.get("kernel_isa"):
         extra = f", deepspeed {meta['deepspeed']}" if meta.get("deepspeed") else ""
         print(f"# engine kernels: {meta['kernel_isa']}{extra}", file=out)
-    print("# times: mean per call on each rank, averaged over ranks; median of "
-          f"{meta['rounds']} interleaved rounds", file=out)
+    print(f"# times: {timing(meta)} (pingpong: per round trip; its unpaired rank's idling not counted); median "
+          f"of {meta['rounds']} interleaved rounds, their order rotating", file=out)
+    print("# sizes in bytes (KiB, MiB: 1024, 1024^2); algbw, busbw in GB/s, 1 GB = 1e9 bytes", file=out)
     for coll in COLLECTIVES:
-        for backend in dict.fromkeys(r["backend"] for r in rows):
+        for backend in dict.fromkeys(meta["backends"] + [r["backend"] for r in rows]):  # (one refused throughout too)
             table = backend_table(rows, backend, coll, meta)
             if table:
                 print(table + "\n", file=out)

@@ -1,7 +1,8 @@
-"""The sweep: for each size, rounds of every backend interleaved (machine noise hits all alike), each
-timed as nccl-tests does (mean time per iteration on each rank, averaged over ranks); the median over
-rounds is reported. Every rank runs the same iteration counts (agreed through a Gloo control group, so
-the sweep runs under mpirun and under torchrun alike)."""
+"""The sweep: for each size, rounds of every backend interleaved (machine noise hits all alike; the order
+rotates each round, so no backend always goes first), each timed as the slowest rank's mean time per
+iteration (a collective is done when its last rank is); the median over rounds is reported. Every rank
+runs the same iteration counts (agreed through a Gloo control group, so the sweep runs under mpirun and
+under torchrun alike)."""
 
 import os
 import platform
@@ -52,14 +53,42 @@ def agreed(value, op="sum"):
     return t.item()
 
 
+class Refused(Exception):
+    """A backend refused a case when it ran (on any rank): the reason, as the refusing rank gave it."""
+
+
+def why(exc):
+    """An exception in one line: its type and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def measure(case, iters, warmup, budget, sync=None):
-    """Mean seconds per call, averaged over ranks; iterations capped so one measurement takes about
-    `budget` seconds (the cap is agreed across ranks)."""
-    timed(case.run, max(1, warmup), sync)
-    estimate = agreed(timed(case.run, 1, sync), "max")
+    """The slowest rank's mean seconds per call (an idle rank, pingpong's unpaired one, has no say);
+    iterations capped so one measurement takes about `budget` seconds (the cap is agreed across ranks).
+    Raises Refused on every rank when the warm-up raised on any (a backend refusing the call): the ranks
+    agree on it through the estimate (inf), so none goes on to wait in a call the others gave up."""
+    error = None
+    try:
+        timed(case.run, max(1, warmup), sync)
+        one = timed(case.run, 1, sync)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        error, one = exc, float("inf")
+    estimate = agreed(one, "max")
+    if estimate == float("inf"):
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, None if error is None else why(error), group=control())
+        rank, reason = next((r, x) for r, x in enumerate(reasons) if x is not None)
+        raise Refused(f"{reason} (rank {rank})")
     n = max(3, min(iters, int(budget / max(estimate, 1e-9))))
     dist.barrier()  # the engine's own barrier: the ranks start within microseconds (Gloo's leaves ~1 ms of skew)
-    return agreed(timed(case.run, n, sync)) / dist.get_world_size()
+    mine = timed(case.run, n, sync)
+    return agreed(float("-inf") if case.idle else mine, "max")
+
+
+def rotated(keys, r):
+    """keys begun r places on: round r's order, so that no backend always runs first (or after the same one)."""
+    return keys[r % len(keys):] + keys[:r % len(keys)] if keys else []
 
 
 def metadata(args, world_size):
@@ -80,6 +109,7 @@ def metadata(args, world_size):
         "numpy": __import__("numpy").__version__, "engine": getattr(engine, "__version__", "?"),
         "mpi_library": mpi_library, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "timing": "the slowest rank's mean per call",   # (earlier runs: each rank's, averaged over ranks)
         "dtype": args.dtype, "op": args.op, "root": args.root, "rounds": args.rounds, "algorithm": args.algo,
         "backends": args.backends,
         "oversubscribed": world_size > (os.cpu_count() or 1),
@@ -105,11 +135,12 @@ def sweep(args, collectives):
     dist.init_process_group(backend="engine")
     rank, size = dist.get_rank(), dist.get_world_size()
     backends = make_backends(args.backends, args.algo, args.device, control())
+    forced = {b.name: getattr(b, "algorithm", None) for b in backends}   # the allreduce entry each really forces
     sync = torch.cuda.synchronize if args.device == "cuda" else None
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
-    rows = []
+    rows, not_run = [], []
     plan = [(c, s) for c in collectives for s in (sizes if c != "barrier" else [0])]
     bar = Progress(len(plan), "bench", enabled=rank == 0)
     for coll, nbytes in plan:
@@ -121,32 +152,40 @@ def sweep(args, collectives):
         problem = Problem(coll, count, dtype, args.op, max(root, 0), rank, size)
         iters, warmup = default_iters(nbytes)
         iters, warmup = args.iters or iters, args.warmup if args.warmup is not None else warmup
+        moved = bytes_moved(coll, count, itemsize, size)
+        where = {"size": moved, "count": count, "type": args.dtype, "redop": args.op if coll in REDUCING else "none",
+                 "root": root}
         cases = {}
         for b in backends:
             for mode in MODES:
                 try:
                     case = b.case(problem, mode)
-                except (RuntimeError, ValueError, TypeError):
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    # a refusal, not "no such form": kept, so the report tells the two apart
+                    not_run.append({"backend": b.name, "collective": coll, "mode": mode, **where, "reason": why(exc)})
                     case = None
                 if case is not None:
                     cases[(b.name, mode)] = case
         samples = {key: [] for key in cases}
-        for _ in range(args.rounds):
-            for key, case in cases.items():
-                samples[key].append(measure(case, iters, warmup, args.budget, sync))
-        moved = bytes_moved(coll, count, itemsize, size)
+        for r in range(args.rounds):
+            for key in rotated(list(cases), r):
+                try:
+                    samples[key].append(measure(cases[key], iters, warmup, args.budget, sync))
+                except Refused as exc:   # every rank drops it together; the rest of the sweep goes on
+                    not_run.append({"backend": key[0], "collective": coll, "mode": key[1], **where, "reason": str(exc)})
+                    del cases[key]
         for (name, mode), case in cases.items():
             # (nop moves nothing: its results are not checked)
             wrong = int(agreed(case.check())) if args.check and name != "nop" else -1
             t = statistics.median(samples[(name, mode)])
             algbw, busbw = bandwidths(coll, moved, t, size)
-            rows.append({"backend": name, "collective": coll, "mode": mode, "size": moved, "count": count,
-                         "type": args.dtype, "redop": args.op if coll in REDUCING else "none", "root": root,
-                         "time_us": t * 1e6, "algbw": algbw, "busbw": busbw, "wrong": wrong,
-                         "samples_us": [s * 1e6 for s in samples[(name, mode)]]})
+            rows.append({"backend": name, "collective": coll, "mode": mode, **where, "time_us": t * 1e6,
+                         "algbw": algbw, "busbw": busbw, "wrong": wrong,
+                         "samples_us": [s * 1e6 for s in samples[(name, mode)]],
+                         "algorithm": forced[name] if coll == "all_reduce" else None})
         bar.step(f"{coll} {nbytes}")
     bar.close()
-    meta = dict(metadata(args, size), rank=rank, **threads_used())
+    meta = dict(metadata(args, size), rank=rank, not_run=not_run, **threads_used())
     # Every group dropped here, not at interpreter exit: a Gloo worker thread that releases a tensor
     # after Python began finalizing aborts the process (std::terminate on its forced unwind).
     backends = cases = None
