@@ -8,6 +8,7 @@ one compiled core parses buffers, checks arguments and records every operation f
 """
 
 import contextlib
+import operator
 import os
 import secrets
 import weakref
@@ -69,6 +70,16 @@ _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "sendrecv")
 _CORE_CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
                "barrier") + _POINT_TO_POINT
 _ALWAYS_BOUND = _POINT_TO_POINT + ("check_usable",)
+_FREED_TOO = ("algorithm_for", "allreduce_parts", "subgroup", "check_even_split")   # refused after free() too
+
+
+def _freed(what):
+    """What a freed group's `what` is: a refusal saying why (not an AttributeError of its missing core)."""
+    def refuse(*args, **kwargs):
+        call = args[0] if what == "check_usable" and args else what   # (its argument names the call)
+        raise _core.EngineAborted(f"{call} failed: the group was destroyed (destroy_process_group or "
+                                  "Communicator.free()): create a new group")
+    return refuse
 
 
 class Communicator:
@@ -198,12 +209,23 @@ class Communicator:
         return make
 
     @classmethod
-    def from_store(cls, store, rank, size, *, prefix="engine/world", transport=None, timeout=None, name="world",
+    def from_store(cls, store, rank, size, *, prefix=None, transport=None, timeout=None, name="world",
                    ring_segment_bytes=None, on_cancel=None):
         """A group bootstrapped through a key-value store (torch's Store API) instead of MPI (which is
         never imported): shared memory inside a host, the engine's TCP transport between hosts.
-        on_cancel: where the making may be cancelled from another thread (a reconfigure's abort()),
-        on_cancel(fn) registers fn(why), which ends the waits that don't wait on the store."""
+        prefix: where its keys go in the store (default "engine/<name>": groups of other names share a
+        store; one made again under the same name on the same store needs a prefix of its own, or it
+        reads the keys the last one left). on_cancel: where the making may be cancelled from another
+        thread (a reconfigure's abort()), on_cancel(fn) registers fn(why), which ends the waits that
+        don't wait on the store."""
+        try:
+            rank, size = operator.index(rank), operator.index(size)
+        except TypeError:
+            raise TypeError(f"from_store: rank {rank!r} and size {size!r} must be integers") from None
+        if not 0 <= rank < size:
+            raise ValueError(f"from_store: rank {rank} of size {size}: size is the number of ranks (1 or more) and "
+                             "rank this process's place among them, 0 to size - 1")
+        prefix = f"engine/{name}" if prefix is None else prefix
         if transport not in (None, "auto", "shm", "tcp"):
             raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
                              "needs an MPI launch (mpirun)")
@@ -356,8 +378,8 @@ class Communicator:
         if self._core is not None:
             self._core.release()   # (leaves the group; frees it now, not at collection: a caller may hold it)
         self._core = None
-        for name in _CORE_CALLS + _ALWAYS_BOUND:
-            self.__dict__.pop(name, None)
+        for name in _CORE_CALLS + _ALWAYS_BOUND + _FREED_TOO:   # (the core's bound methods go with it)
+            setattr(self, name, _freed(name))
         if comms:
             from . import mpi
             MPI = mpi.load()

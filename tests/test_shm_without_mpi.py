@@ -413,3 +413,66 @@ def test_single_copy_insisted_on_by_a_group_of_one_or_refused_by_a_group_where_a
         comm.free()
     finally:
         mp.undo()
+
+
+def test_groups_of_other_names_on_one_store_keep_apart_and_a_wrong_rank_or_size_is_refused():
+    """Two groups made through one store under different names (here two ranks as threads of one
+    process, the second group's rank 1 a second late): each meets under its own name's keys. All used
+    "engine/world", so the second's rank 0 read the first's keys, got a group that looked whole and
+    timed out in its first call (rank 1 failed opening a segment 'whose size is not the agreed one').
+    A rank outside 0..size-1, or a size under 1, is refused at once (it waited the timeout, or gave
+    another rank)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    store = dist.HashStore()
+    groups, errors = {}, []
+
+    def make(name, rank, late=0.0):
+        try:
+            time.sleep(late)
+            comm = Communicator.from_store(store, rank, 2, transport="shm", name=name, timeout=10)
+            x = np.full(5, rank + 1.0)
+            comm.allreduce(x)
+            assert np.array_equal(x, np.full(5, 3.0)), (name, x)
+            groups[(name, rank)] = comm
+        except Exception as exc:
+            errors.append((name, rank, exc))
+
+    for name, late in (("a", 0.0), ("b", 1.0)):
+        threads = [threading.Thread(target=make, args=(name, r, late * r)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and sorted(groups) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)], errors
+    for comm in groups.values():
+        comm.free()
+    for rank, size in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=rf"from_store: rank {rank} of size {size}: size is the number of ranks"):
+            Communicator.from_store(store, rank, size, transport="shm", timeout=2)
+
+
+def test_a_freed_communicators_every_call_raises_engine_aborted_saying_so():
+    """After free() every call raises EngineAborted naming the destroy, as docs/errors.md says (it
+    raised AttributeError on its missing core), and check_usable() refuses (it said usable)."""
+    import torch.distributed as dist
+
+    from engine import Communicator, EngineAborted
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    comm.free()
+    comm.free()   # (twice: nothing more to free)
+    calls = {"allreduce": (np.ones(3),), "broadcast": (np.ones(3),), "barrier": (), "send": (np.ones(3), 0),
+             "irecv": (np.ones(3), 0), "algorithm_for": (64,), "allreduce_parts": ([np.ones(3)],),
+             "subgroup": ([0],), "check_usable": ("allgather",)}
+    for name, args in calls.items():
+        shown = "allgather" if name == "check_usable" else name
+        with pytest.raises(EngineAborted, match=rf"^{shown} failed: the group was destroyed \(destroy_process_group or "
+                                                 r"Communicator\.free\(\)\): create a new group$"):
+            getattr(comm, name)(*args)
+    comm.abort()   # (a no-op on a freed group)
