@@ -57,6 +57,16 @@ def finite_seconds(seconds):
     return min(seconds, FOREVER_SECONDS)
 
 
+def seconds_given(value, what):
+    """A duration given as an argument, in seconds (inf: never): a number >= 0, not NaN, as env_duration's."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{what} must be a number of seconds >= 0 (inf: never), got {value!r}")
+    seconds = float(value)
+    if not seconds >= 0:
+        raise ValueError(f"{what} must be a number of seconds >= 0 (inf: never), got {value!r}")
+    return seconds
+
+
 def env_duration(name, default, unit="seconds", maximum=math.inf):
     """A duration (inf: never, where maximum allows it); a negative value or NaN would turn a timeout
     into a wait that never ends, so they are refused here, naming the variable."""

@@ -28,7 +28,7 @@ import weakref
 from . import failure, forks
 from ._core import (BROKEN_AFTER, EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout,
                     describe_call)
-from .config import env_int, env_duration
+from .config import env_duration, env_int, seconds_given
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
@@ -172,7 +172,7 @@ class Watch:
     def call_timeout(self, seconds):
         """The collectives run inside wait `seconds`, not the group's timeout (c10d's per-call
         options.timeout: dist.barrier(timeout=...)); point-to-point waits keep the group's."""
-        self.call_limit = seconds
+        self.call_limit = seconds = seconds_given(seconds, "a call's timeout")
         self.note_after, self.interval = (min(mine, call) for mine, call in zip(Watch._pace(self.timeout),
                                                                                 Watch._pace(seconds)))
         self.core.set_watch(self, self.interval, p2p=self)
@@ -195,8 +195,12 @@ class Watch:
 
     @staticmethod
     def timeout_of(timeout):
-        """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default."""
-        return timeout if timeout is not None else env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+        """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default. A
+        negative one or NaN is refused, as ENGINE_TIMEOUT's (NaN never timed out; a negative one timed
+        out at once)."""
+        if timeout is None:
+            return env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+        return seconds_given(timeout, "timeout")
 
     @property
     def broken(self):

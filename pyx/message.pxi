@@ -99,7 +99,7 @@ cdef Message as_message(object obj, bint writable, str role):
         flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
         try:
             PyObject_GetBuffer(obj, &m.view, flags)
-        except BufferError as exc:
+        except (BufferError, ValueError) as exc:   # (numpy raises ValueError: "... is read-only")
             if writable and PyObject_GetBuffer(obj, &m.view, PyBUF_FORMAT | PyBUF_STRIDES) == 0:
                 ro = "read-only" if m.view.readonly else "not C-contiguous"
                 PyBuffer_Release(&m.view)

@@ -476,3 +476,32 @@ def test_a_freed_communicators_every_call_raises_engine_aborted_saying_so():
                                                  r"Communicator\.free\(\)\): create a new group$"):
             getattr(comm, name)(*args)
     comm.abort()   # (a no-op on a freed group)
+
+
+def test_a_timeout_argument_that_is_negative_nan_or_not_a_number_is_refused_and_numpy_outputs_named():
+    """A group's timeout, set_timeout's and a call's (call_timeout) are refused where negative or NaN,
+    as ENGINE_TIMEOUT is (NaN never timed out: a receive nobody sends to waited for ever; -1 timed out
+    at once), or not a number (a TypeError from deep inside). A read-only or non-C-contiguous numpy
+    output is named with the fix, as other buffers are (numpy's own ValueError came out bare)."""
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    for bad, kind in ((float("nan"), ValueError), (-1, ValueError), ("abc", TypeError)):
+        with pytest.raises(kind, match=r"timeout must be a number of seconds >= 0 \(inf: never\), got"):
+            Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", timeout=bad)
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", timeout=float("inf"))
+    try:
+        with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0"):
+            comm.set_timeout(float("nan"))
+        with pytest.raises(ValueError, match=r"a call's timeout must be a number of seconds >= 0"):
+            with comm.call_timeout(-2):
+                pass
+        readonly = np.zeros(4, np.float32)
+        readonly.flags.writeable = False
+        with pytest.raises(ValueError, match=r"is read-only; the engine writes into it, so pass a writable"):
+            comm.allreduce(np.ones(4, np.float32), readonly)
+        with pytest.raises(ValueError, match=r"is not C-contiguous; the engine writes into it"):
+            comm.allreduce(np.ones(4, np.float32), np.zeros(8, np.float32)[::2])
+    finally:
+        comm.free()
