@@ -443,7 +443,13 @@ class Communicator:
         return self._core.algorithm_for(nbytes, collective, dtype)
 
     def allreduce_parts(self, parts, op=ReduceOp.SUM, wire=None, before=1.0, after=1.0):
-        """Fused allreduce of same-dtype parts, packed straight into the shared segment (shm only)."""
+        """Fused allreduce of same-dtype parts, packed straight into the shared segment (shm only).
+        Parts that share memory (one tensor twice, overlapping views) are refused: each part's result
+        is written as its pack goes, so a later part would read an earlier one's result (engine.fusion
+        runs such a list on copies). What engine._core.parse_parts made is taken as its maker checked it."""
+        if isinstance(parts, (list, tuple)) and _core.parts_overlap(parts):
+            raise ValueError("allreduce_parts: two parts share memory (the same buffer twice, or overlapping views); "
+                             "pass distinct buffers (engine.fusion.FusedAllreduce takes such a list, on copies)")
         return self._core.allreduce_parts(parts, op, wire, before, after)
 
     @property

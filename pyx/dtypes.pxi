@@ -122,8 +122,12 @@ cdef Reduction resolve_op(object op, int dtype):
         return resolve_op(code, dtype)
     if not hasattr(op, "_address"):
         raise TypeError(f"op must be an engine.ReduceOp, its name, or a user op made with engine.reduction; got {op!r}")
+    address = op._address(DTYPE_NAMES[dtype])
+    if not isinstance(address, int) or address <= 0:   # (it is called as a C function: never a NULL one)
+        raise TypeError(f"op {op!r}: _address() gave {address!r}, not a function's address; make user ops with "
+                        "engine.reduction")
     red = Reduction.__new__(Reduction)
-    red.c.fn = <eng_reduce_fn><void*><size_t>op._address(DTYPE_NAMES[dtype])
+    red.c.fn = <eng_reduce_fn><void*><size_t>address
     red.c.code = -1
     red.c.dtype = dtype
     red.keep = op

@@ -78,8 +78,8 @@ cdef Message as_message(object obj, bint writable, str role):
     if _is_torch_tensor(obj):
         if not obj.is_cpu:
             raise ValueError(
-                f"{role} is a {obj.device} tensor: the MPI path moves CPU tensors only; "
-                "move it with .cpu() (CUDA tensors go through the NCCL path)")
+                f"{role} is a {obj.device} tensor: an engine.Communicator moves CPU tensors only; move it "
+                "with .cpu() (torch.distributed's backend 'engine' takes CUDA tensors, through NCCL)")
         code = _TORCH_DTYPES.get(obj.dtype, -1)
         if code < 0:
             raise TypeError(f"{role} has dtype {obj.dtype}, which the engine does not support; "
@@ -123,8 +123,8 @@ cdef Message as_message(object obj, bint writable, str role):
         m.managed = mt
         t = &mt.dl_tensor
         if t.device.device_type != kDLCPU and t.device.device_type != kDLCUDAHost:
-            raise ValueError(f"{role} lives on DLPack device type {t.device.device_type}; "
-                             "the MPI path moves host memory only")
+            raise ValueError(f"{role} lives on DLPack device type {t.device.device_type}; an engine.Communicator "
+                             "moves host memory only")
         code = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits), -1) if t.dtype.lanes == 1 else -1
         if t.dtype.code == kDLFloat4_e2m1fn and t.dtype.bits == 4 and t.dtype.lanes == 2:
             code = ENG_FLOAT4_E2M1FN_X2   # (two 4-bit values a byte: torch's float4_e2m1fn_x2)

@@ -73,6 +73,10 @@ cdef class Request:
     def _result(self):
         if not self.is_recv:
             return None
+        if self.st.nbytes % self.msg.itemsize:   # (a message carries no type, as MPI's: this much shows a wrong one)
+            raise ValueError(f"{self.what} from rank {self.st.source}: {self.st.nbytes} bytes arrived, not a whole "
+                             f"number of the receive buffer's {self.msg.itemsize}-byte elements: the sender sent "
+                             "another dtype; send and receive the same dtype")
         return (self.st.source, self.st.tag, self.st.nbytes // self.msg.itemsize)
 
 

@@ -352,6 +352,8 @@ cdef class ShmComm(CoreComm):
         cdef int i
         if pl.n == 0 or pl.total == 0:
             return parts
+        if wire is not None and wire not in DTYPE_CODES:
+            raise ValueError(f"allreduce_parts: wire {wire!r} is not a dtype name: one of {', '.join(DTYPE_NAMES)}")
         mv.wdt = pl.dtype if wire is None else DTYPE_CODES[wire]
         if not eng_convertible(mv.wdt, pl.dtype, before) or not eng_convertible(pl.dtype, mv.wdt, after):
             raise TypeError(f"cannot carry {DTYPE_NAMES[pl.dtype]} parts as {DTYPE_NAMES[mv.wdt]}"

@@ -505,3 +505,71 @@ def test_a_timeout_argument_that_is_negative_nan_or_not_a_number_is_refused_and_
             comm.allreduce(np.ones(4, np.float32), np.zeros(8, np.float32)[::2])
     finally:
         comm.free()
+
+
+def test_allreduce_parts_refuses_parts_that_share_memory_and_a_wire_that_is_no_dtype():
+    """Communicator.allreduce_parts writes each part's result as its pack goes: two parts on one
+    buffer (the same array twice, overlapping views) gave wrong sums (4 where 2 ranks of ones sum to 2),
+    so they are refused, naming the fix; a wire that names no dtype raised a bare KeyError."""
+    import torch
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm")
+    try:
+        x = torch.ones(1000)
+        for parts in ([x, x], [x[:600], x[400:]]):
+            with pytest.raises(ValueError, match=r"allreduce_parts: two parts share memory"):
+                comm.allreduce_parts(parts)
+        comm.allreduce_parts([x[:500], x[500:]])
+        assert torch.equal(x, torch.ones(1000))
+        with pytest.raises(ValueError, match=r"allreduce_parts: wire 'fp16' is not a dtype name: one of .*float16"):
+            comm.allreduce_parts([x], wire="fp16")
+    finally:
+        comm.free()
+
+
+def test_a_message_that_is_no_whole_number_of_the_receive_buffers_elements_is_refused():
+    """A message carries no dtype (as MPI's): 6 bytes received into float32 elements returned a count
+    of 1 with the buffer half overwritten; it raises, naming the fix. Whole elements of another dtype
+    can't be told apart from the right one (as in MPI)."""
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm")
+    try:
+        sent = comm.isend(np.arange(6, dtype=np.uint8), 0, tag=3)
+        with pytest.raises(ValueError, match=r"recv from rank 0: 6 bytes arrived, not a whole number of the receive "
+                                             r"buffer's 4-byte elements: the sender sent another dtype"):
+            comm.recv(np.zeros(2, np.float32), 0, tag=3)
+        sent.wait()
+        comm.isend(np.arange(8, dtype=np.uint8), 0, tag=4)
+        assert comm.recv(np.zeros(2, np.float32), 0, tag=4) == (0, 4, 2)
+    finally:
+        comm.free()
+
+
+def test_a_user_op_whose_address_is_no_function_is_refused():
+    """A reduce op is any object with _address(dtype) (engine.reduction makes them): one that gives 0 or
+    not an integer is refused, where its address was called as a C function."""
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    class NoFunction:
+        def __init__(self, address):
+            self.address = address
+
+        def _address(self, dtype):
+            return self.address
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm")
+    try:
+        for address in (0, -8, "0x1000", None):
+            with pytest.raises(TypeError, match=r"_address\(\) gave .*, not a function's address; make user ops with "
+                                                r"engine\.reduction"):
+                comm.allreduce(np.ones(3, np.float32), op=NoFunction(address))
+    finally:
+        comm.free()
