@@ -102,8 +102,10 @@ cdef class ShmComm(CoreComm):
         if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
             return CoreComm.error(self, ierr, what, tp)
         if ierr == ENG_ERR_MISMATCH:   # the segment holds both signatures: name what each rank called
-            kind, text = EngineMismatch, (f"collective mismatch in this group: rank {self.rank}: "
-                                          f"{_describe_sig(self.seg.my_sig)}; rank {q}: {_describe_sig(self.seg.err_sig)}")
+            pieces = self.seg.err_pieces   # (and, where a piece's size differs, both sizes)
+            mine = _describe_sig(self.seg.my_sig, f"expects {self.seg.my_sig[4]} elements from rank {q}" if pieces else None)
+            theirs = _describe_sig(self.seg.err_sig, f"sends {self.seg.err_sig[4]} elements to rank {self.rank}" if pieces else None)
+            kind, text = EngineMismatch, f"collective mismatch in this group: rank {self.rank}: {mine}; rank {q}: {theirs}"
         elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
             awaited = self.seg.err_awaited
             kind, text = EnginePeerLost, (
@@ -208,11 +210,14 @@ cdef class ShmComm(CoreComm):
         self.seg.post(phase)
         return self.seg.wait_all(self.seg.step, phase, ctx, phase == PHASE_POSTED)
 
-    cdef inline int mismatch(self, int q, uint64_t stated) noexcept nogil:
-        """Rank q's table states a piece of another size than this rank expects: the call differs."""
+    cdef inline int mismatch(self, int q, uint64_t stated, uint64_t expected) noexcept nogil:
+        """Rank q's table states a piece of another size than this rank expects: the call differs. (The
+        signatures' last word, aux, carries the two sizes for the error's text.)"""
         self.seg.err_peer = q
         memcpy(self.seg.err_sig, self.seg.sig(q, self.seg.step), sizeof(self.seg.err_sig))
         self.seg.err_sig[4] = stated
+        self.seg.my_sig[4] = expected
+        self.seg.err_pieces = True
         return ENG_ERR_MISMATCH
 
     # -- reductions: allreduce, reduce, the fused allreduce --
@@ -460,7 +465,7 @@ cdef class ShmComm(CoreComm):
                     got = self.seg.table(q, self.seg.step)[r]
                     if got != m:
                         self.seg.post(PHASE_FINISHED)
-                        return self.mismatch(q, got)
+                        return self.mismatch(q, got, m)
                 if m and rcopy[q]:
                     ierr = self.seg.cma_copy(q, dst + rd[q] * isz, self.seg.table(q, self.seg.step)[P + r], m * isz, False)
                 elif m:
@@ -658,14 +663,14 @@ cdef class ShmComm(CoreComm):
         return self.seg.wait_all(step, PHASE_FINISHED, ctx, False)   # the others read this rank's input
 
 
-cdef str _describe_sig(const uint64_t *s):
+cdef str _describe_sig(const uint64_t *s, str pieces=None):
+    """A step's signature in words; pieces: what the rank's table said of a piece's size, where it differed."""
     name, dtype, red, root = call_word_parts(s[0])
     text = f"{name} #{s[3]}"
     if s[1]:
         text += f" with {s[1]} {dtype or ''} elements"
     elif dtype is not None:
-        text += f" of {dtype} ({s[4]} elements from this rank)" if name in ("gather", "scatter", "alltoall") \
-            else f" of {dtype}"
+        text += f" of {dtype}" + (f" ({pieces})" if pieces else "")
     if root >= 0:
         text += f" root {root}"
     if red is not None:

@@ -542,6 +542,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef uint64_t my_sig[SIGW]
     cdef uint64_t err_sig[SIGW]
     cdef int err_peer
+    cdef bint err_pieces            # the mismatch an error names is of a piece's size (aux: the two sizes)
     cdef bint err_peer_passed       # the peer an error names had reached the flag waited for (its part done)
     cdef int err_awaited            # with it: another peer the failed wait still waited for, or -1
     cdef uint64_t awaited_target    # the flag wait in progress: its target (0: none), and its one peer or -1

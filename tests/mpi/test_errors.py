@@ -459,3 +459,27 @@ def test_a_collective_from_a_second_thread_while_one_runs_is_refused():
     np.testing.assert_array_equal(x, np.full(1000, P * (P + 1) / 2, np.float32))
     sub.free()
     check_still_usable()
+
+
+def test_a_gather_whose_root_expects_another_piece_size_names_both_sizes():
+    """The root's counts say rank 1 sends 3 elements; rank 1 sends 2 (over shared memory, where each
+    rank's table states its piece): the root's EngineMismatch names both, 'expects 3 elements from rank
+    1' and 'sends 2 elements to rank 0' (it printed the step's aux word as this rank's elements)."""
+    if P < 2:
+        pytest.skip("a mismatch needs two ranks")
+    sub = forced_subgroup(WORLD, range(P), "shm")
+    counts = [2] * P
+    counts[1] = 3
+    if R == 0:
+        with pytest.raises(engine.EngineMismatch, match=r"rank 0: gather #\d+ of float32 \(expects 3 elements from rank "
+                                                       r"1\) root 0; rank 1: gather #\d+ of float32 \(sends 2 elements "
+                                                       r"to rank 0\) root 0$"):
+            sub.gather(np.zeros(2, np.float32), np.zeros(sum(counts), np.float32), root=0, counts=counts)
+    else:
+        try:
+            sub.gather(np.zeros(2, np.float32), root=0)
+        except engine.EngineError:   # (a rank the root's failure reaches first)
+            pass
+    WORLD.barrier()
+    sub.free()
+    failure.recovered()
