@@ -8,15 +8,14 @@ the family follows MASTER_ADDR's. A rank left with a loopback address in a group
 listens again where the others reach it (make_core).
 """
 
-import atexit
 import ipaddress
 import os
 import socket
-import weakref
 
 from . import _core
 from .bootstrap import gather
 from .config import env_choice, env_int
+from .transports import leaves_at_exit
 
 CONNECT_MODES = ("mesh", "lazy")
 # One stream per peer until a measurement across hosts shows more paying (`python -m bench` with
@@ -25,20 +24,6 @@ CONNECT_MODES = ("mesh", "lazy")
 DEFAULT_STREAMS = 1
 DEFAULT_STREAM_MIN = 1 << 20
 DEFAULT_EAGER = 64 << 10
-
-# Every live transport, told to leave in order when the process ends normally (an unhandled exception
-# included): a rank that finished while others still finish collectives that no longer involve it must
-# not look like a crash to them. SIGKILL or os._exit skip this, and the peers see a crash.
-_live = weakref.WeakSet()
-
-
-def _leave_at_exit():
-    for transport in list(_live):
-        transport.goodbye()
-
-
-# (a forked child keeps it: its copies of the parent's channels are inert, its own say goodbye)
-atexit.register(_leave_at_exit)
 
 
 def _family(address):
@@ -283,8 +268,8 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
             _core.close_fd(fd)
         transports.clear()   # (the made ones close their sockets as they go)
         raise
-    _live.update(transports)
     core = _core.TcpComm(transports[0], transports[1], seg_bytes)
+    leaves_at_exit(core)   # (its goodbye on both channels when the process ends normally)
     if cfg["connect"] == "mesh" and boot.size > 1:
         if boot.on_cancel is not None:   # (a reconfigure's abort() ends the connecting too)
             boot.on_cancel(transports[0].abort_connect)

@@ -89,15 +89,20 @@ class _Transport:
         """The plan's settings the transport itself reads, beyond the rules the core takes: none by default."""
 
 
-# Every live shared-memory core, told to leave its group when the process ends normally (an unhandled
-# exception included), as TCP's goodbye (engine/tcp.py): a rank that did its part and ended, while its
-# peers still finish that collective, must not look like a crash to them. SIGKILL or os._exit skip this,
-# and the peers see a crash. Only the process that made a core leaves with it (not a fork's copy).
-_live_shm = weakref.WeakKeyDictionary()
+# Every live core whose peers tell a departure from a crash (shared memory's segment word, TCP's goodbye),
+# told to leave its group when the process ends normally (an unhandled exception included): a rank that
+# did its part and ended, while its peers still finish that collective, must not look like a crash to
+# them. SIGKILL or os._exit skip this, and the peers see a crash. Only the process that made a core
+# leaves through it (a fork's copy is the parent's: TCP's are inert there, shared memory's are not).
+_leaving = weakref.WeakKeyDictionary()   # core: the pid of the process that made it
+
+
+def leaves_at_exit(core):
+    _leaving[core] = os.getpid()
 
 
 def _leave_at_exit():
-    for core, pid in list(_live_shm.items()):
+    for core, pid in list(_leaving.items()):
         if pid == os.getpid():
             core.leave()
 
@@ -117,7 +122,7 @@ class Shm(_Transport):
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         seg = make_segment(boot, everyone, cfg)
         core = _core.ShmComm(seg, seg_bytes, cfg["chunk"])
-        _live_shm[core] = os.getpid()
+        leaves_at_exit(core)
         core.pull_piece = cfg["pull_piece"]
         count, has = threads(everyone, boot.rank, cfg["threads"])
         core.set_threads(count)

@@ -67,7 +67,6 @@ cdef class ShmComm(CoreComm):
     cdef bint team_started
     cdef public int threads         # threads IMPL_THREADED splits a blocking call's kernels over (1: none)
     cdef public size_t thread_slice # bytes: the least slice a thread takes (engine.registry's parameter)
-    cdef object __weakref__         # engine/transports.py leaves through live ones at exit
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg

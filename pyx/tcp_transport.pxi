@@ -90,7 +90,6 @@ cdef class TcpTransport(Transport):
     cdef eng_tcp *t
     cdef Doorbell bell              # its waits doze in poll() until a request completes (t.gen moves)
     cdef readonly list peers        # (address, port, host name) of every rank
-    cdef object __weakref__         # engine/tcp.py says goodbye through live ones at exit
     cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
     cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
     cdef bint broken                # its group failed or was aborted here: the goodbye says so
@@ -139,7 +138,7 @@ cdef class TcpTransport(Transport):
         """Leaves the group in order: every peer is told (so only what still involves this rank fails
         there, or, where the group broke here, every collective: group_broke()), every connection
         closed; what was under way here fails. The group's end, and the process's normal exit
-        (engine/tcp.py), call it; freeing the transport does too."""
+        (through the group's core, TcpComm.leave: engine/transports.py), call it; freeing the transport does too."""
         cdef eng_tcp *t = self.t
         cdef int broken = self.broken
         if t == NULL:

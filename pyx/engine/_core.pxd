@@ -355,6 +355,7 @@ cdef class Hierarchy
 
 
 cdef class CoreComm:
+    cdef object __weakref__     # engine/transports.py leaves through the live ones at exit
     cdef readonly int rank, size
     cdef readonly str transport
     cdef Transport algo_tp      # the engine's algorithms' point-to-point
