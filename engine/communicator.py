@@ -478,7 +478,7 @@ class Communicator:
                    self._core.seq + 1, -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
         if counts is not None and len(counts):
-            sig[7] = zlib.crc32(np.asarray(counts, np.int64).tobytes())
+            sig[7] = zlib.crc32(np.asarray(_core.whole_counts(counts, f"{op} counts"), np.int64).tobytes())
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)

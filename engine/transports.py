@@ -30,8 +30,8 @@ Opened = namedtuple("Opened", "core caps mpi_comms agreed")
 def forced_threads():
     """ENGINE_THREADS: the threads a rank's large blocking reductions split over (0: automatic)."""
     forced = env_int("ENGINE_THREADS", 0)
-    if forced < 0:
-        raise ValueError(f"ENGINE_THREADS={forced}: expected a number of threads, 1 or more (0 or unset: automatic)")
+    if forced:
+        _core.check_threads(forced, "ENGINE_THREADS", " (0 or unset: automatic)")
     return forced
 
 

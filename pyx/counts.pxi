@@ -3,11 +3,24 @@
 # its call's tables here; the CUDA communicator
 # (engine/cuda/communicator.py) reads the same tables through count_table and alltoall_table.
 
+from cpython.number cimport PyNumber_Index
 from schedule cimport even_counts
 
 # The most elements counts may add up to: their bytes, at any element size up to 16, fit a size_t (a
 # sum that wrapped around would pass the checks against a buffer's size, and place parts outside it).
 cdef size_t MAX_ELEMENTS = (<size_t>-1) >> 4
+
+
+cdef object _whole(object c, str role, Py_ssize_t i):
+    try:
+        return PyNumber_Index(c)    # (a float would be truncated: 2.5 elements moved as 2)
+    except TypeError:
+        raise TypeError(f"{role}[{i}] is {c!r}, not a whole number of elements; pass ints") from None
+
+
+def whole_counts(counts, str role):
+    """counts as ints, or the TypeError fill_counts raises (debug mode's signature reads them first)."""
+    return [_whole(c, role, i) for i, c in enumerate(counts)]
 
 
 cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, str role) except? 0:
@@ -17,7 +30,7 @@ cdef size_t fill_counts(int size, object counts, size_t *out, size_t *displs, st
     if len(counts) != size:
         raise ValueError(f"{role} has {len(counts)} entries; it needs one per rank ({size})")
     for i in range(size):
-        c = counts[i]
+        c = _whole(counts[i], role, i)
         if c < 0:
             raise ValueError(f"{role}[{i}] is negative ({c})")
         if c > MAX_ELEMENTS - total:

@@ -107,6 +107,9 @@ cdef Reduction resolve_op(object op, int dtype):
     cdef int code
     cdef Reduction red
     if isinstance(op, int):
+        if type(op) is bool:    # (True is int 1, PRODUCT: a flag passed for op, as engine.ops.op_code refuses it)
+            raise TypeError(f"op must be an engine.ReduceOp, its name, or a user op made with engine.reduction; "
+                            f"got {op!r}")
         code = op
         if code < 0 or code > OP_AVG:
             raise ValueError(f"unknown reduce op code {op}; expected one of {OP_NAMES}")

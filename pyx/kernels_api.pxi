@@ -5,12 +5,21 @@ cdef int _kernel_threads = 1
 _kernel_team_lock = threading.Lock()
 
 
+MAX_THREADS = ENG_TEAM_MAX_THREADS
+
+
+def check_threads(threads, str what="threads", str also=""):
+    """The one check of a thread count (the caller's thread included): 1 to MAX_THREADS."""
+    if not 1 <= threads <= ENG_TEAM_MAX_THREADS:
+        raise ValueError(f"{what}={threads}: expected a number of threads from 1 to {ENG_TEAM_MAX_THREADS}, "
+                         f"this rank's thread included{also}")
+
+
 cdef eng_team *_team_of(int threads) except? NULL:
     """The kernel calls' team of `threads` (NULL: one thread); the caller holds _kernel_team_lock."""
     global _kernel_threads
     cdef int rc
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
+    check_threads(threads)
     if threads == 1:
         return NULL
     if threads != _kernel_threads:

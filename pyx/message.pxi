@@ -85,6 +85,9 @@ cdef Message as_message(object obj, bint writable, str role):
             raise TypeError(f"{role} has dtype {obj.dtype}, which the engine does not support; "
                             f"supported: {', '.join(DTYPE_NAMES)}")
         if not obj.is_contiguous():
+            if str(obj.layout) != "torch.strided":   # (its .contiguous() is no dense buffer either)
+                raise TypeError(f"{role} is a {obj.layout} tensor: the engine moves dense tensors; pass "
+                                "tensor.to_dense() (dist.all_reduce on backend 'engine' sums sparse COO tensors)")
             raise NotContiguousError(f"{role} is not contiguous; pass tensor.contiguous() "
                              "(and copy the result back if it is an output)")
         if obj.is_neg() or (code == ENG_COMPLEX64 or code == ENG_COMPLEX128) and obj.is_conj():

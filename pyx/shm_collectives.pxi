@@ -162,8 +162,7 @@ cdef class ShmComm(CoreComm):
         """Threads (the caller's included) that IMPL_THREADED splits a blocking call's copies and
         reductions over; its helpers start at its first call. Asynchronous calls (the progress thread)
         keep one thread: their caller's cores run the computation they overlap."""
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+        check_threads(threads)
         if threads != self.threads:
             self.stop_team()
         self.threads = threads

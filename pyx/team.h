@@ -19,6 +19,7 @@
 #include "kernels.h"
 
 #define ENG_TEAM_SLICE_MIN 16384 /* bytes: a thread's least slice by default; smaller jobs use fewer threads */
+#define ENG_TEAM_MAX_THREADS 1024 /* a team's most threads, the caller's included (more is a typo, not a CPU) */
 
 enum { ENG_JOB_REDUCE = 1, ENG_JOB_COPY = 2 };
 
@@ -130,6 +131,7 @@ static void eng_team_stop(eng_team *t) {
 static int eng_team_start(eng_team *t, int n, int maxsrc, double spin) {
   int rc = 0;
   memset(t, 0, sizeof(*t));
+  if (n < 1 || n > ENG_TEAM_MAX_THREADS) return EINVAL;
   t->n = 1;
   t->maxsrc = maxsrc;
   t->slice_min = ENG_TEAM_SLICE_MIN;

@@ -3,6 +3,7 @@
 from kernels cimport eng_reduce_fn
 
 cdef extern from "team.h" nogil:
+    enum: ENG_TEAM_MAX_THREADS
     ctypedef struct eng_team:
         int n
         size_t slice_min

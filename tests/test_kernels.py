@@ -105,8 +105,12 @@ def test_threaded_kernels_give_the_one_thread_bits(threads):
         src = torch.randint(0, 255, (n,), dtype=torch.uint8)
         engine.kernels.copy_into(dst, src, threads=threads)
         assert torch.equal(dst, src), n
-    with pytest.raises(ValueError, match="threads must be at least 1"):
-        engine.kernels.reduce_into(a, a, b, "sum", threads=0)
+    for bad in (0, -3, engine._core.MAX_THREADS + 1, 10**6):
+        # (a million started a million spinning threads: the call did not end in 20 s)
+        with pytest.raises(ValueError, match=f"threads={bad}: expected a number of threads from 1 to"):
+            engine.kernels.reduce_into(a, a, b, "sum", threads=bad)
+        with pytest.raises(ValueError, match=f"threads={bad}: expected"):
+            engine.kernels.copy_into(dst, src, threads=bad)
 
 
 def test_min_max_propagate_nan_like_torch():

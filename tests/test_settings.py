@@ -149,6 +149,14 @@ def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value)
         engine.Communicator.from_store(None, 0, 1)
 
 
+@pytest.mark.parametrize("value", ["-1", "100000"])
+def test_a_group_refuses_a_thread_count_out_of_range(monkeypatch, value):
+    """(100000 started as many spinning helpers at the first large call, and it did not end)"""
+    monkeypatch.setenv("ENGINE_THREADS", value)
+    with pytest.raises(ValueError, match=f"ENGINE_THREADS={value}: expected a number of threads from 1 to"):
+        engine.Communicator.from_store(None, 0, 1)
+
+
 def test_the_abort_grace_is_checked_before_mpi_starts_not_at_exit(monkeypatch):
     """At exit the error would skip the abort, and the job would wait for this rank in MPI_Finalize
     (time.sleep(inf) raises too); tests/test_faults.py sees a valid grace used."""

@@ -573,3 +573,34 @@ def test_a_user_op_whose_address_is_no_function_is_refused():
                 comm.allreduce(np.ones(3, np.float32), op=NoFunction(address))
     finally:
         comm.free()
+
+
+def test_counts_that_are_no_whole_numbers_an_op_given_as_a_flag_and_a_sparse_tensor_are_refused_with_the_fix(
+        monkeypatch):
+    """counts=[2.5] moved 2 elements and then blamed the buffer ('counts[0] is 2'); a string raised a
+    bare comparison error. op=True ran PRODUCT (bool is int 1) where debug mode refused it. A sparse
+    tensor was told to pass tensor.contiguous(), which gives a sparse tensor again."""
+    import torch
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    for debug in ("0", "1"):
+        monkeypatch.setenv("ENGINE_DEBUG", debug)
+        comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm")
+        try:
+            send, out = np.ones(3, np.float32), np.zeros(3, np.float32)
+            for counts in ([2.5], ["3"], [None]):
+                with pytest.raises(TypeError, match=r"allgather counts\[0\] is .*, not a whole number of elements; "
+                                                    r"pass ints"):
+                    comm.allgather(send, out, counts=counts)
+            comm.allgather(send, out, counts=[np.int64(3)])
+            assert (out == 1).all()
+            for flag in (True, False):
+                with pytest.raises(TypeError, match=r"op must be an engine.ReduceOp, its name, or a user op"):
+                    comm.allreduce(np.full(3, 2, np.float32), op=flag)
+            with pytest.raises(TypeError, match=r"is a torch.sparse_coo tensor: the engine moves dense tensors; pass "
+                                                r"tensor.to_dense\(\)"):
+                comm.allreduce(torch.ones(3).to_sparse())
+        finally:
+            comm.free()
