@@ -31,6 +31,11 @@ class NotContiguousError(ValueError):
     """A torch tensor argument is not contiguous (callers with a fallback catch exactly this)."""
 
 
+class NotDenseError(TypeError):
+    """A torch tensor argument is sparse (or of another layout that is no dense buffer): callers that
+    have a form for it (the adapter's sparse all_reduce) catch exactly this."""
+
+
 class NotDivisibleError(ValueError):
     """An even split's buffer has a count the group size doesn't divide, found before anything moved
     (callers with a fallback that names the fix in their own API's terms catch exactly this)."""

@@ -86,7 +86,7 @@ cdef Message as_message(object obj, bint writable, str role):
                             f"supported: {', '.join(DTYPE_NAMES)}")
         if not obj.is_contiguous():
             if str(obj.layout) != "torch.strided":   # (its .contiguous() is no dense buffer either)
-                raise TypeError(f"{role} is a {obj.layout} tensor: the engine moves dense tensors; pass "
+                raise NotDenseError(f"{role} is a {obj.layout} tensor: the engine moves dense tensors; pass "
                                 "tensor.to_dense() (dist.all_reduce on backend 'engine' sums sparse COO tensors)")
             raise NotContiguousError(f"{role} is not contiguous; pass tensor.contiguous() "
                              "(and copy the result back if it is an output)")

@@ -35,7 +35,7 @@ from torch._C import _distributed_c10d as _c10d
 from torch.autograd import profiler as _profiler
 
 from engine import ReduceOp
-from engine._core import NotContiguousError, NotDivisibleError
+from engine._core import NotContiguousError, NotDenseError, NotDivisibleError
 
 from torchbridge.work import _INFLIGHT, CollectiveWork, CompletedWork, PointToPointWork
 
@@ -372,7 +372,7 @@ cdef class FastPath:
         try:
             self.run(fn, a, b, c, m.nargs, m.name)
             return self._completed(outputs)
-        except (NotContiguousError, NotDivisibleError):
+        except (NotContiguousError, NotDenseError, NotDivisibleError):
             return None
 
     cdef object message(self, Method m, tensors, peer, tag):
@@ -384,7 +384,7 @@ cdef class FastPath:
             return None
         try:
             return self._p2p_work(self.calls[m.index](tensors[0], peer, tag), tensors)
-        except NotContiguousError:
+        except (NotContiguousError, NotDenseError):
             return None
 
     cdef object _completed(self, outputs):

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine._core import NotContiguousError
+from engine._core import NotContiguousError, NotDenseError
 from engine.fusion import FusedAllreduce
 from engine.ops import ReduceOp
 
@@ -115,7 +115,7 @@ class CpuDevice:
         try:  # the fusion reads every tensor before it moves any: one that is not contiguous stops it first
             self._fusion.run(tensors, op, compression=compression, prescale=prescale)
             return
-        except NotContiguousError:
+        except (NotContiguousError, NotDenseError):   # (the general form names what a sparse one may do)
             pass
         _through_contiguous(self._fusion.run, tensors, op, compression=compression, prescale=prescale)
 
