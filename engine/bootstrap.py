@@ -213,8 +213,10 @@ def gather(boot, make, what):
 class CommBootstrap:
     """allgather over a group's own communicator (an engine.Communicator, made already): for what its
     members agree on afterwards (its CUDA side's setup) among whoever they are now, store or none.
-    Two of the group's collectives a round: the pickles' lengths, then the pickles."""
+    Two of the group's collectives a round: the pickles' lengths, then the pickles. What a peer sends
+    is read as the store's values are (plain data, its length bounded), not trusted."""
     on_cancel = None
+    MAX_BYTES = 1 << 16   # (what the members agree on here is a few ids and names)
 
     def __init__(self, comm, group=None):
         self.comm, self.group, self.rank, self.size = comm, group, comm.rank, comm.size
@@ -222,13 +224,21 @@ class CommBootstrap:
     def allgather(self, obj):
         import numpy as np
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+        if mine.size > self.MAX_BYTES:
+            raise ValueError(f"engine: a value of {mine.size} bytes for the group's setup exchange; at most "
+                             f"{self.MAX_BYTES} go over it")
         lengths = np.zeros(self.size, np.int64)
         self.comm.allgather(np.array([mine.size], np.int64), lengths)
+        bad = [r for r in range(self.size) if not 0 < lengths[r] <= self.MAX_BYTES]
+        if bad:
+            raise RuntimeError(f"engine: rank {bad[0]} sent a length of {int(lengths[bad[0]])} bytes in the group's "
+                               f"setup exchange (1 to {self.MAX_BYTES} are read): a rank of another engine, or "
+                               "corrupt data, is in the group")
         rows = np.zeros((self.size, int(lengths.max())), np.uint8)
         row = np.zeros(rows.shape[1], np.uint8)
         row[:mine.size] = mine
         self.comm.allgather(row, rows.reshape(-1))
-        return [pickle.loads(rows[r, :lengths[r]].tobytes()) for r in range(self.size)]
+        return [plain_loads(rows[r, :lengths[r]].tobytes()) for r in range(self.size)]
 
 
 class SelfBootstrap:

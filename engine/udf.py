@@ -178,6 +178,24 @@ def _check_result(elem, dtype, name):
 _LOADING = threading.Lock()   # one generated module written and loaded at a time in this process
 
 
+def _own(path):
+    """Whether path is this user's and no one else may write it."""
+    st = os.stat(path)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _holds(path, source):
+    """Whether the generated file at path is this user's and holds exactly source (else it is written
+    again: a file someone else put there, or a half-written one, is never run)."""
+    try:
+        if not _own(path):
+            return False
+        with open(path) as f:
+            return f.read() == source
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _load_generated(source, modname):
     with _LOADING:
         loaded = sys.modules.get(modname)
@@ -185,9 +203,11 @@ def _load_generated(source, modname):
             return loaded   # (the same source and dtype from another op object)
         folder = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine", "udf")
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not _own(folder):   # (another user could swap the file between its check and its import)
+            raise PermissionError(f"{folder} is not this user's alone")
         path = os.path.join(folder, modname + ".py")
-        if not os.path.exists(path):  # written once: Numba's cache is stamped with the file's mtime
+        if not _holds(path, source):  # written once: Numba's cache is stamped with the file's mtime
             fd, tmp = tempfile.mkstemp(prefix=modname + ".", suffix=".tmp", dir=folder)   # (other ranks write too)
             try:
                 with os.fdopen(fd, "w") as f:

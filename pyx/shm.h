@@ -100,22 +100,25 @@ static int eng_seg_create(size_t size, int *fd_out, void **base_out) {
   return 0;
 }
 
-enum { ENG_ATTACH_OWNER = -2, ENG_ATTACH_MODE = -3, ENG_ATTACH_SIZE = -4 };
+enum { ENG_ATTACH_OWNER = -2, ENG_ATTACH_MODE = -3, ENG_ATTACH_SIZE = -4, ENG_ATTACH_KIND = -5 };
 
 /* Opens the creator's segment through /proc/<pid>/fd/<fd> (only a process of the same user may), checks
- * that it is ours, owner-only and of the agreed size, and maps it. Returns 0, an errno, or ENG_ATTACH_*. */
+ * that it is a file (a descriptor from the store may name a terminal or a pipe: opened without
+ * becoming the controlling terminal or blocking), ours, owner-only and of the agreed size, and maps
+ * it. Returns 0, an errno, or ENG_ATTACH_*. */
 static int eng_seg_attach(int pid, int fd, size_t size, void **base_out) {
   char path[64];
   struct stat st;
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
-  int f = open(path, O_RDWR | O_CLOEXEC);
+  int f = open(path, O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (f < 0) return errno;
   if (fstat(f, &st) != 0) {
     int e = errno;
     close(f);
     return e;
   }
-  int bad = st.st_uid != geteuid() ? ENG_ATTACH_OWNER
+  int bad = !S_ISREG(st.st_mode) ? ENG_ATTACH_KIND
+          : st.st_uid != geteuid() ? ENG_ATTACH_OWNER
           : (st.st_mode & 077) != 0 ? ENG_ATTACH_MODE
           : (size_t)st.st_size != size ? ENG_ATTACH_SIZE : 0;
   if (bad) {

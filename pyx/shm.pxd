@@ -19,7 +19,7 @@ cdef extern from "shm.h" nogil:
     void eng_sleep(double seconds)
     void eng_yield()
     enum:
-        ENG_ATTACH_OWNER, ENG_ATTACH_MODE, ENG_ATTACH_SIZE
+        ENG_ATTACH_OWNER, ENG_ATTACH_MODE, ENG_ATTACH_SIZE, ENG_ATTACH_KIND
     int eng_seg_create(size_t size, int *fd_out, void **base_out)
     int eng_seg_attach(int pid, int fd, size_t size, void **base_out)
     void eng_seg_unmap(void *base, size_t size)

@@ -23,20 +23,6 @@ from libc.stdint cimport uint32_t, int32_t
 cdef uint64_t SEG_MAGIC = 0x31304d4853474e45ULL   # "ENGSHM01"
 
 
-cdef struct SegHeader:
-    uint64_t magic
-    uint64_t token[2]
-    uint64_t nranks
-    uint64_t half_bytes
-    uint64_t queue_bytes
-    uint64_t nchannels
-    uint64_t total
-    uint64_t ctrl_off
-    uint64_t index_off
-    uint64_t slots_off
-    uint64_t queues_off
-
-
 cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
     """Rank r's word that says it left the group (ShmComm.leave): set, never cleared."""
     return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 16)
@@ -139,8 +125,8 @@ cdef class ShmSegment:
                 eng_close(self.peers.pidfds[q])
                 self.peers.pidfds[q] = -1
 
-    cdef int _setup(self, int rank, int size) except -1:
-        cdef SegHeader *h = <SegHeader*>self.base
+    cdef int _setup(self, const SegHeader *h, int rank, int size) except -1:
+        # h: this rank's own copy of the header (the mapped one can change after it was checked)
         self.rank = rank
         self.size = size
         self.half_bytes = h.half_bytes
@@ -198,7 +184,7 @@ cdef class ShmSegment:
         seg.total = h.total
         memcpy(seg.base, &h, sizeof(h))
         seg.token = (<char*>h.token)[:16]
-        seg._setup(0, size)
+        seg._setup(&h, 0, size)
         return seg
 
     def descriptor(self):
@@ -232,7 +218,7 @@ cdef class ShmSegment:
             raise RuntimeError(f"engine shm: rank {rank}: the segment of pid {desc['pid']} is not the group's "
                                "(header or token differ); refusing to use it")
         seg.token = token
-        seg._setup(rank, size)
+        seg._setup(&want, rank, size)
         return seg
 
     def close_fd(self):
@@ -486,6 +472,8 @@ cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
 
 
 cdef str _attach_error(int err):
+    if err == ENG_ATTACH_KIND:
+        return "it is no shared memory file (a pipe, a socket or a device): not a segment this engine made"
     if err == ENG_ATTACH_OWNER:
         return "it belongs to another user"
     if err == ENG_ATTACH_MODE:

@@ -222,6 +222,9 @@ cdef class ShmTransport(Transport):
 
     cdef void progress_send(self, int peer) noexcept nogil:
         cdef uint64_t head = eng_load_relaxed(self.head(self.rank, peer))
+        if head % LINE or <size_t>(head - eng_load_acquire(self.tail(self.rank, peer))) > self.q:
+            self._corrupt(peer)   # (an index off the grid would put a frame past the ring: progress() fails)
+            return
         cdef PMsg *m
         cdef size_t n
         cdef PeerState *ps = &self.pr[peer]
@@ -273,7 +276,7 @@ cdef class ShmTransport(Transport):
         cdef int ierr
         while tail != head:
             avail = <size_t>(head - tail)
-            if avail > self.q or avail % LINE:
+            if avail > self.q or avail % LINE or tail % LINE:   # (on the grid: a whole frame before the end)
                 return self._corrupt(peer)
             pos = tail % self.q
             memcpy(&f, ring + pos, sizeof(Frame))    # a private copy: the checks below can't be raced
@@ -477,6 +480,9 @@ cdef class ShmTransport(Transport):
         for p in range(self.size):
             if self.pr[p].sendq.head != NULL or self.pr[p].acks.head != NULL:
                 self.progress_send(p)
+        if self.corrupt_peer >= 0:
+            self.err_peer = self.corrupt_peer
+            return ENG_ERR_CORRUPT
         return 0
 
     # -- the Transport interface --

@@ -1,8 +1,11 @@
 """The GPU path's pure parts and its CPU-only guarantees, checked on any machine."""
 
+import os
+import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,10 +187,32 @@ def _cuda_setup_exchange(rank, size, port, out):
             failure = None
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
+        refused = [_hostile_round(comm, length, payload) for length, payload in
+                   [(-1, None), (1 << 40, None), (None, pickle.dumps((os.getcwd, None)))]] if size > 1 else []
         comm.free()
-        out.put((rank, uid, apart, shared, failure))
+        out.put((rank, uid, apart, shared, failure, refused))
     except BaseException as exc:  # reported to the test
-        out.put((rank, f"{type(exc).__name__}: {exc}", None, None, None))
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None, None, None))
+
+
+def _hostile_round(comm, length, payload):
+    """One setup exchange where the last rank speaks its protocol by hand (the lengths, then the rows),
+    sending `length` or `payload` (a pickle naming a function): what each other rank raised."""
+    from engine.bootstrap import CommBootstrap, gather
+    if comm.rank < comm.size - 1:
+        try:
+            gather(CommBootstrap(comm), lambda: b"ok", "run the check")
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    lengths = np.zeros(comm.size, np.int64)
+    comm.allgather(np.array([len(payload) if length is None else length], np.int64), lengths)
+    if length is None:
+        rows = np.zeros((comm.size, int(lengths.max())), np.uint8)
+        row = np.zeros(rows.shape[1], np.uint8)
+        row[:len(payload)] = np.frombuffer(payload, np.uint8)
+        comm.allgather(row, rows.reshape(-1))
+    return "hostile"
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -209,6 +234,15 @@ def test_a_cuda_side_agrees_on_its_setup_over_the_groups_cpu_communicator(size):
     for r in results[:-1]:
         assert r[4] == (f"RuntimeError: engine: group 'g' was not made: rank {size - 1} could not run the check "
                         "(ImportError: cupy is not installed here)"), r
+    # A peer's lengths and pickles are read as the store's values are: bounded, plain data only.
+    if size > 1:
+        assert results[-1][5] == ["hostile"] * 3
+        for r in results[:-1]:
+            negative, huge, code = r[5]
+            assert negative.startswith(f"RuntimeError: engine: rank {size - 1} sent a length of -1 bytes in the "
+                                       "group's setup exchange (1 to 65536 are read)"), negative
+            assert huge.startswith(f"RuntimeError: engine: rank {size - 1} sent a length of {1 << 40} bytes"), huge
+            assert code.startswith("UnpicklingError: engine: a value of the group's bootstrap names posix.getcwd"), code
 
 
 def test_unique_id_form_follows_cupys_version():

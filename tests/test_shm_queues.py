@@ -43,6 +43,8 @@ class Peer:
         self.in_head_at = index + ((dst * 2 * NCHANNELS + USER) * size + src) * LINE
         self.in_tail_at = index + ((src * 2 * NCHANNELS + NCHANNELS + USER) * size + dst) * LINE
         self.in_ring_at = queues + ((USER * size + dst) * size + src) * self.q
+        # rank 0's tail of this peer's ring (how far rank 0 read): rank 0 moves it
+        self.tail_at = index + ((dst * 2 * NCHANNELS + NCHANNELS + USER) * size + src) * LINE
 
     def write(self, frame, payload, advance):
         """A 64-byte frame header and its payload at the head (wrapping as bytes do), then the head
@@ -109,6 +111,32 @@ def test_an_out_of_bounds_entry_fails_naming_the_peer(pair, frame, payload, adva
     peer.write(frame, payload, advance)
     with pytest.raises(EngineError, match="out-of-bounds entry written by rank 1"):
         core.recv(np.zeros(16, np.uint8), 1, -1)
+
+
+def test_a_reading_index_off_the_line_grid_fails_naming_the_peer(pair):
+    """Rank 0's own tail of the peer's ring lies in the segment too: moved off the grid, 32 bytes before
+    the ring's end, it is refused, where a frame read there lay half past the ring and its payload all
+    of it (it was taken as a message)."""
+    core, peer = pair
+    peer.head = QUEUE - 32
+    peer.mem[peer.ring_at + QUEUE - 32:peer.ring_at + QUEUE] = struct.pack("<IiQQQ", FIRST, 0, 8, 8, 0)
+    struct.pack_into("<Q", peer.mem, peer.tail_at, QUEUE - 32)
+    peer.head += 2 * LINE   # (room for the frame and its payload, which would lie past the ring)
+    struct.pack_into("<Q", peer.mem, peer.head_at, peer.head)
+    with pytest.raises(EngineError, match="out-of-bounds entry written by rank 1"):
+        core.recv(np.zeros(16, np.uint8), 1, -1)
+
+
+@pytest.mark.parametrize("head, tail", [(QUEUE - 1, QUEUE - 1), (2 * QUEUE, 0)])
+def test_a_writing_index_off_the_grid_or_past_the_readers_fails_naming_the_peer(pair, head, tail):
+    """Rank 0's head of its ring to the peer, and the peer's tail of it, lie in the segment: a head off
+    the line grid (a frame there runs past the ring's end), or more than a ring ahead of the tail, is
+    refused when rank 0 next sends (the first wrote past the ring and sent on)."""
+    core, peer = pair
+    struct.pack_into("<Q", peer.mem, peer.in_head_at, head)
+    struct.pack_into("<Q", peer.mem, peer.in_tail_at, tail)
+    with pytest.raises(EngineError, match="out-of-bounds entry written by rank 1"):
+        core.send(np.zeros(8, np.uint8), 1, 7)
 
 
 def test_a_message_too_large_to_hold_fails_naming_its_sender(pair):
@@ -275,4 +303,19 @@ def test_a_segment_too_large_to_lay_out_is_refused_naming_the_settings(half, que
         with pytest.raises(ValueError, match="make a segment of more than"):
             _core.ShmSegment.attach(1, 2, desc)
     finally:
+        seg.close_fd()
+
+
+def test_a_descriptor_naming_no_shared_memory_file_is_refused(tmp_path):
+    """A segment's descriptor (pid, fd: from the store) that names a pipe is refused as no segment,
+    opened without blocking or taking a terminal (it was opened as any file, then refused by its size)."""
+    seg = _core.ShmSegment.create(2, 8192, QUEUE)
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    fifo = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        desc = dict(seg.descriptor(), pid=os.getpid(), fd=fifo)
+        with pytest.raises(RuntimeError, match="cannot open rank 0's segment .*it is no shared memory file"):
+            _core.ShmSegment.attach(1, 2, desc)
+    finally:
+        os.close(fifo)
         seg.close_fd()

@@ -4,6 +4,7 @@ algorithm across ranks is tests/mpi/test_udf.py."""
 
 import math
 import os
+import sys
 import threading
 
 import numpy as np
@@ -69,6 +70,34 @@ def test_a_cache_folder_that_cant_be_made_compiles_uncached(tmp_path, monkeypatc
         return a if a > b else b
 
     np.testing.assert_array_equal(reduced(larger, np.arange(4.0), np.ones(4)), [1.0, 1.0, 2.0, 3.0])
+
+
+def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp_path, monkeypatch):
+    """The cache's file of an op holds other code (put there by someone, or left half written): it is
+    written again from the op's source before it is imported (it was imported as found); a cache
+    folder others may write is not used (the op compiles uncached)."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "udf"))
+
+    def plus_three(a, b):
+        return a + b + 3
+
+    np.testing.assert_array_equal(reduced(engine.reduction(plus_three), np.ones(2), np.ones(2)), [5.0, 5.0])
+    name, = generated(tmp_path / "udf")
+    honest = (tmp_path / "udf" / name).read_text()
+    (tmp_path / "udf" / name).write_text("raise SystemExit('ran a file the engine did not write')\n")
+    monkeypatch.delitem(sys.modules, name[:-3])   # (as in a new process: nothing loaded yet)
+    np.testing.assert_array_equal(reduced(engine.reduction(plus_three), np.ones(2), np.ones(2)), [5.0, 5.0])
+    assert (tmp_path / "udf" / name).read_text() == honest
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o777)
+    open_folder.chmod(0o777)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(open_folder))
+
+    def plus_four(a, b):
+        return a + b + 4
+
+    np.testing.assert_array_equal(reduced(engine.reduction(plus_four), np.ones(2), np.ones(2)), [6.0, 6.0])
+    assert generated(open_folder) == []
 
 
 def test_threads_compiling_one_op_at_once_all_succeed(tmp_path, monkeypatch):

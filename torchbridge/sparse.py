@@ -19,7 +19,7 @@ def _dtype_code(dtype):
 
 
 def _dtype_name(code):
-    return f"torch.{DTYPE_NAMES[code]}" if code >= 0 else "one the engine does not move"
+    return f"torch.{DTYPE_NAMES[code]}" if 0 <= code < len(DTYPE_NAMES) else "one the engine does not move"
 
 
 def sparse_sum(t, comm):
@@ -39,6 +39,12 @@ def sparse_sum(t, comm):
                          f"{tuple(t.shape)} {t.dtype} with {mine.sparse_dim()} sparse dimensions (their dtypes: "
                          f"{', '.join(f'rank {r} ' + _dtype_name(int(metas[r, 4])) for r in differ)})")
     counts = metas[:, 0].tolist()
+    most = math.prod(t.shape[:mine.sparse_dim()])   # (a coalesced tensor's entries: one per index at most)
+    bad = [r for r, n in enumerate(counts) if not 0 <= n <= most]
+    if bad:
+        raise RuntimeError(f"engine all_reduce of a sparse tensor: rank {bad[0]} announced {counts[bad[0]]} entries, "
+                           f"where a coalesced {tuple(t.shape)} tensor with {mine.sparse_dim()} sparse dimensions "
+                           f"holds 0 to {most}: a rank of another engine, or corrupt data, is in the group")
     total = sum(counts)
     if total == 0:
         t.copy_(mine)
@@ -48,4 +54,19 @@ def sparse_sum(t, comm):
     comm.allgather(indices.t().contiguous(), all_indices, uneven([n * indices.shape[0] for n in counts]))
     all_values = values.new_empty((total,) + tuple(values.shape[1:]))
     comm.allgather(values.contiguous(), all_values, uneven([n * row for n in counts]))
-    t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape, check_invariants=False).coalesce())
+    t.copy_(torch.sparse_coo_tensor(_checked(all_indices, counts, t.shape), all_values, t.shape,
+                                    check_invariants=False).coalesce())
+
+
+def _checked(all_indices, counts, shape):
+    """The gathered indices (one row an entry, rank-major) as torch takes them, each checked against the
+    shape: one out of range, from a peer, would be written out of bounds."""
+    limits = torch.tensor(shape[:all_indices.shape[1]], dtype=all_indices.dtype)
+    bad = ((all_indices < 0) | (all_indices >= limits)).any(dim=1)
+    if bool(bad.any()):
+        at = int(bad.nonzero()[0, 0])
+        rank = next(r for r in range(len(counts)) if at < sum(counts[:r + 1]))
+        raise RuntimeError(f"engine all_reduce of a sparse tensor: rank {rank} sent the index "
+                           f"{tuple(all_indices[at].tolist())}, outside the shape {tuple(shape)}: a rank of another "
+                           "engine, or corrupt data, is in the group")
+    return all_indices.t()

@@ -526,6 +526,20 @@ cdef inline int grow(void **buf, size_t *cap, size_t need, size_t unit, const ch
     return 0
 
 
+cdef struct SegHeader:      # the segment's first bytes (shm_segment.pxi): every field a uint64_t, no padding
+    uint64_t magic
+    uint64_t token[2]
+    uint64_t nranks
+    uint64_t half_bytes
+    uint64_t queue_bytes
+    uint64_t nchannels
+    uint64_t total
+    uint64_t ctrl_off
+    uint64_t index_off
+    uint64_t slots_off
+    uint64_t queues_off
+
+
 cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_transport.pxi and shm_collectives.pxi
     cdef char *base
     cdef size_t total
@@ -552,7 +566,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef readonly bint cma          # process_vm_readv works between every pair of the group
     cdef readonly size_t cma_min, cma_max
     cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
-    cdef int _setup(self, int rank, int size) except -1
+    cdef int _setup(self, const SegHeader *h, int rank, int size) except -1
     cdef void release(self) noexcept
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil

@@ -243,6 +243,33 @@ def test_sparse_all_reduce_refuses_other_ops_and_mismatched_tensors():
     assert torch.equal(t, torch.full((3,), float(P)))
 
 
+@pytest.mark.parametrize("nnz, index", [(-1, None), (1 << 40, None), (1, 99), (1, -1)])
+def test_sparse_all_reduce_refuses_entries_a_peer_announces_out_of_bounds(nnz, index):
+    """What the peers send is read as bounds-checked data: the last rank speaks sparse_sum's protocol by
+    hand (its count of entries, then its indices and values), announcing a count no (6, 3) tensor holds,
+    or an index outside it; every other rank refuses, naming it (a count of 2**40 was allocated, an
+    index out of range written out of bounds)."""
+    from torchbridge.sparse import _dtype_code, uneven
+    comm = WORLD.communicator
+    if R == P - 1:
+        meta = torch.tensor([nnz, 1, 2, hash((6, 3)), _dtype_code(torch.float32)], dtype=torch.int64)
+        metas = torch.empty(P * 5, dtype=torch.int64)
+        comm.allgather(meta, metas)
+        if index is not None:
+            counts = metas.view(P, 5)[:, 0].tolist()
+            comm.allgather(torch.tensor([[index]]), torch.empty(sum(counts), 1, dtype=torch.int64), uneven(counts))
+            comm.allgather(torch.ones(1, 3), torch.empty(sum(counts), 3), uneven([n * 3 for n in counts]))
+    else:
+        told = (f"rank {P - 1} announced {nnz} entries, where a coalesced \\(6, 3\\) tensor with 1 sparse "
+                "dimensions holds 0 to 6" if index is None else
+                f"rank {P - 1} sent the index \\({index},\\), outside the shape \\(6, 3\\)")
+        with pytest.raises(RuntimeError, match=told):
+            dist.all_reduce(sparse_input(R, torch.float32))
+    t = torch.full((3,), 1.0)
+    dist.all_reduce(t)  # the group goes on
+    assert torch.equal(t, torch.full((3,), float(P)))
+
+
 VOCAB, DIM, PER_RANK, STEPS = 12, 4, 4, 6
 
 
