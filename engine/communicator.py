@@ -229,6 +229,7 @@ class Communicator:
         if transport not in (None, "auto", "shm", "tcp"):
             raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
                              "needs an MPI launch (mpirun)")
+        requested_transport(transport)   # (a misspelt ENGINE_TRANSPORT is refused at one rank too, which runs on shm)
         boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel,
                                                                      Watch.timeout_of(timeout))
         self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
@@ -238,7 +239,9 @@ class Communicator:
 
     @classmethod
     def single(cls, *, name="world", timeout=None):
-        """A group of one rank, without MPI (plain `python script.py`)."""
+        """A group of one rank, without MPI (plain `python script.py`), on shared memory whatever
+        ENGINE_TRANSPORT asks (a misspelt one is refused)."""
+        requested_transport()
         return cls(transport="shm", timeout=timeout, name=name, _boot=SelfBootstrap())
 
     @property
@@ -500,7 +503,7 @@ class Communicator:
         def describe(row):
             nd = int(row[6])
             return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} with {int(row[2])} "
-                    f"{_core.DTYPE_NAMES[int(row[1])] if row[1] >= 0 else '-'} elements"
+                    f"{_core.DTYPE_NAMES[int(row[1])] if 0 <= row[1] < len(_core.DTYPE_NAMES) else '-'} elements"
                     + (f" split by counts (digest {int(row[7]):08x})" if nd < 0 and row[7] >= 0 else "")
                     + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")
                     + (f" root {int(row[3])}" if row[3] >= 0 else "")

@@ -67,9 +67,10 @@ def seconds_given(value, what):
     return seconds
 
 
-def env_duration(name, default, unit="seconds", maximum=math.inf):
+def env_duration(name, default, unit="seconds", maximum=math.inf, positive=False):
     """A duration (inf: never, where maximum allows it); a negative value or NaN would turn a timeout
-    into a wait that never ends, so they are refused here, naming the variable."""
+    into a wait that never ends, so they are refused here, naming the variable. positive: 0 is refused
+    too (a timeout of 0 ends every wait at once)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -79,6 +80,8 @@ def env_duration(name, default, unit="seconds", maximum=math.inf):
         value = math.nan
     if not value >= 0:
         raise ValueError(f"{name}={raw!r} is not a number of {unit} >= 0")
+    if positive and value == 0:
+        raise ValueError(f"{name}={raw!r}: every call would time out at once; give {unit} > 0 (inf: no limit)")
     if value > maximum:
         raise ValueError(f"{name}={raw!r}: expected at most {maximum:g} {unit}")
     return value

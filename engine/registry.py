@@ -115,7 +115,8 @@ RING_SEGMENT = Tunable("ENGINE_RING_SEGMENT_BYTES", 512 << 10, "pipeline segment
 RDOUBLE_MAX = Tunable("ENGINE_RDOUBLE_MAX_BYTES", 256 << 10, "largest recursive-doubling allreduce over MPI")
 RING_MIN = Tunable("ENGINE_RING_MIN_BYTES", 32 << 10, "smallest ring allreduce over MPI")
 SHM_PULL_PIECE = Tunable("ENGINE_SHM_PULL_PIECE_BYTES", 1 << 20,
-                         "bytes of each peer's input a single-copy reduce_scatter reads at once", local=True)
+                         "bytes of each peer's input a single-copy reduce_scatter reads at once", minimum=1,
+                         local=True)
 MPI_CHUNK = Tunable("ENGINE_MPI_CHUNK_ELEMENTS", 1 << 30, "largest piece of a native MPI reduction or broadcast",
                     minimum=1, maximum=2**31 - 1)   # (MPI's counts are ints)
 HIER_MIN = {c: Tunable(f"ENGINE_HIER_{c.upper()}_MIN_BYTES", 16 << 10, f"smallest hierarchical {c}")

@@ -33,6 +33,7 @@ from .config import env_duration, env_int, seconds_given
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, torch's default for CPU process groups
+MAX_RECORDS = 1 << 20     # the most ENGINE_FLIGHT_RECORDER_SIZE keeps (each record holds a call's signature)
 STORE_QUERY_SECONDS = 5.0  # the longest a timeout's report waits for the store to name the missing ranks
 
 class _StoreLine:
@@ -155,7 +156,7 @@ class Watch:
                                 # callback: torch's abort hooks run then, as torch's backends run them)
         self._on_break_lock = threading.Lock()
         self.revoke = None      # revoke(), with on_break: the group's MPI communicators revoked (Communicator's)
-        core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1),
+        core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1, maximum=MAX_RECORDS),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
         self.set_timeout(timeout)
@@ -199,7 +200,7 @@ class Watch:
         negative one or NaN is refused, as ENGINE_TIMEOUT's (NaN never timed out; a negative one timed
         out at once)."""
         if timeout is None:
-            return env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT)
+            return env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT, positive=True)
         return seconds_given(timeout, "timeout")
 
     @property

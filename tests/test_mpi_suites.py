@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from engine import registry
 from mpirun import (assert_every_rank_passed, launcher_output, mpi_env, mpiexec_command, run_pytest, suite_report,
                     under_open_mpi)
 
@@ -77,6 +78,24 @@ def test_matrix_with_threads():
     proc = run(2, [os.path.join(HERE, "mpi", "test_matrix.py")], extra=["-k", "threads"], ENGINE_TRANSPORT="shm",
                ENGINE_THREADS="4")
     assert_every_rank_passed(proc.stdout, 2)
+
+
+MOVED = {"shm": dict(ENGINE_SHM_ONESHOT_MAX_BYTES="4K", ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES="64K",
+                     ENGINE_SHM_THREADS_MIN_BYTES="64K", ENGINE_SHM_CMA_MIN_BYTES="8K", ENGINE_SHM_CMA_MAX_BYTES="1M",
+                     ENGINE_THREADS="2"),
+         "mpi": dict(ENGINE_RDOUBLE_MAX_BYTES="64K", ENGINE_RING_MIN_BYTES="8K"),
+         "tcp": dict(ENGINE_TCP_RDOUBLE_MAX_BYTES="16K", ENGINE_TCP_TREE_MAX_BYTES="16K")}
+
+
+@pytest.mark.parametrize("transport", sorted(MOVED))
+def test_the_automatic_choice_at_thresholds_moved_by_their_variables(transport):
+    """The thresholds' variables moved from their defaults, on 3 ranks: the group's rules lie at the
+    moved values, and at each of their edges the entry the rules name runs (the matrix's automatic
+    choice; its default run covers the defaults)."""
+    assert set(MOVED[transport]) - {"ENGINE_THREADS"} <= {t.env for t in registry.tunables()}
+    proc = run(3, [os.path.join(HERE, "mpi", "test_matrix.py")], extra=["-k", "automatic or thresholds"],
+               ENGINE_TRANSPORT=transport, **MOVED[transport])
+    assert_every_rank_passed(proc.stdout, 3, skips=False)
 
 
 def test_every_collective_at_16_ranks():

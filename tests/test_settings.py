@@ -2,7 +2,9 @@
 value the engine can't use is refused with an error that names the variable."""
 
 import io
+import json
 import os
+import pathlib
 import re
 
 import numpy as np
@@ -40,6 +42,18 @@ def test_every_setting_in_the_readme_is_named_by_a_test():
     tests = _tests_text()
     unset = sorted(n for n in names - thresholds if n not in tests)
     assert not unset, f"documented in README.md, named by no test: {unset}"
+
+
+def test_every_setting_the_code_reads_is_in_the_readme():
+    """The other way round: each ENGINE_ variable the engine's code names whole (engine/, torchbridge/,
+    pyx/, setup.py) is in README.md, so no setting is read that a user can't find."""
+    root = pathlib.Path(ROOT)
+    sources = [p for pattern in ("engine/**/*.py", "torchbridge/*.py", "torchbridge/*.pyx", "pyx/*.pxi", "pyx/*.pyx",
+                                 "pyx/*.h", "setup.py") for p in root.glob(pattern)]
+    read = {n for p in sources for n in re.findall(r"[\"']ENGINE_([A-Z0-9_]+)[\"']", p.read_text())}
+    assert len(read) > 30, read
+    readme = (root / "README.md").read_text()
+    assert sorted(f"ENGINE_{n}" for n in read if f"ENGINE_{n}" not in readme) == []
 
 
 def test_every_threshold_follows_its_variable(monkeypatch):
@@ -138,15 +152,34 @@ def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
                                          ("ENGINE_SPIN_US", "fast"), ("ENGINE_SHM_SLOT_BYTES", "-1M"),
                                          ("ENGINE_TRACE", "/proc/no/such/folder/t.json"),
                                          ("ENGINE_DEBUG", "maybe"), ("ENGINE_CUDA_TRANSPORT", "stagd"),
-                                         ("ENGINE_THREADS", "2.9")])
+                                         ("ENGINE_THREADS", "2.9"), ("ENGINE_TIMEOUT", "0"),
+                                         ("ENGINE_FLIGHT_RECORDER_SIZE", "1e12"), ("ENGINE_TRANSPORT", "shmm"),
+                                         ("ENGINE_HIER", "offf"), ("ENGINE_TCP_CONNECT", "eager"),
+                                         ("ENGINE_INTERHOST", "ib"), ("ENGINE_SHM_PULL_PIECE_BYTES", "0")])
 def test_a_group_refuses_a_setting_it_cant_use_by_name(monkeypatch, name, value):
     """At the group's creation, not later (an unwritable trace was found at exit, its timeline lost; a
-    misspelt ENGINE_CUDA_TRANSPORT passed in a CPU-only job, read at the first CUDA call)."""
+    misspelt ENGINE_CUDA_TRANSPORT passed in a CPU-only job, read at the first CUDA call; a misspelt
+    ENGINE_TRANSPORT passed in a group of one; ENGINE_TIMEOUT=0 timed every call out; a recorder of
+    10**12 records failed in a bare MemoryError; a pull piece of 0 bytes was taken as one element)."""
     from engine.watch import _Trace
     monkeypatch.setattr(_Trace, "_instance", None)   # (the process's trace is made once)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         engine.Communicator.from_store(None, 0, 1)
+
+
+@pytest.mark.parametrize("name, value, told", [("ENGINE_SOCKETS", "-1", "expected a number of sockets"),
+                                               ("ENGINE_SHM_QUEUE_BYTES", "100", "is too small \\(at least 4096\\)")])
+def test_a_group_refuses_a_size_it_cant_use_by_name(monkeypatch, name, value, told):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}={value}:? {told}"):
+        engine.Communicator.from_store(None, 0, 1)
+
+
+def test_a_single_rank_world_refuses_a_misspelt_transport(monkeypatch):
+    monkeypatch.setenv("ENGINE_TRANSPORT", "tpc")
+    with pytest.raises(ValueError, match="ENGINE_TRANSPORT='tpc': expected one of auto, shm, mpi, tcp"):
+        engine.Communicator.single()
 
 
 @pytest.mark.parametrize("value", ["-1", "100000"])
@@ -250,3 +283,19 @@ def test_interhost_chooses_what_carries_a_group_between_hosts_under_mpi(monkeypa
     monkeypatch.setenv("ENGINE_INTERHOST", "ib")
     with pytest.raises(ValueError, match=r"ENGINE_INTERHOST='ib': expected one of"):
         choose_transport(None, ["a", "b"], mpi=True)
+
+
+def test_a_trace_file_is_named_per_rank_in_either_form(tmp_path, monkeypatch):
+    """ENGINE_TRACE: `{rank}` in the name is replaced by the rank; else `.rank<r>` goes before the
+    extension (`.json` where the name has none). The file is made when the group is (its folder can be
+    written), and filled at exit."""
+    from engine import forks
+    from engine.watch import _Trace
+    monkeypatch.setattr(forks, "at_exit", lambda fn, *args: None)   # (these write now, not at this process's exit)
+    named = {given: _Trace(str(tmp_path / given), 3).path for given in ("t-{rank}.json", "t.json", "t")}
+    assert named == {"t-{rank}.json": str(tmp_path / "t-3.json"), "t.json": str(tmp_path / "t.rank3.json"),
+                     "t": str(tmp_path / "t.rank3.json")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t-3.json", "t.rank3.json"]
+    trace = _Trace(str(tmp_path / "w-{rank}.json"), 1)
+    trace.write()
+    assert json.loads((tmp_path / "w-1.json").read_text())["traceEvents"][0]["args"] == {"name": "rank 1"}

@@ -419,3 +419,17 @@ def test_automatic_choice_follows_the_registry(collective):
             want = comm.plan.choose(collective, nbytes // 4 * 4, P, "float32", op)
             got = comm.core.records()[-1][4]
             assert got == want.name, f"{collective} of {nbytes} bytes ran {got}; the rules say {want.name}"
+
+
+def test_the_rules_lie_at_the_thresholds_values():
+    """Each threshold that bounds a rule of this group's transport is a bound of the rules at its value:
+    its default, or where the launch moved it (tests/test_mpi_suites.py's moved-thresholds case) the
+    moved one, so the automatic choice above is walked at the edges the variables set."""
+    with group() as (pg, comm):
+        rules = [r for coll in comm.plan.rules.values() for r in coll]
+    bounds = {b for _, lo, hi, _, _ in rules for b in (lo, hi)}
+    used = {v for e, _, _, _, _ in rules for v in (e.min_bytes, e.max_bytes) if isinstance(v, registry.Tunable)}
+    assert used, rules
+    for t in used:
+        moved = bool(os.environ.get(t.env))
+        assert t.value() in bounds and (t.value() != t.default) == moved, (t.env, t.value(), moved, sorted(bounds))
