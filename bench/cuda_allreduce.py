@@ -1,6 +1,7 @@
 """GPU allreduce times on CUDA tensors, 1 MB to 1 GB: the engine's ncclAllReduce, the engine's ring
 (NCCL send/recv + its own reduction kernel), torch's nccl backend, and the host-staged MPI path.
-CUDA events time the device; each number is the median of --rounds rounds, in microseconds.
+CUDA events time the device; each number is the median of --rounds rounds (interleaved across
+the methods), in microseconds.
 
     mpirun -n 1 python -m bench.cuda_allreduce        # one GPU: world size 1
     mpirun -n 2 python -m bench.cuda_allreduce        # one GPU per rank
@@ -66,11 +67,13 @@ def main(argv=None):
     for nbytes in [s for s in SIZES if s <= args.max_bytes]:
         buf = torch.ones(nbytes // 4, device=dev)
         iters = max(3, min(50, (256 << 20) // nbytes))
-        row = {}
-        for name, fn in runners.items():
+        for fn in runners.values():
             fn(buf)  # warm-up (and, the first time, communicator set-up)
-            samples = [time_calls(lambda: fn(buf), iters, stream) for _ in range(args.rounds)]
-            row[name] = statistics.median(samples)
+        samples = {name: [] for name in runners}
+        for _ in range(args.rounds):   # rounds interleaved: the device's clocks and the host's noise hit all alike
+            for name, fn in runners.items():
+                samples[name].append(time_calls(lambda: fn(buf), iters, stream))
+        row = {name: statistics.median(v) for name, v in samples.items()}
         check = torch.ones(8, device=dev)
         next(iter(runners.values()))(check)
         assert torch.all(check == size), check

@@ -58,6 +58,17 @@ def timed(fn, n):
     return MPI.COMM_WORLD.allreduce((time.perf_counter() - t0) / n, op=MPI.MAX) * 1e3
 
 
+def check_sums(shapes, reduce, dtype=torch.float32):
+    """reduce(tensors) sums each tensor over the ranks: every rank's r + 1 gives size * (size + 1) / 2
+    everywhere (a timing of a path that gives wrong answers is worth nothing)."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    tensors = [torch.full(s, float(rank + 1), dtype=dtype) for s in shapes]
+    reduce(tensors)
+    want = size * (size + 1) / 2
+    bad = [i for i, t in enumerate(tensors) if not bool((t == want).all())]
+    assert not bad, f"tensor {bad[0]} of {len(tensors)} is not the sum {want}: {tensors[bad[0]].reshape(-1)[:4].tolist()}"
+
+
 def main(rounds=5):
     dist.init_process_group(backend="engine")
     gloo = dist.new_group(backend="gloo")
@@ -87,6 +98,8 @@ def main(rounds=5):
             for k, (fn, n) in cases.items():
                 samples[k].append(timed(fn, n))
         med = {k: statistics.median(v) for k, v in samples.items()}
+        check_sums(shapes, dist.all_reduce_coalesced)
+        check_sums(shapes, lambda ts: [dist.all_reduce(t) for t in ts])
         mb = sum(g.numel() for g in grads) * 4 / 2 ** 20   # MiB, as the flat table's
         if rank == 0:
             print(f"{name:<24} {len(grads):>7} {mb:>7.1f} {med['fused']:>9.2f} {med['per-tensor']:>11.2f} "
@@ -128,6 +141,8 @@ def coalesced_vs_flat(rounds=7):
             for k, fn in cases.items():
                 samples[k].append(timed(fn, 50) * 1e3)
         med = {k: statistics.median(v) for k, v in samples.items()}
+        check_sums(shapes, dist.all_reduce_coalesced, dtype)
+        check_sums(shapes, fused.run, dtype)
         if rank == 0:
             print(f"| {name} | {flat.numel() * flat.element_size() / 2 ** 20:.2f} MiB | {med['coalesced']:.1f} | "
                   f"{med['flat']:.1f} | {med['coalesced'] / med['flat']:.2f} | {med['nop']:.1f} | {med['fused']:.1f} | "

@@ -224,16 +224,13 @@ class CommBootstrap:
     def allgather(self, obj):
         import numpy as np
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
-        if mine.size > self.MAX_BYTES:
-            raise ValueError(f"engine: a value of {mine.size} bytes for the group's setup exchange; at most "
-                             f"{self.MAX_BYTES} go over it")
         lengths = np.zeros(self.size, np.int64)
         self.comm.allgather(np.array([mine.size], np.int64), lengths)
         bad = [r for r in range(self.size) if not 0 < lengths[r] <= self.MAX_BYTES]
-        if bad:
+        if bad:   # (every rank sees the same lengths: all raise here, none waits in the second exchange)
             raise RuntimeError(f"engine: rank {bad[0]} sent a length of {int(lengths[bad[0]])} bytes in the group's "
-                               f"setup exchange (1 to {self.MAX_BYTES} are read): a rank of another engine, or "
-                               "corrupt data, is in the group")
+                               f"setup exchange (1 to {self.MAX_BYTES} are read): a value too large for it, a rank "
+                               "of another engine, or corrupt data")
         rows = np.zeros((self.size, int(lengths.max())), np.uint8)
         row = np.zeros(rows.shape[1], np.uint8)
         row[:mine.size] = mine

@@ -24,6 +24,7 @@ import tempfile
 import textwrap
 import threading
 import types
+import warnings
 
 _NUMBA_TYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64")
 
@@ -184,6 +185,18 @@ def _own(path):
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
+_REFUSED = set()
+
+
+def _refused(folder):
+    """A cache folder of another user's: user reductions compile uncached (said once a folder)."""
+    if folder not in _REFUSED:
+        _REFUSED.add(folder)
+        warnings.warn(f"engine: the user reductions' cache folder {folder} belongs to another user: they compile "
+                      "without it (set ENGINE_CACHE_DIR to a folder of this user's)", RuntimeWarning, stacklevel=4)
+    raise PermissionError(f"{folder} is another user's")
+
+
 def _holds(path, source):
     """Whether the generated file at path is this user's and holds exactly source (else it is written
     again: a file someone else put there, or a half-written one, is never run)."""
@@ -205,7 +218,10 @@ def _load_generated(source, modname):
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine", "udf")
         os.makedirs(folder, mode=0o700, exist_ok=True)
         if not _own(folder):   # (another user could swap the file between its check and its import)
-            raise PermissionError(f"{folder} is not this user's alone")
+            st = os.stat(folder)
+            if st.st_uid != os.geteuid():
+                _refused(folder)
+            os.chmod(folder, st.st_mode & 0o7755)   # (this user's, made group-writable by a umask: only it writes)
         path = os.path.join(folder, modname + ".py")
         if not _holds(path, source):  # written once: Numba's cache is stamped with the file's mtime
             fd, tmp = tempfile.mkstemp(prefix=modname + ".", suffix=".tmp", dir=folder)   # (other ranks write too)

@@ -197,11 +197,15 @@ class Watch:
     @staticmethod
     def timeout_of(timeout):
         """A group's timeout in seconds: the one given, else ENGINE_TIMEOUT, else torch's default. A
-        negative one or NaN is refused, as ENGINE_TIMEOUT's (NaN never timed out; a negative one timed
-        out at once)."""
+        negative one, 0 or NaN is refused, as ENGINE_TIMEOUT's (NaN never timed out; a negative one or 0
+        timed out at once)."""
         if timeout is None:
             return env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT, positive=True)
-        return seconds_given(timeout, "timeout")
+        seconds = seconds_given(timeout, "timeout")
+        if seconds == 0:
+            raise ValueError("a group's timeout of 0 would time every call out at once; give seconds > 0 (inf: no "
+                             "limit)")
+        return seconds
 
     @property
     def broken(self):

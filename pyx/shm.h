@@ -103,18 +103,19 @@ static int eng_seg_create(size_t size, int *fd_out, void **base_out) {
 enum { ENG_ATTACH_OWNER = -2, ENG_ATTACH_MODE = -3, ENG_ATTACH_SIZE = -4, ENG_ATTACH_KIND = -5 };
 
 /* Opens the creator's segment through /proc/<pid>/fd/<fd> (only a process of the same user may), checks
- * that it is a file (a descriptor from the store may name a terminal or a pipe: opened without
- * becoming the controlling terminal or blocking), ours, owner-only and of the agreed size, and maps
- * it. Returns 0, an errno, or ENG_ATTACH_*. */
+ * that it is a regular file (a descriptor from the store may name a device or a pipe), ours,
+ * owner-only and of the agreed size, and maps it. Returns 0, an errno, or ENG_ATTACH_*. */
 static int eng_seg_attach(int pid, int fd, size_t size, void **base_out) {
   char path[64];
   struct stat st;
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
-  int f = open(path, O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (f < 0) return errno;
-  if (fstat(f, &st) != 0) {
+  /* Looked at first without opening it for I/O (O_PATH: a device's open has effects), then the same
+   * file, once checked, opened through this process's own descriptor of it. */
+  int look = open(path, O_PATH | O_CLOEXEC);
+  if (look < 0) return errno;
+  if (fstat(look, &st) != 0) {
     int e = errno;
-    close(f);
+    close(look);
     return e;
   }
   int bad = !S_ISREG(st.st_mode) ? ENG_ATTACH_KIND
@@ -122,11 +123,16 @@ static int eng_seg_attach(int pid, int fd, size_t size, void **base_out) {
           : (st.st_mode & 077) != 0 ? ENG_ATTACH_MODE
           : (size_t)st.st_size != size ? ENG_ATTACH_SIZE : 0;
   if (bad) {
-    close(f);
+    close(look);
     return bad;
   }
+  snprintf(path, sizeof path, "/proc/self/fd/%d", look);
+  int f = open(path, O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  int e = f < 0 ? errno : 0;
+  close(look);
+  if (f < 0) return e;
   void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
-  int e = base == MAP_FAILED ? errno : 0;
+  e = base == MAP_FAILED ? errno : 0;
   close(f);
   if (e) return e;
   *base_out = base;

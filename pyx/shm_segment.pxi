@@ -473,7 +473,7 @@ cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
 
 cdef str _attach_error(int err):
     if err == ENG_ATTACH_KIND:
-        return "it is no shared memory file (a pipe, a socket or a device): not a segment this engine made"
+        return "it is no shared memory file (a pipe or a device): not a segment this engine made"
     if err == ENG_ATTACH_OWNER:
         return "it belongs to another user"
     if err == ENG_ATTACH_MODE:

@@ -490,6 +490,8 @@ def test_a_timeout_argument_that_is_negative_nan_or_not_a_number_is_refused_and_
     for bad, kind in ((float("nan"), ValueError), (-1, ValueError), ("abc", TypeError)):
         with pytest.raises(kind, match=r"timeout must be a number of seconds >= 0 \(inf: never\), got"):
             Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", timeout=bad)
+    with pytest.raises(ValueError, match=r"a group's timeout of 0 would time every call out at once; give seconds > 0"):
+        Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", timeout=0)
     comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", timeout=float("inf"))
     try:
         with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0"):

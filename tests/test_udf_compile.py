@@ -75,7 +75,8 @@ def test_a_cache_folder_that_cant_be_made_compiles_uncached(tmp_path, monkeypatc
 def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp_path, monkeypatch):
     """The cache's file of an op holds other code (put there by someone, or left half written): it is
     written again from the op's source before it is imported (it was imported as found); a cache
-    folder others may write is not used (the op compiles uncached)."""
+    folder of this user's that others may write is made this user's alone, one of another user's is not
+    used (the op compiles uncached, saying so)."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "udf"))
 
     def plus_three(a, b):
@@ -88,16 +89,28 @@ def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp
     monkeypatch.delitem(sys.modules, name[:-3])   # (as in a new process: nothing loaded yet)
     np.testing.assert_array_equal(reduced(engine.reduction(plus_three), np.ones(2), np.ones(2)), [5.0, 5.0])
     assert (tmp_path / "udf" / name).read_text() == honest
-    open_folder = tmp_path / "open"
-    open_folder.mkdir(mode=0o777)
-    open_folder.chmod(0o777)
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(open_folder))
 
     def plus_four(a, b):
         return a + b + 4
 
+    shared = tmp_path / "shared"   # this user's, group-writable (a umask of 002 made it): made 0755, then used
+    shared.mkdir()
+    shared.chmod(0o775)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(shared))
     np.testing.assert_array_equal(reduced(engine.reduction(plus_four), np.ones(2), np.ones(2)), [6.0, 6.0])
-    assert generated(open_folder) == []
+    assert len(generated(shared)) == 1 and shared.stat().st_mode & 0o777 == 0o755
+    if os.geteuid() == 0:   # (only root can give a folder away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o777)
+        os.chown(theirs, 65534, 65534)
+        monkeypatch.setenv("ENGINE_CACHE_DIR", str(theirs))
+
+        def plus_five(a, b):
+            return a + b + 5
+
+        with pytest.warns(RuntimeWarning, match="cache folder .*theirs belongs to another user: they compile without it"):
+            np.testing.assert_array_equal(reduced(engine.reduction(plus_five), np.ones(2), np.ones(2)), [7.0, 7.0])
+        assert generated(theirs) == []
 
 
 def test_threads_compiling_one_op_at_once_all_succeed(tmp_path, monkeypatch):

@@ -431,5 +431,7 @@ def test_the_rules_lie_at_the_thresholds_values():
     used = {v for e, _, _, _, _ in rules for v in (e.min_bytes, e.max_bytes) if isinstance(v, registry.Tunable)}
     assert used, rules
     for t in used:
-        moved = bool(os.environ.get(t.env))
-        assert t.value() in bounds and (t.value() != t.default) == moved, (t.env, t.value(), moved, sorted(bounds))
+        raw = os.environ.get(t.env)   # (read here as a user writes it: digits and a K or M)
+        want = t.default if not raw else int(raw.rstrip("KM")) << {"K": 10, "M": 20}.get(raw[-1], 0)
+        assert want in bounds, (t.env, raw, want, sorted(bounds))
+        assert not raw or want != t.default, (t.env, raw)   # (a launch that moves one moves it off its default)
