@@ -57,13 +57,16 @@ def finite_seconds(seconds):
     return min(seconds, FOREVER_SECONDS)
 
 
-def seconds_given(value, what):
-    """A duration given as an argument, in seconds (inf: never): a number >= 0, not NaN, as env_duration's."""
+def seconds_given(value, what, positive=False):
+    """A duration given as an argument, in seconds (inf: never): a number >= 0, not NaN, as env_duration's
+    (positive: > 0, as there)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise TypeError(f"{what} must be a number of seconds >= 0 (inf: never), got {value!r}")
     seconds = float(value)
     if not seconds >= 0:
         raise ValueError(f"{what} must be a number of seconds >= 0 (inf: never), got {value!r}")
+    if positive and seconds == 0:
+        raise ValueError(f"{what} of 0 would time every call out at once; give seconds > 0 (inf: no limit)")
     return seconds
 
 

@@ -217,10 +217,10 @@ def _load_generated(source, modname):
         folder = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine", "udf")
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        if not _own(folder):   # (another user could swap the file between its check and its import)
-            st = os.stat(folder)
-            if st.st_uid != os.geteuid():
-                _refused(folder)
+        st = os.stat(folder)   # (another user could swap the file between its check and its import)
+        if st.st_uid != os.geteuid():
+            _refused(folder)
+        if st.st_mode & 0o022:
             os.chmod(folder, st.st_mode & 0o7755)   # (this user's, made group-writable by a umask: only it writes)
         path = os.path.join(folder, modname + ".py")
         if not _holds(path, source):  # written once: Numba's cache is stamped with the file's mtime

@@ -201,11 +201,7 @@ class Watch:
         timed out at once)."""
         if timeout is None:
             return env_duration("ENGINE_TIMEOUT", DEFAULT_TIMEOUT, positive=True)
-        seconds = seconds_given(timeout, "timeout")
-        if seconds == 0:
-            raise ValueError("a group's timeout of 0 would time every call out at once; give seconds > 0 (inf: no "
-                             "limit)")
-        return seconds
+        return seconds_given(timeout, "a group's timeout", positive=True)
 
     @property
     def broken(self):
