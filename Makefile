@@ -1,7 +1,7 @@
 # make test  : create .venv (torch 2.13) and run the whole suite on it while .venv-torch2.14, .venv-torch2.15 and
 #              .venv-mpich install beside it, install MPI + the engine in each, then, beside the first suite, the
-#              torch-facing suites on torch 2.15, their version-bound part on torch 2.14, and the core suites
-#              under MPICH (what .ci/run calls)
+#              torch-facing suites and the core suites' heaviest one-host launches on torch 2.15, the
+#              version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
 # make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
@@ -26,10 +26,11 @@ TORCH_PREVIOUS := tests/test_torch_options.py \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
 # The adapter's suites under torchrun run at 3 ranks on the last torch, at 1, 2 and 4 on the first (which
-# also runs them at 1-4 ranks under mpiexec): CI's 25 minutes. The c10d restart and the shm cycles (held
-# and not) run on the first only, the TCP cycles on the last only. The aborts of a blocked call split
-# between the first and the last torch, each case on one (every launcher and transport on the last:
-# ABORTS_FIRST runs on the first). The settings check of the group's creation runs on the first.
+# also runs them at 1-3 ranks under mpiexec; the last, at 4: CORE_LAST): CI's 25 minutes. The c10d
+# restart and the shm cycles (held and not) run on the first only, the TCP cycles on the last only. The
+# aborts of a blocked call split between the first and the last torch, each case on one (every launcher
+# and transport on the last: ABORTS_FIRST runs on the first). The settings check of the group's creation
+# runs on the first.
 ABORTS_FIRST := torchrun-shm-thread-all_reduce torchrun-tcp-thread-all_reduce mpirun-mpi-thread-barrier
 ABORTS_LAST := torchrun-shm-signal-all_reduce torchrun-tcp-thread-recv mpirun-mpi-thread-recv mpirun-shm-thread-all_reduce
 TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[$(n)]") \
@@ -39,6 +40,14 @@ TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test
 	$(foreach c,$(ABORTS_FIRST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
 	--deselect tests/test_launchers.py::test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting \
 	--deselect tests/test_launchers.py::test_torch_backend_suite_in_debug_mode_under_torchrun
+# The core suites' heaviest one-host launches (4 ranks under mpiexec on both transports, 16 ranks, the
+# matrix over TCP, MPI's tiny chunks and the tiny segment) run on the last torch, beside its torch-facing
+# suites: on the first, whose suite is the longer stream, they kept the later stream idle for its last
+# minutes. Each runs on one torch only.
+CORE_LAST := "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-4]" \
+	"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-4]" tests/test_mpi_suites.py::test_every_collective_at_16_ranks \
+	tests/test_mpi_suites.py::test_matrix_over_tcp_on_one_host tests/test_mpi_suites.py::test_collectives_with_tiny_mpi_chunks \
+	tests/test_mpi_suites.py::test_collectives_through_a_tiny_segment
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
 # same method, and tests/test_fault_tolerance.py calls it on the later ones). Fault tolerance runs whole on
 # the later torches (whose c10d defines reconfigure); the first keeps the aborts of ABORTS_FIRST, the c10d
@@ -58,7 +67,8 @@ WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torch
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp-held]" \
-	$(foreach c,$(ABORTS_LAST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]")
+	$(foreach c,$(ABORTS_LAST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
+	$(foreach t,$(CORE_LAST),--deselect $(t))
 NRANKS ?= 2
 # torch's store resolves the name of every address it accepts or connects to (reverse DNS: 127.0.0.1,
 # seen as ::ffff:127.0.0.1, misses /etc/hosts), and where the DNS server drops a query the resolver
@@ -178,7 +188,7 @@ test-mpich: .mpich/.installed
 		$(foreach c,torchrun-under-srun spawn-under-srun,--deselect "tests/test_launch.py::test_worlds_beside_an_mpi_launchers_job_and_made_again[$(c)]")
 
 test-torch2.15: setup-torch2.15
-	$(OWN_SHM) .venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(TORCH_FACING_SKIP) --durations=20
+	$(OWN_SHM) .venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(CORE_LAST) $(TORCH_FACING_SKIP) --durations=20
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.
 clients-full: setup

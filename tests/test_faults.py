@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpirun import launcher_output, mpi_env, mpiexec_command
+from mpirun import launcher_output, mpi_env, mpiexec_command, run_mpiexec
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
@@ -21,8 +21,8 @@ TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "mpi"])
 
 
 def launch(script, nranks, timeout, **env):
-    proc = subprocess.run(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)],
-                          env={**mpi_env(), **env}, capture_output=True, text=True, timeout=timeout)
+    proc = run_mpiexec(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)], timeout,
+                       env={**mpi_env(), **env})
     return proc, launcher_output(proc.stdout + proc.stderr)
 
 
@@ -441,3 +441,17 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     assert proc.returncode == 0, out[-5000:]
     check(out, mpi=True)
     assert shm_files() <= before
+
+
+def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch):
+    """tests/mpirun.run_mpiexec against Open MPI's deadlock after MPI_Abort (prterun staying once its
+    ranks are gone): a stand-in launcher whose one child wrote and exited, while it stays, is killed
+    LAUNCHER_ORPHANED_S later, its child's output kept; one whose child still runs meets the timeout."""
+    import mpirun
+    monkeypatch.setattr(mpirun, "LAUNCHER_ORPHANED_S", 1.0)
+    proc = run_mpiexec(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
+    assert proc.returncode == -signal.SIGKILL and proc.stdout == "rank output\n", proc
+    assert "the launcher was killed 1 s after its last rank exited" in proc.stderr, proc.stderr
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        run_mpiexec(["bash", "-c", "echo so far; sleep 60; true"], timeout=3)
+    assert timed_out.value.output == "so far\n", timed_out.value.output
