@@ -26,7 +26,7 @@ TORCH_PREVIOUS := tests/test_torch_options.py \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
 # The adapter's suites under torchrun run at 3 ranks on the last torch, at 1, 2 and 4 on the first (which
-# also runs them at 1-3 ranks under mpiexec; the last, at 4: CORE_LAST): CI's 25 minutes. The c10d
+# also runs them at 1 and 2 ranks under mpiexec; the last, at 3 and 4: CORE_LAST): CI's 25 minutes. The c10d
 # restart and the shm cycles (held and not) run on the first only, the TCP cycles on the last only. The
 # aborts of a blocked call split between the first and the last torch, each case on one (every launcher
 # and transport on the last: ABORTS_FIRST runs on the first). The settings check of the group's creation
@@ -40,12 +40,13 @@ TORCH_FACING_SKIP := $(foreach n,1 2 4,--deselect "tests/test_launchers.py::test
 	$(foreach c,$(ABORTS_FIRST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
 	--deselect tests/test_launchers.py::test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting \
 	--deselect tests/test_launchers.py::test_torch_backend_suite_in_debug_mode_under_torchrun
-# The core suites' heaviest one-host launches (4 ranks under mpiexec on both transports, 16 ranks, the
-# matrix over TCP, MPI's tiny chunks and the tiny segment) run on the last torch, beside its torch-facing
-# suites: on the first, whose suite is the longer stream, they kept the later stream idle for its last
-# minutes. Each runs on one torch only.
-CORE_LAST := "tests/test_mpi_suites.py::test_suites_under_mpiexec[shm-4]" \
-	"tests/test_mpi_suites.py::test_suites_under_mpiexec[mpi-4]" tests/test_mpi_suites.py::test_every_collective_at_16_ranks \
+# The core suites' heaviest one-host launches (3 and 4 ranks under mpiexec on both transports, 16 ranks,
+# the matrix over TCP and with threads, MPI's tiny chunks and the tiny segment) run on the last torch,
+# beside its torch-facing suites: on the first, whose suite is the longer stream, they kept the later
+# stream idle for its last minutes. Each runs on one torch only (the parallelism suite under mpiexec
+# stays on the first, which runs no other).
+CORE_LAST := $(foreach c,shm-3 mpi-3 shm-4 mpi-4,"tests/test_mpi_suites.py::test_suites_under_mpiexec[$(c)]") \
+	tests/test_mpi_suites.py::test_every_collective_at_16_ranks tests/test_mpi_suites.py::test_matrix_with_threads \
 	tests/test_mpi_suites.py::test_matrix_over_tcp_on_one_host tests/test_mpi_suites.py::test_collectives_with_tiny_mpi_chunks \
 	tests/test_mpi_suites.py::test_collectives_through_a_tiny_segment
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
