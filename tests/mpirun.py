@@ -124,9 +124,8 @@ def mpi_env():
 
 
 # Open MPI 5.0's launcher can deadlock after a rank's MPI_Abort: its ranks all gone, prterun waits for
-# ever in PMIx_server_deregister_client (its PMIx thread on a lock nobody releases). Seen here in 1 of
-# 22 runs of tests/faults/done_then_gone.py, three jobs at once on 2 cores, and once in a CI run; a
-# launcher can't end sooner than its last rank, so one with none left for this long is that deadlock.
+# ever in PMIx_server_deregister_client (its PMIx thread on a lock nobody releases; docs/robustness.md).
+# A launcher ends within moments of its last rank, so one with none left for this long is that deadlock.
 LAUNCHER_ORPHANED_S = 10.0
 
 
@@ -142,6 +141,11 @@ def _children(pid):
     return False
 
 
+def _decoded(partial):
+    """A TimeoutExpired's output and stderr so far (bytes, or None before any), as text."""
+    return [b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (partial.output, partial.stderr)]
+
+
 def run_mpiexec(cmd, timeout, env=None, **kwargs):
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command,
     except that a launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and
@@ -154,9 +158,8 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
             try:
                 out, err = proc.communicate(timeout=0.5)
                 return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-            except subprocess.TimeoutExpired as partial:   # (what was read so far, as bytes)
-                written = [b.decode(errors="replace") if isinstance(b, bytes) else b or ""
-                           for b in (partial.output, partial.stderr)]
+            except subprocess.TimeoutExpired as partial:
+                so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
             now = time.monotonic()
             if _children(proc.pid):
                 seen, childless_since = True, None
@@ -165,13 +168,14 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
             if now > deadline:
                 proc.kill()   # (as subprocess.run: the launcher, not what may still hold its pipes)
                 proc.wait()
-                raise subprocess.TimeoutExpired(cmd, timeout, *written)
+                raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
             if childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S:
                 proc.kill()
                 try:
                     written = list(proc.communicate(timeout=5))
-                except subprocess.TimeoutExpired:
+                except subprocess.TimeoutExpired as partial:
                     proc.wait()
+                    written = _decoded(partial)
                 return subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
                     f"\n(tests/mpirun.py: the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank "
                     "exited: Open MPI's deadlock after MPI_Abort)\n"))
