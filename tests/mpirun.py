@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -146,18 +147,35 @@ def _decoded(partial):
     return [b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (partial.output, partial.stderr)]
 
 
+def kill_session(sid):
+    """SIGKILL every process of session `sid`: a launcher started with start_new_session=True and its
+    ranks (each rank has a process group of its own, so killing the launcher's would leave them running)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+            if int(fields[3]) == sid:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+
+
 def run_mpiexec(cmd, timeout, env=None, **kwargs):
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command,
     except that a launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and
     its run returns what its ranks wrote, with returncode -9 and a note at the end of stderr: the
-    test judges the ranks, not the launcher's deadlock (above). The timeout still fails a job that
-    hangs with a rank alive."""
+    test judges the ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long
+    before the kill the last rank went (0 for a launcher that exited itself), so a test that times the
+    job can time its ranks. The timeout still fails a job that hangs with a rank alive; with
+    start_new_session=True it kills the whole session, ranks included, not the launcher alone."""
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
         deadline, seen, childless_since = time.monotonic() + timeout, False, None
         while True:
             try:
                 out, err = proc.communicate(timeout=0.5)
-                return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                done.ranks_gone_s = 0.0
+                return done
             except subprocess.TimeoutExpired as partial:
                 so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
             now = time.monotonic()
@@ -166,7 +184,9 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
             elif seen and childless_since is None:
                 childless_since = now
             if now > deadline:
-                proc.kill()   # (as subprocess.run: the launcher, not what may still hold its pipes)
+                # (as subprocess.run: the launcher, not what may still hold its pipes, unless the caller
+                # gave it a session of its own to end)
+                kill_session(proc.pid) if kwargs.get("start_new_session") else proc.kill()
                 proc.wait()
                 raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
             if childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S:
@@ -176,9 +196,11 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
                 except subprocess.TimeoutExpired as partial:
                     proc.wait()
                     written = _decoded(partial)
-                return subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
+                done = subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
                     f"\n(tests/mpirun.py: the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank "
                     "exited: Open MPI's deadlock after MPI_Abort)\n"))
+                done.ranks_gone_s = now - childless_since
+                return done
 
 
 def run_pytest(nranks, paths, timeout, extra=(), env=None):

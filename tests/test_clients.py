@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from mpirun import mpi_env, mpiexec_command
-from test_launch import kill_session
+from mpirun import kill_session, mpi_env, mpiexec_command
 from torchrun import clean_env, free_port, torchrun_command
 
 CLIENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clients")

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -452,6 +453,25 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     proc = run_mpiexec(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
     assert proc.returncode == -signal.SIGKILL and proc.stdout == "rank output\n", proc
     assert "the launcher was killed 1 s after its last rank exited" in proc.stderr, proc.stderr
+    assert 1.0 < proc.ranks_gone_s < 2.0, proc.ranks_gone_s   # (half-second polls)
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         run_mpiexec(["bash", "-c", "echo so far; sleep 60; true"], timeout=3)
     assert timed_out.value.output == "so far\n", timed_out.value.output
+    # In a session of its own, the timeout ends the "ranks" too, not the launcher alone.
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        run_mpiexec(["bash", "-c", "sleep 60 & echo $!; wait"], timeout=3, start_new_session=True)
+    rank = int(timed_out.value.output)
+    for _ in range(100):
+        if not running(rank):
+            break
+        time.sleep(0.05)
+    assert not running(rank), f"the launcher's child {rank} outlived the timeout"
+
+
+def running(pid):
+    """Whether process `pid` exists and is not a zombie (a killed orphan waits there for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

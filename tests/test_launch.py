@@ -3,7 +3,6 @@ launcher (torchrun-style env://) the ranks meet through torch's store and MPI is
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -500,34 +499,20 @@ def test_registration_does_not_import_mpi_or_the_engine():
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
 
-def kill_session(sid):
-    """SIGKILL every process of session `sid`: mpiexec and its ranks (each rank has a process group of its
-    own, so killing mpiexec's would leave them running)."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
-            if int(fields[3]) == sid:
-                os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            pass
-
-
 def launch_init_case(*args, timeout=60, **env):
     """tests/faults/fail_at_init.py under mpiexec with 3 ranks: (returncode, output, seconds from the last
-    rank's call of init_process_group to the job's end). A job still running at the timeout (the hang these
-    tests guard against) is killed whole, ranks included, and fails the test."""
+    rank's call of init_process_group to the job's end: its ranks' end, where the launcher outstayed them
+    in Open MPI's deadlock). A job still running at the timeout (the hang these tests guard against) is
+    killed whole, ranks included, and fails the test."""
     cmd = mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "fail_at_init.py"), *args]
     shm = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(cmd, env={**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out = proc.communicate()[0]
-        pytest.fail(f"{' '.join(args)}: the job still ran after {timeout} s (killed)\n{out[-3000:]}")
-    ended = time.time()
+        proc = run_mpiexec(cmd, timeout, env={**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, start_new_session=True)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{' '.join(args)}: the job still ran after {timeout} s (killed)\n"
+                    f"{(hung.output + hung.stderr)[-3000:]}")
+    ended = time.time() - proc.ranks_gone_s
+    out = proc.stdout + proc.stderr
     out = launcher_output(out)
     calls = [float(t) for t in re.findall(r"calls init_process_group at ([\d.]+)", out)]
     seconds = ended - max(calls) if calls else None
