@@ -262,7 +262,11 @@ class Communicator:
     def subgroup(self, ranks, *, name=None, store=None, transport=None, timeout=None):
         """A Communicator over `ranks` (ranks of this group, in the new group's order). Collective over
         the members only: ranks outside must not call it. timeout: this group's unless given."""
-        ranks = [int(r) for r in ranks]
+        ranks = list(ranks)
+        try:
+            ranks = [operator.index(r) for r in ranks]   # (int() would take "1" and truncate 1.5)
+        except TypeError:
+            raise TypeError(f"subgroup ranks must be ints, got {ranks}") from None
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"subgroup ranks must be a non-empty list without duplicates, got {ranks}")
         bad = [r for r in ranks if not 0 <= r < self.size]

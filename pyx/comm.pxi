@@ -498,19 +498,19 @@ cdef class CoreComm:
                     ms.count, (ms, mr))
         return recvbuf if recvbuf is not None else sendbuf
 
-    def broadcast(self, buf, int root=0):
-        _check_root(self, root)
+    def broadcast(self, buf, root=0):
+        cdef int r = _check_root(self, root)
         cdef Message m = as_message(buf, True, "buffer")
         cdef Call c
         c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
-        c.root = root
+        c.root = r
         self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, m)
         return buf
 
-    def reduce(self, sendbuf, recvbuf=None, op=0, int root=0):
+    def reduce(self, sendbuf, recvbuf=None, op=0, root=0):
         """On root recvbuf = reduce(op, sendbuf of every rank) (recvbuf None: in place on sendbuf)."""
-        _check_root(self, root)
-        cdef bint is_root = self.rank == root, inplace = recvbuf is None
+        cdef int r = _check_root(self, root)
+        cdef bint is_root = self.rank == r, inplace = recvbuf is None
         cdef Message ms = as_message(sendbuf, is_root and inplace, "sendbuf")
         cdef Message mr = ms
         cdef Reduction red = resolve_op(op, ms.dtype)
@@ -522,7 +522,7 @@ cdef class CoreComm:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
             ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
-        c.red, c.root = &red.c, root
+        c.red, c.root = &red.c, r
         self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
                     (ms, mr))
         return recvbuf if recvbuf is not None else sendbuf
@@ -541,14 +541,14 @@ cdef class CoreComm:
                     mr.count, (ms, mr))
         return recvbuf
 
-    def gather(self, sendbuf, recvbuf=None, int root=0, counts=None):
+    def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
         """On root recvbuf = concat(sendbuf of every rank); recvbuf is ignored elsewhere."""
-        _rooted(self, OP_GATHER, sendbuf, recvbuf, root, counts)
+        _rooted(self, OP_GATHER, sendbuf, recvbuf, _check_root(self, root), counts)
         return recvbuf
 
-    def scatter(self, sendbuf, recvbuf, int root=0, counts=None):
+    def scatter(self, sendbuf, recvbuf, root=0, counts=None):
         """recvbuf = this rank's slice of root's sendbuf; sendbuf is ignored off the root."""
-        _rooted(self, OP_SCATTER, sendbuf, recvbuf, root, counts)
+        _rooted(self, OP_SCATTER, sendbuf, recvbuf, _check_root(self, root), counts)
         return recvbuf
 
     def reduce_scatter(self, sendbuf, recvbuf, op=0, counts=None):
@@ -605,7 +605,7 @@ cdef class CoreComm:
 
     # -- point to point (not numbered: they need not match across all ranks) --
 
-    def isend(self, buf, int dest, int tag=0):
+    def isend(self, buf, dest, tag=0):
         """Returns a Request: .wait(), .test()."""
         return _post_user(self, buf, dest, tag, False, "isend", "isend")
 
@@ -613,14 +613,14 @@ cdef class CoreComm:
         """Returns a Request whose .wait() gives (source, tag, count); source / tag None or -1: any."""
         return _post_user(self, buf, _any(source), _any(tag), True, "irecv", "irecv")
 
-    def send(self, buf, int dest, int tag=0):
+    def send(self, buf, dest, tag=0):
         _post_user(self, buf, dest, tag, False, "send", "send").wait()
 
     def recv(self, buf, source=-1, tag=-1):
         """Returns (source, tag, count) of the message received; source / tag None or -1: any."""
         return _post_user(self, buf, _any(source), _any(tag), True, "recv", "recv").wait()
 
-    def sendrecv(self, sendbuf, int dest, recvbuf, source=-1, int sendtag=0, recvtag=-1):
+    def sendrecv(self, sendbuf, dest, recvbuf, source=-1, sendtag=0, recvtag=-1):
         """Sends sendbuf to dest and receives recvbuf at once (MPI_Sendrecv); returns the receive's
         (source, tag, count)."""
         r = _post_user(self, recvbuf, _any(source), _any(recvtag), True, "sendrecv", "recv")
@@ -665,7 +665,6 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     cdef Message mine, whole = None, ms, mr
     cdef Call c
     cdef size_t at
-    _check_root(self, root)
     mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
     if self.rank == root:
         wbuf = recvbuf if gather else sendbuf
@@ -686,14 +685,15 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count, (ms, mr))
 
 
-cdef Request _post_user(CoreComm self, object buf, int peer, object tag_, bint recv, str call, str what):
+cdef Request _post_user(CoreComm self, object buf, object peer_, object tag_, bint recv, str call, str what):
     """The user's isend / irecv on the group's user channel, peer and tag checked (`call` names the entry
-    point in the errors; a receive takes -1 for any source or tag; the tag is converted once the peer passed)."""
-    if not (recv and peer == ANY_PEER) and (peer < 0 or peer >= self.size):
+    point in the errors; a receive takes -1 for any source or tag; the tag is checked once the peer passed)."""
+    peer = _index(peer_, f"{call}'s {'source' if recv else 'destination'}")
+    if not (recv and peer == ANY_PEER) and not 0 <= peer < self.size:
         raise ValueError(f"{call}: {'source' if recv else 'destination'} rank {peer} is out of range for a group "
                          f"of size {self.size}" + (" (use None for any source)" if recv else ""))
-    cdef int tag = tag_
+    tag = _index(tag_, f"{call}'s tag")
     cdef int top = 0x7FFFFFFF if self.user_tp.wide_tags else 32767   # (all MPI promises; Gloo's are ints)
-    if not (recv and tag == ANY_TAG_) and (tag < 0 or tag > top):
+    if not (recv and tag == ANY_TAG_) and not 0 <= tag <= top:
         raise ValueError(f"tag {tag} is out of range; use 0..{top}")
     return post_request(self, self.user_tp, buf, peer, tag, recv, what)

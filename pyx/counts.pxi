@@ -133,10 +133,21 @@ def alltoall_table(int size, int rank, send_counts, size_t scount, recv_counts, 
 
 # ---- a CoreComm call's checks (comm.pxi) ----
 
-cdef int _check_root(CoreComm self, int root) except -1:
-    if root < 0 or root >= self.size:
-        raise ValueError(f"root {root} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
-    return 0
+cdef object _index(object value, str what):
+    """A rank or tag argument as a Python int, before any range check or C conversion (a float would
+    be truncated: root=1.5 run as root 1; a huge int would fail as an OverflowError naming nothing)."""
+    try:
+        return PyNumber_Index(value)
+    except TypeError:
+        raise TypeError(f"{what} is {value!r}, not an int") from None
+
+
+cdef int _check_root(CoreComm self, object root) except -1:
+    """The call's root, checked: an int of the group."""
+    r = _index(root, "root")
+    if not 0 <= r < self.size:
+        raise ValueError(f"root {r} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
+    return r
 
 
 cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1:

@@ -413,7 +413,8 @@ cdef class CoreComm:
 
 
 # a CoreComm call's checks (counts.pxi)
-cdef int _check_root(CoreComm self, int root) except -1
+cdef object _index(object value, str what)
+cdef int _check_root(CoreComm self, object root) except -1
 cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1
 cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
                         str whole_role, str what) except? 0

@@ -145,6 +145,31 @@ def test_root_and_peer_out_of_range():
     check_still_usable()
 
 
+def test_a_rank_or_tag_that_is_no_int_is_refused_not_truncated():
+    """root=1.5 ran as root 1 and tag=2.5 went as tag 2 (C's conversion truncates); a huge one failed
+    as an OverflowError naming nothing. Each is refused, named, before anything moves."""
+    x = np.ones(2, np.float32)
+    for call in (lambda: WORLD.broadcast(x, root=0.5), lambda: WORLD.reduce(x, root=0.0),
+                 lambda: WORLD.gather(x, np.zeros(2 * P, np.float32), root=0.0),
+                 lambda: WORLD.scatter(np.zeros(2 * P, np.float32), x, root="0")):
+        with pytest.raises(TypeError, match=r"^root is .*, not an int$"):
+            call()
+    with pytest.raises(TypeError, match="^isend's destination is 0.5, not an int$"):
+        WORLD.isend(x, 0.5)
+    with pytest.raises(TypeError, match="^send's tag is 2.5, not an int$"):
+        WORLD.send(x, R, tag=2.5)
+    with pytest.raises(TypeError, match="^recv's source is 0.0, not an int$"):
+        WORLD.recv(x, source=0.0)
+    with pytest.raises(ValueError, match=f"root {2**40} is out of range"):
+        WORLD.broadcast(x, root=2**40)
+    with pytest.raises(ValueError, match=f"tag {2**40} is out of range"):
+        WORLD.send(x, R, tag=2**40)
+    with pytest.raises(TypeError, match=r"subgroup ranks must be ints, got \[0.0\]"):
+        WORLD.subgroup([0.0])
+    WORLD.broadcast(x, root=np.int64(0))   # (an integer of another type is one)
+    check_still_usable()
+
+
 def test_receive_smaller_than_message_is_an_error_not_truncation():
     if P == 1:
         req = WORLD.isend(np.ones(8, np.float32), 0, tag=1)
