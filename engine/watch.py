@@ -467,6 +467,17 @@ class _Registry:
                 self.thread.start()
                 _install_dump_signal()
 
+    def snapshot(self):
+        """The live watches, as a list. list() of the WeakSet raises when another thread's add() changes
+        it meanwhile (it killed the watchdog, which add() then never started again, so MPI's blocking
+        calls had no timeout); the lock is not taken, since the dump signal's handler runs on a thread
+        that may hold it."""
+        while True:
+            try:
+                return list(self.watches)
+            except RuntimeError:   # (changed size during iteration: read it again)
+                continue
+
     def _watchdog(self):
         # MPI's blocking collectives block in MPI: here they get their stall warning and, at the timeout, the end.
         # The thread ends with the last group (destroy_process_group leaves no thread behind); the next one
@@ -483,7 +494,7 @@ class _Registry:
     def _check_native(self):
         # (A frame of its own: a loop variable left in the thread's frame would keep the last group it saw,
         # its segment, sockets and store, alive after the group is destroyed.)
-        for watch in list(self.watches):
+        for watch in self.snapshot():
             rec = watch.core.current()
             if rec is None or not rec[NATIVE]:
                 continue
@@ -509,7 +520,7 @@ def _install_dump_signal():
         return
     try:
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in list(_registry.watches)])
+            signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in _registry.snapshot()])
     except (ValueError, OSError):
         pass
 

@@ -367,3 +367,35 @@ def test_monitored_barriers_leave_no_keys_in_the_store():
     for t in threads:
         t.join(60)
     assert not errors and store.num_keys() == 0, (errors, store.num_keys())
+
+
+def test_the_watchdogs_list_of_watches_survives_groups_made_meanwhile():
+    """The watchdog thread read the live watches with list() of a WeakSet while the main thread's add()
+    (a group made) changed it: 'Set changed size during iteration' killed the thread, add() never
+    started another, and MPI's blocking calls lost their timeout (800 torch groups made at once showed
+    it in 2 runs of 3). Its snapshot() reads again instead."""
+    import threading
+    from engine.watch import _Registry
+
+    class Held:   # (a stand-in for a Watch: the set holds anything weakly referenced)
+        pass
+
+    registry, held, done, failed = _Registry(), [], threading.Event(), []
+    registry.watches.update(held.append(Held()) or held[-1] for _ in range(2000))
+
+    def read():
+        try:
+            while not done.is_set():
+                registry.snapshot()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(20000):
+        with registry.lock:
+            held.append(Held())
+            registry.watches.add(held[-1])
+    done.set()
+    reader.join()
+    assert not failed, failed
