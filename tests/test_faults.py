@@ -22,8 +22,14 @@ TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "mpi"])
 
 
 def launch(script, nranks, timeout, **env):
-    proc = run_mpiexec(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)], timeout,
-                       env={**mpi_env(), **env})
+    """The script under mpiexec: (the run, its output). A job still running at the timeout is killed
+    whole, ranks included, and fails the test with what its ranks wrote."""
+    try:
+        proc = run_mpiexec(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)], timeout,
+                           env={**mpi_env(), **env}, start_new_session=True)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{script} still ran after {timeout} s (killed)\n"
+                    f"{launcher_output(hung.output + hung.stderr)[-5000:]}")
     return proc, launcher_output(proc.stdout + proc.stderr)
 
 
