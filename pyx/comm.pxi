@@ -688,11 +688,11 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
 cdef Request _post_user(CoreComm self, object buf, object peer_, object tag_, bint recv, str call, str what):
     """The user's isend / irecv on the group's user channel, peer and tag checked (`call` names the entry
     point in the errors; a receive takes -1 for any source or tag; the tag is checked once the peer passed)."""
-    peer = _index(peer_, f"{call}'s {'source' if recv else 'destination'}")
+    peer = _index(peer_, call, "source" if recv else "destination")
     if not (recv and peer == ANY_PEER) and not 0 <= peer < self.size:
         raise ValueError(f"{call}: {'source' if recv else 'destination'} rank {peer} is out of range for a group "
                          f"of size {self.size}" + (" (use None for any source)" if recv else ""))
-    tag = _index(tag_, f"{call}'s tag")
+    tag = _index(tag_, call, "tag")
     cdef int top = 0x7FFFFFFF if self.user_tp.wide_tags else 32767   # (all MPI promises; Gloo's are ints)
     if not (recv and tag == ANY_TAG_) and not 0 <= tag <= top:
         raise ValueError(f"tag {tag} is out of range; use 0..{top}")

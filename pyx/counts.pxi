@@ -133,18 +133,21 @@ def alltoall_table(int size, int rank, send_counts, size_t scount, recv_counts, 
 
 # ---- a CoreComm call's checks (comm.pxi) ----
 
-cdef object _index(object value, str what):
+cdef object _index(object value, str call, str what):
     """A rank or tag argument as a Python int, before any range check or C conversion (a float would
-    be truncated: root=1.5 run as root 1; a huge int would fail as an OverflowError naming nothing)."""
+    be truncated: root=1.5 run as root 1; a huge int would fail as an OverflowError naming nothing).
+    call: the entry point the error names before `what` (None: `what` alone); the name is made only
+    for the error, off a message's path."""
     try:
         return PyNumber_Index(value)
     except TypeError:
-        raise TypeError(f"{what} is {value!r}, not an int") from None
+        named = what if call is None else f"{call}'s {what}"
+        raise TypeError(f"{named} is {value!r}, not an int") from None
 
 
 cdef int _check_root(CoreComm self, object root) except -1:
     """The call's root, checked: an int of the group."""
-    r = _index(root, "root")
+    r = _index(root, None, "root")
     if not 0 <= r < self.size:
         raise ValueError(f"root {r} is out of range for a group of size {self.size} (valid: 0..{self.size - 1})")
     return r

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 @functools.lru_cache(maxsize=None)
 def _version(exe):
@@ -147,14 +149,26 @@ def _decoded(partial):
     return [b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (partial.output, partial.stderr)]
 
 
+def proc_stat(pid):
+    """/proc/<pid>/stat's fields after "pid (comm)": state ppid pgrp session ... (OSError once it is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def running(pid):
+    """Whether process `pid` exists and is not a zombie (a killed orphan waits there for its reaper)."""
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
 def kill_session(sid):
     """SIGKILL every process of session `sid`: a launcher started with start_new_session=True and its
     ranks (each rank has a process group of its own, so killing the launcher's would leave them running)."""
     for pid in os.listdir("/proc"):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
-            if int(fields[3]) == sid:
+            if int(proc_stat(pid)[3]) == sid:
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             pass
@@ -201,6 +215,16 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
                     "exited: Open MPI's deadlock after MPI_Abort)\n"))
                 done.ranks_gone_s = now - childless_since
                 return done
+
+
+def run_job(cmd, timeout, env, what):
+    """run_mpiexec in a session of its own, for a test: a job still running at the timeout is killed
+    whole, ranks included, and fails the test (named by `what`) with what its ranks wrote."""
+    try:
+        return run_mpiexec(cmd, timeout, env=env, start_new_session=True)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{what}: the job still ran after {timeout} s (killed)\n"
+                    f"{launcher_output(hung.output + hung.stderr)[-5000:]}")
 
 
 def run_pytest(nranks, paths, timeout, extra=(), env=None):

@@ -380,8 +380,8 @@ def test_the_watchdogs_list_of_watches_survives_groups_made_meanwhile():
     class Held:   # (a stand-in for a Watch: the set holds anything weakly referenced)
         pass
 
-    registry, held, done, failed = _Registry(), [], threading.Event(), []
-    registry.watches.update(held.append(Held()) or held[-1] for _ in range(2000))
+    registry, held, done, failed = _Registry(), [Held() for _ in range(2000)], threading.Event(), []
+    registry.watches.update(held)
 
     def read():
         try:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mpirun import launcher_output, mpi_env, mpiexec_command, run_mpiexec
+from mpirun import launcher_output, mpi_env, mpiexec_command, run_job, run_mpiexec, running
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
@@ -22,14 +22,9 @@ TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "mpi"])
 
 
 def launch(script, nranks, timeout, **env):
-    """The script under mpiexec: (the run, its output). A job still running at the timeout is killed
-    whole, ranks included, and fails the test with what its ranks wrote."""
-    try:
-        proc = run_mpiexec(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)], timeout,
-                           env={**mpi_env(), **env}, start_new_session=True)
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{script} still ran after {timeout} s (killed)\n"
-                    f"{launcher_output(hung.output + hung.stderr)[-5000:]}")
+    """The script under mpiexec: (the run, its output); a job still running at the timeout fails (run_job)."""
+    proc = run_job(mpiexec_command(nranks) + [sys.executable, os.path.join(HERE, script)], timeout,
+                   {**mpi_env(), **env}, script)
     return proc, launcher_output(proc.stdout + proc.stderr)
 
 
@@ -472,12 +467,3 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
             break
         time.sleep(0.05)
     assert not running(rank), f"the launcher's child {rank} outlived the timeout"
-
-
-def running(pid):
-    """Whether process `pid` exists and is not a zombie (a killed orphan waits there for its reaper)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

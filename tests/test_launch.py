@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_mpiexec,
+from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_job, run_mpiexec,
                     ulfm_unavailable, under_open_mpi)
 from ports import free_port
 from torchbridge.launch import detect_launcher, prepare_env
@@ -506,14 +506,9 @@ def launch_init_case(*args, timeout=60, **env):
     killed whole, ranks included, and fails the test."""
     cmd = mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "fail_at_init.py"), *args]
     shm = set(os.listdir("/dev/shm"))
-    try:
-        proc = run_mpiexec(cmd, timeout, env={**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, start_new_session=True)
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{' '.join(args)}: the job still ran after {timeout} s (killed)\n"
-                    f"{(hung.output + hung.stderr)[-3000:]}")
+    proc = run_job(cmd, timeout, {**mpi_env(), "ENGINE_TIMEOUT": "300", **env}, " ".join(args))
     ended = time.time() - proc.ranks_gone_s
-    out = proc.stdout + proc.stderr
-    out = launcher_output(out)
+    out = launcher_output(proc.stdout + proc.stderr)
     calls = [float(t) for t in re.findall(r"calls init_process_group at ([\d.]+)", out)]
     seconds = ended - max(calls) if calls else None
     print(f"{' '.join(args)}: exit {proc.returncode}, the job ended {seconds} s after the last init_process_group")

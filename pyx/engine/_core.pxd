@@ -413,7 +413,7 @@ cdef class CoreComm:
 
 
 # a CoreComm call's checks (counts.pxi)
-cdef object _index(object value, str what)
+cdef object _index(object value, str call, str what)
 cdef int _check_root(CoreComm self, object root) except -1
 cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1
 cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
