@@ -621,10 +621,11 @@ cdef class CoreComm:
         return _post_user(self, buf, _any(source), _any(tag), True, "recv", "recv").wait()
 
     def sendrecv(self, sendbuf, dest, recvbuf, source=-1, sendtag=0, recvtag=-1):
-        """Sends sendbuf to dest and receives recvbuf at once (MPI_Sendrecv); returns the receive's
-        (source, tag, count)."""
-        r = _post_user(self, recvbuf, _any(source), _any(recvtag), True, "sendrecv", "recv")
-        _post_user(self, sendbuf, dest, sendtag, False, "sendrecv", "send").wait()
+        """MPI_Sendrecv, returning (source, tag, count); sendbuf sharing recvbuf's bytes sends what it held."""
+        into = as_message(recvbuf, True, "buffer")
+        sent = apart(as_message(sendbuf, False, "buffer"), into, NULL)
+        r = _post_user(self, into, _any(source), _any(recvtag), True, "sendrecv", "recv")
+        _post_user(self, sent, dest, sendtag, False, "sendrecv", "send").wait()
         return r.wait()
 
 

@@ -100,10 +100,11 @@ cdef object _message_error(CoreComm comm, int ierr, str what, Transport tp):
 
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what):
-    """One isend / irecv posted on tp, its wait watched by the request itself."""
+    """One isend / irecv of buf (a buffer, or a Message made of one) posted on tp, its wait watched by the
+    request itself."""
     cdef Request r = Request.__new__(Request)
     cdef int ierr
-    r.msg = as_message(buf, recv, "buffer")
+    r.msg = buf if type(buf) is Message else as_message(buf, recv, "buffer")
     r.tp, r.comm, r.is_recv, r.peer, r.tag, r.what = tp, comm, recv, peer, tag, what
     comm.start(&r.ctx)
     r.ctx.hook = <void*>r

@@ -336,6 +336,15 @@ def check_sendrecv(pg, comm, entry):
         source, _, count = comm.sendrecv(torch_data(R, n, dt), right, got, None, sendtag=7, recvtag=7)
         equal(got, torch_data(left, n, dt), f"comm.sendrecv {dt} n={n}")
         assert source == left and count == n
+    # One buffer both ways sends what it held (as MPI_Sendrecv_replace), however long the exchange lasts
+    # (the larger sizes: a message still leaving while its peer's arrives).
+    for dt, n in movement_cases() + [(torch.float32, 1 << 20), (torch.float32, 3 << 20)] * 2:
+        both = torch_data(R, n, dt)
+        comm.sendrecv(both, right, both, left, sendtag=7, recvtag=7)
+        equal(both, torch_data(left, n, dt), f"comm.sendrecv of one buffer {dt} n={n}")
+        whole = torch_data(R, n + n // 2, dt)   # and two views of one buffer that overlap
+        comm.sendrecv(whole[:n], right, whole[n // 2:], left, sendtag=7, recvtag=7)
+        equal(whole[n // 2:], torch_data(left, n + n // 2, dt)[:n], f"comm.sendrecv of overlapping views {dt} n={n}")
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
