@@ -45,7 +45,8 @@ def _opening(transport, ring_segment_bytes, size):
     return {"engine.__version__": __version__, "the group's size": size,
             "ENGINE_TRANSPORT": requested_transport(transport), "ENGINE_INTERHOST": interhost(),
             "ENGINE_TCP_CONNECT": connect_mode(), "ENGINE_SOCKETS": hierarchy.forced_sockets(),
-            "ENGINE_RING_SEGMENT_BYTES": ring_segment_bytes or registry.RING_SEGMENT.value()}
+            "ENGINE_RING_SEGMENT_BYTES": registry.RING_SEGMENT.value() if ring_segment_bytes is None else
+            registry.RING_SEGMENT.given(ring_segment_bytes, "ring_segment_bytes")}
 
 
 def _agreed(name, everyone):
@@ -104,6 +105,10 @@ class Communicator:
         if _boot is None:
             from . import mpi
             MPI = mpi.load()
+            if comm is not None and not isinstance(comm, MPI.Intracomm):
+                raise TypeError(f"comm must be an mpi4py intracommunicator (MPI.COMM_WORLD, or one split from it), "
+                                f"not {comm!r}" + (" (MPI.COMM_NULL: this rank is in no communicator)"
+                                                   if comm == MPI.COMM_NULL else ""))
             _boot = MpiBootstrap(comm if comm is not None else MPI.COMM_WORLD, Watch.timeout_of(timeout))
         _boot.group = name
         self._core = None

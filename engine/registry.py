@@ -21,6 +21,7 @@ This is the one place that names an algorithm or holds a threshold. Its users:
 
 import dataclasses
 import hashlib
+import operator
 import os
 
 from . import tuning
@@ -50,6 +51,14 @@ class Tunable:
         doc = tuned()   # (its thresholds were checked against the same bounds when it was read)
         return env_int(self.env, doc["thresholds"].get(self.env, self.default) if doc else self.default,
                        minimum=self.minimum, maximum=self.maximum)
+
+    def given(self, value, what):
+        """value, given in code where the setting is read (`what` names the argument), held to its bounds."""
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise TypeError(f"{what} must be an int ({self.doc}), not {value!r}")
+        if not self.minimum <= operator.index(value) <= self.maximum:
+            raise ValueError(f"{what}={value}: expected {self.minimum}..{self.maximum} ({self.doc})")
+        return operator.index(value)
 
 
 @dataclasses.dataclass(frozen=True)

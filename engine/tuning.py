@@ -21,6 +21,8 @@ files ("allreduce": {transport: rules}, "hierarchical_allreduce_min_bytes") are 
 
 import json
 
+from .config import MAX_SETTING
+
 FORMAT = "engine-tuning/2"
 FORMATS = ("engine-tuning/1", FORMAT)
 MAX_RULES = 32                  # per collective and transport
@@ -63,8 +65,8 @@ def parse(path):
     if not isinstance(thresholds, dict):
         raise fail(path, "\"thresholds\" must map an environment variable to a byte count")
     for name, value in thresholds.items():
-        if not isinstance(value, int) or value < 0:
-            raise fail(path, f"threshold {name} must be an integer >= 0, not {value!r}")
+        if not _count(value):
+            raise fail(path, f"threshold {name} must be an integer 0..{MAX_SETTING}, not {value!r}")
     return {"rules": parsed, "thresholds": dict(thresholds)}
 
 
@@ -74,10 +76,15 @@ def _rule(path, where, item):
     values = [item.get("algorithm")]
     for key, default in (("min_bytes", 0), ("max_bytes", None), ("min_ranks", 1), ("max_ranks", None)):
         v = item.get(key, default)
-        if v is not None and (not isinstance(v, int) or v < 0):
-            raise fail(path, f"{where}: {key} must be an integer >= 0, not {v!r}")
+        if v is not None and not _count(v):
+            raise fail(path, f"{where}: {key} must be an integer 0..{MAX_SETTING}, not {v!r}")
         values.append(v)
     _, lo, hi, lo_r, hi_r = values
     if (hi is not None and lo > hi) or (hi_r is not None and lo_r > hi_r):
         raise fail(path, f"{where}: an empty range (min above max)")
     return tuple(values)
+
+
+def _count(v):
+    """Whether v is a byte or rank count the core takes (JSON's true is no count)."""
+    return type(v) is int and 0 <= v <= MAX_SETTING

@@ -222,6 +222,27 @@ def test_unknown_algorithm_and_bad_environment(monkeypatch):
         engine.Communicator()
 
 
+def test_a_groups_arguments_of_the_wrong_kind_or_out_of_range_are_named():
+    """engine.Communicator's ring_segment_bytes held to ENGINE_RING_SEGMENT_BYTES's bounds (-5 and 2**70
+    gave a bare OverflowError from C's conversion, 1.5 ran as 1) and its comm to an mpi4py
+    intracommunicator (a str gave AttributeError: no attribute 'Get_rank'), on every rank alike."""
+    from mpi4py import MPI
+
+    for bad, kind, message in ((-5, ValueError, r"ring_segment_bytes=-5: expected 16\.\.4611686018427387904 \(pipeline"),
+                               (2 ** 70, ValueError, "ring_segment_bytes=1180591620717411303424: expected 16"),
+                               (1.5, TypeError, r"ring_segment_bytes must be an int \(pipeline segment of the ring\), "
+                                                "not 1.5"),
+                               (True, TypeError, "ring_segment_bytes must be an int .*, not True")):
+        with pytest.raises(kind, match=message):
+            engine.Communicator(ring_segment_bytes=bad)
+    with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator .*, not 'x'$"):
+        engine.Communicator("x")
+    with pytest.raises(TypeError, match=r"\(MPI.COMM_NULL: this rank is in no communicator\)"):
+        engine.Communicator(MPI.COMM_NULL)
+    engine.Communicator(ring_segment_bytes=np.int64(4096)).free()
+    check_still_usable()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mpi"])
 def test_a_freed_group_refuses_every_call_and_drops_what_was_posted(transport):
     """free() (destroy_process_group's) releases the group's memory and descriptors at once, though
