@@ -83,13 +83,18 @@ def _real(tensors, opts, what):
     """Complex tensors as their real views ((re, im) pairs: the last dimension doubled), on which SUM,
     AVG and PREMUL_SUM are the complex ones, and the others refused as torch refuses them. torch does
     this before all_reduce and its coalesced form, not before reduce and reduce_scatter (Gloo reduces
-    complex tensors); a mix of complex and real tensors is left to the dtype checks."""
+    complex tensors); a mix of complex and real tensors is left to the dtype checks. The first tensor
+    is written: one lazily conjugated is refused, as the buffer layer refuses it (Gloo leaves such a
+    reduce's root unreduced); the others are read, resolved where conjugated (as Gloo reads them)."""
     if not all(t.is_complex() for t in tensors):
         return tensors
     op = (opts.reduceOp if opts is not None else dist.ReduceOp(dist.ReduceOp.SUM)).op
     if not dist.distributed_c10d.supports_complex(op):
         raise ValueError(f"engine {what} does not support {op} on complex tensors: SUM, AVG and PREMUL_SUM reduce them")
-    return [torch.view_as_real(t) for t in tensors]
+    if tensors[0].is_conj():
+        raise ValueError(f"engine {what}: its output is a lazily conjugated view (its memory holds the values before "
+                         "that); pass tensor.resolve_conj() and copy the result back")
+    return [torch.view_as_real(t.resolve_conj()) for t in tensors]
 
 
 def _check_premul(t):

@@ -475,6 +475,20 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
     dist.reduce_scatter(gout, list(value(R, n).chunk(P)), group=GLOO)
     dist.reduce_scatter(out, list(value(R, n).chunk(P)))
     assert torch.equal(out, gout)
+    # Inputs lazily conjugated (torch's internal view_as_real error before) are read as they show, as
+    # Gloo reads them; an output so conjugated is refused on every rank (Gloo leaves reduce's root as it was).
+    conjugated = sum(value(r, n) for r in range(P)).conj()
+    reduce_scatter_single(gout, value(R, n).conj(), group=GLOO)
+    reduce_scatter_single(out, value(R, n).conj())
+    assert torch.equal(out, gout) and torch.allclose(out, conjugated[2 * R:2 * R + 2], rtol=1e-6, atol=0)
+    dist.reduce_scatter(out, [c.conj() for c in value(R, n).chunk(P)])
+    assert torch.equal(out, gout)
+    for refused in (lambda: dist.reduce(value(R, n).conj(), dst=0),
+                    lambda: reduce_scatter_single(torch.empty(2, dtype=dtype).conj(), value(R, n)),
+                    lambda: dist.reduce_scatter(torch.empty(2, dtype=dtype).conj(), list(value(R, n).chunk(P)))):
+        with pytest.raises(ValueError, match=r"output is a lazily conjugated view .*pass tensor\.resolve_conj\(\) and "
+                                             "copy the result back"):
+            refused()
     for red in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
         with pytest.raises(ValueError, match="does not support .* on complex tensors"):
             dist.reduce(value(R, n), dst=0, op=red)
