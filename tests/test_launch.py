@@ -1,6 +1,7 @@
 """Zero-config launch: env:// variables from the MPI launcher, user values checked; without an MPI
 launcher (torchrun-style env://) the ranks meet through torch's store and MPI is never imported."""
 
+import json
 import os
 import re
 import subprocess
@@ -317,6 +318,35 @@ def test_plain_python_is_a_world_of_one():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "world 1 engine [1.0, 1.0, 1.0] False" in proc.stdout
+
+
+def test_a_backend_string_giving_a_device_to_another_backend_is_warned_of():
+    """"cpu:gloo,cuda:engine" can't be honoured (torch gives a backend that makes a whole ProcessGroup
+    every device): init_process_group says so, once, naming where each device's tensors go; the
+    group works (on the engine), and "engine" or "cpu:engine,cuda:engine" say nothing."""
+    code = textwrap.dedent("""
+        import json, sys, warnings, torch, torch.distributed as dist
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            dist.init_process_group(sys.argv[1], store=dist.HashStore(), rank=0, world_size=1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        print(type(dist.distributed_c10d._get_default_group()).__name__, t.tolist())
+        print(json.dumps([str(w.message) for w in seen if "makes the whole group" in str(w.message)]))
+    """)
+    for backend, said in (("cpu:gloo,cuda:engine", "cpu tensors go to engine, not gloo"),
+                          ("cuda:gloo,cpu:engine", "cuda tensors go to engine, not gloo"),
+                          ("engine", None), ("cpu:engine,cuda:engine", None)):
+        proc = subprocess.run([sys.executable, "-c", code, backend], env=clean_env(), capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        group, warned = proc.stdout.splitlines()[-2:]
+        assert group == "EngineProcessGroup [1.0, 1.0, 1.0]", proc.stdout
+        warned = json.loads(warned)
+        if said is None:
+            assert warned == [], (backend, warned)
+        else:
+            assert len(warned) == 1 and said in warned[0] and f"backend='{backend}'" in warned[0], (backend, warned)
 
 
 BESIDE_MPI = textwrap.dedent("""

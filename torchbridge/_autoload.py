@@ -45,6 +45,7 @@ def _wrap_init_process_group(dist):
         named = backend is not None and BACKEND in str(backend).lower().replace(":", ",").split(",")
         if not named or dist.is_initialized():  # a second init: torch refuses it at once
             return original(backend, init_method, *args, **kwargs)
+        _warn_of_devices_given_to_others(dist, backend)
         try:
             if (init_method is None or str(init_method).startswith("env://")) and kwargs.get("store") is None:
                 from .launch import prepare_env
@@ -61,6 +62,19 @@ def _wrap_init_process_group(dist):
     init_process_group._engine_wrapped = True
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+
+
+def _warn_of_devices_given_to_others(dist, backend):
+    """A backend string that gives some device to another backend ("cpu:gloo,cuda:engine") can't be
+    honoured: torch hands a backend that makes a whole ProcessGroup, as this one does, every device of
+    the group. Said once, at init, rather than found out from a trace."""
+    given = dist.distributed_c10d.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    others = {device: name for device, name in given.items() if name != BACKEND}
+    if others:
+        routed = ", ".join(f"{device} tensors go to {BACKEND}, not {name}" for device, name in others.items())
+        warnings.warn(f"init_process_group(backend={backend!r}): backend {BACKEND!r} makes the whole group, so torch "
+                      f"gives it every device's tensors: {routed}. Name {BACKEND!r} alone, or another backend for "
+                      "every device", UserWarning, stacklevel=3)
 
 
 def _bounded_init(dist, original, backend, init_method, args, kwargs):
