@@ -19,8 +19,8 @@ through pybind, as the general path reads it; tests/test_torch_options.py compar
 
 A synchronous call (torch's async_op=False) runs in the caller's thread through the group's progress
 engine (engine.progress.Progress.run: in place when nothing is queued) and returns a completed Work
-holding its outputs; an asynchronous one is queued and returns a CollectiveWork. A point-to-point Work torch has
-already dropped is reused for the next message (see _p2p_work).
+holding its outputs; an asynchronous one is queued and returns a CollectiveWork. A Work torch has already
+dropped is reused for the next call of under REUSED_MAX_BYTES (see _completed, _p2p_work).
 """
 
 from cpython.list cimport PyList_GET_ITEM
@@ -309,6 +309,17 @@ cdef inline bint _profiling():
 
 cdef enum:
     P2P_WORKS = 4   # point-to-point Works kept for reuse: a batch_isend_irecv to both neighbours holds four
+    # The most output bytes a reused Work holds: it keeps them past its call, until the group's next
+    # one (a group used once, for the model's first broadcast, would keep them to its end). A larger
+    # call's Work is its own, and goes with its caller's last reference, as Gloo's does.
+    REUSED_MAX_BYTES = 1 << 20
+
+
+cdef bint _reusable(outputs):
+    cdef Py_ssize_t total = 0
+    for t in outputs:
+        total += t.nbytes
+    return total < REUSED_MAX_BYTES
 
 
 cpdef Py_ssize_t rows(t):
@@ -392,6 +403,8 @@ cdef class FastPath:
         # nothing but this holds it: torch's synchronous calls (dist.*(async_op=False)) come from Python,
         # which waits and drops the Work.
         cdef PyObject *w = <PyObject *>self.completed
+        if not _reusable(outputs):
+            return CompletedWork.of(outputs)
         if w.ob_refcnt == 1:
             self.completed._outputs = outputs
         else:
@@ -405,6 +418,8 @@ cdef class FastPath:
         # in C++ alone.
         cdef Py_ssize_t i
         cdef PyObject *w
+        if not _reusable(outputs):
+            return PointToPointWork.of(request, outputs, None, self.kick)
         for i in range(P2P_WORKS):
             w = PyList_GET_ITEM(self.works, i)    # borrowed: when 1, the list's reference is the only one
             if w.ob_refcnt == 1 and w != <PyObject *>None:

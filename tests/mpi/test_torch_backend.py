@@ -498,6 +498,35 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
             dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
 
 
+def test_a_calls_large_tensors_are_not_kept_once_the_caller_drops_them():
+    """A synchronous call's tensors of 1 MiB or more go with the caller's last reference, as Gloo's do:
+    the latency path reuses its last Works, which kept the last call's outputs alive until the group's
+    next call (for a group used once, to its end)."""
+    import gc
+    import weakref
+
+    if P == 1:
+        pytest.skip("point-to-point needs a peer")
+    all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    calls = {"all_reduce": lambda t: dist.all_reduce(t),
+             "broadcast": lambda t: dist.broadcast(t, src=0),
+             "all_gather_single": lambda t: all_gather_single(t, torch.ones(t.numel() // P)),
+             "send/recv": lambda t: dist.send(t, 1) if R == 0 else dist.recv(t, 0) if R == 1 else None,
+             "isend/irecv": lambda t: (dist.isend(t, 1) if R == 0 else dist.irecv(t, 0)).wait() if R < 2 else None,
+             "all_reduce async": lambda t: dist.all_reduce(t, async_op=True).wait()}
+    kept = []
+    for name, call in calls.items():
+        t = torch.ones(P << 18)   # (P MiB)
+        call(t)
+        ref = weakref.ref(t)
+        del t
+        gc.collect()
+        if ref() is not None:
+            kept.append(name)
+    assert kept == [], f"rank {R}: the tensors of {kept} outlived the call"
+    dist.barrier()
+
+
 def test_all_to_all_equal_and_uneven_splits():
     inp = torch.arange(2 * P, dtype=torch.float32) + 100 * R
     out = torch.empty(2 * P)
