@@ -45,7 +45,8 @@ def _wrap_init_process_group(dist):
         named = backend is not None and BACKEND in str(backend).lower().replace(":", ",").split(",")
         if not named or dist.is_initialized():  # a second init: torch refuses it at once
             return original(backend, init_method, *args, **kwargs)
-        _warn_of_devices_given_to_others(dist, backend)
+        if ":" in str(backend):
+            _warn_of_devices_given_to_others(dist, backend)
         try:
             if (init_method is None or str(init_method).startswith("env://")) and kwargs.get("store") is None:
                 from .launch import prepare_env
