@@ -47,12 +47,20 @@ def contiguous(t):
     return t.contiguous()
 
 
+def write_back(out, result):
+    """out.copy_(result) as the backend's own write, outside autograd: a tensor that requires grad (a
+    channels_last or transposed Parameter, staged or not contiguous) is written as Gloo writes its
+    memory, where autograd refuses an in-place copy into a leaf that requires grad."""
+    with torch.no_grad():
+        out.copy_(result)
+
+
 def _through_contiguous(fn, tensors, *args, **kwargs):
     work = [contiguous(t) for t in tensors]
     fn(work, *args, **kwargs)
     for t, w in zip(tensors, work):
         if w is not t:
-            t.copy_(w)
+            write_back(t, w)
 
 
 def used_on(stream, *groups):
@@ -128,7 +136,7 @@ class CpuDevice:
         if t.is_contiguous():
             return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.kick)
         tmp = contiguous(t)
-        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: t.copy_(tmp),
+        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: write_back(t, tmp),
                                    kick=self.kick)
 
     def shutdown(self):
@@ -148,7 +156,7 @@ class _StreamOps:
 
     def allreduce(self, sendbuf, recvbuf=None, op=ReduceOp.SUM):
         if recvbuf is not None and recvbuf is not sendbuf:
-            recvbuf.copy_(sendbuf)
+            write_back(recvbuf, sendbuf)
             sendbuf = recvbuf
         self.cc.allreduce(sendbuf, op, stream=self._stream())
 
@@ -263,7 +271,7 @@ class CudaDevice:
             raise
         for kind, t, buf, _, _, work in pending:
             if buf is not t:
-                t.copy_(buf)
+                write_back(t, buf)
             work._event.record(stream)
             self.watchdog.watch(work._event, kind, self.cc)
 
@@ -309,7 +317,7 @@ class _HostOps:
 
             result = op(*[host(a) for a in args])
             for dev, h in pairs:
-                dev.copy_(h)  # blocking: any stream may read it once we return
+                write_back(dev, h)  # blocking: any stream may read it once we return
             return result
 
         return staged
@@ -337,7 +345,7 @@ class StagedDevice:
         hosts = [_pinned(t).copy_(t) for t in tensors]
         self.cpu.fused(hosts, op, compression, prescale, name, sync=True)
         for t, h in zip(tensors, hosts):
-            t.copy_(h)
+            write_back(t, h)
         return CompletedWork.of(tensors)
 
     def send(self, t, dst, tag, outputs):
@@ -345,7 +353,7 @@ class StagedDevice:
 
     def recv(self, t, src, tag, outputs):
         host = _pinned(t)
-        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: t.copy_(host),
+        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: write_back(t, host),
                                    kick=self.cpu.kick)
 
     def abort(self, error):

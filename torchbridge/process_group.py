@@ -16,7 +16,7 @@ from engine.progress import Progress
 
 from . import _fastpath
 from ._fastpath import PREMUL, op_of, rows
-from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous
+from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, write_back
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
@@ -120,7 +120,7 @@ def _write(out, fn):
     else:
         tmp = contiguous(out)
         fn(tmp)
-        out.copy_(tmp)
+        write_back(out, tmp)
 
 
 def _flat(tensors, like):
@@ -141,7 +141,7 @@ def _check_dtypes(tensors, dtype, what):
 
 def _scatter_back(flat, outputs):
     for out, piece in zip(outputs, flat.split([o.numel() for o in outputs])):
-        out.copy_(piece.view(out.shape))
+        write_back(out, piece.view(out.shape))
 
 
 def _coalesced(single, name, gathers):

@@ -6,6 +6,8 @@ import torch
 
 from engine import DTYPE_NAMES
 
+from .devices import write_back
+
 
 def uneven(counts):
     """counts, or None where every rank's is the same (the engine's even form)."""
@@ -47,15 +49,15 @@ def sparse_sum(t, comm):
                            f"holds 0 to {most}: a rank of another engine, or corrupt data, is in the group")
     total = sum(counts)
     if total == 0:
-        t.copy_(mine)
+        write_back(t, mine)
         return
     row = math.prod(values.shape[1:])
     all_indices = indices.new_empty(total, indices.shape[0])  # rank-major: each rank's block is contiguous
     comm.allgather(indices.t().contiguous(), all_indices, uneven([n * indices.shape[0] for n in counts]))
     all_values = values.new_empty((total,) + tuple(values.shape[1:]))
     comm.allgather(values.contiguous(), all_values, uneven([n * row for n in counts]))
-    t.copy_(torch.sparse_coo_tensor(_checked(all_indices, counts, t.shape), all_values, t.shape,
-                                    check_invariants=False).coalesce())
+    write_back(t, torch.sparse_coo_tensor(_checked(all_indices, counts, t.shape), all_values, t.shape,
+                                          check_invariants=False).coalesce())
 
 
 def _checked(all_indices, counts, shape):

@@ -498,6 +498,46 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
             dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
 
 
+def test_a_parameter_that_is_not_contiguous_is_written_as_gloo_writes_it():
+    """A Parameter (requires grad) that is channels_last or transposed, outside no_grad: the result is
+    written back into it as Gloo writes it (autograd refused the copy from the contiguous result,
+    'a leaf Variable that requires grad is being used in an in-place operation', after the data moved,
+    and the Parameter kept its old values)."""
+    def param(value, transposed=False):
+        p = torch.nn.Parameter(torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last))
+        if transposed:
+            p = torch.nn.Parameter(torch.empty(6, 5).t())
+        with torch.no_grad():
+            p.fill_(value)
+        assert not p.is_contiguous() and p.requires_grad
+        return p
+
+    total = P * (P + 1) / 2
+    for group in (None, GLOO):
+        p = param(R + 1.0)
+        dist.all_reduce(p, group=group)
+        assert torch.all(p == total), (group, p.unique())
+        p = param(R + 1.0)
+        dist.all_reduce(p, group=group, async_op=True).wait()
+        assert torch.all(p == total), (group, p.unique())
+        p = param(R + 1.0, transposed=True)
+        dist.broadcast(p, src=P - 1, group=group)
+        assert torch.all(p == P), (group, p.unique())
+        p = param(R + 1.0)
+        dist.reduce(p, dst=P - 1, group=group)
+        assert R != P - 1 or torch.all(p == total), (group, p.unique())   # (Gloo's other ranks keep what it left)
+    p = param(0.0, transposed=True)   # (Gloo writes a strided output as if it were contiguous)
+    dist.scatter(p, [torch.full((5, 6), r + 1.0) for r in range(P)] if R == 0 else None, src=0)
+    assert torch.all(p == R + 1.0), p.unique()
+    if P > 1:
+        p = param(0.0, transposed=True)
+        if R == 0:
+            dist.send(torch.full((5, 6), 7.0), dst=1)
+        elif R == 1:
+            dist.recv(p, src=0)
+            assert torch.all(p == 7.0), p.unique()
+
+
 def test_a_calls_large_tensors_are_not_kept_once_the_caller_drops_them():
     """A synchronous call's tensors of 1 MiB or more go with the caller's last reference, as Gloo's do:
     the latency path reuses its last Works, which kept the last call's outputs alive until the group's
