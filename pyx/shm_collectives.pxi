@@ -104,6 +104,8 @@ cdef class ShmComm(CoreComm):
             pieces = self.seg.err_pieces   # (and, where a piece's size differs, both sizes)
             mine = _describe_sig(self.seg.my_sig, f"expects {self.seg.my_sig[4]} elements from rank {q}" if pieces else None)
             theirs = _describe_sig(self.seg.err_sig, f"sends {self.seg.err_sig[4]} elements to rank {self.rank}" if pieces else None)
+            if mine == theirs and self.seg.my_sig[2] != self.seg.err_sig[2]:   # (alike in words: the counts' hash)
+                theirs += ", but its per-rank counts (the sizes of an uneven call's pieces) differ"
             kind, text = EngineMismatch, f"collective mismatch in this group: rank {self.rank}: {mine}; rank {q}: {theirs}"
         elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
             awaited = self.seg.err_awaited

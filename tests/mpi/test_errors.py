@@ -507,6 +507,24 @@ def test_a_collective_from_a_second_thread_while_one_runs_is_refused():
     check_still_usable()
 
 
+def test_an_allgather_whose_ranks_give_other_uneven_counts_says_the_counts_differ():
+    """Every rank's counts add up to the same total but differ (rank 0 expects [3, 2, ...], the others
+    [2, 3, ...]): over shared memory the EngineMismatch said the same words for both ranks ('allgather #1
+    with 5 float32 elements' twice); it names what differs."""
+    if P < 2:
+        pytest.skip("a mismatch needs two ranks")
+    sub = forced_subgroup(WORLD, range(P), "shm")
+    counts = [2] * P
+    counts[0 if R == 0 else 1] = 3
+    mine = counts[R]
+    with pytest.raises(engine.EngineMismatch, match=r"allgather #\d+ with \d+ float32 elements, but its per-rank counts "
+                                                   r"\(the sizes of an uneven call's pieces\) differ$"):
+        sub.allgather(np.zeros(mine, np.float32), np.zeros(sum(counts), np.float32), counts=counts)
+    WORLD.barrier()
+    sub.free()
+    failure.recovered()
+
+
 def test_a_gather_whose_root_expects_another_piece_size_names_both_sizes():
     """The root's counts say rank 1 sends 3 elements; rank 1 sends 2 (over shared memory, where each
     rank's table states its piece): the root's EngineMismatch names both, 'expects 3 elements from rank
