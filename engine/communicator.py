@@ -17,8 +17,8 @@ import zlib
 import numpy as np
 
 from . import _core, failure, forks, hierarchy, registry
-from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, choose_transport, gather,
-                        host_identity, interhost, local_cores, possible_transports, requested_transport)
+from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, agree_on_members, choose_transport,
+                        gather, host_identity, interhost, local_cores, possible_transports, requested_transport)
 from .config import cuda_transport, env_duration, env_flag
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
@@ -99,7 +99,7 @@ class Communicator:
                              mpi=_boot is None or isinstance(_boot, MpiBootstrap))
         self._mpi_comms = []
         self._store_prefix = None
-        self._subgroups_made = {}   # name -> how many subgroups of that name this rank has made (store keys)
+        self._subgroups_made = {}   # (name, members) -> how many such subgroups this rank has made (store keys)
         self.name = name
         self._hier, self._stages = None, ()
         if _boot is None:
@@ -265,8 +265,9 @@ class Communicator:
     # -- groups --
 
     def subgroup(self, ranks, *, name=None, store=None, transport=None, timeout=None):
-        """A Communicator over `ranks` (ranks of this group, in the new group's order). Collective over
-        the members only: ranks outside must not call it. timeout: this group's unless given."""
+        """A Communicator over `ranks` (ranks of this group, in the new group's order, the same on every
+        member: made through a store, members given other lists are refused). Collective over the
+        members only: ranks outside must not call it. timeout: this group's unless given."""
         ranks = list(ranks)
         try:
             ranks = [operator.index(r) for r in ranks]   # (int() would take "1" and truncate 1.5)
@@ -283,12 +284,18 @@ class Communicator:
         kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, name=name,
                       timeout=self.watch.timeout if timeout is None else timeout)
         if self.mpi_comm is None:
-            # Made through a store: the members meet under a key of their own, counted per name, since
-            # a subgroup made again (each epoch, after free()) must not read the keys the last one left.
-            made = self._subgroups_made[name] = self._subgroups_made.get(name, 0) + 1
-            return Communicator.from_store(self.watch.store if store is None else store, ranks.index(self.rank),
-                                           len(ranks), prefix=f"{self._store_prefix}/sub/{name}/{made}",
-                                           transport=transport, **kwargs)
+            # Made through a store: the members meet under a key of their own, counted per name and
+            # members, since a subgroup made again (each epoch, after free()) must not read the keys the
+            # last one left, and two of one name but other members (made by hand) must not meet. Their
+            # orders must agree, or two would take one position.
+            members = "-".join(map(str, sorted(ranks)))
+            made = self._subgroups_made[name, members] = self._subgroups_made.get((name, members), 0) + 1
+            prefix = f"{self._store_prefix}/sub/{name}/{members}/{made}"
+            store = self.watch.store if store is None else store
+            agree_on_members(store, prefix, self.rank, ranks, kwargs["timeout"], f"engine subgroup {name!r}",
+                             "was given", "ranks to subgroup()")
+            return Communicator.from_store(store, ranks.index(self.rank), len(ranks), prefix=prefix, transport=transport,
+                                           **kwargs)
         coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:

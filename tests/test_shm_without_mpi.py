@@ -4,6 +4,7 @@ imported, a dead peer is named at once (well before the timeout), and nothing is
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 
@@ -115,6 +116,51 @@ def test_a_subgroup_of_a_store_made_group_made_again_meets_anew():
     for p in procs:
         p.join(30)
     assert [r[1] for r in results] == ["ok"] * 3, results
+    assert _shm_files() <= before
+
+
+def _subgroups_of_one_name(rank, size, port, out):
+    import time
+    try:
+        world, _store = _group(rank, size, port, timeout=20)
+        got = []
+        for members in ([0, 1], [1, 2]):   # (rank 1 makes both: its second "pair" is rank 2's first)
+            if rank in members:
+                sub = world.subgroup(members, name="pair")
+                x = np.full(3, rank + 1.0, np.float32)
+                sub.allreduce(x)
+                got.append(float(x[0]))
+                sub.free()
+        world.barrier()
+        start = time.monotonic()
+        try:   # the same members in two orders: both ranks would take position 0
+            world.subgroup([0, 1, 2] if rank == 0 else [1, 0, 2], name="ordered")
+            got.append("made")
+        except ValueError as exc:
+            got.append((str(exc), time.monotonic() - start < 10))
+        out.put((rank, "ok", got))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}", None))
+
+
+def test_subgroups_of_one_name_meet_only_their_members_and_in_one_order():
+    """Made through a store by hand, two subgroups of one name but other members ([0, 1] and [1, 2],
+    "pair") each reduce over their own members (ranks 0 and 2 met as one group, rank 1's second making
+    failed in the store), and members given one list in two orders are refused at once, naming both
+    lists (they timed out naming ranks that never joined, all of which had)."""
+    before = _shm_files()
+    procs, out = _run(_subgroups_of_one_name, 3)
+    results = sorted(out.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert [r[1] for r in results] == ["ok"] * 3, results
+    sums = {0: [3.0], 1: [3.0, 5.0], 2: [5.0]}
+    for rank, _, got in results:
+        assert got[:-1] == sums[rank], (rank, got)
+        text, soon = got[-1]
+        assert soon and re.search(r"engine subgroup 'ordered': rank \d was given ranks \[\d, \d, 2\] where this rank "
+                                  r"\(\d\) was given \[\d, \d, 2\]: every rank must pass the same ranks to "
+                                  r"subgroup\(\)", text), (rank, text)
     assert _shm_files() <= before
 
 

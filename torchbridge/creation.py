@@ -6,10 +6,11 @@ import os
 import torch.distributed as dist
 
 from engine import Communicator, forks
+from engine.bootstrap import agree_on_members
 from engine.launcher import MPIRUN_HINT, launcher_of_world
 
 from . import functional
-from .fault import agree_on_members, own_transport, reconfigured, world_shrinks
+from .fault import own_transport, reconfigured, world_shrinks
 from .process_group import EngineProcessGroup
 from .work import in_seconds
 

@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine import Communicator, failure, forks
-from engine.bootstrap import Cancel, StoreBootstrap, read_keys
+from engine import Communicator, failure
+from engine.bootstrap import Cancel, StoreBootstrap, agree_on_members
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.tcp import store_host
 from engine.watch import Watch
@@ -425,28 +425,6 @@ class FaultTolerance:
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
-
-
-def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None):
-    """Each member of a new group (me: its rank in the group it is made from) says which ranks it was
-    given, and reads its members': ranks given different lists fail at once naming the rank and both
-    lists, where they would wait for each other in the store until its timeout, or meet with positions
-    that disagree. Members that never come are named at the new group's timeout (seconds), not the
-    store's. cancelled: as read_keys's (where the wait can be ended from another thread)."""
-    forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
-    mine = "-".join(map(str, members))
-    store.set(f"{key}/members-of/{me}", mine)
-    keys = [f"{key}/members-of/{r}" for r in members]
-    values, missing, why = read_keys(store, keys, seconds, what, cancelled)
-    if missing:
-        raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
-                           f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
-                           f"{argument}, in the same order as the others ({why})")
-    for r, value in zip(members, values):
-        theirs = value.decode()
-        if theirs != mine:
-            raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
-                             f"{verb} {members}: every rank must pass the same {argument}")
 
 
 _make_shrunk = getattr(dist.distributed_c10d, "_create_shrunk_process_group", None)
