@@ -466,6 +466,9 @@ class Communicator:
         Parts that share memory (one tensor twice, overlapping views) are refused: each part's result
         is written as its pack goes, so a later part would read an earlier one's result (engine.fusion
         runs such a list on copies). What engine._core.parse_parts made is taken as its maker checked it."""
+        if not self.packs_in_segment:
+            raise NotImplementedError(f"allreduce_parts packs into shared memory; this group runs over {self.transport}: "
+                                      "use engine.fusion.FusedAllreduce, which packs where the transport has no segment")
         if isinstance(parts, (list, tuple)) and _core.parts_overlap(parts):
             raise ValueError("allreduce_parts: two parts share memory (the same buffer twice, or overlapping views); "
                              "pass distinct buffers (engine.fusion.FusedAllreduce takes such a list, on copies)")

@@ -169,6 +169,8 @@ class FusedAllreduce(SizedFusion):
         'bfloat16' (float32 tensors travel in that dtype). prescale multiplies inputs first (PREMUL_SUM)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if not isinstance(tensors, (list, tuple)):   # (an iterator would be used up by the first look)
+            raise TypeError(f"FusedAllreduce.run takes a list or tuple of tensors, got {type(tensors).__name__}")
         code = op_code(op)
         parts = _core.parse_parts(tensors)   # (read once, in C; None where they mix dtypes)
         if _core.parts_overlap(tensors if parts is None else parts):
