@@ -49,6 +49,16 @@ def _opening(transport, ring_segment_bytes, size):
             registry.RING_SEGMENT.given(ring_segment_bytes, "ring_segment_bytes")}
 
 
+def _root_word(root):
+    """A root as debug mode's signature holds it: one that is no int or that no int64 holds gets -2, a
+    word no root has (the call itself then refuses it by name, once every rank's check has paired)."""
+    try:
+        root = operator.index(root)
+    except TypeError:
+        return -2
+    return root if -2 <= root < 1 << 62 else -2
+
+
 def _agreed(name, everyone):
     """The settings every rank of group `name` read (everyone: each rank's, as sorted (variable, value)
     pairs), as a dict; else raises, on every rank, naming what differs between rank 0 and the first
@@ -496,11 +506,12 @@ class Communicator:
         shape = () if split else tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
+        root = _root_word(root)
         sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root, redop if isinstance(redop, int) else 100,
                    self._core.seq + 1, -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
         if counts is not None and len(counts):
-            sig[7] = zlib.crc32(np.asarray(_core.whole_counts(counts, f"{op} counts"), np.int64).tobytes())
+            sig[7] = zlib.crc32(",".join(map(str, _core.whole_counts(counts, f"{op} counts"))).encode())
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)

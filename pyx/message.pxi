@@ -103,9 +103,14 @@ cdef Message as_message(object obj, bint writable, str role):
         try:
             PyObject_GetBuffer(obj, &m.view, flags)
         except (BufferError, ValueError) as exc:   # (numpy raises ValueError: "... is read-only")
-            if writable and PyObject_GetBuffer(obj, &m.view, PyBUF_FORMAT | PyBUF_STRIDES) == 0:
-                ro = "read-only" if m.view.readonly else "not C-contiguous"
-                PyBuffer_Release(&m.view)
+            try:   # (what its layout can't explain: a dtype no buffer carries, numpy's datetime64)
+                PyObject_GetBuffer(obj, &m.view, PyBUF_FORMAT | PyBUF_STRIDES)
+            except (BufferError, ValueError) as why:
+                raise TypeError(f"{role} ({_describe(obj)}) has a dtype the engine does not support ({why}); "
+                                f"supported dtypes: {', '.join(DTYPE_NAMES)}") from None
+            ro = "read-only" if writable and m.view.readonly else "not C-contiguous"
+            PyBuffer_Release(&m.view)
+            if writable:
                 raise ValueError(f"{role} ({_describe(obj)}) is {ro}; the engine writes into it, so pass "
                                  "a writable C-contiguous array (e.g. numpy.ascontiguousarray(x).copy())") from exc
             raise ValueError(f"{role} ({_describe(obj)}) is not C-contiguous; "

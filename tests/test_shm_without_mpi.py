@@ -652,3 +652,33 @@ def test_counts_that_are_no_whole_numbers_an_op_given_as_a_flag_and_a_sparse_ten
                 comm.allreduce(torch.ones(3).to_sparse())
         finally:
             comm.free()
+
+
+def test_debug_mode_refuses_roots_counts_and_dtypes_with_the_calls_own_errors(monkeypatch):
+    """ENGINE_DEBUG=1 packs each call's root and counts into its signature before the call checks
+    them: a root of 2**70 or counts adding up past 2**63 raised a bare OverflowError from numpy there.
+    A numpy array of a dtype no buffer carries (datetime64) was said to be 'not C-contiguous' (debug
+    mode's read) or raised numpy's own 'cannot include dtype' (the call's)."""
+    import torch.distributed as dist
+
+    from engine import Communicator
+
+    for debug in ("0", "1"):
+        monkeypatch.setenv("ENGINE_DEBUG", debug)
+        comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm")
+        try:
+            with pytest.raises(ValueError, match=r"root 1180591620717411303424 is out of range for a group of size 1"):
+                comm.broadcast(np.ones(4, np.float32), root=2 ** 70)
+            with pytest.raises(TypeError, match=r"root is 'x', not an int"):
+                comm.broadcast(np.ones(4, np.float32), root="x")
+            with pytest.raises(ValueError, match=r"allgather counts add up to more than \d+ elements"):
+                comm.allgather(np.ones(2, np.float32), np.empty(4, np.float32), counts=[2 ** 63])
+            for call in (lambda: comm.allreduce(np.ones(4, "M8[s]")), lambda: comm.broadcast(np.ones(4, "M8[s]"))):
+                with pytest.raises(TypeError, match=r"\(numpy.ndarray\) has a dtype the engine does not support "
+                                                    r"\(cannot include dtype 'M' in a buffer\); supported dtypes: bool"):
+                    call()
+            x = np.ones(4, np.float32)
+            comm.allreduce(x)
+            assert (x == 1).all()
+        finally:
+            comm.free()
