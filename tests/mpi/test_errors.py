@@ -265,6 +265,40 @@ def test_a_freed_group_refuses_every_call_and_drops_what_was_posted(transport):
     check_still_usable()
 
 
+def test_a_send_a_free_withdrew_never_delivers_what_its_buffer_held_since():
+    """Over shared memory a large isend only announces its buffer, which the receiver copies from once a
+    receive matches. free() withdraws it (its wait raises EngineAborted) and hands the buffer back to
+    the caller; a receive matching it afterwards took the buffer's later bytes as the message (all -1
+    here). It now fails naming the sender that left (or, where the send went through the byte ring,
+    gets the message as it was sent)."""
+    if P < 2:
+        pytest.skip("a message needs two ranks")
+    sub = forced_subgroup(WORLD, range(P), "shm")
+    n = 1 << 20
+    if R == 0:
+        src = np.arange(n, dtype=np.float32)
+        req = sub.isend(src, 1, tag=5)
+        sub.free()
+        with pytest.raises(engine.EngineAborted, match="the group was destroyed"):
+            req.wait()
+        src[:] = -1
+        WORLD.barrier()
+    elif R == 1:
+        WORLD.barrier()
+        got = np.zeros(n, np.float32)
+        try:
+            sub.recv(got, 0, tag=5)
+            np.testing.assert_array_equal(got, np.arange(n, dtype=np.float32))
+        except engine.EnginePeerLost as exc:
+            assert "rank 0" in str(exc) and "left the group" in str(exc), exc
+        sub.free()
+    else:
+        WORLD.barrier()
+        sub.free()
+    failure.recovered()
+    check_still_usable()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mpi"])
 def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
     """Rank 0 frees its group while another of its threads waits in an allreduce the other ranks have
