@@ -13,7 +13,7 @@
 #define ENG_ERR_CMA 100007         /* a single copy from a peer's memory (process_vm_readv) failed */
 #define ENG_ERR_CONNECT 100008     /* a connection to a peer could not be made (TCP) */
 #define ENG_ERR_PEER_LEFT 100009   /* a peer left the group in order (TCP: its goodbye) while still needed */
-#define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort) while this rank waited */
+#define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort): waits end, later calls are refused */
 #define ENG_ERR_OTHER_CALL 100011  /* a peer's message belongs to another collective than the one waiting on it */
 #define ENG_ERR_MPI 100012         /* an MPI call failed: MPI's own code is the transport's (MpiTransport.failed) */
 

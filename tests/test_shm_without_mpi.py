@@ -503,6 +503,25 @@ def test_groups_of_other_names_on_one_store_keep_apart_and_a_wrong_rank_or_size_
             Communicator.from_store(store, rank, size, transport="shm", timeout=2)
 
 
+def test_a_call_after_abort_is_told_the_group_was_aborted_not_that_it_waited():
+    """A call made after abort() is refused, saying the abort ends the waits and refuses later calls
+    (it said 'the group was aborted ... while this rank waited', of a call that never waited)."""
+    import torch.distributed as dist
+
+    from engine import Communicator, EngineAborted
+
+    comm = Communicator.from_store(dist.HashStore(), 0, 1, transport="shm", name="g")
+    comm.abort()
+    try:
+        for call in (lambda: comm.allreduce(np.ones(3, np.float32)), comm.barrier, lambda: comm.send(np.ones(3), 0)):
+            with pytest.raises(EngineAborted, match=r"failed: the group was aborted \(ProcessGroup.abort\(\) or "
+                                                    r"Communicator.abort\(\)\): it ends the waits under way and "
+                                                    r"refuses every later call; create a new group$"):
+                call()
+    finally:
+        comm.free()
+
+
 def test_a_freed_communicators_every_call_raises_engine_aborted_saying_so():
     """After free() every call raises EngineAborted naming the destroy, as docs/errors.md says (it
     raised AttributeError on its missing core), and check_usable() refuses (it said usable)."""
