@@ -59,6 +59,12 @@ def _root_word(root):
     return root if -2 <= root < 1 << 62 else -2
 
 
+def _digest(counts):
+    """Debug mode's word for a call's counts, where the ranks compare them (of their text: counts no
+    int64 holds, which the call itself then refuses by name, have one too)."""
+    return zlib.crc32(",".join(map(str, counts)).encode())
+
+
 def _agreed(name, everyone):
     """The settings every rank of group `name` read (everyone: each rank's, as sorted (variable, value)
     pairs), as a dict; else raises, on every rank, naming what differs between rank 0 and the first
@@ -290,20 +296,22 @@ class Communicator:
             raise ValueError(f"subgroup ranks {bad} are out of range for a group of size {self.size}")
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in subgroup {ranks}; only members call subgroup()")
+        keyed = name or self.name   # (a name of its own, or its members' under this group's)
         name = name or f"{self.name}/{'-'.join(map(str, ranks))}"
         kwargs = dict(ring_segment_bytes=self._core.ring_segment_bytes, name=name,
-                      timeout=self.watch.timeout if timeout is None else timeout)
+                      timeout=self.watch.timeout if timeout is None else Watch.timeout_of(timeout))
         if self.mpi_comm is None:
             # Made through a store: the members meet under a key of their own, counted per name and
             # members, since a subgroup made again (each epoch, after free()) must not read the keys the
             # last one left, and two of one name but other members (made by hand) must not meet. Their
             # orders must agree, or two would take one position.
             members = "-".join(map(str, sorted(ranks)))
-            made = self._subgroups_made[name, members] = self._subgroups_made.get((name, members), 0) + 1
-            prefix = f"{self._store_prefix}/sub/{name}/{members}/{made}"
+            made = self._subgroups_made[keyed, members] = self._subgroups_made.get((keyed, members), 0) + 1
+            prefix = f"{self._store_prefix}/sub/{keyed}/{members}/{made}"
             store = self.watch.store if store is None else store
-            agree_on_members(store, prefix, self.rank, ranks, kwargs["timeout"], f"engine subgroup {name!r}",
-                             "was given", "ranks to subgroup()")
+            if store is not None:   # (none: a group of one, Communicator.single()'s)
+                agree_on_members(store, prefix, self.rank, ranks, kwargs["timeout"], f"engine subgroup {name!r}",
+                                 "was given", "ranks to subgroup()")
             return Communicator.from_store(store, ranks.index(self.rank), len(ranks), prefix=prefix, transport=transport,
                                            **kwargs)
         coll = self.mpi_comm
@@ -511,7 +519,7 @@ class Communicator:
                    self._core.seq + 1, -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
         if counts is not None and len(counts):
-            sig[7] = zlib.crc32(",".join(map(str, _core.whole_counts(counts, f"{op} counts"))).encode())
+            sig[7] = _digest(_core.whole_counts(counts, f"{op} counts"))
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)
@@ -522,7 +530,7 @@ class Communicator:
             if not rooted or not 0 <= root < self.size:   # (the call itself names a root out of range)
                 return
             own, theirs = rows[:, 2], int(rows[root, 7])
-            if (own == own[0]).all() if theirs < 0 else zlib.crc32(own.astype(np.int64).tobytes()) == theirs:
+            if (own == own[0]).all() if theirs < 0 else _digest(own.tolist()) == theirs:
                 return
             raise self.watch.mismatch(
                 f"collective mismatch in group {self.name!r}: {op} #{int(rows[0, 5])} root {root}: the ranks' "

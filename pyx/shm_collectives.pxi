@@ -146,11 +146,13 @@ cdef class ShmComm(CoreComm):
     def leave(self):
         """Marks this rank gone from the group in the segment: a peer still waiting for it fails at
         its next liveness check (ENG_ERR_PEER_LEFT), as over TCP, not at the timeout. The group's end,
-        and the process's normal exit (engine/transports.py), call it."""
+        and the process's normal exit (engine/transports.py), call it; a group aborted (freed) withdrew
+        its messages in flight, one left at exit did not."""
         cdef int q
         if self.released:
             return
-        eng_store32(self.seg.left(self.rank), 1)
+        if eng_load32(self.seg.left(self.rank)) != LEFT_WITHDRAWN:
+            eng_store32(self.seg.left(self.rank), LEFT_WITHDRAWN if eng_load32(&self.aborted) else LEFT_AT_EXIT)
         for q in range(self.size):
             if q != self.rank:
                 self.seg.ring(q)

@@ -375,13 +375,13 @@ cdef class ShmTransport(Transport):
             r.err = ENG_ERR_NOMEM
         elif nbytes > r.len:
             r.err = ENG_ERR_TRUNCATE
-        elif eng_load32(self.seg.left(peer)):
-            # Its sender freed the group, withdrawing the send, before the copy (or during it: looked at
-            # again after): its buffer is its caller's again, holding what it wrote since, not the message.
+        elif eng_load32(self.seg.left(peer)) == LEFT_WITHDRAWN:
+            # Its sender freed or aborted the group, withdrawing the send, before the copy (or during it:
+            # looked at again after): its buffer is its caller's again, holding what it wrote since.
             r.err = ENG_ERR_PEER_LEFT
         else:
             r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
-            if r.err == 0 and eng_load32(self.seg.left(peer)):
+            if r.err == 0 and eng_load32(self.seg.left(peer)) == LEFT_WITHDRAWN:
                 r.err = ENG_ERR_PEER_LEFT
             r.done = nbytes
         if ack == NULL:

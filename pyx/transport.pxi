@@ -159,7 +159,7 @@ _ERROR_TEXTS = {   # {who}: the peer the transport blames
                       "bug, a dying peer, or another process of this user writing into it)"),
     ENG_ERR_NOMEM: "out of memory",
     ENG_ERR_ABORTED: ("the group was aborted (ProcessGroup.abort() or Communicator.abort()): it ends the waits "
-                      "under way and refuses every later call; create a new group"),
+                      "under way and refuses every later call"),
     ENG_ERR_CMA: ("a single copy from or to {who}'s memory (process_vm_readv / writev) failed: {who} left this "
                   "call (it failed there, or the ranks called different collectives) or is exiting; where it is "
                   "alive and in this call, set ENGINE_SHM_CMA=0 to move data through the shared segment only"),

@@ -133,11 +133,12 @@ def _subgroups_of_one_name(rank, size, port, out):
                 sub.free()
         world.barrier()
         start = time.monotonic()
-        try:   # the same members in two orders: both ranks would take position 0
-            world.subgroup([0, 1, 2] if rank == 0 else [1, 0, 2], name="ordered")
-            got.append("made")
-        except ValueError as exc:
-            got.append((str(exc), time.monotonic() - start < 10))
+        for name in ("ordered", None):   # the same members in two orders: both ranks would take position 0
+            try:
+                world.subgroup([0, 1, 2] if rank == 0 else [1, 0, 2], name=name)
+                got.append("made")
+            except ValueError as exc:
+                got.append((str(exc), time.monotonic() - start < 10))
         out.put((rank, "ok", got))
     except BaseException as exc:  # reported to the test
         out.put((rank, f"{type(exc).__name__}: {exc}", None))
@@ -147,7 +148,7 @@ def test_subgroups_of_one_name_meet_only_their_members_and_in_one_order():
     """Made through a store by hand, two subgroups of one name but other members ([0, 1] and [1, 2],
     "pair") each reduce over their own members (ranks 0 and 2 met as one group, rank 1's second making
     failed in the store), and members given one list in two orders are refused at once, naming both
-    lists (they timed out naming ranks that never joined, all of which had)."""
+    lists, with a name given or not (they timed out naming ranks that never joined, all of which had)."""
     before = _shm_files()
     procs, out = _run(_subgroups_of_one_name, 3)
     results = sorted(out.get(timeout=120) for _ in range(3))
@@ -156,12 +157,23 @@ def test_subgroups_of_one_name_meet_only_their_members_and_in_one_order():
     assert [r[1] for r in results] == ["ok"] * 3, results
     sums = {0: [3.0], 1: [3.0, 5.0], 2: [5.0]}
     for rank, _, got in results:
-        assert got[:-1] == sums[rank], (rank, got)
-        text, soon = got[-1]
-        assert soon and re.search(r"engine subgroup 'ordered': rank \d was given ranks \[\d, \d, 2\] where this rank "
-                                  r"\(\d\) was given \[\d, \d, 2\]: every rank must pass the same ranks to "
-                                  r"subgroup\(\)", text), (rank, text)
+        assert got[:-2] == sums[rank], (rank, got)
+        for name, (text, soon) in zip(("'ordered'", r"'world/\d-\d-2'"), got[-2:]):
+            assert soon and re.search(rf"engine subgroup {name}: rank \d was given ranks \[\d, \d, 2\] where this "
+                                      r"rank \(\d\) was given \[\d, \d, 2\]: every rank must pass the same ranks to "
+                                      r"subgroup\(\)", text), (rank, text)
     assert _shm_files() <= before
+
+
+def test_a_group_of_one_made_without_a_store_makes_subgroups():
+    """Communicator.single() has no store: its subgroup([0]) is made alone, as before the members'
+    agreement on their order (which would have asked the store it does not have)."""
+    from engine import Communicator
+
+    sub = Communicator.single().subgroup([0], name="alone")
+    x = np.full(3, 2.0, np.float32)
+    sub.allreduce(x)
+    assert sub.size == 1 and (x == 2).all()
 
 
 def _sized(rank, size, port, out):
@@ -376,6 +388,48 @@ comm.free()
 """
 
 
+_EXITS_WITH_A_SEND_IN_FLIGHT = """
+import atexit, time
+atexit.register(time.sleep, 3)   # (registered before the engine's handlers: runs after the group is left)
+import datetime, sys
+import numpy as np
+import torch.distributed as dist
+from engine import Communicator
+rank, port, n = int(sys.argv[1]), int(sys.argv[2]), 1 << 20
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+comm = Communicator.from_store(store, rank, 2, timeout=30)
+if rank == 0:
+    kept = comm.isend(np.arange(n, dtype=np.float32), 1, tag=3)   # never waited: the process ends with it
+    store.set("sent", "1")
+else:
+    store.wait(["sent"])
+    time.sleep(1)   # (rank 0 has left the group at its exit by now)
+    got = np.zeros(n, np.float32)
+    comm.recv(got, 0, tag=3)
+    print(comm.algorithm_for(4 * n, "sendrecv"), bool((got == np.arange(n, dtype=np.float32)).all()), flush=True)
+    comm.free()
+"""
+
+
+def test_a_send_left_in_flight_at_a_normal_exit_still_arrives():
+    """A rank's script ends with a large isend in flight (never waited), its process alive a while after
+    the engine's exit handler left the group: the receive made then gets the message whole, as MPI
+    delivers a freed request's send. Leaving at exit withdraws nothing, where free() or abort() do
+    (tests/mpi/test_errors.py's withdrawn send)."""
+    import subprocess
+
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = [subprocess.Popen([sys.executable, "-c", _EXITS_WITH_A_SEND_IN_FLIGHT, str(rank), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    algorithm, whole = outs[1][0].split()
+    if algorithm != "single_copy":
+        pytest.skip(f"no single copy here ({algorithm}): the sender moves its message itself")
+    assert whole == "True", outs
+
+
 def test_ranks_of_one_host_in_different_pid_namespaces_meet_over_tcp():
     """Two containers on one host that share its name but not its process ids (Kubernetes' hostNetwork
     pods) can't attach each other's segment through /proc/<pid>: they are different hosts, over TCP."""
@@ -516,7 +570,7 @@ def test_a_call_after_abort_is_told_the_group_was_aborted_not_that_it_waited():
         for call in (lambda: comm.allreduce(np.ones(3, np.float32)), comm.barrier, lambda: comm.send(np.ones(3), 0)):
             with pytest.raises(EngineAborted, match=r"failed: the group was aborted \(ProcessGroup.abort\(\) or "
                                                     r"Communicator.abort\(\)\): it ends the waits under way and "
-                                                    r"refuses every later call; create a new group$"):
+                                                    r"refuses every later call$"):
                 call()
     finally:
         comm.free()
@@ -699,5 +753,9 @@ def test_debug_mode_refuses_roots_counts_and_dtypes_with_the_calls_own_errors(mo
             x = np.ones(4, np.float32)
             comm.allreduce(x)
             assert (x == 1).all()
+            whole = np.zeros(3, np.float32)   # (the root's counts' digest against the ranks' own counts)
+            comm.gather(np.ones(3, np.float32), whole, root=0, counts=[3])
+            comm.scatter(np.arange(3, dtype=np.float32), x[:3], root=0, counts=[3])
+            assert (whole == 1).all() and x[:3].tolist() == [0, 1, 2]
         finally:
             comm.free()

@@ -503,6 +503,8 @@ cdef enum:
     PHASE_REDUCED = 2
     PHASE_FINISHED = 3
     NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
+    LEFT_AT_EXIT = 1            # a rank's left word: its process ended (its messages in flight still go),
+    LEFT_WITHDRAWN = 2          # or it freed or aborted the group (its messages withdrawn, the buffers its own)
 
 
 
