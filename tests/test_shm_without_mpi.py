@@ -66,6 +66,16 @@ def _run(target, size):
     return procs, out
 
 
+def _all_ok(target, size):
+    """target's reports from size ranks, by rank, each checked to say "ok"."""
+    procs, out = _run(target, size)
+    results = sorted(out.get(timeout=120) for _ in range(size))
+    for p in procs:
+        p.join(30)
+    assert [r[1] for r in results] == ["ok"] * size, results
+    return results
+
+
 def _shm_files():
     """/dev/shm, but for the semaphores of this test's own multiprocessing queue."""
     try:
@@ -111,11 +121,7 @@ def test_a_subgroup_of_a_store_made_group_made_again_meets_anew():
     making meets under keys of its own. (It met under the same prefix each time: rank 1, first to the
     second making, read rank 0's keys of the first, a segment already gone, and failed.)"""
     before = _shm_files()
-    procs, out = _run(_subgroup_made_again, 3)
-    results = sorted(out.get(timeout=120) for _ in range(3))
-    for p in procs:
-        p.join(30)
-    assert [r[1] for r in results] == ["ok"] * 3, results
+    _all_ok(_subgroup_made_again, 3)
     assert _shm_files() <= before
 
 
@@ -150,11 +156,7 @@ def test_subgroups_of_one_name_meet_only_their_members_and_in_one_order():
     failed in the store), and members given one list in two orders are refused at once, naming both
     lists, with a name given or not (they timed out naming ranks that never joined, all of which had)."""
     before = _shm_files()
-    procs, out = _run(_subgroups_of_one_name, 3)
-    results = sorted(out.get(timeout=120) for _ in range(3))
-    for p in procs:
-        p.join(30)
-    assert [r[1] for r in results] == ["ok"] * 3, results
+    results = _all_ok(_subgroups_of_one_name, 3)
     sums = {0: [3.0], 1: [3.0, 5.0], 2: [5.0]}
     for rank, _, got in results:
         assert got[:-2] == sums[rank], (rank, got)
