@@ -17,6 +17,8 @@ from .config import finite_seconds
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
 GRACE_SECONDS = 5.0
 # A wait's slice: between two, whether the group was aborted (an abort() ends the barrier within one).
+# Sliced waits look in the store and sleep, never wait in it: torch's store client logs a warning for
+# each wait that times out, 20 lines a second per waiting rank.
 SLICE_SECONDS = 0.05
 
 
@@ -60,19 +62,22 @@ def _arrives(store, key, seconds, aborted=None):
     """Whether key is set in the store within seconds (at once when seconds <= 0), waiting in slices
     between which aborted() may end it (raising what it returns)."""
     end = time.monotonic() + finite_seconds(seconds)
+    pause = 0.001
     while True:
         left = end - time.monotonic()
         if left <= 0:
             break
-        part = min(left, SLICE_SECONDS) if aborted is not None else left
-        began = time.monotonic()
-        try:
-            store.wait([key], timedelta(seconds=part))
-            return True
-        except RuntimeError:  # the store's timeout (its own exception type and wording); a lost store fails the check
-            if time.monotonic() - began < part / 2:   # (not a timeout: the check says what)
+        if aborted is None:
+            try:
+                store.wait([key], timedelta(seconds=left))
+                return True
+            except RuntimeError:  # the store's timeout (its own type and words); a lost store fails the check
                 break
-        why = aborted() if aborted is not None else None
+        if store.check([key]):
+            return True
+        time.sleep(min(left, pause))
+        pause = min(2 * pause, SLICE_SECONDS)
+        why = aborted()
         if why is not None:
             raise why
     return store.check([key])
