@@ -56,9 +56,10 @@ class Tunable:
         """value, given in code where the setting is read (`what` names the argument), held to its bounds."""
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):
             raise TypeError(f"{what} must be an int ({self.doc}), not {value!r}")
-        if not self.minimum <= operator.index(value) <= self.maximum:
+        value = operator.index(value)
+        if not self.minimum <= value <= self.maximum:
             raise ValueError(f"{what}={value}: expected {self.minimum}..{self.maximum} ({self.doc})")
-        return operator.index(value)
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
