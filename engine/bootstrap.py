@@ -20,8 +20,9 @@ TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 INTERHOST = ("mpi", "tcp")
 
 
-# A making that may be cancelled waits on the store in slices this long, looking at its cancel between.
-CANCEL_CHECK_SECONDS = 0.2
+# A wait that may be ended from another thread (a making's cancel, a group's abort) looks in the store
+# and sleeps between looks, at most this long (keys_set_within).
+LOOK_PAUSE_SECONDS = 0.05
 
 
 class MissingRanks(RuntimeError):
@@ -91,7 +92,7 @@ class StoreBootstrap:
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
         self.on_cancel, self.timeout = on_cancel, timeout
         self._round = 0
-        self._cancelled = None   # (why the making was cancelled: its store waits end within a slice)
+        self._cancelled = None   # (why the making was cancelled: its store waits end within LOOK_PAUSE_SECONDS)
         if on_cancel is not None:
             on_cancel(self._cancel)
 
@@ -141,29 +142,35 @@ def read_keys(store, keys, seconds, what, cancelled=None):
     subclass of torch's Store that defines get only inherits one that calls its get; the
     reconfigure's members' stores), else a get a key. A store cancelled or gone (ConnectionError: it
     says which) passes its error on. cancelled: where given, returns why the making was cancelled (else
-    None): the wait ends then, within CANCEL_CHECK_SECONDS, in a ConnectionError saying why."""
+    None): the wait ends then, within LOOK_PAUSE_SECONDS, in a ConnectionError saying why."""
     multi_get = getattr(store, "multi_get", None)
 
     def values():
         return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
+
+    def stop():
+        why = cancelled()
+        return None if why is None else ConnectionError(why)
     try:
-        if seconds is not None and hasattr(store, "wait"):
-            _wait(store, keys, seconds, cancelled)
-        return values(), [], None
+        if seconds is None or not hasattr(store, "wait") or keys_set_within(store, keys, seconds,
+                                                                            None if cancelled is None else stop):
+            return values(), [], None
+        why = f"wait timeout after {finite_seconds(seconds) * 1e3:.0f}ms"   # (the store's words for it)
     except ConnectionError:
         raise
-    except Exception as exc:   # the wait's timeout: who never came?
-        try:
-            missing = [i for i, k in enumerate(keys) if not store.check([k])]
-        except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's hub)
-            raise ConnectionError(f"{what}: {exc}; then {gone}") from None
-        except Exception:
-            raise RuntimeError(f"engine: the store stopped answering in {what}: {exc}; its server may have run in "
-                               "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
-                               "MASTER_PORT; torchrun's agent keeps its store past its workers)") from None
-        if not missing:   # (all there now: they came just late)
-            return values(), [], None
-        return None, missing, str(exc).split(", keys:")[0]   # (the store's words, without its list of keys)
+    except Exception as exc:   # (the store's own words, without its list of keys)
+        why = str(exc).split(", keys:")[0]
+    try:   # who never came?
+        missing = [i for i, k in enumerate(keys) if not store.check([k])]
+    except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's hub)
+        raise ConnectionError(f"{what}: {why}; then {gone}") from None
+    except Exception:
+        raise RuntimeError(f"engine: the store stopped answering in {what}: {why}; its server may have run in "
+                           "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
+                           "MASTER_PORT; torchrun's agent keeps its store past its workers)") from None
+    if not missing:   # (all there now: they came just late)
+        return values(), [], None
+    return None, missing, why
 
 
 def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None):
@@ -188,24 +195,32 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
                              f"{verb} {members}: every rank must pass the same {argument}")
 
 
-def _wait(store, keys, seconds, cancelled):
-    """store.wait(keys) for seconds; in slices where the wait may be cancelled (store.wait can't be
-    interrupted). A slice's own timeout waits on; a failure that comes sooner (the store gone) does not."""
-    if cancelled is None:
-        return store.wait(keys, datetime.timedelta(seconds=finite_seconds(seconds)))
-    deadline = time.monotonic() + seconds
+def keys_set_within(store, keys, seconds, stop=None):
+    """Whether every key is set in the store within seconds (looked at once where seconds <= 0). Without
+    stop, one store.wait. With it, the wait can be ended from another thread: it looks (check) and
+    sleeps between looks, 1 ms doubling to LOOK_PAUSE_SECONDS, and stop(), asked after each sleep,
+    ends it by returning the exception to raise (else None). store.wait can't be interrupted, and
+    waiting in slices of it would do: but torch's store client logs a warning for each slice that
+    expires. A store that fails passes its error on."""
+    end = time.monotonic() + finite_seconds(seconds)
+    pause = 0.001
     while True:
-        if cancelled() is not None:
-            raise ConnectionError(cancelled())
-        start = time.monotonic()
-        piece = min(CANCEL_CHECK_SECONDS, deadline - start)
-        try:
-            return store.wait(keys, datetime.timedelta(seconds=max(piece, 0.001)))
-        except ConnectionError:
-            raise
-        except Exception:
-            if time.monotonic() >= deadline or time.monotonic() - start < piece / 2:
-                raise
+        left = end - time.monotonic()
+        if left <= 0:
+            return store.check(keys)
+        if stop is None:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=max(left, 0.001)))   # (0 ms: no limit, to a store)
+                return True
+            except RuntimeError:   # the store's timeout (its own type and words); a lost store fails the check
+                return store.check(keys)
+        if store.check(keys):
+            return True
+        time.sleep(min(left, pause))
+        pause = min(2 * pause, LOOK_PAUSE_SECONDS)
+        exc = stop()
+        if exc is not None:
+            raise exc
 
 
 def gather(boot, make, what):

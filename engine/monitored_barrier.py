@@ -7,25 +7,20 @@ torch's tests read them."""
 
 import contextlib
 import time
-from datetime import timedelta
 
 from . import forks
 from ._core import EngineError
-from .config import finite_seconds
+from .bootstrap import keys_set_within
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
 GRACE_SECONDS = 5.0
-# A wait's slice: between two, whether the group was aborted (an abort() ends the barrier within one).
-# Sliced waits look in the store and sleep, never wait in it: torch's store client logs a warning for
-# each wait that times out, 20 lines a second per waiting rank.
-SLICE_SECONDS = 0.05
 
 
 def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what, aborted=None):
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
     how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages. aborted(): the
-    exception that ends the barrier now (the group's abort()), or None; asked between slices of a wait."""
+    exception that ends the barrier now (the group's abort()), or None; asked between a wait's looks in the store."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
         return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted)
@@ -35,7 +30,7 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
         arrived, missing, error = [], [], None
         for r in range(1, size):
             left = start + seconds - time.monotonic()
-            if _arrives(store, key + str(r), left, aborted):
+            if keys_set_within(store, [key + str(r)], left, aborted):
                 arrived.append(r)
                 _forget(store, key + str(r))
                 continue
@@ -56,31 +51,6 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
         store.set(key + "verdict", error or "ok")
     if error is not None:
         raise RuntimeError(error)
-
-
-def _arrives(store, key, seconds, aborted=None):
-    """Whether key is set in the store within seconds (at once when seconds <= 0), waiting in slices
-    between which aborted() may end it (raising what it returns)."""
-    end = time.monotonic() + finite_seconds(seconds)
-    pause = 0.001
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            break
-        if aborted is None:
-            try:
-                store.wait([key], timedelta(seconds=left))
-                return True
-            except RuntimeError:  # the store's timeout (its own type and words); a lost store fails the check
-                break
-        if store.check([key]):
-            return True
-        time.sleep(min(left, pause))
-        pause = min(2 * pause, SLICE_SECONDS)
-        why = aborted()
-        if why is not None:
-            raise why
-    return store.check([key])
 
 
 @contextlib.contextmanager
@@ -121,8 +91,8 @@ def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, abo
     # other ranks do). Once it came, its verdict comes within its own timeout, which may be the longer:
     # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
     with _store_errors(failed, what):
-        came = _arrives(store, key + "0", answer_seconds, aborted)
-        answered = came and _arrives(store, key + "verdict", seconds + GRACE_SECONDS, aborted)
+        came = keys_set_within(store, [key + "0"], answer_seconds, aborted)
+        answered = came and keys_set_within(store, [key + "verdict"], seconds + GRACE_SECONDS, aborted)
         verdict = store.get(key + "verdict").decode() if answered else None
     if not came:
         raise RuntimeError(f"{failed}Timed out after {answer_seconds:g} s waiting for rank 0 ({what}); rank 0 "

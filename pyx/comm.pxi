@@ -6,7 +6,6 @@
 
 from cpython.ref cimport Py_INCREF
 
-
 OP_KIND_NAMES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
                  "alltoall", "barrier", "sendrecv")
 
@@ -127,10 +126,11 @@ cdef class CoreComm:
 
     def abort(self):
         """Marks the group aborted: every wait of its calls, running now in any thread or started later,
-        ends within one round of its back-off (at most 50 ms asleep) with EngineAborted. Nothing is
-        freed here (a wait may still be reading the group's memory): release it once `busy` is 0."""
+        ends within one round of its back-off (at most 50 ms asleep) with EngineAborted, and the peers
+        are told (not by a fork's copy: orphan()). Nothing is freed here: release it once `busy` is 0."""
         eng_store32(&self.aborted, 1)
-        self.algo_tp.group_broke()
+        if self.orphaned is None:
+            self.algo_tp.group_broke(False)
 
     @property
     def aborted(self):
@@ -223,7 +223,7 @@ cdef class CoreComm:
         words: "an earlier call timed out")."""
         self.log.broken = why
         self.log.broken_after = after
-        self.algo_tp.group_broke()
+        self.algo_tp.group_broke(after == BROKEN_AFTER[EngineTimeout])
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
@@ -450,16 +450,16 @@ cdef class CoreComm:
         if tp is None:
             tp = self.algo_tp
         ierr = tp.classify(ierr)
-        if ierr == ENG_ERR_PEER_LEFT and self.destroyed:   # (TCP: free()'s own goodbye failed the call before
-            ierr = ENG_ERR_ABORTED                         # the call saw the group aborted)
+        if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (TCP: free()'s or abort()'s own goodbye
+            ierr = ENG_ERR_ABORTED                                     # failed the call before it saw the abort)
         if ierr == ENG_ERR_ABORTED and self.orphaned is not None:
             return EngineError(f"{what}: {self.orphaned}")
         if ierr == ENG_ERR_ABORTED and self.destroyed:
             return EngineAborted(f"{what} failed: the group was destroyed (destroy_process_group or "
                                  "Communicator.free()): create a new group")
         text = tp.error_text(ierr)
-        if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT:
-            return self.broke(EnginePeerLost, text, what)
+        if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT or ierr == ENG_ERR_PEER_TIMED_OUT:
+            return self.broke(EngineTimeout if ierr == ENG_ERR_PEER_TIMED_OUT else EnginePeerLost, text, what)
         if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL:
             return self.broke(EngineMismatch, text, what)
         if ierr == ENG_ERR_ABORTED:
@@ -471,7 +471,7 @@ cdef class CoreComm:
     cdef object broke(self, kind, str text, str what):
         """A failure that leaves the group unusable: marks it so, naming why, and returns its exception."""
         self.log.broken, self.log.broken_after = text, BROKEN_AFTER[kind]
-        self.algo_tp.group_broke()
+        self.algo_tp.group_broke(kind is EngineTimeout)
         return kind(f"{what} failed: {text}")
 
     cdef size_t max_count(self, int op) noexcept:

@@ -16,5 +16,7 @@
 #define ENG_ERR_ABORTED 100010     /* the group was aborted (CoreComm.abort): waits end, later calls are refused */
 #define ENG_ERR_OTHER_CALL 100011  /* a peer's message belongs to another collective than the one waiting on it */
 #define ENG_ERR_MPI 100012         /* an MPI call failed: MPI's own code is the transport's (MpiTransport.failed) */
+#define ENG_ERR_PEER_TIMED_OUT 100013  /* a peer gave the group up after its call timed out, while still needed
+                                          (a transport's classify(); the call timed out, in effect) */
 
 #endif

@@ -96,6 +96,8 @@ cdef class ShmComm(CoreComm):
         cdef int q = self.seg.err_peer
         if q < 0 and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
+        if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (a peer that gave up since: aborted here)
+            return CoreComm.error(self, ierr, what, tp)
         if ierr == ENG_ERR_CMA and q >= 0:   # (the segment knows whose memory the single copy read; the
             return self.broke(EnginePeerLost, _engine_error_text(ierr, q), what)   # step was abandoned midway)
         if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
@@ -116,6 +118,13 @@ cdef class ShmComm(CoreComm):
         elif ierr == ENG_ERR_PEER_DEAD:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
+        elif eng_load32(self.seg.gave_up(q)) and (tp is None or tp is self.algo_tp):   # (a collective's wait)
+            timed_out = eng_load32(self.seg.gave_up(q)) == 2
+            kind = EngineTimeout if timed_out else EnginePeerLost
+            text = (f"rank {q} (pid {self.seg.peers.pids[q]}) gave the group up while rank {self.rank} waited for it "
+                    f"in {what} #{self.seq}: " + ("its call timed out there (its own error names the ranks it waited "
+                                                  "for)" if timed_out else "a call of it failed there (its own error "
+                                                  "says why: a lost peer, a mismatch) or it was aborted"))
         else:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
                                           "or its process ended) "
@@ -469,7 +478,8 @@ cdef class ShmComm(CoreComm):
                         self.seg.post(PHASE_FINISHED)
                         return self.mismatch(q, got, m)
                 if m and rcopy[q]:
-                    ierr = self.seg.cma_copy(q, dst + rd[q] * isz, self.seg.table(q, self.seg.step)[P + r], m * isz, False)
+                    ierr = self.seg.cma_copy(q, dst + rd[q] * isz, self.seg.table(q, self.seg.step)[P + r], m * isz,
+                                             False, True)
                 elif m:
                     memcpy(dst + (rd[q] + k * per) * isz,
                            self.seg.half(q, self.seg.step) + (0 if shared else r * per * isz), m * isz)
@@ -526,7 +536,7 @@ cdef class ShmComm(CoreComm):
             if ierr == ENG_ERR_MISMATCH:       # (the root saw it too, and wrote nothing here)
                 return ierr
             if not ierr:
-                ierr = self.seg.cma_copy(root, buf, self.seg.table(root, step)[P], head * isz, False)
+                ierr = self.seg.cma_copy(root, buf, self.seg.table(root, step)[P], head * isz, False, True)
             err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
         finally:
             if ierr or err:   # leaving before they are known done
@@ -550,7 +560,7 @@ cdef class ShmComm(CoreComm):
         cdef int ierr
         if addr == 0 or not eng_cas64(entry, addr, addr | TAIL_CLAIMED):
             return 0    # taken back: that reader never finishes this step, and the wait for it fails
-        ierr = self.seg.cma_copy(q, src, addr + at, nbytes, True)
+        ierr = self.seg.cma_copy(q, src, addr + at, nbytes, True, True)
         eng_store_release(entry, addr | TAIL_CLAIMED | TAIL_WRITTEN)
         return ierr
 
@@ -653,7 +663,7 @@ cdef class ShmComm(CoreComm):
                     continue
                 self.srcs[q] = self.scratch + (q - (q > r)) * per * isz
                 ierr = self.seg.cma_copy(q, <void*>self.srcs[q], self.seg.table(q, step)[P + q] + (d + off) * isz,
-                                    n * isz, False)
+                                         n * isz, False, True)
                 if ierr:
                     break
             if not ierr:

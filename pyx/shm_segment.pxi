@@ -7,7 +7,8 @@
 #
 #   header (4 KiB)            magic, token, the layout (checked by every attaching rank)
 #   control, per rank         line 0: the step flag; lines 1-2: the step's signature (two parities);
-#                             line 3: the rank's doorbell (a futex word) and whether it sleeps on it
+#                             line 3: the rank's doorbell (a futex word), whether it sleeps on it,
+#                             whether it left the group and whether it gave its collectives up
 #   queue index, per rank     one cache line per (channel, peer): the head of each queue it writes,
 #                             the tail of each queue it reads
 #   slots, per rank           two halves (step parity); each: a table of 2P + 1 words (piece lengths,
@@ -28,21 +29,31 @@ cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
     return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 16)
 
 
+cdef inline uint32_t *_gave_up_word(char *ctrl, int r) noexcept nogil:
+    """Rank r's word that says it gave the group's collectives up (ShmSegment.give_up): set, never cleared."""
+    return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 20)
+
+
 cdef inline bint _has_left(Peers *p, int q) noexcept nogil:
     return p.ctrl != NULL and eng_load32(_left_word(p.ctrl, q)) != 0
 
 
+cdef inline bint _out_of_collectives(Peers *p, int q) noexcept nogil:
+    """Whether q takes no further part in the group's collectives: it left, or gave them up."""
+    return _has_left(p, q) or (p.ctrl != NULL and eng_load32(_gave_up_word(p.ctrl, q)) != 0)
+
+
 cdef int peers_alive(void *arg) noexcept nogil:
     """WaitCtx.alive of a shared-memory group: ENG_ERR_PEER_DEAD once a peer's process is gone,
-    ENG_ERR_PEER_LEFT once a peer left the group (destroyed it) with this rank still waiting. A dead
-    peer is named before one that left (the others often leave because of it), and one that left
-    before it exited as one that left."""
+    ENG_ERR_PEER_LEFT once a peer left the group (destroyed it) or gave its collectives up with this
+    rank still waiting. A dead peer is named before one that left (the others often leave because of
+    it), and one that left before it exited as one that left."""
     cdef Peers *p = <Peers*>arg
     cdef int q
     if _any_dead(p):
         return ENG_ERR_PEER_DEAD
     for q in range(p.n):
-        if q != p.self_rank and _has_left(p, q):
+        if q != p.self_rank and _out_of_collectives(p, q):
             p.dead = q
             return ENG_ERR_PEER_LEFT
     return 0
@@ -259,17 +270,43 @@ cdef class ShmSegment:
         """Whether a point-to-point message of nbytes moves by single copy (a rendezvous)."""
         return self.cma and self.cma_min <= nbytes <= self.cma_max
 
-    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil:
+    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write, bint collective) noexcept nogil:
         """n bytes between `local` and `remote` in rank q's memory (write: to q); on failure
-        ENG_ERR_PEER_DEAD where q's process is gone, else ENG_ERR_CMA."""
+        ENG_ERR_PEER_DEAD where q's process is gone, else ENG_ERR_CMA. ENG_ERR_PEER_LEFT where q took
+        its buffer back, before the copy or during it (looked at again after): it freed or aborted the
+        group, or (collective: the buffer is a collective's) gave the collectives up; the buffer is its
+        caller's again, holding whatever it wrote since."""
         cdef int err
         if n == 0:
             return 0
+        if self.took_back(q, collective):
+            return ENG_ERR_PEER_LEFT
         err = eng_cma_copy(self.peers.pids[q], local, remote, n, write)
         if err:
             self.err_peer = q
             return ENG_ERR_PEER_DEAD if err == ESRCH else ENG_ERR_CMA
-        return 0
+        return ENG_ERR_PEER_LEFT if self.took_back(q, collective) else 0
+
+    cdef bint took_back(self, int q, bint collective) noexcept nogil:
+        eng_fence()   # (after a copy: its reads come before this look)
+        if eng_load32(self.left(q)) == LEFT_WITHDRAWN or (collective and eng_load32(self.gave_up(q))):
+            if collective:
+                self.err_peer = q
+            return True
+        return False
+
+    cdef void give_up(self, bint timed_out) noexcept nogil:
+        """This rank's collectives give the group up (a call failed here, timed out, or the group was
+        aborted): a peer waiting for this rank in a collective fails at its next liveness check, not at
+        its timeout, and no peer copies from or into a buffer of this rank's collectives any longer.
+        Point-to-point goes on. The word says whether a call timed out (2) or the group broke (1)."""
+        cdef int q
+        if self.ctrl == NULL or eng_load32(self.gave_up(self.rank)):
+            return
+        eng_store32(self.gave_up(self.rank), 2 if timed_out else 1)
+        for q in range(self.size):
+            if q != self.rank:
+                self.ring(q)
 
     # -- the step protocol --
 
@@ -323,6 +360,9 @@ cdef class ShmSegment:
 
     cdef inline uint32_t *left(self, int r) noexcept nogil:
         return _left_word(self.ctrl, r)
+
+    cdef inline uint32_t *gave_up(self, int r) noexcept nogil:
+        return _gave_up_word(self.ctrl, r)
 
     cdef inline void ring(self, int q) noexcept nogil:
         """After publishing something q may wait for: wake q if it sleeps."""
@@ -415,7 +455,7 @@ cdef int _flags_alive(void *arg) noexcept nogil:
     if rc != ENG_ERR_PEER_LEFT:
         return rc
     for q in range(w.size):
-        if (q != w.me and (w.only < 0 or q == w.only) and _has_left(p, q)
+        if (q != w.me and (w.only < 0 or q == w.only) and _out_of_collectives(p, q)
                 and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>q * CTRL_BYTES)) < w.target):
             p.dead = q
             return ENG_ERR_PEER_LEFT

@@ -375,14 +375,9 @@ cdef class ShmTransport(Transport):
             r.err = ENG_ERR_NOMEM
         elif nbytes > r.len:
             r.err = ENG_ERR_TRUNCATE
-        elif eng_load32(self.seg.left(peer)) == LEFT_WITHDRAWN:
-            # Its sender freed or aborted the group, withdrawing the send, before the copy (or during it:
-            # looked at again after): its buffer is its caller's again, holding what it wrote since.
-            r.err = ENG_ERR_PEER_LEFT
-        else:
-            r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False)
-            if r.err == 0 and eng_load32(self.seg.left(peer)) == LEFT_WITHDRAWN:
-                r.err = ENG_ERR_PEER_LEFT
+        else:   # (fails where its sender withdrew the send: freed or aborted the group, or gave up the
+            # collective the algorithms' channel carries it for)
+            r.err = self.seg.cma_copy(peer, r.buf, addr, nbytes, False, self.ch == 0)
             r.done = nbytes
         if ack == NULL:
             r.state, r.bound = PS_DONE, NULL
@@ -667,6 +662,10 @@ cdef class ShmTransport(Transport):
 
     cdef void release(self) noexcept:
         self.released = True
+
+    cdef void group_broke(self, bint timed_out) noexcept:
+        if self.ch == 0 and not self.released:   # (the collectives': the segment says so at once)
+            self.seg.give_up(timed_out)
 
     cdef object error_text(self, int code):
         if code == ENG_ERR_CORRUPT:

@@ -139,8 +139,10 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
 /* This rank leaves: a BYE header on every connection whose stream is between frames, then every
  * connection closed, and what was still under way fails (the group is gone). The peers then fail
  * only what involves this rank, not everything (fail_any), as they would for a crash; unless `broken`
- * (its header's a = 1): the group failed here or was aborted, so no collective of it can end well,
- * and the peers' fail as for a crash (a rank waiting on a third one would wait for the timeout). */
+ * is TCP_LEFT_BROKEN - 1 (its header's a): the group failed here or was aborted, so no collective of it
+ * can end well, and the peers' fail as for a crash (a rank waiting on a third one would wait for the
+ * timeout). TCP_LEFT_TIMED_OUT - 1: its call timed out here, which tells the peers nothing of their
+ * own calls: only what involves this rank fails, and a peer waiting on another comes to its own verdict. */
 static void eng_tcp_goodbye(eng_tcp *t, int broken) {
   tcp_hdr bye;
   if (t == NULL || t->peers == NULL) return;
@@ -150,7 +152,7 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken) {
     return;
   }
   t->said_bye = 1;
-  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, broken ? 1 : 0, 0);
+  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (q == t->rank || p->dead) continue;

@@ -108,7 +108,7 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
     return 0;
   }
   if (h->kind == ENG_TCP_BYE) {
-    if (h->a > 1 || h->b) return tcp_corrupt(t, peer);
+    if (!tcp_bye_ok(h)) return tcp_corrupt(t, peer);
     t->peers[peer].departed = 1 + (int)h->a;
     return 0;
   }

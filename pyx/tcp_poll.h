@@ -204,12 +204,29 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     o->back_got += (size_t)got;
     if (o->back_got < ENG_TCP_HDR) return;
     memcpy(&h, o->back, sizeof h);
-    if (h.kind != ENG_TCP_BYE || h.a > 1 || h.b) tcp_corrupt(t, peer);
+    if (h.kind != ENG_TCP_BYE || !tcp_bye_ok(&h)) tcp_corrupt(t, peer);
     else p->departed = 1 + (int)h.a;
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     /* (a reset after its goodbye: it closed with our data unread, in order) */
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
   }
+}
+
+/* How a peer ended whose connection o failed under a send: a goodbye it sent back on o before it
+ * closed is read first (a peer that gave the group up closes at once, and the send here may fail before
+ * a poll saw the goodbye), so a departure is not named a crash. */
+static int tcp_end_of(tcp_peer *p, tcp_out *o) {
+  while (!p->departed && o->fd >= 0 && o->back_got < ENG_TCP_HDR) {
+    ssize_t got = recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
+    if (got <= 0) break;
+    o->back_got += (size_t)got;
+  }
+  if (!p->departed && o->back_got == ENG_TCP_HDR) {
+    tcp_hdr h;
+    memcpy(&h, o->back, sizeof h);
+    if (h.kind == ENG_TCP_BYE && tcp_bye_ok(&h)) p->departed = 1 + (int)h.a;
+  }
+  return tcp_end_code(p);
 }
 
 /* One round: poll (timeout 0) and handle whatever is ready. Called with the lock held. */

@@ -21,6 +21,7 @@ cdef extern from "tcp.h" nogil:
     enum:
         ENG_TCP_MAX_STREAMS
         TCP_LEFT_BROKEN
+        TCP_LEFT_TIMED_OUT
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
@@ -92,7 +93,8 @@ cdef class TcpTransport(Transport):
     cdef readonly list peers        # (address, port, host name) of every rank
     cdef int leaving                # goodbye()s running without the GIL: release() leaves t to __dealloc__
     cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
-    cdef bint broken                # its group failed or was aborted here: the goodbye says so
+    cdef int broken                 # its group failed or was aborted here (TCP_LEFT_BROKEN - 1), or a call timed
+                                    # out here (TCP_LEFT_TIMED_OUT - 1): the goodbye says which
     cdef object abort_reason        # what abort_connect() was told
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
@@ -139,6 +141,9 @@ cdef class TcpTransport(Transport):
         there, or, where the group broke here, every collective: group_broke()), every connection
         closed; what was under way here fails. The group's end, and the process's normal exit
         (through the group's core, TcpComm.leave: engine/transports.py), call it; freeing the transport does too."""
+        self.say_goodbye()
+
+    cdef void say_goodbye(self) noexcept:
         cdef eng_tcp *t = self.t
         cdef int broken = self.broken
         if t == NULL:
@@ -148,8 +153,15 @@ cdef class TcpTransport(Transport):
             eng_tcp_goodbye(t, broken)
         self.leaving -= 1
 
-    cdef void group_broke(self) noexcept:
-        self.broken = True
+    cdef void group_broke(self, bint timed_out) noexcept:
+        """Its group's collectives gave the group up here: this channel (the algorithms': CoreComm tells
+        only that one) says its goodbye at once, saying why, so a peer's collective fails then, naming
+        this rank, not at its timeout: every collective where the group broke, what involves this rank
+        where a call only timed out (a peer waiting on another rank reaches its own verdict). The
+        user's channel goes on (point-to-point outlives a broken group's collectives)."""
+        if not self.broken:
+            self.broken = (TCP_LEFT_TIMED_OUT if timed_out else TCP_LEFT_BROKEN) - 1
+        self.say_goodbye()
 
     cdef void begin_call(self, int base) noexcept nogil:
         self.tag_base = base
@@ -263,15 +275,31 @@ cdef class TcpTransport(Transport):
         addr, port, host = self.peers[peer]
         return f"rank {peer} ({host}, {addr} port {port})"
 
+    cdef int classify(self, int code) noexcept:
+        """A peer whose goodbye said its call timed out (TCP_LEFT_TIMED_OUT): the call here that still
+        needed it timed out too, in effect (ENG_ERR_PEER_TIMED_OUT: EngineTimeout)."""
+        cdef int p = self.err_peer
+        if code == ENG_ERR_PEER_LEFT and self.t != NULL and 0 <= p < self.size and not self.t.said_bye \
+                and eng_tcp_departed(self.t, p) == TCP_LEFT_TIMED_OUT:
+            return ENG_ERR_PEER_TIMED_OUT
+        return code
+
     cdef object error_text(self, int code):
         cdef int p = self.err_peer, e
         if self.t == NULL:    # released: the group was destroyed
             return _engine_error_text(code, p)
+        if code == ENG_ERR_PEER_LEFT and self.t.said_bye and self.broken:
+            return (f"rank {self.rank} gave this group up after a failure here (an earlier error says why) while this "
+                    "ran, and told its peers so")
         if code == ENG_ERR_PEER_LEFT and self.t.said_bye:
             return f"rank {self.rank} left this group (it was destroyed, or the process is exiting) while this ran"
+        if code == ENG_ERR_PEER_TIMED_OUT:
+            return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
+                    "(its own error names the ranks it waited for)")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
-            return (f"{self._who(p)} left the group after a call of it failed there or it was aborted, while rank "
-                    f"{self.rank} ran this: none of the group's collectives can end; reconfigure it or make a new one")
+            return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: a call of it failed there "
+                    "(its own error says why: a lost peer, a mismatch) or it was aborted; none of the group's "
+                    "collectives can end")
         if code == ENG_ERR_PEER_LEFT:
             return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
                     "still waited for it: the ranks did not run the same collectives, or one destroyed the group "

@@ -35,7 +35,10 @@
 
 
 enum { ENG_TCP_MSG = 0x2147534d, ENG_TCP_PART = 0x54524150, ENG_TCP_BYE = 0x21455942 };  /* "MSG!", "PART", "BYE!" */
-enum { TCP_LEFT_BROKEN = 2 };   /* tcp_peer.departed of a peer whose goodbye said its group broke */
+/* A goodbye's kind (its header's a) is a peer's tcp_peer.departed less 1: it left in order (TCP_LEFT), its
+ * group broke there (TCP_LEFT_BROKEN: a call failed there or it aborted the group), or its call timed
+ * out there (TCP_LEFT_TIMED_OUT: it saw no failure, only a rank that did not come). */
+enum { TCP_LEFT = 1, TCP_LEFT_BROKEN = 2, TCP_LEFT_TIMED_OUT = 3 };
 enum { TCP_SEND = 1, TCP_RECV = 2 };
 enum { TCP_QUEUED = 0, TCP_ACTIVE = 1, TCP_DONE = 2 };
 enum { IN_HDR = 0, IN_BODY = 1, IN_HELD = 2, IN_WAIT = 3 };
@@ -48,6 +51,9 @@ typedef struct {
   uint64_t a;     /* MSG: the message's bytes; PART: the offset */
   uint64_t b;     /* payload bytes that follow this header */
 } tcp_hdr;
+
+/* A goodbye header whose kind is one of the three. */
+static inline int tcp_bye_ok(const tcp_hdr *h) { return h->a <= TCP_LEFT_TIMED_OUT - 1 && !h->b; }
 
 typedef struct {
   uint32_t magic;
@@ -128,8 +134,8 @@ typedef struct {
   uint64_t send_seq, recv_seq;
   tcp_in *arriving;
   int closing;              /* a connection of it closed: read what is left, then fail it */
-  int departed;             /* it said goodbye: its end fails only what involves it (1), or, where its group
-                               broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
+  int departed;             /* it said goodbye (TCP_LEFT*): its end fails only what involves it, or, where its
+                               group broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
   int dead;                 /* an ENG_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */
@@ -185,6 +191,7 @@ static void tcp_redial(eng_tcp *t, int peer, int s);
 static void tcp_refused(eng_tcp *t, int peer, int err);
 static int tcp_hello_progress(eng_tcp *t, int i);
 static void tcp_check_closing(eng_tcp *t, int peer);
+static int tcp_end_of(tcp_peer *p, tcp_out *o);
 
 /* ---- small helpers ---- */
 

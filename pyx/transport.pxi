@@ -85,10 +85,12 @@ cdef class Transport:
         just now). drive_transport's question."""
         return 0
 
-    cdef void group_broke(self) noexcept:
-        """Its group failed here (a call broke it) or was aborted: none of its collectives can end now.
-        A transport whose goodbye the peers read (TCP) tells them so when this rank leaves, and they
-        fail every collective at once rather than only what involves this rank."""
+    cdef void group_broke(self, bint timed_out) noexcept:
+        """Its group failed here (a call broke it, a timeout, a lost peer, a mismatch) or was aborted:
+        none of its collectives can end now (timed_out: a call timed out here, which says nothing of the
+        peers' calls). CoreComm tells the algorithms' transport; one that can tell the peers (shared
+        memory's gave-up word, TCP's goodbye) does so at once, and a peer's collective that still needs
+        this rank fails then, naming it, rather than at its timeout."""
         pass
 
     cdef void release(self) noexcept:
@@ -153,6 +155,7 @@ cdef int _poll_request(void *tp, void *arg, bint *done) except -1 nogil:
 _ERROR_TEXTS = {   # {who}: the peer the transport blames
     ENG_ERR_PEER_DEAD: "{who} exited (its process is gone) while this rank waited for it",
     ENG_ERR_PEER_LEFT: "{who} left the group while this rank still waited for it",
+    ENG_ERR_PEER_TIMED_OUT: "{who} gave the group up after its call timed out, while this rank still waited for it",
     ENG_ERR_TRUNCATE: ("message truncated: {who} sent more bytes than the receive buffer holds; the buffer sizes "
                        "on the ranks do not match"),
     ENG_ERR_CORRUPT: ("the shared segment holds an out-of-bounds entry written by {who}: refusing to read it (a "

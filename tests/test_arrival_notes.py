@@ -351,6 +351,44 @@ def test_a_monitored_barrier_waiting_for_a_late_rank_writes_nothing_to_stderr():
     assert proc.stderr == "", proc.stderr[-3000:]
 
 
+_CANCELLABLE_MAKING_WAITS_FOR_A_LATE_RANK = """
+import threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from engine.bootstrap import read_keys
+host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+store = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=10))
+threading.Timer(0.8, host.set, ["late", "1"]).start()
+got = read_keys(store, ["late"], 10, "the test's making", cancelled=lambda: None)
+assert got == ([b"1"], [], None), got
+why = []
+threading.Timer(0.5, why.append, ["the test cancelled it"]).start()
+start = time.monotonic()
+try:
+    read_keys(store, ["never"], 10, "the test's making", cancelled=lambda: why[0] if why else None)
+except ConnectionError as exc:
+    ended = time.monotonic() - start
+    assert str(exc) == "the test cancelled it" and ended < 0.65, (str(exc), ended)
+else:
+    raise AssertionError("the wait was not cancelled")
+print("through", flush=True)
+"""
+
+
+def test_a_cancellable_making_waiting_for_a_late_rank_writes_nothing_to_stderr_and_a_cancel_ends_it_at_once():
+    """A group's making that a reconfigure's abort() may cancel (torch's reconfigure, shrink_group) waited
+    in the store in slices of 0.2 s, and torch's store client logged a warning for each that expired (5
+    lines a second per waiting rank); a cancel took up to a slice to be seen. It now looks in the store
+    and sleeps between looks, as a monitored barrier does (engine.bootstrap.keys_set_within)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _CANCELLABLE_MAKING_WAITS_FOR_A_LATE_RANK], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "through", proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]
+
+
 def test_abort_ends_a_wait_for_the_notes_from_a_store_that_stopped_answering():
     """The store's host stopped (SIGSTOP): 2 s into a wait the watch asks it for the notes; abort() 0.3 s
     later ends that ask within a slice (the wait, which reads the abort between polls, ended up to

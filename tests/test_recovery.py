@@ -74,9 +74,10 @@ def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transp
           sorted(float(seconds) for _, _, _, seconds, *_ in lines))   # (shown by pytest -rA)
     for rank, what, over, seconds, how, error, text in lines:
         assert (what, over, how) == (op, transport, origin)
-        # aborted, or told first that a peer aborting at the same moment left (TCP's goodbye, shared
-        # memory's left word; MPI has neither)
-        assert error == "EngineAborted" or (transport != "mpi" and error == "EnginePeerLost" and "left" in text), \
+        # aborted, or told first that a peer aborting at the same moment gave the group up (TCP's goodbye,
+        # shared memory's gave-up word; MPI has neither)
+        assert error == "EngineAborted" or (transport != "mpi" and error == "EnginePeerLost"
+                                            and "gave the group up" in text), \
             out[-3000:]
         assert float(seconds) < 1.0, lines
     assert out.count("reconfigured after abort") == 3, out[-3000:]

@@ -131,8 +131,7 @@ def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
 
     import torch.distributed as dist
 
-    from engine.bootstrap import read_keys
-    from engine.monitored_barrier import _arrives
+    from engine.bootstrap import keys_set_within, read_keys
     store = dist.HashStore()
     late = threading.Thread(target=lambda: (time.sleep(0.2), store.set("key", "v")))
     late.start()
@@ -140,12 +139,14 @@ def test_a_timeout_of_inf_waits_for_a_key_that_comes_late():
         assert read_keys(store, ["key"], float("inf"), "a test") == ([b"v"], [], None)
     finally:
         late.join()
-    late = threading.Thread(target=lambda: (time.sleep(0.2), store.set("arrived", "1")))
-    late.start()
-    try:
-        assert _arrives(store, "arrived", float("inf"))
-    finally:
-        late.join()
+    for stop in (None, lambda: None):   # (one wait in the store; looks in it, a stop() asked between)
+        late = threading.Thread(target=lambda: (time.sleep(0.2), store.set("arrived", "1")))
+        late.start()
+        try:
+            assert keys_set_within(store, ["arrived"], float("inf"), stop)
+        finally:
+            late.join()
+        store.delete_key("arrived")
 
 
 @pytest.mark.parametrize("name, value", [("ENGINE_TIMEOUT", "nan"), ("ENGINE_STALL_WARNING_SECONDS", "-1"),

@@ -118,7 +118,7 @@ cdef extern from "call_tags.h" nogil:   # what a collective adds to its tags, an
 cdef extern from "errors.h":   # the one list, each code's meaning there, shared with the C transports
     enum: ENG_ERR_BASE, ENG_ERR_PEER_DEAD, ENG_ERR_MISMATCH, ENG_ERR_CORRUPT, ENG_ERR_TRUNCATE, ENG_ERR_NOMEM, \
           ENG_ERR_CMA, ENG_ERR_CONNECT, ENG_ERR_PEER_LEFT, ENG_ERR_ABORTED, ENG_ERR_OTHER_CALL, \
-          ENG_ERR_MPI
+          ENG_ERR_MPI, ENG_ERR_PEER_TIMED_OUT
 
 
 # ---- the transport seam ----
@@ -155,7 +155,7 @@ cdef class Transport:
     cdef void begin_call(self, int base) noexcept nogil
     cdef int nudge(self) noexcept nogil
     cdef int in_flight(self) noexcept nogil
-    cdef void group_broke(self) noexcept
+    cdef void group_broke(self, bint timed_out) noexcept
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
     cdef int classify(self, int code) noexcept
@@ -572,7 +572,9 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef int _setup(self, const SegHeader *h, int rank, int size) except -1
     cdef void release(self) noexcept
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
-    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write) noexcept nogil
+    cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write, bint collective) noexcept nogil
+    cdef bint took_back(self, int q, bint collective) noexcept nogil
+    cdef void give_up(self, bint timed_out) noexcept nogil
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
     cdef inline char *half(self, int r, uint64_t step) noexcept nogil
     cdef inline uint64_t *table(self, int r, uint64_t step) noexcept nogil
@@ -582,6 +584,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline uint32_t *bell(self, int r) noexcept nogil
     cdef inline uint32_t *asleep(self, int r) noexcept nogil
     cdef inline uint32_t *left(self, int r) noexcept nogil
+    cdef inline uint32_t *gave_up(self, int r) noexcept nogil
     cdef inline void ring(self, int q) noexcept nogil
     cdef int wait_for(self, int only, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil
     cdef inline int wait_peer(self, int q, uint64_t step, int phase, WaitCtx *ctx, bint check) except -1 nogil

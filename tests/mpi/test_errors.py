@@ -433,6 +433,65 @@ def test_a_late_roots_broadcast_lands_in_no_memory_reused_after_the_others_timed
     check_still_usable()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_late_ranks_collective_fails_at_once_naming_the_rank_that_timed_out_and_gave_up(transport):
+    """Rank 0 times out waiting for the others and stays alive; they come later, with a timeout of
+    their own far longer. Their calls need rank 0's later steps, which never come: each fails at once
+    with EngineTimeout, naming a rank that gave the group up after its call timed out (rank 0, or a
+    late peer that failed so just before), where each waited its whole timeout and then said every
+    rank had arrived. Shared memory says so in the segment (the gave-up word), TCP in a goodbye at
+    once on the algorithms' channel."""
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("a subgroup over a chosen transport is made through MPI; a late rank needs a peer")
+    n = 1 << 18     # (a two-shot reduction over shared memory, a ring over TCP: every rank's later steps)
+    sub = WORLD.subgroup(range(P), transport=transport, timeout=0.5 if R == 0 else 30)
+    sub.allreduce(np.ones(n, np.float32))      # (connected: the next call waits only for the late ranks)
+    if R == 0:
+        with pytest.raises(engine.EngineTimeout):
+            sub.allreduce(np.ones(n, np.float32))
+        WORLD.barrier()
+        WORLD.barrier()
+    else:
+        WORLD.barrier()
+        started = time.monotonic()
+        with pytest.raises(engine.EngineTimeout, match=r"rank \d+ \(.*\) gave the group up while rank \d.*: its call "
+                                                       r"timed out there"):
+            sub.allreduce(np.ones(n, np.float32))
+        assert time.monotonic() - started < 5.0, f"the late call took {time.monotonic() - started:.1f} s"
+        WORLD.barrier()
+    sub.free()
+    failure.recovered()
+    check_still_usable()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_aborts_its_group_ends_the_peers_collective_at_once(transport):
+    """Rank 0 aborts the group (torchft's way out of a failure) without freeing it, while the others
+    wait in an allreduce it never joins: theirs fail at once naming rank 0, not at their timeout, and
+    rank 0's own next call is refused as aborted."""
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("a subgroup over a chosen transport is made through MPI; a waiting peer needs two ranks")
+    sub = WORLD.subgroup(range(P), transport=transport, timeout=30)
+    sub.allreduce(np.ones(4, np.float32))
+    if R == 0:
+        WORLD.barrier()
+        time.sleep(0.2)     # (the others are in their call)
+        sub.abort()
+        with pytest.raises(engine.EngineAborted, match="the group was aborted"):
+            sub.allreduce(np.ones(1 << 16, np.float32))
+    else:
+        WORLD.barrier()
+        started = time.monotonic()
+        with pytest.raises(engine.EnginePeerLost, match=r"rank \d+ \(.*\) gave the group up while rank \d.*: a call of "
+                                                        r"it failed there .* or it was aborted"):
+            sub.allreduce(np.ones(1 << 16, np.float32))
+        assert time.monotonic() - started < 5.0, f"the call took {time.monotonic() - started:.1f} s"
+    WORLD.barrier()
+    sub.free()
+    failure.recovered()
+    check_still_usable()
+
+
 @pytest.mark.parametrize("transport,algorithm", [("shm", "twoshot"), ("shm", None), ("tcp", None), ("mpi", None)])
 def test_a_collective_that_ends_midway_breaks_the_group_rather_than_pair_with_the_next(transport, algorithm):
     """Rank 0's allreduce is interrupted (a signal handler raises, as Ctrl-C's KeyboardInterrupt does)
