@@ -113,7 +113,7 @@ class Communicator:
                  name="world", _owned=None, _boot=None, _stage=False, _parent=None):
         forks.check_can_make(f"group {name!r}", store if getattr(_boot, "store", None) is None else _boot.store,
                              mpi=_boot is None or isinstance(_boot, MpiBootstrap))
-        self._mpi_comms = []
+        self._mpi_comms, self._ulfm = [], False   # (ULFM: its MPI communicators are revoked at a break)
         self._store_prefix = None
         self._subgroups_made = {}   # (name, members) -> how many such subgroups this rank has made (store keys)
         self.name = name
@@ -160,8 +160,7 @@ class Communicator:
             self.watch = Watch(name, self.rank, self.size, timeout, store, self._core, notes_id)
             if self._mpi_comms:
                 from .mpi import fault_tolerant
-                if fault_tolerant():
-                    self.watch.revoke = weakref.WeakMethod(self._revoke)
+                self._ulfm = fault_tolerant()
         except Exception as exc:
             failed = exc
 
@@ -191,6 +190,8 @@ class Communicator:
             if shape is not None:
                 self._hier, self._stages = hierarchy.build(self, _boot, shape,
                                                            self._stage_maker(everyone, seg_bytes, timeout, store))
+            if self._stages or self._ulfm:
+                self.watch.break_parts = weakref.WeakMethod(self._break_parts)
             self._configure()
         except BaseException:
             self.free()      # (the segment, sockets and MPI communicators it opened)
@@ -376,18 +377,22 @@ class Communicator:
         return ([self._core] if self._core is not None else []) + [
             c for s in getattr(self, "_stages", ()) for c in s._cores()]
 
-    def _revoke(self):
-        """Once a failure broke the group, under an MPI whose job outlives a rank (ULFM: `mpiexec
-        --with-ft ulfm`; engine.mpi.fault_tolerant): its MPI communicators (its stages' too) revoked, so
-        the ranks still waiting inside MPI on a live peer (a blocking reduction, a stage across hosts)
-        end at once with a lost peer, where they waited until the timeout."""
-        for c in self._mpi_comms:
+    def _break_parts(self):
+        """Once a failure broke the group: each stage of its hierarchy is broken too, so its transport
+        tells that stage's peers at once (as the group's own told the group's): a peer waiting in another
+        stage for this rank fails then, not at its timeout. Under an MPI whose job outlives a rank (ULFM:
+        `mpiexec --with-ft ulfm`; engine.mpi.fault_tolerant), its MPI communicators (its stages' too)
+        are revoked, so the ranks still waiting inside MPI on a live peer (a blocking reduction, a stage
+        across hosts) end at once with a lost peer, where they waited until the timeout."""
+        for c in self._mpi_comms if self._ulfm else ():
             try:
                 c.Revoke()
             except Exception:   # (an MPI without it)
                 pass
         for part in self._stages:
-            part._revoke()
+            if part._core is not None and part._core.broken is None and self._core is not None:
+                part._core.set_broken(self._core.broken, self._core.broken_after)
+            part._break_parts()
 
     def orphan(self, why):
         """In a child forked from this process (engine/forks.py): every call is refused, naming the fork,

@@ -155,7 +155,8 @@ class Watch:
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
         self._on_break_lock = threading.Lock()
-        self.revoke = None      # revoke(), with on_break: the group's MPI communicators revoked (Communicator's)
+        self.break_parts = None  # break_parts(), with on_break: the stages and MPI communicators of the group
+                                 # told (Communicator._break_parts)
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1, maximum=MAX_RECORDS),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -273,10 +274,10 @@ class Watch:
         the job, where a call blocked inside MPI must end it)."""
         with self._on_break_lock:
             on_break, self.on_break = self.on_break, None
-            revoke, self.revoke = self.revoke, None
-        revoke = revoke() if revoke is not None else None   # (a weak reference: the group may be gone)
-        if revoke is not None:
-            revoke()
+            break_parts, self.break_parts = self.break_parts, None
+        break_parts = break_parts() if break_parts is not None else None   # (a weak reference: the group may be gone)
+        if break_parts is not None:
+            break_parts()
         if on_break is not None:
             on_break(self.core.broken)
 

@@ -223,6 +223,44 @@ def test_dead_peer_is_named_well_before_the_timeout():
     assert _shm_files() <= before
 
 
+def _gives_up_in_one_stage(rank, size, port, out):
+    """Ranks of two "sockets" ({0, 1}, {2, 3}: a hierarchy of shared-memory stages); rank 2 times out
+    (0.5 s) in its socket's stage waiting for rank 3, which comes 3 s late; the others' timeout is 30 s."""
+    os.environ["ENGINE_SOCKETS"] = "2"
+    import time
+    import engine
+    comm, _store = _group(rank, size, port, timeout=0.5 if rank == 2 else 30)
+    x = np.ones(1 << 18, np.float32)   # (1 MB: hierarchical)
+    comm.allreduce(x)
+    staged = str(comm.algorithm_for(x.nbytes))
+    if rank == 3:
+        time.sleep(3)
+    start = time.monotonic()
+    try:
+        comm.allreduce(x)
+        out.put((rank, staged, "returned", time.monotonic() - start))
+    except engine.EngineError as exc:
+        out.put((rank, staged, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    time.sleep(8)   # (alive: its peers learn of its failure from the group, not from its exit)
+
+
+def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_stages_too():
+    """Rank 2's timeout in its socket's stage broke the group and that stage only: rank 0, waiting for
+    rank 2 in the stage across sockets, waited there until rank 2's process ended (or its own timeout),
+    and so did rank 1 for the late rank 3. A group that breaks now breaks its stages too, and each tells
+    its peers at once."""
+    procs, out = _run(_gives_up_in_one_stage, 4)
+    results = sorted(out.get(timeout=120) for _ in range(4))
+    for p in procs:
+        p.join(30)
+    assert all("composite" in staged or "hier" in staged for _, staged, _, _ in results), results
+    for rank, _, what, seconds in results:
+        assert what.startswith("EngineTimeout"), (rank, what)
+        assert "gave the group up" in what or rank == 2, (rank, what)
+        # rank 0 fails at rank 2's timeout (0.5 s); rank 1, and rank 3 as it comes (3 s late), at rank 3's
+        assert seconds < (2.0 if rank in (0, 2, 3) else 5.0), (rank, what, seconds)
+
+
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
     """A rank that never writes its part is named at the group's timeout (else the store's); a store
     whose server is gone (torch raises on every call) is named as such, not as every rank missing; a
