@@ -67,10 +67,13 @@ cdef class ShmComm(CoreComm):
     cdef bint team_started
     cdef public int threads         # threads IMPL_THREADED splits a blocking call's kernels over (1: none)
     cdef public size_t thread_slice # bytes: the least slice a thread takes (engine.registry's parameter)
+    cdef public str stage_note      # where the group is a stage of a hierarchy: its ranks' in the whole group,
+                                    # added to every error that names its ranks (engine/transports.py)
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
         self.transport = "shm"
+        self.stage_note = ""
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
         self.impls |= SHM_IMPLS
         self.avg_fused = SHM_IMPLS    # each of its own divides AVG inside its reduction
@@ -98,6 +101,8 @@ cdef class ShmComm(CoreComm):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
         if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (a peer that gave up since: aborted here)
             return CoreComm.error(self, ierr, what, tp)
+        if ierr == ENG_ERR_CMA and q >= 0 and eng_load32(self.seg.gave_up(q)) and (tp is None or tp is self.algo_tp):
+            ierr = ENG_ERR_PEER_LEFT     # (its single copy failed as its peer gave up: say that)
         if ierr == ENG_ERR_CMA and q >= 0:   # (the segment knows whose memory the single copy read; the
             return self.broke(EnginePeerLost, _engine_error_text(ierr, q), what)   # step was abandoned midway)
         if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
@@ -119,12 +124,13 @@ cdef class ShmComm(CoreComm):
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
         elif eng_load32(self.seg.gave_up(q)) and (tp is None or tp is self.algo_tp):   # (a collective's wait)
-            timed_out = eng_load32(self.seg.gave_up(q)) == 2
+            timed_out = eng_load32(self.seg.gave_up(q)) == GAVE_UP_TIMED_OUT
             kind = EngineTimeout if timed_out else EnginePeerLost
             text = (f"rank {q} (pid {self.seg.peers.pids[q]}) gave the group up while rank {self.rank} waited for it "
-                    f"in {what} #{self.seq}: " + ("its call timed out there (its own error names the ranks it waited "
-                                                  "for)" if timed_out else "a call of it failed there (its own error "
-                                                  "says why: a lost peer, a mismatch) or it was aborted"))
+                    f"in {what} #{self.seq}: " + (
+                        "its call timed out there (its own error names the ranks it waited for)" if timed_out else
+                        "a call of it failed there (its own error says why: a lost peer, a mismatch) or it was "
+                        "aborted; none of the group's collectives can end"))
         else:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
                                           "or its process ended) "
@@ -144,7 +150,10 @@ cdef class ShmComm(CoreComm):
         if not awaited or not awaited[0]:
             return None
         return "; ".join(f"this rank waits on rank {q} (pid {self.seg.peers.pids[q]}) to reach its step"
-                         for q in awaited[0])
+                         for q in awaited[0]) + self.stage_note
+
+    cdef object broke(self, kind, str text, str what):
+        return CoreComm.broke(self, kind, text + self.stage_note, what)
 
     def passed(self):
         """The peers past the step this rank's collective waits at, and those that left the group."""

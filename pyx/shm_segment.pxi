@@ -299,11 +299,11 @@ cdef class ShmSegment:
         """This rank's collectives give the group up (a call failed here, timed out, or the group was
         aborted): a peer waiting for this rank in a collective fails at its next liveness check, not at
         its timeout, and no peer copies from or into a buffer of this rank's collectives any longer.
-        Point-to-point goes on. The word says whether a call timed out (2) or the group broke (1)."""
+        Point-to-point goes on. The word says whether a call timed out or the group broke."""
         cdef int q
         if self.ctrl == NULL or eng_load32(self.gave_up(self.rank)):
             return
-        eng_store32(self.gave_up(self.rank), 2 if timed_out else 1)
+        eng_store32(self.gave_up(self.rank), GAVE_UP_TIMED_OUT if timed_out else GAVE_UP_BROKEN)
         for q in range(self.size):
             if q != self.rank:
                 self.ring(q)
@@ -446,14 +446,20 @@ cdef struct FlagWait:
 
 cdef int _flags_alive(void *arg) noexcept nogil:
     """The group's liveness check, for a wait on step flags: a dead process fails it (the group is
-    lost), a peer that left the group only where the wait still needs it. One that left after it
-    reached the flag waited for (a one-shot reduce's peer that finished its part, then destroyed the
-    group) is not missed, while the wait goes on for a slower rank."""
+    lost), and so does a peer whose group broke there or that aborted it (GAVE_UP_BROKEN: no
+    collective of the group can end well, as over TCP); a peer that left the group, or whose call
+    timed out, only where the wait still needs it. One that left after it reached the flag waited for
+    (a one-shot reduce's peer that finished its part, then destroyed the group) is not missed, while
+    the wait goes on for a slower rank."""
     cdef FlagWait *w = <FlagWait*>arg
     cdef Peers *p = <Peers*>w.alive_arg
     cdef int rc = w.alive(w.alive_arg), q
     if rc != ENG_ERR_PEER_LEFT:
         return rc
+    for q in range(w.size):
+        if q != w.me and eng_load32(_gave_up_word(w.ctrl, q)) == GAVE_UP_BROKEN:
+            p.dead = q
+            return ENG_ERR_PEER_LEFT
     for q in range(w.size):
         if (q != w.me and (w.only < 0 or q == w.only) and _out_of_collectives(p, q)
                 and eng_load_acquire(<uint64_t*>(w.ctrl + <size_t>q * CTRL_BYTES)) < w.target):

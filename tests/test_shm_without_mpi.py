@@ -248,7 +248,7 @@ def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_sta
     """Rank 2's timeout in its socket's stage broke the group and that stage only: rank 0, waiting for
     rank 2 in the stage across sockets, waited there until rank 2's process ended (or its own timeout),
     and so did rank 1 for the late rank 3. A group that breaks now breaks its stages too, and each tells
-    its peers at once."""
+    its peers at once. The stages' errors name their own ranks: they say which those are in the group."""
     procs, out = _run(_gives_up_in_one_stage, 4)
     results = sorted(out.get(timeout=120) for _ in range(4))
     for p in procs:
@@ -259,6 +259,9 @@ def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_sta
         assert "gave the group up" in what or rank == 2, (rank, what)
         # rank 0 fails at rank 2's timeout (0.5 s); rank 1, and rank 3 as it comes (3 s late), at rank 3's
         assert seconds < (2.0 if rank in (0, 2, 3) else 5.0), (rank, what, seconds)
+    # (a stage's errors name its own ranks, and say which they are in the whole group)
+    assert "[a stage of group 'world': its ranks 0, 1 are ranks 0, 2 there]" in results[0][2], results[0]
+    assert "[a stage of group 'world': its ranks 0, 1 are ranks 2, 3 there]" in results[2][2], results[2]
 
 
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():

@@ -505,6 +505,8 @@ cdef enum:
     NCHANNELS = 2               # point-to-point channels: the engine's algorithms, the user's send/recv
     LEFT_AT_EXIT = 1            # a rank's left word: its process ended (its messages in flight still go),
     LEFT_WITHDRAWN = 2          # or it freed or aborted the group (its messages withdrawn, the buffers its own)
+    GAVE_UP_BROKEN = 1          # a rank's gave-up word: its group broke there or it aborted it (every wait fails),
+    GAVE_UP_TIMED_OUT = 2       # or a call timed out there (only the waits that still need it fail)
 
 
 

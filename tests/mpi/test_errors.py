@@ -1,5 +1,6 @@
 """Bad input raises a clear exception before any communication (so no rank is left waiting)."""
 
+import re
 import time
 
 import numpy as np
@@ -486,6 +487,45 @@ def test_a_rank_that_aborts_its_group_ends_the_peers_collective_at_once(transpor
                                                         r"it failed there .* or it was aborted"):
             sub.allreduce(np.ones(1 << 16, np.float32))
         assert time.monotonic() - started < 5.0, f"the call took {time.monotonic() - started:.1f} s"
+    WORLD.barrier()
+    sub.free()
+    failure.recovered()
+    check_still_usable()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_aborts_inside_a_collective_ends_every_peers_call_at_once(transport):
+    """Rank 0 waits in an allreduce with every rank but the last, which comes 3 s late (at 3 ranks and
+    more), and aborts the group from another thread 0.3 s in: the ranks waiting with it fail at once
+    naming it, though it had done its part there (on shared memory they waited until the late rank
+    came, or their timeout, as over TCP they did not); the late rank's call fails so too, or, where
+    every peer had done its part before it gave up, completes with the right sum; rank 0's own call
+    raises EngineAborted."""
+    import threading
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("a subgroup over a chosen transport is made through MPI; a waiting peer needs two ranks")
+    n = 16     # (a one-shot reduction: the late rank's part is all the others wait for)
+    sub = WORLD.subgroup(range(P), transport=transport, timeout=30)
+    sub.allreduce(np.ones(n, np.float32))
+    WORLD.barrier()
+    if R == 0:
+        timer = threading.Timer(0.3, sub.abort)
+        timer.start()
+        with pytest.raises(engine.EngineAborted, match="the group was aborted"):
+            sub.allreduce(np.ones(n, np.float32))
+        timer.join()
+    else:
+        if R == P - 1:
+            time.sleep(3.0 if P > 2 else 0.5)
+        started, x = time.monotonic(), np.ones(n, np.float32)
+        try:
+            sub.allreduce(x)
+        except engine.EnginePeerLost as exc:
+            assert re.search(r"rank \d+ \(.*\) gave the group up while rank \d.*: a call of it failed there .* or it was "
+                             r"aborted", str(exc)), exc
+        else:
+            assert R == P - 1 and (x == P).all(), f"rank {R}'s call returned {x}"
+        assert time.monotonic() - started < 2.0, f"the call took {time.monotonic() - started:.1f} s"
     WORLD.barrier()
     sub.free()
     failure.recovered()
