@@ -152,7 +152,13 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken) {
     return;
   }
   t->said_bye = 1;
-  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, 0, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
+  /* Where the group broke over a lost rank (the first peer that failed here: its process or link gone,
+   * or a peer's goodbye naming one), the goodbye names it (seq: that rank + 1), so that a peer which
+   * hears of the failure from this rank first still names the rank that was lost. */
+  uint64_t lost = 0;
+  if (broken == TCP_LEFT_BROKEN - 1 && t->dead_peer >= 0)
+    lost = t->dead_code == ENG_ERR_PEER_DEAD ? (uint64_t)t->dead_peer + 1 : (uint64_t)t->peers[t->dead_peer].bye_lost;
+  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (q == t->rank || p->dead) continue;
@@ -575,6 +581,7 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 
 /* Whether peer said goodbye (it left the group in order). */
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
+static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
 
 /* Starts every connection of this rank (the mesh: made when the group is). */
 static int eng_tcp_connect_all(eng_tcp *t) {

@@ -109,7 +109,7 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   }
   if (h->kind == ENG_TCP_BYE) {
     if (!tcp_bye_ok(h)) return tcp_corrupt(t, peer);
-    t->peers[peer].departed = 1 + (int)h->a;
+    tcp_bye_read(t, &t->peers[peer], h);
     return 0;
   }
   return tcp_corrupt(t, peer);

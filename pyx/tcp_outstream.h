@@ -64,7 +64,7 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     if (w < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN) return;
-      tcp_peer_failed(t, peer, tcp_end_of(p, o), errno);
+      tcp_peer_failed(t, peer, tcp_end_of(t, p, o), errno);
       return;
     }
     size_t left = (size_t)w;

@@ -205,7 +205,7 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     if (o->back_got < ENG_TCP_HDR) return;
     memcpy(&h, o->back, sizeof h);
     if (h.kind != ENG_TCP_BYE || !tcp_bye_ok(&h)) tcp_corrupt(t, peer);
-    else p->departed = 1 + (int)h.a;
+    else tcp_bye_read(t, p, &h);
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     /* (a reset after its goodbye: it closed with our data unread, in order) */
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
@@ -215,7 +215,7 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
 /* How a peer ended whose connection o failed under a send: a goodbye it sent back on o before it
  * closed is read first (a peer that gave the group up closes at once, and the send here may fail before
  * a poll saw the goodbye), so a departure is not named a crash. */
-static int tcp_end_of(tcp_peer *p, tcp_out *o) {
+static int tcp_end_of(eng_tcp *t, tcp_peer *p, tcp_out *o) {
   while (!p->departed && o->fd >= 0 && o->back_got < ENG_TCP_HDR) {
     ssize_t got = recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
     if (got <= 0) break;
@@ -224,7 +224,7 @@ static int tcp_end_of(tcp_peer *p, tcp_out *o) {
   if (!p->departed && o->back_got == ENG_TCP_HDR) {
     tcp_hdr h;
     memcpy(&h, o->back, sizeof h);
-    if (h.kind == ENG_TCP_BYE && tcp_bye_ok(&h)) p->departed = 1 + (int)h.a;
+    if (h.kind == ENG_TCP_BYE && tcp_bye_ok(&h)) tcp_bye_read(t, p, &h);
   }
   return tcp_end_code(p);
 }

@@ -41,6 +41,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_waiting_on(eng_tcp *t, int *peers, double *silent, int cap)
     int eng_tcp_peer_errno(eng_tcp *t, int peer)
     int eng_tcp_departed(eng_tcp *t, int peer)
+    int eng_tcp_bye_lost(eng_tcp *t, int peer)
 
 cdef extern from "<netdb.h>" nogil:
     const char *gai_strerror(int code)
@@ -296,6 +297,10 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_PEER_TIMED_OUT:
             return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
                     "(its own error names the ranks it waited for)")
+        lost = eng_tcp_bye_lost(self.t, p) if 0 <= p < self.size else -1
+        if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.rank and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
+            return (f"{self._who(lost)} was lost: {self._who(p)} saw its connection end without a goodbye and gave "
+                    f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
             return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: a call of it failed there "
                     "(its own error says why: a lost peer, a mismatch) or it was aborted; none of the group's "

@@ -136,6 +136,7 @@ typedef struct {
   int closing;              /* a connection of it closed: read what is left, then fail it */
   int departed;             /* it said goodbye (TCP_LEFT*): its end fails only what involves it, or, where its
                                group broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
+  int bye_lost;             /* the rank its goodbye said it lost (its process, or link, gone) + 1, or 0 */
   int dead;                 /* an ENG_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */
@@ -179,6 +180,13 @@ typedef struct eng_tcp {
   int live;
 } eng_tcp;
 
+/* A goodbye read from peer p (checked: tcp_bye_ok): how it left, and the rank it lost where it names
+ * one (its header's seq: that rank + 1, bounds-checked; anything else names none). */
+static inline void tcp_bye_read(const eng_tcp *t, tcp_peer *p, const tcp_hdr *h) {
+  p->departed = 1 + (int)h->a;
+  p->bye_lost = h->seq >= 1 && h->seq <= (uint64_t)t->size ? (int)h->seq : 0;
+}
+
 
 /* Functions one part calls in another (every part includes this file first, so any order works). */
 static int tcp_corrupt(eng_tcp *t, int peer);
@@ -191,7 +199,7 @@ static void tcp_redial(eng_tcp *t, int peer, int s);
 static void tcp_refused(eng_tcp *t, int peer, int err);
 static int tcp_hello_progress(eng_tcp *t, int i);
 static void tcp_check_closing(eng_tcp *t, int peer);
-static int tcp_end_of(tcp_peer *p, tcp_out *o);
+static int tcp_end_of(eng_tcp *t, tcp_peer *p, tcp_out *o);
 
 /* ---- small helpers ---- */
 
