@@ -101,8 +101,9 @@ cdef class ShmComm(CoreComm):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
         if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (a peer that gave up since: aborted here)
             return CoreComm.error(self, ierr, what, tp)
-        if ierr == ENG_ERR_CMA and q >= 0 and eng_load32(self.seg.gave_up(q)) and (tp is None or tp is self.algo_tp):
-            ierr = ENG_ERR_PEER_LEFT     # (its single copy failed as its peer gave up: say that)
+        cdef uint32_t gave_up = (eng_load32(self.seg.gave_up(q)) if q >= 0 and not self.released and
+                                 (tp is None or tp is self.algo_tp) else 0)   # (how q gave the collectives up)
+        ierr = ENG_ERR_PEER_LEFT if ierr == ENG_ERR_CMA and gave_up else ierr   # (a copy failed as q gave up)
         if ierr == ENG_ERR_CMA and q >= 0:   # (the segment knows whose memory the single copy read; the
             return self.broke(EnginePeerLost, _engine_error_text(ierr, q), what)   # step was abandoned midway)
         if q < 0 or (ierr != ENG_ERR_MISMATCH and ierr != ENG_ERR_PEER_DEAD and ierr != ENG_ERR_PEER_LEFT):
@@ -123,8 +124,8 @@ cdef class ShmComm(CoreComm):
         elif ierr == ENG_ERR_PEER_DEAD:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
-        elif eng_load32(self.seg.gave_up(q)) and (tp is None or tp is self.algo_tp):   # (a collective's wait)
-            timed_out = eng_load32(self.seg.gave_up(q)) == GAVE_UP_TIMED_OUT
+        elif gave_up:
+            timed_out = gave_up == GAVE_UP_TIMED_OUT
             kind = EngineTimeout if timed_out else EnginePeerLost
             text = (f"rank {q} (pid {self.seg.peers.pids[q]}) gave the group up while rank {self.rank} waited for it "
                     f"in {what} #{self.seq}: " + (

@@ -196,20 +196,26 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     }
     tcp_close_outs(p);
   } else if (got > 0) {
-    tcp_hdr h;
     if (full) {
       tcp_corrupt(t, peer);
       return;
     }
     o->back_got += (size_t)got;
-    if (o->back_got < ENG_TCP_HDR) return;
-    memcpy(&h, o->back, sizeof h);
-    if (h.kind != ENG_TCP_BYE || !tcp_bye_ok(&h)) tcp_corrupt(t, peer);
-    else tcp_bye_read(t, p, &h);
+    if (o->back_got == ENG_TCP_HDR && !tcp_back_bye(t, p, o)) tcp_corrupt(t, peer);
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     /* (a reset after its goodbye: it closed with our data unread, in order) */
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
   }
+}
+
+/* The whole header a sending socket carried back: where it is a goodbye, the peer's departure is
+ * recorded and 1 returned; else 0 (nothing else ever comes back). */
+static int tcp_back_bye(eng_tcp *t, tcp_peer *p, const tcp_out *o) {
+  tcp_hdr h;
+  memcpy(&h, o->back, sizeof h);
+  if (!tcp_bye_ok(&h)) return 0;
+  tcp_bye_read(t, p, &h);
+  return 1;
 }
 
 /* How a peer ended whose connection o failed under a send: a goodbye it sent back on o before it
@@ -221,11 +227,7 @@ static int tcp_end_of(eng_tcp *t, tcp_peer *p, tcp_out *o) {
     if (got <= 0) break;
     o->back_got += (size_t)got;
   }
-  if (!p->departed && o->back_got == ENG_TCP_HDR) {
-    tcp_hdr h;
-    memcpy(&h, o->back, sizeof h);
-    if (h.kind == ENG_TCP_BYE && tcp_bye_ok(&h)) tcp_bye_read(t, p, &h);
-  }
+  if (!p->departed && o->back_got == ENG_TCP_HDR) (void)tcp_back_bye(t, p, o);
   return tcp_end_code(p);
 }
 

@@ -52,8 +52,10 @@ typedef struct {
   uint64_t b;     /* payload bytes that follow this header */
 } tcp_hdr;
 
-/* A goodbye header whose kind is one of the three. */
-static inline int tcp_bye_ok(const tcp_hdr *h) { return h->a <= TCP_LEFT_TIMED_OUT - 1 && !h->b; }
+/* A goodbye header, of one of the three kinds. */
+static inline int tcp_bye_ok(const tcp_hdr *h) {
+  return h->kind == ENG_TCP_BYE && h->a <= TCP_LEFT_TIMED_OUT - 1 && !h->b;
+}
 
 typedef struct {
   uint32_t magic;
@@ -200,6 +202,7 @@ static void tcp_refused(eng_tcp *t, int peer, int err);
 static int tcp_hello_progress(eng_tcp *t, int i);
 static void tcp_check_closing(eng_tcp *t, int peer);
 static int tcp_end_of(eng_tcp *t, tcp_peer *p, tcp_out *o);
+static int tcp_back_bye(eng_tcp *t, tcp_peer *p, const tcp_out *o);
 
 /* ---- small helpers ---- */
 
