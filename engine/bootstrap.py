@@ -11,6 +11,7 @@ import socket
 import time
 
 from . import failure, forks
+from ._core import EnginePeerLost
 from .config import env_choice, env_int, finite_seconds
 
 TRANSPORTS = ("auto", "shm", "mpi", "tcp")
@@ -23,6 +24,9 @@ INTERHOST = ("mpi", "tcp")
 # A wait that may be ended from another thread (a making's cancel, a group's abort) looks in the store
 # and sleeps between looks, at most this long (keys_set_within).
 LOOK_PAUSE_SECONDS = 0.05
+# Where only a lost member would end it (no cancel to see soon), at most this long: each look is a
+# round trip to the one store every waiting rank asks, and a member that comes late is seen this late.
+LOST_LOOK_PAUSE_SECONDS = 0.2
 
 
 class MissingRanks(RuntimeError):
@@ -99,13 +103,16 @@ class StoreBootstrap:
     def _cancel(self, why):
         self._cancelled = why
 
+    def _stop(self):
+        return None if self._cancelled is None else ConnectionError(self._cancelled)
+
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
         values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                         None if self.on_cancel is None else lambda: self._cancelled)
+                                         None if self.on_cancel is None else self._stop)
         if missing:
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
@@ -133,7 +140,7 @@ def plain_loads(data):
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
-def read_keys(store, keys, seconds, what, cancelled=None):
+def read_keys(store, keys, seconds, what, stop=None, pause=LOOK_PAUSE_SECONDS):
     """(the values of keys, [], None) once every one is set; else (None, the positions of those never
     set, what the store said). The wait is bounded by seconds, a group's own timeout, where the store
     can wait so long (torch's store.wait; its gets wait the store's own timeout, the world's: 30
@@ -141,22 +148,19 @@ def read_keys(store, keys, seconds, what, cancelled=None):
     The values come in one round trip where the store has multi_get (torch's stores; a Python
     subclass of torch's Store that defines get only inherits one that calls its get; the
     reconfigure's members' stores), else a get a key. A store cancelled or gone (ConnectionError: it
-    says which) passes its error on. cancelled: where given, returns why the making was cancelled (else
-    None): the wait ends then, within LOOK_PAUSE_SECONDS, in a ConnectionError saying why."""
+    says which) passes its error on. stop: where given, returns the exception that ends the wait (a
+    making cancelled, a member known lost), else None: asked between looks, `pause` at most apart
+    (keys_set_within)."""
     multi_get = getattr(store, "multi_get", None)
 
     def values():
         return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
 
-    def stop():
-        why = cancelled()
-        return None if why is None else ConnectionError(why)
     try:
-        if seconds is None or not hasattr(store, "wait") or keys_set_within(store, keys, seconds,
-                                                                            None if cancelled is None else stop):
+        if seconds is None or not hasattr(store, "wait") or keys_set_within(store, keys, seconds, stop, pause):
             return values(), [], None
         why = f"wait timeout after {finite_seconds(seconds) * 1e3:.0f}ms"   # (the store's words for it)
-    except ConnectionError:
+    except (ConnectionError, EnginePeerLost):   # (the store gone; the making cancelled, a member lost: stop's)
         raise
     except Exception as exc:   # (the store's own words, without its list of keys)
         why = str(exc).split(", keys:")[0]
@@ -173,17 +177,36 @@ def read_keys(store, keys, seconds, what, cancelled=None):
     return None, missing, why
 
 
-def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None):
+def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None, parent=None):
     """Each member of a new group (me: its rank in the group it is made from) says which ranks it was
     given, and reads its members': ranks given different lists fail at once naming the rank and both
     lists, where they would wait for each other in the store until its timeout, or meet with positions
     that disagree. Members that never come are named at the new group's timeout (seconds), not the
-    store's. cancelled: as read_keys's (where the wait can be ended from another thread)."""
+    store's, and a member the group it is made from (parent: an engine Communicator) knows to be lost
+    at once (EnginePeerLost). cancelled: where given, returns why the making was cancelled from another
+    thread (else None): the wait ends in a ConnectionError saying why."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]
-    values, missing, why = read_keys(store, keys, seconds, what, cancelled)
+    watched = parent is not None and parent.lost_ranks() is not None
+
+    def stop():
+        why = None if cancelled is None else cancelled()
+        if why is not None:
+            return ConnectionError(why)
+        lost = parent.lost_ranks() if watched else None
+        # (a member that came is not waited for: lost since, it fails the new group's own making)
+        gone = {r: how for r, how in (lost or {}).items() if r in members and not store.check([keys[members.index(r)]])}
+        if not gone:
+            return None
+        one = len(gone) == 1
+        how = "; ".join(how if one else f"rank {r}: {how}" for r, how in sorted(gone.items()))
+        return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of {members} "
+                              f"{'is' if one else 'are'} lost to group {parent.name!r}, the group this one is made from "
+                              f"({how}): make the group of the ranks still alive")
+    values, missing, why = read_keys(store, keys, seconds, what, stop if cancelled is not None or watched else None,
+                                     LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
     if missing:
         raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
                            f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
@@ -195,11 +218,11 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
                              f"{verb} {members}: every rank must pass the same {argument}")
 
 
-def keys_set_within(store, keys, seconds, stop=None):
+def keys_set_within(store, keys, seconds, stop=None, most_pause=LOOK_PAUSE_SECONDS):
     """Whether every key is set in the store within seconds (looked at once where seconds <= 0). Without
     stop, one store.wait. With it, the wait can be ended from another thread: it looks (check) and
-    sleeps between looks, 1 ms doubling to LOOK_PAUSE_SECONDS, and stop(), asked after each sleep,
-    ends it by returning the exception to raise (else None). store.wait can't be interrupted, and
+    sleeps between looks, 1 ms doubling to most_pause, and stop(), asked after each sleep, ends it by
+    returning the exception to raise (else None; keys set meanwhile end it well). store.wait can't be interrupted, and
     waiting in slices of it would do: but torch's store client logs a warning for each slice that
     expires. A store that fails passes its error on."""
     end = time.monotonic() + finite_seconds(seconds)
@@ -217,9 +240,11 @@ def keys_set_within(store, keys, seconds, stop=None):
         if store.check(keys):
             return True
         time.sleep(min(left, pause))
-        pause = min(2 * pause, LOOK_PAUSE_SECONDS)
+        pause = min(2 * pause, most_pause)
         exc = stop()
         if exc is not None:
+            if store.check(keys):   # (they came while it slept: what ended after does not undo that)
+                return True
             raise exc
 
 

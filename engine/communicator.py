@@ -312,7 +312,7 @@ class Communicator:
             store = self.watch.store if store is None else store
             if store is not None:   # (none: a group of one, Communicator.single()'s)
                 agree_on_members(store, prefix, self.rank, ranks, kwargs["timeout"], f"engine subgroup {name!r}",
-                                 "was given", "ranks to subgroup()")
+                                 "was given", "ranks to subgroup()", parent=self)
             return Communicator.from_store(store, ranks.index(self.rank), len(ranks), prefix=prefix, transport=transport,
                                            **kwargs)
         coll = self.mpi_comm
@@ -333,6 +333,14 @@ class Communicator:
         interrupted: they end at the group's timeout (docs/fault-tolerance.md)."""
         for core in self._cores():
             core.abort()
+
+    def lost_ranks(self):
+        """{rank: how it was lost} of this group's ranks its transport knows to be gone (a process that
+        exited; over TCP, a connection that ended without a goodbye), looked at now, the group busy or
+        idle; None where the transport can't tell (MPI) or the group was freed. For the waits outside the
+        group's collectives: the members a group made from this one waits for, a monitored barrier."""
+        core = self._core   # (once: another thread's free() may take it meanwhile)
+        return None if core is None else self._transport.lost(core)
 
     def check_usable(self, what):
         """Raises what the group's next operation would, once a failure (a timeout, a lost peer, a

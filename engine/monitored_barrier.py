@@ -17,27 +17,35 @@ from .bootstrap import keys_set_within
 GRACE_SECONDS = 5.0
 
 
-def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what, aborted=None):
+def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all, what, aborted=None, lost=None):
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
     how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages. aborted(): the
-    exception that ends the barrier now (the group's abort()), or None; asked between a wait's looks in the store."""
+    exception that ends the barrier now (the group's abort()), or None; lost(): {rank: how} of the ranks
+    the group knows to be gone (Communicator.lost_ranks), or None: a wait for one of them ends at once,
+    naming it. Both are asked between a wait's looks in the store."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
-        return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted)
+        return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost)
     with _store_errors("[Rank 0]: ", what):
         store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
         start = time.monotonic()
-        arrived, missing, error = [], [], None
+        arrived, missing, gone, error = [], [], {}, None
         for r in range(1, size):
             left = start + seconds - time.monotonic()
-            if keys_set_within(store, [key + str(r)], left, aborted):
-                arrived.append(r)
-                _forget(store, key + str(r))
-                continue
+            try:
+                if keys_set_within(store, [key + str(r)], left, _stop(aborted, lost, r)):
+                    arrived.append(r)
+                    _forget(store, key + str(r))
+                    continue
+            except _Lost as exc:
+                gone[r] = str(exc)
             if wait_all:
                 missing.append(r)
                 continue
-            if left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
+            if r in gone:
+                error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: it is lost "
+                         f"({gone[r]}) ({what})")
+            elif left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
                 error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
                          f"before rank {r} arrived ({what}; ranks that arrived: "
                          f"{', '.join(map(str, arrived)) or 'none'})")
@@ -46,8 +54,12 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
                          f"waiting for it ({what})")
             break
         if missing:   # ("Ranks" even for one: Gloo's words)
+            late = [f"rank {r}" for r in missing if r not in gone]
+            why = (f"Timed out waiting for {'them' if len(missing) > 1 else 'it'}" if not gone else "; ".join(
+                [f"rank {r} is lost ({how})" for r, how in gone.items()] +
+                ([f"timed out waiting for {', '.join(late)}"] if late else [])))
             error = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
-                     f"{seconds * 1e3:.0f} ms: Timed out waiting for {'them' if len(missing) > 1 else 'it'} ({what})")
+                     f"{seconds * 1e3:.0f} ms: {why} ({what})")
         store.set(key + "verdict", error or "ok")
     if error is not None:
         raise RuntimeError(error)
@@ -83,17 +95,36 @@ def _forget(store, key):
         pass
 
 
-def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted):
+class _Lost(Exception):
+    """Ends a wait for a rank the group knows to be gone (its text: how)."""
+
+
+def _stop(aborted, lost, r):
+    """keys_set_within's stop for a wait on rank r: the group's abort, or r known lost (_Lost)."""
+    def stop():
+        exc = None if aborted is None else aborted()
+        if exc is not None:
+            return exc
+        how = None if lost is None else (lost() or {}).get(r)
+        return None if how is None else _Lost(how)
+    return None if aborted is None and lost is None else stop
+
+
+def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost):
     store.set(key + str(rank), "")
     failed = (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
               "from rank 0: ")
     # Rank 0 itself may be the one late: this rank waits for it as long as the group's timeout (as Gloo's
     # other ranks do). Once it came, its verdict comes within its own timeout, which may be the longer:
     # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
-    with _store_errors(failed, what):
-        came = keys_set_within(store, [key + "0"], answer_seconds, aborted)
-        answered = came and keys_set_within(store, [key + "verdict"], seconds + GRACE_SECONDS, aborted)
-        verdict = store.get(key + "verdict").decode() if answered else None
+    try:
+        with _store_errors(failed, what):
+            came = keys_set_within(store, [key + "0"], answer_seconds, _stop(aborted, lost, 0))
+            answered = came and keys_set_within(store, [key + "verdict"], seconds + GRACE_SECONDS,
+                                                _stop(aborted, lost, 0))
+            verdict = store.get(key + "verdict").decode() if answered else None
+    except _Lost as exc:
+        raise RuntimeError(f"{failed}rank 0 is lost ({exc}) ({what})") from None
     if not came:
         raise RuntimeError(f"{failed}Timed out after {answer_seconds:g} s waiting for rank 0 ({what}); rank 0 "
                            "did not arrive")

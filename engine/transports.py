@@ -88,6 +88,12 @@ class _Transport:
     def configure(core, plan):
         """The plan's settings the transport itself reads, beyond the rules the core takes: none by default."""
 
+    @staticmethod
+    def lost(core):
+        """{rank: how it was lost} of the group's peers this transport knows to be gone, looked at now;
+        None where it can't tell (MPI: a dead process ends its job, or ULFM reports it to a call)."""
+        return None
+
 
 # Every live core whose peers tell a departure from a crash (shared memory's segment word, TCP's goodbye),
 # told to leave its group when the process ends normally (an unhandled exception included): a rank that
@@ -144,6 +150,10 @@ class Shm(_Transport):
                              "sendrecv rules leave it one")
         core.seg.set_cma(core.seg.cma, *(ranges[0] if ranges else (registry.EVERY, 0)))
 
+    @staticmethod
+    def lost(core):
+        return {q: "its process exited" for q in core.seg.lost()}
+
 
 class Tcp(_Transport):
     network = True
@@ -157,6 +167,11 @@ class Tcp(_Transport):
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
         from . import tcp
         return tcp.make_core(boot, seg_bytes, timeout, parent, cfg, [h for h, _, _ in everyone]), set(), {}
+
+    @staticmethod
+    def lost(core):
+        return {q: "its connection to this rank ended without a goodbye: its process exited, or the link to it "
+                   "is cut" for q in core.algo_transport.lost()}   # (ENGINE_TCP_CONNECT=lazy: once it connected)
 
 
 class Mpi(_Transport):

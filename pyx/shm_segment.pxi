@@ -245,6 +245,14 @@ cdef class ShmSegment:
             if q != self.rank and self.peers.pidfds[q] < 0:
                 self.peers.pidfds[q] = eng_pidfd_open(pids[q])
 
+    def lost(self):
+        """The peers whose process is gone (whether or not they left the group first)."""
+        cdef int q
+        if self.peers.pids == NULL:
+            return []
+        return [q for q in range(self.size) if q != self.rank and self.peers.pids[q] > 0
+                and not eng_pid_alive(self.peers.pidfds[q], self.peers.pids[q])]
+
     def cma_probe(self, pids, addresses):
         """Whether this rank can read every peer's memory with process_vm_readv (same user, and the
         kernel's ptrace policy allows it): each peer's probe word is read and compared."""

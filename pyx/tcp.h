@@ -583,6 +583,19 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
 
+/* The peers lost to this rank, into lost (t->size entries); returns their count: those whose
+ * connection ended without a goodbye (its process exited, or the link to it is cut). Moves the channel
+ * first unless a thread waits on it (that wait moves it), so a peer that died while it idled is seen. */
+static int eng_tcp_lost(eng_tcp *t, int waited_on, int *lost) {
+  int n = 0;
+  if (!waited_on) (void)eng_tcp_nudge(t);
+  pthread_mutex_lock(&t->lock);
+  for (int q = 0; q < t->size; q++)
+    if (q != t->rank && t->peers[q].dead == ENG_ERR_PEER_DEAD) lost[n++] = q;
+  pthread_mutex_unlock(&t->lock);
+  return n;
+}
+
 /* Starts every connection of this rank (the mesh: made when the group is). */
 static int eng_tcp_connect_all(eng_tcp *t) {
   int rc = 0;

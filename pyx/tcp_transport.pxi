@@ -42,6 +42,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_peer_errno(eng_tcp *t, int peer)
     int eng_tcp_departed(eng_tcp *t, int peer)
     int eng_tcp_bye_lost(eng_tcp *t, int peer)
+    int eng_tcp_lost(eng_tcp *t, int waited_on, int *lost)
 
 cdef extern from "<netdb.h>" nogil:
     const char *gai_strerror(int code)
@@ -264,6 +265,23 @@ cdef class TcpTransport(Transport):
     def departed(self):
         """The peers that left the group in order (their goodbye came)."""
         return [q for q in range(self.size) if q != self.rank and self.t != NULL and eng_tcp_departed(self.t, q)]
+
+    def lost(self):
+        """The peers lost to this rank (their connection ended without a goodbye), after a round of
+        progress: a peer that died while the channel idled is seen at once. (With the GIL held: the
+        group's release, which frees the channel, holds it too.)"""
+        cdef int *lost
+        cdef int n
+        if self.t == NULL:
+            return []
+        lost = <int*>malloc(self.size * sizeof(int))
+        if lost == NULL:
+            raise MemoryError()
+        n = eng_tcp_lost(self.t, eng_load32(&self.waiting), lost)
+        try:
+            return [lost[i] for i in range(n)]
+        finally:
+            free(lost)
 
     @property
     def rejected(self):

@@ -359,13 +359,13 @@ from engine.bootstrap import read_keys
 host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 store = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=10))
 threading.Timer(0.8, host.set, ["late", "1"]).start()
-got = read_keys(store, ["late"], 10, "the test's making", cancelled=lambda: None)
+got = read_keys(store, ["late"], 10, "the test's making", stop=lambda: None)
 assert got == ([b"1"], [], None), got
 why = []
 threading.Timer(0.5, why.append, ["the test cancelled it"]).start()
 start = time.monotonic()
 try:
-    read_keys(store, ["never"], 10, "the test's making", cancelled=lambda: why[0] if why else None)
+    read_keys(store, ["never"], 10, "the test's making", stop=lambda: ConnectionError(why[0]) if why else None)
 except ConnectionError as exc:
     ended = time.monotonic() - start
     assert str(exc) == "the test cancelled it" and ended < 0.65, (str(exc), ended)

@@ -401,6 +401,41 @@ def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
         assert f"rank {rank}: the two reconfigured and summed" in out, out[-5000:]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("dead", [2, 0])
+def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, transport):
+    """tests/faults/lost_member.py: rank `dead` of 3 dies (SIGKILL) once the world is made; then the
+    other two wait in turn for members that include it: a monitored barrier (rank 0 waiting for the
+    others' arrival, or they for rank 0's), one with wait_all_ranks, new_group, split_group and an
+    engine subgroup, each with a timeout of 40 s. Each waited its whole timeout, then named the dead
+    rank as one that did not come; the world's transport knows it is lost (its process is gone; over
+    TCP, its connection ended without a goodbye), and each now fails at once naming it. The message
+    says so (at the timeout it says "did not come" or "Timed out"); then the two make a group of their
+    own and sum on it."""
+    script = os.path.join(HERE, "lost_member.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    proc = subprocess.run([sys.executable, script, transport, str(dead)], capture_output=True, text=True,
+                          timeout=400, env=env)
+    out = proc.stdout + proc.stderr
+    assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
+    how = re.escape("(its process exited)" if transport == "shm" else
+                    "(its connection to this rank ended without a goodbye: its process exited, or the link to it is "
+                    "cut)")
+    if dead == 0:   # (the others wait for rank 0)
+        barrier = barrier_all = rf"RuntimeError: Rank [12] successfully reached monitoredBarrier, .*: rank 0 is lost {how}"
+    else:           # (rank 0 waits for it, and tells the other)
+        barrier = rf"RuntimeError: .*\[Rank 0\]: Rank 2 failed to pass monitoredBarrier in 40000 ms: it is lost {how}"
+        barrier_all = rf"RuntimeError: .*\[Rank 0\]: Ranks 2 failed to pass monitoredBarrier in 40000 ms: rank 2 is lost {how}"
+    made = rf"EnginePeerLost: .*: rank {dead} of \[0, 1, 2\] is lost to group '0', the group this one is made from {how}"
+    for rank in set(range(3)) - {dead}:
+        said = dict(re.findall(rf"rank {rank}: (\w+) after [\d.]+ s: (.*)", out))
+        assert sorted(said) == ["barrier", "barrier_all", "new_group", "split", "subgroup"], out[-5000:]
+        for what, expected in dict(barrier=barrier, barrier_all=barrier_all, new_group=made, split=made,
+                                   subgroup=made).items():
+            assert re.match(expected, said[what]), (what, said[what])
+        assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
+
+
 @TRANSPORTS
 def test_a_failed_subgroup_replaced_by_a_shrink_lets_the_job_end_normally(transport):
     """Under MPI a rank whose group failed aborts the job at exit, unless the group was replaced: a

@@ -3,6 +3,7 @@ through torch's store otherwise, and the part of the store that belongs to this 
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from engine import Communicator, forks
@@ -51,7 +52,7 @@ def create_process_group(opts, backend_options=None):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
-                         f"engine new_group {name!r}", "was given", "ranks to new_group")
+                         f"engine new_group {name!r}", "was given", "ranks to new_group", parent=_world_comm())
     if not over_mpi:
         comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
                                        timeout=seconds, name=name, transport=own_transport() if changed else None)
@@ -59,6 +60,16 @@ def create_process_group(opts, backend_options=None):
         mpi_comm = _mpi_group(opts, ranks, name, seconds)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
     return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
+
+
+def _world_comm():
+    """The communicator of the world's CPU side where the engine runs it (its members' numbering is
+    torch's global ranks, new_group's), else None."""
+    try:
+        backend = dist.distributed_c10d._world.default_pg._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError, ValueError):   # (no world yet; one without a CPU backend)
+        return None
+    return getattr(backend, "communicator", None)
 
 
 def attempt_store(store):

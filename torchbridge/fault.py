@@ -298,7 +298,7 @@ class FaultTolerance:
         with self._making_new_group("split", aborts, f"{what} into ranks {members}") as cancel:
             try:
                 agree_on_members(self._store, f"engine/split-{count}", self._rank, members, seconds, what,
-                                 "split into", "split_ranks", cancelled=lambda: cancel.why)
+                                 "split into", "split_ranks", cancelled=lambda: cancel.why, parent=comm)
             except ConnectionError as exc:   # (aborted, or the store is gone)
                 raise RuntimeError(f"{what} into ranks {members}: {exc}") from exc
             try:

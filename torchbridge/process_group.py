@@ -328,7 +328,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         monitored_barrier(self._store, f"engine/monitored-barrier/{self._membership}{seq}/", self.rank(), self.size(),
                           in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}",
-                          aborted=lambda: None if self._comm is comm else self._cpu.error)
+                          aborted=lambda: None if self._comm is comm else self._cpu.error, lost=comm.lost_ranks)
 
     # -- which device communicator --
 

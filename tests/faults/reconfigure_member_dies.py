@@ -13,29 +13,20 @@ reconfigure again, the two of them, and check an all_reduce (the handles stay va
 import os
 import signal
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawned import engine_world, run_ranks, say
 
 TIMEOUT = timedelta(seconds=40)
 
 
-def say(text):
-    """One line in one write: the ranks share the output pipe, and print() writes the newline apart."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
 def rank_main(rank, path, when, transport):
-    os.environ["ENGINE_TRANSPORT"] = transport
-    store = dist.FileStore(path, 3)
-    dist.init_process_group("engine", rank=rank, world_size=3, store=store, timeout=TIMEOUT)
-    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    backend, store = engine_world(rank, 3, path, transport, TIMEOUT)
     store.set(f"handle{rank}", backend.get_reconfigure_handle())
     handles = [store.get(f"handle{r}").decode() for r in range(3)]
     if rank == 2:
@@ -62,18 +53,4 @@ def rank_main(rank, path, when, transport):
 
 if __name__ == "__main__":
     when, transport = sys.argv[1], sys.argv[2]
-    fd, path = tempfile.mkstemp(prefix="engine-test-reconfigure-")
-    os.close(fd)
-    os.remove(path)
-    try:
-        procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, path, when, transport)) for r in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-            if p.exitcode is None:
-                p.kill()
-        print("exit codes", [p.exitcode for p in procs], flush=True)
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+    run_ranks(rank_main, 3, when, transport, name="reconfigure", seconds=120)

@@ -1,0 +1,59 @@
+"""Three ranks (spawned); rank DEAD (2 or 0) dies (SIGKILL) once the world is made. The other two then
+wait, each in turn, for members that include it, with every timeout at 40 s:
+
+- barrier, barrier_all: the world's monitored_barrier, without and with wait_all_ranks (rank 0 waits
+  for the others' arrival; the others wait for rank 0, then for its verdict);
+- new_group: dist.new_group([0, 1, 2]);
+- split: the world's split_group([0, 1, 2]) (torch 2.15's dist.split_group calls it);
+- subgroup: the world's engine Communicator's subgroup([0, 1, 2]).
+
+Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
+s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
+
+    python tests/faults/lost_member.py shm|tcp DEAD
+"""
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spawned import engine_world, run_ranks, say
+
+TIMEOUT = timedelta(seconds=40)
+
+
+def rank_main(rank, path, transport, dead):
+    world, _ = engine_world(rank, 3, path, transport, TIMEOUT)
+    dist.barrier()
+    if rank == dead:
+        os.kill(os.getpid(), signal.SIGKILL)
+    steps = [("barrier", lambda: world.monitored_barrier(TIMEOUT)),
+             ("barrier_all", lambda: world.monitored_barrier(TIMEOUT, wait_all_ranks=True)),
+             ("new_group", lambda: dist.new_group([0, 1, 2], timeout=TIMEOUT)),
+             ("split", lambda: world.split_group([0, 1, 2], timeout=TIMEOUT)),
+             ("subgroup", lambda: world.communicator.subgroup([0, 1, 2], name="all-three"))]
+    for what, step in steps:
+        start = time.monotonic()
+        try:
+            step()
+            say(f"rank {rank}: {what} passed without rank {dead}")
+        except Exception as exc:
+            say(f"rank {rank}: {what} after {time.monotonic() - start:.2f} s: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0]}")
+    alive = [r for r in range(3) if r != dead]
+    pair = dist.new_group(alive, timeout=TIMEOUT)
+    t = torch.full((5,), rank + 1.0)
+    dist.all_reduce(t, group=pair)
+    assert t.tolist() == [sum(alive) + 2.0] * 5, t
+    say(f"rank {rank}: the two made a group and summed")
+    os._exit(0)   # (the world lost rank 2: destroying it would only say so again)
+
+
+if __name__ == "__main__":
+    transport, dead = sys.argv[1], int(sys.argv[2])
+    run_ranks(rank_main, 3, transport, dead, name="lost-member", seconds=300)
