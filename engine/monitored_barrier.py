@@ -21,8 +21,9 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
     """key: this barrier's prefix in the store (unique per call); seconds: rank 0's wait; answer_seconds:
     how long the other ranks wait for rank 0 to arrive; what: the barrier, for messages. aborted(): the
     exception that ends the barrier now (the group's abort()), or None; lost(): {rank: how} of the ranks
-    the group knows to be gone (Communicator.lost_ranks), or None: a wait for one of them ends at once,
-    naming it. Both are asked between a wait's looks in the store."""
+    the group knows to be gone (Communicator.lost_ranks), or None: rank 0 names one that has not
+    arrived at once, whichever rank it waits for then (with wait_all, it waits on for the others), and
+    the others rank 0. Both are asked between a wait's looks in the store."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     if rank != 0:
         return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost)
@@ -30,21 +31,28 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
         store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
         start = time.monotonic()
         arrived, missing, gone, error = [], [], {}, None
-        for r in range(1, size):
+        r = 1
+        while r < size and error is None:
             left = start + seconds - time.monotonic()
-            try:
-                if keys_set_within(store, [key + str(r)], left, _stop(aborted, lost, r)):
-                    arrived.append(r)
-                    _forget(store, key + str(r))
-                    continue
-            except _Lost as exc:
-                gone[r] = str(exc)
-            if wait_all:
+            came = False
+            if r not in gone:   # (a rank after r lost while r is awaited ends the wait too: the barrier can't pass)
+                waited = [q for q in range(r, size) if q not in gone]
+                try:
+                    came = keys_set_within(store, [key + str(r)], left,
+                                           _stop(aborted, lost, waited, lambda q: store.check([key + str(q)])))
+                except _Lost as exc:
+                    gone.update(exc.args[0])
+                    if r not in gone and wait_all:
+                        continue   # (named at its turn; r is still waited for)
+            if came:
+                arrived.append(r)
+                _forget(store, key + str(r))
+            elif wait_all:
                 missing.append(r)
-                continue
-            if r in gone:
-                error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: it is lost "
-                         f"({gone[r]}) ({what})")
+            elif gone:
+                q = min(gone)
+                error = (f"[Rank 0]: Rank {q} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: it is lost "
+                         f"({gone[q]}) ({what})")
             elif left <= 0:  # no time left to wait for rank r at all (Gloo's wording)
                 error = (f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms: Timed out "
                          f"before rank {r} arrived ({what}; ranks that arrived: "
@@ -52,11 +60,11 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
             else:
                 error = (f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: Timed out "
                          f"waiting for it ({what})")
-            break
+            r += 1
         if missing:   # ("Ranks" even for one: Gloo's words)
             late = [f"rank {r}" for r in missing if r not in gone]
             why = (f"Timed out waiting for {'them' if len(missing) > 1 else 'it'}" if not gone else "; ".join(
-                [f"rank {r} is lost ({how})" for r, how in gone.items()] +
+                [f"rank {r} is lost ({how})" for r, how in sorted(gone.items())] +
                 ([f"timed out waiting for {', '.join(late)}"] if late else [])))
             error = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
                      f"{seconds * 1e3:.0f} ms: {why} ({what})")
@@ -96,17 +104,19 @@ def _forget(store, key):
 
 
 class _Lost(Exception):
-    """Ends a wait for a rank the group knows to be gone (its text: how)."""
+    """Ends a wait on ranks the group knows to be gone (its argument: {rank: how})."""
 
 
-def _stop(aborted, lost, r):
-    """keys_set_within's stop for a wait on rank r: the group's abort, or r known lost (_Lost)."""
+def _stop(aborted, lost, ranks, came=None):
+    """keys_set_within's stop for a wait on `ranks`: the group's abort, or one of them known lost
+    (_Lost), unless came(rank) says it arrived before that."""
     def stop():
         exc = None if aborted is None else aborted()
         if exc is not None:
             return exc
-        how = None if lost is None else (lost() or {}).get(r)
-        return None if how is None else _Lost(how)
+        gone = {q: how for q, how in (lost() or {}).items() if q in ranks} if lost is not None else {}
+        gone = {q: how for q, how in gone.items() if came is None or not came(q)}
+        return _Lost(gone) if gone else None
     return None if aborted is None and lost is None else stop
 
 
@@ -119,12 +129,12 @@ def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, abo
     # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
     try:
         with _store_errors(failed, what):
-            came = keys_set_within(store, [key + "0"], answer_seconds, _stop(aborted, lost, 0))
+            came = keys_set_within(store, [key + "0"], answer_seconds, _stop(aborted, lost, [0]))
             answered = came and keys_set_within(store, [key + "verdict"], seconds + GRACE_SECONDS,
-                                                _stop(aborted, lost, 0))
+                                                _stop(aborted, lost, [0]))
             verdict = store.get(key + "verdict").decode() if answered else None
     except _Lost as exc:
-        raise RuntimeError(f"{failed}rank 0 is lost ({exc}) ({what})") from None
+        raise RuntimeError(f"{failed}rank 0 is lost ({exc.args[0][0]}) ({what})") from None
     if not came:
         raise RuntimeError(f"{failed}Timed out after {answer_seconds:g} s waiting for rank 0 ({what}); rank 0 "
                            "did not arrive")

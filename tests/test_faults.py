@@ -406,8 +406,9 @@ def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
 def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, transport):
     """tests/faults/lost_member.py: rank `dead` of 3 dies (SIGKILL) once the world is made; then the
     other two wait in turn for members that include it: a monitored barrier (rank 0 waiting for the
-    others' arrival, or they for rank 0's), one with wait_all_ranks, new_group, split_group and an
-    engine subgroup, each with a timeout of 40 s. Each waited its whole timeout, then named the dead
+    others' arrival, or they for rank 0's; with rank 2 dead, rank 1 comes only once rank 0 is through,
+    so rank 0 names rank 2 while it waits for rank 1), one with wait_all_ranks, new_group, split_group
+    and an engine subgroup, each with a timeout of 40 s. Each waited its whole timeout, then named the dead
     rank as one that did not come; the world's transport knows it is lost (its process is gone; over
     TCP, its connection ended without a goodbye), and each now fails at once naming it. The message
     says so (at the timeout it says "did not come" or "Timed out"); then the two make a group of their
@@ -422,11 +423,14 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, tra
                     "(its connection to this rank ended without a goodbye: its process exited, or the link to it is "
                     "cut)")
     if dead == 0:   # (the others wait for rank 0)
-        barrier = barrier_all = rf"RuntimeError: Rank [12] successfully reached monitoredBarrier, .*: rank 0 is lost {how}"
+        barrier = barrier_all = rf"RuntimeError: Rank [12] successfully reached monitoredBarrier, .*: rank 0 is " \
+                                rf"lost {how}"
     else:           # (rank 0 waits for it, and tells the other)
-        barrier = rf"RuntimeError: .*\[Rank 0\]: Rank 2 failed to pass monitoredBarrier in 40000 ms: it is lost {how}"
-        barrier_all = rf"RuntimeError: .*\[Rank 0\]: Ranks 2 failed to pass monitoredBarrier in 40000 ms: rank 2 is lost {how}"
-    made = rf"EnginePeerLost: .*: rank {dead} of \[0, 1, 2\] is lost to group '0', the group this one is made from {how}"
+        opening = r"RuntimeError: .*\[Rank 0\]: "
+        barrier = opening + rf"Rank 2 failed to pass monitoredBarrier in 40000 ms: it is lost {how}"
+        barrier_all = opening + rf"Ranks 2 failed to pass monitoredBarrier in 40000 ms: rank 2 is lost {how}"
+    made = rf"EnginePeerLost: .*: rank {dead} of \[0, 1, 2\] is lost to group '0', the group this one is made " \
+           rf"from {how}"
     for rank in set(range(3)) - {dead}:
         said = dict(re.findall(rf"rank {rank}: (\w+) after [\d.]+ s: (.*)", out))
         assert sorted(said) == ["barrier", "barrier_all", "new_group", "split", "subgroup"], out[-5000:]

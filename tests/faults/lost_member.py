@@ -2,7 +2,8 @@
 wait, each in turn, for members that include it, with every timeout at 40 s:
 
 - barrier, barrier_all: the world's monitored_barrier, without and with wait_all_ranks (rank 0 waits
-  for the others' arrival; the others wait for rank 0, then for its verdict);
+  for the others' arrival, in order: with rank 2 dead, rank 1 comes to the first only once rank 0 is
+  through it; the others wait for rank 0, then for its verdict);
 - new_group: dist.new_group([0, 1, 2]);
 - split: the world's split_group([0, 1, 2]) (torch 2.15's dist.split_group calls it);
 - subgroup: the world's engine Communicator's subgroup([0, 1, 2]).
@@ -28,7 +29,7 @@ TIMEOUT = timedelta(seconds=40)
 
 
 def rank_main(rank, path, transport, dead):
-    world, _ = engine_world(rank, 3, path, transport, TIMEOUT)
+    world, store = engine_world(rank, 3, path, transport, TIMEOUT)
     dist.barrier()
     if rank == dead:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -38,6 +39,8 @@ def rank_main(rank, path, transport, dead):
              ("split", lambda: world.split_group([0, 1, 2], timeout=TIMEOUT)),
              ("subgroup", lambda: world.communicator.subgroup([0, 1, 2], name="all-three"))]
     for what, step in steps:
+        if what == "barrier" and dead == 2 and rank == 1:
+            store.wait(["rank 0 is through"])   # (rank 0 waits for this rank first: the dead one is behind it)
         start = time.monotonic()
         try:
             step()
@@ -45,6 +48,8 @@ def rank_main(rank, path, transport, dead):
         except Exception as exc:
             say(f"rank {rank}: {what} after {time.monotonic() - start:.2f} s: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0]}")
+        if what == "barrier" and rank == 0:
+            store.set("rank 0 is through", "")
     alive = [r for r in range(3) if r != dead]
     pair = dist.new_group(alive, timeout=TIMEOUT)
     t = torch.full((5,), rank + 1.0)
