@@ -89,12 +89,15 @@ class StoreBootstrap:
     """allgather over a key-value store (torch's Store API: set / get, where get waits for the key).
     timeout: seconds a round waits for the other ranks (the group's; None: the store's own).
     on_cancel: where the store's meeting can be cancelled (a reconfigure's: engine.handles.Meeting), its
-    on_cancel, through which the group's making registers the waits the store's failing doesn't end."""
+    on_cancel, through which the group's making registers the waits the store's failing doesn't end.
+    lost: where the group is made while its members' waits can be ended (on_cancel given), returns
+    {rank of this group: how} of the members the group it is made from knows to be lost
+    (Communicator.lost_among): a round waiting for one of them ends at once (EnginePeerLost)."""
     group = None
 
-    def __init__(self, store, rank, size, prefix="engine", on_cancel=None, timeout=None):
+    def __init__(self, store, rank, size, prefix="engine", on_cancel=None, timeout=None, lost=None):
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
-        self.on_cancel, self.timeout = on_cancel, timeout
+        self.on_cancel, self.timeout, self.lost = on_cancel, timeout, lost
         self._round = 0
         self._cancelled = None   # (why the making was cancelled: its store waits end within LOOK_PAUSE_SECONDS)
         if on_cancel is not None:
@@ -103,8 +106,16 @@ class StoreBootstrap:
     def _cancel(self, why):
         self._cancelled = why
 
-    def _stop(self):
-        return None if self._cancelled is None else ConnectionError(self._cancelled)
+    def _stop(self, keys):
+        if self._cancelled is not None:
+            return ConnectionError(self._cancelled)
+        lost = self.lost() if self.lost is not None else None
+        gone = {r: how for r, how in (lost or {}).items() if not self.store.check([keys[r]])}
+        if not gone:
+            return None
+        r = min(gone)
+        return EnginePeerLost(f"engine: rank {r} of {self.size} is lost while group {self.group!r} is made "
+                              f"({gone[r]}): make it of the ranks still alive")
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
@@ -112,7 +123,7 @@ class StoreBootstrap:
         self.store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
         values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                         None if self.on_cancel is None else self._stop)
+                                         None if self.on_cancel is None else lambda: self._stop(keys))
         if missing:
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")

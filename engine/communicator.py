@@ -232,14 +232,15 @@ class Communicator:
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix=None, transport=None, timeout=None, name="world",
-                   ring_segment_bytes=None, on_cancel=None):
+                   ring_segment_bytes=None, on_cancel=None, lost=None):
         """A group bootstrapped through a key-value store (torch's Store API) instead of MPI (which is
         never imported): shared memory inside a host, the engine's TCP transport between hosts.
         prefix: where its keys go in the store (default "engine/<name>": groups of other names share a
         store; one made again under the same name on the same store needs a prefix of its own, or it
         reads the keys the last one left). on_cancel: where the making may be cancelled from another
         thread (a reconfigure's abort()), on_cancel(fn) registers fn(why), which ends the waits that
-        don't wait on the store."""
+        don't wait on the store. lost: with on_cancel, the members known lost (Communicator.lost_among
+        of the group it is made from) end its store waits at once."""
         try:
             rank, size = operator.index(rank), operator.index(size)
         except TypeError:
@@ -253,7 +254,7 @@ class Communicator:
                              "needs an MPI launch (mpirun)")
         requested_transport(transport)   # (a misspelt ENGINE_TRANSPORT is refused at one rank too, which runs on shm)
         boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel,
-                                                                     Watch.timeout_of(timeout))
+                                                                     Watch.timeout_of(timeout), lost)
         self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
                    ring_segment_bytes=ring_segment_bytes, _boot=boot)
         self._store_prefix = prefix
@@ -341,6 +342,15 @@ class Communicator:
         group's collectives: the members a group made from this one waits for, a monitored barrier."""
         core = self._core   # (once: another thread's free() may take it meanwhile)
         return None if core is None else self._transport.lost(core)
+
+    def lost_among(self, ranks):
+        """lost_ranks() of `ranks` (ranks of this group), as a callable numbering them by their place
+        in `ranks` and saying which they are here: a group made of them watches for their loss while
+        it is made (from_store's lost); None where the transport can't tell."""
+        if self.lost_ranks() is None:
+            return None
+        return lambda: {ranks.index(r): f"rank {r} of group {self.name!r}: {how}"
+                        for r, how in (self.lost_ranks() or {}).items() if r in ranks}
 
     def check_usable(self, what):
         """Raises what the group's next operation would, once a failure (a timeout, a lost peer, a

@@ -415,7 +415,7 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, tra
     own and sum on it."""
     script = os.path.join(HERE, "lost_member.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, script, transport, str(dead)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script, transport, str(dead), "before"], capture_output=True, text=True,
                           timeout=400, env=env)
     out = proc.stdout + proc.stderr
     assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
@@ -437,6 +437,33 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, tra
         for what, expected in dict(barrier=barrier, barrier_all=barrier_all, new_group=made, split=made,
                                    subgroup=made).items():
             assert re.match(expected, said[what]), (what, said[what])
+        assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("when", ["making", "shrink"])
+def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_naming_it(when, transport):
+    """tests/faults/lost_member.py making|shrink: a member dies (SIGKILL) inside the making of the world's
+    split_group([0, 1, 2]) (rank 2, after the members agreed on them) or of its shrink([2]) (rank 1;
+    rank 2, left out, stays alive). The others waited for it in the new group's first exchange until
+    the timeout (40 s) and said it never joined; the world's transport knows it lost the rank, and the
+    making, which looks between its waits in the store, now ends at once naming it."""
+    script = os.path.join(HERE, "lost_member.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    dead = 2 if when == "making" else 1
+    proc = subprocess.run([sys.executable, script, transport, str(dead), when], capture_output=True, text=True,
+                          timeout=400, env=env)
+    out = proc.stdout + proc.stderr
+    assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
+    expected = (r"EnginePeerLost: engine split of process group '0' into ranks \[0, 1, 2\]: engine: rank 2 of 3 is "
+                r"lost while group '0:split-1' is made \(rank 2 of group '0': its " if when == "making" else
+                r"EnginePeerLost: engine shrink of process group '0' without ranks \[2\]: engine: rank 1 of 2 is lost "
+                r"while group '0:shrunk-1' is made \(rank 1 of group '0': its ")
+    for rank in (0, 1) if when == "making" else (0,):
+        said = re.findall(rf"rank {rank}: (\w+) after [\d.]+ s: (.*)", out)
+        assert [what for what, _ in said] == ["split" if when == "making" else "shrink"], out[-5000:]
+        assert re.match(expected, said[0][1]), said
+    for rank in set(range(3)) - {dead}:
         assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
 
 

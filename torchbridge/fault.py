@@ -207,11 +207,14 @@ class FaultTolerance:
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
         self._check_torch_knows_members(what, "leave ranks out")
         replaced = self._comm.watch if self._comm is not None else None   # (before SHRINK_ABORT takes it off)
+        members = [r for r in range(self._size) if r not in excluded]
+        # (a member lost while the others make the new group ends their wait; not after SHRINK_ABORT: it frees
+        # this group)
+        lost = self._comm.lost_among(members) if self._comm is not None else None
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
             self.abort()
             aborts += 1
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
-        members = [r for r in range(self._size) if r not in excluded]
         index, size = members.index(self._rank), len(members)
         world = self is dist.distributed_c10d._world.default_pg
         name = f"{self._name}:shrunk-{count}"
@@ -222,7 +225,9 @@ class FaultTolerance:
         with self._making_new_group("shrink", aborts, f"{what} without ranks {excluded}") as cancel:
             try:
                 comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
-                                               timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel)
+                                               timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel, lost=lost)
+            except EnginePeerLost as exc:   # (it names the member lost, in this group's ranks too)
+                raise EnginePeerLost(f"{what} without ranks {excluded}: {exc}") from exc
             except Exception as exc:
                 raise RuntimeError(f"{what} without ranks {excluded}: {exc} (rank i of the new group is rank "
                                    f"{members}[i] of this one; every member that stays passes the same ranks)"
@@ -306,7 +311,10 @@ class FaultTolerance:
                     new = comm.subgroup(members, name=name, store=store, timeout=seconds)
                 else:
                     new = Communicator.from_store(store, index, size, name=name, transport=own_transport(),
-                                                  timeout=seconds, on_cancel=cancel.on_cancel)
+                                                  timeout=seconds, on_cancel=cancel.on_cancel,
+                                                  lost=comm.lost_among(members))
+            except EnginePeerLost as exc:   # (it names the member lost: the ranks were right)
+                raise EnginePeerLost(f"{what} into ranks {members}: {exc}") from exc
             except Exception as exc:
                 raise RuntimeError(f"{what} into ranks {members}: {exc} (every member passes the same ranks)"
                                    ) from exc

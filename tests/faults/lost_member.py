@@ -1,5 +1,7 @@
-"""Three ranks (spawned); rank DEAD (2 or 0) dies (SIGKILL) once the world is made. The other two then
-wait, each in turn, for members that include it, with every timeout at 40 s:
+"""Three ranks (spawned); rank DEAD (2 or 0) dies (SIGKILL), WHEN:
+
+- before: once the world is made. The other two then wait, each in turn, for members that include
+  it, with every timeout at 40 s:
 
 - barrier, barrier_all: the world's monitored_barrier, without and with wait_all_ranks (rank 0 waits
   for the others' arrival, in order: with rank 2 dead, rank 1 comes to the first only once rank 0 is
@@ -8,10 +10,15 @@ wait, each in turn, for members that include it, with every timeout at 40 s:
 - split: the world's split_group([0, 1, 2]) (torch 2.15's dist.split_group calls it);
 - subgroup: the world's engine Communicator's subgroup([0, 1, 2]).
 
+- making: inside the making of the world's split_group([0, 1, 2]), at its first exchange, once the
+  members agreed (the split is the one step);
+- shrink: rank DEAD (1) inside the making of the world's shrink([2]) (rank 2 is left out alive; the
+  shrink is rank 0's and rank 1's one step, and rank 0 is the one left to name it).
+
 Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
 s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
 
-    python tests/faults/lost_member.py shm|tcp DEAD
+    python tests/faults/lost_member.py shm|tcp DEAD before|making|shrink
 """
 
 import os
@@ -28,16 +35,23 @@ from spawned import engine_world, run_ranks, say
 TIMEOUT = timedelta(seconds=40)
 
 
-def rank_main(rank, path, transport, dead):
+def rank_main(rank, path, transport, dead, when):
     world, store = engine_world(rank, 3, path, transport, TIMEOUT)
     dist.barrier()
-    if rank == dead:
+    if rank == dead and when == "before":
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == dead:
+        import engine.communicator   # (the first exchange of a group's making)
+        engine.communicator.gather = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     steps = [("barrier", lambda: world.monitored_barrier(TIMEOUT)),
              ("barrier_all", lambda: world.monitored_barrier(TIMEOUT, wait_all_ranks=True)),
              ("new_group", lambda: dist.new_group([0, 1, 2], timeout=TIMEOUT)),
              ("split", lambda: world.split_group([0, 1, 2], timeout=TIMEOUT)),
              ("subgroup", lambda: world.communicator.subgroup([0, 1, 2], name="all-three"))]
+    if when == "making":
+        steps = [step for step in steps if step[0] == "split"]
+    if when == "shrink":
+        steps = [("shrink", lambda: world.shrink([2]))] if rank != 2 else []
     for what, step in steps:
         if what == "barrier" and dead == 2 and rank == 1:
             store.wait(["rank 0 is through"])   # (rank 0 waits for this rank first: the dead one is behind it)
@@ -60,5 +74,5 @@ def rank_main(rank, path, transport, dead):
 
 
 if __name__ == "__main__":
-    transport, dead = sys.argv[1], int(sys.argv[2])
-    run_ranks(rank_main, 3, transport, dead, name="lost-member", seconds=300)
+    transport, dead, when = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    run_ranks(rank_main, 3, transport, dead, when, name="lost-member", seconds=300)
