@@ -213,9 +213,9 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
             return None
         one = len(gone) == 1
         how = "; ".join(how if one else f"rank {r}: {how}" for r, how in sorted(gone.items()))
-        return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of {members} "
-                              f"{'is' if one else 'are'} lost to group {parent.name!r}, the group this one is made from "
-                              f"({how}): make the group of the ranks still alive")
+        return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of "
+                              f"{members} {'is' if one else 'are'} lost to group {parent.name!r}, the group this one "
+                              f"is made from ({how}): make the group of the ranks still alive")
     values, missing, why = read_keys(store, keys, seconds, what, stop if cancelled is not None or watched else None,
                                      LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
     if missing:
@@ -233,9 +233,9 @@ def keys_set_within(store, keys, seconds, stop=None, most_pause=LOOK_PAUSE_SECON
     """Whether every key is set in the store within seconds (looked at once where seconds <= 0). Without
     stop, one store.wait. With it, the wait can be ended from another thread: it looks (check) and
     sleeps between looks, 1 ms doubling to most_pause, and stop(), asked after each sleep, ends it by
-    returning the exception to raise (else None; keys set meanwhile end it well). store.wait can't be interrupted, and
-    waiting in slices of it would do: but torch's store client logs a warning for each slice that
-    expires. A store that fails passes its error on."""
+    returning the exception to raise (else None; keys set meanwhile end it well). store.wait can't be
+    interrupted, and waiting in slices of it would do: but torch's store client logs a warning for
+    each slice that expires. A store that fails passes its error on."""
     end = time.monotonic() + finite_seconds(seconds)
     pause = 0.001
     while True:
