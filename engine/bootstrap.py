@@ -109,8 +109,7 @@ class StoreBootstrap:
     def _stop(self, keys):
         if self._cancelled is not None:
             return ConnectionError(self._cancelled)
-        lost = self.lost() if self.lost is not None else None
-        gone = {r: how for r, how in (lost or {}).items() if not self.store.check([keys[r]])}
+        gone = lost_before_arriving(self.lost, self.store, keys.__getitem__)
         if not gone:
             return None
         r = min(gone)
@@ -206,9 +205,9 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         why = None if cancelled is None else cancelled()
         if why is not None:
             return ConnectionError(why)
-        lost = parent.lost_ranks() if watched else None
         # (a member that came is not waited for: lost since, it fails the new group's own making)
-        gone = {r: how for r, how in (lost or {}).items() if r in members and not store.check([keys[members.index(r)]])}
+        gone = lost_before_arriving(parent.lost_ranks if watched else None, store,
+                                    lambda r: keys[members.index(r)] if r in members else None)
         if not gone:
             return None
         one = len(gone) == 1
@@ -227,6 +226,14 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         if theirs != mine:
             raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
                              f"{verb} {members}: every rank must pass the same {argument}")
+
+
+def lost_before_arriving(lost, store, key_of):
+    """{rank: how} of the ranks lost() (a {rank: how} or None; lost itself may be None) names as lost
+    whose key in the store, key_of(rank) (None: a rank not waited for), is not set: what a wait on
+    those keys stops for. A rank lost after it arrived did its part there."""
+    known = lost() if lost is not None else None
+    return {r: how for r, how in (known or {}).items() if key_of(r) is not None and not store.check([key_of(r)])}
 
 
 def keys_set_within(store, keys, seconds, stop=None, most_pause=LOOK_PAUSE_SECONDS):

@@ -10,7 +10,7 @@ import time
 
 from . import forks
 from ._core import EngineError
-from .bootstrap import keys_set_within
+from .bootstrap import keys_set_within, lost_before_arriving
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
@@ -39,7 +39,7 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
                 waited = [q for q in range(r, size) if q not in gone]
                 try:
                     came = keys_set_within(store, [key + str(r)], left,
-                                           _stop(aborted, lost, waited, lambda q: store.check([key + str(q)])))
+                                           _stop(aborted, lost, store, lambda q: key + str(q) if q in waited else None))
                 except _Lost as exc:
                     gone.update(exc.args[0])
                     if r not in gone and wait_all:
@@ -107,15 +107,14 @@ class _Lost(Exception):
     """Ends a wait on ranks the group knows to be gone (its argument: {rank: how})."""
 
 
-def _stop(aborted, lost, ranks, came=None):
-    """keys_set_within's stop for a wait on `ranks`: the group's abort, or one of them known lost
-    (_Lost), unless came(rank) says it arrived before that."""
+def _stop(aborted, lost, store, key_of):
+    """keys_set_within's stop for a wait on the ranks whose key key_of names (None: a rank not waited
+    for): the group's abort, or one of them known lost before its key was set (_Lost)."""
     def stop():
         exc = None if aborted is None else aborted()
         if exc is not None:
             return exc
-        gone = {q: how for q, how in (lost() or {}).items() if q in ranks} if lost is not None else {}
-        gone = {q: how for q, how in gone.items() if came is None or not came(q)}
+        gone = lost_before_arriving(lost, store, key_of)
         return _Lost(gone) if gone else None
     return None if aborted is None and lost is None else stop
 
@@ -127,11 +126,13 @@ def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, abo
     # Rank 0 itself may be the one late: this rank waits for it as long as the group's timeout (as Gloo's
     # other ranks do). Once it came, its verdict comes within its own timeout, which may be the longer:
     # a rank that gave up sooner would fail alone, blaming rank 0, while the others pass.
+    def from_rank_0(name):   # (a wait on rank 0's key `name`)
+        return _stop(aborted, lost, store, lambda q: key + name if q == 0 else None)
     try:
         with _store_errors(failed, what):
-            came = keys_set_within(store, [key + "0"], answer_seconds, _stop(aborted, lost, [0]))
+            came = keys_set_within(store, [key + "0"], answer_seconds, from_rank_0("0"))
             answered = came and keys_set_within(store, [key + "verdict"], seconds + GRACE_SECONDS,
-                                                _stop(aborted, lost, [0]))
+                                                from_rank_0("verdict"))
             verdict = store.get(key + "verdict").decode() if answered else None
     except _Lost as exc:
         raise RuntimeError(f"{failed}rank 0 is lost ({exc.args[0][0]}) ({what})") from None
