@@ -29,6 +29,7 @@ _retired = weakref.WeakSet()   # the sources replaced by a recovery (recovered)
 _init_failure = []   # why init_process_group failed on this rank while MPI was up
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
 _grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS (configure)
+REPORT_FORWARD_SECONDS = 0.25   # abort's pause after its report, for the launcher to forward it
 
 
 def group_failed(why, source=None):
@@ -106,11 +107,8 @@ def _at_exit(MPI):
     if why is None:
         return
     time.sleep(_grace[0])
-    print(f"engine: rank {MPI.COMM_WORLD.Get_rank()} exits after {what} ({why}): aborting the job, after "
-          f"{_grace[0]:g} s of grace (ENGINE_ABORT_GRACE_SECONDS), so that no rank waits for it forever",
-          file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    abort(1)
+    abort(1, f"engine: rank {MPI.COMM_WORLD.Get_rank()} exits after {what} ({why}): aborting the job, after "
+             f"{_grace[0]:g} s of grace (ENGINE_ABORT_GRACE_SECONDS), so that no rank waits for it forever")
 
 
 @contextlib.contextmanager
@@ -133,17 +131,21 @@ def blocked_in(library, what, rank, seconds):
 
 
 def _blocked_too_long(library, what, rank, seconds):
-    print(f"engine: rank {rank}: {what}: Timed out after {seconds:g} s (timeout {seconds:g} s): a rank of the "
-          "group never joined it (every member must make the group; one skipped it, or waits elsewhere); the call "
-          f"is blocked inside {library} and cannot be interrupted: aborting the job",
-          file=sys.stderr, flush=True)
-    abort(3)
+    abort(3, f"engine: rank {rank}: {what}: Timed out after {seconds:g} s (timeout {seconds:g} s): a rank of the "
+             "group never joined it (every member must make the group; one skipped it, or waits elsewhere); the "
+             f"call is blocked inside {library} and cannot be interrupted: aborting the job")
 
 
-def abort(code):
+def abort(code, report=None):
     """MPI_Abort, first unlinking the MPI's shared-memory segments: the launcher kills the ranks, and
     the segment of the rank that would have unlinked it at MPI_Finalize would stay in /dev/shm. Every
-    process mapping them is part of this job, which is ending. Without MPI up: the process exits."""
+    process mapping them is part of this job, which is ending. Without MPI up: the process exits.
+    report: the line saying why, written to stderr first; the launcher reads it from a pipe and may end
+    the job before it has forwarded the line (MPICH's did), so the abort waits a moment after it."""
+    if report is not None:
+        print(report, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        time.sleep(REPORT_FORWARD_SECONDS)
     for path in _mpi_segments():
         try:
             os.unlink(path)

@@ -506,9 +506,8 @@ class _Registry:
             except EngineMismatch as exc:
                 err = exc
             if err is not None:
-                print(f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
-                      "aborting the job", file=sys.stderr, flush=True)
-                failure.abort(3)
+                failure.abort(3, f"engine: {err}; the call is blocked inside MPI and cannot be interrupted: "
+                                 "aborting the job")
 
 
 _registry = _Registry()
