@@ -65,6 +65,13 @@ def _digest(counts):
     return zlib.crc32(",".join(map(str, counts)).encode())
 
 
+def _splits_evenly(counts, total, size, role):
+    """Whether a call's explicit per-rank counts are the ones it takes without them: `total` elements in
+    `size` equal parts. A rank may pass either, so debug mode's signature words both alike."""
+    counts = _core.whole_counts(counts, role)
+    return len(counts) == size and counts[0] * size == total and counts.count(counts[0]) == size
+
+
 def _agreed(name, everyone):
     """The settings every rank of group `name` read (everyone: each rank's, as sorted (variable, value)
     pairs), as a dict; else raises, on every rank, naming what differs between rank 0 and the first
@@ -485,8 +492,7 @@ class Communicator:
         return self._core.reduce_scatter(sendbuf, recvbuf, op, counts)
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
-        # (its own counts per rank: each rank's sizes are its own, as torch's DETAIL checks leave them)
-        self._check_signature("alltoall", sendbuf, counts=() if send_counts is not None else None, out=recvbuf)
+        self._check_signature("alltoall", sendbuf, counts=send_counts, out=recvbuf, out_counts=recv_counts)
         return self._core.alltoall(sendbuf, recvbuf, send_counts, recv_counts)
 
     def check_even_split(self, count, side):
@@ -520,19 +526,27 @@ class Communicator:
         """Whether fused allreduces pack straight into the transport's memory (shared memory)."""
         return hasattr(self._core, "allreduce_parts")
 
-    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False, out=None):
+    def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False, out=None, out_counts=None):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
         counts: a call split by counts, whose buffers differ in size between the ranks by design: the
-        counts are compared instead of each rank's own (every rank passes the same), or nothing where
-        they are empty (an alltoall's, which are each rank's own). rooted: a gather's or scatter's, given
-        on the root only: each rank's own count must be what the root's counts give it (all equal
-        without counts). out: the output, refused here as the call would refuse it (not contiguous: the
-        adapter then calls again with a copy), before this rank's check pairs with its peers'."""
+        counts are compared instead of each rank's own (every rank passes the same), or nothing for an
+        alltoall's (each rank's are its own, as torch's DETAIL checks leave them); counts that split
+        evenly are the call without counts. rooted: a gather's or scatter's, given on the root only:
+        each rank's own count must be what the root's counts give it (all equal without counts). out:
+        the output, refused here as the call would refuse it (not contiguous: the adapter then calls
+        again with a copy), before this rank's check pairs with its peers'. out_counts: an alltoall's
+        receive counts."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
-        if out is not None:
-            _core.message_shape(out)
+        out_elements = _core.message_shape(out)[0] if out is not None else 0
+        if counts is not None and not rooted:
+            total = info[0] * self.size if op == "allgather" else info[0]
+            if (_splits_evenly(counts, total, self.size, f"{op} counts") and
+                    (out_counts is None or _splits_evenly(out_counts, out_elements, self.size, f"{op} counts"))):
+                counts = None
+            elif op == "alltoall":
+                counts = ()
         split = counts is not None or rooted
         shape = () if split else tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)

@@ -2,8 +2,9 @@
 1. calls whose sizes differ between the ranks by design (all_gather of uneven tensors, all_to_all_single
    with uneven splits, the engine's gather and scatter with counts on the root) pass the signature
    check, as torch's own DETAIL checks pass them, and so does an all_gather_into_tensor whose output is
-   contiguous on one rank only (the other's goes through a copy); a rank whose size is not what the
-   root's counts say fails it;
+   contiguous on one rank only (the other's goes through a copy), and even counts given by one rank
+   only (the call without counts on the other); a rank whose size is not what the root's counts say
+   fails it;
 2. rank 1 never calls an all_reduce of a group with a 1 s timeout: rank 0's signature check ends at that
    timeout, not never;
 3. rank 0 all_reduces 100 elements and rank 1 200: every rank must raise a mismatch error that says
@@ -35,6 +36,13 @@ part = torch.empty(rank + 1)
 comm.scatter(torch.tensor([5.0, 6.0, 7.0]) if rank == 1 else None, part, root=1, counts=[1, 2] if rank == 1 else None)
 ok = ok and (rank != 0 or torch.equal(got, torch.tensor([0.0, 1.0, 1.0]))) and \
     torch.equal(part, torch.tensor([5.0]) if rank == 0 else torch.tensor([6.0, 7.0]))
+mixed, both, mine = torch.empty(4), torch.empty(4), torch.empty(2)   # (even counts on rank 0 only)
+dist.all_to_all_single(mixed, torch.full((4,), float(rank)), [2, 2] if rank == 0 else None,
+                       [2, 2] if rank == 0 else None, group=uneven)
+comm.allgather(torch.full((2,), float(rank)), both, counts=[2, 2] if rank == 0 else None)
+comm.reduce_scatter(torch.ones(4), mine, counts=[2, 2] if rank == 0 else None)
+ok = ok and torch.equal(mixed, torch.tensor([0.0, 0.0, 1.0, 1.0])) and torch.equal(both, mixed) and \
+    torch.equal(mine, torch.full((2,), 2.0))
 print(f"rank {rank}: uneven calls {'ok' if ok else 'WRONG'}", flush=True)
 try:   # rank 1 gives 3 elements where the root's counts say 2
     dist.new_group([0, 1]).communicator.gather(torch.ones(1 + 2 * rank), torch.empty(4) if rank == 0 else None, root=0,
