@@ -193,8 +193,10 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     lists, where they would wait for each other in the store until its timeout, or meet with positions
     that disagree. Members that never come are named at the new group's timeout (seconds), not the
     store's, and a member the group it is made from (parent: an engine Communicator) knows to be lost
-    at once (EnginePeerLost). cancelled: where given, returns why the making was cancelled from another
-    thread (else None): the wait ends in a ConnectionError saying why."""
+    at once (EnginePeerLost). A member whose making failed leaves why in place of its list, and one
+    that comes later fails at once saying so (its next making meets the others' next). cancelled: where
+    given, returns why the making was cancelled from another thread (else None): the wait ends in a
+    ConnectionError saying why."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
@@ -215,17 +217,39 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of "
                               f"{members} {'is' if one else 'are'} lost to group {parent.name!r}, the group this one "
                               f"is made from ({how}): make the group of the ranks still alive")
-    values, missing, why = read_keys(store, keys, seconds, what, stop if cancelled is not None or watched else None,
-                                     LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
+    try:
+        values, missing, why = read_keys(store, keys, seconds, what, stop if cancelled is not None or watched else None,
+                                         LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
+    except EnginePeerLost as lost:
+        _give_up(store, key, me, f"{lost}".removeprefix(f"{what}: "))
+        raise
     if missing:
-        raise RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
-                           f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
-                           f"{argument}, in the same order as the others ({why})")
+        error = RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
+                             f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
+                             f"{argument}, in the same order as the others ({why})")
+        _give_up(store, key, me, f"it waited {seconds:g} s for ranks {[members[i] for i in missing]}")
+        raise error
     for r, value in zip(members, values):
         theirs = value.decode()
+        if theirs.startswith(GAVE_UP):
+            raise RuntimeError(f"{what}: rank {r} gave this making up before this rank came ({theirs[len(GAVE_UP):]}); "
+                               "a rank that comes after the others gave up, or that skipped a making they made, is "
+                               "out of step with them: every rank must make the group (its next making too)")
         if theirs != mine:
             raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
                              f"{verb} {members}: every rank must pass the same {argument}")
+
+
+GAVE_UP = "gave up: "   # a member's word in place of its list, where its making failed
+
+
+def _give_up(store, key, me, why):
+    """Leaves why this rank's making failed where its list was, so that a member coming later fails at
+    once, saying so, where it would find every list and wait for the others in the group's bootstrap."""
+    try:
+        store.set(f"{key}/members-of/{me}", GAVE_UP + why)
+    except Exception:   # (the store gone: no one comes later)
+        pass
 
 
 def lost_before_arriving(lost, store, key_of):

@@ -291,8 +291,10 @@ class Communicator:
 
     def subgroup(self, ranks, *, name=None, store=None, transport=None, timeout=None):
         """A Communicator over `ranks` (ranks of this group, in the new group's order, the same on every
-        member: made through a store, members given other lists are refused). Collective over the
-        members only: ranks outside must not call it. timeout: this group's unless given."""
+        member: made through a store, members given them in other orders are refused at once; members
+        given other sets wait for their own until the timeout, naming those that did not come).
+        Collective over the members only: ranks outside must not call it. timeout: this group's unless
+        given (seconds)."""
         ranks = list(ranks)
         try:
             ranks = [operator.index(r) for r in ranks]   # (int() would take "1" and truncate 1.5)

@@ -467,6 +467,25 @@ def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_
         assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_member_that_comes_after_the_others_gave_the_making_up_fails_at_once_and_the_next_making_meets(transport):
+    """tests/faults/late_member.py: ranks 0 and 1 give up making a group of three (timeout 1 s); rank 2
+    makes it only then. It found their lists in the store and waited for them in the group's bootstrap
+    until its own timeout (40 s), saying they never joined; their lists now say they gave up, and it
+    fails at once saying so. Then all three make the group again, and it meets: for an engine subgroup
+    and for torch's new_group."""
+    script = os.path.join(HERE, "late_member.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert "exit codes [0, 0, 0]" in out, out[-5000:]
+    for what, named in (("subgroup", "engine subgroup 'late'"), ("new_group", r"engine new_group '\d+'")):
+        said = re.findall(rf"rank 2: {what} after [\d.]+ s: (.*)", out)
+        assert len(said) == 1 and re.match(rf"RuntimeError: {named}: rank [01] gave this making up before this rank "
+                                           rf"came \(it waited 1 s for ranks \[2\]\)", said[0]), out[-5000:]
+        assert sorted(re.findall(rf"rank (\d): {what} made again and summed", out)) == ["0", "1", "2"], out[-5000:]
+
+
 @TRANSPORTS
 def test_a_failed_subgroup_replaced_by_a_shrink_lets_the_job_end_normally(transport):
     """Under MPI a rank whose group failed aborts the job at exit, unless the group was replaced: a
