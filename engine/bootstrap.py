@@ -433,13 +433,12 @@ def segment_settings():
                 cma=env_choice("ENGINE_SHM_CMA", ("auto", "1", "0"), "auto"))
 
 
-def make_segment(boot, everyone, cfg, whole_rank=None):
+def make_segment(boot, everyone, cfg):
     """The group's shared segment in two exchanges: rank 0 creates it while every rank gives the
-    address of its single-copy probe word (and whole_rank: its rank in the group this one is a stage
-    of); the others attach, every rank faults in its own slots and probes its peers, and every rank
-    learns whether all succeeded (so none is left waiting) and whether single copy works between
-    every pair; then rank 0 drops its descriptor. cfg: segment_settings(). Returns the segment and
-    every rank's whole_rank."""
+    address of its single-copy probe word; the others attach, every rank faults in its own slots and
+    probes its peers, and every rank learns whether all succeeded (so none is left waiting) and
+    whether single copy works between every pair; then rank 0 drops its descriptor. cfg:
+    segment_settings()."""
     from . import _core
     size, rank = boot.size, boot.rank
     # Point-to-point rings: 256 KiB a pair for small groups, less for large ones (2 channels x P^2 rings;
@@ -451,7 +450,7 @@ def make_segment(boot, everyone, cfg, whole_rank=None):
     def create():
         if rank == 0:
             made.append(_core.ShmSegment.create(size, cfg["slot"], queue))
-        return made[0].descriptor() if made else None, _core.cma_probe_address()[0], whole_rank
+        return made[0].descriptor() if made else None, _core.cma_probe_address()[0]
 
     def attach():
         if rank != 0:
@@ -463,7 +462,7 @@ def make_segment(boot, everyone, cfg, whole_rank=None):
         return works, cfg["cma"] == "1"
 
     firsts = gather(boot, create, "create the group's shared segment")
-    desc, addrs = firsts[0][0], [a for _, a, _ in firsts]
+    desc, addrs = firsts[0][0], [a for _, a in firsts]
     try:
         probes = gather(boot, attach, "attach the group's shared segment")
     finally:
@@ -472,7 +471,7 @@ def make_segment(boot, everyone, cfg, whole_rank=None):
     seg = made[0]
     seg.watch_peers(pids)
     seg.set_cma(agree_on_single_copy(probes))
-    return seg, [w for _, _, w in firsts]
+    return seg
 
 
 def agree_on_single_copy(everyone):

@@ -146,11 +146,13 @@ class Communicator:
             debug.append(env_flag("ENGINE_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
             cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
             opening = _opening(transport, ring_segment_bytes, _boot.size)
-            return host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout)
+            return (host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout),
+                    None if _parent is None else _parent[0])
         everyone = gather(_boot, read_opening, "read its settings")
-        opening = _agreed(name, [o for _, _, o, _ in everyone])
+        opening = _agreed(name, [o for _, _, o, _, _ in everyone])
         notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]
-        everyone = [h for h, _, _, _ in everyone]
+        whole = [w for _, _, _, _, w in everyone]   # (a stage's: each rank's rank in the group it serves)
+        everyone = [h for h, _, _, _, _ in everyone]
         seg_bytes = opening["ENGINE_RING_SEGMENT_BYTES"]
         self.transport = choose_transport(opening["ENGINE_TRANSPORT"], [h for h, _, _ in everyone], mpi)
         self._transport = TRANSPORTS[self.transport]
@@ -161,6 +163,9 @@ class Communicator:
         try:
             opened = self._transport.open(_boot, everyone, seg_bytes, timeout, _owned, _parent, cfgs[self.transport])
             self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
+            if _parent is not None:   # (its errors name its own ranks: say which they are)
+                self._core.stage_note = (f" [a stage of group '{_parent[1]}': its ranks "
+                                         f"{', '.join(map(str, range(len(whole))))} are ranks {', '.join(map(str, whole))} there]")
             _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
             self.rank = self._core.rank
             self.size = self._core.size

@@ -126,11 +126,8 @@ class Shm(_Transport):
 
     @staticmethod
     def _open(boot, everyone, seg_bytes, timeout, parent, cfg, comms):
-        seg, whole = make_segment(boot, everyone, cfg, None if parent is None else parent[0])
+        seg = make_segment(boot, everyone, cfg)
         core = _core.ShmComm(seg, seg_bytes, cfg["chunk"])
-        if parent is not None:   # (its errors name its own ranks: say which they are)
-            core.stage_note = (f" [a stage of group '{parent[1]}': its ranks {', '.join(map(str, range(len(whole))))} "
-                               f"are ranks {', '.join(map(str, whole))} there]")
         leaves_at_exit(core)
         core.pull_piece = cfg["pull_piece"]
         count, has = threads(everyone, boot.rank, cfg["threads"])

@@ -247,7 +247,8 @@ class Watch:
             self._noted = (rec[SEQ], 2)
             missing = self.missing(rec)
             print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec[OP]} #{rec[SEQ]} of group "
-                  f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.limit - elapsed:.0f} s)",
+                  f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.limit - elapsed:.0f} s)"
+                  f"{self.core.stage_note or ''}",
                   file=sys.stderr, flush=True)
 
     def timed_out(self, rec, elapsed, limit):
@@ -255,7 +256,7 @@ class Watch:
         waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {limit:g} s): {self.describe_missing(missing)}"
-               + (f"; {waits}" if waits else ""))
+               + (f"; {waits}" if waits else "") + (self.core.stage_note or ""))
         return self._break(msg, EngineTimeout)
 
     def mismatch(self, msg):

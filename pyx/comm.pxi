@@ -470,9 +470,9 @@ cdef class CoreComm:
 
     cdef object broke(self, kind, str text, str what):
         """A failure that leaves the group unusable: marks it so, naming why, and returns its exception."""
-        self.log.broken, self.log.broken_after = text, BROKEN_AFTER[kind]
+        self.log.broken, self.log.broken_after = text + (self.stage_note or ""), BROKEN_AFTER[kind]
         self.algo_tp.group_broke(kind is EngineTimeout)
-        return kind(f"{what} failed: {text}")
+        return kind(f"{what} failed: {self.log.broken}")
 
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""

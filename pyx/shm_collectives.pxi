@@ -67,13 +67,10 @@ cdef class ShmComm(CoreComm):
     cdef bint team_started
     cdef public int threads         # threads IMPL_THREADED splits a blocking call's kernels over (1: none)
     cdef public size_t thread_slice # bytes: the least slice a thread takes (engine.registry's parameter)
-    cdef public str stage_note      # where the group is a stage of a hierarchy: its ranks' in the whole group,
-                                    # added to every error that names its ranks (engine/transports.py)
 
     def __cinit__(self, ShmSegment seg, size_t ring_segment_bytes, size_t chunk_bytes):
         self.seg = seg
         self.transport = "shm"
-        self.stage_note = ""
         self.init_core(shm_channel(seg, 0), shm_channel(seg, 1), ring_segment_bytes)
         self.impls |= SHM_IMPLS
         self.avg_fused = SHM_IMPLS    # each of its own divides AVG inside its reduction
@@ -151,10 +148,7 @@ cdef class ShmComm(CoreComm):
         if not awaited or not awaited[0]:
             return None
         return "; ".join(f"this rank waits on rank {q} (pid {self.seg.peers.pids[q]}) to reach its step"
-                         for q in awaited[0]) + self.stage_note
-
-    cdef object broke(self, kind, str text, str what):
-        return CoreComm.broke(self, kind, text + self.stage_note, what)
+                         for q in awaited[0])
 
     def passed(self):
         """The peers past the step this rank's collective waits at, and those that left the group."""

@@ -36,6 +36,7 @@ class Core:
     def __init__(self):
         self.rec, self.broken, self.aborted = None, None, False
         self.past = []   # the peers the transport knows passed the call
+        self.stage_note = None   # (not a stage of a hierarchy)
 
     def set_recorder(self, *args, **kwargs):
         pass

@@ -60,6 +60,7 @@ FAULT_WAIT = FAULT_TIMEOUT + 80     # past it a job counts as hung (its startup 
 FAULTS = {"kill-2x1": (1, dict(FAULT="kill", FAULT_RANK="1")),
           "kill-2x2": (2, dict(FAULT="kill", FAULT_RANK="3")),
           "cut": (1, dict(FAULT="cut", FAULT_RANK="1")),
+          "stall-2x2": (2, dict(FAULT="stall", FAULT_RANK="3")),
           "wrong-master-addr": (1, dict(master="10.77.0.99")),
           "master-port-in-use": (1, {})}
 
@@ -140,6 +141,23 @@ def test_a_rank_killed_under_ulfm_mpirun_across_hosts_is_shrunk_away(hosts):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert_rank_1_shrunk_away(out, 4)
+
+
+def test_a_stage_of_the_hierarchy_names_its_ranks_in_the_whole_group_too(faults):
+    """Rank 3 (host 1's second) stalls past the timeout in a hierarchical all_reduce; its peers time out
+    in the stages (each host's over shared memory, those across the hosts over TCP), whose errors name
+    the stages' own ranks. Each says which those are in the group: the stage across hosts said "rank 1
+    did not arrive" of rank 3, with nothing to say so."""
+    raised, text = _fault(faults, "stall-2x2")
+    assert "stalls at step 5" in text, text[-3000:]
+    assert {0, 1, 2} <= set(raised), text[-5000:]   # (and rank 3, once it wakes to a group given up)
+    for rank, (_, _, msg) in raised.items():
+        stage = re.search(r"group '0/(host|cross)(\d)'", msg)
+        if stage:
+            members = {"host": [2 * int(stage[2]), 2 * int(stage[2]) + 1], "cross": [int(stage[2]), 2 + int(stage[2])]}
+            note = f"[a stage of group '0': its ranks 0, 1 are ranks {', '.join(map(str, members[stage[1]]))} there]"
+            assert note in msg, (rank, msg)
+    assert "are ranks 1, 3 there]" in raised[1][2], raised[1][2]   # (its stage across the hosts waits on rank 3)
 
 
 def test_the_link_cut_ends_in_an_error_naming_the_peer_on_both_hosts(faults):

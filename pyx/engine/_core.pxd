@@ -392,6 +392,8 @@ cdef class CoreComm:
     cdef bint destroyed         # released without abort() first: calls are refused as destroyed, not aborted
     cdef bint release_due       # release() came while a call was inside: the last one out frees
     cdef readonly str orphaned  # this process is a fork of the one that made the group: why (orphan())
+    cdef public str stage_note  # a stage of a hierarchy: its ranks in the whole group, added to every error
+                                # that names its ranks (set by engine.communicator; None: not a stage)
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void release_transports(self) noexcept

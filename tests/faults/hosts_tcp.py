@@ -3,6 +3,7 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
 
     FAULT=kill   rank FAULT_RANK sends itself SIGKILL at step 5
     FAULT=cut    rank FAULT_RANK sets its host's link (eth0) down at step 5
+    FAULT=stall  rank FAULT_RANK sleeps past the timeout at step 5 (alive: its peers time out)
     FAULT=none   only the init (a wrong MASTER_ADDR, a MASTER_PORT in use: the init must fail)
 
 Every rank that raises prints `rank R: raised after S s: Type: message`, S counted from the fault (or
@@ -48,6 +49,9 @@ try:
             if rank == VICTIM and FAULT == "cut":
                 subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
                 print(f"rank {rank}: link cut at step {step} at {fault_at:.3f}", flush=True)
+            if rank == VICTIM and FAULT == "stall":
+                print(f"rank {rank}: stalls at step {step} at {fault_at:.3f}", flush=True)
+                time.sleep(TIMEOUT + 5)
             start = fault_at
         dist.all_reduce(t)
         time.sleep(0.01)
