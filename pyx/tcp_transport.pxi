@@ -14,6 +14,7 @@ cdef extern from "tcp.h" nogil:
         int listen_fd
         int rejected
         int said_bye
+        int ordered                 # the collectives' channel (the user's messages: not)
         int sys_errno
         uint32_t gen
     ctypedef struct tcp_req:
@@ -325,8 +326,10 @@ cdef class TcpTransport(Transport):
                     "collectives can end")
         if code == ENG_ERR_PEER_LEFT:
             return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
-                    "still waited for it: the ranks did not run the same collectives, or one destroyed the group "
-                    "early")
+                    "still waited for it: " + ("the ranks did not run the same collectives, or one destroyed the "
+                                               "group early" if self.t.ordered else "its sends and receives did not "
+                                               "pair with this rank's, or it ended first (its own error, if any, says "
+                                               "why)"))
         if code == ENG_ERR_PEER_DEAD:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             why = f" ({strerror(e).decode()})" if e else ""
