@@ -536,24 +536,26 @@ class Communicator:
     def _check_signature(self, op, buf, root=-1, redop=-1, counts=None, rooted=False, out=None, out_counts=None):
         """Debug mode: every rank's (op, dtype, count, shape, root, reduce op, seq) compared before the op.
         counts: a call split by counts, whose buffers differ in size between the ranks by design: the
-        counts are compared instead of each rank's own (every rank passes the same), or nothing for an
-        alltoall's (each rank's are its own, as torch's DETAIL checks leave them); counts that split
-        evenly are the call without counts. rooted: a gather's or scatter's, given on the root only:
-        each rank's own count must be what the root's counts give it (all equal without counts). out:
-        the output, refused here as the call would refuse it (not contiguous: the adapter then calls
-        again with a copy), before this rank's check pairs with its peers'. out_counts: an alltoall's
-        receive counts."""
+        counts are compared instead of each rank's own (every rank passes the same); counts that split
+        evenly are the call without counts. An alltoall's are each rank's own (torch's DETAIL checks
+        leave them): only where every rank's split evenly are their parts compared. rooted: a gather's
+        or scatter's, given on the root only: each rank's own count must be what the root's counts give
+        it (all equal without counts). out: the output, refused here as the call would refuse it (not
+        contiguous: the adapter then calls again with a copy), before this rank's check pairs with its
+        peers'. out_counts: an alltoall's receive counts."""
         if not self._debug:
             return
         info = _core.message_shape(buf) if buf is not None else (0, 0, None)
         out_elements = _core.message_shape(out)[0] if out is not None else 0
-        if counts is not None and not rooted:
-            total = info[0] * self.size if op == "allgather" else info[0]
-            if (_splits_evenly(counts, total, self.size, f"{op} counts") and
-                    (out_counts is None or _splits_evenly(out_counts, out_elements, self.size, f"{op} counts"))):
+        part = -1   # (an alltoall split evenly: the elements it sends each rank)
+        if op == "alltoall":
+            if all(c is None or _splits_evenly(c, n, self.size, "alltoall counts")
+                   for c, n in ((counts, info[0]), (out_counts, out_elements))) and info[0] % self.size == 0:
+                part = info[0] // self.size
+            counts = ()
+        elif counts is not None and not rooted:
+            if _splits_evenly(counts, info[0] * self.size if op == "allgather" else info[0], self.size, f"{op} counts"):
                 counts = None
-            elif op == "alltoall":
-                counts = ()
         split = counts is not None or rooted
         shape = () if split else tuple(getattr(buf, "shape", ()) or ())[:5]
         sig = np.full(_SIG_LEN, -1, np.int64)
@@ -564,13 +566,21 @@ class Communicator:
         sig[7:7 + len(shape)] = shape
         if counts is not None and len(counts):
             sig[7] = _digest(_core.whole_counts(counts, f"{op} counts"))
+        if op == "alltoall":
+            sig[7] = part
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
             _core.allgather_watched(self._core, sig, everyone)
         rows = everyone.reshape(self.size, _SIG_LEN)
         # (a split call's own counts differ by design; a rooted one's digest is the root's alone)
-        compared = [i for i in range(_SIG_LEN) if not (split and i == 2 or rooted and i == 7)]
+        compared = [i for i in range(_SIG_LEN) if not (split and i == 2 or (rooted or op == "alltoall") and i == 7)]
         if (rows[:, compared] == rows[0, compared]).all():
+            parts = rows[:, 7]
+            if op == "alltoall" and (parts >= 0).all() and (parts != parts[0]).any():
+                raise self.watch.mismatch(
+                    f"collective mismatch in group {self.name!r}: alltoall #{int(rows[0, 5])}: the ranks split evenly "
+                    f"into parts of other sizes ({', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(parts))} "
+                    "elements to each rank)")
             if not rooted or not 0 <= root < self.size:   # (the call itself names a root out of range)
                 return
             own, theirs = rows[:, 2], int(rows[root, 7])
@@ -586,7 +596,8 @@ class Communicator:
             nd = int(row[6])
             return (f"{names.get(int(row[0]), 'op ' + str(row[0]))} #{int(row[5])} with {int(row[2])} "
                     f"{_core.DTYPE_NAMES[int(row[1])] if 0 <= row[1] < len(_core.DTYPE_NAMES) else '-'} elements"
-                    + (f" split by counts (digest {int(row[7]):08x})" if nd < 0 and row[7] >= 0 else "")
+                    + ("" if nd >= 0 or row[7] < 0 else f" in parts of {int(row[7])}" if row[0] == _OP_IDS["alltoall"]
+                       else f" split by counts (digest {int(row[7]):08x})")
                     + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")
                     + (f" root {int(row[3])}" if row[3] >= 0 else "")
                     + (f" op {ReduceOp(int(row[4])).name}" if 0 <= row[4] < len(ReduceOp) else ""))

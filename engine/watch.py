@@ -256,13 +256,14 @@ class Watch:
         waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {limit:g} s): {self.describe_missing(missing)}"
-               + (f"; {waits}" if waits else "") + (self.core.stage_note or ""))
+               + (f"; {waits}" if waits else ""))
         return self._break(msg, EngineTimeout)
 
     def mismatch(self, msg):
         return self._break(msg, EngineMismatch)
 
     def _break(self, msg, error):
+        msg += self.core.stage_note or ""   # (a stage's error names its own ranks: say which they are)
         self.core.set_broken(msg, BROKEN_AFTER[error])
         failure.group_failed(msg, self)
         self.dump(msg)

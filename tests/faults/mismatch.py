@@ -2,8 +2,9 @@
 1. calls whose sizes differ between the ranks by design (all_gather of uneven tensors, all_to_all_single
    with uneven splits, the engine's gather and scatter with counts on the root) pass the signature
    check, as torch's own DETAIL checks pass them, and so does an all_gather_into_tensor whose output is
-   contiguous on one rank only (the other's goes through a copy), and even counts given by one rank
-   only (the call without counts on the other); a rank whose size is not what the root's counts say
+   contiguous on one rank only (the other's goes through a copy), even counts given by one rank
+   only (the call without counts on the other), and an all_to_all_single split evenly on one rank
+   only; a rank whose size is not what the root's counts say
    fails it;
 2. rank 1 never calls an all_reduce of a group with a 1 s timeout: rank 0's signature check ends at that
    timeout, not never;
@@ -43,6 +44,10 @@ comm.allgather(torch.full((2,), float(rank)), both, counts=[2, 2] if rank == 0 e
 comm.reduce_scatter(torch.ones(4), mine, counts=[2, 2] if rank == 0 else None)
 ok = ok and torch.equal(mixed, torch.tensor([0.0, 0.0, 1.0, 1.0])) and torch.equal(both, mixed) and \
     torch.equal(mine, torch.full((2,), 2.0))
+splits = [2, 2] if rank == 0 else [2, 1]   # (rank 0's even, rank 1's not: the alltoall is valid)
+part = torch.empty(sum(splits))
+dist.all_to_all_single(part, torch.full((sum(splits),), float(rank)), splits, splits, group=uneven)
+ok = ok and torch.equal(part, torch.tensor([0.0, 0.0, 1.0, 1.0] if rank == 0 else [0.0, 0.0, 1.0]))
 print(f"rank {rank}: uneven calls {'ok' if ok else 'WRONG'}", flush=True)
 try:   # rank 1 gives 3 elements where the root's counts say 2
     dist.new_group([0, 1]).communicator.gather(torch.ones(1 + 2 * rank), torch.empty(4) if rank == 0 else None, root=0,
