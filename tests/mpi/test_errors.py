@@ -65,13 +65,9 @@ def test_non_contiguous_and_read_only_buffers():
         WORLD.allreduce(ro)
     with pytest.raises(ValueError, match="read-only"):
         WORLD.allreduce(np.ones(4, np.float32), ro)
-    if P > 1:   # (where it receives; every rank refuses before it sends anything)
-        with pytest.raises(ValueError, match="read-only"):
-            WORLD.broadcast(bytes(8), root=(R + 1) % P)
+    with pytest.raises(ValueError, match="read-only"):
+        WORLD.broadcast(bytes(8))
     WORLD.allreduce(ro, np.empty(4, np.float32))  # a read-only *input* is fine
-    got = bytes(range(8)) if R == 0 else bytearray(8)   # and so is a broadcast root's buffer
-    WORLD.broadcast(got, root=0)
-    assert bytes(got) == bytes(range(8))
     # A lazily negated or conjugated tensor's memory holds the values before the negation: read raw, a
     # MAX came out as the MIN, a broadcast of z.conj() gave z (torch refuses conj only in reductions).
     with pytest.raises(ValueError, match=r"lazily negated view .* pass tensor.resolve_neg\(\)"):
