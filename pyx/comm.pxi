@@ -500,7 +500,7 @@ cdef class CoreComm:
 
     def broadcast(self, buf, root=0):
         cdef int r = _check_root(self, root)
-        cdef Message m = as_message(buf, self.rank != r, "buffer")   # (the root only reads it)
+        cdef Message m = as_message(buf, True, "buffer")
         cdef Call c
         c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
         c.root = r
