@@ -224,11 +224,11 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         _give_up(store, key, me, f"{lost}".removeprefix(f"{what}: "))
         raise
     if missing:
-        error = RuntimeError(f"{what}: ranks {[members[i] for i in missing]} of {members} did not come within the "
-                             f"group's timeout ({seconds:g} s): every rank must make the group, passing the same "
-                             f"{argument}, in the same order as the others ({why})")
-        _give_up(store, key, me, f"it waited {seconds:g} s for ranks {[members[i] for i in missing]}")
-        raise error
+        absent = [members[i] for i in missing]
+        _give_up(store, key, me, f"it waited {seconds:g} s for ranks {absent}")
+        raise RuntimeError(f"{what}: ranks {absent} of {members} did not come within the group's timeout "
+                           f"({seconds:g} s): every rank must make the group, passing the same {argument}, in the "
+                           f"same order as the others ({why})")
     for r, value in zip(members, values):
         theirs = value.decode()
         if theirs.startswith(GAVE_UP):

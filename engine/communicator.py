@@ -165,7 +165,8 @@ class Communicator:
             self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
             if _parent is not None:   # (its errors name its own ranks: say which they are)
                 self._core.stage_note = (f" [a stage of group '{_parent[1]}': its ranks "
-                                         f"{', '.join(map(str, range(len(whole))))} are ranks {', '.join(map(str, whole))} there]")
+                                         f"{', '.join(map(str, range(len(whole))))} are ranks "
+                                         f"{', '.join(map(str, whole))} there]")
             _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
             self.rank = self._core.rank
             self.size = self._core.size
