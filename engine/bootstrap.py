@@ -170,7 +170,7 @@ def read_keys(store, keys, seconds, what, stop=None, pause=LOOK_PAUSE_SECONDS):
         if seconds is None or not hasattr(store, "wait") or keys_set_within(store, keys, seconds, stop, pause):
             return values(), [], None
         why = f"wait timeout after {finite_seconds(seconds) * 1e3:.0f}ms"   # (the store's words for it)
-    except (ConnectionError, EnginePeerLost):   # (the store gone; the making cancelled, a member lost: stop's)
+    except (ConnectionError, EnginePeerLost, MakingGivenUp):   # (the store gone; stop's: cancelled, lost, given up)
         raise
     except Exception as exc:   # (the store's own words, without its list of keys)
         why = str(exc).split(", keys:")[0]
@@ -193,8 +193,9 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     lists, where they would wait for each other in the store until its timeout, or meet with positions
     that disagree. Members that never come are named at the new group's timeout (seconds), not the
     store's, and a member the group it is made from (parent: an engine Communicator) knows to be lost
-    at once (EnginePeerLost). A member whose making failed leaves why in place of its list, and one
-    that comes later fails at once saying so (its next making meets the others' next). cancelled: where
+    at once (EnginePeerLost). A member whose making failed says why (in place of its list, and under a
+    key of the making's own), and one that comes later fails at once saying so, while it waits for
+    another member too (its next making meets the others' next). cancelled: where
     given, returns why the making was cancelled from another thread (else None): the wait ends in a
     ConnectionError saying why."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
@@ -202,6 +203,7 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]
     watched = parent is not None and parent.lost_ranks() is not None
+    looked = []
 
     def stop():
         why = None if cancelled is None else cancelled()
@@ -210,18 +212,26 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         # (a member that came is not waited for: lost since, it fails the new group's own making)
         gone = lost_before_arriving(parent.lost_ranks if watched else None, store,
                                     lambda r: keys[members.index(r)] if r in members else None)
-        if not gone:
-            return None
-        one = len(gone) == 1
-        how = "; ".join(how if one else f"rank {r}: {how}" for r, how in sorted(gone.items()))
-        return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of "
-                              f"{members} {'is' if one else 'are'} lost to group {parent.name!r}, the group this one "
-                              f"is made from ({how}): make the group of the ranks still alive")
+        if gone:
+            one = len(gone) == 1
+            how = "; ".join(how if one else f"rank {r}: {how}" for r, how in sorted(gone.items()))
+            return EnginePeerLost(f"{what}: {'rank' if one else 'ranks'} {', '.join(map(str, sorted(gone)))} of "
+                                  f"{members} {'is' if one else 'are'} lost to group {parent.name!r}, the group this "
+                                  f"one is made from ({how}): make the group of the ranks still alive")
+        came_late = not looked   # (given up before its first look: before this rank came)
+        looked.append(True)
+        if store.check([f"{key}/given-up"]):   # (where a member that never came keeps this one waiting)
+            r, why = store.get(f"{key}/given-up").decode().split(" ", 1)
+            return MakingGivenUp(what, int(r), why, came_late)
+        return None
     try:
-        values, missing, why = read_keys(store, keys, seconds, what, stop if cancelled is not None or watched else None,
+        values, missing, why = read_keys(store, keys, seconds, what, stop,
                                          LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
     except EnginePeerLost as lost:
         _give_up(store, key, me, f"{lost}".removeprefix(f"{what}: "))
+        raise
+    except MakingGivenUp as given_up:
+        _give_up(store, key, me, f"rank {given_up.rank} gave it up first")
         raise
     if missing:
         absent = [members[i] for i in missing]
@@ -232,9 +242,7 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     for r, value in zip(members, values):
         theirs = value.decode()
         if theirs.startswith(GAVE_UP):
-            raise RuntimeError(f"{what}: rank {r} gave this making up before this rank came ({theirs[len(GAVE_UP):]}); "
-                               "a rank that comes after the others gave up, or that skipped a making they made, is "
-                               "out of step with them: every rank must make the group (its next making too)")
+            raise MakingGivenUp(what, r, theirs[len(GAVE_UP):], came_late=True)
         if theirs != mine:
             raise ValueError(f"{what}: rank {r} {verb} ranks [{theirs.replace('-', ', ')}] where this rank ({me}) "
                              f"{verb} {members}: every rank must pass the same {argument}")
@@ -243,11 +251,27 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
 GAVE_UP = "gave up: "   # a member's word in place of its list, where its making failed
 
 
+class MakingGivenUp(RuntimeError):
+    """A member of a group's making gave it up before this rank came, or while it waited."""
+
+    def __init__(self, what, rank, why, came_late):
+        super().__init__(f"{what}: rank {rank} gave this making up before this rank came ({why}); a rank that comes "
+                         "after the others gave up, or that skipped a making they made, is out of step with them: "
+                         "every rank must make the group (its next making too)" if came_late else
+                         f"{what}: rank {rank} gave this making up while this rank waited ({why}): every rank must "
+                         "make the group within the others' timeouts")
+        self.rank = rank
+
+
 def _give_up(store, key, me, why):
-    """Leaves why this rank's making failed where its list was, so that a member coming later fails at
-    once, saying so, where it would find every list and wait for the others in the group's bootstrap."""
+    """Leaves why this rank's making failed where its list was, and under the making's own key (where
+    no member left its reason there first), so that a member coming later fails at once, saying so,
+    where it would find every list and wait for the others in the group's bootstrap, or one list
+    unset and wait for it."""
     try:
         store.set(f"{key}/members-of/{me}", GAVE_UP + why)
+        if not store.check([f"{key}/given-up"]):
+            store.set(f"{key}/given-up", f"{me} {why}")
     except Exception:   # (the store gone: no one comes later)
         pass
 
@@ -283,6 +307,8 @@ def keys_set_within(store, keys, seconds, stop=None, most_pause=LOOK_PAUSE_SECON
             return True
         time.sleep(min(left, pause))
         pause = min(2 * pause, most_pause)
+        if time.monotonic() >= end:   # (its own timeout first: what a wait without stop would say)
+            continue
         exc = stop()
         if exc is not None:
             if store.check(keys):   # (they came while it slept: what ended after does not undo that)
