@@ -188,13 +188,14 @@ def _own(path):
 _REFUSED = set()
 
 
-def _refused(folder):
-    """A cache folder of another user's: user reductions compile uncached (said once a folder)."""
+def _refused(folder, why):
+    """A cache folder another user's or others may write: user reductions compile uncached (said once a
+    folder). The folder is left as it is: a shared one (/tmp's kind) is no one's to narrow."""
     if folder not in _REFUSED:
         _REFUSED.add(folder)
-        warnings.warn(f"engine: the user reductions' cache folder {folder} belongs to another user: they compile "
-                      "without it (set ENGINE_CACHE_DIR to a folder of this user's)", RuntimeWarning, stacklevel=4)
-    raise PermissionError(f"{folder} is another user's")
+        warnings.warn(f"engine: the user reductions' cache folder {folder} {why}: they compile without it (set "
+                      "ENGINE_CACHE_DIR to a folder only this user may write)", RuntimeWarning, stacklevel=4)
+    raise PermissionError(f"{folder} {why}")
 
 
 def _holds(path, source):
@@ -219,9 +220,9 @@ def _load_generated(source, modname):
         os.makedirs(folder, mode=0o700, exist_ok=True)
         st = os.stat(folder)   # (another user could swap the file between its check and its import)
         if st.st_uid != os.geteuid():
-            _refused(folder)
-        if st.st_mode & 0o022:
-            os.chmod(folder, st.st_mode & 0o7755)   # (this user's, made group-writable by a umask: only it writes)
+            _refused(folder, "belongs to another user")
+        if st.st_mode & 0o022:   # (one the engine makes is 0700: this one was made or opened by someone)
+            _refused(folder, "may be written by others")
         path = os.path.join(folder, modname + ".py")
         if not _holds(path, source):  # written once: Numba's cache is stamped with the file's mtime
             fd, tmp = tempfile.mkstemp(prefix=modname + ".", suffix=".tmp", dir=folder)   # (other ranks write too)

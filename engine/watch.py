@@ -528,7 +528,7 @@ def _install_dump_signal():
 
 
 class _Trace:
-    """ENGINE_TRACE=<file>: a Chrome-trace (Perfetto) timeline of every operation; one file per rank
+    """ENGINE_TRACE=<file>: a Chrome-trace (Perfetto) timeline of every collective; one file per rank
     (`{rank}` in the name is replaced, else `.rank<r>` is added before the extension)."""
 
     _instance = None

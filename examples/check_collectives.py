@@ -2,7 +2,7 @@
 Runs under any launcher:
 
     torchrun --nproc-per-node 3 examples/check_collectives.py
-    mpirun -n 3 python examples/check_collectives.py
+    mpirun -n 3 python examples/check_collectives.py       # (fewer cores, Open MPI: mpirun --oversubscribe)
     python examples/check_collectives.py                      # a world of one
 
 Prints one PASS line per collective on rank 0 and exits non-zero on the first wrong result. Under

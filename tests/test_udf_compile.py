@@ -75,8 +75,8 @@ def test_a_cache_folder_that_cant_be_made_compiles_uncached(tmp_path, monkeypatc
 def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp_path, monkeypatch):
     """The cache's file of an op holds other code (put there by someone, or left half written): it is
     written again from the op's source before it is imported (it was imported as found); a cache
-    folder of this user's that others may write is made this user's alone, one of another user's is not
-    used (the op compiles uncached, saying so)."""
+    folder that others may write (it was made this user's alone: a shared folder lost its write bits), or
+    one of another user's, is not used and left as it is (the op compiles uncached, saying so)."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "udf"))
 
     def plus_three(a, b):
@@ -93,12 +93,15 @@ def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp
     def plus_four(a, b):
         return a + b + 4
 
-    shared = tmp_path / "shared"   # this user's, group-writable (a umask of 002 made it): made 0755, then used
-    shared.mkdir()
-    shared.chmod(0o775)
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(shared))
-    np.testing.assert_array_equal(reduced(engine.reduction(plus_four), np.ones(2), np.ones(2)), [6.0, 6.0])
-    assert len(generated(shared)) == 1 and shared.stat().st_mode & 0o777 == 0o755
+    for mode in (0o775, 0o1777):   # this user's, group-writable; shared as /tmp is
+        shared = tmp_path / f"shared-{mode:o}"
+        shared.mkdir()
+        shared.chmod(mode)
+        monkeypatch.setenv("ENGINE_CACHE_DIR", str(shared))
+        with pytest.warns(RuntimeWarning, match=f"cache folder .*shared-{mode:o} may be written by others: they "
+                                                "compile without it"):
+            np.testing.assert_array_equal(reduced(engine.reduction(plus_four), np.ones(2), np.ones(2)), [6.0, 6.0])
+        assert generated(shared) == [] and shared.stat().st_mode & 0o7777 == mode
     if os.geteuid() == 0:   # (only root can give a folder away)
         theirs = tmp_path / "theirs"
         theirs.mkdir(mode=0o777)
