@@ -76,6 +76,12 @@ class MpiBootstrap:
         with self._blocking("MPI_Comm_dup"):
             return self.comm.Dup()
 
+    def _set_before(self, key):
+        try:
+            return self.store.check([key])
+        except Exception:   # (a store without check; one that fails: the exchange says so)
+            return False
+
     def split(self, color, key, name):
         """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
         from . import mpi
@@ -118,6 +124,10 @@ class StoreBootstrap:
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
+        if self._round == 0 and self._set_before(key + str(self.rank)):
+            raise ValueError(f"engine: this rank ({self.rank}) made a group under the prefix {self.prefix!r} in this "
+                             "store before, and the last making's keys would be read as this one's: give each making "
+                             "a prefix of its own (Communicator.from_store's prefix=)")
         self._round += 1
         self.store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
@@ -127,6 +137,12 @@ class StoreBootstrap:
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
         return [plain_loads(v) for v in values]
+
+    def _set_before(self, key):
+        try:
+            return self.store.check([key])
+        except Exception:   # (a store without check; one that fails: the exchange says so)
+            return False
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))

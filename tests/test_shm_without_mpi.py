@@ -373,6 +373,22 @@ def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_ca
     assert StoreBootstrap(store, 0, 3, "u").allgather("rank 0's") == [f"rank {r}'s" for r in range(3)]
 
 
+def test_a_making_under_a_prefix_this_rank_made_a_group_under_before_is_refused_naming_it():
+    """Communicator.from_store made again under one name (its prefix, "engine/<name>") read the last
+    making's keys as this one's: its ranks met the last group's segment and failed saying it was no
+    segment this engine made. The exchange's first round now refuses it, naming the prefix."""
+    import torch.distributed as dist
+    from engine.bootstrap import StoreBootstrap
+
+    store = dist.HashStore()
+    store.set("g/boot/0/1", __import__("pickle").dumps("rank 1's"))
+    assert StoreBootstrap(store, 0, 2, "g").allgather("rank 0's") == ["rank 0's", "rank 1's"]
+    with pytest.raises(ValueError, match=r"this rank \(0\) made a group under the prefix 'g' in this store before, "
+                                         r"and the last making's keys would be read as this one's: give each making a "
+                                         r"prefix of its own \(Communicator.from_store's prefix=\)"):
+        StoreBootstrap(store, 0, 2, "g").allgather("rank 0's")
+
+
 def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
     """Rank 1 came to the first exchange of the group's making and never to the next (the shared
     segment's): rank 0 names it at the group's timeout and starts no further exchange, where one
