@@ -252,7 +252,8 @@ class Watch:
                   file=sys.stderr, flush=True)
 
     def timed_out(self, rec, elapsed, limit):
-        missing = self.missing(rec)
+        # (a store whose host is stopped holds the report past the timeout at most a quarter of it longer)
+        missing = self.missing(rec, min(STORE_QUERY_SECONDS, max(1.0, limit / 4)))
         waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {limit:g} s): {self.describe_missing(missing)}"
@@ -366,11 +367,11 @@ class Watch:
         except Exception:  # a store problem must not hide the real one
             pass
 
-    def notes(self, rec):
+    def notes(self, rec, most=None):
         """{rank: (seq, key, words)} of the other ranks' notes (a rank without one: absent); None without
-        a store; a str when the store failed. The store is asked on its line for at most
-        STORE_QUERY_SECONDS: a store across a cut link would otherwise hold the timeout's report for
-        its own timeout."""
+        a store; a str when the store failed. The store is asked on its line for at most `most` s: a
+        store across a cut link would otherwise hold the timeout's report for its own timeout (None:
+        STORE_QUERY_SECONDS)."""
         store = self.store
         if store is None:
             return None
@@ -389,7 +390,8 @@ class Watch:
                     except ValueError:   # not a note this engine writes: as good as none
                         pass
             return got
-        answered, got = _StoreLine.ask(store, read, STORE_QUERY_SECONDS, lambda: self.core.aborted)
+        answered, got = _StoreLine.ask(store, read, STORE_QUERY_SECONDS if most is None else most,
+                                       lambda: self.core.aborted)
         if not answered:
             return got
         if isinstance(got, Exception):
@@ -397,11 +399,12 @@ class Watch:
                     "have exited)")
         return got
 
-    def missing(self, rec):
-        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed.
-        A rank writes its note only once it stalls: one that did its part at once and went on (or left
-        the group) has none, and is not named where the transport knows it passed (core.passed())."""
-        notes = self.notes(rec)
+    def missing(self, rec, most=None):
+        """Ranks with no note of reaching rec's seq; None without a store; a str when the store failed
+        (or did not answer within `most` s). A rank writes its note only once it stalls: one that did
+        its part at once and went on (or left the group) has none, and is not named where the transport
+        knows it passed (core.passed())."""
+        notes = self.notes(rec, most)
         if notes is None or isinstance(notes, str):
             return notes
         passed = set(self.core.passed())

@@ -243,6 +243,38 @@ def test_a_store_that_stops_answering_holds_one_thread_the_reports_say_so_at_onc
         host.wait()
 
 
+def test_a_timeout_whose_store_host_is_stopped_reports_a_quarter_of_the_timeout_later_at_most(monkeypatch):
+    """A group's timeout asks the store which ranks did not arrive; with the store's host stopped (SIGSTOP,
+    or behind a cut link) the report waited the full 5 s for it: a 2 s timeout raised after 7 s. It
+    now waits a quarter of the timeout (at least 1 s, at most 5 s), then says the store did not answer."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])   # (this process is no MPI job to end at exit)
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        for limit, most in ((2.0, 1.0), (8.0, 2.0)):
+            w, core = watch(0, 2, dist.PrefixStore(f"t{limit:g}/", base), notes_id=f"t{limit:g}")
+            core.rec = record(1, ALLREDUCE_SUM)
+            stop(host.pid)
+            start = time.monotonic()
+            err = w.timed_out(core.rec, limit, limit)
+            took = time.monotonic() - start
+            assert f"which ranks did not arrive is unknown: the store did not answer within {most:g} s" in str(err), err
+            assert most - 0.1 < took < most + 2, took
+            os.kill(host.pid, signal.SIGCONT)
+            base.check(["x"])   # (the line drains before the next limit's query)
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
 def stop(pid):
     """SIGSTOP pid and wait until every thread of it has stopped. kill() returns once one thread is told:
     that thread stops the others only when it next runs, and meanwhile the store's server thread may still
