@@ -272,9 +272,14 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     leaves_at_exit(core)   # (its goodbye on both channels when the process ends normally)
     if cfg["connect"] == "mesh" and boot.size > 1:
         if boot.on_cancel is not None:   # (a reconfigure's abort() ends the connecting too)
-            boot.on_cancel(transports[0].abort_connect)
+            for end in transports:
+                boot.on_cancel(end.abort_connect)
         try:
-            transports[0].connect_mesh(timeout)
+            # The user's channel too: it outlives a broken group's collectives, whose channel says its
+            # goodbye, and so is the one through which a peer lost after that is seen (lost_ranks(): a
+            # shrink or a new group of the survivors then fails at once, not at its timeout).
+            for end in transports:
+                end.connect_mesh(timeout)
         except BaseException as exc:
             # its sockets close now, not when the collector finds them: a peer still connecting sees this
             # rank gone instead of waiting out its own timeout

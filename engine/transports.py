@@ -167,8 +167,10 @@ class Tcp(_Transport):
 
     @staticmethod
     def lost(core):
+        # (either channel's: the collectives' says its goodbye where the group broke, the user's goes on;
+        # ENGINE_TCP_CONNECT=lazy: once one connected)
         return {q: "its connection to this rank ended without a goodbye: its process exited, or the link to it "
-                   "is cut" for q in core.algo_transport.lost()}   # (ENGINE_TCP_CONNECT=lazy: once it connected)
+                   "is cut" for q in {*core.algo_transport.lost(), *core.user_transport.lost()}}
 
 
 class Mpi(_Transport):

@@ -10,6 +10,8 @@
 - split: the world's split_group([0, 1, 2]) (torch 2.15's dist.split_group calls it);
 - subgroup: the world's engine Communicator's subgroup([0, 1, 2]).
 
+- broken: as before, once the world broke: the three called different collectives (a mismatch), and
+  the collectives' channel of the world (over TCP) said its goodbye to every peer;
 - making: inside the making of the world's split_group([0, 1, 2]), at its first exchange, once the
   members agreed (the split is the one step);
 - shrink: rank DEAD (1) inside the making of the world's shrink([2]) (rank 2 is left out alive; the
@@ -18,7 +20,7 @@
 Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
 s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
 
-    python tests/faults/lost_member.py shm|tcp DEAD before|making|shrink
+    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|shrink
 """
 
 import os
@@ -38,7 +40,16 @@ TIMEOUT = timedelta(seconds=40)
 def rank_main(rank, path, transport, dead, when):
     world, store = engine_world(rank, 3, path, transport, TIMEOUT)
     dist.barrier()
-    if rank == dead and when == "before":
+    if when == "broken":
+        try:   # (rank 2 broadcasts where the others all-reduce)
+            t = torch.ones(4)
+            dist.broadcast(t, 0) if rank == 2 else dist.all_reduce(t)
+            say(f"rank {rank}: the mismatch passed (unexpected)")
+        except Exception as exc:
+            say(f"rank {rank}: the world broke: {type(exc).__name__}")
+        store.set(f"rank {rank} saw the world break", "")
+        store.wait([f"rank {r} saw the world break" for r in range(3)])
+    if rank == dead and when in ("before", "broken"):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == dead:
         import engine.communicator   # (the first exchange of a group's making)
@@ -48,6 +59,8 @@ def rank_main(rank, path, transport, dead, when):
              ("new_group", lambda: dist.new_group([0, 1, 2], timeout=TIMEOUT)),
              ("split", lambda: world.split_group([0, 1, 2], timeout=TIMEOUT)),
              ("subgroup", lambda: world.communicator.subgroup([0, 1, 2], name="all-three"))]
+    if when == "broken":
+        steps = [step for step in steps if step[0] != "split"]   # (torch splits no broken group)
     if when == "making":
         steps = [step for step in steps if step[0] == "split"]
     if when == "shrink":
