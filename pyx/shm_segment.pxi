@@ -519,9 +519,15 @@ cdef _check_sizes(int size, size_t half_bytes, size_t queue_bytes):
     if queue_bytes < 4096:
         raise ValueError(f"ENGINE_SHM_QUEUE_BYTES={queue_bytes} is too small (at least 4096)")
     # (in Python's integers: the layout's size_t sums would wrap, and the segment be smaller than its offsets)
-    if (2 * <object>half_bytes + NCHANNELS * <object>size * <object>queue_bytes) * size > SEGMENT_MAX:
+    total = (2 * <object>half_bytes + NCHANNELS * <object>size * <object>queue_bytes) * size
+    if total > SEGMENT_MAX:
         raise ValueError(f"ENGINE_SHM_SLOT_BYTES={half_bytes} and ENGINE_SHM_QUEUE_BYTES={queue_bytes} make a segment "
                          f"of more than {SEGMENT_MAX >> 40} TiB for {size} ranks: use smaller values")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > memory:   # (its ranks fault every page in: the host would run out of memory, not fail)
+        raise ValueError(f"ENGINE_SHM_SLOT_BYTES={half_bytes} and ENGINE_SHM_QUEUE_BYTES={queue_bytes} make a segment "
+                         f"of {total / 2**30:.1f} GiB for {size} ranks, more than this host's memory "
+                         f"({memory / 2**30:.1f} GiB): use smaller values")
     return _align(half_bytes, LINE), _align(queue_bytes, PAGE)
 
 

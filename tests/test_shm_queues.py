@@ -306,6 +306,15 @@ def test_a_segment_too_large_to_lay_out_is_refused_naming_the_settings(half, que
         seg.close_fd()
 
 
+def test_a_segment_larger_than_the_hosts_memory_is_refused_naming_the_settings():
+    """ENGINE_SHM_SLOT_BYTES=100G (a segment of 400 GiB at 2 ranks) was taken: its ranks faulted the
+    segment in until the host ran out of memory. A segment larger than the host's memory is refused."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(ValueError, match=r"ENGINE_SHM_SLOT_BYTES=\d+ and ENGINE_SHM_QUEUE_BYTES=\d+ make a segment "
+                                         r"of [\d.]+ GiB for 2 ranks, more than this host's memory \([\d.]+ GiB\)"):
+        _core.ShmSegment.create(2, memory // 2, QUEUE)
+
+
 def test_a_descriptor_naming_no_shared_memory_file_is_refused(tmp_path):
     """A segment's descriptor (pid, fd: from the store) that names a pipe is refused as no segment,
     opened without blocking or taking a terminal (it was opened as any file, then refused by its size)."""
