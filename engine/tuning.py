@@ -20,6 +20,8 @@ files ("allreduce": {transport: rules}, "hierarchical_allreduce_min_bytes") are 
 """
 
 import json
+import os
+import stat
 
 from .config import MAX_SETTING
 
@@ -37,7 +39,11 @@ def parse(path):
     """{"rules": {(collective, transport): [(algorithm, min_bytes, max_bytes, min_ranks, max_ranks)]},
     "thresholds": {env: int}} from the file at path, its shape checked; None is an open upper bound."""
     try:
-        with open(path) as f:
+        # (opened without blocking and read only where a regular file: a FIFO would block, /dev/zero never end)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise fail(path, "not a regular file")
             doc = json.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"ENGINE_TUNING_FILE={path} does not exist; write one with "

@@ -208,3 +208,14 @@ def test_uneven_calls_pick_the_same_rule_on_every_rank(tmp_path):
     for p in procs:
         p.join(30)
     assert results == [(0, "ok"), (1, "ok")], results
+
+
+def test_a_tuning_file_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    """ENGINE_TUNING_FILE naming a FIFO blocked the group's making for good (its open waits for a
+    writer), and /dev/zero read until killed: each is refused at once, naming the setting."""
+    from engine import tuning
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(ValueError, match=rf"ENGINE_TUNING_FILE={path}: not a regular file"):
+            tuning.parse(str(path))
