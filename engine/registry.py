@@ -90,7 +90,11 @@ class Entry:
         return INDEX[self.key]
 
     def bytes_range(self):
-        return tuple(v.value() if isinstance(v, Tunable) else v for v in (self.min_bytes, self.max_bytes))
+        lo, hi = (v.value() if isinstance(v, Tunable) else v for v in (self.min_bytes, self.max_bytes))
+        if lo > hi and isinstance(self.min_bytes, Tunable) and isinstance(self.max_bytes, Tunable):
+            raise ValueError(f"{self.min_bytes.env}={lo} is above {self.max_bytes.env}={hi}: the {self.key} entry "
+                             "would run at no size (to turn it off, force another entry)")
+        return lo, hi
 
     def takes_call(self, dtype, op):
         """Whether it takes a call of dtype (a name) and reduce op (an OP_NAMES name, None: no reduction)."""

@@ -71,6 +71,17 @@ def test_every_threshold_moves_the_edge_of_the_entries_it_bounds(monkeypatch):
     assert walked == bounds and len(bounds) >= 12, sorted(bounds - walked)
 
 
+def test_a_least_size_above_the_most_of_one_entry_is_refused_naming_both(monkeypatch):
+    """ENGINE_SHM_CMA_MIN_BYTES above ENGINE_SHM_CMA_MAX_BYTES was taken, and single copy silently ran
+    at no size: refused when a group's plan is made, naming both settings and the entry."""
+    monkeypatch.delenv("ENGINE_TUNING_FILE", raising=False)
+    monkeypatch.setenv("ENGINE_SHM_CMA_MIN_BYTES", "1M")
+    monkeypatch.setenv("ENGINE_SHM_CMA_MAX_BYTES", "1K")
+    with pytest.raises(ValueError, match=r"ENGINE_SHM_CMA_MIN_BYTES=1048576 is above ENGINE_SHM_CMA_MAX_BYTES=1024: "
+                                         r"the shm:\w+:\w+ entry would run at no size"):
+        Plan("shm", {"single_copy"})
+
+
 def test_auto_and_slice_make_the_same_plan():
     assert Plan("mpi", registry.hierarchy_caps("auto")).digest() == \
         Plan("mpi", registry.hierarchy_caps("slice")).digest()
