@@ -100,6 +100,10 @@ def _real(tensors, opts, what):
 def _check_premul(t):
     if not t.is_floating_point():
         raise RuntimeError(f"PREMUL_SUM needs a floating dtype, got {t.dtype}")
+    if t.element_size() == 1:   # (torch can't scale them, and the engine reduces none: the core's words)
+        raise ValueError(f"reduce op PREMUL_SUM is not supported for dtype {str(t.dtype)[6:]}: the engine moves 8- "
+                         "and 4-bit float formats (all_gather, broadcast, all_to_all, scatter, gather, send/recv) but "
+                         "does not reduce them; reduce in bfloat16 or float32 and cast the result")
 
 
 def _premul(t, factor):
