@@ -449,6 +449,9 @@ def forced_items(collective, environ=None):
     return out
 
 
+_FORCED_RAN = set()   # (collective, name) of the bare names forced on a group of this process
+
+
 class Plan:
     """How one group chooses its algorithms: for each collective, the rules it walks (forced, tuned,
     then the registry's automatic entries) and every entry it can run (for algorithm=).
@@ -485,7 +488,9 @@ class Plan:
                 continue
             match = [e for e in mine if e.name == name]
             if not match:
-                if transport is None and not stage:
+                # (one a group of this process ran was meant for that one's transport: the groups a shrink or
+                # split makes of an MPI world run on shared memory or TCP, and must not fail for it)
+                if transport is None and not stage and (coll, name) not in _FORCED_RAN:
                     raise ValueError(f"{force_variable(coll)}={name} does not run on the {self.transport} transport; "
                                      f"its {coll} runs {', '.join(e.name for e in mine)} (or name a transport: "
                                      f"{self.transport}:<name>)")
@@ -496,6 +501,7 @@ class Plan:
                     continue
                 raise ValueError(f"{force_variable(coll)}={name}: {coll} {name} needs {', '.join(sorted(missing))}, "
                                  f"which this {self.transport} group lacks ({_why(missing)})")
+            _FORCED_RAN.add((coll, name))
             return match[0]
         return None
 

@@ -82,6 +82,22 @@ def test_a_least_size_above_the_most_of_one_entry_is_refused_naming_both(monkeyp
         Plan("shm", {"single_copy"})
 
 
+def test_a_name_forced_for_one_transport_is_refused_on_another_unless_a_group_ran_it(monkeypatch):
+    """ENGINE_ALLREDUCE_ALGO=native under mpirun: the world (MPI) runs it, and the groups a shrink or a
+    split of it makes, over shared memory or TCP, failed to be made (native does not run there); they
+    now keep their automatic choice. A name no group of the process ran is still refused."""
+    monkeypatch.delenv("ENGINE_TUNING_FILE", raising=False)
+    monkeypatch.setattr(registry, "_FORCED_RAN", set())
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "native")
+    with pytest.raises(ValueError, match=r"ENGINE_ALLREDUCE_ALGO=native does not run on the shm transport"):
+        Plan("shm", ())
+    assert Plan("mpi", ()).choose("allreduce", 4, 2).name == "native"
+    assert Plan("shm", ()).choose("allreduce", 4, 2).name == "oneshot"
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "oneshot")
+    with pytest.raises(ValueError, match=r"ENGINE_ALLREDUCE_ALGO=oneshot does not run on the tcp transport"):
+        Plan("tcp", ())
+
+
 def test_auto_and_slice_make_the_same_plan():
     assert Plan("mpi", registry.hierarchy_caps("auto")).digest() == \
         Plan("mpi", registry.hierarchy_caps("slice")).digest()
