@@ -115,6 +115,9 @@ class StoreBootstrap:
     def _stop(self, keys):
         if self._cancelled is not None:
             return ConnectionError(self._cancelled)
+        if self.store.check([f"{self.prefix}/given-up"]):   # (a member that gave up never comes to this round)
+            r, why = self.store.get(f"{self.prefix}/given-up").decode().split(" ", 1)
+            return MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", int(r), why, came_late=False)
         gone = lost_before_arriving(self.lost, self.store, keys.__getitem__)
         if not gone:
             return None
@@ -134,6 +137,12 @@ class StoreBootstrap:
         values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
                                          None if self.on_cancel is None else lambda: self._stop(keys))
         if missing:
+            try:   # (a member still to come, stopped meanwhile, waits for this part, so it reads why: _stop)
+                self.store.delete_key(key + str(self.rank))
+                self.store.set(f"{self.prefix}/given-up", f"{self.rank} it waited for ranks {missing} in exchange "
+                                                          f"#{self._round} of the making")
+            except Exception:   # (the store gone: no one comes)
+                pass
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
                                f"({self.prefix}): {why}")
         return [plain_loads(v) for v in values]

@@ -389,6 +389,26 @@ def test_a_making_under_a_prefix_this_rank_made_a_group_under_before_is_refused_
         StoreBootstrap(store, 0, 2, "g").allgather("rank 0's")
 
 
+def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fails_at_once():
+    """Rank 1 of a making (a shrink's: its waits poll, on_cancel given) was stopped (SIGSTOP) while
+    rank 0 waited for it in an exchange; rank 0 gave up at its timeout. Rank 1, continued, found rank
+    0's part of that exchange and went on: to make the group (its next call failed), or to wait in the
+    next exchange its whole timeout and say rank 0 never joined. Rank 0 takes its part back and leaves
+    why it gave up, and rank 1 fails at once saying so."""
+    import torch.distributed as dist
+    from engine.bootstrap import MakingGivenUp, MissingRanks, StoreBootstrap
+
+    store = dist.HashStore()
+    with pytest.raises(MissingRanks):
+        StoreBootstrap(store, 0, 2, "g", timeout=0.2, on_cancel=lambda fn: None).allgather("rank 0's")
+    late = StoreBootstrap(store, 1, 2, "g", timeout=30, on_cancel=lambda fn: None)
+    # (rank 0's part, set before it waited, is taken back: rank 1 completed the exchange with it and
+    # went on to make a group the others had given up)
+    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up while this rank waited \(it waited for ranks "
+                                            r"\[1\] in exchange #1 of the making\)"):
+        late.allgather("rank 1's")   # (at its timeout, 30 s: MissingRanks)
+
+
 def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
     """Rank 1 came to the first exchange of the group's making and never to the next (the shared
     segment's): rank 0 names it at the group's timeout and starts no further exchange, where one
