@@ -450,8 +450,10 @@ class Communicator:
             # MPI collective, may be using them)
             self._core.free_communicators(comms)
             comms = []
-        if self._core is not None:
-            self._core.release()   # (leaves the group; frees it now, not at collection: a caller may hold it)
+        # (leaves the group; frees it now, not at collection: a caller may hold it; a call still inside
+        # it, another thread's, frees it as it leaves, and keeps the watchdog meanwhile)
+        if self._core is not None and self._core.release() and getattr(self, "watch", None) is not None:
+            self.watch.close()
         self._core = None
         for name in _CORE_CALLS + _ALWAYS_BOUND + _FREED_TOO:   # (the core's bound methods go with it)
             setattr(self, name, _freed(name))

@@ -185,6 +185,13 @@ class Watch:
             self.note_after, self.interval = Watch._pace(self.timeout)
             self.core.set_watch(self, self.interval, p2p=self)
 
+    def close(self):
+        """Its group was freed: the watchdog no longer looks at it (its thread ends with the last group's,
+        now, not when the collector finds this watch and its core, which hold each other), and the
+        store goes (torch's: its sockets and rank 0's server thread)."""
+        self.store = None
+        _registry.discard(self)
+
     @staticmethod
     def _pace(timeout):
         """(when a wait notes its arrival in the store, how often the waits call the watch) for a timeout."""
@@ -472,6 +479,11 @@ class _Registry:
                 self.thread = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
                 self.thread.start()
                 _install_dump_signal()
+
+    def discard(self, watch):
+        with self.lock:
+            self.watches.discard(watch)
+        self.gone.set()
 
     def snapshot(self):
         """The live watches, as a list. list() of the WeakSet raises when another thread's add() changes

@@ -847,3 +847,34 @@ def test_debug_mode_refuses_roots_counts_and_dtypes_with_the_calls_own_errors(mo
             assert (whole == 1).all() and x[:3].tolist() == [0, 1, 2]
         finally:
             comm.free()
+
+
+DESTROYED = """
+import gc, os, sys, threading
+import torch, torch.distributed as dist
+gc.disable()
+def state():
+    return len(os.listdir("/proc/self/fd")), sorted(t.name for t in threading.enumerate())
+dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+made = state()
+dist.destroy_process_group()
+destroyed = state()
+gc.collect()
+print(repr((made, destroyed, state())), flush=True)
+"""
+
+
+def test_destroy_process_group_leaves_no_thread_and_no_socket_for_the_collector():
+    """With the collector off (or before it runs), destroy_process_group left the watchdog thread and
+    torch's store (its sockets, rank 0's server) alive: the group's watch and core hold each other, and
+    the watch held the store. Destroyed now, the process holds what it holds once collected."""
+    import ast
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", DESTROYED, str(free_port())], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    made, destroyed, collected = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert "engine-watchdog" in made[1], made
+    assert destroyed == collected, (made, destroyed, collected)
