@@ -573,7 +573,14 @@ class Communicator:
             sig[7] = part
         everyone = np.empty(_SIG_LEN * self.size, np.int64)
         with self.watch.traced(f"{op} signature check", _SIG_LEN, "int64"):
-            _core.allgather_watched(self._core, sig, everyone)
+            try:
+                _core.allgather_watched(self._core, sig, everyone)
+            except _core.EngineError as exc:
+                if isinstance(exc, (_core.EngineTimeout, _core.EngineMismatch)):   # (the watch's: they name the check)
+                    raise
+                # (the transport's words name an allgather: it failed in the user's call, not in one of theirs)
+                raise type(exc)(f"{op} #{self._core.seq + 1} of group {self.name!r}, in debug mode's check of the "
+                                f"ranks' calls: {exc}") from None
         rows = everyone.reshape(self.size, _SIG_LEN)
         # (a split call's own counts differ by design; a rooted one's digest is the root's alone)
         compared = [i for i in range(_SIG_LEN) if not (split and i == 2 or (rooted or op == "alltoall") and i == 7)]

@@ -212,6 +212,22 @@ def test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_c
             r"arrive; this rank waits on rank 2 \(", msg), msg
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_peer_lost_in_debug_modes_check_names_the_users_call(transport):
+    """tests/faults/debug_lost.py: in debug mode a rank dies before an all_reduce, and the survivors see
+    it in the check of the ranks' calls (an allgather). Their error said `allgather failed: ...`, a call
+    they never made; it now names their all_reduce and the check, then why."""
+    script = os.path.join(HERE, "debug_lost.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert "exit codes [0, 0, -9]" in out, out[-5000:]
+    for rank in (0, 1):
+        said = re.findall(rf"rank {rank}: (.*)", out)
+        assert len(said) == 1 and re.match(r"EnginePeerLost: allreduce #\d+ of group '0', in debug mode's check of the "
+                                           r"ranks' calls: allgather failed: rank 2 ", said[0]), out[-5000:]
+
+
 @TRANSPORTS
 def test_sigkilled_rank_ends_the_job_quickly_and_leaves_nothing(transport):
     before = shm_files()
