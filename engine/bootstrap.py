@@ -115,9 +115,9 @@ class StoreBootstrap:
     def _stop(self, keys):
         if self._cancelled is not None:
             return ConnectionError(self._cancelled)
-        if self.store.check([f"{self.prefix}/given-up"]):   # (a member that gave up never comes to this round)
-            r, why = self.store.get(f"{self.prefix}/given-up").decode().split(" ", 1)
-            return MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", int(r), why, came_late=False)
+        given_up = _given_up(self.store, self.prefix)   # (a member that gave up never comes to this round)
+        if given_up is not None:
+            return MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", *given_up, came_late=False)
         gone = lost_before_arriving(self.lost, self.store, keys.__getitem__)
         if not gone:
             return None
@@ -245,10 +245,8 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
                                   f"one is made from ({how}): make the group of the ranks still alive")
         came_late = not looked   # (given up before its first look: before this rank came)
         looked.append(True)
-        if store.check([f"{key}/given-up"]):   # (where a member that never came keeps this one waiting)
-            r, why = store.get(f"{key}/given-up").decode().split(" ", 1)
-            return MakingGivenUp(what, int(r), why, came_late)
-        return None
+        given_up = _given_up(store, key)   # (where a member that never came keeps this one waiting)
+        return None if given_up is None else MakingGivenUp(what, *given_up, came_late)
     try:
         values, missing, why = read_keys(store, keys, seconds, what, stop,
                                          LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
@@ -299,6 +297,14 @@ def _give_up(store, key, me, why):
             store.set(f"{key}/given-up", f"{me} {why}")
     except Exception:   # (the store gone: no one comes later)
         pass
+
+
+def _given_up(store, key):
+    """(rank, why) of the member of the making under key that gave it up first, else None."""
+    if not store.check([f"{key}/given-up"]):
+        return None
+    r, why = store.get(f"{key}/given-up").decode().split(" ", 1)
+    return int(r), why
 
 
 def lost_before_arriving(lost, store, key_of):
