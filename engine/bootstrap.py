@@ -358,8 +358,10 @@ def gather(boot, make, what):
         mine, error = None, exc
     try:
         everyone = boot.allgather((mine, None if error is None else f"could not {what} ({type(error).__name__}: {error})"))
-    except Exception:
-        if error is not None:   # (this rank's own error says more than the exchange that could not carry it)
+    except Exception as exc:
+        # (this rank's own error says more than the exchange that could not carry it, unless a member gave
+        # the making up before this rank came: what this rank could not do, a segment's attach, may be why)
+        if error is not None and not isinstance(exc, MakingGivenUp):
             raise error from None
         raise
     if error is not None:

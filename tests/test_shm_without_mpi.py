@@ -409,6 +409,23 @@ def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fai
         late.allgather("rank 1's")   # (at its timeout, 30 s: MissingRanks)
 
 
+def test_a_step_that_failed_because_another_member_gave_the_making_up_says_it_gave_up():
+    """Rank 1, stopped in a shrink's making while rank 0 gave it up and freed the segment, could not
+    attach that segment when it came back, and said only that (`no segment this engine made`): the
+    exchange carrying its failure finds that rank 0 gave the making up, and says that instead."""
+    import torch.distributed as dist
+    from engine.bootstrap import MakingGivenUp, MissingRanks, StoreBootstrap, gather
+
+    store = dist.HashStore()
+    with pytest.raises(MissingRanks):
+        StoreBootstrap(store, 0, 2, "g", timeout=0.2, on_cancel=lambda fn: None).allgather("rank 0's")
+
+    def attach():
+        raise RuntimeError("engine shm: rank 1 cannot open rank 0's segment: not a segment this engine made")
+    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up while this rank waited"):
+        gather(StoreBootstrap(store, 1, 2, "g", timeout=30, on_cancel=lambda fn: None), attach, "attach it")
+
+
 def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
     """Rank 1 came to the first exchange of the group's making and never to the next (the shared
     segment's): rank 0 names it at the group's timeout and starts no further exchange, where one
