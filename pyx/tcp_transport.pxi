@@ -164,6 +164,9 @@ cdef class TcpTransport(Transport):
         user's channel goes on (point-to-point outlives a broken group's collectives)."""
         if not self.broken:
             self.broken = (TCP_LEFT_TIMED_OUT if timed_out else TCP_LEFT_BROKEN) - 1
+        if self.t != NULL and not timed_out:   # (a peer lost, seen first by the user's channel, is named)
+            with nogil:
+                eng_tcp_nudge(self.t)
         self.say_goodbye()
 
     cdef void begin_call(self, int base) noexcept nogil:
