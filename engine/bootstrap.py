@@ -139,8 +139,8 @@ class StoreBootstrap:
         if missing:
             try:   # (a member still to come, stopped meanwhile, waits for this part, so it reads why: _stop)
                 self.store.delete_key(key + str(self.rank))
-                self.store.set(f"{self.prefix}/given-up", f"{self.rank} it waited for ranks {missing} in exchange "
-                                                          f"#{self._round} of the making")
+                _say_given_up(self.store, self.prefix, self.rank,
+                              f"it waited for ranks {missing} in exchange #{self._round} of the making")
             except Exception:   # (the store gone: no one comes)
                 pass
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
@@ -293,10 +293,15 @@ def _give_up(store, key, me, why):
     unset and wait for it."""
     try:
         store.set(f"{key}/members-of/{me}", GAVE_UP + why)
-        if not store.check([f"{key}/given-up"]):
-            store.set(f"{key}/given-up", f"{me} {why}")
+        _say_given_up(store, key, me, why)
     except Exception:   # (the store gone: no one comes later)
         pass
+
+
+def _say_given_up(store, key, rank, why):
+    """Leaves under the making's key that `rank` gave it up, and why (where no member did first)."""
+    if not store.check([f"{key}/given-up"]):
+        store.set(f"{key}/given-up", f"{rank} {why}")
 
 
 def _given_up(store, key):
