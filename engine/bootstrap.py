@@ -11,8 +11,9 @@ import socket
 import time
 
 from . import failure, forks
-from ._core import EnginePeerLost
+from ._core import EngineAborted, EnginePeerLost
 from .config import env_choice, env_int, finite_seconds
+from .watch import StoreWithin
 
 TRANSPORTS = ("auto", "shm", "mpi", "tcp")
 # What carries bytes between hosts under an MPI launcher (ENGINE_INTERHOST): MPI, as before the TCP
@@ -76,12 +77,6 @@ class MpiBootstrap:
         with self._blocking("MPI_Comm_dup"):
             return self.comm.Dup()
 
-    def _set_before(self, key):
-        try:
-            return self.store.check([key])
-        except Exception:   # (a store without check; one that fails: the exchange says so)
-            return False
-
     def split(self, color, key, name):
         """The bootstrap of the ranks with the same color (None: not in any), ordered by key; collective."""
         from . import mpi
@@ -112,13 +107,13 @@ class StoreBootstrap:
     def _cancel(self, why):
         self._cancelled = why
 
-    def _stop(self, keys):
+    def _stop(self, keys, store):
         if self._cancelled is not None:
             return ConnectionError(self._cancelled)
-        given_up = _given_up(self.store, self.prefix)   # (a member that gave up never comes to this round)
+        given_up = _given_up(store, self.prefix)   # (a member that gave up never comes to this round)
         if given_up is not None:
             return MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", *given_up, came_late=False)
-        gone = lost_before_arriving(self.lost, self.store, keys.__getitem__)
+        gone = lost_before_arriving(self.lost, store, keys.__getitem__)
         if not gone:
             return None
         r = min(gone)
@@ -127,31 +122,33 @@ class StoreBootstrap:
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
-        if self._round == 0 and self._set_before(key + str(self.rank)):
+        store = StoreWithin.of(self.store, self.timeout, f"engine: {self._whose()} ({self.prefix})", line=self)
+        if self._round == 0 and _set_before(store, key + str(self.rank)):
             raise ValueError(f"engine: this rank ({self.rank}) made a group under the prefix {self.prefix!r} in this "
                              "store before, and the last making's keys would be read as this one's: give each making "
                              "a prefix of its own (Communicator.from_store's prefix=)")
         self._round += 1
-        self.store.set(key + str(self.rank), pickle.dumps(obj))
+        store.set(key + str(self.rank), pickle.dumps(obj))
         keys = [key + str(r) for r in range(self.size)]
-        values, missing, why = read_keys(self.store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                         None if self.on_cancel is None else lambda: self._stop(keys))
+        values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
+                                         None if self.on_cancel is None else lambda: self._stop(keys, store))
         if missing:
-            try:   # (a member still to come, stopped meanwhile, waits for this part, so it reads why: _stop)
-                self.store.delete_key(key + str(self.rank))
-                _say_given_up(self.store, self.prefix, self.rank,
+            try:   # (a member that reads this exchange later, stopped meanwhile, reads why in this rank's part)
+                _say_given_up(store, self.prefix, self.rank,
                               f"it waited for ranks {missing} in exchange #{self._round} of the making")
+                store.set(key + str(self.rank), GAVE_UP)
             except Exception:   # (the store gone: no one comes)
                 pass
-            raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the group's bootstrap "
+            raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the bootstrap of {self._whose()} "
                                f"({self.prefix}): {why}")
+        if GAVE_UP.encode() in values:   # (a member that gave up stays named in its part, not missing)
+            raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})",
+                                *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),
+                                came_late=False)
         return [plain_loads(v) for v in values]
 
-    def _set_before(self, key):
-        try:
-            return self.store.check([key])
-        except Exception:   # (a store without check; one that fails: the exchange says so)
-            return False
+    def _whose(self):
+        return "the group" if self.group is None else f"group {self.group!r}"
 
     def split(self, color, key, name):
         everyone = self.allgather((color, key))
@@ -160,6 +157,13 @@ class StoreBootstrap:
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
         return StoreBootstrap(self.store, members.index(self.rank), len(members), f"{self.prefix}/{name}/{color}",
                               self.on_cancel, self.timeout)
+
+
+def _set_before(store, key):
+    try:
+        return store.check([key])
+    except Exception:   # (a store without check; one that fails, or does not answer: the exchange says so)
+        return False
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -195,7 +199,7 @@ def read_keys(store, keys, seconds, what, stop=None, pause=LOOK_PAUSE_SECONDS):
         if seconds is None or not hasattr(store, "wait") or keys_set_within(store, keys, seconds, stop, pause):
             return values(), [], None
         why = f"wait timeout after {finite_seconds(seconds) * 1e3:.0f}ms"   # (the store's words for it)
-    except (ConnectionError, EnginePeerLost, MakingGivenUp):   # (the store gone; stop's: cancelled, lost, given up)
+    except (ConnectionError, EnginePeerLost, EngineAborted, MakingGivenUp):   # (the store gone; stop's)
         raise
     except Exception as exc:   # (the store's own words, without its list of keys)
         why = str(exc).split(", keys:")[0]
@@ -224,6 +228,14 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     given, returns why the making was cancelled from another thread (else None): the wait ends in a
     ConnectionError saying why."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
+    store = StoreWithin.of(store, seconds, what)
+    try:
+        _agree(store, key, me, members, seconds, what, verb, argument, cancelled, parent)
+    finally:
+        StoreWithin.release(store)
+
+
+def _agree(store, key, me, members, seconds, what, verb, argument, cancelled, parent):
     mine = "-".join(map(str, members))
     store.set(f"{key}/members-of/{me}", mine)
     keys = [f"{key}/members-of/{r}" for r in members]
@@ -234,6 +246,11 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
         why = None if cancelled is None else cancelled()
         if why is not None:
             return ConnectionError(why)
+        core = None if parent is None else parent._core
+        if parent is not None and (core is None or core.aborted):   # (the group it is made from: its abort())
+            return EngineAborted(f"{what}: group {parent.name!r}, the group this one is made from, was aborted "
+                                 "(or destroyed) while this rank waited for the new group's members: make the "
+                                 "group from a world made again")
         # (a member that came is not waited for: lost since, it fails the new group's own making)
         gone = lost_before_arriving(parent.lost_ranks if watched else None, store,
                                     lambda r: keys[members.index(r)] if r in members else None)
@@ -250,7 +267,7 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     try:
         values, missing, why = read_keys(store, keys, seconds, what, stop,
                                          LOOK_PAUSE_SECONDS if cancelled is not None else LOST_LOOK_PAUSE_SECONDS)
-    except EnginePeerLost as lost:
+    except (EnginePeerLost, EngineAborted) as lost:
         _give_up(store, key, me, f"{lost}".removeprefix(f"{what}: "))
         raise
     except MakingGivenUp as given_up:

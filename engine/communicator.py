@@ -22,7 +22,7 @@ from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstra
 from .config import cuda_transport, env_duration, env_flag
 from .ops import ReduceOp, op_code
 from .transports import TRANSPORTS
-from .watch import Watch
+from .watch import StoreWithin, Watch
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -268,8 +268,11 @@ class Communicator:
         requested_transport(transport)   # (a misspelt ENGINE_TRANSPORT is refused at one rank too, which runs on shm)
         boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel,
                                                                      Watch.timeout_of(timeout), lost)
-        self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
-                   ring_segment_bytes=ring_segment_bytes, _boot=boot)
+        try:
+            self = cls(transport="shm" if size == 1 else transport, timeout=timeout, store=store, name=name,
+                       ring_segment_bytes=ring_segment_bytes, _boot=boot)
+        finally:
+            StoreWithin.release(boot)   # (its exchanges' store queries are done)
         self._store_prefix = prefix
         return self
 

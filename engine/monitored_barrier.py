@@ -11,6 +11,7 @@ import time
 from . import forks
 from ._core import EngineError
 from .bootstrap import keys_set_within, lost_before_arriving
+from .watch import StoreWithin
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
 # loaded machine (rank 0 reads each rank's key and writes its verdict).
@@ -25,8 +26,19 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
     arrived at once, whichever rank it waits for then (with wait_all, it waits on for the others), and
     the others rank 0. Both are asked between a wait's looks in the store."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
-    if rank != 0:
-        return _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost)
+    # (a rank cut off from the store's host ends too, saying so: _store_errors)
+    store = StoreWithin.of(store, answer_seconds + seconds + GRACE_SECONDS, None)
+    try:
+        if rank != 0:
+            _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost)
+        else:
+            _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, lost)
+    finally:
+        StoreWithin.release(store)
+
+
+def _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, lost):
+    """Rank 0's part: it names the ranks that did not arrive, or lets the others through."""
     with _store_errors("[Rank 0]: ", what):
         store.set(key + "0", "")   # (the others tell a missing rank 0 from a verdict still to come)
         start = time.monotonic()
@@ -69,8 +81,34 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
             error = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
                      f"{seconds * 1e3:.0f} ms: {why} ({what})")
         store.set(key + "verdict", error or "ok")
+        # (the ranks that reached the barrier hear its verdict before rank 0 goes on: its process may end
+        # next, and with it the store it hosts, before they looked; Gloo's rank 0 sends it to each)
+        readers = [q for q in range(1, size) if q in arrived or (q not in gone and _set(store, key, q))]
+        if readers:
+            _wait_for_readers(store, key, readers, aborted, lost)
+        if error is None:   # (a failed barrier leaves its verdict to the ranks that come late)
+            for name in ("0", "verdict", *(f"read-{q}" for q in readers)):
+                _forget(store, key + name)
     if error is not None:
         raise RuntimeError(error)
+
+
+def _set(store, key, q):
+    """Whether rank q reached the barrier (its key is set: one not waited for, or late)."""
+    try:
+        return store.check([key + str(q)])
+    except (RuntimeError, ConnectionError):
+        return False
+
+
+def _wait_for_readers(store, key, readers, aborted, lost):
+    """Rank 0 waits (GRACE_SECONDS at most) until each of readers says it read the verdict, or the group
+    is aborted, or one of them is lost. A store failing here fails nothing: the verdict was given."""
+    try:
+        keys_set_within(store, [f"{key}read-{q}" for q in readers], GRACE_SECONDS,
+                        _stop(aborted, lost, store, lambda q: f"{key}read-{q}" if q in readers else None))
+    except Exception:
+        pass
 
 
 @contextlib.contextmanager
@@ -80,26 +118,14 @@ def _store_errors(opening, what):
         yield
     except EngineError:   # (the group's abort)
         raise
-    except RuntimeError as exc:
+    except (RuntimeError, ConnectionError) as exc:
         raise RuntimeError(f"{opening}the store failed ({type(exc).__name__}: {exc}) ({what})") from exc
-
-
-def _tidy(store, key, size):
-    """The last rank to read the verdict deletes it and rank 0's key (rank 0 deleted the others' as it
-    read them): a barrier each step leaves no keys behind in the store. A store failing here fails
-    nothing: the barrier is through."""
-    try:
-        if store.add(key + "read", 1) == size - 1:
-            for name in ("0", "verdict", "read"):
-                _forget(store, key + name)
-    except RuntimeError:
-        pass
 
 
 def _forget(store, key):
     try:
         store.delete_key(key)
-    except (RuntimeError, AttributeError):   # (a store without deletes keeps it: no harm)
+    except (RuntimeError, ConnectionError, AttributeError):   # (a store without deletes keeps it: no harm)
         pass
 
 
@@ -142,6 +168,9 @@ def _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, abo
     if verdict is None:
         raise RuntimeError(f"{failed}rank 0 arrived but gave no answer within {seconds + GRACE_SECONDS:g} s (its "
                            f"timeout of {seconds:g} s and a grace) ({what})")
-    _tidy(store, key, size)
+    try:   # (rank 0 waits for this before it deletes the barrier's keys: none is left in the store)
+        store.set(f"{key}read-{rank}", "")
+    except (RuntimeError, ConnectionError):   # (a store failing here fails nothing: the barrier is through)
+        pass
     if verdict != "ok":
         raise RuntimeError(f"{failed}rank 0 reported: {verdict}")

@@ -46,27 +46,42 @@ class _StoreLine:
     waits for the answer a bounded time. Once a query has gone unanswered for STORE_QUERY_SECONDS the
     line takes no more (each later report says so at once): one blocked thread per dead connection,
     not one per report, in a process that outlives its groups (a torchft replica). A line whose queue
-    empties ends its thread and leaves the table."""
+    empties ends its thread and leaves the table, LINGER_SECONDS later (a making asks many queries in a
+    row: one thread for them all), or at once at exit."""
 
     _lines = {}               # id(connection) -> its line, while it has work or is stuck
     _lock = threading.Lock()
+    _closing = False          # (at exit: no line lingers)
     MAX_QUEUED = 64           # (a line stuck less than STORE_QUERY_SECONDS takes at most this many more)
+    LINGER_SECONDS = 0.02     # (longer than the gaps between a making's queries: its steps take milliseconds)
 
     def __init__(self, conn):
-        self.conn, self.queue, self.thread, self.since = conn, [], None, None
+        self.conn, self.queue, self.thread, self.since, self.released = conn, [], None, None, False
+        self.more = threading.Condition(self._lock)
+
+    @classmethod
+    def release(cls, conn):
+        """The asker of conn's line asks no more for now (a making is done): its thread lingers no longer."""
+        with cls._lock:
+            line = cls._lines.get(id(conn))
+            if line is not None:
+                line.released = True
+                line.more.notify_all()
 
     @classmethod
     def orphan(cls, why):
         """In a child forked from this process: the lines' threads are not there, and the lock may have
         been copied held; the child's own groups start afresh."""
-        cls._lines, cls._lock = {}, threading.Lock()
+        cls._lines, cls._lock, cls._closing = {}, threading.Lock(), False
 
     @classmethod
-    def ask(cls, store, query, wait, interrupted=None):
-        """query() on store's line; waits up to `wait` s, or until interrupted() (asked every 50 ms: the
+    def ask(cls, store, query, wait, interrupted=None, line=None):
+        """query() on store's line (or on the line of `line`, an object of the asker's: its queries are
+        not held up by others'); waits up to `wait` s, or until interrupted() (asked every 50 ms: the
         group's abort) says so. Returns (True, its result) or (False, why): the store did not answer in
         time, its line is stuck, or the wait was interrupted. query's exceptions are its result."""
-        conn = forks.base_store(store)
+        own = line is not None
+        conn = line if own else forks.base_store(store)
         done, out = threading.Event(), []
         with cls._lock:
             line = cls._lines.get(id(conn))
@@ -78,8 +93,10 @@ class _StoreLine:
                 return False, (f"the store has not answered a query for {stuck:.0f} s (the rank hosting it, or the "
                                "link to it, may be gone)")
             line.queue.append((query, done, out, time.monotonic()))
+            line.more.notify()
             if line.thread is None:
-                line.thread = threading.Thread(target=line._serve, name="engine-watch-store", daemon=True)
+                line.thread = threading.Thread(target=line._serve, daemon=True,
+                                               name="engine-store-within" if own else "engine-watch-store")
                 try:
                     line.thread.start()
                 except RuntimeError:   # (no new threads at interpreter shutdown: the error itself matters more)
@@ -97,8 +114,11 @@ class _StoreLine:
     def _serve(self):
         while True:
             with self._lock:
+                self.since = None
+                if not self.queue and not self._closing and not self.released:
+                    self.more.wait(self.LINGER_SECONDS)
                 if not self.queue:
-                    self.thread = self.since = None
+                    self.thread = None
                     del self._lines[id(self.conn)]
                     return
                 # (the line is stuck from when the query was asked, which its asker's wait counts from)
@@ -116,6 +136,9 @@ class _StoreLine:
         for the lines' threads, for `wait` s in all: behind a cut link they stay blocked far longer."""
         deadline = time.monotonic() + wait
         with cls._lock:
+            cls._closing = True
+            for line in cls._lines.values():
+                line.more.notify_all()
             threads = [line.thread for line in cls._lines.values() if line.thread is not None]
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0))
@@ -123,6 +146,58 @@ class _StoreLine:
 
 forks.track(_StoreLine)
 atexit.register(_StoreLine.join_all, STORE_QUERY_SECONDS)
+
+
+class _LineOfOne:
+    """The object a StoreWithin's own line is known by."""
+
+
+class StoreWithin:
+    """A store whose every query ends by a deadline: `seconds` from now (a making's timeout), and
+    STORE_QUERY_SECONDS more for the store to answer. A group's making, and a monitored barrier, ask
+    their store through one, so that a rank cut off from the store's host raises then, naming the
+    store, where torch's store client, which gives its reads no timeout, would block until the kernel
+    gives the connection up. The queries run on a line of its own: a wait of the making (its store's
+    wait for the others' keys) holds up no other thread's query. Its methods are the store's."""
+
+    def __init__(self, store, seconds, what, line=None):
+        self.underlying_store, self.what = store, what   # (forks.base_store reaches the connection through it)
+        self.end = time.monotonic() + seconds
+        self.line = _LineOfOne() if line is None else line   # (not itself: a cycle keeps the store to the collector)
+
+    @classmethod
+    def of(cls, store, seconds, what, line=None):
+        """store, bounded by seconds from now (None or infinite: the store as it is, bounded by its own);
+        what (or None): what its errors open with; line (an object of the asker's): where the queries of
+        several steps (a bootstrap's exchanges) share one line."""
+        if isinstance(store, cls):
+            store = store.underlying_store
+        if store is None or seconds is None or seconds == float("inf"):
+            return store
+        return cls(store, seconds, what, line)
+
+    @staticmethod
+    def release(store):
+        """Where store is one of these (or a line's object), its queries are done for now: its line's
+        thread ends at once, not LINGER_SECONDS later (a group made leaves no thread behind)."""
+        _StoreLine.release(store.line if isinstance(store, StoreWithin) else store)
+
+    def __getattr__(self, name):
+        method = getattr(self.underlying_store, name)
+        if name.startswith("_") or not callable(method):
+            return method
+        return lambda *args, **kwargs: self._ask(method, args, kwargs)
+
+    def _ask(self, method, args, kwargs):
+        ok, out = _StoreLine.ask(self.underlying_store, lambda: method(*args, **kwargs),
+                                 max(self.end - time.monotonic(), 0.0) + STORE_QUERY_SECONDS, line=self.line)
+        if not ok:
+            base = forks.base_store(self.underlying_store)
+            where = f" (the store: {base.host} port {base.port})" if hasattr(base, "host") else ""
+            raise ConnectionError(f"{self.what}: {out}{where}" if self.what else f"{out}{where}")
+        if isinstance(out, Exception):
+            raise out
+        return out
 
 
 # A record of the core's flight recorder: (seq, op, count, dtype, algorithm, start, end, state, native,
@@ -330,7 +405,10 @@ class Watch:
             tag_text = "any tag" if tag == -1 else f"tag {tag}"
             msg = (f"{what} {'from' if 'recv' in what else 'to'} {who} ({tag_text}) in group {self.group!r} "
                    f"(rank {self.rank} of {self.size}): Timed out after {elapsed:.1f} s (timeout "
-                   f"{self.timeout:g} s): {who} never {'sent' if 'recv' in what else 'received'} it")
+                   f"{self.timeout:g} s): " + (f"nothing came from {who} for it (it did not send it, or the link to "
+                                               "it is cut)" if 'recv' in what else
+                                               f"{who} did not take it (it did not post the receive, or the link to "
+                                               "it is cut)"))
             self.dump(msg)  # the group stays usable: only this wait is abandoned
             raise EngineTimeout(msg)
 

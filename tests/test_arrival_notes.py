@@ -444,6 +444,84 @@ def test_abort_ends_a_wait_for_the_notes_from_a_store_that_stopped_answering():
     timer.join()
 
 
+def test_a_making_whose_store_stops_answering_ends_after_its_timeout_naming_the_store(monkeypatch):
+    """The store's host stopped answering (SIGSTOP: across a cut link the connection stays open, and
+    torch's store client gives its reads no timeout): each step of a group's making that asks it (the
+    count of its makings, the members' lists, the bootstrap's exchanges) and a monitored barrier
+    blocked until the kernel gave the connection up, many minutes later. Each now ends its timeout and
+    STORE_QUERY_SECONDS after it began, saying the store did not answer and where it is."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from engine import watch as watch_module
+    from engine.bootstrap import StoreBootstrap, agree_on_members
+    from engine.monitored_barrier import monitored_barrier
+    from engine import monitored_barrier as barrier_module
+    from torchbridge.creation import makings_of
+    monkeypatch.setattr(watch_module, "STORE_QUERY_SECONDS", 1.0)
+    monkeypatch.setattr(barrier_module, "GRACE_SECONDS", 1.0)
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        stop(host.pid)
+        steps = {"count": lambda: makings_of(base, 0, 1, "engine: group '1'"),
+                 "members": lambda: agree_on_members(base, "m", 0, [0, 1], 1, "engine new_group '1'", "was given",
+                                                     "ranks to new_group"),
+                 "exchange": lambda: StoreBootstrap(base, 0, 2, "b", timeout=1).allgather("rank 0's"),
+                 "barrier": lambda: monitored_barrier(base, "mb/", 1, 2, 0.5, 0.5, False, "the test's barrier")}
+        for step, making in steps.items():
+            start = time.monotonic()
+            with pytest.raises((ConnectionError, RuntimeError), match=r"store (did not answer within|has not "
+                                                                      rf"answered a query).*port {port}\)") as raised:
+                making()
+            assert time.monotonic() - start < 5, (step, time.monotonic() - start)   # (the barrier: 0.5 + 0.5 + 1 + 1)
+            assert step == "barrier" or "group '1'" in str(raised.value) or "(b)" in str(raised.value), raised.value
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
+_RANK_OF_A_MONITORED_BARRIER = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+from engine.monitored_barrier import monitored_barrier
+rank, port = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=20))
+if rank == 0:
+    print(store.port, flush=True)
+try:
+    monitored_barrier(store, "mb/", rank, 3, 1, 20, False, "the test's barrier", aborted=lambda: None,
+                      lost=lambda: None)
+except RuntimeError as exc:
+    print("RAISED", exc, flush=True)
+os._exit(0)   # (rank 0's process ends at once, and the store it hosts with it)
+"""
+
+
+def test_a_rank_that_reached_a_failed_monitored_barrier_hears_the_verdict_of_rank_0_that_exits_next():
+    """Rank 2 never comes; rank 0 (whose process hosts the store, as under torch's rendezvous) names it
+    at its timeout and its process ends at once. Rank 1, which arrived, said only that the store failed
+    (its look for the verdict came after the store was gone): rank 0 now waits for it to read the
+    verdict, and rank 1 says what rank 0 said."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", _RANK_OF_A_MONITORED_BARRIER, "0"], stdout=subprocess.PIPE,
+                            text=True)
+    port = host.stdout.readline().strip()
+    other = subprocess.run([sys.executable, "-c", _RANK_OF_A_MONITORED_BARRIER, "1", port], capture_output=True,
+                           text=True, timeout=60)
+    said = host.communicate(timeout=60)[0]
+    assert "RAISED [Rank 0]: Rank 2 failed to pass monitoredBarrier in 1000 ms" in said, said
+    verdict = "rank 0 reported: [Rank 0]: Rank 2 failed to pass monitoredBarrier in 1000 ms"
+    assert verdict in other.stdout, other.stdout + other.stderr[-2000:]
+
+
 def test_monitored_barriers_leave_no_keys_in_the_store():
     """Three ranks pass 20 monitored barriers through one store: none of their keys is left (each left
     size + 1, for good: a barrier each step grew torch's store without bound)."""

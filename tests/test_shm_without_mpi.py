@@ -285,12 +285,12 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=0.2))
     store.set("g/boot/0/2", __import__("pickle").dumps("rank 2's"))
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the group's bootstrap \(g\)"):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the bootstrap of the group \(g\)"):
         StoreBootstrap(store, 0, 3, "g").allgather("rank 0's")
     # the group's own timeout bounds the wait, not the store's (the world's: 30 minutes by default)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))   # (its wait says how long)
     store.set("h/boot/0/2", __import__("pickle").dumps("rank 2's"))
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the group's bootstrap \(h\): "
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 3 never joined the bootstrap of the group \(h\): "
                                            r"wait timeout after 200ms$"):
         StoreBootstrap(store, 0, 3, "h", timeout=0.2).allgather("rank 0's")
 
@@ -393,8 +393,8 @@ def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fai
     """Rank 1 of a making (a shrink's: its waits poll, on_cancel given) was stopped (SIGSTOP) while
     rank 0 waited for it in an exchange; rank 0 gave up at its timeout. Rank 1, continued, found rank
     0's part of that exchange and went on: to make the group (its next call failed), or to wait in the
-    next exchange its whole timeout and say rank 0 never joined. Rank 0 takes its part back and leaves
-    why it gave up, and rank 1 fails at once saying so."""
+    next exchange its whole timeout and say rank 0 never joined. Rank 0 leaves in its part that it gave
+    up, and why, and rank 1 fails at once saying so."""
     import torch.distributed as dist
     from engine.bootstrap import MakingGivenUp, MissingRanks, StoreBootstrap
 
@@ -402,11 +402,37 @@ def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fai
     with pytest.raises(MissingRanks):
         StoreBootstrap(store, 0, 2, "g", timeout=0.2, on_cancel=lambda fn: None).allgather("rank 0's")
     late = StoreBootstrap(store, 1, 2, "g", timeout=30, on_cancel=lambda fn: None)
-    # (rank 0's part, set before it waited, is taken back: rank 1 completed the exchange with it and
+    # (rank 0's part, set before it waited, says it gave up: rank 1 completed the exchange with it and
     # went on to make a group the others had given up)
     with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up while this rank waited \(it waited for ranks "
                                             r"\[1\] in exchange #1 of the making\)"):
         late.allgather("rank 1's")   # (at its timeout, 30 s: MissingRanks)
+
+
+def test_a_member_that_came_and_gave_up_is_not_named_among_those_that_never_joined():
+    """Rank 1 of 4 came to an exchange of the making, and gave it up at its shorter timeout; rank 0,
+    at its own, named ranks [1, 2, 3] as never joined, where rank 1 had (it took its part back). Rank
+    1's part now says it gave up, and rank 0 names only the ranks that never came."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from engine.bootstrap import MissingRanks, StoreBootstrap
+
+    store, errors = dist.HashStore(), {}
+
+    def member(rank, timeout):
+        try:
+            StoreBootstrap(store, rank, 4, "g", timeout=timeout).allgather(f"rank {rank}'s")
+        except MissingRanks as exc:
+            errors[rank] = str(exc)
+    first = threading.Thread(target=member, args=(0, 1.0))
+    first.start()
+    time.sleep(0.1)   # (rank 0 came first)
+    member(1, 0.2)
+    first.join()
+    assert re.search(r"ranks \[2, 3\] of 4 never joined", errors[1]), errors
+    assert re.search(r"ranks \[2, 3\] of 4 never joined", errors[0]), errors
 
 
 def test_a_step_that_failed_because_another_member_gave_the_making_up_says_it_gave_up():
@@ -440,7 +466,7 @@ def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
 
         def set(self, key, value):
             self.store.set(key, value)
-            if key.endswith("/0"):
+            if key.endswith("/0") and not value.startswith(b"gave up"):   # (not its word that it gave up)
                 self.rounds.append(key)
             if key == "g/boot/0/0":
                 self.store.set("g/boot/0/1", value)
@@ -455,7 +481,7 @@ def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
             return self.store.wait(keys, timeout)
 
     store = FirstRoundOnly()
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 never joined the group's bootstrap \(g\)"):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 never joined the bootstrap of group 'g' \(g\)"):
         engine.Communicator.from_store(store, 0, 2, prefix="g", transport="shm", timeout=0.5, name="g")
     assert store.rounds == ["g/boot/0/0", "g/boot/1/0"], store.rounds
 
@@ -895,3 +921,63 @@ def test_destroy_process_group_leaves_no_thread_and_no_socket_for_the_collector(
     made, destroyed, collected = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert "engine-watchdog" in made[1], made
     assert destroyed == collected, (made, destroyed, collected)
+
+
+_WORLDS_MADE_ELSEWHERE = """
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+rank, port, own = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 0:   # a world of its own first, in a store of its own
+    dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{own}", rank=0, world_size=1)
+    dist.destroy_process_group()
+dist.init_process_group("engine", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=10))
+group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
+t = torch.full((2,), rank + 1.0)
+dist.all_reduce(t, group=group)
+print("sum", t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_that_made_a_world_in_another_store_before_meets_the_others_in_new_group():
+    """Rank 0 made and destroyed a world of its own (its own store) before the two ranks made theirs:
+    their new_group waited for ever (its keys were under the count of the worlds each process made, 2
+    on rank 0, 1 on rank 1). The count is now that of the worlds each rank made in the world's store."""
+    import subprocess
+    port, own = str(free_port()), str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _WORLDS_MADE_ELSEWHERE, str(r), port, own], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "sum [3.0, 3.0]" in out, out[-3000:]
+
+
+def test_a_new_group_waiting_for_its_members_ends_when_the_group_it_is_made_from_is_aborted():
+    """Ranks 0 and 1 made a new group whose rank 2 never came; another thread aborted the world it was
+    made from: the making waited on, its timeout (torch's default for new_group: 30 minutes). It ends
+    within a look of the abort now, saying so, and leaves why for a member that comes later."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from engine._core import EngineAborted
+    from engine.bootstrap import MakingGivenUp, agree_on_members
+
+    core = SimpleNamespace(aborted=False)
+    world = SimpleNamespace(name="0", _core=core, lost_ranks=lambda: {})
+    store = dist.HashStore()
+    timer = threading.Timer(0.3, setattr, [core, "aborted", True])
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineAborted, match=r"engine new_group '1': group '0', the group this one is made from, was "
+                                            r"aborted \(or destroyed\) while this rank waited"):
+        agree_on_members(store, "m", 0, [0, 1, 2], 1800, "engine new_group '1'", "was given", "ranks to new_group",
+                         parent=world)
+    assert time.monotonic() - start < 1.5
+    timer.join()
+    with pytest.raises(MakingGivenUp, match="rank 0 gave this making up"):
+        agree_on_members(store, "m", 1, [0, 1, 2], 5, "engine new_group '1'", "was given", "ranks to new_group")

@@ -129,7 +129,16 @@ def _failed_at_init(exc):
 
 
 def _succeeded_at_init():
+    """A world made: an earlier init_process_group's failure is withdrawn, and so are the failures of
+    groups of an earlier world (torch makes a world only once the last one was destroyed or aborted)
+    where this one spans the MPI job: every rank met after them."""
     import sys
     failure = sys.modules.get("engine.failure")
-    if failure is not None:
-        failure.init_succeeded()
+    if failure is None:
+        return
+    failure.init_succeeded()
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_world_size() == MPI.COMM_WORLD.Get_size():
+            failure.recovered()

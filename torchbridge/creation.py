@@ -9,6 +9,7 @@ import torch.distributed as dist
 from engine import Communicator, forks
 from engine.bootstrap import agree_on_members
 from engine.launcher import MPIRUN_HINT, launcher_of_world
+from engine.watch import StoreWithin
 
 from . import functional
 from .fault import own_transport, reconfigured, world_shrinks
@@ -16,7 +17,8 @@ from .process_group import EngineProcessGroup
 from .work import in_seconds
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
-_worlds = [0]       # worlds this process made (init_process_group), whose groups' keys the store keeps apart
+_worlds = [0]       # the count of the last world this rank made (init_process_group) in its store, whose
+                    # groups' keys the store keeps apart
 
 
 def create_process_group(opts, backend_options=None):
@@ -40,14 +42,15 @@ def create_process_group(opts, backend_options=None):
     shrinks = world_shrinks()
     if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
         store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
-    if not ranks:
-        _worlds[0] += 1
-    elif store is not None:
+    if ranks and store is not None:
         # (torch names a new world's groups from 1 again, in a store that may be the last world's: torchrun's
         # agent's. Its group "1" of other members would count its makings from the last one's keys.)
         store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
     if store is not None:
-        store = made_anew(store, opts.group_rank)
+        making = makings_of(store, opts.group_rank, seconds, f"engine: group {name!r}")
+        if not ranks:   # (the worlds this rank made in this store: its ranks' count alike, whatever other
+            _worlds[0] = making   # stores a rank made worlds in before, as a rank's world of its own)
+        store = dist.PrefixStore(f"engine/made-{making}", store)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
@@ -85,14 +88,20 @@ def attempt_store(store):
     return dist.PrefixStore(f"engine/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
 
 
-def made_anew(store, rank):
-    """The part of a group's store for this making of it. A group of the same name made again on the
-    same store (init_process_group after destroy_process_group under torchrun, whose agent's store
-    outlives the worlds of one attempt; mp.spawn re-using its tcp:// port) would otherwise read the
-    keys its earlier making left: the earlier segment's size, its addresses. Each rank counts its own
-    makings of the group (the ranks of one making count alike); a rank started twice counts ahead of
-    the others, and is named missing where they meet."""
-    return dist.PrefixStore(f"engine/made-{store.add(f'engine/makings-of-rank-{rank}', 1)}", store)
+def makings_of(store, rank, seconds=None, what=None):
+    """This making's count of the group in its store, whose part of the store is `engine/made-<count>`.
+    A group of the same name made again on the same store (init_process_group after
+    destroy_process_group under torchrun, whose agent's store outlives the worlds of one attempt;
+    mp.spawn re-using its tcp:// port) would otherwise read the keys its earlier making left: the
+    earlier segment's size, its addresses. Each rank counts its own makings of the group (the ranks of
+    one making count alike); a rank started twice counts ahead of the others, and is named missing
+    where they meet. The count, asked within seconds (the group's timeout) and a grace, ends in an
+    error naming the store where the store is out of reach."""
+    counting = StoreWithin.of(store, seconds, what)
+    try:
+        return counting.add(f"engine/makings-of-rank-{rank}", 1)
+    finally:
+        StoreWithin.release(counting)
 
 
 def _mpi_group(opts, ranks, name, seconds):
