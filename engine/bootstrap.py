@@ -123,7 +123,7 @@ class StoreBootstrap:
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
         store = StoreWithin.of(self.store, self.timeout, f"engine: {self._whose()} ({self.prefix})", line=self)
-        if self._round == 0 and _set_before(store, key + str(self.rank)):
+        if self._round == 0 and key_is_set(store, key + str(self.rank)):
             raise ValueError(f"engine: this rank ({self.rank}) made a group under the prefix {self.prefix!r} in this "
                              "store before, and the last making's keys would be read as this one's: give each making "
                              "a prefix of its own (Communicator.from_store's prefix=)")
@@ -159,10 +159,12 @@ class StoreBootstrap:
                               self.on_cancel, self.timeout)
 
 
-def _set_before(store, key):
+def key_is_set(store, key):
+    """Whether key is set in the store; False where the store can't say (it has no check, it fails, or
+    it does not answer: what waits next says so)."""
     try:
         return store.check([key])
-    except Exception:   # (a store without check; one that fails, or does not answer: the exchange says so)
+    except Exception:
         return False
 
 
@@ -228,11 +230,8 @@ def agree_on_members(store, key, me, members, seconds, what, verb, argument, can
     given, returns why the making was cancelled from another thread (else None): the wait ends in a
     ConnectionError saying why."""
     forks.check_can_make(what, store)   # (split_group from a forked child's copy: not in its parent's store)
-    store = StoreWithin.of(store, seconds, what)
-    try:
+    with StoreWithin.bounded(store, seconds, what) as store:
         _agree(store, key, me, members, seconds, what, verb, argument, cancelled, parent)
-    finally:
-        StoreWithin.release(store)
 
 
 def _agree(store, key, me, members, seconds, what, verb, argument, cancelled, parent):

@@ -10,7 +10,7 @@ import time
 
 from . import forks
 from ._core import EngineError
-from .bootstrap import keys_set_within, lost_before_arriving
+from .bootstrap import key_is_set, keys_set_within, lost_before_arriving
 from .watch import StoreWithin
 
 # Beyond rank 0's own timeout, for its answer to come: the store's round trips after the wait, on a
@@ -27,14 +27,11 @@ def monitored_barrier(store, key, rank, size, seconds, answer_seconds, wait_all,
     the others rank 0. Both are asked between a wait's looks in the store."""
     forks.check_can_make(what, store)   # (a forked child's copy of the group's store is the parent's connection)
     # (a rank cut off from the store's host ends too, saying so: _store_errors)
-    store = StoreWithin.of(store, answer_seconds + seconds + GRACE_SECONDS, None)
-    try:
+    with StoreWithin.bounded(store, answer_seconds + seconds + GRACE_SECONDS, None) as store:
         if rank != 0:
             _report_to_rank_0(store, key, rank, size, seconds, answer_seconds, what, aborted, lost)
         else:
             _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, lost)
-    finally:
-        StoreWithin.release(store)
 
 
 def _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, lost):
@@ -83,7 +80,8 @@ def _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, los
         store.set(key + "verdict", error or "ok")
         # (the ranks that reached the barrier hear its verdict before rank 0 goes on: its process may end
         # next, and with it the store it hosts, before they looked; Gloo's rank 0 sends it to each)
-        readers = [q for q in range(1, size) if q in arrived or (q not in gone and _set(store, key, q))]
+        # (and those not waited for, or late, whose key is set)
+        readers = [q for q in range(1, size) if q in arrived or (q not in gone and key_is_set(store, key + str(q)))]
         if readers:
             _wait_for_readers(store, key, readers, aborted, lost)
         if error is None:   # (a failed barrier leaves its verdict to the ranks that come late)
@@ -91,14 +89,6 @@ def _wait_for_the_others(store, key, size, seconds, wait_all, what, aborted, los
                 _forget(store, key + name)
     if error is not None:
         raise RuntimeError(error)
-
-
-def _set(store, key, q):
-    """Whether rank q reached the barrier (its key is set: one not waited for, or late)."""
-    try:
-        return store.check([key + str(q)])
-    except (RuntimeError, ConnectionError):
-        return False
 
 
 def _wait_for_readers(store, key, readers, aborted, lost):

@@ -75,13 +75,13 @@ class _StoreLine:
         cls._lines, cls._lock, cls._closing = {}, threading.Lock(), False
 
     @classmethod
-    def ask(cls, store, query, wait, interrupted=None, line=None):
-        """query() on store's line (or on the line of `line`, an object of the asker's: its queries are
+    def ask(cls, store, query, wait, interrupted=None, owner=None):
+        """query() on store's line (or on the line of `owner`, an object of the asker's: its queries are
         not held up by others'); waits up to `wait` s, or until interrupted() (asked every 50 ms: the
         group's abort) says so. Returns (True, its result) or (False, why): the store did not answer in
         time, its line is stuck, or the wait was interrupted. query's exceptions are its result."""
-        own = line is not None
-        conn = line if own else forks.base_store(store)
+        own = owner is not None
+        conn = owner if own else forks.base_store(store)
         done, out = threading.Event(), []
         with cls._lock:
             line = cls._lines.get(id(conn))
@@ -176,11 +176,22 @@ class StoreWithin:
             return store
         return cls(store, seconds, what, line)
 
+    @classmethod
+    @contextlib.contextmanager
+    def bounded(cls, store, seconds, what):
+        """of(store, seconds, what), for the queries of a with block: its line ends with the block."""
+        within = cls.of(store, seconds, what)
+        try:
+            yield within
+        finally:
+            if isinstance(within, cls):
+                cls.release(within.line)
+
     @staticmethod
-    def release(store):
-        """Where store is one of these (or a line's object), its queries are done for now: its line's
+    def release(line):
+        """The queries asked on line (the object given to of() as its line) are done for now: the line's
         thread ends at once, not LINGER_SECONDS later (a group made leaves no thread behind)."""
-        _StoreLine.release(store.line if isinstance(store, StoreWithin) else store)
+        _StoreLine.release(line)
 
     def __getattr__(self, name):
         method = getattr(self.underlying_store, name)
@@ -190,7 +201,7 @@ class StoreWithin:
 
     def _ask(self, method, args, kwargs):
         ok, out = _StoreLine.ask(self.underlying_store, lambda: method(*args, **kwargs),
-                                 max(self.end - time.monotonic(), 0.0) + STORE_QUERY_SECONDS, line=self.line)
+                                 max(self.end - time.monotonic(), 0.0) + STORE_QUERY_SECONDS, owner=self.line)
         if not ok:
             base = forks.base_store(self.underlying_store)
             where = f" (the store: {base.host} port {base.port})" if hasattr(base, "host") else ""

@@ -97,11 +97,8 @@ def makings_of(store, rank, seconds=None, what=None):
     one making count alike); a rank started twice counts ahead of the others, and is named missing
     where they meet. The count, asked within seconds (the group's timeout) and a grace, ends in an
     error naming the store where the store is out of reach."""
-    counting = StoreWithin.of(store, seconds, what)
-    try:
+    with StoreWithin.bounded(store, seconds, what) as counting:
         return counting.add(f"engine/makings-of-rank-{rank}", 1)
-    finally:
-        StoreWithin.release(counting)
 
 
 def _mpi_group(opts, ranks, name, seconds):
