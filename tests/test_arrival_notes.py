@@ -492,8 +492,11 @@ import torch.distributed as dist
 from engine.monitored_barrier import monitored_barrier
 rank, port = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=20))
-if rank == 0:
+if rank == 0:   # (rank 1 reaches the barrier with rank 0, however long its start took: rank 2 is the late one)
     print(store.port, flush=True)
+    store.wait(["ready"])
+else:
+    store.set("ready", "")
 try:
     monitored_barrier(store, "mb/", rank, 3, 1, 20, False, "the test's barrier", aborted=lambda: None,
                       lost=lambda: None)
