@@ -572,7 +572,10 @@ class _Registry:
     def discard(self, watch):
         with self.lock:
             self.watches.discard(watch)
+            last = self.thread if not self.watches else None
         self.gone.set()
+        if last is not None and last is not threading.current_thread():
+            last.join(1.0)   # (the last group's end leaves no thread: it ends now, not soon after)
 
     def snapshot(self):
         """The live watches, as a list. list() of the WeakSet raises when another thread's add() changes

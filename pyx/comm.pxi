@@ -459,19 +459,18 @@ cdef class CoreComm:
                                  "Communicator.free()): create a new group")
         text = tp.error_text(ierr)
         if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT or ierr == ENG_ERR_PEER_TIMED_OUT:
-            return self.broke(EngineTimeout if ierr == ENG_ERR_PEER_TIMED_OUT else EnginePeerLost, text, what)
-        if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL:
-            return self.broke(EngineMismatch, text, what)
+            kind = EngineTimeout if ierr == ENG_ERR_PEER_TIMED_OUT else EnginePeerLost
+            return self.broke(kind, text, what, tp.lost_rank(ierr))
+        if ierr == ENG_ERR_MISMATCH or ierr == ENG_ERR_OTHER_CALL or ierr == ENG_ERR_CORRUPT:
+            return self.broke(EngineError if ierr == ENG_ERR_CORRUPT else EngineMismatch, text, what)
         if ierr == ENG_ERR_ABORTED:
             return EngineAborted(f"{what} failed: {text}")
-        if ierr == ENG_ERR_CORRUPT:
-            return self.broke(EngineError, text, what)
         return EngineError(f"{what} failed: {text}")
 
-    cdef object broke(self, kind, str text, str what):
-        """A failure that leaves the group unusable: marks it so, naming why, and returns its exception."""
+    cdef object broke(self, kind, str text, str what, int lost=-1):
+        """Marks the group unusable, naming why (telling the peers of lost: the rank lost, if any); its exception."""
         self.log.broken, self.log.broken_after = text + (self.stage_note or ""), BROKEN_AFTER[kind]
-        self.algo_tp.group_broke(kind is EngineTimeout)
+        self.algo_tp.group_broke(kind is EngineTimeout, lost)
         return kind(f"{what} failed: {self.log.broken}")
 
     cdef size_t max_count(self, int op) noexcept:

@@ -663,7 +663,7 @@ cdef class ShmTransport(Transport):
     cdef void release(self) noexcept:
         self.released = True
 
-    cdef void group_broke(self, bint timed_out) noexcept:
+    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
         if self.ch == 0 and not self.released:   # (the collectives': the segment says so at once)
             self.seg.give_up(timed_out)
 

@@ -143,7 +143,7 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
  * can end well, and the peers' fail as for a crash (a rank waiting on a third one would wait for the
  * timeout). TCP_LEFT_TIMED_OUT - 1: its call timed out here, which tells the peers nothing of their
  * own calls: only what involves this rank fails, and a peer waiting on another comes to its own verdict. */
-static void eng_tcp_goodbye(eng_tcp *t, int broken) {
+static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank) {
   tcp_hdr bye;
   if (t == NULL || t->peers == NULL) return;
   pthread_mutex_lock(&t->lock);
@@ -152,11 +152,14 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken) {
     return;
   }
   t->said_bye = 1;
-  /* Where the group broke over a lost rank (the first peer that failed here: its process or link gone,
-   * or a peer's goodbye naming one), the goodbye names it (seq: that rank + 1), so that a peer which
-   * hears of the failure from this rank first still names the rank that was lost. */
+  /* Where the group broke over a lost rank (lost_rank: the one whose loss broke it, which another
+   * channel of the group may have seen first; else the first peer that failed here: its process or
+   * link gone, or a peer's goodbye naming one), the goodbye names it (seq: that rank + 1), so that a
+   * peer which hears of the failure from this rank first still names the rank that was lost. */
   uint64_t lost = 0;
-  if (broken == TCP_LEFT_BROKEN - 1 && t->dead_peer >= 0)
+  if (broken == TCP_LEFT_BROKEN - 1 && lost_rank >= 0 && lost_rank < t->size && lost_rank != t->rank)
+    lost = (uint64_t)lost_rank + 1;
+  else if (broken == TCP_LEFT_BROKEN - 1 && t->dead_peer >= 0)
     lost = t->dead_code == ENG_ERR_PEER_DEAD ? (uint64_t)t->dead_peer + 1 : (uint64_t)t->peers[t->dead_peer].bye_lost;
   tcp_hdr_set(&bye, ENG_TCP_BYE, 0, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
   for (int q = 0; q < t->size; q++) {
@@ -179,7 +182,7 @@ static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
   /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
    * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
-  eng_tcp_goodbye(t, 0);
+  eng_tcp_goodbye(t, 0, -1);
   tcp_live_remove(t);
   tcp_close_descriptors(t);
   if (t->peers != NULL) {

@@ -27,7 +27,7 @@ cdef extern from "tcp.h" nogil:
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
     void eng_tcp_set_call(eng_tcp *t, int base)
-    void eng_tcp_goodbye(eng_tcp *t, int broken)
+    void eng_tcp_goodbye(eng_tcp *t, int broken, int lost)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
     int eng_tcp_interfaces(char *out, size_t cap)
@@ -98,6 +98,7 @@ cdef class TcpTransport(Transport):
     cdef uint32_t connect_aborted   # abort_connect(): connect_mesh() ends (a reconfigure's abort())
     cdef int broken                 # its group failed or was aborted here (TCP_LEFT_BROKEN - 1), or a call timed
                                     # out here (TCP_LEFT_TIMED_OUT - 1): the goodbye says which
+    cdef int broke_over             # the rank whose loss broke the group (group_broke()), or -1
     cdef object abort_reason        # what abort_connect() was told
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
@@ -111,6 +112,7 @@ cdef class TcpTransport(Transport):
             raise ValueError(f"streams per peer must be in 1..{ENG_TCP_MAX_STREAMS}, got {nstreams}")
         self.rank, self.size = rank, size
         self.err_peer = -1
+        self.broke_over = -1
         self.wide_tags = True
         self.peers = list(peers)
         cdef int err = 0
@@ -148,26 +150,36 @@ cdef class TcpTransport(Transport):
 
     cdef void say_goodbye(self) noexcept:
         cdef eng_tcp *t = self.t
-        cdef int broken = self.broken
+        cdef int broken = self.broken, lost = self.broke_over
         if t == NULL:
             return
         self.leaving += 1
         with nogil:
-            eng_tcp_goodbye(t, broken)
+            eng_tcp_goodbye(t, broken, lost)
         self.leaving -= 1
 
-    cdef void group_broke(self, bint timed_out) noexcept:
+    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
         """Its group's collectives gave the group up here: this channel (the algorithms': CoreComm tells
         only that one) says its goodbye at once, saying why, so a peer's collective fails then, naming
         this rank, not at its timeout: every collective where the group broke, what involves this rank
         where a call only timed out (a peer waiting on another rank reaches its own verdict). The
-        user's channel goes on (point-to-point outlives a broken group's collectives)."""
+        goodbye names the rank lost, where one broke the group: the user's channel may have seen it
+        end before this one did. The user's channel goes on (point-to-point outlives a broken group's
+        collectives)."""
         if not self.broken:
             self.broken = (TCP_LEFT_TIMED_OUT if timed_out else TCP_LEFT_BROKEN) - 1
-        if self.t != NULL and not timed_out:   # (a peer lost, seen first by the user's channel, is named)
-            with nogil:
-                eng_tcp_nudge(self.t)
+            self.broke_over = lost if 0 <= lost < self.size and lost != self.rank else -1
         self.say_goodbye()
+
+    cdef int lost_rank(self, int code) noexcept:
+        cdef int p = self.err_peer
+        if self.t == NULL or not 0 <= p < self.size:
+            return -1
+        if code == ENG_ERR_PEER_DEAD:
+            return p
+        if code == ENG_ERR_PEER_LEFT and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
+            return eng_tcp_bye_lost(self.t, p)
+        return -1
 
     cdef void begin_call(self, int base) noexcept nogil:
         self.tag_base = base

@@ -85,13 +85,19 @@ cdef class Transport:
         just now). drive_transport's question."""
         return 0
 
-    cdef void group_broke(self, bint timed_out) noexcept:
+    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
         """Its group failed here (a call broke it, a timeout, a lost peer, a mismatch) or was aborted:
         none of its collectives can end now (timed_out: a call timed out here, which says nothing of the
-        peers' calls). CoreComm tells the algorithms' transport; one that can tell the peers (shared
-        memory's gave-up word, TCP's goodbye) does so at once, and a peer's collective that still needs
-        this rank fails then, naming it, rather than at its timeout."""
+        peers' calls; lost: the rank whose loss broke it, or -1). CoreComm tells the algorithms'
+        transport; one that can tell the peers (shared memory's gave-up word, TCP's goodbye) does so at
+        once, and a peer's collective that still needs this rank fails then, naming it (and the rank
+        lost), rather than at its timeout."""
         pass
+
+    cdef int lost_rank(self, int code) noexcept:
+        """The rank whose loss (its process or link gone) error code of this transport's last failed
+        request tells of, seen here or named by a peer that saw it; -1 where it tells of none."""
+        return -1
 
     cdef void release(self) noexcept:
         """Frees what the transport holds of the operating system (descriptors, buffers) now; called

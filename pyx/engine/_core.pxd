@@ -155,7 +155,8 @@ cdef class Transport:
     cdef void begin_call(self, int base) noexcept nogil
     cdef int nudge(self) noexcept nogil
     cdef int in_flight(self) noexcept nogil
-    cdef void group_broke(self, bint timed_out) noexcept
+    cdef void group_broke(self, bint timed_out, int lost=*) noexcept
+    cdef int lost_rank(self, int code) noexcept
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
     cdef int classify(self, int code) noexcept
@@ -410,7 +411,7 @@ cdef class CoreComm:
     cdef int run_alone(self, Call *c) except -1 nogil
     cdef bint blocks(self, Call *c) noexcept nogil     # a native call blocks in the transport: the watchdog covers it
     cdef object error(self, int ierr, str what, Transport tp=*)
-    cdef object broke(self, kind, str text, str what)
+    cdef object broke(self, kind, str text, str what, int lost=*)
     cdef size_t max_count(self, int op) noexcept
 
 
