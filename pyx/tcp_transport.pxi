@@ -331,8 +331,8 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_PEER_TIMED_OUT:
             return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
                     "(its own error names the ranks it waited for)")
-        lost = eng_tcp_bye_lost(self.t, p) if 0 <= p < self.size else -1
-        if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.rank and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
+        lost = self.lost_rank(code)   # (where a peer's goodbye said its group broke over a lost rank: that rank)
+        if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.rank:
             return (f"{self._who(lost)} was lost: {self._who(p)} saw its connection end without a goodbye and gave "
                     f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
