@@ -163,10 +163,8 @@ class Communicator:
         try:
             opened = self._transport.open(_boot, everyone, seg_bytes, timeout, _owned, _parent, cfgs[self.transport])
             self._core, self._mpi_comms, caps = opened.core, opened.mpi_comms, opened.caps
-            if _parent is not None:   # (its errors name its own ranks: say which they are)
-                self._core.stage_note = (f" [a stage of group '{_parent[1]}': its ranks "
-                                         f"{', '.join(map(str, range(len(whole))))} are ranks "
-                                         f"{', '.join(map(str, whole))} there]")
+            if _parent is not None:   # (its errors name its own ranks: say which they are, and a lost rank)
+                self._core.serve(whole, _parent[2], _parent[1])
             _polite_waits(self._core, self._transport.network, everyone, _boot.rank)
             self.rank = self._core.rank
             self.size = self._core.size
@@ -235,7 +233,7 @@ class Communicator:
         def make(sub, transport, name):
             part = Communicator(transport=transport, name=name, ring_segment_bytes=seg_bytes, timeout=timeout,
                                 store=store, _boot=sub, _owned=getattr(sub, "comm", None), _stage=True,
-                                _parent=(self.rank, self.name))
+                                _parent=(self.rank, self.name, self.size))
             # Every stage waits as the whole group would: a cross stage holds one rank per host, but all of
             # this host's ranks carry their slices between hosts at once, and the local stages wait while
             # that traffic needs the kernel's network processing (measured: docs/tuning.md).
@@ -427,7 +425,7 @@ class Communicator:
                 pass
         for part in self._stages:
             if part._core is not None and part._core.broken is None and self._core is not None:
-                part._core.set_broken(self._core.broken, self._core.broken_after)
+                part._core.set_broken(self._core.broken, self._core.broken_after, self._core.broke_over)
             part._break_parts()
 
     def orphan(self, why):

@@ -212,7 +212,7 @@ def make_core(boot, seg_bytes, timeout, parent, cfg, hosts=None):
     """The compiled group (engine._core.TcpComm) over TCP between boot's ranks. Collective over them:
     each listens (one socket per channel), the addresses and rank 0's random token go round through
     the bootstrap, and with ENGINE_TCP_CONNECT=mesh every connection is made before it returns.
-    parent: (this rank's rank, name) in the group this one is a stage of (the hierarchy's), so that an
+    parent: (this rank's rank, name, size) in the group this one is a stage of (the hierarchy's), so that an
     error names a peer by its rank there too, or None. cfg: settings(). hosts: each rank's host, where
     known: a rank whose address may be out of reach in a group spanning hosts (a loopback one, a
     fallback) listens again where the others reach it (reachable_from_other_hosts), and the addresses

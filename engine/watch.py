@@ -380,7 +380,7 @@ class Watch:
     def _failed(self, rec, exc):
         if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)) and self.core.broken is None:
             # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
-            self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)])
+            self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)], getattr(exc, "lost", -1))
         elif self.core.broken is None and not isinstance(exc, (ValueError, TypeError, EngineAborted)):
             # Anything else out of a running collective (a KeyboardInterrupt, a hook's error) left its steps
             # half done here: the peers' steps, still in it, would pair with this rank's next call's.

@@ -12,21 +12,10 @@ OP_KIND_NAMES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "sca
 
 class Impl:
     """The core's implementations, as engine.registry's entries refer to them (pyx/engine/_core.pxd)."""
-    NATIVE = IMPL_NATIVE
-    RING = IMPL_RING
-    RDOUBLE = IMPL_RDOUBLE
-    ONESHOT = IMPL_ONESHOT
-    TWOSHOT = IMPL_TWOSHOT
-    SEGMENT = IMPL_SEGMENT
-    SINGLE_COPY = IMPL_SINGLE_COPY
-    COMPOSITE = IMPL_COMPOSITE
-    TREE = IMPL_TREE
-    PIPELINE = IMPL_PIPELINE
-    RSAG = IMPL_RSAG
-    LINEAR = IMPL_LINEAR
-    PAIRWISE = IMPL_PAIRWISE
-    DISSEMINATION = IMPL_DISSEMINATION
-    THREADED = IMPL_THREADED
+    NATIVE, RING, RDOUBLE, ONESHOT, TWOSHOT = IMPL_NATIVE, IMPL_RING, IMPL_RDOUBLE, IMPL_ONESHOT, IMPL_TWOSHOT
+    SEGMENT, SINGLE_COPY, COMPOSITE, TREE = IMPL_SEGMENT, IMPL_SINGLE_COPY, IMPL_COMPOSITE, IMPL_TREE
+    PIPELINE, RSAG, LINEAR, PAIRWISE = IMPL_PIPELINE, IMPL_RSAG, IMPL_LINEAR, IMPL_PAIRWISE
+    DISSEMINATION, THREADED = IMPL_DISSEMINATION, IMPL_THREADED
 
 
 OPBITS = {"user": OPBIT_USER, "none": OPBIT_NONE}   # Rule.ops bits beyond the reduce op codes
@@ -50,7 +39,7 @@ cdef class CoreComm:
         self.limbo, self.detached = [], []
         self.named_index = {}
         self.reduce_scatters_in_place = True
-        self.transport = "?"
+        self.transport, self.broke_over = "?", -1
         self.log = Recorder()
 
     def __dealloc__(self):
@@ -218,12 +207,11 @@ cdef class CoreComm:
             raise self.error(ENG_ERR_ABORTED, what)
         self.log.check_usable(what)
 
-    def set_broken(self, why, after=None):
+    def set_broken(self, why, after=None, int lost=-1):
         """Marks the group unusable: every later operation raises, naming why, and after what (a few
-        words: "an earlier call timed out")."""
-        self.log.broken = why
-        self.log.broken_after = after
-        self.algo_tp.group_broke(after == BROKEN_AFTER[EngineTimeout])
+        words: "an earlier call timed out"); lost: the rank whose loss broke it (see broke()), or -1."""
+        self.log.broken, self.log.broken_after, self.broke_over = why, after, lost
+        self.algo_tp.group_broke(after == BROKEN_AFTER[EngineTimeout], lost)
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
@@ -468,10 +456,21 @@ cdef class CoreComm:
         return EngineError(f"{what} failed: {text}")
 
     cdef object broke(self, kind, str text, str what, int lost=-1):
-        """Marks the group unusable, naming why (telling the peers of lost: the rank lost, if any); its exception."""
-        self.log.broken, self.log.broken_after = text + (self.stage_note or ""), BROKEN_AFTER[kind]
-        self.algo_tp.group_broke(kind is EngineTimeout, lost)
-        return kind(f"{what} failed: {self.log.broken}")
+        """Marks the group unusable, naming why (telling the peers of lost: the rank lost, if any, in the
+        numbering of the whole group a stage serves, Transport.serve); its exception, whose `lost` says
+        which rank (the group the stage serves tells its other stages: Communicator._break_parts)."""
+        self.set_broken(text + (self.stage_note or ""), BROKEN_AFTER[kind], lost)
+        exc = kind(f"{what} failed: {self.log.broken}")
+        exc.lost = lost
+        return exc
+
+    def serve(self, whole, int whole_size, str name):
+        """A stage of a hierarchy: whole[q] is its rank q's rank in group `name` (of whole_size ranks), the
+        group it serves. Its errors say so, and name a lost rank in that numbering (Transport.serve)."""
+        self.stage_note = (f" [a stage of group '{name}': its ranks {', '.join(map(str, range(len(whole))))} are "
+                           f"ranks {', '.join(map(str, whole))} there]")
+        self.algo_tp.serve(tuple(whole), whole_size, name)
+        self.user_tp.serve(tuple(whole), whole_size, name)
 
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""

@@ -93,7 +93,7 @@ cdef class ShmComm(CoreComm):
         free(self.ex)
 
     cdef object error(self, int ierr, str what, Transport tp=None):
-        cdef int q = self.seg.err_peer
+        cdef int q = self.seg.err_peer, lost = -1   # (lost: the rank whose loss broke the group, Transport.serve's)
         if q < 0 and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
         if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (a peer that gave up since: aborted here)
@@ -113,28 +113,34 @@ cdef class ShmComm(CoreComm):
                 theirs += ", but its per-rank counts (the sizes of an uneven call's pieces) differ"
             kind, text = EngineMismatch, f"collective mismatch in this group: rank {self.rank}: {mine}; rank {q}: {theirs}"
         elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
-            awaited = self.seg.err_awaited
+            lost, awaited = self.algo_tp.whole_rank(q), self.seg.err_awaited
             kind, text = EnginePeerLost, (
                 f"rank {q} (pid {self.seg.peers.pids[q]}) exited without leaving the group (killed, crashed, "
                 f"os._exit) while rank {self.rank} was in {what} #{self.seq}, after it had done its part there"
                 + (f"; rank {self.rank} was waiting for rank {awaited}" if awaited >= 0 else ""))
         elif ierr == ENG_ERR_PEER_DEAD:
+            lost = self.algo_tp.whole_rank(q)
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
-        elif gave_up:
-            timed_out = gave_up == GAVE_UP_TIMED_OUT
+        elif gave_up:   # (where the group broke over a rank lost in any stage of the whole group: which)
+            timed_out, lost = gave_up == GAVE_UP_TIMED_OUT, <int>(gave_up >> 8) - 1
+            lost = lost if self.algo_tp.in_whole(lost) else -1   # (read from a peer's word: checked)
             kind = EngineTimeout if timed_out else EnginePeerLost
             text = (f"rank {q} (pid {self.seg.peers.pids[q]}) gave the group up while rank {self.rank} waited for it "
                     f"in {what} #{self.seq}: " + (
                         "its call timed out there (its own error names the ranks it waited for)" if timed_out else
                         "a call of it failed there (its own error says why: a lost peer, a mismatch) or it was "
-                        "aborted; none of the group's collectives can end"))
+                        "aborted; none of the group's collectives can end" if lost < 0 else
+                        "a call of it failed there over that loss; none of the group's collectives can end"))
+            m = self.algo_tp.member(lost)
+            text = text if lost < 0 else (f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else
+                                          f"rank {lost} of group '{self.algo_tp.whole_name}'") + " was lost: " + text
         else:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
                                           "or its process ended) "
                                           f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
                                           "not run the same collectives, or one destroyed the group early")
-        return self.broke(kind, text, what)
+        return self.broke(kind, text, what, lost)
 
     cdef void release_transports(self) noexcept:
         """The channels', then the helper threads and the segment's mapping and descriptors."""

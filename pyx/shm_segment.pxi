@@ -303,15 +303,17 @@ cdef class ShmSegment:
             return True
         return False
 
-    cdef void give_up(self, bint timed_out) noexcept nogil:
+    cdef void give_up(self, bint timed_out, int lost) noexcept nogil:
         """This rank's collectives give the group up (a call failed here, timed out, or the group was
         aborted): a peer waiting for this rank in a collective fails at its next liveness check, not at
         its timeout, and no peer copies from or into a buffer of this rank's collectives any longer.
-        Point-to-point goes on. The word says whether a call timed out or the group broke."""
+        Point-to-point goes on. The word says whether a call timed out or the group broke, and over
+        the loss of which rank (lost: in the whole group's numbering, Transport.serve; or -1)."""
         cdef int q
         if self.ctrl == NULL or eng_load32(self.gave_up(self.rank)):
             return
-        eng_store32(self.gave_up(self.rank), GAVE_UP_TIMED_OUT if timed_out else GAVE_UP_BROKEN)
+        eng_store32(self.gave_up(self.rank), GAVE_UP_TIMED_OUT if timed_out else
+                    GAVE_UP_BROKEN | (<uint32_t>(lost + 1) << 8 if 0 <= lost < 0xffffff else 0))
         for q in range(self.size):
             if q != self.rank:
                 self.ring(q)
@@ -465,7 +467,7 @@ cdef int _flags_alive(void *arg) noexcept nogil:
     if rc != ENG_ERR_PEER_LEFT:
         return rc
     for q in range(w.size):
-        if q != w.me and eng_load32(_gave_up_word(w.ctrl, q)) == GAVE_UP_BROKEN:
+        if q != w.me and eng_load32(_gave_up_word(w.ctrl, q)) & GAVE_UP_KIND == GAVE_UP_BROKEN:
             p.dead = q
             return ENG_ERR_PEER_LEFT
     for q in range(w.size):

@@ -665,7 +665,7 @@ cdef class ShmTransport(Transport):
 
     cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
         if self.ch == 0 and not self.released:   # (the collectives': the segment says so at once)
-            self.seg.give_up(timed_out)
+            self.seg.give_up(timed_out, lost)
 
     cdef object error_text(self, int code):
         if code == ENG_ERR_CORRUPT:

@@ -107,7 +107,7 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
   *err = ENOMEM;
   if (t == NULL) return NULL;
   t->rank = rank;
-  t->size = size;
+  t->size = t->whole_size = size;
   t->channel = channel;
   t->nstreams = nstreams < 1 ? 1 : nstreams > ENG_TCP_MAX_STREAMS ? ENG_TCP_MAX_STREAMS : nstreams;
   t->fail_any = fail_any;
@@ -155,12 +155,16 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank) {
   /* Where the group broke over a lost rank (lost_rank: the one whose loss broke it, which another
    * channel of the group may have seen first; else the first peer that failed here: its process or
    * link gone, or a peer's goodbye naming one), the goodbye names it (seq: that rank + 1), so that a
-   * peer which hears of the failure from this rank first still names the rank that was lost. */
+   * peer which hears of the failure from this rank first still names the rank that was lost. A stage
+   * of a hierarchy names it in the whole group's numbering (eng_tcp_set_whole): a stage's goodbye
+   * then names a rank lost in another stage of that group too. */
   uint64_t lost = 0;
-  if (broken == TCP_LEFT_BROKEN - 1 && lost_rank >= 0 && lost_rank < t->size && lost_rank != t->rank)
+  int me = tcp_whole(t, t->rank);
+  if (broken == TCP_LEFT_BROKEN - 1 && lost_rank >= 0 && lost_rank < t->whole_size && lost_rank != me)
     lost = (uint64_t)lost_rank + 1;
   else if (broken == TCP_LEFT_BROKEN - 1 && t->dead_peer >= 0)
-    lost = t->dead_code == ENG_ERR_PEER_DEAD ? (uint64_t)t->dead_peer + 1 : (uint64_t)t->peers[t->dead_peer].bye_lost;
+    lost = t->dead_code == ENG_ERR_PEER_DEAD ? (uint64_t)tcp_whole(t, t->dead_peer) + 1
+                                             : (uint64_t)t->peers[t->dead_peer].bye_lost;
   tcp_hdr_set(&bye, ENG_TCP_BYE, 0, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
@@ -199,6 +203,7 @@ static void eng_tcp_free(eng_tcp *t) {
   free(t->pfd);
   free(t->pwhat);
   free(t->sink);
+  free(t->whole);
   pthread_mutex_destroy(&t->lock);
   free(t);
 }
@@ -585,6 +590,21 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 /* Whether peer said goodbye (it left the group in order). */
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
+static int eng_tcp_whole(eng_tcp *t, int q) { return tcp_whole(t, q); }
+
+/* A stage of a hierarchy: ranks[q] is rank q's rank in the group it serves, of whole_size ranks, the
+ * numbering in which a goodbye names a lost rank. 0, or ENOMEM (the numbering stays this group's). */
+static int eng_tcp_set_whole(eng_tcp *t, int whole_size, const int *ranks) {
+  int *whole = (int *)malloc((size_t)t->size * sizeof(int));
+  if (whole == NULL) return ENOMEM;
+  memcpy(whole, ranks, (size_t)t->size * sizeof(int));
+  pthread_mutex_lock(&t->lock);
+  free(t->whole);
+  t->whole = whole;
+  t->whole_size = whole_size;
+  pthread_mutex_unlock(&t->lock);
+  return 0;
+}
 
 /* The peers lost to this rank, into lost (t->size entries); returns their count: those whose
  * connection ended without a goodbye (its process exited, or the link to it is cut). Moves the channel

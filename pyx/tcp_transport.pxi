@@ -43,6 +43,8 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_peer_errno(eng_tcp *t, int peer)
     int eng_tcp_departed(eng_tcp *t, int peer)
     int eng_tcp_bye_lost(eng_tcp *t, int peer)
+    int eng_tcp_whole(eng_tcp *t, int q)
+    int eng_tcp_set_whole(eng_tcp *t, int whole_size, const int *ranks)
     int eng_tcp_lost(eng_tcp *t, int waited_on, int *lost)
 
 cdef extern from "<netdb.h>" nogil:
@@ -168,15 +170,29 @@ cdef class TcpTransport(Transport):
         collectives)."""
         if not self.broken:
             self.broken = (TCP_LEFT_TIMED_OUT if timed_out else TCP_LEFT_BROKEN) - 1
-            self.broke_over = lost if 0 <= lost < self.size and lost != self.rank else -1
+            self.broke_over = lost if lost >= 0 else -1   # (eng_tcp_goodbye checks it)
         self.say_goodbye()
+
+    cdef int serve(self, tuple whole, int whole_size, str name) except -1:
+        Transport.serve(self, whole, whole_size, name)
+        cdef int *ranks = <int*>malloc(self.size * sizeof(int))
+        cdef int q, err
+        if ranks == NULL:
+            raise MemoryError()
+        for q in range(self.size):
+            ranks[q] = whole[q]
+        err = eng_tcp_set_whole(self.t, whole_size, ranks) if self.t != NULL else 0
+        free(ranks)
+        if err:
+            raise MemoryError()
+        return 0
 
     cdef int lost_rank(self, int code) noexcept:
         cdef int p = self.err_peer
         if self.t == NULL or not 0 <= p < self.size:
             return -1
         if code == ENG_ERR_PEER_DEAD:
-            return p
+            return eng_tcp_whole(self.t, p)
         if code == ENG_ERR_PEER_LEFT and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
             return eng_tcp_bye_lost(self.t, p)
         return -1
@@ -332,8 +348,10 @@ cdef class TcpTransport(Transport):
             return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
                     "(its own error names the ranks it waited for)")
         lost = self.lost_rank(code)   # (where a peer's goodbye said its group broke over a lost rank: that rank)
-        if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.rank:
-            return (f"{self._who(lost)} was lost: {self._who(p)} saw its connection end without a goodbye and gave "
+        if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.whole_rank(self.rank):
+            m = self.member(lost)   # (a rank of this stage, or one of another stage of the group it serves)
+            who = self._who(m) if m >= 0 else f"rank {lost} of group '{self.whole_name}'"
+            return (f"{who} was lost: {self._who(p)} saw it end (its process or its link) and gave "
                     f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
             return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: a call of it failed there "

@@ -178,16 +178,23 @@ typedef struct eng_tcp {
   int rejected;             /* connections closed before or at their hello */
   int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
   int sys_errno;            /* the last system error outside any peer */
+  int whole_size;           /* the ranks of the group whose numbering a goodbye's lost rank uses: a stage of a */
+  int *whole;               /* hierarchy's, the group it serves (whole[q]: rank q's there); NULL: this one's */
   struct eng_tcp *next_live, *prev_live;  /* every live channel of the process, for a fork (tcp.h) */
   int live;
 } eng_tcp;
 
 /* A goodbye read from peer p (checked: tcp_bye_ok): how it left, and the rank it lost where it names
- * one (its header's seq: that rank + 1, bounds-checked; anything else names none). */
+ * one (its header's seq: that rank + 1, in the whole group's numbering, bounds-checked; anything else
+ * names none). */
 static inline void tcp_bye_read(const eng_tcp *t, tcp_peer *p, const tcp_hdr *h) {
   p->departed = 1 + (int)h->a;
-  p->bye_lost = h->seq >= 1 && h->seq <= (uint64_t)t->size ? (int)h->seq : 0;
+  p->bye_lost = h->seq >= 1 && h->seq <= (uint64_t)t->whole_size ? (int)h->seq : 0;
 }
+
+
+/* Rank q of this group in the whole group's numbering (the one a goodbye's lost rank uses). */
+static inline int tcp_whole(const eng_tcp *t, int q) { return t->whole != NULL && q >= 0 ? t->whole[q] : q; }
 
 
 /* Functions one part calls in another (every part includes this file first, so any order works). */

@@ -88,16 +88,41 @@ cdef class Transport:
     cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
         """Its group failed here (a call broke it, a timeout, a lost peer, a mismatch) or was aborted:
         none of its collectives can end now (timed_out: a call timed out here, which says nothing of the
-        peers' calls; lost: the rank whose loss broke it, or -1). CoreComm tells the algorithms'
-        transport; one that can tell the peers (shared memory's gave-up word, TCP's goodbye) does so at
-        once, and a peer's collective that still needs this rank fails then, naming it (and the rank
-        lost), rather than at its timeout."""
+        peers' calls; lost: the rank whose loss broke it, in the whole group's numbering (serve()), or
+        -1). CoreComm tells the algorithms' transport; one that can tell the peers (shared memory's
+        gave-up word, TCP's goodbye) does so at once, and a peer's collective that still needs this
+        rank fails then, naming it (and the rank lost), rather than at its timeout."""
         pass
 
     cdef int lost_rank(self, int code) noexcept:
         """The rank whose loss (its process or link gone) error code of this transport's last failed
-        request tells of, seen here or named by a peer that saw it; -1 where it tells of none."""
+        request tells of, seen here or named by a peer that saw it, in the whole group's numbering
+        (serve()); -1 where it tells of none."""
         return -1
+
+    cdef int serve(self, tuple whole, int whole_size, str name) except -1:
+        """A stage of a hierarchy: whole[q] is rank q's rank in group `name` of whole_size ranks, the
+        group it serves. A lost rank is named in that numbering (lost_rank(), group_broke()): a peer
+        of this stage may have given the group up over a rank lost in another stage of it."""
+        if len(whole) != self.size or not all(0 <= w < whole_size for w in whole):
+            raise ValueError(f"a stage of {self.size} ranks given ranks {whole} of group {name!r} ({whole_size})")
+        self.whole, self.whole_size, self.whole_name = whole, whole_size, name
+        return 0
+
+    cdef int in_whole(self, int w) noexcept:
+        """Whether w is a rank of the whole group (a lost rank read from a peer is checked)."""
+        return 0 <= w < (self.size if self.whole is None else self.whole_size)
+
+    cdef int whole_rank(self, int q):
+        """Rank q of this group in the whole group's numbering."""
+        return q if self.whole is None or not 0 <= q < self.size else self.whole[q]
+
+    cdef int member(self, int w):
+        """This group's rank that is rank w of the whole group (whole_rank's inverse), or -1: none (a rank
+        of another stage of it, named "rank w of group '{whole_name}'")."""
+        if self.whole is None:
+            return w if 0 <= w < self.size else -1
+        return self.whole.index(w) if w in self.whole else -1
 
     cdef void release(self) noexcept:
         """Frees what the transport holds of the operating system (descriptors, buffers) now; called

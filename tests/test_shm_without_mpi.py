@@ -273,6 +273,41 @@ def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_sta
     assert "[a stage of group 'world': its ranks 0, 1 are ranks 2, 3 there]" in results[2][2], results[2]
 
 
+def _killed_in_one_stage(rank, size, port, out):
+    """Ranks of two "sockets" ({0, 1}, {2, 3}), as above; rank 3 dies (SIGKILL) before the second
+    allreduce."""
+    os.environ["ENGINE_SOCKETS"] = "2"
+    import engine
+    comm, _store = _group(rank, size, port, timeout=30)
+    x = np.ones(1 << 18, np.float32)   # (1 MB: hierarchical)
+    comm.allreduce(x)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(x)
+        out.put((rank, "returned"))
+    except engine.EngineError as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_rank_lost_in_one_stage_of_a_hierarchy_is_named_in_the_others():
+    """Rank 3 dies: ranks 1 and 2, in a stage with it, see its process end; rank 0, in none, heard only
+    that rank 1 or rank 2 gave the group up, and named neither rank 3 nor why. A rank that gives a stage
+    up over a lost rank now says which (in the numbering of the whole group), and its peers name it."""
+    procs, out = _run(_killed_in_one_stage, 4)
+    results = dict(out.get(timeout=60) for _ in range(3))
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0, -signal.SIGKILL], results
+    assert re.match(r"EnginePeerLost: allreduce failed: rank 3 of group 'world' was lost: rank 1 \(pid \d+\) gave "
+                    r"the group up while rank 0 waited for it in \w+ #\d+: a call of it failed there over that loss; "
+                    r"none of the group's collectives can end \[a stage of group 'world': its ranks 0, 1 are ranks "
+                    r"0, [12] there\]", results[0]), results
+    for rank in (1, 2):   # (rank 3 is rank 1 of both of their stages with it)
+        assert re.search(r"rank 1 \(pid \d+\) (exited|was lost)", results[rank]), results
+        assert "are ranks 1, 3 there]" in results[rank] or "are ranks 2, 3 there]" in results[rank], results
+
+
 def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answering():
     """A rank that never writes its part is named at the group's timeout (else the store's); a store
     whose server is gone (torch raises on every call) is named as such, not as every rank missing; a

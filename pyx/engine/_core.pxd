@@ -157,6 +157,13 @@ cdef class Transport:
     cdef int in_flight(self) noexcept nogil
     cdef void group_broke(self, bint timed_out, int lost=*) noexcept
     cdef int lost_rank(self, int code) noexcept
+    cdef tuple whole    # a stage of a hierarchy: each rank's rank in the group it serves (serve()), or None
+    cdef int whole_size # that group's size
+    cdef str whole_name # and name
+    cdef int serve(self, tuple whole, int whole_size, str name) except -1
+    cdef int in_whole(self, int w) noexcept
+    cdef int whole_rank(self, int q)
+    cdef int member(self, int w)
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
     cdef int classify(self, int code) noexcept
@@ -394,7 +401,8 @@ cdef class CoreComm:
     cdef bint release_due       # release() came while a call was inside: the last one out frees
     cdef readonly str orphaned  # this process is a fork of the one that made the group: why (orphan())
     cdef public str stage_note  # a stage of a hierarchy: its ranks in the whole group, added to every error
-                                # that names its ranks (set by engine.communicator; None: not a stage)
+                                # that names its ranks (serve(); None: not a stage)
+    cdef readonly int broke_over    # the rank (Transport.serve's numbering) whose loss broke the group, or -1
 
     cdef int init_core(self, Transport algo_tp, Transport user_tp, size_t ring_segment_bytes) except -1
     cdef void release_transports(self) noexcept
@@ -510,6 +518,7 @@ cdef enum:
     LEFT_WITHDRAWN = 2          # or it freed or aborted the group (its messages withdrawn, the buffers its own)
     GAVE_UP_BROKEN = 1          # a rank's gave-up word: its group broke there or it aborted it (every wait fails),
     GAVE_UP_TIMED_OUT = 2       # or a call timed out there (only the waits that still need it fail)
+    GAVE_UP_KIND = 0xff         # (the word's low byte; above it, GAVE_UP_BROKEN's lost rank + 1 where one broke it)
 
 
 
@@ -579,7 +588,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write, bint collective) noexcept nogil
     cdef bint took_back(self, int q, bint collective) noexcept nogil
-    cdef void give_up(self, bint timed_out) noexcept nogil
+    cdef void give_up(self, bint timed_out, int lost) noexcept nogil
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
     cdef inline char *half(self, int r, uint64_t step) noexcept nogil
     cdef inline uint64_t *table(self, int r, uint64_t step) noexcept nogil
