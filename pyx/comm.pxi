@@ -469,8 +469,9 @@ cdef class CoreComm:
         group it serves. Its errors say so, and name a lost rank in that numbering (Transport.serve)."""
         self.stage_note = (f" [a stage of group '{name}': its ranks {', '.join(map(str, range(len(whole))))} are "
                            f"ranks {', '.join(map(str, whole))} there]")
-        self.algo_tp.serve(tuple(whole), whole_size, name)
-        self.user_tp.serve(tuple(whole), whole_size, name)
+        whole = tuple(whole)
+        self.algo_tp.serve(whole, whole_size, name)
+        self.user_tp.serve(whole, whole_size, name)
 
     cdef size_t max_count(self, int op) noexcept:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""

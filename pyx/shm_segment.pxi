@@ -467,7 +467,7 @@ cdef int _flags_alive(void *arg) noexcept nogil:
     if rc != ENG_ERR_PEER_LEFT:
         return rc
     for q in range(w.size):
-        if q != w.me and eng_load32(_gave_up_word(w.ctrl, q)) & GAVE_UP_KIND == GAVE_UP_BROKEN:
+        if q != w.me and (eng_load32(_gave_up_word(w.ctrl, q)) & GAVE_UP_KIND) == GAVE_UP_BROKEN:
             p.dead = q
             return ENG_ERR_PEER_LEFT
     for q in range(w.size):

@@ -592,18 +592,14 @@ static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].depart
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
 static int eng_tcp_whole(eng_tcp *t, int q) { return tcp_whole(t, q); }
 
-/* A stage of a hierarchy: ranks[q] is rank q's rank in the group it serves, of whole_size ranks, the
- * numbering in which a goodbye names a lost rank. 0, or ENOMEM (the numbering stays this group's). */
-static int eng_tcp_set_whole(eng_tcp *t, int whole_size, const int *ranks) {
-  int *whole = (int *)malloc((size_t)t->size * sizeof(int));
-  if (whole == NULL) return ENOMEM;
-  memcpy(whole, ranks, (size_t)t->size * sizeof(int));
+/* A stage of a hierarchy: ranks[q] (t->size entries, malloc'd; t owns them now) is rank q's rank in
+ * the group it serves, of whole_size ranks, the numbering in which a goodbye names a lost rank. */
+static void eng_tcp_set_whole(eng_tcp *t, int whole_size, int *ranks) {
   pthread_mutex_lock(&t->lock);
   free(t->whole);
-  t->whole = whole;
+  t->whole = ranks;
   t->whole_size = whole_size;
   pthread_mutex_unlock(&t->lock);
-  return 0;
 }
 
 /* The peers lost to this rank, into lost (t->size entries); returns their count: those whose

@@ -44,7 +44,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_departed(eng_tcp *t, int peer)
     int eng_tcp_bye_lost(eng_tcp *t, int peer)
     int eng_tcp_whole(eng_tcp *t, int q)
-    int eng_tcp_set_whole(eng_tcp *t, int whole_size, const int *ranks)
+    void eng_tcp_set_whole(eng_tcp *t, int whole_size, int *ranks)
     int eng_tcp_lost(eng_tcp *t, int waited_on, int *lost)
 
 cdef extern from "<netdb.h>" nogil:
@@ -175,16 +175,16 @@ cdef class TcpTransport(Transport):
 
     cdef int serve(self, tuple whole, int whole_size, str name) except -1:
         Transport.serve(self, whole, whole_size, name)
-        cdef int *ranks = <int*>malloc(self.size * sizeof(int))
-        cdef int q, err
+        cdef int *ranks = <int*>malloc(self.size * sizeof(int))   # (the channel's from here)
+        cdef int q
         if ranks == NULL:
             raise MemoryError()
         for q in range(self.size):
             ranks[q] = whole[q]
-        err = eng_tcp_set_whole(self.t, whole_size, ranks) if self.t != NULL else 0
-        free(ranks)
-        if err:
-            raise MemoryError()
+        if self.t == NULL:
+            free(ranks)
+        else:
+            eng_tcp_set_whole(self.t, whole_size, ranks)
         return 0
 
     cdef int lost_rank(self, int code) noexcept:
