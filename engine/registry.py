@@ -189,10 +189,10 @@ def _hierarchy(transport, place="host"):
 _SHM_HIER = _hierarchy("shm", "socket")
 
 
-def _p2p(transport, auto=True):
+def _p2p(transport, auto=True, alltoall_auto=None):
     """The algorithms over point-to-point (pyx/p2p_collectives.pxi), the same code on every transport:
     TCP's own collectives (auto, the tree up to its threshold), and on shared memory and MPI entries
-    that run only when forced or tuned (auto=False)."""
+    that run only when forced or tuned (auto=False; the alltoall's: alltoall_auto, if given)."""
     tree_max = TCP_TREE_MAX if auto else EVERY
     return {
         "broadcast": (
@@ -213,7 +213,8 @@ def _p2p(transport, auto=True):
         "reduce_scatter": (Entry("reduce_scatter", transport, "ring", Impl.RING,
                                  "the ring: partial sums go round, each rank keeps its block", auto=auto),),
         "alltoall": (Entry("alltoall", transport, "pairwise", Impl.PAIRWISE,
-                           "every pair exchanges its blocks directly, at once", auto=auto),),
+                           "every pair exchanges its blocks directly, at once; each receive checks its sender's size",
+                           auto=auto if alltoall_auto is None else alltoall_auto),),
         "barrier": (Entry("barrier", transport, "dissemination", Impl.DISSEMINATION,
                           "log2(P) rounds of empty messages", auto=auto),),
     }
@@ -224,7 +225,7 @@ def _by_collective(*tables):
     return tuple(e for c in COLLECTIVES for table in tables for e in table.get(c, ()))
 
 
-_MPI_NATIVE = {c: (Entry(c, "mpi", "native", Impl.NATIVE, doc,
+_MPI_NATIVE = {c: (Entry(c, "mpi", "native", Impl.NATIVE, doc, auto=c != "alltoall",
                          params=(("chunk_elements", MPI_CHUNK),) if c in ("allreduce", "broadcast", "reduce") else ()),)
                for c, doc in (("allreduce", "MPI_Allreduce"), ("broadcast", "MPI_Bcast"), ("reduce", "MPI_Reduce"),
                               ("allgather", "MPI_Allgather(v)"), ("gather", "MPI_Gather(v)"),
@@ -280,7 +281,10 @@ ENTRIES = (
               max_bytes=RDOUBLE_MAX, min_ranks=2),
         Entry("allreduce", "mpi", "ring", Impl.RING, "the pipelined ring over MPI point-to-point", min_bytes=RING_MIN,
               min_ranks=2, params=(("segment_bytes", RING_SEGMENT),)))}, _MPI_NATIVE),
-    *_by_collective(_p2p("mpi", auto=False)),   # the same algorithms over MPI point-to-point
+    # the same algorithms over MPI point-to-point; alltoall by pairwise, not MPI_Alltoallv, which leaves
+    # a block whose sender split otherwise partly unwritten, without an error (even or uneven alike: a
+    # rank may pass even splits where another passes none, and every rank must run the same algorithm)
+    *_by_collective(_p2p("mpi", auto=False, alltoall_auto=True)),
 
     # -- TCP (across hosts without MPI: torchrun, Kubernetes, Ray; under mpirun with ENGINE_INTERHOST=tcp;
     #    one host with ENGINE_TRANSPORT=tcp). Every collective is the engine's own over point-to-point. --

@@ -10,9 +10,10 @@ nothing can interrupt them: a watchdog thread watches those and, at the timeout,
 flight recorder and aborts the job (as torch's NCCL watchdog tears a job down). Ranks name themselves
 as arrived in a key-value store (torch's, for torch groups) once they have waited a second, with what
 their call is; at the timeout the ranks without that note are the missing ones. A rank whose note shows
-the same call number but another call (collective, dtype, reduce op or root) ends the wait at once
-with EngineMismatch naming it and both calls: whatever the transport, or MPI's own collectives, failed
-to tell from their messages, a stalled mismatch is named within seconds, not at the timeout.
+the same call number but another call (collective, dtype, reduce op or root; the count, where every
+rank's must be the call's) ends the wait at once with EngineMismatch naming it and both calls, as does
+the note of a rank whose call failed in a mismatch: whatever the transport, or MPI's own collectives,
+failed to tell from their messages, a stalled mismatch is named within seconds, not at the timeout.
 """
 
 import atexit
@@ -219,6 +220,10 @@ SEQ, OP, COUNT, DTYPE, ALGO, START, END, STATE, NATIVE, KEY = range(10)
 # peer, on every waiting rank), so a straggler costs the store, and the waits, little.
 NOTES_READ_FREELY = 16
 
+# The collectives whose count every rank passes alike (the others' may differ by design: uneven splits,
+# a gather's parts), so the notes compare it.
+SAME_COUNT = ("allreduce", "broadcast", "reduce")
+
 
 class Watch:
     """The per-communicator policy: timeouts, stall warnings, arrival notes, dumps, the trace."""
@@ -394,7 +399,7 @@ class Watch:
             # the error leaves: torch's store client serves one request at a time, and the rank's next
             # blocking one (the next group's opening, waiting on a rank still in this call) would hold
             # the note back until that rank's timeout.
-            self.note_arrival(rec, wait=STORE_QUERY_SECONDS)
+            self.note_arrival(rec, wait=STORE_QUERY_SECONDS, failed=str(exc))
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
@@ -444,18 +449,20 @@ class Watch:
     def _key(self, rank):
         return f"engine/{self.group}/{self.notes_id}/waiting-at/{rank}"
 
-    def note_arrival(self, rec, wait=0.0):
+    def note_arrival(self, rec, wait=0.0, failed=None):
         """Notes in the store that this rank reached operation rec's seq, and what it called there
-        (written only once a wait stalls, or the call failed naming another), on the store's line: the
-        caller waits for it at most `wait` s."""
+        (written only once a wait stalls, or the call failed in a mismatch: `failed`, its error), on the
+        store's line: the caller waits for it at most `wait` s."""
         store = self.store
         if store is not None:
-            note = self._note(rec)
+            note = self._note(rec, failed)
             _StoreLine.ask(store, lambda: self._set_note(store, note), wait)
 
     @staticmethod
-    def _note(rec):
-        return f"{rec[SEQ]} {rec[KEY]} {describe_call(rec[KEY], rec[COUNT])}"
+    def _note(rec, failed=None):
+        """'seq key count words', and on a line of its own the error of a call that failed here."""
+        return f"{rec[SEQ]} {rec[KEY]} {rec[COUNT]} {describe_call(rec[KEY], rec[COUNT])}" + \
+            (f"\n{failed}" if failed else "")
 
     def _set_note(self, store, note):
         try:
@@ -464,10 +471,10 @@ class Watch:
             pass
 
     def notes(self, rec, most=None):
-        """{rank: (seq, key, words)} of the other ranks' notes (a rank without one: absent); None without
-        a store; a str when the store failed. The store is asked on its line for at most `most` s: a
-        store across a cut link would otherwise hold the timeout's report for its own timeout (None:
-        STORE_QUERY_SECONDS)."""
+        """{rank: (seq, key, count, words, its error or "")} of the other ranks' notes (a rank without one:
+        absent); None without a store; a str when the store failed. The store is asked on its line for at
+        most `most` s: a store across a cut link would otherwise hold the timeout's report for its own
+        timeout (None: STORE_QUERY_SECONDS)."""
         store = self.store
         if store is None:
             return None
@@ -481,8 +488,9 @@ class Watch:
                 if r != self.rank and store.check([key]):
                     text = store.get(key)
                     try:
-                        seq, call, words = (text.decode() if isinstance(text, bytes) else text).split(" ", 2)
-                        got[r] = (int(seq), int(call), words)
+                        seq, call, count, words = (text.decode() if isinstance(text, bytes) else text).split(" ", 3)
+                        words, _, failed = words.partition("\n")
+                        got[r] = (int(seq), int(call), int(count), words, failed)
                     except ValueError:   # not a note this engine writes: as good as none
                         pass
             return got
@@ -508,14 +516,18 @@ class Watch:
                 and (r not in notes or notes[r][0] < rec[SEQ])]
 
     def other_call(self, notes, rec):
-        """The error's text if a rank's note shows it in call rec's seq with another call, else None."""
+        """The error's text if a rank's note shows it in call rec's seq with another call, or failed there
+        in a mismatch, else None."""
         if not isinstance(notes, dict):
             return None
-        for r, (seq, call, theirs) in sorted(notes.items()):
-            if seq == rec[SEQ] and call != rec[KEY]:
-                return (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): collective "
-                        f"mismatch: rank {self.rank} called {describe_call(rec[KEY], rec[COUNT])}; rank {r} called "
-                        f"{theirs} (both waited, seen from their notes in the store)")
+        head = f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): "
+        for r, (seq, call, count, theirs, failed) in sorted(notes.items()):
+            if seq == rec[SEQ] and (call != rec[KEY] or (rec[OP] in SAME_COUNT and count != rec[COUNT])):
+                return (f"{head}collective mismatch: rank {self.rank} called {describe_call(rec[KEY], rec[COUNT])}; "
+                        f"rank {r} called {theirs} (both waited, seen from their notes in the store)")
+        for r, (seq, call, count, theirs, failed) in sorted(notes.items()):
+            if seq == rec[SEQ] and failed:
+                return f"{head}rank {r} failed this call: {failed} (seen from its note in the store)"
         return None
 
     @staticmethod

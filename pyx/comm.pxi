@@ -435,9 +435,10 @@ cdef class CoreComm:
         """The exception for an error code of transport tp (the algorithms' by default)."""
         if ierr == -1:
             return MemoryError(f"{what}: out of memory")
-        if tp is None:
-            tp = self.algo_tp
+        tp = self.algo_tp if tp is None else tp
         ierr = tp.classify(ierr)
+        if ierr == ENG_ERR_TRUNCATE and tp is self.algo_tp:   # (a collective's: the ranks' counts differ, as
+            ierr = ENG_ERR_MISMATCH                           # where a message is shorter than expected)
         if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (TCP: free()'s or abort()'s own goodbye
             ierr = ENG_ERR_ABORTED                                     # failed the call before it saw the abort)
         if ierr == ENG_ERR_ABORTED and self.orphaned is not None:

@@ -390,7 +390,12 @@ cdef class MpiTransport(Transport):
         MPI_ERR_REVOKED: a lost peer, naming the first failed rank MPI knows of (ENG_ERR_PEER_DEAD), else
         a peer that gave the group up (ENG_ERR_PEER_LEFT)."""
         cdef int cls = 0
-        if code != ENG_ERR_MPI or MPI_Error_class(self.mpi_code, &cls) != 0 or cls not in _FAILURE_CLASSES:
+        if code != ENG_ERR_MPI or MPI_Error_class(self.mpi_code, &cls) != 0:
+            return code
+        if cls == MPI_ERR_TRUNCATE:   # (an MPI collective's, whose sender MPI does not say)
+            self.err_peer = -1
+            return ENG_ERR_TRUNCATE
+        if cls not in _FAILURE_CLASSES:
             return code
         ranks = []
         try:

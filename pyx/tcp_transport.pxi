@@ -386,9 +386,6 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_NOMEM and 0 <= p < self.size:
             return (f"out of memory for a message from {self._who(p)} that no receive had asked for yet (it is "
                     "held whole, the size its header says); its connection is closed")
-        if code == ENG_ERR_MISMATCH:
-            return (f"{self._who(p)} sent a message of another size than this rank expects: the ranks are in "
-                    "different collectives, or passed different counts")
         return _engine_error_text(code, p, self._who(p))
 
 

@@ -197,7 +197,8 @@ _ERROR_TEXTS = {   # {who}: the peer the transport blames
     ENG_ERR_CMA: ("a single copy from or to {who}'s memory (process_vm_readv / writev) failed: {who} left this "
                   "call (it failed there, or the ranks called different collectives) or is exiting; where it is "
                   "alive and in this call, set ENGINE_SHM_CMA=0 to move data through the shared segment only"),
-    ENG_ERR_MISMATCH: "{who} is in a different collective",
+    ENG_ERR_MISMATCH: ("{who} sent a message of another size than this rank expects: the ranks are in different "
+                       "collectives, or passed different counts"),
     ENG_ERR_OTHER_CALL: ("{who} sent a message of another collective while this rank waited for its part of this "
                          "one: the ranks called different collectives, or the same one with another dtype, reduce "
                          "op or root (ENGINE_DEBUG=1 names each rank's call)"),

@@ -96,6 +96,46 @@ def test_a_peer_noted_in_another_call_of_the_same_number_ends_the_wait_naming_bo
     assert core0.broken == str(err.value)
 
 
+@pytest.mark.parametrize("op,ends", [("allreduce", True), ("broadcast", True), ("allgather", False),
+                                     ("alltoall", False)])
+def test_a_peer_noted_in_the_same_call_with_another_count_ends_the_wait_where_counts_must_agree(op, ends):
+    """An allreduce, broadcast or reduce of 16 elements against one of 8 (MPI's own collectives tell
+    nothing: the ranks wait on each other); an allgather's or alltoall's counts are each rank's own."""
+    store = Store()
+    w0, core0 = watch(0, 2, store)
+    w1, core1 = watch(1, 2, store)
+    core1.rec = record(3, key(op), count=16)
+    w1.check(core1.rec, 1.2)
+    core0.rec = record(3, key(op))
+    w0.check(core0.rec, 1.5)
+    if not ends:
+        w0.check(core0.rec, 2.1)
+        assert core0.broken is None
+        return
+    with pytest.raises(EngineMismatch, match=rf"{op} #3 of group 'g' \(rank 0 of 2\): collective mismatch: rank 0 "
+                                             rf"called {op} of 8 float32; rank 1 called {op} of 16 float32"):
+        w0.check(core0.rec, 2.1)
+
+
+def test_a_peer_whose_call_failed_in_a_mismatch_ends_the_wait_with_its_error(monkeypatch):
+    """Rank 1's allreduce met a message longer than its receive and failed (its note says so); rank 0,
+    waiting on it in the same call with the same count, ends at its next read of the notes, not at its
+    timeout, naming rank 1 and its error."""
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])   # (this process is no MPI job to end at exit)
+    store = Store()
+    w0, core0 = watch(0, 3, store)
+    w1, core1 = watch(1, 3, store)
+    core1.rec = record(3, ALLREDUCE_SUM)
+    w1._failed(core1.rec, EngineMismatch("allreduce failed: rank 2 sent a message of another size"))
+    core0.rec = record(3, ALLREDUCE_SUM)
+    w0.check(core0.rec, 1.5)
+    with pytest.raises(EngineMismatch, match=r"allreduce #3 of group 'g' \(rank 0 of 3\): rank 1 failed this call: "
+                                             r"allreduce failed: rank 2 sent a message of another size \(seen from "
+                                             r"its note in the store\)"):
+        w0.check(core0.rec, 2.1)
+
+
 @pytest.mark.parametrize("theirs", ["same call", "earlier call", "later call", "other group", "garbage"])
 def test_notes_that_show_no_other_call_leave_the_wait_alone(theirs):
     store = Store()

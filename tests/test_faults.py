@@ -96,21 +96,23 @@ SHM_P2P = dict(ENGINE_ALLREDUCE_ALGO="rdouble", ENGINE_BROADCAST_ALGO="tree", EN
 @pytest.mark.parametrize("transport", ["shm", "shm-p2p", "tcp", "mpi"])
 def test_mismatched_calls_raise_without_debug_mode(transport):
     """The last of 3 ranks calls another collective, or the same one with another reduce op, AVG for
-    SUM, a dtype of the same bytes, or another broadcast root, or every rank names itself the root of
-    a reduce (tests/faults/mismatched_calls.py):
+    SUM, a dtype of the same bytes, another broadcast root, another count, or alltoall splits that
+    disagree with its peers', or every rank names itself the root of a reduce
+    (tests/faults/mismatched_calls.py):
     without ENGINE_DEBUG, no rank returns anything but what its own call asks for, some rank raises
     EngineMismatch naming another, and the rest raise that or EnginePeerLost naming a rank that left
     the group or gave it up: never the group's timeout (60 s).
 
     Over MPI, with its defaults (MPI's own collectives but for allreduce), every rank raises
     EngineMismatch: the ranks that wait on the sender of another call's message see it (MPI_Iprobe),
-    the others find the mismatch in the arrival notes of the group's store, after 2 s of waiting. An
+    the others find the mismatch in the arrival notes of the group's store, after 2 s of waiting (a
+    rank waiting on one whose call failed in a mismatch reads that in its note). An
     allgather against a reduce-scatter, both blocking inside MPI, ends the job (the watchdog) naming
     both calls. A broadcast whose ranks name different roots, by MPI's own, is not run: nothing
     tells it."""
     env = dict(ENGINE_TRANSPORT=transport.split("-")[0], **(SHM_P2P if transport == "shm-p2p" else {}))
     cases = ["kind", "reduce_op", "avg", "dtype", "broadcast_root", "broadcast_root_large", "every_rank_root",
-             "allgather_vs_reduce_scatter"]
+             "allgather_vs_reduce_scatter", "count", "alltoall_splits"]
     if transport == "mpi":   # (MPI's reduce blocks inside MPI: the watchdog would end the job there)
         env.update(MISMATCH_CASES=" ".join(c for c in cases if not c.startswith(("broadcast_root", "every_rank_root"))))
     # (the job ends in an abort at exit, the failure policy's: groups failed on every rank)
@@ -119,7 +121,7 @@ def test_mismatched_calls_raise_without_debug_mode(transport):
     for case, rank, what in re.findall(r"CASE (\w+) rank (\d): (.*)", out):
         got.setdefault(case, {})[int(rank)] = what
     if transport == "mpi":
-        cases = ["kind", "reduce_op", "avg", "dtype"]
+        cases = ["kind", "reduce_op", "avg", "dtype", "count", "alltoall_splits"]
         assert re.search(r"collective mismatch: rank \d called (allgather|reduce_scatter) of \d+ float32.*; rank \d "
                          r"called (allgather|reduce_scatter) .*the call is blocked inside MPI and cannot be "
                          r"interrupted: aborting the job", out), out[-3000:]

@@ -89,8 +89,26 @@ def allgather_vs_reduce_scatter(g):
     return [out]
 
 
-CASES = [kind, reduce_op, avg, dtype, broadcast_root, broadcast_root_large, every_rank_root,
-         allgather_vs_reduce_scatter]
+def count(g):
+    # the same call with twice the elements: no key tells them apart, only the sizes
+    t = mine(16 if ODD else 8)
+    dist.all_reduce(t, group=g)
+    return [t]
+
+
+def alltoall_splits(g):
+    # the odd rank sends rank 0 one element too few and rank 1 one too many, and expects 3 from rank 0
+    # and 1 from rank 1, where every other rank sends and expects 2 of every rank: every rank meets a
+    # block of another size
+    even = [2] * P
+    out = torch.zeros(2 * P)
+    dist.all_to_all_single(out, mine(2 * P), output_split_sizes=[3, 1] + even[2:] if ODD else even,
+                           input_split_sizes=[1, 3] + even[2:] if ODD else even, group=g)
+    return [out]
+
+
+CASES = [kind, reduce_op, avg, dtype, broadcast_root, broadcast_root_large, every_rank_root, count, alltoall_splits,
+         allgather_vs_reduce_scatter]   # (last: over MPI it blocks inside MPI, and the watchdog ends the job)
 only = sys.argv[1:] or os.environ.get("MISMATCH_CASES", "").split()
 for case in CASES:
     if only and case.__name__ not in only:
