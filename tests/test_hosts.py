@@ -52,7 +52,7 @@ def test_torch_suites_across_hosts_under_torchrun(hosts):
 # Faults between the hosts over the TCP transport (tests/faults/hosts_tcp.py; the ranks started with
 # torch's env:// variables on each host, no launcher to outlive them): each ends in an error naming the
 # rank or the address within the group's timeout + 10 s, and nothing is left in /dev/shm. The jobs
-# run at once (each mostly waits for its timeout), on this file's hosts and, for the cut link, on a
+# run at once (each mostly waits for its timeout), on this file's hosts and, for each cut link, on a
 # pair of its own.
 FAULT_TIMEOUT = 10
 FAULT_SCRIPT = os.path.join(ROOT, "tests", "faults", "hosts_tcp.py")
@@ -60,6 +60,7 @@ FAULT_WAIT = FAULT_TIMEOUT + 80     # past it a job counts as hung (its startup 
 FAULTS = {"kill-2x1": (1, dict(FAULT="kill", FAULT_RANK="1")),
           "kill-2x2": (2, dict(FAULT="kill", FAULT_RANK="3")),
           "cut": (1, dict(FAULT="cut", FAULT_RANK="1")),
+          "cut-2x2": (2, dict(FAULT="cut", FAULT_RANK="3")),
           "stall-2x2": (2, dict(FAULT="stall", FAULT_RANK="3")),
           "wrong-master-addr": (1, dict(master="10.77.0.99")),
           "master-port-in-use": (1, {})}
@@ -80,7 +81,8 @@ def faults(hosts):
     /dev/shm, {fault: its MASTER_PORT})."""
     before = _shm()
     ports = dict(zip(FAULTS, free_ports(len(FAULTS))))
-    with Hosts(2) as cut_pair:
+    with Hosts(2) as cut_pair, Hosts(2) as cut_pair_2x2:
+        own = {"cut": cut_pair, "cut-2x2": cut_pair_2x2}
         squatter = hosts.popen(0, [sys.executable, "-c", "import socket, sys, time\n"
                                    "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()\n"
                                    "print('listening', flush=True); time.sleep(600)",
@@ -88,7 +90,7 @@ def faults(hosts):
         try:
             assert squatter.stdout.readline().strip() == "listening"
             start = time.monotonic()
-            jobs = {name: env_launch(cut_pair if name == "cut" else hosts, per_host, [sys.executable, FAULT_SCRIPT],
+            jobs = {name: env_launch(own.get(name, hosts), per_host, [sys.executable, FAULT_SCRIPT],
                                      port=ports[name], FAULT_TIMEOUT=str(FAULT_TIMEOUT), **env)
                     for name, (per_host, env) in FAULTS.items()}
             results = {}
@@ -122,15 +124,19 @@ def test_a_rank_killed_on_one_host_is_named_at_once(faults, per_host):
     assert "SIGKILL at step 5" in text, text[-3000:]
     assert sorted(raised) == [r for r in range(2 * per_host) if r != victim], text[-5000:]
     for rank, (seconds, kind, msg) in raised.items():
-        # each names the victim. A stage of the hierarchy names its ranks in the stage, saying which ranks
-        # of the group those are (a TCP stage in each name too), and a rank lost in another stage as the
-        # group's (where a peer gave the group up over it: rank 0 here, from rank 2, 2x2)
-        stage = re.search(r"\[a stage of group '0': its ranks [\d, ]+ are ranks ([\d, ]+) there\]", msg)
-        whole = [int(w) for w in stage[1].split(", ")] if stage else list(range(2 * per_host))
-        named = {int(w) if w else whole[int(q)] for q, w in
-                 re.findall(r"rank (\d+) \((?:pid|h\w+(?:, rank (\d+) of group)?)", msg)}
-        named |= {int(w) for w in re.findall(r"rank (\d+) of group '0' was lost", msg)}
-        assert victim in named, (rank, msg)
+        assert victim in _named(msg, 2 * per_host), (rank, msg)   # (each names the victim)
+
+
+def _named(msg, size):
+    """The ranks of group '0' (of `size`) that an error names. A stage of the hierarchy names its ranks
+    in the stage, saying which ranks of the group those are (a TCP stage in each name too), and a rank
+    lost in another stage as the group's (where a peer gave the group up over it: rank 0 of a 2x2 group
+    whose rank 3 was killed, from rank 2)."""
+    stage = re.search(r"\[a stage of group '0': its ranks [\d, ]+ are ranks ([\d, ]+) there\]", msg)
+    whole = [int(w) for w in stage[1].split(", ")] if stage else list(range(size))
+    named = {int(w) if w else whole[int(q)] for q, w in
+             re.findall(r"rank (\d+) \((?:pid|h\w+(?:, rank (\d+) of group)?)", msg)}
+    return named | {int(w) for w in re.findall(r"rank (\d+) of group '0' was lost", msg)}
 
 
 @pytest.mark.skipif(ulfm_unavailable() is not None, reason=ulfm_unavailable() or "")
@@ -171,6 +177,17 @@ def test_the_link_cut_ends_in_an_error_naming_the_peer_on_both_hosts(faults):
     # transport, the cut-off one (its store out of reach) from the transport: whom its wait was on
     assert "rank 1 did not arrive" in raised[0][2] and "waits on rank 1 (" in raised[0][2], raised[0][2]
     assert "waits on rank 0 (" in raised[1][2], raised[1][2]
+
+
+def test_a_link_cut_between_hosts_of_two_ranks_each_ends_every_rank_naming_a_rank_beyond_it(faults):
+    """Rank 3 sets host 1's link down: the hierarchy's stage across the hosts breaks on both sides (its
+    shared-memory stages stay whole), and every rank ends within the timeout naming a rank on the other
+    host, as the group's or by its stage note; none hangs, nothing is left in /dev/shm."""
+    raised, text = _fault(faults, "cut-2x2")
+    assert "link cut at step 5" in text, text[-3000:]
+    assert sorted(raised) == [0, 1, 2, 3], text[-5000:]
+    for rank, (seconds, kind, msg) in raised.items():
+        assert _named(msg, 4) & ({2, 3} if rank < 2 else {0, 1}), (rank, msg)
 
 
 def test_a_wrong_master_addr_fails_naming_it(faults):
