@@ -91,8 +91,9 @@ CYCLES = 10
                          ids=["shm", "tcp", "shm-held", "tcp-held"])
 def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport, hold):
     """CYCLES cycles of init_process_group (a new TCPStore each) + all_reduce + new_group + destroy,
-    then CYCLES reconfigures of one group, 2 ranks: descriptors and threads the same after every cycle
-    as after the second, resident memory within 4 MiB of it. hold: the collector off, CYCLES new_group
+    then CYCLES reconfigures of one group, 2 ranks: descriptors and threads no fewer after any cycle from
+    the second on than after the last (no growth; one cycle's end may still be closing a connection),
+    resident memory within 4 MiB of the second's. hold: the collector off, CYCLES new_group
     + destroy cycles in one default group, each destroyed group still referenced (a segment or a TCP channel
     freed only at collection fails it), then the reconfigures."""
     ports = ",".join(map(str, free_ports(CYCLES + 1)))   # a TCPStore a cycle, and the reconfigures'
@@ -108,7 +109,10 @@ def test_init_destroy_and_reconfigure_cycles_keep_nothing(transport, hold):
             rows = [tuple(map(int, m)) for m in
                     re.findall(rf"cycle {kind} \d+ fds (\d+) threads (\d+) tasks (\d+) rss_kib (\d+)", out)]
             assert len(rows) == CYCLES, out[-3000:]
-            first = rows[1]   # (the first cycle may load what every later one reuses)
+            first, last = rows[1], rows[-1]   # (the first cycle may load what every later one reuses)
             for fds, threads, tasks, rss in rows[1:]:
-                assert (fds, threads, tasks) == first[:3], (kind, rows)
+                # what leaks grows from cycle to cycle, so the last cycle holds the most; a descriptor or
+                # thread that a cycle's end had not closed yet (a connection closing, a helper leaving) is
+                # counted in that cycle only, and the next ones hold less
+                assert all(mine >= theirs for mine, theirs in zip((fds, threads, tasks), last[:3])), (kind, rows)
                 assert abs(rss - first[3]) < 4096, (kind, rows)
