@@ -47,7 +47,10 @@ def create_process_group(opts, backend_options=None):
         # agent's. Its group "1" of other members would count its makings from the last one's keys.)
         store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
     if store is not None:
-        making = makings_of(store, opts.group_rank, seconds, f"engine: group {name!r}")
+        # (counted by the rank in the world: ranks given different lists for one group would share
+        # their positions' counts, land in different makings and wait there until the timeout)
+        making = makings_of(store, ranks[opts.group_rank] if ranks else opts.group_rank, seconds,
+                            f"engine: group {name!r}")
         if not ranks:   # (the worlds this rank made in this store: its ranks' count alike, whatever other
             _worlds[0] = making   # stores a rank made worlds in before, as a rank's world of its own)
         store = dist.PrefixStore(f"engine/made-{making}", store)

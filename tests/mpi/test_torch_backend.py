@@ -1265,6 +1265,33 @@ def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
 
 
 
+def test_ranks_given_lists_where_a_rank_has_other_positions_fail_at_once_naming_it():
+    """Ranks 0 and 1 make a group of the two, the others one of ranks 1 and up: rank 1 is the second
+    member of one list and the first of the other. The others fail at once naming rank 1's list (a
+    making counted by position put them in another making of the group than rank 1's, where they
+    waited for it until the new group's timeout); ranks 0 and 1 agree, and their group works."""
+    if P < 3:
+        pytest.skip("needs three ranks")
+    mine = [0, 1] if R < 2 else list(range(1, P))
+    start = time.monotonic()
+    if R < 2:
+        pair = dist.new_group(mine, timeout=datetime.timedelta(seconds=20))
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pair)
+        assert torch.equal(t, torch.full((3,), 2.0))
+        dist.destroy_process_group(pair)
+    else:
+        with pytest.raises(ValueError, match=rf"rank 1 was given ranks \[0, 1\] where this rank \({R}\) was given "
+                                             r"\[1, 2.*\]: every rank must pass the same ranks to new_group"):
+            dist.new_group(mine, timeout=datetime.timedelta(seconds=20))
+        assert time.monotonic() - start < 10
+    everyone = dist.new_group(list(range(P)))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=everyone)
+    assert torch.equal(t, torch.full((3,), float(P)))
+    dist.destroy_process_group(everyone)
+
+
 @pytest.mark.parametrize("path", ["fast", "general"])
 def test_messages_whose_works_are_dropped_in_flight_still_go_whole_and_in_order(path):
     """Six 4 MB isends whose Works are dropped at once (dist.isend unkept), posted before the receiver
