@@ -46,11 +46,6 @@ cdef enum:   # what ShmComm runs itself (the rest: CoreComm.run, over the segmen
     SHM_IMPLS = ((1u << IMPL_ONESHOT) | (1u << IMPL_TWOSHOT) | (1u << IMPL_THREADED) | (1u << IMPL_SEGMENT)
                  | (1u << IMPL_SINGLE_COPY))
 
-# A broadcast reader's table entry (its buffer's address) as the root's single-copy write of the
-# tail marks it (user-space addresses never reach these bits).
-cdef uint64_t TAIL_CLAIMED = 1ULL << 62
-cdef uint64_t TAIL_WRITTEN = 1ULL << 63
-
 
 cdef class ShmComm(CoreComm):
     """A group whose ranks share one host: every collective through one segment."""
@@ -518,8 +513,8 @@ cdef class ShmComm(CoreComm):
         once). The root keeps its buffer untouched until every reader finished."""
         cdef int P = self.size, r = self.rank, q, ierr, err
         cdef size_t tail = count // P, head = count - tail
-        cdef uint64_t step
-        cdef bint tail_failed
+        cdef uint64_t step, failed
+        cdef bint written
         self.sign(OP_BROADCAST, dtype, OPBIT_NONE, IMPL_SINGLE_COPY, root, count, 0)
         ierr = self.open_step(0, ctx)
         if ierr:
@@ -532,9 +527,11 @@ cdef class ShmComm(CoreComm):
             q = 0
             while not ierr and q < P:
                 if q != root:
-                    ierr = self.write_tail(q, step, buf + head * isz, head * isz, tail * isz)
+                    ierr = self.seg.write_tail(q, step, buf + head * isz, head * isz, tail * isz)
                 q += 1
-            self.seg.table(r, step)[P + 1] = ierr != 0    # the readers must not return a tail never written
+            # (the readers whose tail is not written fail, naming the rank this root failed on and how)
+            self.seg.table(r, step)[P + 1] = 0 if not ierr else (
+                (<uint64_t>(self.seg.err_peer + 1) << 32) | <uint32_t>ierr)
             self.seg.post(PHASE_FINISHED)
             if ierr == ENG_ERR_MISMATCH:   # (a rank in another call never finishes this step; what a reader
                 return ierr                # still copies from buf stays alive: a failed call's buffers are kept)
@@ -550,41 +547,20 @@ cdef class ShmComm(CoreComm):
             err = self.seg.wait_peer(root, step, PHASE_FINISHED, ctx, False)  # the root's writes into buf are done
         finally:
             if ierr or err:   # leaving before they are known done
-                self.withdraw_buffer(root, step, <uint64_t>buf)
+                self.seg.withdraw_buffer(root, step, <uint64_t>buf)
         # The root's word on its writes is read before this rank finishes: once every reader finished,
         # the root may run on to the step that reuses this half, table and all.
-        tail_failed = not ierr and not err and self.seg.table(root, step)[P + 1]
+        failed = self.seg.table(root, step)[P + 1] if not ierr and not err else 0
+        written = self.seg.tail_written(step)
         self.seg.post(PHASE_FINISHED)
-        if tail_failed:
-            self.seg.err_peer = root
+        if failed and not written:   # (no tail here: the root's word says why)
+            q, ierr = <int>(failed >> 32) - 1, <int>(failed & 0xffffffffu)
+            if 0 <= q < P and q != r and q != root and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
+                self.seg.err_peer, self.seg.err_peer_passed, self.seg.err_awaited = q, False, -1   # (a reader it lost)
+                return ierr
+            self.seg.err_peer = root   # (else its copy into this rank's memory)
             return ENG_ERR_CMA
         return ierr if ierr else err
-
-    cdef int write_tail(self, int q, uint64_t step, char *src, size_t at, size_t nbytes) noexcept nogil:
-        """The root's write of a broadcast's tail into reader q's buffer, at `at` bytes, as q published
-        it in its table: claimed first, so that a reader that left the call (its wait failed: a timeout,
-        abort()) and took its buffer back is never written to once its caller may reuse it; marked
-        written after."""
-        cdef uint64_t *entry = &self.seg.table(q, step)[self.size]
-        cdef uint64_t addr = eng_load_acquire(entry)
-        cdef int ierr
-        if addr == 0 or not eng_cas64(entry, addr, addr | TAIL_CLAIMED):
-            return 0    # taken back: that reader never finishes this step, and the wait for it fails
-        ierr = self.seg.cma_copy(q, src, addr + at, nbytes, True, True)
-        eng_store_release(entry, addr | TAIL_CLAIMED | TAIL_WRITTEN)
-        return ierr
-
-    cdef void withdraw_buffer(self, int root, uint64_t step, uint64_t buf) noexcept nogil:
-        """A broadcast's reader leaving before it knows the root's write into buf is done (its wait
-        failed): takes buf back from its table, or, where the root claimed it first, waits until that
-        write is done or the root's process is gone: one copy of a part of the message, never a wait
-        on anyone's call."""
-        cdef uint64_t *entry = &self.seg.table(self.rank, step)[self.size]
-        if eng_cas64(entry, buf, 0):
-            return
-        while (not eng_load_acquire(entry) & TAIL_WRITTEN and
-               eng_pid_alive(self.seg.peers.pidfds[root], self.seg.peers.pids[root])):
-            eng_sleep(1e-4)
 
     cdef int rooted(self, int op, const char *src, char *dst, size_t count, int dtype, const size_t *counts,
                     const size_t *displs, int root, WaitCtx *ctx) except -1 nogil:

@@ -23,6 +23,12 @@ from libc.stdint cimport uint32_t, int32_t
 
 cdef uint64_t SEG_MAGIC = 0x31304d4853474e45ULL   # "ENGSHM01"
 
+# A broadcast reader's table entry (its buffer's address) as the root's single-copy write of the
+# tail marks it (user-space addresses never reach these bits).
+cdef uint64_t TAIL_FAILED = 1ULL << 61
+cdef uint64_t TAIL_CLAIMED = 1ULL << 62
+cdef uint64_t TAIL_WRITTEN = 1ULL << 63
+
 
 cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
     """Rank r's word that says it left the group (ShmComm.leave): set, never cleared."""
@@ -302,6 +308,37 @@ cdef class ShmSegment:
                 self.err_peer = q
             return True
         return False
+
+    cdef int write_tail(self, int q, uint64_t step, char *src, size_t at, size_t nbytes) noexcept nogil:
+        """The root's write of a broadcast's tail into reader q's buffer, at `at` bytes, as q published
+        it in its table: claimed first, so that a reader that left the call (its wait failed: a timeout,
+        abort()) and took its buffer back is never written to once its caller may reuse it; marked
+        written after."""
+        cdef uint64_t *entry = &self.table(q, step)[self.size]
+        cdef uint64_t addr = eng_load_acquire(entry)
+        cdef int ierr
+        if addr == 0 or not eng_cas64(entry, addr, addr | TAIL_CLAIMED):
+            return 0    # taken back: that reader never finishes this step, and the wait for it fails
+        ierr = self.cma_copy(q, src, addr + at, nbytes, True, True)
+        eng_store_release(entry, addr | TAIL_CLAIMED | TAIL_WRITTEN | (TAIL_FAILED if ierr else 0))
+        return ierr
+
+    cdef bint tail_written(self, uint64_t step) noexcept nogil:
+        """Whether the root of this step's broadcast wrote this reader's tail whole."""
+        cdef uint64_t entry = eng_load_acquire(&self.table(self.rank, step)[self.size])
+        return (entry & TAIL_WRITTEN) != 0 and not (entry & TAIL_FAILED)
+
+    cdef void withdraw_buffer(self, int root, uint64_t step, uint64_t buf) noexcept nogil:
+        """A broadcast's reader leaving before it knows the root's write into buf is done (its wait
+        failed): takes buf back from its table, or, where the root claimed it first, waits until that
+        write is done or the root's process is gone: one copy of a part of the message, never a wait
+        on anyone's call."""
+        cdef uint64_t *entry = &self.table(self.rank, step)[self.size]
+        if eng_cas64(entry, buf, 0):
+            return
+        while (not eng_load_acquire(entry) & TAIL_WRITTEN and
+               eng_pid_alive(self.peers.pidfds[root], self.peers.pids[root])):
+            eng_sleep(1e-4)
 
     cdef void give_up(self, bint timed_out, int lost) noexcept nogil:
         """This rank's collectives give the group up (a call failed here, timed out, or the group was

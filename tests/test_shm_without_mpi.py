@@ -275,6 +275,41 @@ def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_sta
     assert "[a stage of group 'world': its ranks 0, 1 are ranks 2, 3 there]" in results[2][2], results[2]
 
 
+def _killed_before_a_broadcast(rank, size, port, out):
+    """3 ranks; rank 1 dies (SIGKILL) before the second broadcast of 16 MB from rank 2 (by single copy,
+    where the group may: the root writes each reader's tail, the readers copy the head)."""
+    import engine
+    comm, _store = _group(rank, size, port, timeout=30)
+    x = np.full(1 << 22, rank, np.float32)
+    comm.broadcast(x, root=2)
+    algorithm = str(comm.algorithm_for(x.nbytes, "broadcast"))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.broadcast(x, root=2)
+        out.put((rank, algorithm, "returned"))
+    except engine.EngineError as exc:
+        out.put((rank, algorithm, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_reader_of_a_broadcast_whose_root_could_not_finish_names_the_rank_lost():
+    """The root of a single-copy broadcast writes no reader's tail once a reader is dead, and tells the
+    readers so: a reader whose tail was not written blamed the root's memory (`a single copy from or to
+    rank 2's memory failed: rank 2 left this call`), though rank 2 was alive and had lost rank 1. Its
+    error names rank 1 now, as the root's does (three runs: where a reader sees rank 1 gone first, it
+    names it too)."""
+    for _ in range(3):
+        procs, out = _run(_killed_before_a_broadcast, 3)
+        results = sorted(out.get(timeout=120) for _ in range(2))
+        for p in procs:
+            p.join(30)
+        if "single_copy" not in results[0][1]:
+            pytest.skip(f"no single copy here ({results[0][1]})")
+        for rank, _, what in results:
+            assert what.startswith("EnginePeerLost") and re.search(r"rank 1 \(pid \d+\) exited", what), (rank, what)
+        assert procs[1].exitcode == -signal.SIGKILL
+
+
 def _killed_in_one_stage(rank, size, port, out):
     """Ranks of two "sockets" ({0, 1}, {2, 3}), as above; rank 3 dies (SIGKILL) before the second
     allreduce."""

@@ -588,6 +588,9 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef inline bint use_cma(self, size_t nbytes) noexcept nogil
     cdef int cma_copy(self, int q, void *local, uint64_t remote, size_t n, bint write, bint collective) noexcept nogil
     cdef bint took_back(self, int q, bint collective) noexcept nogil
+    cdef int write_tail(self, int q, uint64_t step, char *src, size_t at, size_t nbytes) noexcept nogil
+    cdef void withdraw_buffer(self, int root, uint64_t step, uint64_t buf) noexcept nogil
+    cdef bint tail_written(self, uint64_t step) noexcept nogil
     cdef void give_up(self, bint timed_out, int lost) noexcept nogil
     cdef inline uint64_t *sig(self, int r, uint64_t step) noexcept nogil
     cdef inline char *half(self, int r, uint64_t step) noexcept nogil

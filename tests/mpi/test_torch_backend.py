@@ -1265,25 +1265,24 @@ def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
 
 
 
-def test_ranks_given_lists_where_a_rank_has_other_positions_fail_at_once_naming_it():
-    """Ranks 0 and 1 make a group of the two, the others one of ranks 1 and up: rank 1 is the second
-    member of one list and the first of the other. The others fail at once naming rank 1's list (a
-    making counted by position put them in another making of the group than rank 1's, where they
-    waited for it until the new group's timeout); ranks 0 and 1 agree, and their group works."""
-    if P < 3:
-        pytest.skip("needs three ranks")
-    mine = [0, 1] if R < 2 else list(range(1, P))
-    start = time.monotonic()
-    if R < 2:
-        pair = dist.new_group(mine, timeout=datetime.timedelta(seconds=20))
+def test_a_rank_given_a_list_where_it_stands_elsewhere_is_named_at_once():
+    """The last rank makes a group of itself where the others make one of every rank: it is the first
+    member of its list and the last of theirs. They fail at once naming its list (a making counted by
+    position put a rank in another making of the group than the others', where one waited until the
+    new group's timeout); its group of one works, and the next new_group meets as before."""
+    if P < 2:
+        pytest.skip("needs two ranks")
+    last, start = P - 1, time.monotonic()
+    if R == last:
+        alone = dist.new_group([last], timeout=datetime.timedelta(seconds=20))
         t = torch.ones(3)
-        dist.all_reduce(t, group=pair)
-        assert torch.equal(t, torch.full((3,), 2.0))
-        dist.destroy_process_group(pair)
+        dist.all_reduce(t, group=alone)
+        assert torch.equal(t, torch.ones(3))
+        dist.destroy_process_group(alone)
     else:
-        with pytest.raises(ValueError, match=rf"rank 1 was given ranks \[0, 1\] where this rank \({R}\) was given "
-                                             r"\[1, 2.*\]: every rank must pass the same ranks to new_group"):
-            dist.new_group(mine, timeout=datetime.timedelta(seconds=20))
+        with pytest.raises(ValueError, match=rf"rank {last} was given ranks \[{last}\] where this rank \({R}\) was "
+                                             r"given \[0, 1.*\]: every rank must pass the same ranks to new_group"):
+            dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=20))
         assert time.monotonic() - start < 10
     everyone = dist.new_group(list(range(P)))
     t = torch.ones(3)
