@@ -128,17 +128,22 @@ class StoreBootstrap:
                              "store before, and the last making's keys would be read as this one's: give each making "
                              "a prefix of its own (Communicator.from_store's prefix=)")
         self._round += 1
-        store.set(key + str(self.rank), pickle.dumps(obj))
+        try:
+            store.set(key + str(self.rank), pickle.dumps(obj))
+        except ConnectionError:   # (a store that says why it is gone: a reconfigure's hub)
+            raise
+        except Exception as exc:   # (torch's: "Broken pipe", where its server's process is gone)
+            raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
         keys = [key + str(r) for r in range(self.size)]
-        values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                         None if self.on_cancel is None else lambda: self._stop(keys, store))
+        try:
+            values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
+                                             None if self.on_cancel is None else lambda: self._stop(keys, store))
+        except ConnectionError:   # (cancelled, as its group was aborted: said, as a timeout is)
+            if self._cancelled is not None:
+                self._give_up(store, key, f"its making was cancelled ({self._cancelled})")
+            raise
         if missing:
-            try:   # (a member that reads this exchange later, stopped meanwhile, reads why in this rank's part)
-                _say_given_up(store, self.prefix, self.rank,
-                              f"it waited for ranks {missing} in exchange #{self._round} of the making")
-                store.set(key + str(self.rank), GAVE_UP)
-            except Exception:   # (the store gone: no one comes)
-                pass
+            self._give_up(store, key, f"it waited for ranks {missing} in exchange #{self._round} of the making")
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the bootstrap of {self._whose()} "
                                f"({self.prefix}): {why}")
         if GAVE_UP.encode() in values:   # (a member that gave up stays named in its part, not missing)
@@ -146,6 +151,15 @@ class StoreBootstrap:
                                 *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),
                                 came_late=False)
         return [plain_loads(v) for v in values]
+
+    def _give_up(self, store, key, why):
+        """A member that reads this exchange later, or waits in it still, reads why in this rank's part,
+        and fails at once (MakingGivenUp) where it would wait for this rank until its timeout."""
+        try:
+            _say_given_up(store, self.prefix, self.rank, why)
+            store.set(key + str(self.rank), GAVE_UP)
+        except Exception:   # (the store gone: no one comes)
+            pass
 
     def _whose(self):
         return "the group" if self.group is None else f"group {self.group!r}"
@@ -210,12 +224,17 @@ def read_keys(store, keys, seconds, what, stop=None, pause=LOOK_PAUSE_SECONDS):
     except ConnectionError as gone:   # (a store that says why it is gone: a reconfigure's hub)
         raise ConnectionError(f"{what}: {why}; then {gone}") from None
     except Exception:
-        raise RuntimeError(f"engine: the store stopped answering in {what}: {why}; its server may have run in "
-                           "a process that has exited (rank 0's, where the job was started with MASTER_ADDR and "
-                           "MASTER_PORT; torchrun's agent keeps its store past its workers)") from None
+        raise store_stopped(what, why) from None
     if not missing:   # (all there now: they came just late)
         return values(), [], None
     return None, missing, why
+
+
+def store_stopped(what, why):
+    """The error of a store that stopped answering (its own words: why) while a group was made."""
+    return RuntimeError(f"engine: the store stopped answering in {what}: {why}; its server may have run in a process "
+                        "that has exited (rank 0's, where the job was started with MASTER_ADDR and MASTER_PORT; "
+                        "torchrun's agent keeps its store past its workers)")
 
 
 def agree_on_members(store, key, me, members, seconds, what, verb, argument, cancelled=None, parent=None):
@@ -271,6 +290,11 @@ def _agree(store, key, me, members, seconds, what, verb, argument, cancelled, pa
         raise
     except MakingGivenUp as given_up:
         _give_up(store, key, me, f"rank {given_up.rank} gave it up first")
+        raise
+    except ConnectionError:   # (cancelled: said, as above; the store gone: nothing is)
+        why = None if cancelled is None else cancelled()
+        if why is not None:
+            _give_up(store, key, me, f"its making was cancelled ({why})")
         raise
     if missing:
         absent = [members[i] for i in missing]

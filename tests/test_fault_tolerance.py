@@ -487,6 +487,27 @@ class FaultToleranceScenarios(ForkedRanks):
             self.assertLess(took, 5.0, f"the shrink took {took:.1f} s after abort() at 1 s")
         self._finish("shrinkabort_end")
 
+    def test_a_member_coming_to_a_shrink_the_others_aborted_fails_at_once_naming_it(self):
+        """Rank 0's shrink is aborted (abort() at 1 s) while it waits for rank 1, which comes 2.5 s in:
+        rank 1 fails at once naming rank 0 and the abort, where it went on to the shrink's next exchange
+        and waited there for rank 0 until the group's timeout, then named it as never joined."""
+        self._reconfigured("shrinklate", 1570)
+        if self.rank == 0:
+            timer = threading.Timer(1.0, self.backend.abort)
+            timer.start()
+            with self.assertRaisesRegex(RuntimeError, r"was aborted \(abort\(\)\) while this shrink waited"):
+                self.backend.shrink([2])
+            timer.join()
+        elif self.rank == 1:
+            time.sleep(2.5)
+            started = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"rank 0 gave this making up .*its making was cancelled "
+                                                      r"\(process group .* was aborted \(abort\(\)\)"):
+                self.backend.shrink([2])
+            took = time.monotonic() - started
+            self.assertLess(took, 5.0, f"the late member's shrink took {took:.1f} s")
+        self._finish("shrinklate_end")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next

@@ -393,6 +393,36 @@ def test_a_store_bootstrap_names_the_missing_ranks_or_a_store_that_stopped_answe
                                               r"'g/boot/0/0' in time; then the hub \(10.0.0.1:9\) closed"):
         StoreBootstrap(HubClosed(), 0, 3, "g").allgather("rank 0's")
 
+    class GoneAtOnce(Gone):   # (a shrink's members after rank 0, the store's host, died: its first set fails)
+        def set(self, key, value):
+            raise dist.DistNetworkError("Broken pipe")
+
+    with pytest.raises(RuntimeError, match=r"the store stopped answering in the group's bootstrap \(g\): "
+                                           r"Broken pipe; its server may have run in a process that has exited"):
+        StoreBootstrap(GoneAtOnce(), 0, 3, "g").allgather("rank 0's")
+
+
+def test_a_store_bootstrap_cancelled_leaves_its_word_so_a_member_coming_later_fails_at_once():
+    """Rank 0's making is cancelled (its group aborted) while it waits for rank 1: rank 1, coming
+    later, fails at once naming rank 0 and why, where it found rank 0's part, went on to the next
+    exchange and waited there for rank 0 until its timeout (a shrink aborted on the other members)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from engine.bootstrap import MakingGivenUp, StoreBootstrap
+
+    store, cancels = dist.HashStore(), []
+    first = StoreBootstrap(store, 0, 2, "g", on_cancel=cancels.append, timeout=30)
+    threading.Timer(0.3, lambda: cancels[0]("group 'w' was aborted (abort())")).start()
+    with pytest.raises(ConnectionError, match=r"group 'w' was aborted"):
+        first.allgather("rank 0's")
+    start = time.monotonic()
+    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up .*\(its making was cancelled \(group 'w' "
+                                            r"was aborted \(abort\(\)\)\)\)"):
+        StoreBootstrap(store, 1, 2, "g", timeout=30).allgather("rank 1's")
+    assert time.monotonic() - start < 5
+
 
 def test_a_store_bootstrap_reads_every_rank_in_one_round_trip_where_the_store_can():
     """An exchange through torch's store reads every rank's part with one multi_get (one round trip to
