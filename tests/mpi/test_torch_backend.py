@@ -1243,47 +1243,25 @@ def test_set_timeout_ends_a_call_in_any_stage_of_the_group():
     failure.recovered()
 
 
-def test_ranks_given_different_members_by_new_group_fail_naming_the_rank():
-    """Rank 0 makes a group of itself where the others make one of every rank: they fail at once naming
-    rank 0's list (where their bootstrap would have waited for it, or met on a segment they disagree
-    on); rank 0's group of one works, and the next new_group meets as before."""
+@pytest.mark.parametrize("alone", ["first", "last"])
+def test_ranks_given_different_members_by_new_group_fail_naming_the_rank(alone):
+    """One rank makes a group of itself where the others make one of every rank: they fail at once
+    naming its list (where their bootstrap would have waited for it, or met on a segment they disagree
+    on); its group of one works, and the next new_group meets as before. The last rank alone is the
+    first member of its list and the last of theirs: a making counted by position put a rank in another
+    making of the group than the others', where one waited until the new group's timeout."""
     if P < 2:
         pytest.skip("needs two ranks")
-    if R == 0:
-        alone = dist.new_group([0])
+    me, start = 0 if alone == "first" else P - 1, time.monotonic()
+    if R == me:
+        solo = dist.new_group([me], timeout=datetime.timedelta(seconds=20))
         t = torch.ones(3)
-        dist.all_reduce(t, group=alone)
+        dist.all_reduce(t, group=solo)
         assert torch.equal(t, torch.ones(3))
-        dist.destroy_process_group(alone)
+        dist.destroy_process_group(solo)
     else:
-        with pytest.raises(ValueError, match=rf"rank 0 was given ranks \[0\] where this rank \({R}\) was given "
+        with pytest.raises(ValueError, match=rf"rank {me} was given ranks \[{me}\] where this rank \({R}\) was given "
                                              r"\[0, 1.*\]: every rank must pass the same ranks to new_group"):
-            dist.new_group(list(range(P)))
-    everyone = dist.new_group(list(range(P)))
-    t = torch.ones(3)
-    dist.all_reduce(t, group=everyone)
-    assert torch.equal(t, torch.full((3,), float(P)))
-    dist.destroy_process_group(everyone)
-
-
-
-def test_a_rank_given_a_list_where_it_stands_elsewhere_is_named_at_once():
-    """The last rank makes a group of itself where the others make one of every rank: it is the first
-    member of its list and the last of theirs. They fail at once naming its list (a making counted by
-    position put a rank in another making of the group than the others', where one waited until the
-    new group's timeout); its group of one works, and the next new_group meets as before."""
-    if P < 2:
-        pytest.skip("needs two ranks")
-    last, start = P - 1, time.monotonic()
-    if R == last:
-        alone = dist.new_group([last], timeout=datetime.timedelta(seconds=20))
-        t = torch.ones(3)
-        dist.all_reduce(t, group=alone)
-        assert torch.equal(t, torch.ones(3))
-        dist.destroy_process_group(alone)
-    else:
-        with pytest.raises(ValueError, match=rf"rank {last} was given ranks \[{last}\] where this rank \({R}\) was "
-                                             r"given \[0, 1.*\]: every rank must pass the same ranks to new_group"):
             dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=20))
         assert time.monotonic() - start < 10
     everyone = dist.new_group(list(range(P)))
