@@ -135,9 +135,14 @@ class StoreBootstrap:
         except Exception as exc:   # (torch's: "Broken pipe", where its server's process is gone)
             raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
         keys = [key + str(r) for r in range(self.size)]
+        looked = []   # (stop is asked only after a first look that found a part unset)
+
+        def stop():
+            looked.append(True)
+            return self._stop(keys, store)
         try:
             values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                             None if self.on_cancel is None else lambda: self._stop(keys, store))
+                                             None if self.on_cancel is None else stop)
         except ConnectionError:   # (cancelled, as its group was aborted: said, as a timeout is)
             if self._cancelled is not None:
                 self._give_up(store, key, f"its making was cancelled ({self._cancelled})")
@@ -149,7 +154,7 @@ class StoreBootstrap:
         if GAVE_UP.encode() in values:   # (a member that gave up stays named in its part, not missing)
             raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})",
                                 *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),
-                                came_late=False)
+                                came_late=self.on_cancel is not None and not looked)
         return [plain_loads(v) for v in values]
 
     def _give_up(self, store, key, why):

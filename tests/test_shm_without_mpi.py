@@ -506,7 +506,7 @@ def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fai
     late = StoreBootstrap(store, 1, 2, "g", timeout=30, on_cancel=lambda fn: None)
     # (rank 0's part, set before it waited, says it gave up: rank 1 completed the exchange with it and
     # went on to make a group the others had given up)
-    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up while this rank waited \(it waited for ranks "
+    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up before this rank came \(it waited for ranks "
                                             r"\[1\] in exchange #1 of the making\)"):
         late.allgather("rank 1's")   # (at its timeout, 30 s: MissingRanks)
 
@@ -550,7 +550,7 @@ def test_a_step_that_failed_because_another_member_gave_the_making_up_says_it_ga
 
     def attach():
         raise RuntimeError("engine shm: rank 1 cannot open rank 0's segment: not a segment this engine made")
-    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up while this rank waited"):
+    with pytest.raises(MakingGivenUp, match=r"rank 0 gave this making up before this rank came"):
         gather(StoreBootstrap(store, 1, 2, "g", timeout=30, on_cancel=lambda fn: None), attach, "attach it")
 
 
