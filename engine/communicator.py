@@ -215,11 +215,13 @@ class Communicator:
         """Raises, on every rank, unless every rank walks the same rules (everyone: each rank's plan
         digest); the rules that differ go round only then."""
         if len(set(everyone)) > 1:
-            texts = boot.allgather(self.plan.digest()[1])
-            differ = [r for r in range(boot.size) if everyone[r] != everyone[0]]
-            raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently (rank 0: "
-                               f"{texts[0]}; rank {differ[0]}: {texts[differ[0]]}): their settings agree, so what "
-                               "their hosts have differs (ENGINE_THREADS, or the cores each rank may use)")
+            texts, threads = zip(*boot.allgather((self.plan.digest()[1], os.environ.get("ENGINE_THREADS"))))
+            q = next(r for r in range(boot.size) if everyone[r] != everyone[0])
+            why = (f"ENGINE_THREADS={threads[0] or 'unset'} on rank 0, {threads[q] or 'unset'} on rank {q}: set it "
+                   "alike on every rank, or on none" if threads[0] != threads[q] else
+                   "their settings agree, so what their hosts have differs (the cores each rank may use)")
+            raise RuntimeError(f"engine: the ranks of group {self.name!r} would choose algorithms differently ("
+                               f"{registry.plan_difference(texts, 0, q)}): {why}")
 
     def _configure(self):
         """Hands the plan and the hierarchy to the core and the transport."""

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import operator
 import os
+import re
 
 from . import tuning
 from ._core import DTYPE_NAMES, OP_KIND_NAMES, OPBITS, Impl
@@ -551,9 +552,28 @@ class Plan:
     def digest(self):
         """The plan in one string: every rank of a group must walk the same rules (their pieces must
         agree on how each moves), so ranks compare it when the group is made."""
-        text = ";".join(f"{c}={','.join(f'{e.name}[{lo},{hi},{a},{b}]' for e, lo, hi, a, b in self.rules[c])}"
-                        for c in COLLECTIVES)
+        def bound(v):
+            return "any" if v >= EVERY else str(v)
+        text = ";".join(f"{c}={','.join(f'{e.name}[{lo},{bound(hi)},{a},{bound(b)}]' for e, lo, hi, a, b in rules)}"
+                        for c, rules in self.rules.items())
         return hashlib.sha1(text.encode()).hexdigest()[:16], text
+
+
+def plan_difference(texts, r, q):
+    """What differs between ranks r's and q's plans (texts: each rank's Plan.digest() text), by
+    collective: the rules (entry[bytes from, to, ranks from, to]) one walks and the other does not."""
+    def rules(text):
+        return {c: re.findall(r"[^,]+?\[[^\]]*\]", part) for c, part in (p.split("=", 1) for p in text.split(";"))}
+
+    def walks(who, these, other, those):
+        only = ", ".join(e for e in these if e not in those)
+        return only and f"rank {who} walks {only}" + ("" if set(those) - set(these) else f", rank {other} does not")
+    mine, theirs = rules(texts[r]), rules(texts[q])
+    return "; ".join(f"{c}: " + (" where ".join(filter(None, (walks(r, mine[c], q, theirs.get(c, [])),
+                                                             walks(q, theirs.get(c, []), r, mine[c]))))
+                                 or f"rank {r} walks {', '.join(mine[c])} in this order, rank {q} "
+                                    f"{', '.join(theirs.get(c, []))}")
+                     for c in mine if mine[c] != theirs.get(c))
 
 
 def _why(missing):

@@ -237,6 +237,30 @@ def test_the_settings_ranks_compare_are_their_transports_thresholds_forced_names
     assert hashes[0] != hashes[1] and all(h.startswith("rules ") for h in hashes)
 
 
+def test_plans_that_differ_are_told_by_the_rules_one_rank_walks_and_the_other_does_not(monkeypatch):
+    """Ranks whose plans differ (one with threads: ENGINE_THREADS) are refused naming each collective
+    whose rules differ and only those rules, where the error held both plans whole (2.5 KB), the one
+    rule that differed buried among the rest."""
+    for var in [v for v in os.environ if v.startswith("ENGINE_")]:
+        monkeypatch.delenv(var)
+    plain = Plan("shm", {"single_copy"}, stage=False, alone=False).digest()[1]
+    monkeypatch.setenv("ENGINE_THREADS", "2")
+    threaded = Plan("shm", {"single_copy", "threads"}, stage=False, alone=False).digest()[1]
+    monkeypatch.delenv("ENGINE_THREADS")
+    monkeypatch.setenv("ENGINE_SHM_ONESHOT_MAX_BYTES", "1024")
+    lower = Plan("shm", {"single_copy"}, stage=False, alone=False).digest()[1]
+    told = registry.plan_difference([threaded, plain, plain], 0, 2)
+    assert told == ("allreduce: rank 0 walks twoshot_threads[262144,any,1,any], rank 2 does not; "
+                    "reduce: rank 0 walks twoshot_threads[262144,any,1,any], rank 2 does not"), told
+    assert registry.plan_difference([plain, threaded], 0, 1).startswith("allreduce: rank 1 walks twoshot_threads[")
+    assert registry.plan_difference([plain, lower], 0, 1) == ("allreduce: rank 0 walks oneshot[0,16384,1,any] where "
+                                                              "rank 1 walks oneshot[0,1024,1,any]")
+    assert registry.plan_difference([plain, plain], 0, 1) == ""
+    assert registry.plan_difference(["allreduce=a[0,1,1,any],b[0,any,1,any]", "allreduce=b[0,any,1,any],a[0,1,1,any]"],
+                                    0, 1) == ("allreduce: rank 0 walks a[0,1,1,any], b[0,any,1,any] in this order, "
+                                              "rank 1 b[0,any,1,any], a[0,1,1,any]")
+
+
 def test_version_1_files_are_still_read(tmp_path, monkeypatch):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps({"format": "engine-tuning/1", "allreduce": {"mpi": [{"algorithm": "ring"}]},
