@@ -72,6 +72,8 @@ class MpiBootstrap:
         with self._blocking("MPI_Allgather"):
             return self.comm.allgather(obj)
 
+    tell = allgather   # (a collective: every rank takes part in it, this one too)
+
     def dup(self):
         """A communicator of the same ranks (collective)."""
         with self._blocking("MPI_Comm_dup"):
@@ -156,6 +158,25 @@ class StoreBootstrap:
                                 *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),
                                 came_late=self.on_cancel is not None and not looked)
         return [plain_loads(v) for v in values]
+
+    def tell(self, obj):
+        """This rank's part of the next exchange (a rank whose part of the making failed: it raises its
+        own error next), set without waiting for the others', which it never reads: it waited for a
+        member beyond a cut link its whole timeout once more (a failed connect already took one), or,
+        cut off from the store itself, that timeout and 5 s more. The members waiting in that exchange
+        read it; one that gave the making up first is named (MakingGivenUp), as where this rank waits."""
+        key = f"{self.prefix}/boot/{self._round}/"
+        self._round += 1
+        store = StoreWithin.of(self.store, 0, f"engine: {self._whose()} ({self.prefix})", line=self)
+        try:
+            store.set(key + str(self.rank), pickle.dumps(obj))
+            given_up = _given_up(store, self.prefix)
+        except ConnectionError:
+            raise
+        except Exception as exc:
+            raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
+        if given_up is not None:
+            raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", *given_up, came_late=True)
 
     def _give_up(self, store, key, why):
         """A member that reads this exchange later, or waits in it still, reads why in this rank's part,
@@ -406,16 +427,15 @@ def gather(boot, make, what):
         mine, error = make(), None
     except Exception as exc:
         mine, error = None, exc
-    try:
-        everyone = boot.allgather((mine, None if error is None else f"could not {what} ({type(error).__name__}: {error})"))
-    except Exception as exc:
-        # (this rank's own error says more than the exchange that could not carry it, unless a member gave
-        # the making up before this rank came: what this rank could not do, a segment's attach, may be why)
-        if error is not None and not isinstance(exc, MakingGivenUp):
-            raise error from None
-        raise
-    if error is not None:
+    if error is not None:   # (its part tells the others; theirs would tell it nothing its own error does not)
+        try:
+            boot.tell((None, f"could not {what} ({type(error).__name__}: {error})"))
+        except MakingGivenUp:   # (a member gave the making up before: what this rank could not do, a
+            raise               # segment's attach, may be why)
+        except Exception:   # (this rank's own error says more than the exchange that could not carry it)
+            pass
         raise error
+    everyone = boot.allgather((mine, None))
     bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if bad:
         raise RuntimeError(f"engine: {'the group' if boot.group is None else f'group {boot.group!r}'} was not made: "
@@ -450,6 +470,8 @@ class CommBootstrap:
         self.comm.allgather(row, rows.reshape(-1))
         return [plain_loads(rows[r, :lengths[r]].tobytes()) for r in range(self.size)]
 
+    tell = allgather   # (the group's collectives: every rank takes part in them, this one too)
+
 
 class SelfBootstrap:
     """A group of one."""
@@ -457,6 +479,8 @@ class SelfBootstrap:
 
     def allgather(self, obj):
         return [obj]
+
+    tell = allgather
 
 
 def _boot_id():

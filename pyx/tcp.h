@@ -622,7 +622,10 @@ static int eng_tcp_connect_all(eng_tcp *t) {
   for (int q = 0; q < t->size && !rc; q++)
     if (q != t->rank && !t->peers[q].dead) {
       rc = tcp_start_connect(t, q);
-      if (rc) tcp_peer_failed(t, q, ENG_ERR_CONNECT, rc);
+      if (rc) {   /* (an errno: the peer keeps it, eng_tcp_peer_errno; the caller gets the engine's code) */
+        tcp_peer_failed(t, q, ENG_ERR_CONNECT, rc);
+        rc = ENG_ERR_CONNECT;
+      }
     }
   pthread_mutex_unlock(&t->lock);
   return rc;

@@ -271,9 +271,11 @@ cdef class TcpTransport(Transport):
             raise EngineAborted(f"{self.abort_reason} (while the group's ranks connected over TCP)")
         if ierr:
             self.err_peer = w.missing if w.missing >= 0 else self.t.dead_peer
+            refused = ierr == ENG_ERR_CONNECT and 0 <= self.err_peer < self.size and \
+                eng_tcp_peer_errno(self.t, self.err_peer) == ECONNREFUSED   # (not: no route to it from here)
             raise EnginePeerLost(f"engine: connecting the group's ranks over TCP failed: {self.error_text(ierr)}"
                                  + (" (or it failed to make its end of the group, and closed its sockets: its own "
-                                    "error says why)" if ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_CONNECT else ""))
+                                    "error says why)" if ierr == ENG_ERR_PEER_DEAD or refused else ""))
         if w.missing >= 0:
             addr, port, host = self.peers[w.missing]
             raise EngineTimeout(f"engine: rank {self.rank} could not connect to rank {w.missing} ({host}, {addr} port "

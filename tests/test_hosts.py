@@ -61,6 +61,7 @@ FAULTS = {"kill-2x1": (1, dict(FAULT="kill", FAULT_RANK="1")),
           "kill-2x2": (2, dict(FAULT="kill", FAULT_RANK="3")),
           "cut": (1, dict(FAULT="cut", FAULT_RANK="1")),
           "cut-2x2": (2, dict(FAULT="cut", FAULT_RANK="3")),
+          "cut-connecting": (1, dict(FAULT="cut-connecting", FAULT_RANK="1")),
           "stall-2x2": (2, dict(FAULT="stall", FAULT_RANK="3")),
           "wrong-master-addr": (1, dict(master="10.77.0.99")),
           "master-port-in-use": (1, {})}
@@ -81,8 +82,8 @@ def faults(hosts):
     /dev/shm, {fault: its MASTER_PORT})."""
     before = _shm()
     ports = dict(zip(FAULTS, free_ports(len(FAULTS))))
-    with Hosts(2) as cut_pair, Hosts(2) as cut_pair_2x2:
-        own = {"cut": cut_pair, "cut-2x2": cut_pair_2x2}
+    with Hosts(2) as cut_pair, Hosts(2) as cut_pair_2x2, Hosts(2) as cut_connecting:
+        own = {"cut": cut_pair, "cut-2x2": cut_pair_2x2, "cut-connecting": cut_connecting}
         squatter = hosts.popen(0, [sys.executable, "-c", "import socket, sys, time\n"
                                    "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()\n"
                                    "print('listening', flush=True); time.sleep(600)",
@@ -188,6 +189,19 @@ def test_a_link_cut_between_hosts_of_two_ranks_each_ends_every_rank_naming_a_ran
     assert sorted(raised) == [0, 1, 2, 3], text[-5000:]
     for rank, (seconds, kind, msg) in raised.items():
         assert _named(msg, 4) & ({2, 3} if rank < 2 else {0, 1}), (rank, msg)
+
+
+def test_a_link_cut_while_the_group_connects_ends_within_the_timeout_naming_the_peer(faults):
+    """Rank 1 sets its host's link down after the init's last exchange, before the ranks connect: each
+    fails to connect within the timeout, naming the other, and raises then (the cut-off one, whose
+    store is beyond the cut, once its part of the next exchange has waited 5 s more for the store).
+    Each waited another whole timeout in that exchange first, for the other's part (20 and 25 s)."""
+    raised, text = _fault(faults, "cut-connecting")
+    assert "link cut while the group connects" in text, text[-3000:]
+    assert sorted(raised) == [0, 1], text[-5000:]
+    for rank, (seconds, kind, msg) in raised.items():
+        assert f"could not connect to rank {1 - rank} (" in msg, (rank, msg)
+        assert seconds < FAULT_TIMEOUT + (3 if rank == 0 else STORE_QUERY_SECONDS + 3), (rank, seconds, msg)
 
 
 def test_a_wrong_master_addr_fails_naming_it(faults):

@@ -511,6 +511,28 @@ def test_a_member_that_comes_to_an_exchange_after_another_gave_the_making_up_fai
         late.allgather("rank 1's")   # (at its timeout, 30 s: MissingRanks)
 
 
+def test_a_rank_whose_part_of_the_making_failed_says_so_and_raises_without_waiting_for_the_others():
+    """A rank whose part of a making failed (its connects to a rank beyond a cut link timed out) waited
+    in the next exchange for the others' parts, which it never reads, as long again: for that rank's
+    part, never set there (20 s in all, where docs/hosts.md says the timeout). It now leaves its part,
+    saying why, and raises its own error at once; a member coming later reads it."""
+    import time
+
+    import torch.distributed as dist
+    from engine.bootstrap import StoreBootstrap, gather
+
+    def connect():
+        raise RuntimeError("engine: rank 0 could not connect to rank 1 within 10 s")
+    store = dist.HashStore()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 could not connect to rank 1"):
+        gather(StoreBootstrap(store, 0, 2, "g", timeout=30), connect, "open its end of the group")
+    assert time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match=r"group was not made: rank 0 could not open its end of the group "
+                                           r"\(RuntimeError: engine: rank 0 could not connect to rank 1"):
+        gather(StoreBootstrap(store, 1, 2, "g", timeout=30), lambda: "mine", "open its end of the group")
+
+
 def test_a_member_that_came_and_gave_up_is_not_named_among_those_that_never_joined():
     """Rank 1 of 4 came to an exchange of the making, and gave it up at its shorter timeout; rank 0,
     at its own, named ranks [1, 2, 3] as never joined, where rank 1 had (it took its part back). Rank

@@ -4,6 +4,9 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
     FAULT=kill   rank FAULT_RANK sends itself SIGKILL at step 5
     FAULT=cut    rank FAULT_RANK sets its host's link (eth0) down at step 5
     FAULT=stall  rank FAULT_RANK sleeps past the timeout at step 5 (alive: its peers time out)
+    FAULT=cut-connecting  rank FAULT_RANK sets its host's link down while the group's ranks connect
+                 (the init's exchange of the TCP ends done, the connections not yet made: every rank
+                 waits 1 s there, and S counts from then)
     FAULT=none   only the init (a wrong MASTER_ADDR, a MASTER_PORT in use: the init must fail)
 
 Every rank that raises prints `rank R: raised after S s: Type: message`, S counted from the fault (or
@@ -36,6 +39,21 @@ def _exit_handlers_ran():
 
 
 atexit.register(_exit_handlers_ran)   # before torch's and the engine's: it runs after theirs
+if FAULT == "cut-connecting":
+    import engine.tcp
+    exchange = engine.tcp.gather
+
+    def gather(boot, make, what):
+        global start
+        out = exchange(boot, make, what)
+        if what.startswith("make its end"):   # (the last exchange before the ranks connect)
+            start = time.time()
+            if rank == VICTIM:
+                subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+                print(f"rank {rank}: link cut while the group connects at {start:.3f}", flush=True)
+            time.sleep(max(start + 1 - time.time(), 0))
+        return out
+    engine.tcp.gather = gather
 try:
     dist.init_process_group(backend="engine", timeout=datetime.timedelta(seconds=TIMEOUT))
     rank = dist.get_rank()
