@@ -159,13 +159,19 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank) {
    * of a hierarchy names it in the whole group's numbering (eng_tcp_set_whole): a stage's goodbye
    * then names a rank lost in another stage of that group too. */
   uint64_t lost = 0;
-  int me = tcp_whole(t, t->rank);
+  int me = tcp_whole(t, t->rank), first = 0;
   if (broken == TCP_LEFT_BROKEN - 1 && lost_rank >= 0 && lost_rank < t->whole_size && lost_rank != me)
     lost = (uint64_t)lost_rank + 1;
   else if (broken == TCP_LEFT_BROKEN - 1 && t->dead_peer >= 0)
     lost = t->dead_code == ENG_ERR_PEER_DEAD ? (uint64_t)tcp_whole(t, t->dead_peer) + 1
                                              : (uint64_t)t->peers[t->dead_peer].bye_lost;
-  tcp_hdr_set(&bye, ENG_TCP_BYE, 0, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
+  /* Where it broke over a peer's goodbye that lost no rank (that peer aborted the group, or a call
+   * failed there), the goodbye names that peer, or the one it followed (tag: that rank + 1): a peer
+   * that hears this rank first names the rank that gave the group up first, not this one. */
+  if (broken == TCP_LEFT_BROKEN - 1 && !lost && t->dead_peer >= 0 && t->dead_code == ENG_ERR_PEER_LEFT &&
+      t->peers[t->dead_peer].departed == TCP_LEFT_BROKEN)
+    first = t->peers[t->dead_peer].bye_first ? t->peers[t->dead_peer].bye_first : tcp_whole(t, t->dead_peer) + 1;
+  tcp_hdr_set(&bye, ENG_TCP_BYE, first, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (q == t->rank || p->dead) continue;
@@ -590,6 +596,7 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 /* Whether peer said goodbye (it left the group in order). */
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
+static int eng_tcp_bye_first(eng_tcp *t, int peer) { return t->peers[peer].bye_first - 1; }
 static int eng_tcp_whole(eng_tcp *t, int q) { return tcp_whole(t, q); }
 
 /* A stage of a hierarchy: ranks[q] (t->size entries, malloc'd; t owns them now) is rank q's rank in

@@ -43,6 +43,7 @@ cdef extern from "tcp.h" nogil:
     int eng_tcp_peer_errno(eng_tcp *t, int peer)
     int eng_tcp_departed(eng_tcp *t, int peer)
     int eng_tcp_bye_lost(eng_tcp *t, int peer)
+    int eng_tcp_bye_first(eng_tcp *t, int peer)
     int eng_tcp_whole(eng_tcp *t, int q)
     void eng_tcp_set_whole(eng_tcp *t, int whole_size, int *ranks)
     int eng_tcp_lost(eng_tcp *t, int waited_on, int *lost)
@@ -356,8 +357,12 @@ cdef class TcpTransport(Transport):
             return (f"{who} was lost: {self._who(p)} saw it end (its process or its link) and gave "
                     f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
-            return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: a call of it failed there "
-                    "(its own error says why: a lost peer, a mismatch) or it was aborted; none of the group's "
+            first = eng_tcp_bye_first(self.t, p)   # (the rank whose giving up it followed, where it names one)
+            m = self.member(first) if 0 <= first != self.whole_rank(self.rank) else p
+            who = self._who(p) if m == p else self._who(m) if m >= 0 else f"rank {first} of group '{self.whole_name}'"
+            after = "" if m == p else f"; {self._who(p)} gave it up after it"
+            return (f"{who} gave the group up while rank {self.rank} ran this: a call of it failed there (its own "
+                    f"error says why: a lost peer, a mismatch) or it was aborted{after}; none of the group's "
                     "collectives can end")
         if code == ENG_ERR_PEER_LEFT:
             return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "

@@ -139,6 +139,7 @@ typedef struct {
   int departed;             /* it said goodbye (TCP_LEFT*): its end fails only what involves it, or, where its
                                group broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
   int bye_lost;             /* the rank its goodbye said it lost (its process, or link, gone) + 1, or 0 */
+  int bye_first;            /* the rank whose giving up its goodbye said it followed (an abort there) + 1, or 0 */
   int dead;                 /* an ENG_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */
@@ -184,12 +185,13 @@ typedef struct eng_tcp {
   int live;
 } eng_tcp;
 
-/* A goodbye read from peer p (checked: tcp_bye_ok): how it left, and the rank it lost where it names
- * one (its header's seq: that rank + 1, in the whole group's numbering, bounds-checked; anything else
- * names none). */
+/* A goodbye read from peer p (checked: tcp_bye_ok): how it left, the rank it lost where it names one
+ * (its header's seq: that rank + 1, in the whole group's numbering, bounds-checked; anything else
+ * names none), and the rank that gave the group up before it, where it names one (its tag, alike). */
 static inline void tcp_bye_read(const eng_tcp *t, tcp_peer *p, const tcp_hdr *h) {
   p->departed = 1 + (int)h->a;
   p->bye_lost = h->seq >= 1 && h->seq <= (uint64_t)t->whole_size ? (int)h->seq : 0;
+  p->bye_first = h->tag >= 1 && h->tag <= t->whole_size ? h->tag : 0;
 }
 
 

@@ -508,6 +508,26 @@ class FaultToleranceScenarios(ForkedRanks):
             self.assertLess(took, 5.0, f"the late member's shrink took {took:.1f} s")
         self._finish("shrinklate_end")
 
+    def test_every_survivor_names_the_rank_that_aborted_not_a_peer_that_gave_up_after_it(self):
+        """Rank 0 aborts a group whose other ranks wait for it in an all_reduce, round after round. Over
+        TCP a survivor that read the other survivor's goodbye first named that one alone (`rank 2 gave
+        the group up while rank 1 ran this`): a probing helper's runs, 3 of 5. A goodbye now names the
+        rank whose giving up it followed, and the survivor names that rank first."""
+        self._init()
+        for round in range(6):
+            group = dist.new_group(list(range(WORLD)))
+            self._barrier(f"named_{round}")
+            if self.rank == 0:
+                time.sleep(0.2)   # (the others in the call; where they come later they fail alike at once)
+                group._get_backend(torch.device("cpu")).abort()
+            else:
+                with self.assertRaisesRegex(RuntimeError, r"rank 0 \([^)]*\) (left|gave) the group") as caught:
+                    dist.all_reduce(torch.ones(1000), group=group)
+                self.assertNotRegex(str(caught.exception), r"rank [12] \([^)]*\) gave the group up while",
+                                    f"round {round}")
+            dist.destroy_process_group(group)
+        self._finish("named_done")
+
     def test_a_timed_out_call_runs_the_abort_hooks_then_reconfigure_recovers(self):
         """torch's contract for a call that times out (test_reconfigure_after_timeout, which torch runs
         on nccl2 only): the abort hooks run, get_error() says TIMEOUT, and the group refuses the next
