@@ -119,13 +119,20 @@ cdef class ShmComm(CoreComm):
                                           f"waited for it in {what} #{self.seq}")
         elif gave_up:   # (where the group broke over a rank lost in any stage of the whole group: which)
             timed_out, lost = gave_up == GAVE_UP_TIMED_OUT, <int>(gave_up >> 8) - 1
-            lost = lost if self.algo_tp.in_whole(lost) else -1   # (read from a peer's word: checked)
+            first = lost if (gave_up & GAVE_UP_KIND) == GAVE_UP_FOLLOWED else -1   # (read from a peer's word:
+            lost = lost if (gave_up & GAVE_UP_KIND) == GAVE_UP_BROKEN and self.algo_tp.in_whole(lost) else -1   # checked)
+            m = self.algo_tp.member(first) if self.algo_tp.in_whole(first) else q
+            if not timed_out and lost < 0:   # (this rank's word follows q's: it names whom q's followed, or q)
+                self.seg.followed = self.algo_tp.whole_rank(q) if m in (q, self.rank) else first
+            who = (f"rank {q} (pid {self.seg.peers.pids[q]})" if m in (q, self.rank) else
+                   f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else f"rank {first} of group "
+                   f"'{self.algo_tp.whole_name}'")
+            after = "" if m in (q, self.rank) else f"; rank {q} (pid {self.seg.peers.pids[q]}) gave it up after it"
             kind = EngineTimeout if timed_out else EnginePeerLost
-            text = (f"rank {q} (pid {self.seg.peers.pids[q]}) gave the group up while rank {self.rank} waited for it "
-                    f"in {what} #{self.seq}: " + (
+            text = (f"{who} gave the group up while rank {self.rank} waited for it in {what} #{self.seq}: " + (
                         "its call timed out there (its own error names the ranks it waited for)" if timed_out else
                         "a call of it failed there (its own error says why: a lost peer, a mismatch) or it was "
-                        "aborted; none of the group's collectives can end" if lost < 0 else
+                        f"aborted{after}; none of the group's collectives can end" if lost < 0 else
                         "a call of it failed there over that loss; none of the group's collectives can end"))
             m = self.algo_tp.member(lost)
             text = text if lost < 0 else (f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else

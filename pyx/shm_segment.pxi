@@ -118,7 +118,7 @@ cdef class ShmSegment:
     point-to-point. create() on the group's first rank, attach() on the others (same host)."""
     def __cinit__(self):
         self.fd = -1
-        self.err_peer = self.err_awaited = -1
+        self.err_peer = self.err_awaited = self.followed = -1
         self.peers.dead = -1
 
     def __dealloc__(self):
@@ -345,12 +345,15 @@ cdef class ShmSegment:
         aborted): a peer waiting for this rank in a collective fails at its next liveness check, not at
         its timeout, and no peer copies from or into a buffer of this rank's collectives any longer.
         Point-to-point goes on. The word says whether a call timed out or the group broke, and over
-        the loss of which rank (lost: in the whole group's numbering, Transport.serve; or -1)."""
+        the loss of which rank (lost: in the whole group's numbering, Transport.serve; or -1), or
+        after which rank's word (followed), which a peer reading this one first then names."""
         cdef int q
         if self.ctrl == NULL or eng_load32(self.gave_up(self.rank)):
             return
         eng_store32(self.gave_up(self.rank), GAVE_UP_TIMED_OUT if timed_out else
-                    GAVE_UP_BROKEN | (<uint32_t>(lost + 1) << 8 if 0 <= lost < 0xffffff else 0))
+                    GAVE_UP_BROKEN | (<uint32_t>(lost + 1) << 8) if 0 <= lost < 0xffffff else
+                    GAVE_UP_FOLLOWED | (<uint32_t>(self.followed + 1) << 8) if 0 <= self.followed < 0xffffff else
+                    GAVE_UP_BROKEN)
         for q in range(self.size):
             if q != self.rank:
                 self.ring(q)
@@ -504,7 +507,7 @@ cdef int _flags_alive(void *arg) noexcept nogil:
     if rc != ENG_ERR_PEER_LEFT:
         return rc
     for q in range(w.size):
-        if q != w.me and (eng_load32(_gave_up_word(w.ctrl, q)) & GAVE_UP_KIND) == GAVE_UP_BROKEN:
+        if q != w.me and (eng_load32(_gave_up_word(w.ctrl, q)) & GAVE_UP_KIND) in (GAVE_UP_BROKEN, GAVE_UP_FOLLOWED):
             p.dead = q
             return ENG_ERR_PEER_LEFT
     for q in range(w.size):

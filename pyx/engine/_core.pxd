@@ -518,6 +518,7 @@ cdef enum:
     LEFT_WITHDRAWN = 2          # or it freed or aborted the group (its messages withdrawn, the buffers its own)
     GAVE_UP_BROKEN = 1          # a rank's gave-up word: its group broke there or it aborted it (every wait fails),
     GAVE_UP_TIMED_OUT = 2       # or a call timed out there (only the waits that still need it fail)
+    GAVE_UP_FOLLOWED = 3        # or it broke there after another rank's word said that rank broke (above: its + 1)
     GAVE_UP_KIND = 0xff         # (the word's low byte; above it, GAVE_UP_BROKEN's lost rank + 1 where one broke it)
 
 
@@ -577,6 +578,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef bint err_pieces            # the mismatch an error names is of a piece's size (aux: the two sizes)
     cdef bint err_peer_passed       # the peer an error names had reached the flag waited for (its part done)
     cdef int err_awaited            # with it: another peer the failed wait still waited for, or -1
+    cdef int followed               # the rank (the whole group's) whose gave-up word this rank's follows, or -1
     cdef uint64_t awaited_target    # the flag wait in progress: its target (0: none), and its one peer or -1
     cdef int awaited_only
     cdef readonly bytes token
