@@ -11,7 +11,7 @@ from libc.stdlib cimport malloc, calloc, realloc, free, qsort
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY
-from libc.errno cimport ECONNREFUSED, EMFILE, ENFILE, ESRCH
+from libc.errno cimport ECONNREFUSED, EHOSTUNREACH, EMFILE, ENFILE, ESRCH, ETIMEDOUT
 from cpython.pythread cimport PyThread_get_thread_ident
 
 from kernels cimport *

@@ -373,6 +373,9 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_PEER_DEAD:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             why = f" ({strerror(e).decode()})" if e else ""
+            if e in (ETIMEDOUT, EHOSTUNREACH):   # (this kernel gave the connection up: nothing came back on it)
+                return (f"the connection to {self._who(p)} timed out here{why} while rank {self.rank} waited: what "
+                        "this rank sent it went unacknowledged, so the link to it is cut or its host is down")
             return (f"{self._who(p)} closed its connection{why} without leaving the group while rank {self.rank} "
                     "waited: its process died (killed, crashed), the link to it broke, or it gave the group up "
                     "in the middle of a message (after a failure of its own, which its error names)")
