@@ -88,6 +88,15 @@ cdef class MpiComm(CoreComm):
             self.abandoned = earlier
         return ierr
 
+    def waiting_on(self):
+        """Whom this rank's collective waits on, as the message its wait is on says (an algorithm of the
+        engine's over MPI's point-to-point; MPI's own collectives say nothing), for a timeout's report."""
+        cdef int q = self.tp.awaited_peer
+        if not 0 <= q < self.size:
+            return None
+        return (f"this rank waits on rank {q}: its {'send to' if self.tp.awaited_send else 'receive from'} that "
+                "rank, posted to MPI, has not completed")
+
     def set_any_source_by_probe(self, bint on):
         """Receives from any rank wait in MPI_Improbe instead of being posted (engine.mpi.any_source_by_probe);
         the algorithms' and MPI's collectives' waits move them too. (The algorithms name every peer.)"""

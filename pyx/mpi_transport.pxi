@@ -59,6 +59,8 @@ cdef class MpiTransport(Transport):
     cdef Req **probing            # the probing receives, oldest first
     cdef size_t nprobing, probing_cap
     cdef uint32_t posted          # messages posted and not yet seen complete or cancelled (in_flight)
+    cdef int awaited_peer         # the peer of the message a wait is on (its source or destination), or -1
+    cdef bint awaited_send        # (for a timeout's report: MpiComm.waiting_on)
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
         """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
@@ -68,7 +70,7 @@ cdef class MpiTransport(Transport):
         self.comm = comm.ob_mpi
         self.pycomm = comm
         pthread_mutex_init(&self.probing_lock, NULL)
-        self.err_peer = -1
+        self.err_peer = self.awaited_peer = -1
         check(MPI_Comm_rank(self.comm, &self.rank), "MPI_Comm_rank")
         check(MPI_Comm_size(self.comm, &self.size), "MPI_Comm_size")
         # (MPI attaches its largest tag to the world only: a split or a dup of it may not carry it)
@@ -125,6 +127,7 @@ cdef class MpiTransport(Transport):
         if not ierr:
             req.w[0] = 2 if recv else 1
             req.w[2] = <size_t>(peer + 1) if recv and peer != ANY_PEER else 0
+            req.w[3] = <size_t>(peer + 1) if peer != ANY_PEER else 0   # (whom a wait on it waits on)
             eng_add32(&self.posted)
         return self.failed(ierr)
 
@@ -307,7 +310,7 @@ cdef class MpiTransport(Transport):
         if ierr:
             req.w[2], req.w[0] = <size_t>ierr, _PROBE_FAILED
         else:
-            req.w[0] = 2
+            req.w[0], req.w[3] = 2, 0   # (a receive from any rank: whom a wait on it waits on is not known)
 
     cdef int in_flight(self) noexcept nogil:
         # MPI moves a message only inside its calls (a large one's rendezvous needs its sender's): a
@@ -325,8 +328,13 @@ cdef class MpiTransport(Transport):
         cdef MpiWait w
         if not req_active(req):
             return 0
+        cdef int ierr
         w.req, w.st, w.probe_at = req, st, 0
-        return wait_until(_poll_probing, <void*>self, &w, ctx, self.door)
+        if req.w[0] == 1 or req.w[0] == 2:   # (a message posted to MPI, not a probing receive)
+            self.awaited_peer, self.awaited_send = <int>req.w[3] - 1, req.w[0] == 1
+        ierr = wait_until(_poll_probing, <void*>self, &w, ctx, self.door)
+        self.awaited_peer = -1
+        return ierr
 
     cdef int stray(self, int peer) noexcept nogil:
         """ENG_ERR_OTHER_CALL naming peer if a message from peer that nobody took shows it in another

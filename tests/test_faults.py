@@ -65,6 +65,9 @@ def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_
             and "(timeout 5 s): rank 1 did not arrive" in msg, msg
         if transport == "shm":   # (the segment's step flags say whom the wait waits on)
             assert msg.endswith("did not arrive; this rank waits on rank 1 (pid " + msg.split("(pid ")[-1]), msg
+        else:   # (the message its wait is on: said where the store that names the late ranks is out of reach)
+            assert msg.endswith("did not arrive; this rank waits on rank 1: its receive from that rank, posted to "
+                                "MPI, has not completed"), msg
     assert "engine: flight recorder of group '0'" in out  # dumped on the timeout
     assert proc.returncode != 0
 
