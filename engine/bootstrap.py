@@ -130,12 +130,7 @@ class StoreBootstrap:
                              "store before, and the last making's keys would be read as this one's: give each making "
                              "a prefix of its own (Communicator.from_store's prefix=)")
         self._round += 1
-        try:
-            store.set(key + str(self.rank), pickle.dumps(obj))
-        except ConnectionError:   # (a store that says why it is gone: a reconfigure's hub)
-            raise
-        except Exception as exc:   # (torch's: "Broken pipe", where its server's process is gone)
-            raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
+        self._set_part(store, key, obj)
         keys = [key + str(r) for r in range(self.size)]
         looked = []   # (stop is asked only after a first look that found a part unset)
 
@@ -168,15 +163,19 @@ class StoreBootstrap:
         key = f"{self.prefix}/boot/{self._round}/"
         self._round += 1
         store = StoreWithin.of(self.store, 0, f"engine: {self._whose()} ({self.prefix})", line=self)
-        try:
-            store.set(key + str(self.rank), pickle.dumps(obj))
-            given_up = _given_up(store, self.prefix)
-        except ConnectionError:
-            raise
-        except Exception as exc:
-            raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
+        self._set_part(store, key, obj)
+        given_up = _given_up(store, self.prefix)
         if given_up is not None:
             raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", *given_up, came_late=True)
+
+    def _set_part(self, store, key, obj):
+        """This rank's part of the exchange under key; a store gone says so."""
+        try:
+            store.set(key + str(self.rank), pickle.dumps(obj))
+        except ConnectionError:   # (a store that says why it is gone: a reconfigure's hub)
+            raise
+        except Exception as exc:   # (torch's: "Broken pipe", where its server's process is gone)
+            raise store_stopped(f"the group's bootstrap ({self.prefix})", exc) from None
 
     def _give_up(self, store, key, why):
         """A member that reads this exchange later, or waits in it still, reads why in this rank's part,

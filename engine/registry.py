@@ -564,16 +564,21 @@ def plan_difference(texts, r, q):
     collective: the rules (entry[bytes from, to, ranks from, to]) one walks and the other does not."""
     def rules(text):
         return {c: re.findall(r"[^,]+?\[[^\]]*\]", part) for c, part in (p.split("=", 1) for p in text.split(";"))}
-
-    def walks(who, these, other, those):
-        only = ", ".join(e for e in these if e not in those)
-        return only and f"rank {who} walks {only}" + ("" if set(those) - set(these) else f", rank {other} does not")
     mine, theirs = rules(texts[r]), rules(texts[q])
-    return "; ".join(f"{c}: " + (" where ".join(filter(None, (walks(r, mine[c], q, theirs.get(c, [])),
-                                                             walks(q, theirs.get(c, []), r, mine[c]))))
-                                 or f"rank {r} walks {', '.join(mine[c])} in this order, rank {q} "
-                                    f"{', '.join(theirs.get(c, []))}")
-                     for c in mine if mine[c] != theirs.get(c))
+    told = []
+    for c, a in mine.items():
+        b = theirs.get(c, [])
+        if a == b:
+            continue
+        only_a, only_b = ", ".join(e for e in a if e not in b), ", ".join(e for e in b if e not in a)
+        if only_a and only_b:
+            told.append(f"{c}: rank {r} walks {only_a} where rank {q} walks {only_b}")
+        elif only_a or only_b:
+            told.append(f"{c}: rank {r} walks {only_a}, rank {q} does not" if only_a else
+                        f"{c}: rank {q} walks {only_b}, rank {r} does not")
+        else:   # (the same rules in another order)
+            told.append(f"{c}: rank {r} walks {', '.join(a)} in this order, rank {q} {', '.join(b)}")
+    return "; ".join(told)
 
 
 def _why(missing):

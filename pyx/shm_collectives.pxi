@@ -117,32 +117,36 @@ cdef class ShmComm(CoreComm):
             lost = self.algo_tp.whole_rank(q)
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
-        elif gave_up:   # (where the group broke over a rank lost in any stage of the whole group: which)
-            timed_out, lost = gave_up == GAVE_UP_TIMED_OUT, <int>(gave_up >> 8) - 1
-            first = lost if (gave_up & GAVE_UP_KIND) == GAVE_UP_FOLLOWED else -1   # (read from a peer's word:
-            lost = lost if (gave_up & GAVE_UP_KIND) == GAVE_UP_BROKEN and self.algo_tp.in_whole(lost) else -1   # checked)
-            m = self.algo_tp.member(first) if self.algo_tp.in_whole(first) else q
+        elif gave_up:   # (where the group broke over a rank lost in any stage of the whole group, or after
+            # another rank's word: which, in the whole group's numbering, read from a peer's word: checked)
+            timed_out, named = gave_up == GAVE_UP_TIMED_OUT, <int>(gave_up >> 8) - 1
+            named = named if self.algo_tp.in_whole(named) else -1
+            lost = named if (gave_up & GAVE_UP_KIND) == GAVE_UP_BROKEN else -1
+            first = named if ((gave_up & GAVE_UP_KIND) == GAVE_UP_FOLLOWED and
+                              self.algo_tp.member(named) not in (q, self.rank)) else -1
             if not timed_out and lost < 0:   # (this rank's word follows q's: it names whom q's followed, or q)
-                self.seg.followed = self.algo_tp.whole_rank(q) if m in (q, self.rank) else first
-            who = (f"rank {q} (pid {self.seg.peers.pids[q]})" if m in (q, self.rank) else
-                   f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else f"rank {first} of group "
-                   f"'{self.algo_tp.whole_name}'")
-            after = "" if m in (q, self.rank) else f"; rank {q} (pid {self.seg.peers.pids[q]}) gave it up after it"
+                self.seg.followed = first if first >= 0 else self.algo_tp.whole_rank(q)
+            who = self._whole_who(first) if first >= 0 else f"rank {q} (pid {self.seg.peers.pids[q]})"
+            after = f"; rank {q} (pid {self.seg.peers.pids[q]}) gave it up after it" if first >= 0 else ""
             kind = EngineTimeout if timed_out else EnginePeerLost
             text = (f"{who} gave the group up while rank {self.rank} waited for it in {what} #{self.seq}: " + (
                         "its call timed out there (its own error names the ranks it waited for)" if timed_out else
                         "a call of it failed there (its own error says why: a lost peer, a mismatch) or it was "
                         f"aborted{after}; none of the group's collectives can end" if lost < 0 else
                         "a call of it failed there over that loss; none of the group's collectives can end"))
-            m = self.algo_tp.member(lost)
-            text = text if lost < 0 else (f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else
-                                          f"rank {lost} of group '{self.algo_tp.whole_name}'") + " was lost: " + text
+            text = text if lost < 0 else f"{self._whole_who(lost)} was lost: {text}"
         else:
             kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
                                           "or its process ended) "
                                           f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
                                           "not run the same collectives, or one destroyed the group early")
         return self.broke(kind, text, what, lost)
+
+    cdef str _whole_who(self, int w):
+        """Rank w of the whole group a stage serves (a gave-up word's numbering): this stage's rank, by
+        its pid, or by its number there where it is a rank of another stage."""
+        cdef int m = self.algo_tp.member(w)
+        return f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else f"rank {w} of group '{self.algo_tp.whole_name}'"
 
     cdef void release_transports(self) noexcept:
         """The channels', then the helper threads and the segment's mapping and descriptors."""

@@ -329,6 +329,12 @@ cdef class TcpTransport(Transport):
         addr, port, host = self.peers[peer]
         return f"rank {peer} ({host}, {addr} port {port})"
 
+    cdef str _whole_who(self, int w):
+        """Rank w of the whole group a stage serves (a goodbye's numbering), as _who names this stage's
+        ranks, or by its number there where it is a rank of another stage."""
+        cdef int m = self.member(w)
+        return self._who(m) if m >= 0 else f"rank {w} of group '{self.whole_name}'"
+
     cdef int classify(self, int code) noexcept:
         """A peer whose goodbye said its call timed out (TCP_LEFT_TIMED_OUT): the call here that still
         needed it timed out too, in effect (ENG_ERR_PEER_TIMED_OUT: EngineTimeout)."""
@@ -352,15 +358,14 @@ cdef class TcpTransport(Transport):
                     "(its own error names the ranks it waited for)")
         lost = self.lost_rank(code)   # (where a peer's goodbye said its group broke over a lost rank: that rank)
         if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.whole_rank(self.rank):
-            m = self.member(lost)   # (a rank of this stage, or one of another stage of the group it serves)
-            who = self._who(m) if m >= 0 else f"rank {lost} of group '{self.whole_name}'"
-            return (f"{who} was lost: {self._who(p)} saw it end (its process or its link) and gave "
+            return (f"{self._whole_who(lost)} was lost: {self._who(p)} saw it end (its process or its link) and gave "
                     f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
             first = eng_tcp_bye_first(self.t, p)   # (the rank whose giving up it followed, where it names one)
-            m = self.member(first) if 0 <= first != self.whole_rank(self.rank) else p
-            who = self._who(p) if m == p else self._who(m) if m >= 0 else f"rank {first} of group '{self.whole_name}'"
-            after = "" if m == p else f"; {self._who(p)} gave it up after it"
+            if first == self.whole_rank(self.rank) or self.member(first) == p:
+                first = -1
+            who = self._whole_who(first) if first >= 0 else self._who(p)
+            after = f"; {self._who(p)} gave it up after it" if first >= 0 else ""
             return (f"{who} gave the group up while rank {self.rank} ran this: a call of it failed there (its own "
                     f"error says why: a lost peer, a mismatch) or it was aborted{after}; none of the group's "
                     "collectives can end")
