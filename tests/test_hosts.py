@@ -62,6 +62,7 @@ FAULTS = {"kill-2x1": (1, dict(FAULT="kill", FAULT_RANK="1")),
           "cut": (1, dict(FAULT="cut", FAULT_RANK="1")),
           "cut-2x2": (2, dict(FAULT="cut", FAULT_RANK="3")),
           "cut-connecting": (1, dict(FAULT="cut-connecting", FAULT_RANK="1")),
+          "drop": (1, dict(FAULT="drop", FAULT_RANK="1")),
           "stall-2x2": (2, dict(FAULT="stall", FAULT_RANK="3")),
           "wrong-master-addr": (1, dict(master="10.77.0.99")),
           "master-port-in-use": (1, {})}
@@ -82,8 +83,8 @@ def faults(hosts):
     /dev/shm, {fault: its MASTER_PORT})."""
     before = _shm()
     ports = dict(zip(FAULTS, free_ports(len(FAULTS))))
-    with Hosts(2) as cut_pair, Hosts(2) as cut_pair_2x2, Hosts(2) as cut_connecting:
-        own = {"cut": cut_pair, "cut-2x2": cut_pair_2x2, "cut-connecting": cut_connecting}
+    with Hosts(2) as cut_pair, Hosts(2) as cut_pair_2x2, Hosts(2) as cut_connecting, Hosts(2) as drop_pair:
+        own = {"cut": cut_pair, "cut-2x2": cut_pair_2x2, "cut-connecting": cut_connecting, "drop": drop_pair}
         squatter = hosts.popen(0, [sys.executable, "-c", "import socket, sys, time\n"
                                    "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()\n"
                                    "print('listening', flush=True); time.sleep(600)",
@@ -178,6 +179,19 @@ def test_the_link_cut_ends_in_an_error_naming_the_peer_on_both_hosts(faults):
     # transport, the cut-off one (its store out of reach) from the transport: whom its wait was on
     assert "rank 1 did not arrive" in raised[0][2] and "waits on rank 1 (" in raised[0][2], raised[0][2]
     assert "waits on rank 0 (" in raised[1][2], raised[1][2]
+
+
+def test_a_host_whose_sends_are_dropped_names_its_peer_as_timed_out_here_and_the_peer_names_it(faults):
+    """Rank 1's host drops every packet it sends (a one-way cut): its kernel gives the connection to rank 0
+    up (nothing it sent is acknowledged, its neighbour lookups go unanswered) within the timeout, and rank 1
+    says so, naming rank 0 as beyond a cut link, not as a peer that closed its connection; rank 0, whose
+    data still arrives, times out naming rank 1."""
+    raised, text = _fault(faults, "drop")
+    assert "sends dropped at step 5" in text, text[-3000:]
+    assert sorted(raised) == [0, 1], text[-5000:]
+    assert raised[1][1] == "EnginePeerLost", raised[1]
+    assert "the connection to rank 0 (" in raised[1][2] and "timed out here" in raised[1][2], raised[1][2]
+    assert "rank 1 did not arrive" in raised[0][2] and "waits on rank 1 (" in raised[0][2], raised[0][2]
 
 
 def test_a_link_cut_between_hosts_of_two_ranks_each_ends_every_rank_naming_a_rank_beyond_it(faults):

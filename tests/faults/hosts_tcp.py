@@ -3,6 +3,8 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
 
     FAULT=kill   rank FAULT_RANK sends itself SIGKILL at step 5
     FAULT=cut    rank FAULT_RANK sets its host's link (eth0) down at step 5
+    FAULT=drop   rank FAULT_RANK's host drops every packet it sends at step 5 (a one-way cut: what its
+                 peers send still arrives, their data and their retransmissions go unacknowledged)
     FAULT=stall  rank FAULT_RANK sleeps past the timeout at step 5 (alive: its peers time out)
     FAULT=cut-connecting  rank FAULT_RANK sets its host's link down while the group's ranks connect
                  (the init's exchange of the TCP ends done, the connections not yet made: every rank
@@ -67,6 +69,9 @@ try:
             if rank == VICTIM and FAULT == "cut":
                 subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
                 print(f"rank {rank}: link cut at step {step} at {fault_at:.3f}", flush=True)
+            if rank == VICTIM and FAULT == "drop":
+                subprocess.run(["tc", "qdisc", "add", "dev", "eth0", "root", "pfifo", "limit", "0"], check=True)
+                print(f"rank {rank}: sends dropped at step {step} at {fault_at:.3f}", flush=True)
             if rank == VICTIM and FAULT == "stall":
                 print(f"rank {rank}: stalls at step {step} at {fault_at:.3f}", flush=True)
                 time.sleep(TIMEOUT + 5)
