@@ -80,6 +80,19 @@ def parse_plot_args(argv):
     return p.parse_args(argv)
 
 
+def parse_table_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench table", description="Markdown tables of a run, as in "
+                                "BENCHMARKS.md: one per collective, the first backend as the baseline")
+    p.add_argument("file", help="a sweep's --json output")
+    p.add_argument("collectives", nargs="*", metavar="COLLECTIVE",
+                   help=f"the collectives to print, of {', '.join(COLLECTIVES)} (default: every one in the file)")
+    a = p.parse_args(argv)
+    unknown = [c for c in a.collectives if c not in COLLECTIVES]
+    if unknown:
+        p.error(f"no collective {', '.join(unknown)}: choose of {', '.join(COLLECTIVES)}")
+    return a
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
@@ -87,10 +100,11 @@ def main(argv=None):
         a = parse_plot_args(argv[1:])
         print(plot(a.files, a.output, a.collective))
         return
-    if argv[:1] == ["table"]:  # python -m bench table FILE [COLLECTIVE...]: Markdown, as in BENCHMARKS.md
+    if argv[:1] == ["table"]:
         from .report import markdown_table, read_json
-        doc = read_json(argv[1])
-        for coll in argv[2:] or list(dict.fromkeys(r["collective"] for r in doc["rows"])):
+        a = parse_table_args(argv[1:])
+        doc = read_json(a.file)
+        for coll in a.collectives or list(dict.fromkeys(r["collective"] for r in doc["rows"])):
             print(f"### {coll}\n\n{markdown_table(doc['rows'], coll, doc['meta']['backends'][0], doc['meta'])}\n")
         return
     if argv[:1] == ["kernels"]:

@@ -32,6 +32,7 @@ _SIG_LEN = 12  # op, dtype, count, root, reduce op, seq, ndim, 5 dims
 _HINTS = {"ENGINE_DEBUG": " (debug mode: ENGINE_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL)",
           "ENGINE_RING_SEGMENT_BYTES": " (or Communicator(ring_segment_bytes=...))",
           "engine.__version__": " (install the same engine on every host)",
+          "ENGINE_MPI_ANY_SOURCE": " (unset: probe under MPICH's UCX network module only, else post)",
           "the group's size": " (WORLD_SIZE, or the world_size given to init_process_group or from_store)"}
 
 

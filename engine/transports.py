@@ -190,7 +190,9 @@ class Mpi(_Transport):
         core = mpi.core().MpiComm(*comms, seg_bytes, cfg["tag_ub"])
         core.set_chunk(cfg["chunk"])
         core.set_any_source_by_probe(cfg["any_source_by_probe"])
-        return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"], "ENGINE_MPI_ANY_SOURCE": cfg["any_source_by_probe"]}
+        # (named as the variable's values are, where ranks differ: _agreed prints them)
+        return core, set(), {"ENGINE_MPI_TAG_UB": cfg["tag_ub"] or "unset",
+                             "ENGINE_MPI_ANY_SOURCE": "probe" if cfg["any_source_by_probe"] else "post"}
 
 
 TRANSPORTS = {"shm": Shm, "tcp": Tcp, "mpi": Mpi}

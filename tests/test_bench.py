@@ -202,6 +202,18 @@ def test_a_refused_case_is_told_apart_from_one_that_does_not_exist():
     assert "- [1] gloo refused: RuntimeError: can't cast (rank 0)" in table
 
 
+def test_the_table_command_reads_its_arguments_as_the_others_do(capsys):
+    """`bench table --help` prints its usage (its arguments were read by hand: '--help' was a file name,
+    FileNotFoundError), and a collective no sweep has is refused by name."""
+    from bench.__main__ import main
+    with pytest.raises(SystemExit) as done:
+        main(["table", "--help"])
+    assert done.value.code == 0 and "COLLECTIVE" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["table", "out.json", "allreduce"])
+    assert done.value.code == 2 and "no collective allreduce" in capsys.readouterr().err
+
+
 def test_sizes_are_labelled_in_binary_units():
     from bench.kernels import _size
     assert (_size(1 << 10), _size(64 << 20), _size(1000)) == ("1 KiB", "64 MiB", "1000 B")

@@ -31,6 +31,7 @@ CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "tcp connections": ("tcp", "ENGINE_TCP_CONNECT", "lazy"),
          "tcp tuning file missing on one rank": ("tcp", "ENGINE_TUNING_FILE", "/nonexistent/tuned.json"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
+         "mpi any-source receives": ("mpi", "ENGINE_MPI_ANY_SOURCE", "probe"),
          "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000"),
          # (not a variable: rank 0 runs as another release of the engine, its engine.__version__)
          "another engine release": (None, "engine.__version__", "0.0.1")}
@@ -79,10 +80,11 @@ def check(out, mpi):
             assert value in ranks[0] and "rank 0" not in ranks[0], ranks
             told = rf"RuntimeError: engine: group {group} was not made: rank 0 could not read its settings \("
             assert all(re.match(told, ranks[r]) and value in ranks[r] for r in (1, 2, 3)), ranks
-        else:
+        else:   # (the other ranks' value as the variable's, where the group reads one of its own: MPI's)
+            theirs = {"ENGINE_MPI_TAG_UB": "unset", "ENGINE_MPI_ANY_SOURCE": "post"}.get(var, "")
             for what in ranks.values():
                 assert re.match(rf"RuntimeError: engine: the ranks of group {group} have different settings "
-                                rf"\({var}={value} on rank 0, ", what), (name, what)
+                                rf"\({var}={value} on rank 0, {theirs}", what), (name, what)
     # A value one rank can't use (read before the group's first exchange, where it opens its end, or
     # where it chooses its algorithms): it raises its own error; the others name it (or, on the other
     # host, the rank whose stage failed), where before they waited for it for ever or read another
