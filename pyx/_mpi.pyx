@@ -22,7 +22,7 @@ from engine._core cimport (RedC, WaitCtx, wait_until, Call, Req, Status, Transpo
                            ENG_ERR_PEER_DEAD, ENG_ERR_PEER_LEFT, ENG_ERR_TRUNCATE, eng_other_call)
 from mpi4py import MPI as _MPI
 
-from engine._core import EngineError, _kernel_slot
+from engine._core import EngineError, OP_KIND_NAMES, _kernel_slot
 
 include "mpi_tables.pxi"
 include "mpi_transport.pxi"

@@ -19,6 +19,8 @@ cdef class MpiComm(CoreComm):
     cdef int *ibuf              # 4 x size ints: counts and displacements as MPI takes them
     cdef readonly size_t chunk
     cdef bint abandoned         # a collective was left posted (timeout, abort): MPI may still read ibuf
+    cdef int native_op          # the op (OP_*) of the MPI collective run() runs
+    cdef int in_native          # 1 + the op (OP_*) of MPI's own collective a wait is in, or 0
     cdef object comms           # the group's MPI communicators (mpi4py's) it frees with its transports, or None
 
     def __cinit__(self, Comm coll, Comm algo, Comm p2p, size_t ring_segment_bytes, int max_tag=0):
@@ -83,15 +85,23 @@ cdef class MpiComm(CoreComm):
             return self.tp.failed(ierr)
         ctx.busy_poll = True
         self.abandoned = True   # (until it completes: a timeout raises out of the wait)
+        self.in_native = self.native_op + 1
         ierr = wait_until(_poll_mpi, <void*>self.tp, req, ctx, NULL)
+        self.in_native = 0
         if not ierr:
             self.abandoned = earlier
         return ierr
 
     def waiting_on(self):
         """Whom this rank's collective waits on, as the message its wait is on says (an algorithm of the
-        engine's over MPI's point-to-point; MPI's own collectives say nothing), for a timeout's report."""
+        engine's over MPI's point-to-point), for a timeout's report. MPI's own collectives say nothing:
+        that such a wait can't tell a late rank from one already past it (the arrival notes can't: a
+        rank notes its arrival once it has waited) is said instead."""
         cdef int q = self.tp.awaited_peer
+        if self.in_native:
+            return (f"this rank waits inside MPI's own {OP_KIND_NAMES[self.in_native - 1]}, which does not say "
+                    "which ranks are past it: a rank named as not arriving may have passed it at once, as ranks "
+                    "that name different roots or counts do (debug mode compares them first: ENGINE_DEBUG=1)")
         if not 0 <= q < self.size:
             return None
         return (f"this rank waits on rank {q}: its {'send to' if self.tp.awaited_send else 'receive from'} that "
@@ -132,6 +142,7 @@ cdef class MpiComm(CoreComm):
         cdef size_t isz
         if c.impl != IMPL_NATIVE:
             return CoreComm.run(self, c, ctx)
+        self.native_op = c.op
         if c.op == OP_ALLREDUCE or c.op == OP_REDUCE or c.op == OP_BROADCAST:
             return self.chunked(c, ctx)
         if c.op == OP_BARRIER:

@@ -455,11 +455,19 @@ def _overload(str name, options, tensors, positional, named):
     if isinstance(positional[0], options) and not any(v is not None for v in positional[1:] + tuple(named.values())):
         return tensors, positional[0]
     wanted = OVERLOADED[name][1]
+    return tensors, fill_options(options, wanted, positional, named, f"{name}(): takes (tensors, options) or "
+                                 f"(tensor, {', '.join(wanted)})")
+
+
+def fill_options(options, wanted, positional, named, form):
+    """options() with the fields a c10d method's other form gives after its tensors (wanted: their
+    names, of op, root and timeout), by position (positional) or by name (named); None: unset. Anything
+    else is refused, with the method's forms (form)."""
     given = {k: v for k, v in zip(wanted, positional) if v is not None}
     extra = [v for v in positional[len(wanted):] if v is not None] + [k for k, v in named.items() if v is not None
                                                                        and k not in wanted]
     if extra or any(v is not None and k in given for k, v in named.items()):
-        raise TypeError(f"{name}(): takes (tensors, options) or (tensor, {', '.join(wanted)}); got {extra or named}")
+        raise TypeError(f"{form}; got {extra or named}")
     given.update((k, v) for k, v in named.items() if v is not None)
     opts = options()
     if "op" in given:
@@ -468,7 +476,15 @@ def _overload(str name, options, tensors, positional, named):
         opts.rootRank = given["root"]
     if "timeout" in given:
         opts.timeout = given["timeout"]
-    return tensors, opts
+    return opts
+
+
+def _timed(options, opts, timeout, form):
+    """A method's options, given as torch's other form of it gives them: a timeout (a timedelta, by
+    position or name) in their place; options of another type (a subclass) are passed on as they are."""
+    if isinstance(opts, options) and timeout is None:
+        return opts
+    return fill_options(options, ("timeout",), (opts,), dict(timeout=timeout), form)
 
 
 # The fast form of each shape: a c10d method of the group (its first argument), falling back to the
@@ -496,14 +512,19 @@ def _fast_form(Method m, str shape, str title):
             work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
             return work if work is not None else getattr(group, general)(output, input, opts)
     elif shape == "splits":
-        def method(group, output, input, output_split_sizes, input_split_sizes, opts=None):
+        def method(group, output, input, output_split_sizes, input_split_sizes, opts=None, *, timeout=None):
+            if (opts is not None and type(opts) is not _c10d.AllToAllOptions) or timeout is not None:
+                opts = _timed(_c10d.AllToAllOptions, opts, timeout, f"{title}(output, input, output_split_sizes, "
+                              "input_split_sizes, options or timeout)")
             if not output_split_sizes and not input_split_sizes:
                 work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
                 if work is not None:
                     return work
             return getattr(group, general)(output, input, output_split_sizes, input_split_sizes, opts)
     elif shape == "none":
-        def method(group, opts=None):
+        def method(group, opts=None, *, timeout=None):
+            if (opts is not None and type(opts) is not _c10d.BarrierOptions) or timeout is not None:
+                opts = _timed(_c10d.BarrierOptions, opts, timeout, f"{title}(options or timeout)")
             work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
             return work if work is not None else getattr(group, general)(opts)
     elif shape == "p2p":

@@ -52,7 +52,15 @@ def write_back(out, result):
     channels_last or transposed Parameter, staged or not contiguous) is written as Gloo writes its
     memory, where autograd refuses an in-place copy into a leaf that requires grad."""
     with torch.no_grad():
-        out.copy_(result)
+        try:
+            out.copy_(result)
+        except RuntimeError:
+            if torch._debug_has_internal_overlap(out) != 1:
+                raise
+            raise ValueError(f"backend 'engine': the output tensor (shape {tuple(out.shape)}, strides {out.stride()}) "
+                             "has elements that share memory (an expand()ed view), so the call's result, made on every "
+                             "rank, can't be written into it: pass a tensor whose elements are its own "
+                             "(tensor.clone())") from None
 
 
 def _through_contiguous(fn, tensors, *args, **kwargs):

@@ -4,10 +4,13 @@ to the group's engine.Communicator (shared memory on one host, TCP or MPI across
 NCCL or through host memory. Inputs are never modified; outputs are written in place
 (non-contiguous ones through a contiguous copy)."""
 
+import functools
 import sys
+import types
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from engine import ReduceOp, failure
 from engine._core import NotDivisibleError
@@ -15,7 +18,7 @@ from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
 from . import _fastpath
-from ._fastpath import PREMUL, op_of, rows
+from ._fastpath import PREMUL, fill_options, op_of, rows
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, write_back
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
@@ -171,6 +174,38 @@ def _coalesced(single, name, gathers):
     return coalesced
 
 
+# torch's ProcessGroup takes these also with one tensor where the list form has a list, then the
+# options' fields by position or name (torch/_C/_distributed_c10d.pyi): gather(outputs, input, root,
+# timeout=None) for gather([outputs], [input], GatherOptions). Each: its options, which of its two
+# tensor arguments is one tensor there (None: both stay lists, and a timeout takes the options' place),
+# and the fields that follow.
+OTHER_FORMS = {"allgather": (_c10d.AllgatherOptions, 1, ("timeout",)),
+               "gather": (_c10d.GatherOptions, 1, ("root", "timeout")),
+               "scatter": (_c10d.ScatterOptions, 0, ("root", "timeout")),
+               "reduce_scatter": (_c10d.ReduceScatterOptions, 0, ("op", "timeout")),
+               "alltoall": (_c10d.AllToAllOptions, None, ("timeout",))}
+
+
+def other_forms(name):
+    """A list method that takes torch's other form of it too (OTHER_FORMS), as the list form."""
+    options, one, fields = OTHER_FORMS[name]
+    form = f"{name}(): takes (tensor lists, options) or ({'tensors' if one is None else 'tensor, tensors'}, " \
+           f"{', '.join(fields)})"
+
+    def wrap(method):
+        @functools.wraps(method)
+        def either(self, first, second, *rest, **named):
+            opts = rest[0] if rest else named.get("opts")
+            if (len(rest) + len(named) <= 1 and named.keys() <= {"opts"} and (opts is None or isinstance(opts, options))
+                    and (one is None or not isinstance((first, second)[one], torch.Tensor))):
+                return method(self, first, second, opts)
+            if one is not None:
+                first, second = [first], [second]
+            return method(self, first, second, fill_options(options, fields, rest, named, form))
+        return either
+    return wrap
+
+
 def all_to_all_counts(comm, output, input, output_split_sizes, input_split_sizes):
     """(send counts, receive counts) in elements for all_to_all_single; None for a side split evenly."""
     size = comm.size
@@ -289,6 +324,25 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     def supports_tensor_alloc(self, device):  # a method on torch's Backend: FSDP2 calls it
         return False
+
+    @property
+    def options(self):
+        """torch's Backend.options. Its split_group copies the parent's (copy.deepcopy) for a split given
+        none; the engine reads its settings from the environment and takes none, so only the group's
+        backend and timeout are here (set on a copy, as torch's splits do)."""
+        timeout = self._timeout if self._timeout is not None else dist.default_pg_timeout
+        return types.SimpleNamespace(backend="engine", _timeout=timeout)
+
+    def get_group_store(self):
+        """The store the group was made over (torch's own groups': its PrefixStore); None once shut down."""
+        return self._store
+
+    def _start_coalescing(self, device):
+        raise RuntimeError("backend 'engine' does not coalesce calls between _start_coalescing and _end_coalescing "
+                           "(its supports_coalescing is False): call torch's _coalescing_manager without device=, "
+                           "and torch gives the calls to the group's *_coalesced methods")
+
+    _end_coalescing = _start_coalescing
 
     @property
     def _device_types(self):
@@ -484,6 +538,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
         return dev.launch("reduce", run, None, None, None, 0, tensors, opts)
 
+    @other_forms("reduce_scatter")
     @traced("reduce_scatter", root_inputs)
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         out = _one(output_tensors, "reduce_scatter")
@@ -543,7 +598,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
         return dev.launch("allgather", run, None, None, None, 0, outs, opts)   # (its Work's result: Gloo's)
 
-    allgather = traced("all_gather", second)(_allgather)
+    allgather = other_forms("allgather")(traced("all_gather", second)(_allgather))
 
     def _all_gather_single(self, output, input, opts=None):
         dev = self._device(input)
@@ -575,6 +630,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
         return all_of(works, [t for outs in output_lists for t in outs]) if works else self._barrier()
 
+    @other_forms("gather")
     @traced("gather", second)
     def gather(self, output_lists, input_tensors, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
@@ -611,6 +667,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
     gather_into_tensor = gather_single
 
+    @other_forms("scatter")
     @traced("scatter", root_inputs)
     def scatter(self, output_tensors, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -630,6 +687,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
 
         return dev.launch("scatter", run, None, None, None, 0, output_tensors, opts)
 
+    @other_forms("alltoall")
     @traced("all_to_all", second)
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():

@@ -2,6 +2,7 @@
 the same job on the same data (differential) and with local references; async, sub-groups, objects,
 point-to-point and DDP. Launched by mpiexec with no RANK/WORLD_SIZE/MASTER_* set."""
 
+import copy
 import datetime
 import inspect
 import os
@@ -940,6 +941,12 @@ def test_unsupported_and_bad_input_raise_clear_errors():
             dist.monitored_barrier()
     else:   # torch 2.14 calls the group's own: every rank arrives, so it returns
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+    with pytest.raises(ValueError, match="is a meta tensor, which holds no data.*to_empty"):   # (on every rank)
+        dist.broadcast(torch.empty(3, device="meta"), 0)
+    # an output whose elements share memory: the call runs on every rank, then its result is refused by name
+    # (where torch's copy_ said 'unsupported operation: more than one element ... refers to a single memory')
+    with pytest.raises(ValueError, match=r"strides \(0,\)\) has elements that share memory.*clone"):
+        dist.all_reduce(torch.ones(1).expand(3))
     t = torch.ones(3)
     dist.all_reduce(t)  # the group still works after refused calls
     assert torch.equal(t, torch.full((3,), float(P)))
@@ -998,7 +1005,8 @@ def test_ddp_join_with_unused_parameters_matches_gloo():
 
 def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
     """The group object's methods as torch's ProcessGroup takes them besides the (tensors, options)
-    form: a bare tensor, a reduce op or root in place of the options, no options; the results an
+    form: a bare tensor, a reduce op, a root or a timeout in place of the options, no options, one
+    tensor where the list form has a list (allgather, gather, scatter, reduce_scatter); the results an
     all_gather's and a gather's Work hold (the output tensors, one list, as Gloo's); the group's count of
     its collectives."""
     pg = dist.group.WORLD
@@ -1042,6 +1050,41 @@ def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
         work = dist.all_gather(outs, torch.full((2,), float(R)), group=group, async_op=True)
         work.wait()
         assert work.result() == outs and work.get_future().value() == outs, group
+        # the forms with one tensor for a list (they were read as lists of one tensor each: refused), and a
+        # timeout for the options (barrier's and alltoall_base's took it as the options: AttributeError)
+        timeout = datetime.timedelta(seconds=30)
+        outs = [torch.empty(2) for _ in range(P)]
+        group.allgather(outs, torch.full((2,), float(R))).wait()
+        assert [o[0].item() for o in outs] == list(range(P)), group
+        outs = [torch.empty(2) for _ in range(P)] if R == P - 1 else []
+        group.gather(outs, torch.full((2,), float(R)), P - 1, timeout).wait()
+        assert [o[0].item() for o in outs] == (list(range(P)) if R == P - 1 else []), group
+        out = torch.empty(2)
+        group.scatter(out, [torch.full((2,), float(q)) for q in range(P)] if R == P - 1 else [], root=P - 1).wait()
+        assert torch.equal(out, torch.full((2,), float(R))), group
+        out = torch.empty(2)
+        group.reduce_scatter(out, [torch.full((2,), float(q + R)) for q in range(P)], dist.ReduceOp.MAX).wait()
+        assert torch.equal(out, torch.full((2,), float(R + P - 1))), group
+        if group is pg:   # (torch 2.13's binding lacks this form for its own groups; Gloo has no list alltoall)
+            outs = [torch.empty(1) for _ in range(P)]
+            group.alltoall(outs, [torch.full((1,), float(R * P + q)) for q in range(P)], timeout).wait()
+            assert [o.item() for o in outs] == [float(q * P + R) for q in range(P)]
+        out = torch.empty(P)
+        group.alltoall_base(out, torch.arange(P, dtype=torch.float32) + R * P, [], [], timeout).wait()
+        assert out.tolist() == [float(q * P + R) for q in range(P)], group
+        group.barrier(timeout).wait()
+        group.barrier(timeout=timeout).wait()
+        with pytest.raises(TypeError, match="takes|incompatible function arguments"):   # (both forms at once)
+            group.allgather([[torch.empty(1)] * P], [torch.ones(1)], dist.distributed_c10d.AllgatherOptions(),
+                            timeout=timeout)
+    # torch's split_group copies a parent's options (copy.deepcopy) where it is given none, and reads the
+    # group's store; a coalescing torch can't hand the group is refused naming what to do
+    assert copy.deepcopy(pg.options).backend == "engine"
+    assert isinstance(pg.get_group_store(), dist.Store)
+    with pytest.raises(RuntimeError, match="does not coalesce calls between _start_coalescing"):
+        with dist.distributed_c10d._coalescing_manager(pg, torch.device("cpu")):
+            pass
+    dist.distributed_c10d._world.pg_coalesce_state.pop(pg, None)
     t = torch.ones(3)
     dist.all_reduce_coalesced([t], op=dist._make_nccl_premul_sum(0.0))   # (a factor of 0 is a factor)
     assert torch.equal(t, torch.zeros(3))
