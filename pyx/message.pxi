@@ -76,11 +76,12 @@ cdef Message as_message(object obj, bint writable, str role):
     cdef Py_ssize_t i
     m.owner = obj
     if _is_torch_tensor(obj):
-        if obj.is_meta:   # (torch's own backends let torch's meta kernels take such a call: a Python group can't)
-            raise ValueError(
-                f"{role} is a meta tensor, which holds no data: backend 'engine' moves none for it; skip the call "
-                "for meta tensors, or make them real first (module.to_empty(device='cpu'), torch.empty_like)")
         if not obj.is_cpu:
+            if obj.is_meta:   # (torch's own backends let torch's meta kernels take such a call: a Python group can't)
+                raise ValueError(
+                    f"{role} is a meta tensor, which holds no data: backend 'engine' moves none for it; skip the call "
+                    "for meta tensors, or make them real first (module.to_empty(device='cpu'), "
+                    "torch.empty_like(t, device='cpu'))")
             raise ValueError(
                 f"{role} is a {obj.device} tensor: an engine.Communicator moves CPU tensors only; move it "
                 "with .cpu() (torch.distributed's backend 'engine' takes CUDA tensors, through NCCL)")

@@ -86,8 +86,10 @@ cdef class MpiComm(CoreComm):
         ctx.busy_poll = True
         self.abandoned = True   # (until it completes: a timeout raises out of the wait)
         self.in_native = self.native_op + 1
-        ierr = wait_until(_poll_mpi, <void*>self.tp, req, ctx, NULL)
-        self.in_native = 0
+        try:
+            ierr = wait_until(_poll_mpi, <void*>self.tp, req, ctx, NULL)
+        finally:   # (the watch's timeout raises out of the wait)
+            self.in_native = 0
         if not ierr:
             self.abandoned = earlier
         return ierr

@@ -182,10 +182,11 @@ def test_the_link_cut_ends_in_an_error_naming_the_peer_on_both_hosts(faults):
 
 
 def test_a_host_whose_sends_are_dropped_names_its_peer_as_timed_out_here_and_the_peer_names_it(faults):
-    """Rank 1's host drops every packet it sends (a one-way cut): its kernel gives the connection to rank 0
-    up (nothing it sent is acknowledged, its neighbour lookups go unanswered) within the timeout, and rank 1
-    says so, naming rank 0 as beyond a cut link, not as a peer that closed its connection; rank 0, whose
-    data still arrives, times out naming rank 1."""
+    """Rank 1's host refuses every packet it sends (tc pfifo limit 0 on its link: a one-way cut at the
+    host): its kernel gives the connection to rank 0 up after net.ipv4.tcp_retries2 refused sends (15 in a
+    fresh namespace: 7.9 s, within the 10 s timeout), and rank 1 says so, naming rank 0 as beyond a cut
+    link, not as a peer that closed its connection; rank 0, whose data still arrives, times out naming
+    rank 1."""
     raised, text = _fault(faults, "drop")
     assert "sends dropped at step 5" in text, text[-3000:]
     assert sorted(raised) == [0, 1], text[-5000:]

@@ -459,6 +459,9 @@ def _overload(str name, options, tensors, positional, named):
                                  f"(tensor, {', '.join(wanted)})")
 
 
+_FIELD_TYPES = {"op": (dist.ReduceOp, dist.ReduceOp.RedOpType), "root": int, "timeout": datetime.timedelta}
+
+
 def fill_options(options, wanted, positional, named, form):
     """options() with the fields a c10d method's other form gives after its tensors (wanted: their
     names, of op, root and timeout), by position (positional) or by name (named); None: unset. Anything
@@ -469,6 +472,9 @@ def fill_options(options, wanted, positional, named, form):
     if extra or any(v is not None and k in given for k, v in named.items()):
         raise TypeError(f"{form}; got {extra or named}")
     given.update((k, v) for k, v in named.items() if v is not None)
+    wrong = [f"{k}={v!r}" for k, v in given.items() if not isinstance(v, _FIELD_TYPES[k])]
+    if wrong:
+        raise TypeError(f"{form}; got {', '.join(wrong)}")
     opts = options()
     if "op" in given:
         opts.reduceOp = given["op"]
@@ -512,9 +518,11 @@ def _fast_form(Method m, str shape, str title):
             work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
             return work if work is not None else getattr(group, general)(output, input, opts)
     elif shape == "splits":
+        options = _c10d.AllToAllOptions
+
         def method(group, output, input, output_split_sizes, input_split_sizes, opts=None, *, timeout=None):
-            if (opts is not None and type(opts) is not _c10d.AllToAllOptions) or timeout is not None:
-                opts = _timed(_c10d.AllToAllOptions, opts, timeout, f"{title}(output, input, output_split_sizes, "
+            if (opts is not None and type(opts) is not options) or timeout is not None:
+                opts = _timed(options, opts, timeout, f"{title}(): takes (output, input, output_split_sizes, "
                               "input_split_sizes, options or timeout)")
             if not output_split_sizes and not input_split_sizes:
                 work = (<FastPath?>group._fast).collective(m, input, output, opts, [output])
@@ -522,9 +530,11 @@ def _fast_form(Method m, str shape, str title):
                     return work
             return getattr(group, general)(output, input, output_split_sizes, input_split_sizes, opts)
     elif shape == "none":
+        options = _c10d.BarrierOptions
+
         def method(group, opts=None, *, timeout=None):
-            if (opts is not None and type(opts) is not _c10d.BarrierOptions) or timeout is not None:
-                opts = _timed(_c10d.BarrierOptions, opts, timeout, f"{title}(options or timeout)")
+            if (opts is not None and type(opts) is not options) or timeout is not None:
+                opts = _timed(options, opts, timeout, f"{title}(): takes (options or timeout)")
             work = (<FastPath?>group._fast).collective(m, None, None, opts, [])
             return work if work is not None else getattr(group, general)(opts)
     elif shape == "p2p":

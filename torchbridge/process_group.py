@@ -189,17 +189,20 @@ OTHER_FORMS = {"allgather": (_c10d.AllgatherOptions, 1, ("timeout",)),
 def other_forms(name):
     """A list method that takes torch's other form of it too (OTHER_FORMS), as the list form."""
     options, one, fields = OTHER_FORMS[name]
-    form = f"{name}(): takes (tensor lists, options) or ({'tensors' if one is None else 'tensor, tensors'}, " \
-           f"{', '.join(fields)})"
+    tensors = ("tensors, tensors", "tensor, tensors", "tensors, tensor")[0 if one is None else one + 1]
+    form = f"{name}(): takes (tensor lists, options) or ({tensors}, {', '.join(fields)})"
 
     def wrap(method):
         @functools.wraps(method)
         def either(self, first, second, *rest, **named):
             opts = rest[0] if rest else named.get("opts")
+            single = None if one is None else (first, second)[one]
             if (len(rest) + len(named) <= 1 and named.keys() <= {"opts"} and (opts is None or isinstance(opts, options))
-                    and (one is None or not isinstance((first, second)[one], torch.Tensor))):
+                    and not isinstance(single, torch.Tensor)):
                 return method(self, first, second, opts)
             if one is not None:
+                if not isinstance(single, torch.Tensor):   # (a list there, with a timeout or a root: both forms)
+                    raise TypeError(f"{form}; got a {type(single).__name__} where its one tensor goes")
                 first, second = [first], [second]
             return method(self, first, second, fill_options(options, fields, rest, named, form))
         return either
@@ -338,6 +341,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         return self._store
 
     def _start_coalescing(self, device):
+        # (torch marked the group as coalescing before this call: left so, its later calls would only queue)
+        dist.distributed_c10d._world.pg_coalesce_state.pop(self, None)
         raise RuntimeError("backend 'engine' does not coalesce calls between _start_coalescing and _end_coalescing "
                            "(its supports_coalescing is False): call torch's _coalescing_manager without device=, "
                            "and torch gives the calls to the group's *_coalesced methods")

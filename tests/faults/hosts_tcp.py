@@ -3,8 +3,8 @@ by tests/test_hosts.py with torchrun on each host, or plain python with env:// v
 
     FAULT=kill   rank FAULT_RANK sends itself SIGKILL at step 5
     FAULT=cut    rank FAULT_RANK sets its host's link (eth0) down at step 5
-    FAULT=drop   rank FAULT_RANK's host drops every packet it sends at step 5 (a one-way cut: what its
-                 peers send still arrives, their data and their retransmissions go unacknowledged)
+    FAULT=drop   rank FAULT_RANK's host refuses every packet it sends at step 5 (a one-way cut at the
+                 host: what its peers send still arrives, unacknowledged)
     FAULT=stall  rank FAULT_RANK sleeps past the timeout at step 5 (alive: its peers time out)
     FAULT=cut-connecting  rank FAULT_RANK sets its host's link down while the group's ranks connect
                  (the init's exchange of the TCP ends done, the connections not yet made: every rank

@@ -1074,9 +1074,17 @@ def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
         assert out.tolist() == [float(q * P + R) for q in range(P)], group
         group.barrier(timeout).wait()
         group.barrier(timeout=timeout).wait()
-        with pytest.raises(TypeError, match="takes|incompatible function arguments"):   # (both forms at once)
+        # (both forms at once, a list where the one tensor goes, a timeout that is none: each refused by the
+        # method's forms on every rank, where a pybind setter's error named no method, or ranks parted ways)
+        refused = "takes" if group is pg else "incompatible function arguments"
+        with pytest.raises(TypeError, match=refused):
             group.allgather([[torch.empty(1)] * P], [torch.ones(1)], dist.distributed_c10d.AllgatherOptions(),
                             timeout=timeout)
+        with pytest.raises(TypeError, match=refused):
+            group.barrier(5)
+        if group is pg:
+            with pytest.raises(TypeError, match=r"gather\(\): takes .* \(tensors, tensor, root, timeout\); got a list"):
+                group.gather([[torch.empty(1)] * P] if R == 0 else [], [torch.ones(1)], 0)
     # torch's split_group copies a parent's options (copy.deepcopy) where it is given none, and reads the
     # group's store; a coalescing torch can't hand the group is refused naming what to do
     assert copy.deepcopy(pg.options).backend == "engine"
@@ -1084,8 +1092,9 @@ def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
     with pytest.raises(RuntimeError, match="does not coalesce calls between _start_coalescing"):
         with dist.distributed_c10d._coalescing_manager(pg, torch.device("cpu")):
             pass
-    dist.distributed_c10d._world.pg_coalesce_state.pop(pg, None)
-    t = torch.ones(3)
+    t = torch.ones(3)   # (torch had marked the group as coalescing: left so, this call would only queue)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(P)))
     dist.all_reduce_coalesced([t], op=dist._make_nccl_premul_sum(0.0))   # (a factor of 0 is a factor)
     assert torch.equal(t, torch.zeros(3))
     before = pg._get_sequence_number_for_group()    # (the count torch's debugging tools compare, as Gloo's)
