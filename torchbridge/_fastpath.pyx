@@ -28,6 +28,7 @@ from cpython.object cimport PyObject
 from libc.stdint cimport int64_t
 
 import datetime
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -459,7 +460,8 @@ def _overload(str name, options, tensors, positional, named):
                                  f"(tensor, {', '.join(wanted)})")
 
 
-_FIELD_TYPES = {"op": (dist.ReduceOp, dist.ReduceOp.RedOpType), "root": int, "timeout": datetime.timedelta}
+_FIELD_TYPES = {"op": (dist.ReduceOp, dist.ReduceOp.RedOpType), "root": numbers.Integral,
+                "timeout": datetime.timedelta}
 
 
 def fill_options(options, wanted, positional, named, form):
