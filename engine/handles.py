@@ -489,8 +489,8 @@ class HubStore:
                 except OSError:
                     head = b""
                 if len(head) < _REQ.size:
-                    self._lost(f"reconfigure: {member} closed its connection before the group was made: it failed "
-                               "or died")
+                    self._lost(f"reconfigure: {member} closed its connection before the group was made: it gave "
+                               "the making up (a failure, or its own deadline passed: its error says which) or died")
                     return
                 op, klen, vlen = _REQ.unpack(head)
                 if op == OP_DONE:
