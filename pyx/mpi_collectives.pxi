@@ -78,12 +78,15 @@ cdef class MpiComm(CoreComm):
 
     cdef int finish(self, int ierr, MPI_Request *req, WaitCtx *ctx) except -1 nogil:
         """Waits for a posted collective (ierr: its posting's code). MPI moves it only inside MPI_Test,
-        so the wait yields between polls and never sleeps. One that ends early (a timeout, an abort)
-        stays posted: MPI forbids freeing a collective's request."""
+        so the wait yields between polls and never sleeps: a rank that napped between the steps of a
+        pipelined collective would stall its peers at every step. A barrier moves no data: it backs
+        off as the engine's own waits do, so ranks waiting there for a late one leave their cores.
+        One that ends early (a timeout, an abort) stays posted: MPI forbids freeing a collective's
+        request."""
         cdef bint earlier = self.abandoned
         if ierr:
             return self.tp.failed(ierr)
-        ctx.busy_poll = True
+        ctx.busy_poll = self.native_op != OP_BARRIER
         self.abandoned = True   # (until it completes: a timeout raises out of the wait)
         self.in_native = self.native_op + 1
         try:

@@ -437,6 +437,22 @@ def test_barrier_holds_every_rank_until_all_arrive():
             os.unlink(path)
 
 
+def test_ranks_waiting_in_a_barrier_for_a_late_rank_leave_their_cores():
+    """The last rank reaches the barrier a second late; the others' waits back off to sleeping, on
+    every transport (over MPI too, whose own barrier MPI moves only inside MPI_Test), taking a few
+    percent of a core, not the whole of it (CPU time: a busy machine only lowers it)."""
+    if P == 1:
+        pytest.skip("needs a rank that comes late")
+    WORLD.barrier()
+    if R == P - 1:
+        time.sleep(1.0)
+    cpu = time.process_time()
+    WORLD.barrier()
+    cpu = time.process_time() - cpu
+    if R != P - 1:
+        assert cpu < 0.4, f"rank {R} took {cpu:.2f} s of CPU waiting 1 s in a barrier ({WORLD.transport})"
+
+
 def test_send_recv_tags_and_any_source():
     if P == 1:
         req = WORLD.isend(np.arange(3, dtype=np.int32), 0, tag=5)
