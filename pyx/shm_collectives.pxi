@@ -110,12 +110,12 @@ cdef class ShmComm(CoreComm):
         elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
             lost, awaited = self.algo_tp.whole_rank(q), self.seg.err_awaited
             kind, text = EnginePeerLost, (
-                f"rank {q} (pid {self.seg.peers.pids[q]}) exited without leaving the group (killed, crashed, "
+                f"{self.algo_tp.who(q)} exited without leaving the group (killed, crashed, "
                 f"os._exit) while rank {self.rank} was in {what} #{self.seq}, after it had done its part there"
                 + (f"; rank {self.rank} was waiting for rank {awaited}" if awaited >= 0 else ""))
         elif ierr == ENG_ERR_PEER_DEAD:
             lost = self.algo_tp.whole_rank(q)
-            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) exited while rank {self.rank} "
+            kind, text = EnginePeerLost, (f"{self.algo_tp.who(q)} exited while rank {self.rank} "
                                           f"waited for it in {what} #{self.seq}")
         elif gave_up:   # (where the group broke over a rank lost in any stage of the whole group, or after
             # another rank's word: which, in the whole group's numbering, read from a peer's word: checked)
@@ -126,27 +126,21 @@ cdef class ShmComm(CoreComm):
                               self.algo_tp.member(named) not in (q, self.rank)) else -1
             if not timed_out and lost < 0:   # (this rank's word follows q's: it names whom q's followed, or q)
                 self.seg.followed = first if first >= 0 else self.algo_tp.whole_rank(q)
-            who = self._whole_who(first) if first >= 0 else f"rank {q} (pid {self.seg.peers.pids[q]})"
-            after = f"; rank {q} (pid {self.seg.peers.pids[q]}) gave it up after it" if first >= 0 else ""
+            who = self.algo_tp.whole_who(first) if first >= 0 else self.algo_tp.who(q)
+            after = f"; {self.algo_tp.who(q)} gave it up after it" if first >= 0 else ""
             kind = EngineTimeout if timed_out else EnginePeerLost
             text = (f"{who} gave the group up while rank {self.rank} waited for it in {what} #{self.seq}: " + (
                         "its call timed out there (its own error names the ranks it waited for)" if timed_out else
                         "a call of it failed there (its own error says why: a lost peer, a mismatch) or it was "
                         f"aborted{after}; none of the group's collectives can end" if lost < 0 else
                         "a call of it failed there over that loss; none of the group's collectives can end"))
-            text = text if lost < 0 else f"{self._whole_who(lost)} was lost: {text}"
+            text = text if lost < 0 else f"{self.algo_tp.whole_who(lost)} was lost: {text}"
         else:
-            kind, text = EnginePeerLost, (f"rank {q} (pid {self.seg.peers.pids[q]}) left the group (it destroyed it, "
+            kind, text = EnginePeerLost, (f"{self.algo_tp.who(q)} left the group (it destroyed it, "
                                           "or its process ended) "
                                           f"while rank {self.rank} waited for it in {what} #{self.seq}: the ranks did "
                                           "not run the same collectives, or one destroyed the group early")
         return self.broke(kind, text, what, lost)
-
-    cdef str _whole_who(self, int w):
-        """Rank w of the whole group a stage serves (a gave-up word's numbering): this stage's rank, by
-        its pid, or by its number there where it is a rank of another stage."""
-        cdef int m = self.algo_tp.member(w)
-        return f"rank {m} (pid {self.seg.peers.pids[m]})" if m >= 0 else f"rank {w} of group '{self.algo_tp.whole_name}'"
 
     cdef void release_transports(self) noexcept:
         """The channels', then the helper threads and the segment's mapping and descriptors."""
@@ -159,7 +153,7 @@ cdef class ShmComm(CoreComm):
         awaited = self.seg.awaited() if not self.released else None
         if not awaited or not awaited[0]:
             return None
-        return "; ".join(f"this rank waits on rank {q} (pid {self.seg.peers.pids[q]}) to reach its step"
+        return "; ".join(f"this rank waits on {self.algo_tp.who(q)} to reach its step"
                          for q in awaited[0])
 
     def passed(self):

@@ -323,17 +323,11 @@ cdef class TcpTransport(Transport):
         """Connections closed before or at their hello (a wrong token, a stranger, a duplicate)."""
         return self.t.rejected if self.t != NULL else 0
 
-    cdef str _who(self, int peer):
+    cdef str who(self, int peer):
         if peer < 0 or peer >= len(self.peers):
             return "a peer"
         addr, port, host = self.peers[peer]
         return f"rank {peer} ({host}, {addr} port {port})"
-
-    cdef str _whole_who(self, int w):
-        """Rank w of the whole group a stage serves (a goodbye's numbering), as _who names this stage's
-        ranks, or by its number there where it is a rank of another stage."""
-        cdef int m = self.member(w)
-        return self._who(m) if m >= 0 else f"rank {w} of group '{self.whole_name}'"
 
     cdef int classify(self, int code) noexcept:
         """A peer whose goodbye said its call timed out (TCP_LEFT_TIMED_OUT): the call here that still
@@ -354,23 +348,23 @@ cdef class TcpTransport(Transport):
         if code == ENG_ERR_PEER_LEFT and self.t.said_bye:
             return f"rank {self.rank} left this group (it was destroyed, or the process is exiting) while this ran"
         if code == ENG_ERR_PEER_TIMED_OUT:
-            return (f"{self._who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
+            return (f"{self.who(p)} gave the group up while rank {self.rank} ran this: its call timed out there "
                     "(its own error names the ranks it waited for)")
         lost = self.lost_rank(code)   # (where a peer's goodbye said its group broke over a lost rank: that rank)
         if code == ENG_ERR_PEER_LEFT and 0 <= lost != self.whole_rank(self.rank):
-            return (f"{self._whole_who(lost)} was lost: {self._who(p)} saw it end (its process or its link) and gave "
+            return (f"{self.whole_who(lost)} was lost: {self.who(p)} saw it end (its process or its link) and gave "
                     f"the group up, while rank {self.rank} ran this; none of the group's collectives can end")
         if code == ENG_ERR_PEER_LEFT and 0 <= p < self.size and eng_tcp_departed(self.t, p) == TCP_LEFT_BROKEN:
             first = eng_tcp_bye_first(self.t, p)   # (the rank whose giving up it followed, where it names one)
             if first == self.whole_rank(self.rank) or self.member(first) == p:
                 first = -1
-            who = self._whole_who(first) if first >= 0 else self._who(p)
-            after = f"; {self._who(p)} gave it up after it" if first >= 0 else ""
+            who = self.whole_who(first) if first >= 0 else self.who(p)
+            after = f"; {self.who(p)} gave it up after it" if first >= 0 else ""
             return (f"{who} gave the group up while rank {self.rank} ran this: a call of it failed there (its own "
                     f"error says why: a lost peer, a mismatch) or it was aborted{after}; none of the group's "
                     "collectives can end")
         if code == ENG_ERR_PEER_LEFT:
-            return (f"{self._who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
+            return (f"{self.who(p)} left the group (it destroyed it, or its process ended) while rank {self.rank} "
                     "still waited for it: " + ("the ranks did not run the same collectives, or one destroyed the "
                                                "group early" if self.t.ordered else "its sends and receives did not "
                                                "pair with this rank's, or it ended first (its own error, if any, says "
@@ -379,29 +373,29 @@ cdef class TcpTransport(Transport):
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             why = f" ({strerror(e).decode()})" if e else ""
             if e in (ETIMEDOUT, EHOSTUNREACH):   # (this kernel gave the connection up: nothing came back on it)
-                return (f"the connection to {self._who(p)} timed out here{why} while rank {self.rank} waited: what "
+                return (f"the connection to {self.who(p)} timed out here{why} while rank {self.rank} waited: what "
                         "this rank sent it went unacknowledged, so the link to it is cut or its host is down")
-            return (f"{self._who(p)} closed its connection{why} without leaving the group while rank {self.rank} "
+            return (f"{self.who(p)} closed its connection{why} without leaving the group while rank {self.rank} "
                     "waited: its process died (killed, crashed), the link to it broke, or it gave the group up "
                     "in the middle of a message (after a failure of its own, which its error names)")
         if code == ENG_ERR_CONNECT:
             e = eng_tcp_peer_errno(self.t, p) if 0 <= p < self.size else 0
             if e == ECONNREFUSED:   # (the host answered: nothing listens there, where the peer listened at the start)
-                return (f"could not connect to {self._who(p)}: {strerror(e).decode()}: nothing listens there now, so "
+                return (f"could not connect to {self.who(p)}: {strerror(e).decode()}: nothing listens there now, so "
                         "it left the group (destroyed or aborted it) or its process ended (where it never was "
                         "reachable, the address is another host's: ENGINE_SOCKET_IFNAME chooses the interface)")
-            return (f"could not connect to {self._who(p)}: {strerror(e).decode() if e else 'failed'} (is that "
+            return (f"could not connect to {self.who(p)}: {strerror(e).decode() if e else 'failed'} (is that "
                     "address reachable from this host? ENGINE_SOCKET_IFNAME chooses the interface)")
         if code == ENG_ERR_CORRUPT:
-            return (f"{self._who(p)} sent a malformed frame: refusing to read it (a bug, or not an engine peer); "
+            return (f"{self.who(p)} sent a malformed frame: refusing to read it (a bug, or not an engine peer); "
                     "its connection is closed")
         if code == ENG_ERR_NOMEM and p < 0 and self.t.sys_errno in (EMFILE, ENFILE):
             return (f"rank {self.rank} could not accept a peer's connection: {strerror(self.t.sys_errno).decode()}: "
                     "raise the process's limit (ulimit -n) or make fewer groups")
         if code == ENG_ERR_NOMEM and 0 <= p < self.size:
-            return (f"out of memory for a message from {self._who(p)} that no receive had asked for yet (it is "
+            return (f"out of memory for a message from {self.who(p)} that no receive had asked for yet (it is "
                     "held whole, the size its header says); its connection is closed")
-        return _engine_error_text(code, p, self._who(p))
+        return _engine_error_text(code, p, self.who(p))
 
 
 cdef struct MeshWait:
@@ -452,6 +446,6 @@ cdef class TcpComm(CoreComm):
         waits = tp.waiting_on()
         if not waits:
             return None
-        return "; ".join(f"this rank waits on {tp._who(q)}, " + (f"from which nothing has arrived for {s:.1f} s"
+        return "; ".join(f"this rank waits on {tp.who(q)}, " + (f"from which nothing has arrived for {s:.1f} s"
                                                                   if s is not None else "from which nothing ever arrived")
                          for q, s in waits)

@@ -124,6 +124,16 @@ cdef class Transport:
             return w if 0 <= w < self.size else -1
         return self.whole.index(w) if w in self.whole else -1
 
+    cdef str who(self, int peer):
+        """Rank peer of this group as errors name it (a transport adds where it lives: a pid, an address)."""
+        return f"rank {peer}"
+
+    cdef str whole_who(self, int w):
+        """Rank w of the whole group a stage serves (a peer's word's numbering), as who() names this
+        group's ranks, or by its number there where it is a rank of another stage."""
+        cdef int m = self.member(w)
+        return self.who(m) if m >= 0 else f"rank {w} of group '{self.whole_name}'"
+
     cdef void release(self) noexcept:
         """Frees what the transport holds of the operating system (descriptors, buffers) now; called
         once, by CoreComm.release, when no call is inside. Nothing of it is used afterwards."""

@@ -164,6 +164,8 @@ cdef class Transport:
     cdef int in_whole(self, int w) noexcept
     cdef int whole_rank(self, int q)
     cdef int member(self, int w)
+    cdef str who(self, int peer)
+    cdef str whole_who(self, int w)
     cdef void release(self) noexcept
     cdef object error_text(self, int code)
     cdef int classify(self, int code) noexcept
