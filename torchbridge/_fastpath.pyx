@@ -436,12 +436,21 @@ cdef class FastPath:
         return work
 
 
-# The methods of shape `tensors`, which torch's ProcessGroup also takes in other forms (DDP's join calls
-# allreduce(tensor)): their options, and what each takes after its tensor(s) in those forms
-# (torch/_C/_distributed_c10d.pyi).
-OVERLOADED = {"allreduce": (_c10d.AllreduceOptions, ("op", "timeout")),
-              "broadcast": (_c10d.BroadcastOptions, ("root", "timeout")),
-              "reduce": (_c10d.ReduceOptions, ("root", "op", "timeout"))}
+# torch's ProcessGroup takes these also with one tensor where the list form has a list, then the
+# options' fields by position or name (torch/_C/_distributed_c10d.pyi): allreduce(tensor, op) for
+# allreduce([tensor], AllreduceOptions) (DDP's join calls it so), gather(outputs, input, root, timeout=None)
+# for gather([outputs], [input], GatherOptions). Each: its options, which of its tensor arguments is one
+# tensor there (None: the lists stay, and a timeout takes the options' place), and the fields that follow.
+# The fast path's methods of shape `tensors` take them here (_overload), the adapter's list methods
+# through its other_forms.
+OTHER_FORMS = {"allreduce": (_c10d.AllreduceOptions, 0, ("op", "timeout")),
+               "broadcast": (_c10d.BroadcastOptions, 0, ("root", "timeout")),
+               "reduce": (_c10d.ReduceOptions, 0, ("root", "op", "timeout")),
+               "allgather": (_c10d.AllgatherOptions, 1, ("timeout",)),
+               "gather": (_c10d.GatherOptions, 1, ("root", "timeout")),
+               "scatter": (_c10d.ScatterOptions, 0, ("root", "timeout")),
+               "reduce_scatter": (_c10d.ReduceScatterOptions, 0, ("op", "timeout")),
+               "alltoall": (_c10d.AllToAllOptions, None, ("timeout",))}
 
 
 def _overload(str name, options, tensors, positional, named):
@@ -455,7 +464,7 @@ def _overload(str name, options, tensors, positional, named):
         tensors = [tensors]
     if isinstance(positional[0], options) and not any(v is not None for v in positional[1:] + tuple(named.values())):
         return tensors, positional[0]
-    wanted = OVERLOADED[name][1]
+    wanted = OTHER_FORMS[name][2]
     return tensors, fill_options(options, wanted, positional, named, f"{name}(): takes (tensors, options) or "
                                  f"(tensor, {', '.join(wanted)})")
 
@@ -502,7 +511,7 @@ def _fast_form(Method m, str shape, str title):
     general = m.general
 
     if shape == "tensors":
-        options = OVERLOADED[m.name][0]
+        options = OTHER_FORMS[m.name][0]
 
         def method(group, tensors=None, opts=None, third=None, fourth=None, *, tensor=None, op=None, root=None,
                    timeout=None):

@@ -18,7 +18,7 @@ from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
 from . import _fastpath
-from ._fastpath import PREMUL, fill_options, op_of, rows
+from ._fastpath import OTHER_FORMS, PREMUL, fill_options, op_of, rows
 from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, write_back
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
@@ -172,18 +172,6 @@ def _coalesced(single, name, gathers):
         works = [single(self, o, i, opts) for o, i in zip(outputs, inputs)]
         return all_of(works, outputs) if works else self._barrier()
     return coalesced
-
-
-# torch's ProcessGroup takes these also with one tensor where the list form has a list, then the
-# options' fields by position or name (torch/_C/_distributed_c10d.pyi): gather(outputs, input, root,
-# timeout=None) for gather([outputs], [input], GatherOptions). Each: its options, which of its two
-# tensor arguments is one tensor there (None: both stay lists, and a timeout takes the options' place),
-# and the fields that follow.
-OTHER_FORMS = {"allgather": (_c10d.AllgatherOptions, 1, ("timeout",)),
-               "gather": (_c10d.GatherOptions, 1, ("root", "timeout")),
-               "scatter": (_c10d.ScatterOptions, 0, ("root", "timeout")),
-               "reduce_scatter": (_c10d.ReduceScatterOptions, 0, ("op", "timeout")),
-               "alltoall": (_c10d.AllToAllOptions, None, ("timeout",))}
 
 
 def other_forms(name):
