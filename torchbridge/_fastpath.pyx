@@ -460,29 +460,33 @@ def _overload(str name, options, tensors, positional, named):
     tensor = named.pop("tensor")
     if tensors is None:
         tensors = tensor
-    if isinstance(tensors, torch.Tensor):
+    cdef bint single = isinstance(tensors, torch.Tensor)
+    if single:
         tensors = [tensors]
     if isinstance(positional[0], options) and not any(v is not None for v in positional[1:] + tuple(named.values())):
         return tensors, positional[0]
     wanted = OTHER_FORMS[name][2]
     return tensors, fill_options(options, wanted, positional, named, f"{name}(): takes (tensors, options) or "
-                                 f"(tensor, {', '.join(wanted)})")
+                                 f"(tensor, {', '.join(wanted)})", single)
 
 
 _FIELD_TYPES = {"op": (dist.ReduceOp, dist.ReduceOp.RedOpType), "root": numbers.Integral,
                 "timeout": datetime.timedelta}
 
 
-def fill_options(options, wanted, positional, named, form):
+def fill_options(options, wanted, positional, named, form, bint other_form=False):
     """options() with the fields a c10d method's other form gives after its tensors (wanted: their
     names, of op, root and timeout), by position (positional) or by name (named); None: unset. Anything
-    else is refused, with the method's forms (form)."""
+    else is refused, with the method's forms (form), as is the other form (other_form) without the root
+    it needs (torch's has no default for it)."""
     given = {k: v for k, v in zip(wanted, positional) if v is not None}
     extra = [v for v in positional[len(wanted):] if v is not None] + [k for k, v in named.items() if v is not None
                                                                        and k not in wanted]
     if extra or any(v is not None and k in given for k, v in named.items()):
         raise TypeError(f"{form}; got {extra or named}")
     given.update((k, v) for k, v in named.items() if v is not None)
+    if other_form and "root" in wanted and "root" not in given:
+        raise TypeError(f"{form}; got no root")
     wrong = [f"{k}={v!r}" for k, v in given.items() if not isinstance(v, _FIELD_TYPES[k])]
     if wrong:
         raise TypeError(f"{form}; got {', '.join(wrong)}")

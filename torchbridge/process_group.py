@@ -192,7 +192,7 @@ def other_forms(name):
                 if not isinstance(single, torch.Tensor):   # (a list there, with a timeout or a root: both forms)
                     raise TypeError(f"{form}; got a {type(single).__name__} where its one tensor goes")
                 first, second = [first], [second]
-            return method(self, first, second, fill_options(options, fields, rest, named, form))
+            return method(self, first, second, fill_options(options, fields, rest, named, form, one is not None))
         return either
     return wrap
 

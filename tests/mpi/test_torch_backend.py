@@ -1082,6 +1082,16 @@ def test_group_methods_take_torchs_other_forms_and_give_gloos_results():
                             timeout=timeout)
         with pytest.raises(TypeError, match=refused):
             group.barrier(5)
+        # (the other forms without the root torch's have no default for; Gloo's binding refuses them too)
+        no_root = "got no root" if group is pg else refused
+        with pytest.raises(TypeError, match=no_root):
+            group.broadcast(torch.ones(1))
+        with pytest.raises(TypeError, match=no_root):
+            group.reduce(torch.ones(1), op=dist.ReduceOp.MAX)
+        with pytest.raises(TypeError, match=no_root):
+            group.gather([torch.empty(1) for _ in range(P)], torch.ones(1))
+        with pytest.raises(TypeError, match=no_root):
+            group.scatter(torch.empty(1), [torch.ones(1) for _ in range(P)], timeout=timeout)
         if group is pg:
             with pytest.raises(TypeError, match=r"gather\(\): takes .* \(tensors, tensor, root, timeout\); got a list"):
                 group.gather([[torch.empty(1)] * P] if R == 0 else [], [torch.ones(1)], 0)
