@@ -23,6 +23,8 @@ static int tcp_open_message(eng_tcp *t, int peer, tcp_instream *in) {
   m->seq = h->seq;
   m->total = (size_t)h->a;
   m->claimed = (size_t)h->b;
+  m->step = (size_t)h->b;
+  m->parts = 1;
   if (r != NULL) tcp_bind(t, r, m);
   else {
     m->buf = (char *)malloc(m->total ? m->total : 1);
@@ -54,10 +56,18 @@ static int tcp_open_part(eng_tcp *t, int peer, tcp_instream *in) {
     if (h->seq >= p->recv_seq) return 0;
     return tcp_corrupt(t, peer), 1;
   }
-  /* (claimed, not arrived: a part still arriving on another stream must not be counted twice, or the
+  /* Stream s carries the part at s * step, once, as long as the step, or the rest on the last stream or
+   * where the step would pass the end (the sender's split, tcp.h): parts that overlap or repeat would
+   * let the message complete with bytes nobody sent (a reused buffer's, the receive's).
+   * (claimed, not arrived: a part still arriving on another stream must not be counted twice, or the
    * message would complete, and be freed, under it) */
-  if (h->a > m->total || h->b > m->total - h->a || h->b > m->total - m->claimed) return tcp_corrupt(t, peer), 1;
+  size_t s = (size_t)(in - p->in);
+  if (h->a > m->total || h->b > m->total - h->a || h->b > m->total - m->claimed || m->step == 0 ||
+      h->a != s * m->step || (m->parts >> s) & 1u ||
+      h->b != ((int)s == p->nin - 1 || m->step > m->total - h->a ? m->total - h->a : m->step))
+    return tcp_corrupt(t, peer), 1;
   m->claimed += (size_t)h->b;
+  m->parts |= 1u << s;
   in->msg = m;
   in->off = (size_t)h->a;
   in->left = (size_t)h->b;
@@ -97,9 +107,10 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   in->rpos += ENG_TCP_HDR;
   if (h->tag < 0) return tcp_corrupt(t, peer);
   if (h->kind == ENG_TCP_MSG) {
-    /* (a peer of one stream carries every byte on it: a message saying the rest comes elsewhere never ends) */
+    /* (a peer of one stream carries every byte on it: a message saying the rest comes elsewhere never ends;
+     * nor does one of several whose first frame is empty, as no part can follow it) */
     if (h->a > ENG_TCP_MAX_MESSAGE || h->b > h->a || h->seq < t->peers[peer].recv_seq || in != &t->peers[peer].in[0] ||
-        (t->peers[peer].nin == 1 && h->b != h->a))
+        (t->peers[peer].nin == 1 && h->b != h->a) || (h->b == 0 && h->a != 0))
       return tcp_corrupt(t, peer);
     return 0;
   }

@@ -85,6 +85,8 @@ struct tcp_in {
   uint64_t seq;
   size_t total, arrived;
   size_t claimed;           /* bytes its MSG and PART headers so far said they carry (<= total) */
+  size_t step;              /* its MSG's own bytes: stream s's part begins at s * step (the sender's split) */
+  uint32_t parts;           /* the streams whose frame of it has come (bit s) */
   char *buf;                /* where its bytes go; NULL: discarded */
   int owns;                 /* buf is the transport's (a message nobody asked for yet) */
   int complete;

@@ -319,6 +319,26 @@ def test_a_part_claiming_bytes_another_stream_carries_fails_naming_the_peer(rank
     s1.close()
 
 
+@pytest.mark.parametrize("part", ["over the first frame's bytes", "shorter than its share", "empty first frame"])
+def test_a_part_not_where_its_stream_carries_it_fails_naming_the_peer(rank0, part):
+    """A message of 8192 bytes over 2 streams: the MSG frame carries bytes 0-4095, stream 1's part the
+    rest. A part that lands on the first frame's bytes (which completed the receive with bytes 4096 on
+    as the buffer held them: nothing sent them), one shorter than its share (the message never ended),
+    or a first frame of none (no part can follow it) is malformed, at once."""
+    core, _, ports = rank0
+    out = np.full(8192, 0x55, np.uint8)
+    r = core.irecv(out, 1, 7)
+    first, (a, b) = (0 if part == "empty first frame" else 4096), {
+        "over the first frame's bytes": (0, 4096), "shorter than its share": (4096, 2048),
+        "empty first frame": (4096, 4096)}[part]
+    s0 = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 7, 0, 8192, first) + b"a" * first)
+    s1 = connect(ports[1], hello(stream=1, nstreams=2) + header(PART, 7, 0, a, b) + b"b" * b)
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
+        r.wait()
+    s0.close()
+    s1.close()
+
+
 def test_a_cancelled_send_whose_part_went_out_still_sends_its_first_frame(rank0):
     """A message split over two streams: its part (stream 1) went out whole while its first frame waits
     on stream 0 behind others. Cancelled then, the first frame still goes out (from a copy of the
@@ -499,7 +519,7 @@ def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0
     other = core.irecv(np.zeros(4, np.uint8), 1, 9)    # a receive for another tag: the stream is read on
-    s = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 1 << 48, 0))   # (its bytes on the other stream)
+    s = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 1 << 48, 8) + b"x" * 8)   # (the rest: other streams)
     with pytest.raises(EngineError, match=r"out of memory for a message from rank 1 \(rank1, 127\.0\.0\.1 port"):
         other.wait()
     s.close()
