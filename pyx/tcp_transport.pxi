@@ -130,6 +130,9 @@ cdef class TcpTransport(Transport):
         self.bell.doze_obj = self.t
         self.door = &self.bell
         for q, (addr, port, _) in enumerate(peers):
+            if not 1 <= port <= 65535:   # (getaddrinfo would take it modulo 65536: another port)
+                self.t.listen_fd = -1
+                raise ValueError(f"engine: rank {q}'s port {port} (from the group's store) is outside 1-65535")
             rc = eng_tcp_set_peer(self.t, q, addr.encode(), port)
             if rc:
                 self.t.listen_fd = -1       # raising: the fd stays the caller's (engine/tcp.py closes it)

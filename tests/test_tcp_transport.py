@@ -57,6 +57,17 @@ def group_of(size, collective_user_channel=False, nstreams=2, split_min=1 << 20)
     return core, fakes, ports
 
 
+@pytest.mark.parametrize("port", [0, 65536 + 80, -1, 1 << 31])
+def test_a_peer_port_outside_the_port_range_is_refused_naming_the_rank(port):
+    """A port read from the store that no socket has: refused, where getaddrinfo took 65616 as 80."""
+    fd, own = _core.tcp_listen("127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=rf"rank 1's port {port} \(from the group's store\) is outside 1-65535"):
+            _core.TcpTransport(0, 2, 0, fd, TOKEN, [("127.0.0.1", own, "rank0"), ("127.0.0.1", port, "rank1")])
+    finally:
+        _core.close_fd(fd)
+
+
 @pytest.fixture
 def rank0():
     """Rank 0 of a group of 2 whose rank 1 is this test: (core, rank 1's listener, rank 0's ports)."""
