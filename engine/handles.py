@@ -256,7 +256,8 @@ class Listener:
 class _Hellos:
     """The hub's accepted connections that have not said their hello yet, read as their bytes come:
     one that stays silent (anything may connect to the handle's port) holds up neither the members
-    behind it nor abort(). One silent for HELLO_SECONDS, or beyond MAX_PARKED waiting, is closed."""
+    behind it nor abort(). One silent for HELLO_SECONDS is closed, as is the one waiting longest when
+    MAX_PARKED wait and another comes."""
 
     def __init__(self, sock, waiting):
         # waiting: socket -> (when it must have said hello, what it said so far), the listener's: a
@@ -310,8 +311,9 @@ class _Hellos:
         except OSError:   # (none to take after all, or out of descriptors: it waits in the backlog for the next try)
             return
         if len(self.waiting) >= MAX_PARKED:
-            conn.close()
-            return
+            # (the one waiting longest makes room: a member says its hello as it connects, and a stray
+            # client holding silent connections open would otherwise keep every member out)
+            self._drop(next(iter(self.waiting)))
         conn.setblocking(False)
         self.waiting[conn] = (now + HELLO_SECONDS, bytearray())
         self.selector.register(conn, selectors.EVENT_READ)

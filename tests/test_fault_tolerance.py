@@ -800,6 +800,45 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         listener.close()
 
 
+def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
+    """MAX_PARKED + 40 connections to the hub that never say a word (a stray client), then a member's
+    hello: the silent ones waiting longest make room, and the member is taken (the hub closed every new
+    connection once MAX_PARKED waited: the member heard 'the hub closed the connection')."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
+    got = {}
+
+    def accept():
+        try:
+            got["conns"] = listener.accept_members(9, 2, b"d" * 32, time.monotonic() + 20, [listener.handle] * 2,
+                                                   handles.Meeting(listener))
+        except Exception as exc:
+            got["conns"] = exc
+
+    side = threading.Thread(target=accept)
+    side.start()
+    silent = []
+    try:
+        for _ in range(handles.MAX_PARKED + 40):
+            silent.append(socket.create_connection((addr, port), timeout=10))
+        good = socket.create_connection((addr, port))
+        silent.append(good)
+        good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        side.join(25)
+        conns = got.get("conns")
+        assert isinstance(conns, dict), conns
+        assert list(conns) == [1]
+        conns[1].close()
+    finally:
+        for conn in silent:
+            conn.close()
+        listener.close()
+
+
 def test_an_abort_from_a_signal_handler_inside_the_swap_leaves_the_group_aborted():
     """abort() from a signal handler that runs in the reconfiguring thread while it swaps communicators
     (between taking the old one off and attaching the new one; the swap's lock lets it in): the
