@@ -152,8 +152,10 @@ static int tcp_poll_set(eng_tcp *t, int with_wake) {
   size_t most = 2 + (size_t)t->npending + (size_t)t->size * 2 * ENG_TCP_MAX_STREAMS;
   if (tcp_pfd_reserve(t, most)) return -1;
   int n = 0;
-  /* (with the pending table full, what waits to be accepted waits for a free entry) */
-  tcp_pfd_add(t, &n, t->listen_fd, t->npending < ENG_TCP_MAX_PENDING ? POLLIN : 0, PF_LISTEN << 24);
+  /* (with the pending table full, what waits to be accepted waits for a free entry, or for the oldest
+   * entry's grace to pass: tcp_accept) */
+  tcp_pfd_add(t, &n, t->listen_fd, t->npending < ENG_TCP_MAX_PENDING || tcp_pending_overdue(t) >= 0 ? POLLIN : 0,
+              PF_LISTEN << 24);
   if (with_wake) tcp_pfd_add(t, &n, t->wake_fd, POLLIN, PF_WAKE << 24);
   for (int i = 0; i < t->npending; i++) tcp_pfd_add(t, &n, t->pending[i].fd, POLLIN, PF_PENDING << 24 | i);
   for (int q = 0; q < t->size; q++) {
@@ -248,7 +250,8 @@ static void tcp_progress(eng_tcp *t) {
     if (kind == PF_LISTEN) {
       tcp_accept(t);
     } else if (kind == PF_PENDING) {
-      t->pending[t->pwhat[i] & 0xffffff].ready = 1;
+      int k = t->pwhat[i] & 0xffffff;
+      if (k < t->npending) t->pending[k].ready = 1;   /* (tcp_accept may have made room: entries moved) */
     } else if (kind == PF_IN) {
       if (rev & (POLLHUP | POLLERR)) t->peers[q].closing = 1;   /* (a held stream is watched for these only) */
       tcp_in_progress(t, q, &t->peers[q].in[s]);
