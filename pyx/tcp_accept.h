@@ -49,10 +49,16 @@ static void tcp_accept(eng_tcp *t) {
     int fd = accept4(t->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
+      if ((errno == EMFILE || errno == ENFILE) && evict >= 0) {   /* (its descriptor is the one wanted) */
+        tcp_drop_pending(t, evict);
+        continue;
+      }
       if (errno != EAGAIN && errno != EWOULDBLOCK) t->sys_errno = errno;
       return;
     }
-    if (evict >= 0) tcp_drop_pending(t, evict);
+    /* (read once more before it goes: a hello that came meanwhile takes it through, narrowing the
+     * window in which a peer whose hello is on its way is closed) */
+    if (evict >= 0 && !tcp_hello_progress(t, evict)) tcp_drop_pending(t, evict);
     if (t->sys_errno == EMFILE || t->sys_errno == ENFILE) t->sys_errno = 0;   /* (descriptors again) */
     tcp_sockopts(fd);
     tcp_pending *q = &t->pending[t->npending++];

@@ -529,6 +529,29 @@ def test_a_rank_out_of_descriptors_fails_saying_so_instead_of_spinning(rank0):
         peer.close()
 
 
+def test_a_full_table_makes_room_with_no_descriptor_free(rank0):
+    """The pending table full of silent connections and the process's descriptors used up: once the
+    oldest has said nothing for the grace, closing it frees the descriptor the next connection takes
+    (the accept came first, and its EMFILE failed the wait: 'could not accept a peer's connection')."""
+    import resource
+    core, _, ports = rank0
+    silent = [connect(ports[1]) for _ in range(70)]
+    good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
+    r = core.irecv(np.zeros(4, np.uint8), None, None)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        assert not drive(r, lambda: False, seconds=0.3)    # (the table fills)
+        lowest = os.open(os.devnull, os.O_RDONLY)   # (the lowest free number: every one below is taken)
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        assert r.wait() == (1, 5, 4)
+        assert core.user_transport.rejected >= 7    # (room for the 6 silent ones ahead of it, and for it)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for s in silent + [good]:
+            s.close()
+
+
 def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0
