@@ -10,7 +10,6 @@ import types
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _c10d
 
 from engine import ReduceOp, failure
 from engine._core import NotDivisibleError
