@@ -53,8 +53,9 @@ def run(cmd, cwd, env, timeout=300):
 
 def differences(out):
     """{what: (ranks, largest difference from one process)} from the scripts' CLIENT lines."""
-    found = re.findall(r"CLIENT (.+?): (\d+) ranks.*?largest difference from one process on the full batches (\S+)",
-                       out)
+    # (the number alone: under torchrun --tee another rank's prefix may follow it on the same line)
+    found = re.findall(r"CLIENT (.+?): (\d+) ranks.*?largest difference from one process on the full batches "
+                       r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan))", out)
     return {what: (int(ranks), float(worst)) for what, ranks, worst in found}
 
 
