@@ -568,7 +568,8 @@ class Communicator:
         sig = np.full(_SIG_LEN, -1, np.int64)
         dtype_code = _core.DTYPE_NAMES.index(info[2]) if info[2] else -1
         root = _root_word(root)
-        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root, redop if isinstance(redop, int) else 100,
+        sig[:7] = (_OP_IDS.get(op, 99), dtype_code, info[0], root,
+                   redop if isinstance(redop, int) else 100 + getattr(redop, "fingerprint", 0),
                    self._core.seq + 1, -1 if split else len(shape))
         sig[7:7 + len(shape)] = shape
         if counts is not None and len(counts):
@@ -614,7 +615,8 @@ class Communicator:
                        else f" split by counts (digest {int(row[7]):08x})")
                     + (f" shape {tuple(int(x) for x in row[7:7 + nd])}" if nd > 0 else "")
                     + (f" root {int(row[3])}" if row[3] >= 0 else "")
-                    + (f" op {ReduceOp(int(row[4])).name}" if 0 <= row[4] < len(ReduceOp) else ""))
+                    + (f" op {ReduceOp(int(row[4])).name}" if 0 <= row[4] < len(ReduceOp) else
+                       f" user op (fingerprint {int(row[4]) - 100:08x})" if row[4] >= 100 else ""))
 
         groups = {}
         for r in range(self.size):

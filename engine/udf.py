@@ -25,6 +25,7 @@ import textwrap
 import threading
 import types
 import warnings
+import weakref
 
 _NUMBA_TYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64")
 
@@ -36,9 +37,27 @@ class UserOp:
         fn = getattr(fn, "py_func", fn)   # (a function Numba compiled already: its Python one, compiled here)
         self.fn = fn
         self.name = getattr(fn, "__name__", "user_op")
+        try:
+            inspect.signature(fn).bind(0, 0)
+        except TypeError:
+            raise TypeError(f"engine.reduction: {self.name} must take two arguments, the two elements it combines "
+                            f"(f(a, b) -> value); it takes {inspect.signature(fn)}") from None
+        except ValueError:
+            pass   # (no signature to read: Numba says what it lacks)
         self.cache = cache
         self._kernels = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # (RLocks: a fork from within a compile takes them again, below)
+        self._fingerprint = None
+        _OPS.add(self)
+
+    @property
+    def fingerprint(self):
+        """32 bits (never 0) of what the op computes: its source with the values it reads, else its bytecode.
+        Every rank passes the same op when these agree; the collectives' signatures carry it, so ranks
+        that pass different user ops fail with EngineMismatch where a different built-in op would."""
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self.fn)
+        return self._fingerprint
 
     def __call__(self, a, b):
         return self.fn(a, b)
@@ -67,7 +86,9 @@ def reduction(fn=None, *, cache=True):
 # A kernel can't raise (a C function the collectives call): Numba's numpy error model gives a division
 # by zero numpy's results (inf, nan; 0 for integers), where its Python one stopped the loop at that
 # element, printed "Exception ignored", and left the rest of the output unwritten. An op's own `raise`
-# still can't be reported: it ends the loop likewise (docs/architecture.md).
+# still ends the loop there; the kernel catches it and calls engine._core's eng_user_op_raised (linked by
+# its symbol, so the cached machine code holds no address), and the collectives raise on every rank
+# (CoreComm.user_op_agree).
 # The kernel lives in a small generated module holding a copy of the user's function source, one
 # file per (source, dtype), so Numba's on-disk cache is keyed to a stable, self-contained file (a
 # closure built here would recompile on every start). Functions whose source or globals can't be
@@ -82,13 +103,33 @@ from numba import types
 {source}
 _elem = numba.njit(inline="always", error_model="numpy")({fname})
 _ptr = types.CPointer(types.{dtype})
+_raised = types.ExternalFunction("{raised}", types.void())
+
+
+@numba.njit(error_model="numpy", cache={cache})
+def _loop(dst, a, b, n):  # dst may alias a or b: each element reads both before writing
+    for i in range(n):
+        dst[i] = _elem(a[i], b[i])
 
 
 @numba.cfunc(types.void(_ptr, _ptr, _ptr, types.uintp), nopython=True, cache={cache}, error_model="numpy")
-def kernel(dst, a, b, n):  # dst may alias a or b: each element reads both before writing
-    for i in range(n):
-        dst[i] = _elem(a[i], b[i])
+def kernel(dst, a, b, n):
+    try:
+        _loop(dst, a, b, n)
+    except Exception:
+        _raised()
 """
+_RAISED = "engine_user_op_raised"   # (the symbol every kernel calls where its function raised)
+_linked = []
+
+
+def _link_raised():
+    """Tells Numba's linker where _RAISED is (engine._core's eng_user_op_raised), once a process."""
+    if not _linked:
+        import llvmlite.binding
+        from . import _core
+        llvmlite.binding.add_symbol(_RAISED, _core.user_op_raised_address())
+        _linked.append(True)
 
 
 def _portable_source(fn):
@@ -122,6 +163,21 @@ def _portable_source(fn):
     return "\n".join(lines) + "\n", "\n".join(context)
 
 
+def _fingerprint(fn):
+    """UserOp.fingerprint: the same on every rank that defines fn alike (nothing in it is an address)."""
+    portable = _portable_source(fn)
+    if portable is not None:
+        text = f"{portable[1]}\n{portable[0]}"
+    else:   # (a lambda, a function with defaults or other objects: its code and its plain values)
+        def code_text(code):
+            consts = (code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+            return f"{code.co_code.hex()} {code.co_names} {' '.join(consts)}"
+        plain = [v for v in (*(c.cell_contents for c in fn.__closure__ or ()), *(fn.__defaults__ or ()))
+                 if type(v) in (bool, int, float, str)]
+        text = f"{getattr(fn, '__qualname__', '')} {code_text(fn.__code__)} {plain!r}"
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little") or 1
+
+
 def _literal(value):
     """Source text that gives back exactly value (a bool, int or float), or None."""
     if type(value) is not float or math.isfinite(value):
@@ -134,18 +190,22 @@ def _literal(value):
 def _compile(fn, dtype, cache):
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
     if dtype not in _NUMBA_TYPES:
+        fix = ("cast to uint8 first (or use BAND / BOR)" if dtype == "bool" else
+               "reduce it with a built-in op, or its real and imaginary parts as floats" if dtype.startswith("complex")
+               else "cast to float32 first (Numba has no CPU float16/bfloat16 arithmetic)" if dtype.endswith("16")
+               else "cast to float32 first")
         raise TypeError(f"user reduction {name!r} can't run on {dtype}: user ops support "
-                        f"{', '.join(_NUMBA_TYPES)} (Numba has no CPU float16/bfloat16 arithmetic); "
-                        "cast to float32 first")
+                        f"{', '.join(_NUMBA_TYPES)}; {fix}")
     try:
         importlib.import_module("numba")
     except ImportError:
         raise ImportError("user reductions need Numba: pip install numba (or engine[numba])") from None
     portable = _portable_source(fn) if cache else None
     try:
+        _link_raised()
         made = None
         if portable is not None:
-            source = _KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=True,
+            source = _KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=True, raised=_RAISED,
                                            source=portable[0], context=portable[1], fname=fn.__name__)
             try:
                 made = vars(_load_generated(source, f"engine_udf_{hashlib.sha1(source.encode()).hexdigest()[:16]}"))
@@ -153,8 +213,8 @@ def _compile(fn, dtype, cache):
                 pass   # (a cache folder it can't write, a copy that doesn't compile: uncached, as cache=False)
         if made is None:
             made = {"_user_fn": fn}
-            exec(_KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=False, source="", context="",
-                                       fname="_user_fn"), made)
+            exec(_KERNEL_SOURCE.format(qualname=name, dtype=dtype, cache=False, raised=_RAISED, source="",
+                                       context="", fname="_user_fn"), made)
     except Exception as exc:
         raise TypeError(f"user reduction {name!r} failed to compile for {dtype} with Numba: {exc}") from exc
     _check_result(made["_elem"], dtype, name)
@@ -176,7 +236,28 @@ def _check_result(elem, dtype, name):
                             f"signed integer or a float a float: write numpy.{dtype}(1), not 1)")
 
 
-_LOADING = threading.Lock()   # one generated module written and loaded at a time in this process
+_LOADING = threading.RLock()   # one generated module written and loaded at a time in this process
+_OPS = weakref.WeakSet()      # every UserOp: its lock is held across a fork (below)
+_HELD = []
+
+
+def _before_fork():
+    """A fork waits for the compiles running in other threads: the child would inherit their locks (the
+    op's, _LOADING, Numba's compiler lock) held by threads it doesn't have, and its first user op would
+    wait on them forever. Taken in the order a compile takes them."""
+    numba_lock = getattr(sys.modules.get("numba.core.compiler_lock"), "global_compiler_lock", None)
+    for lock in (*(op._lock for op in list(_OPS)), _LOADING, numba_lock):
+        if lock is not None:
+            lock.acquire()
+            _HELD.append(lock)
+
+
+def _after_fork():
+    while _HELD:
+        _HELD.pop().release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 def _own(path):
@@ -186,6 +267,19 @@ def _own(path):
 
 
 _REFUSED = set()
+
+
+def _open_parent(folder):
+    """The nearest folder above folder that a user other than this one and root may rename things in
+    (writable by them, not sticky), or None."""
+    path = os.path.dirname(os.path.abspath(folder))
+    while True:
+        st = os.stat(path)
+        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & 0o1000):
+            return path
+        if path == os.path.dirname(path):
+            return None
+        path = os.path.dirname(path)
 
 
 def _refused(folder, why):
@@ -223,6 +317,9 @@ def _load_generated(source, modname):
             _refused(folder, "belongs to another user")
         if st.st_mode & 0o022:   # (one the engine makes is 0700: this one was made or opened by someone)
             _refused(folder, "may be written by others")
+        above = _open_parent(folder)
+        if above is not None:   # (whoever may write a folder above may swap this one for theirs)
+            _refused(folder, f"lies in {above}, which others may write")
         path = os.path.join(folder, modname + ".py")
         if not _holds(path, source):  # written once: Numba's cache is stamped with the file's mtime
             fd, tmp = tempfile.mkstemp(prefix=modname + ".", suffix=".tmp", dir=folder)   # (other ranks write too)

@@ -2,6 +2,7 @@
 """engine._core: the compiled core without MPI: kernels, the buffer layer, the transport seam, the
 point-to-point algorithms, the communicator core, the shared-memory transport and the TCP transport."""
 
+import array
 import errno
 import os
 import sys
@@ -23,6 +24,7 @@ from team cimport *
 include "errors.pxi"
 include "exit_deadline.pxi"
 include "dtypes.pxi"
+include "user_ops.pxi"
 include "message.pxi"
 include "kernels_api.pxi"
 include "wait.pxi"

@@ -488,14 +488,16 @@ cdef class CoreComm:
         cdef Reduction red = resolve_op(op, ms.dtype)
         cdef Call c
         if mr is not ms:
-            _same_dtype(ms, mr, "allreduce")
+            same_dtype(ms, mr, "allreduce")
             if mr.count != ms.count:
                 raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
             ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.red = &red.c
+        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
                     ms.count, (ms, mr))
+        user_op_agree(self, red, raised, "allreduce")
         return recvbuf if recvbuf is not None else sendbuf
 
     def broadcast(self, buf, root=0):
@@ -517,14 +519,16 @@ cdef class CoreComm:
         cdef Call c
         if is_root and not inplace:
             mr = as_message(recvbuf, True, "recvbuf")
-            _same_dtype(ms, mr, "reduce")
+            same_dtype(ms, mr, "reduce")
             if mr.count != ms.count:
                 raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
             ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, r
+        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
                     (ms, mr))
+        user_op_agree(self, red, raised, "reduce")
         return recvbuf if recvbuf is not None else sendbuf
 
     def allgather(self, sendbuf, recvbuf, counts=None):
@@ -532,7 +536,7 @@ cdef class CoreComm:
         cdef Message ms = as_message(sendbuf, False, "sendbuf")
         cdef Message mr = as_message(recvbuf, True, "recvbuf")
         cdef Call c
-        _same_dtype(ms, mr, "allgather")
+        same_dtype(ms, mr, "allgather")
         c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
         largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
         ms = apart(ms, mr, <char*>mr.ptr + c.displs[self.rank] * ms.itemsize)   # (in place: its part of recvbuf)
@@ -557,7 +561,7 @@ cdef class CoreComm:
         cdef Message mr = as_message(recvbuf, True, "recvbuf")
         cdef Reduction red
         cdef Call c
-        _same_dtype(ms, mr, "reduce_scatter")
+        same_dtype(ms, mr, "reduce_scatter")
         red = resolve_op(op, ms.dtype)
         c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
         c.red = &red.c
@@ -565,8 +569,10 @@ cdef class CoreComm:
         ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize if self.reduce_scatters_in_place
                    else NULL)   # (in place: recvbuf is its block)
         c.src = <char*>ms.ptr
+        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
                     ms.count, (ms, mr))
+        user_op_agree(self, red, raised, "reduce_scatter")
         return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
@@ -580,7 +586,7 @@ cdef class CoreComm:
         cdef size_t block, largest = 0
         cdef int i
         cdef Call c
-        _same_dtype(ms, mr, "alltoall")
+        same_dtype(ms, mr, "alltoall")
         ms = apart(ms, mr, NULL)
         cdef bint even = send_counts is None and recv_counts is None
         alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
@@ -650,13 +656,6 @@ cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
     return out
 
 
-cdef int _same_dtype(Message a, Message b, str what) except -1:
-    if a.dtype != b.dtype:
-        raise TypeError(f"{what}: send buffer is {DTYPE_NAMES[a.dtype]} but receive buffer is "
-                        f"{DTYPE_NAMES[b.dtype]}; they must have the same dtype")
-    return 0
-
-
 cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
     """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's
     recvbuf) and the root's whole (gather's recvbuf, scatter's sendbuf), needed on the root only."""
@@ -674,7 +673,7 @@ cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
         whole = as_message(wbuf, gather, whole_role)
     ms, mr = (mine, whole) if gather else (whole, mine)
     if whole is not None:
-        _same_dtype(ms, mr, what)
+        same_dtype(ms, mr, what)
     c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
                  mine.dtype)
     c.root = root

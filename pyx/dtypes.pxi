@@ -133,5 +133,6 @@ cdef Reduction resolve_op(object op, int dtype):
     red.c.fn = <eng_reduce_fn><void*><size_t>address
     red.c.code = -1
     red.c.dtype = dtype
+    red.c.ident = getattr(op, "fingerprint", 1) & 0xffffffff   # (an object of another kind: unchecked)
     red.keep = op
     return red

@@ -190,3 +190,11 @@ def message_shape(obj):
     """(element count, item size, dtype name) of obj: what algorithm choice and bucket planning need."""
     cdef Message m = as_message(obj, False, "buffer")
     return m.count, m.itemsize, DTYPE_NAMES[m.dtype]
+
+
+cdef int same_dtype(Message a, Message b, str what) except -1:
+    """A call's send and receive buffers must hold one dtype (the engine converts none)."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"{what}: send buffer is {DTYPE_NAMES[a.dtype]} but receive buffer is "
+                        f"{DTYPE_NAMES[b.dtype]}; they must have the same dtype")
+    return 0

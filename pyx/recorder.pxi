@@ -89,15 +89,15 @@ cdef uint64_t call_key(const Call *c) noexcept nogil:
     Hashed with the call's number into its point-to-point tags (pyx/call_tags.h), so a message of
     another call, or of this one with another op, dtype or root, is never taken for this call's."""
     cdef bint rooted = c.op == OP_BROADCAST or c.op == OP_REDUCE or c.op == OP_GATHER or c.op == OP_SCATTER
-    return call_word(c.op, c.dtype, opbit_of(c.red) if c.red != NULL else OPBIT_NONE, -1, c.root if rooted else -1)
+    return call_word(c.op, c.dtype, op_mark(c.red) if c.red != NULL else OPBIT_NONE, -1, c.root if rooted else -1)
 
 
 cdef tuple call_word_parts(uint64_t w):
     """(collective, dtype or None, reduce op or None, root or -1) of a call_word()."""
-    cdef int op = w & 0xff, dtype = <int>((w >> 8) & 0xff) - 1, opbit = <int>((w >> 16) & 0xff)
+    cdef int op = w & 0xff, dtype = <int>((w >> 8) & 0xff) - 1, mark = <int>((w >> 16) & 0xff)
     return (OP_KIND_NAMES[op] if op < NOPKINDS else f"op {op}",
             DTYPE_NAMES[dtype] if 0 <= dtype < ENG_NDTYPES else None,
-            OP_NAMES[opbit].upper() if 0 <= opbit < 8 else "user" if opbit == OPBIT_USER else None,
+            OP_NAMES[mark].upper() if 0 <= mark < 8 else f"user #{mark - OPMARK_USER}" if mark >= OPMARK_USER else None,
             <long long>(w >> 32) - 1)
 
 

@@ -104,8 +104,12 @@ cdef class ShmComm(CoreComm):
             pieces = self.seg.err_pieces   # (and, where a piece's size differs, both sizes)
             mine = _describe_sig(self.seg.my_sig, f"expects {self.seg.my_sig[4]} elements from rank {q}" if pieces else None)
             theirs = _describe_sig(self.seg.err_sig, f"sends {self.seg.err_sig[4]} elements to rank {self.rank}" if pieces else None)
-            if mine == theirs and self.seg.my_sig[2] != self.seg.err_sig[2]:   # (alike in words: the counts' hash)
-                theirs += ", but its per-rank counts (the sizes of an uneven call's pieces) differ"
+            if mine == theirs and self.seg.my_sig[2] != self.seg.err_sig[2]:   # (alike in words: the counts' hash
+                user = " op user #" in mine   # or a user op's whole fingerprint)
+                theirs += (", but its user op (another function, or other values in it) differs" if user and
+                           (self.seg.my_sig[0] & 0xff) != OP_REDUCE_SCATTER else
+                           ", but its per-rank counts (the sizes of an uneven call's pieces)"
+                           + (" or its user op differ" if user else " differ"))
             kind, text = EngineMismatch, f"collective mismatch in this group: rank {self.rank}: {mine}; rank {q}: {theirs}"
         elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
             lost, awaited = self.algo_tp.whole_rank(q), self.seg.err_awaited
@@ -215,10 +219,11 @@ cdef class ShmComm(CoreComm):
 
     # -- the step primitives of this group's collectives --
 
-    cdef inline void sign(self, int op, int dtype, int opbit, int impl, int root, uint64_t count,
+    cdef inline void sign(self, int op, int dtype, int opmark, int impl, int root, uint64_t count,
                           uint64_t chash) noexcept nogil:
-        """The signature every step of this collective carries (peers in another one are refused)."""
-        self.sig[0] = call_word(op, dtype, opbit, impl, root)
+        """The signature every step of this collective carries (peers in another one are refused); chash:
+        the per-rank counts' hash, a user op's whole fingerprint mixed in."""
+        self.sig[0] = call_word(op, dtype, opmark, impl, root)
         self.sig[1] = count
         self.sig[2] = chash
 
@@ -253,7 +258,7 @@ cdef class ShmComm(CoreComm):
         cdef char *mine
         cdef char *out
         cdef eng_team *tm = self.team_for(impl, mv)
-        self.sign(OP_ALLREDUCE if root < 0 else OP_REDUCE, mv.wdt, opbit_of(red), impl, root, total, 0)
+        self.sign(OP_ALLREDUCE if root < 0 else OP_REDUCE, mv.wdt, op_mark(red), impl, root, total, red.ident)
         while off < total:
             n = min(per, total - off)
             ierr = self.open_step(0, ctx)
@@ -605,9 +610,10 @@ cdef class ShmComm(CoreComm):
             total += c
             steps = max(steps, piece_steps(c, per, False))
             largest = max(largest, c)
-        self.sign(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SEGMENT, -1, total, _counts_hash(counts, P))
+        self.sign(OP_REDUCE_SCATTER, red.dtype, op_mark(red), IMPL_SEGMENT, -1, total,
+                  _counts_hash(counts, P) ^ red.ident)
         if self.single_copy(OP_REDUCE_SCATTER, largest * isz, red.dtype):
-            self.sig[0] = call_word(OP_REDUCE_SCATTER, red.dtype, opbit_of(red), IMPL_SINGLE_COPY, -1)
+            self.sig[0] = call_word(OP_REDUCE_SCATTER, red.dtype, op_mark(red), IMPL_SINGLE_COPY, -1)
             return self.pull_reduce_scatter(src, dst, count, red, counts, displs, divisor, ctx)
         while k < steps:
             ierr = self.open_step(0, ctx)

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -115,6 +116,34 @@ def test_a_generated_file_that_holds_something_else_is_written_again_not_run(tmp
             np.testing.assert_array_equal(reduced(engine.reduction(plus_five), np.ones(2), np.ones(2)), [7.0, 7.0])
         assert generated(theirs) == []
 
+    def plus_six(a, b):
+        return a + b + 6
+
+    # this user's 0700 folder in one that others may write (not sticky: they may rename it away and put
+    # theirs in its place): refused too (before, only the folder itself was checked)
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)
+    mine = tmp_path / "open" / "mine"
+    mine.mkdir(mode=0o700)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(mine))
+    with pytest.warns(RuntimeWarning, match="cache folder .*open/mine lies in .*open, which others may write: they "
+                                            "compile without it"):
+        np.testing.assert_array_equal(reduced(engine.reduction(plus_six), np.ones(2), np.ones(2)), [8.0, 8.0])
+    assert generated(mine) == []
+
+
+def test_a_function_of_other_than_two_arguments_or_an_unsupported_dtype_is_refused_naming_the_fix():
+    with pytest.raises(TypeError, match=r"engine.reduction: plus_three must take two arguments, the two elements it "
+                                        r"combines \(f\(a, b\) -> value\); it takes \(a, b, c\)"):
+        @engine.reduction
+        def plus_three(a, b, c):
+            return a + b + c
+    op = engine.reduction(lambda a, b: a | b)
+    for dtype, fix in [("bool", "cast to uint8 first"), ("complex64", "reduce it with a built-in op, or its real and imaginary"),
+                       ("float16", "cast to float32 first \\(Numba has no CPU float16")]:
+        with pytest.raises(TypeError, match=f"can't run on {dtype}: .*; {fix}"):
+            reduced(op, np.ones(2, dtype), np.ones(2, dtype))
+
 
 def test_threads_compiling_one_op_at_once_all_succeed(tmp_path, monkeypatch):
     """Eight threads compile the same function (eight op objects) at once into an empty cache folder,
@@ -205,3 +234,82 @@ def test_a_function_numba_compiled_already_makes_a_reduction(tmp_path, monkeypat
     op = engine.reduction(wider, cache=cache)
     np.testing.assert_array_equal(reduced(op, np.array([1.0, -5.0, 2.0]), np.array([-3.0, 4.0, 2.5])),
                                   [-3.0, -5.0, 2.5])
+
+
+FINGERPRINTS = """
+import sys, engine
+sys.path.insert(0, {here!r})
+from test_udf_compile import clipped
+ops = [clipped(1.0), clipped(2.0), engine.reduction(lambda a, b: a + b), engine.reduction(lambda a, b: a * b)]
+print(" ".join(str(op.fingerprint) for op in ops))
+"""
+
+
+def test_a_user_ops_fingerprint_is_what_it_computes_alike_in_every_process():
+    """The collectives' signatures carry a user op's fingerprint (ranks passing different ops fail with
+    EngineMismatch: tests/mpi/test_udf.py): the same in two processes for the same function, a lambda's
+    too (its bytecode, nothing that holds an address), and another for other code or captured values."""
+    import subprocess
+    script = FINGERPRINTS.format(here=os.path.dirname(os.path.abspath(__file__)))
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    first, second = (r.stdout.split() for r in runs)
+    assert first == second, (first, second)
+    assert len(set(first)) == 4 and all(0 < int(f) < 2 ** 32 for f in first), first
+    assert clipped(1.0).fingerprint == int(first[0]) and clipped(3.0).fingerprint != int(first[0])
+
+
+def test_a_fork_while_another_thread_compiles_leaves_a_child_that_compiles(tmp_path, monkeypatch):
+    """A thread compiles a user op while the main thread forks: the child compiles and runs another op.
+    Before, the child inherited the compile's locks (the op's, the generated module's, Numba's) held by
+    a thread it doesn't have, and waited on them forever; now the fork waits for the compile."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    busy, other = clipped(5.0), clipped(7.0)
+    thread = threading.Thread(target=reduced, args=(busy, np.ones(3), np.ones(3)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while busy._lock.acquire(blocking=False):   # (until the thread holds the op's lock: compiling)
+        busy._lock.release()
+        assert time.monotonic() < deadline and thread.is_alive(), "the thread never compiled"
+        time.sleep(0.0005)
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = reduced(other, np.full(3, 4.0), np.full(3, 4.0)).tolist() == [7.0] * 3
+        finally:
+            os._exit(0 if ok else 1)
+    thread.join(60)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's compile never finished (it waited on locks the fork copied held)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_reduction_that_raises_is_reported_not_left_half_done(tmp_path, monkeypatch, threads):
+    """The function raises at one element (of the second thread's slice with 2): reduce_into raises
+    RuntimeError naming the op. Before, the kernel's loop ended there unreported and left the rest of
+    the output as it was."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+
+    @engine.reduction
+    def nonnegative_sum(a, b):
+        if a < 0:
+            raise ValueError("a negative input")
+        return a + b
+
+    a, b = np.ones(1 << 16), np.ones(1 << 16)
+    a[-3] = -1.0
+    with pytest.raises(RuntimeError, match=r"^reduce_into: the user reduction engine.reduction\(nonnegative_sum\) "
+                                           r"raised \(Numba can't carry .* the result is incomplete; make"):
+        reduce_into(np.zeros_like(a), a, b, nonnegative_sum, threads=threads)
+    a[-3] = 1.0
+    out = np.zeros_like(a)
+    reduce_into(out, a, b, nonnegative_sum, threads=threads)
+    assert (out == 2.0).all()

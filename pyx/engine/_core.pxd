@@ -52,6 +52,7 @@ cdef class Message:
 
 cdef Message as_message(object obj, bint writable, str role)
 cdef Message apart(Message ms, Message mr, const char *in_place)
+cdef int same_dtype(Message a, Message b, str what) except -1
 
 
 # ---- reductions ----
@@ -61,6 +62,7 @@ cdef struct RedC:
     int code            # ENG_SUM..ENG_BXOR; -1 for a user op
     int dtype
     bint avg            # SUM, then divide by the group size
+    uint32_t ident      # a user op's fingerprint (engine.UserOp.fingerprint); 0 for the built-in ops
 
 
 cdef class Reduction:
@@ -249,6 +251,7 @@ cdef enum:
 cdef enum:
     OPBIT_USER = 8      # Rule.ops bits 0..7: ENG_SUM..ENG_BXOR, AVG; 8: a user op; 9: no reduction
     OPBIT_NONE = 9
+    OPMARK_USER = 16    # op_mark(): a user op's mark in a call word, from here to 255
 
 
 cdef inline int opbit_of(RedC *red) noexcept nogil:
@@ -258,11 +261,19 @@ cdef inline int opbit_of(RedC *red) noexcept nogil:
     return 7 if red.avg else red.code
 
 
-cdef inline uint64_t call_word(int op, int dtype, int opbit, int impl, int root) noexcept nogil:
-    """A collective in one word: op, dtype + 1, the reduce op's Rule.ops bit, impl + 1, root + 1 (-1:
+cdef inline int op_mark(RedC *red) noexcept nogil:
+    """The reduce op in a call word: its Rule.ops bit, or for a user op OPMARK_USER + its fingerprint modulo
+    256 - OPMARK_USER, so that ranks passing different user ops call different collectives."""
+    if red.code < 0:
+        return OPMARK_USER + <int>(red.ident % (256 - OPMARK_USER))
+    return opbit_of(red)
+
+
+cdef inline uint64_t call_word(int op, int dtype, int opmark, int impl, int root) noexcept nogil:
+    """A collective in one word: op, dtype + 1, the reduce op's op_mark(), impl + 1, root + 1 (-1:
     none). The segment's signatures carry it; with impl -1, what every rank's call must agree on
     (recorder.pxi call_key(), the tags' hash and the flight record's key). call_word_parts() reads it."""
-    return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opbit & 0xff) << 16)
+    return (<uint64_t>(op & 0xff) | (<uint64_t>((dtype + 1) & 0xff) << 8) | (<uint64_t>(opmark & 0xff) << 16)
             | (<uint64_t>((impl + 1) & 0xff) << 24) | (<uint64_t><uint32_t>(root + 1) << 32))
 
 
@@ -456,6 +467,8 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
 cdef int nudge_transport(void *tp) noexcept nogil   # transport.pxi: a WaitCtx's side (CoreComm.start)
 cdef int drive_transport(void *tp, double seconds) noexcept nogil   # transport.pxi: CoreComm.driver's
+cdef int user_op_check(Reduction red, uint64_t before, str what) except -1               # user_ops.pxi
+cdef int user_op_agree(CoreComm comm, Reduction red, uint64_t before, str what) except -1  # user_ops.pxi
 cdef tuple call_word_parts(uint64_t w)              # recorder.pxi
 cdef uint64_t call_key(const Call *c) noexcept nogil  # recorder.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi

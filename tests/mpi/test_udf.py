@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import engine
+from engine import failure
+from forced_groups import forced_subgroup
 from refdata import rank_data
 
 WORLD = engine.world()
@@ -22,6 +24,11 @@ def absmax(a, b):  # commutative, as MPI requires of user ops: ties go to the la
 @engine.reduction
 def scaled_hypot(a, b):
     return math.sqrt(a * a + b * b) * SCALE / SCALE
+
+
+@engine.reduction
+def absmin(a, b):
+    return a if abs(a) < abs(b) or (abs(a) == abs(b) and a <= b) else b
 
 
 def ref(fn, arrays):
@@ -60,6 +67,93 @@ def test_user_op_reduce_and_reduce_scatter():
     block = np.zeros(4, np.float32)
     WORLD.reduce_scatter(data(R, 4 * P, "float32"), block, op=absmax)
     np.testing.assert_array_equal(block, expected[4 * R:4 * R + 4])
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter"])
+def test_ranks_passing_different_user_ops_fail_with_a_mismatch(collective):
+    """The last rank passes absmin where the others pass absmax: every rank raises, and some rank raises
+    EngineMismatch naming both calls' user ops, on every algorithm that is the engine's own (MPI's own
+    collectives check nothing, as with a different built-in op: docs/robustness.md). Before, each rank
+    returned data reduced by both functions, with no error, debug mode's check included."""
+    if P < 2:
+        pytest.skip("a mismatch needs two ranks")
+    if WORLD.transport == "mpi" and P > 2:   # (docs/errors.md: a group with no store to compare notes)
+        pytest.skip("over MPI without a store, a rank whose peers failed on each other's messages waits out its "
+                    "timeout, and its peers' next call with it")
+    assert absmin.fingerprint % 240 != absmax.fingerprint % 240   # (their marks in a call word differ)
+    if collective == "allreduce":
+        algorithms = [a for a in WORLD.core.algorithms if a != "native"]
+    else:   # (the entries forced: over MPI its own MPI_Reduce_scatter would run)
+        algorithms = {"shm": ["segment", "ring"]}.get(WORLD.transport, ["ring"])
+    for algo in algorithms:
+        if collective == "allreduce":
+            sub = WORLD.subgroup(list(range(P)))
+        else:
+            sub = forced_subgroup(WORLD, range(P), None, reduce_scatter=f"{WORLD.transport}:{algo}")
+        op = absmin if R == P - 1 else absmax
+        mine, block = data(R, 7 * P, "float32"), np.zeros(7, np.float32)
+        with pytest.raises((engine.EngineMismatch, engine.EnginePeerLost)) as raised:
+            if collective == "allreduce":
+                sub.allreduce(mine, op=op, algorithm=algo)
+            else:
+                sub.reduce_scatter(mine, block, op=op)
+        text = f"{type(raised.value).__name__}: {raised.value}"
+        mismatched = np.array([isinstance(raised.value, engine.EngineMismatch)], np.int32)
+        WORLD.allreduce(mismatched)
+        assert mismatched[0] >= 1, (algo, text)
+        if "collective mismatch in this group" in text:   # (the segment's words: both ops' marks)
+            assert all(f"op user #{op.fingerprint % 240}" in text for op in (absmax, absmin)), text
+        sub.free()
+        failure.recovered()
+
+
+def test_debug_modes_check_names_each_ranks_user_op(monkeypatch):
+    """ENGINE_DEBUG=1 compares the calls first, user ops by their fingerprints: every rank raises
+    EngineMismatch naming both (before, both were 'user op' alike and the call ran)."""
+    if P < 2:
+        pytest.skip("a mismatch needs two ranks")
+    monkeypatch.setenv("ENGINE_DEBUG", "1")
+    sub = WORLD.subgroup(list(range(P)))
+    monkeypatch.delenv("ENGINE_DEBUG")
+    theirs = r"ranks? [\d, ]+: allreduce #1 with 5 float32 elements shape \(5,\) user op \(fingerprint {:08x}\)"
+    with pytest.raises(engine.EngineMismatch, match=theirs.format(absmax.fingerprint) + "; "
+                       + theirs.format(absmin.fingerprint)):
+        sub.allreduce(data(R, 5, "float32"), op=absmin if R == P - 1 else absmax)
+    sub.free()
+    failure.recovered()
+
+
+@engine.reduction
+def nonnegative_max(a, b):
+    if a < 0 or b < 0:
+        raise ValueError("a negative input")
+    return max(a, b)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce", "reduce_scatter"])
+def test_a_user_op_that_raises_on_one_rank_fails_the_call_on_every_rank(collective):
+    """The last rank's data holds a negative value where the op raises: every rank raises RuntimeError
+    naming the ranks whose kernel saw it, on every algorithm, and the group goes on. Before, the kernel
+    that raised ended its loop unreported, and each rank returned whatever its buffer held."""
+    if P < 2:
+        pytest.skip("one rank reduces nothing")
+    algorithms = WORLD.core.algorithms if collective == "allreduce" else [None]
+    for algo in algorithms:
+        mine = np.arange(1.0, 6 * P + 1, dtype=np.float64) + R
+        if R == P - 1:
+            mine[-2] = -1.0
+        with pytest.raises(RuntimeError, match=rf"^{collective} #\d+: the user reduction engine.reduction\("
+                                               r"nonnegative_max\) raised on ranks? [\d, ]+ \(Numba .* incomplete on "
+                                               r"every rank; make"):
+            if collective == "allreduce":
+                WORLD.allreduce(mine, op=nonnegative_max, algorithm=algo)
+            elif collective == "reduce":
+                WORLD.reduce(mine, np.zeros_like(mine) if R == 0 else None, op=nonnegative_max, root=0)
+            else:
+                WORLD.reduce_scatter(mine, np.zeros(6), op=nonnegative_max)
+        x = np.arange(1.0, 6 * P + 1, dtype=np.float64) + R
+        WORLD.allreduce(x, op=nonnegative_max, algorithm=algo)
+        np.testing.assert_array_equal(x, np.arange(1.0, 6 * P + 1) + P - 1)
 
 
 def test_lambda_user_op_compiles_uncached():
