@@ -26,7 +26,7 @@ TORCH_PREVIOUS := tests/test_torch_options.py \
 	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
 # The adapter's suites under torchrun run at 3 ranks on the last torch, at 1, 2 and 4 on the first (which
-# also runs them at 1 and 2 ranks under mpiexec; the last, at 3 and 4: CORE_LAST): CI's 25 minutes. The c10d
+# also runs them at 2 ranks under mpiexec over MPI; the last, at 3 and 4: CORE_LAST): CI's 25 minutes. The c10d
 # restart and the shm cycles (held and not) run on the first only, the TCP cycles on the last only. The
 # aborts of a blocked call split between the first and the last torch, each case on one (every launcher
 # and transport on the last: ABORTS_FIRST runs on the first). The settings check of the group's creation

@@ -88,7 +88,7 @@ def reduction(fn=None, *, cache=True):
 # element, printed "Exception ignored", and left the rest of the output unwritten. An op's own `raise`
 # still ends the loop there; the kernel catches it and calls engine._core's eng_user_op_raised (linked by
 # its symbol, so the cached machine code holds no address), and the collectives raise on every rank
-# (CoreComm.user_op_agree).
+# (pyx/user_ops.pxi).
 # The kernel lives in a small generated module holding a copy of the user's function source, one
 # file per (source, dtype), so Numba's on-disk cache is keyed to a stable, self-contained file (a
 # closure built here would recompile on every start). Functions whose source or globals can't be

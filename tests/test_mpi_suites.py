@@ -28,11 +28,12 @@ SUITE_TIMEOUT = "10"  # seconds a single operation may take inside the suites (E
 # `python tests/matrix.py` runs MPI and TCP at one rank too.
 CASES = [(t, n) for n in (2, 3, 4) for t in ("shm", "mpi")] + [("shm", 1)]
 # Which suites a case runs where not all: at 4 ranks the sized ones; over MPI at 3 ranks the sized ones
-# too (the others run over MPI at 2 and over shared memory at 3); at one rank all but the torch suites
-# and the matrix, which tests/test_launchers.py runs at one rank under torchrun.
-SUITES_AT = {("shm", 4): SIZED, ("mpi", 4): SIZED, ("mpi", 3): SIZED,
-             ("shm", 1): [s for s in SUITES if os.path.basename(s) not in
-                          ("test_torch_backend.py", "test_torch_training.py", "test_matrix.py")]}
+# too (the others run over MPI at 2 and over shared memory at 3); at one and two ranks on shared memory
+# all but the torch suites and the matrix, which tests/test_launchers.py runs at 1-4 ranks under
+# torchrun, on shared memory too (under mpiexec they run on it at 3 ranks, over MPI at 2-4).
+TORCH_SUITES = ("test_torch_backend.py", "test_torch_training.py", "test_matrix.py")
+BUT_TORCH = [s for s in SUITES if os.path.basename(s) not in TORCH_SUITES]
+SUITES_AT = {("shm", 4): SIZED, ("mpi", 4): SIZED, ("mpi", 3): SIZED, ("shm", 1): BUT_TORCH, ("shm", 2): BUT_TORCH}
 
 
 def run(nranks, paths, extra=(), **env):

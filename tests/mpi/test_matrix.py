@@ -1,6 +1,6 @@
 """The conformance matrix, rank side. tests/matrix.py runs it on every configuration and writes the
 table (docs/matrix.md); in CI it runs inside the per-configuration launches of test_mpi_suites.py
-(mpiexec, 1-4 ranks, shared memory and MPI), test_launchers.py (torchrun) and test_hosts.py
+(mpiexec, 2-4 ranks, shared memory and MPI), test_launchers.py (torchrun) and test_hosts.py
 (namespace hosts, every ENGINE_HIER mode).
 
 Every entry of the algorithm registry (engine/registry.py) of this configuration's transport is
