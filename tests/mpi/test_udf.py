@@ -135,13 +135,15 @@ def nonnegative_max(a, b):
     return max(a, b)
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "reduce", "reduce_scatter"])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce", "reduce_scatter", "allreduce_parts"])
 def test_a_user_op_that_raises_on_one_rank_fails_the_call_on_every_rank(collective):
     """The last rank's data holds a negative value where the op raises: every rank raises RuntimeError
     naming the ranks whose kernel saw it, on every algorithm, and the group goes on. Before, the kernel
     that raised ended its loop unreported, and each rank returned whatever its buffer held."""
     if P < 2:
         pytest.skip("one rank reduces nothing")
+    if collective == "allreduce_parts" and WORLD.transport != "shm":
+        pytest.skip("allreduce_parts packs into shared memory")
     algorithms = WORLD.core.algorithms if collective == "allreduce" else [None]
     for algo in algorithms:
         mine = np.arange(1.0, 6 * P + 1, dtype=np.float64) + R
@@ -152,6 +154,8 @@ def test_a_user_op_that_raises_on_one_rank_fails_the_call_on_every_rank(collecti
                                                r"every rank; make"):
             if collective == "allreduce":
                 WORLD.allreduce(mine, op=nonnegative_max, algorithm=algo)
+            elif collective == "allreduce_parts":   # (engine.fusion's packed path)
+                WORLD.allreduce_parts([mine[:5], mine[5:]], op=nonnegative_max)
             elif collective == "reduce":
                 WORLD.reduce(mine, np.zeros_like(mine) if R == 0 else None, op=nonnegative_max, root=0)
             else:
