@@ -15,6 +15,7 @@ failures at init.
 import contextlib
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ _init_failure = []   # why init_process_group failed on this rank while MPI was 
 _uncaught = []       # the exception that ended the script, noted by the interpreter's excepthook
 _grace = [2.0]       # ENGINE_ABORT_GRACE_SECONDS (configure)
 REPORT_FORWARD_SECONDS = 0.25   # abort's pause after its report, for the launcher to forward it
+ABORT_STALL_SECONDS = 10        # an MPI_Abort still running this long is stalled: the process dies (_die_after)
 
 
 def group_failed(why, source=None):
@@ -155,7 +157,19 @@ def abort(code, report=None):
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         sys.stderr.flush()
         os._exit(code)
+    _die_after(ABORT_STALL_SECONDS)
     MPI.COMM_WORLD.Abort(code)
+
+
+def _die_after(seconds):
+    """SIGALRM, at its default action (the process ends), in `seconds`: the kernel's timer, which no
+    lock of this process holds up. MPI_Abort asks the launcher to end the job and waits for it (Open
+    MPI's PMIx_Abort, which has deadlocked before: open-mpi/ompi#3225); where that never returns, the
+    process dies instead, and the launcher ends the job for a rank killed by a signal."""
+    import ctypes   # (here: the abort path only)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal(signal.SIGALRM, ctypes.c_void_p(0))   # SIG_DFL, from any thread (a handler set in Python
+    libc.alarm(int(seconds))                          # would wait for the main thread, which may be stuck)
 
 
 def _mpi_segments():

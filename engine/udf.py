@@ -238,7 +238,7 @@ def _check_result(elem, dtype, name):
 
 _LOADING = threading.RLock()   # one generated module written and loaded at a time in this process
 _OPS = weakref.WeakSet()      # every UserOp: its lock is held across a fork (below)
-_HELD = []
+_HELD = {}   # thread ident -> the locks its fork holds (two threads may fork at once; a child keeps the ident)
 
 
 def _before_fork():
@@ -246,15 +246,23 @@ def _before_fork():
     op's, _LOADING, Numba's compiler lock) held by threads it doesn't have, and its first user op would
     wait on them forever. Taken in the order a compile takes them."""
     numba_lock = getattr(sys.modules.get("numba.core.compiler_lock"), "global_compiler_lock", None)
-    for lock in (*(op._lock for op in list(_OPS)), _LOADING, numba_lock):
+    while True:
+        try:
+            ops = sorted(_OPS, key=id)   # (one order in every thread: two forking at once can't deadlock)
+            break
+        except RuntimeError:   # (another thread made an op meanwhile: the set changed size)
+            continue
+    held = _HELD.setdefault(threading.get_ident(), [])
+    for lock in (*(op._lock for op in ops), _LOADING, numba_lock):
         if lock is not None:
             lock.acquire()
-            _HELD.append(lock)
+            held.append(lock)
 
 
 def _after_fork():
-    while _HELD:
-        _HELD.pop().release()
+    held = _HELD.pop(threading.get_ident(), [])
+    while held:
+        held.pop().release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)

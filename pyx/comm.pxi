@@ -293,20 +293,25 @@ cdef class CoreComm:
 
     # -- one call: record, run without the GIL, finish --
 
-    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
+    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep, Reduction red=None) except -1:
         """Runs call c with rule's implementation as one recorded operation of this group (a composite
-        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails. A
-        group's collectives run one at a time (MPI's rule too): two threads in them at once would
-        share its steps and scratch, and corrupt both results, so the second is refused."""
+        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails. red:
+        c's op, whose raise (a user op's) every rank then learns. A group's collectives run one at a
+        time (MPI's rule too): two threads in them at once would share its steps and scratch, and
+        corrupt both results, so the second is refused."""
         if self.collective_thread:
             raise RuntimeError(f"{OP_KIND_NAMES[c.op]}: a collective of this group is running in another thread "
                                f"(ident {self.collective_thread}): a group runs one collective at a time; call its "
                                "collectives from one thread, or behind a lock, or give each thread a group of its own")
+        cdef uint64_t raised = eng_user_op_raises()
         self.collective_thread = PyThread_get_thread_ident()
         try:
-            return self._invoke(c, rule, recorded, keep)
+            self._invoke(c, rule, recorded, keep)
         finally:
             self.collective_thread = 0
+        if red is not None:
+            user_op_agree(self, red, raised, OP_KIND_NAMES[c.op])
+        return 0
 
     cdef int _invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:
         cdef OpRec *rec
@@ -494,10 +499,8 @@ cdef class CoreComm:
             ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
         c.red = &red.c
-        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
-                    ms.count, (ms, mr))
-        user_op_agree(self, red, raised, "allreduce")
+                    ms.count, (ms, mr), red)
         return recvbuf if recvbuf is not None else sendbuf
 
     def broadcast(self, buf, root=0):
@@ -525,10 +528,8 @@ cdef class CoreComm:
             ms = apart(ms, mr, <char*>mr.ptr)
         c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
         c.red, c.root = &red.c, r
-        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
-                    (ms, mr))
-        user_op_agree(self, red, raised, "reduce")
+                    (ms, mr), red)
         return recvbuf if recvbuf is not None else sendbuf
 
     def allgather(self, sendbuf, recvbuf, counts=None):
@@ -569,10 +570,8 @@ cdef class CoreComm:
         ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize if self.reduce_scatters_in_place
                    else NULL)   # (in place: recvbuf is its block)
         c.src = <char*>ms.ptr
-        cdef uint64_t raised = eng_user_op_raises()
         self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
-                    ms.count, (ms, mr))
-        user_op_agree(self, red, raised, "reduce_scatter")
+                    ms.count, (ms, mr), red)
         return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):

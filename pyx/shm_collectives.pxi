@@ -406,9 +406,7 @@ cdef class ShmComm(CoreComm):
                 raise ValueError(f"this group has no allreduce entry with implementation {IMPL_TWOSHOT}")
         c = new_call(OP_ALLREDUCE, NULL, NULL, pl.total, mv.wdt)
         c.red, c.aux = &red.c, &mv
-        cdef uint64_t raised = eng_user_op_raises()
-        self.invoke(&c, rule, pl.total, None)
-        user_op_agree(self, red, raised, "allreduce_parts")
+        self.invoke(&c, rule, pl.total, None, red)
         return parts
 
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil:

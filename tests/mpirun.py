@@ -130,6 +130,11 @@ def mpi_env():
 # ever in PMIx_server_deregister_client (its PMIx thread on a lock nobody releases; docs/robustness.md).
 # A launcher ends within moments of its last rank, so one with none left for this long is that deadlock.
 LAUNCHER_ORPHANED_S = 10.0
+# The same deadlock can come before the launcher has ended the ranks: a rank called MPI_Abort (Open MPI's
+# banner, MPICH's line) and this long after, ranks still run. The launcher ends a job within seconds of an
+# abort, so a job in its own session is killed whole and judged by what its ranks wrote.
+LAUNCHER_ABORT_STALL_S = 30.0
+ABORTED = re.compile(r"MPI_ABORT was invoked on rank|called MPI_Abort\(")
 
 
 def _children(pid):
@@ -181,9 +186,10 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
     test judges the ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long
     before the kill the last rank went (0 for a launcher that exited itself), so a test that times the
     job can time its ranks. The timeout still fails a job that hangs with a rank alive; with
-    start_new_session=True it kills the whole session, ranks included, not the launcher alone."""
+    start_new_session=True it kills the whole session, ranks included, not the launcher alone, and so
+    does a job still running LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort (returned as above)."""
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
-        deadline, seen, childless_since = time.monotonic() + timeout, False, None
+        deadline, seen, childless_since, aborted_since = time.monotonic() + timeout, False, None, None
         while True:
             try:
                 out, err = proc.communicate(timeout=0.5)
@@ -197,23 +203,27 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
                 seen, childless_since = True, None
             elif seen and childless_since is None:
                 childless_since = now
+            if aborted_since is None and kwargs.get("start_new_session") and ABORTED.search("".join(_decoded(so_far))):
+                aborted_since = now
             if now > deadline:
                 # (as subprocess.run: the launcher, not what may still hold its pipes, unless the caller
                 # gave it a session of its own to end)
                 kill_session(proc.pid) if kwargs.get("start_new_session") else proc.kill()
                 proc.wait()
                 raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
-            if childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S:
-                proc.kill()
+            orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
+            if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
+                kill_session(proc.pid) if not orphaned else proc.kill()
                 try:
                     written = list(proc.communicate(timeout=5))
                 except subprocess.TimeoutExpired as partial:
                     proc.wait()
                     written = _decoded(partial)
+                note = (f"the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank exited" if orphaned else
+                        f"the job was killed, ranks included, {LAUNCHER_ABORT_STALL_S:g} s after a rank's MPI_Abort")
                 done = subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
-                    f"\n(tests/mpirun.py: the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank "
-                    "exited: Open MPI's deadlock after MPI_Abort)\n"))
-                done.ranks_gone_s = now - childless_since
+                    f"\n(tests/mpirun.py: {note}: Open MPI's deadlock after MPI_Abort)\n"))
+                done.ranks_gone_s = now - childless_since if orphaned else 0.0
                 return done
 
 

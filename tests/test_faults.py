@@ -172,6 +172,27 @@ def test_native_collective_that_never_completes_ends_the_job(skip):
     assert shm_files() <= before  # no shared-memory segment left behind
 
 
+STALLED_ABORT = """
+import sys, time, types
+from engine import failure
+never = types.SimpleNamespace(Abort=lambda code: time.sleep(3600))   # an MPI_Abort that never returns
+sys.modules["mpi4py.MPI"] = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False,
+                                                  COMM_WORLD=never)
+failure.ABORT_STALL_SECONDS = 1
+failure.abort(3, "engine: the report")
+"""
+
+
+def test_an_abort_that_mpi_never_completes_still_ends_the_process():
+    """Open MPI's MPI_Abort waits for the launcher (PMIx_Abort), which has deadlocked: a rank left in
+    it would keep its job alive with nothing to say why. Past ABORT_STALL_SECONDS the process dies
+    by SIGALRM (here an MPI stand-in whose Abort sleeps an hour; the timer is the kernel's, which no
+    lock of the process holds up), after the report."""
+    proc = subprocess.run([sys.executable, "-c", STALLED_ABORT], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == -signal.SIGALRM, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr.startswith("engine: the report"), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("making, waits_in", [("world", r"'world' over MPI \(MPI_Allgather\)"),
                                               ("subgroup", r"'world/0-1' over MPI \(MPI_Comm_create_group\)")])
 def test_a_rank_that_never_makes_a_group_over_mpi_ends_the_job_at_the_timeout(making, waits_in):
@@ -577,7 +598,8 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
 def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch):
     """tests/mpirun.run_mpiexec against Open MPI's deadlock after MPI_Abort (prterun staying once its
     ranks are gone): a stand-in launcher whose one child wrote and exited, while it stays, is killed
-    LAUNCHER_ORPHANED_S later, its child's output kept; one whose child still runs meets the timeout."""
+    LAUNCHER_ORPHANED_S later, its child's output kept; one whose child still runs meets the timeout,
+    unless a rank's MPI_Abort was seen LAUNCHER_ABORT_STALL_S before (the deadlock before the ranks went)."""
     import mpirun
     monkeypatch.setattr(mpirun, "LAUNCHER_ORPHANED_S", 1.0)
     proc = run_mpiexec(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
@@ -596,3 +618,15 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
             break
         time.sleep(0.05)
     assert not running(rank), f"the launcher's child {rank} outlived the timeout"
+    # The deadlock before the ranks were ended: a job in its own session still running
+    # LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort banner is killed whole, its output kept.
+    monkeypatch.setattr(mpirun, "LAUNCHER_ABORT_STALL_S", 1.0)
+    proc = run_mpiexec(["bash", "-c", "sleep 60 & echo $!; echo 'MPI_ABORT was invoked on rank 0 in' >&2; wait"],
+                       timeout=30, start_new_session=True)
+    rank = int(proc.stdout)
+    assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
+    for _ in range(100):
+        if not running(rank):
+            break
+        time.sleep(0.05)
+    assert not running(rank), f"the launcher's child {rank} outlived the stalled abort"

@@ -4,6 +4,7 @@ algorithm across ranks is tests/mpi/test_udf.py."""
 
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -249,7 +250,6 @@ def test_a_user_ops_fingerprint_is_what_it_computes_alike_in_every_process():
     """The collectives' signatures carry a user op's fingerprint (ranks passing different ops fail with
     EngineMismatch: tests/mpi/test_udf.py): the same in two processes for the same function, a lambda's
     too (its bytecode, nothing that holds an address), and another for other code or captured values."""
-    import subprocess
     script = FINGERPRINTS.format(here=os.path.dirname(os.path.abspath(__file__)))
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
             for _ in range(2)]
@@ -289,6 +289,44 @@ def test_a_fork_while_another_thread_compiles_leaves_a_child_that_compiles(tmp_p
         os.waitpid(pid, 0)
         pytest.fail("the forked child's compile never finished (it waited on locks the fork copied held)")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+FORKING_THREADS = """
+import os, sys, threading
+import engine
+sys.setswitchinterval(1e-6)   # (threads take turns often: the races below come within a few forks)
+made, forking = [], [3]
+def make():   # ops made meanwhile: the set of ops the fork hook locks changes under it
+    i = 0
+    while forking[0]:
+        made.append(engine.reduction(eval(f"lambda a, b: a + b * {i}")))
+        if len(made) > 400:
+            del made[:200]
+        i += 1
+def fork():
+    for _ in range(150):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    forking[0] -= 1
+threads = [threading.Thread(target=make, daemon=True)] + [threading.Thread(target=fork, daemon=True) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads[1:]:
+    t.join(30)
+print("forks done" if not any(t.is_alive() for t in threads[1:]) else "a fork hangs", flush=True)
+os._exit(0)
+"""
+
+
+def test_threads_forking_at_once_while_ops_are_made_each_hold_and_release_their_own_locks():
+    """Three threads fork in a loop while a fourth makes ops. Before, the fork hook kept one list of
+    held locks for every thread: one thread's release loop popped a lock another had just taken
+    ("cannot release un-acquired lock", leaving it held), and a set of ops changed by another thread
+    could break the hook's walk over it."""
+    proc = subprocess.run([sys.executable, "-c", FORKING_THREADS], capture_output=True, text=True, timeout=120)
+    assert proc.stdout == "forks done\n" and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

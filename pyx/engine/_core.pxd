@@ -425,7 +425,7 @@ cdef class CoreComm:
     cdef const Rule *choose(self, int op, size_t nbytes, int dtype, int opbit, bint uneven) noexcept nogil
     cdef const Rule *select(self, int op, size_t nbytes, int dtype, int opbit, bint uneven, object name) except NULL
     cdef bint single_copy(self, int op, size_t nbytes, int dtype) noexcept nogil
-    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
+    cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep, Reduction red=*) except -1
     cdef int _invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1
     cdef int dispatch(self, Call *c, WaitCtx *ctx) except -1 nogil
     cdef int run(self, Call *c, WaitCtx *ctx) except -1 nogil
