@@ -13,33 +13,33 @@ static int tcp_drop_pending(eng_tcp *t, int i) {
   return 1;
 }
 
-/* Where the pending table is full: the entry that has waited longest of those that have said nothing,
- * once it has waited ENG_TCP_FULL_GRACE; else -1. */
+/* Where the pending table is full: the entry that has waited longest, once it has waited
+ * ENG_TCP_FULL_GRACE without its whole hello; else -1. (A peer writes its hello in one send, so one
+ * part of it still owing the rest that long is no peer: a stray client writing a few bytes held its
+ * entry for the hello's 30 s.) */
 static int tcp_pending_overdue(const eng_tcp *t) {
   if (t->npending < ENG_TCP_MAX_PENDING) return -1;
-  int oldest = -1;
-  for (int i = 0; i < t->npending; i++)
-    if (t->pending[i].got == 0 && (oldest < 0 || t->pending[i].deadline < t->pending[oldest].deadline)) oldest = i;
-  if (oldest < 0) return -1;
+  int oldest = 0;
+  for (int i = 1; i < t->npending; i++)
+    if (t->pending[i].deadline < t->pending[oldest].deadline) oldest = i;
   return t->pending[oldest].deadline - ENG_TCP_HELLO_SECONDS + ENG_TCP_FULL_GRACE <= eng_now() ? oldest : -1;
 }
 
 static int tcp_hello_progress(eng_tcp *t, int i);
 
-/* tcp_pending_overdue's entry where no byte of its hello has come (what has come is read first; one
- * that goes through or is dropped makes room itself), else -1. */
+/* tcp_pending_overdue's entry, once what has come of its hello is read (one that goes through or is
+ * dropped makes room itself), else -1. */
 static int tcp_pending_evictable(eng_tcp *t) {
   int oldest = tcp_pending_overdue(t);
-  if (oldest < 0 || tcp_hello_progress(t, oldest)) return -1;
-  return t->pending[oldest].got == 0 ? oldest : -1;
+  return oldest < 0 || tcp_hello_progress(t, oldest) ? -1 : oldest;
 }
 
 /* Takes connections until the pending table is full. The rest wait in the listen backlog, not closed:
  * a group of more ranks (or streams) than the table holds connects all at once (mesh), and a peer
- * whose connection was closed after it wrote its hello would fail. Once the oldest entry has said
- * nothing for ENG_TCP_FULL_GRACE, it makes room for the next: a stray client holding silent
- * connections open kept the group's out for ENG_TCP_HELLO_SECONDS, past its timeout (a rank that
- * wrote none of its hello, away from the engine, makes its connection again: tcp_redial). */
+ * whose connection was closed after it wrote its hello would fail. Once the oldest entry has owed
+ * its hello for ENG_TCP_FULL_GRACE, it makes room for the next: a stray client holding connections
+ * open kept the group's out for ENG_TCP_HELLO_SECONDS, past its timeout (a rank that wrote none of
+ * its hello, away from the engine, makes its connection again: tcp_redial). */
 static void tcp_accept(eng_tcp *t) {
   for (;;) {
     int evict = -1;

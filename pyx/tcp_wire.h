@@ -28,7 +28,7 @@
 #define ENG_TCP_MAX_MESSAGE (1ULL << 48)
 #define ENG_TCP_MAX_PENDING 64              /* connections not yet through their hello */
 #define ENG_TCP_HELLO_SECONDS 30.0          /* how long one may take to send it */
-#define ENG_TCP_FULL_GRACE 2.0              /* with the table full, one silent this long makes room */
+#define ENG_TCP_FULL_GRACE 2.0              /* with the table full, one owing its hello this long makes room */
 #define ENG_TCP_MAX_REDIALS 8               /* a stream's connections dropped before its hello, made again */
 #define ENG_TCP_IOV 64
 #define ENG_TCP_PART_ALIGN 4096
