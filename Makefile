@@ -2,7 +2,7 @@
 #              .venv-mpich install beside it, install MPI + the engine in each, then, beside the first suite, the
 #              torch-facing suites and the core suites' heaviest one-host launches on torch 2.15, the
 #              version-bound part on torch 2.14, and the core suites under MPICH (what .ci/run calls)
-# make check : the fast tier (about a minute): kernels, schedules, registry, layout, the TCP transport,
+# make check : the fast tier (about two minutes on 2 cores): kernels, schedules, registry, layout, the TCP transport,
 #              and the core suites at 2 ranks under mpiexec (shared memory, MPI) and torchrun
 # make demo  : the main job: a short all_reduce sweep, engine vs Gloo vs raw MPI, 2 ranks (~30 s)
 # make torch-suite : torch's own distributed test suite on the engine (gates shut and open) and on Gloo

@@ -167,9 +167,10 @@ def _die_after(seconds):
     MPI's PMIx_Abort, which has deadlocked before: open-mpi/ompi#3225); where that never returns, the
     process dies instead, and the launcher ends the job for a rank killed by a signal."""
     import ctypes   # (here: the abort path only)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal(signal.SIGALRM, ctypes.c_void_p(0))   # SIG_DFL, from any thread (a handler set in Python
-    libc.alarm(int(seconds))                          # would wait for the main thread, which may be stuck)
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+    libc.signal(signal.SIGALRM, None)   # SIG_DFL, from any thread (a handler set in Python would wait
+    libc.alarm(max(1, math.ceil(seconds)))   # for the main thread, which may be stuck; alarm(0) sets none)
 
 
 def _mpi_segments():

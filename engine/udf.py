@@ -265,7 +265,17 @@ def _after_fork():
         held.pop().release()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+def _after_fork_in_child():
+    """As in the parent; then every op gets a lock of its own: another thread forking at the same time
+    may have held ops' locks (ones made after this fork took its list) when this one forked, and that
+    thread is not in the child. (_LOADING and Numba's lock come after every op's: only this fork held them.)"""
+    _after_fork()
+    _HELD.clear()
+    for op in list(_OPS):
+        op._lock = threading.RLock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork_in_child)
 
 
 def _own(path):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -213,6 +214,7 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
                 raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
             orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
             if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
+                stayed = "" if orphaned else "; still running: " + "; ".join(session_processes(proc.pid))
                 kill_session(proc.pid) if not orphaned else proc.kill()
                 try:
                     written = list(proc.communicate(timeout=5))
@@ -222,16 +224,40 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
                 note = (f"the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank exited" if orphaned else
                         f"the job was killed, ranks included, {LAUNCHER_ABORT_STALL_S:g} s after a rank's MPI_Abort")
                 done = subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
-                    f"\n(tests/mpirun.py: {note}: Open MPI's deadlock after MPI_Abort)\n"))
+                    f"\n(tests/mpirun.py: {note}: the launcher's deadlock after MPI_Abort{stayed})\n"))
                 done.ranks_gone_s = now - childless_since if orphaned else 0.0
+                done.abort_stalled = stayed or None
                 return done
+
+
+def session_processes(sid):
+    """'pid state wchan: command' of each process of session `sid`: what a stalled job left."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            stat = proc_stat(pid)
+            if int(stat[3]) != sid:
+                continue
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            found.append(f"{pid} {stat[0]} {wchan}: {command[:120]}")
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 def run_job(cmd, timeout, env, what):
     """run_mpiexec in a session of its own, for a test: a job still running at the timeout is killed
-    whole, ranks included, and fails the test (named by `what`) with what its ranks wrote."""
+    whole, ranks included, and fails the test (named by `what`) with what its ranks wrote. A job that
+    outlived a rank's MPI_Abort (killed, judged by what its ranks wrote) warns, naming what stayed."""
     try:
-        return run_mpiexec(cmd, timeout, env=env, start_new_session=True)
+        done = run_mpiexec(cmd, timeout, env=env, start_new_session=True)
+        if getattr(done, "abort_stalled", None):
+            warnings.warn(f"{what}: the job outlived a rank's MPI_Abort by {LAUNCHER_ABORT_STALL_S:g} s and was "
+                          f"killed{done.abort_stalled}")
+        return done
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"{what}: the job still ran after {timeout} s (killed)\n"
                     f"{launcher_output(hung.output + hung.stderr)[-5000:]}")

@@ -625,6 +625,7 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
                        timeout=30, start_new_session=True)
     rank = int(proc.stdout)
     assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
+    assert re.search(rf"still running: .*\b{rank} S \w+: sleep 60", proc.abort_stalled), proc.abort_stalled
     for _ in range(100):
         if not running(rank):
             break
