@@ -303,13 +303,13 @@ cdef class CoreComm:
             raise RuntimeError(f"{OP_KIND_NAMES[c.op]}: a collective of this group is running in another thread "
                                f"(ident {self.collective_thread}): a group runs one collective at a time; call its "
                                "collectives from one thread, or behind a lock, or give each thread a group of its own")
-        cdef uint64_t raised = eng_user_op_raises()
+        cdef uint64_t raised = eng_user_op_raises() if red is not None and red.c.code < 0 else 0   # (a user op's)
         self.collective_thread = PyThread_get_thread_ident()
         try:
             self._invoke(c, rule, recorded, keep)
         finally:
             self.collective_thread = 0
-        if red is not None:
+        if red is not None and red.c.code < 0:
             user_op_agree(self, red, raised, OP_KIND_NAMES[c.op])
         return 0
 

@@ -169,14 +169,24 @@ def running(pid):
         return False
 
 
+def _session(sid):
+    """(pid, its proc_stat fields) of each process of session `sid`."""
+    for pid in os.listdir("/proc"):
+        try:
+            stat = proc_stat(pid)
+            if int(stat[3]) == sid:
+                yield int(pid), stat
+        except (OSError, ValueError, IndexError):
+            pass
+
+
 def kill_session(sid):
     """SIGKILL every process of session `sid`: a launcher started with start_new_session=True and its
     ranks (each rank has a process group of its own, so killing the launcher's would leave them running)."""
-    for pid in os.listdir("/proc"):
+    for pid, _ in _session(sid):
         try:
-            if int(proc_stat(pid)[3]) == sid:
-                os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass
 
 
@@ -195,7 +205,7 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
             try:
                 out, err = proc.communicate(timeout=0.5)
                 done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-                done.ranks_gone_s = 0.0
+                done.ranks_gone_s, done.abort_stalled = 0.0, None
                 return done
             except subprocess.TimeoutExpired as partial:
                 so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
@@ -233,17 +243,14 @@ def run_mpiexec(cmd, timeout, env=None, **kwargs):
 def session_processes(sid):
     """'pid state wchan: command' of each process of session `sid`: what a stalled job left."""
     found = []
-    for pid in os.listdir("/proc"):
+    for pid, stat in _session(sid):
         try:
-            stat = proc_stat(pid)
-            if int(stat[3]) != sid:
-                continue
             with open(f"/proc/{pid}/wchan") as f:
                 wchan = f.read()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             found.append(f"{pid} {stat[0]} {wchan}: {command[:120]}")
-        except (OSError, ValueError, IndexError):
+        except OSError:
             pass
     return found
 
@@ -254,7 +261,7 @@ def run_job(cmd, timeout, env, what):
     outlived a rank's MPI_Abort (killed, judged by what its ranks wrote) warns, naming what stayed."""
     try:
         done = run_mpiexec(cmd, timeout, env=env, start_new_session=True)
-        if getattr(done, "abort_stalled", None):
+        if done.abort_stalled:
             warnings.warn(f"{what}: the job outlived a rank's MPI_Abort by {LAUNCHER_ABORT_STALL_S:g} s and was "
                           f"killed{done.abort_stalled}")
         return done

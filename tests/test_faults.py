@@ -595,6 +595,14 @@ def test_ranks_with_different_settings_refuse_the_group_naming_the_setting():
     assert shm_files() <= before
 
 
+def gone_soon(pid, seconds=5.0):
+    """Whether process `pid` is gone (or a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)
+
+
 def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch):
     """tests/mpirun.run_mpiexec against Open MPI's deadlock after MPI_Abort (prterun staying once its
     ranks are gone): a stand-in launcher whose one child wrote and exited, while it stays, is killed
@@ -613,11 +621,7 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         run_mpiexec(["bash", "-c", "sleep 60 & echo $!; wait"], timeout=3, start_new_session=True)
     rank = int(timed_out.value.output)
-    for _ in range(100):
-        if not running(rank):
-            break
-        time.sleep(0.05)
-    assert not running(rank), f"the launcher's child {rank} outlived the timeout"
+    assert gone_soon(rank), f"the launcher's child {rank} outlived the timeout"
     # The deadlock before the ranks were ended: a job in its own session still running
     # LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort banner is killed whole, its output kept.
     monkeypatch.setattr(mpirun, "LAUNCHER_ABORT_STALL_S", 1.0)
@@ -626,8 +630,4 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     rank = int(proc.stdout)
     assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
     assert re.search(rf"still running: .*\b{rank} S \w+: sleep 60", proc.abort_stalled), proc.abort_stalled
-    for _ in range(100):
-        if not running(rank):
-            break
-        time.sleep(0.05)
-    assert not running(rank), f"the launcher's child {rank} outlived the stalled abort"
+    assert gone_soon(rank), f"the launcher's child {rank} outlived the stalled abort"

@@ -160,7 +160,7 @@ def test_a_hello_is_taken_only_whole_and_right_in_every_field(wrong, pick, cut):
 
 
 @pytest.mark.parametrize("stray_writes", [0, 5], ids=["silent", "part-of-a-hello"])
-def test_connections_beyond_the_pending_table_wait_then_silent_ones_make_room(rank0, stray_writes):
+def test_connections_beyond_the_pending_table_wait_then_stray_ones_make_room(rank0, stray_writes):
     """More connections at once than the table of those still owing their hello holds (64; a mesh of 6
     ranks with 16 streams opens 80 to each rank together) wait in the listen backlog: a proper peer
     behind 70 stray ones is not closed. Once the oldest entry has owed its hello for ENG_TCP_FULL_GRACE
@@ -168,7 +168,7 @@ def test_connections_beyond_the_pending_table_wait_then_silent_ones_make_room(ra
     client holding them kept it out for the hello's 30 s, past the group's timeout; one that wrote a
     few bytes of a hello still did, where a peer writes its hello in one send)."""
     core, _, ports = rank0
-    silent = [connect(ports[1], hello()[:stray_writes]) for _ in range(70)]
+    strays = [connect(ports[1], hello()[:stray_writes]) for _ in range(70)]
     good = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"good")
     r = core.irecv(np.zeros(4, np.uint8), None, None)
     try:
@@ -184,18 +184,18 @@ def test_connections_beyond_the_pending_table_wait_then_silent_ones_make_room(ra
         waiter.join(15)
         cpu = time.process_time() - cpu
         assert got == [(1, 5, 4)] and cpu < 0.5, (got, f"{cpu:.2f} s of CPU")
-        # (the 6 silent ones ahead of it in the backlog, and one for it: the oldest entries went first)
-        assert core.user_transport.rejected == 7 and all(not closed_by_peer(s) for s in silent[-6:])
-        for s in silent:
+        # (the 6 stray ones ahead of it in the backlog, and one for it: the oldest entries went first)
+        assert core.user_transport.rejected == 7 and all(not closed_by_peer(s) for s in strays[-6:])
+        for s in strays:
             s.close()
-        # and the silent ones are dropped (the last of them may still wait in the backlog when the
+        # and the stray ones are dropped (the last of them may still wait in the backlog when the
         # first message is in: the next receive's progress takes them)
         r = core.irecv(np.zeros(4, np.uint8), None, None)
-        assert drive(r, lambda: core.user_transport.rejected == len(silent)), core.user_transport.rejected
+        assert drive(r, lambda: core.user_transport.rejected == len(strays)), core.user_transport.rejected
         good.sendall(header(MSG, 6, 1, 4, 4) + b"more")
         assert r.wait() == (1, 6, 4)
     finally:
-        for s in silent + [good]:
+        for s in strays + [good]:
             s.close()
 
 
