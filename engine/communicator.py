@@ -595,7 +595,7 @@ class Communicator:
                 raise self.watch.mismatch(
                     f"collective mismatch in group {self.name!r}: alltoall #{int(rows[0, 5])}: the ranks split evenly "
                     f"into parts of other sizes ({', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(parts))} "
-                    "elements to each rank)")
+                    "elements to each rank)", between=True)
             if not rooted or not 0 <= root < self.size:   # (the call itself names a root out of range)
                 return
             own, theirs = rows[:, 2], int(rows[root, 7])
@@ -604,7 +604,7 @@ class Communicator:
             raise self.watch.mismatch(
                 f"collective mismatch in group {self.name!r}: {op} #{int(rows[0, 5])} root {root}: the ranks' "
                 f"elements ({', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(own))}) are not "
-                + ("all the same" if theirs < 0 else f"the root's counts (digest {theirs:08x})"))
+                + ("all the same" if theirs < 0 else f"the root's counts (digest {theirs:08x})"), between=True)
         names = {v: k for k, v in _OP_IDS.items()}
 
         def describe(row):
@@ -622,7 +622,7 @@ class Communicator:
         for r in range(self.size):
             groups.setdefault(describe(rows[r]), []).append(r)
         detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}" for d, rs in groups.items())
-        raise self.watch.mismatch(f"collective mismatch in group {self.name!r}: {detail}")
+        raise self.watch.mismatch(f"collective mismatch in group {self.name!r}: {detail}", between=True)
 
     # -- point to point (not numbered: they need not match across all ranks) --
 

@@ -358,12 +358,14 @@ class Watch:
                + (f"; {waits}" if waits else ""))
         return self._break(msg, EngineTimeout)
 
-    def mismatch(self, msg):
-        return self._break(msg, EngineMismatch)
+    def mismatch(self, msg, between=False):
+        """between: the ranks' calls differ before any ran (debug mode's check): every call begun here has
+        ended, so a peer still in one finishes it (CoreComm.set_broken)."""
+        return self._break(msg, EngineMismatch, between)
 
-    def _break(self, msg, error):
+    def _break(self, msg, error, between=False):
         msg += self.core.stage_note or ""   # (a stage's error names its own ranks: say which they are)
-        self.core.set_broken(msg, BROKEN_AFTER[error])
+        self.core.set_broken(msg, BROKEN_AFTER[error], between=between)
         failure.group_failed(msg, self)
         self.dump(msg)
         self._reported = msg

@@ -119,7 +119,7 @@ cdef class CoreComm:
         are told (not by a fork's copy: orphan()). Nothing is freed here: release it once `busy` is 0."""
         eng_store32(&self.aborted, 1)
         if self.orphaned is None:
-            self.algo_tp.group_broke(False)
+            self.algo_tp.group_broke(False, -1, self.busy == 0 and not self.collective_thread)
 
     @property
     def aborted(self):
@@ -207,11 +207,12 @@ cdef class CoreComm:
             raise self.error(ENG_ERR_ABORTED, what)
         self.log.check_usable(what)
 
-    def set_broken(self, why, after=None, int lost=-1):
-        """Marks the group unusable: every later operation raises, naming why, and after what (a few
-        words: "an earlier call timed out"); lost: the rank whose loss broke it (see broke()), or -1."""
+    def set_broken(self, why, after=None, int lost=-1, bint between=False):
+        """Marks the group unusable: every later operation raises, naming why, and after what (a few words:
+        "an earlier call timed out"); lost: the rank whose loss broke it (see broke()), or -1; between:
+        it broke between calls (debug mode's signatures differ: Transport.group_broke), unless a call runs."""
         self.log.broken, self.log.broken_after, self.broke_over = why, after, lost
-        self.algo_tp.group_broke(after == BROKEN_AFTER[EngineTimeout], lost)
+        self.algo_tp.group_broke(after == BROKEN_AFTER[EngineTimeout], lost, between and not self.collective_thread)
 
     # -- choosing the entry that runs (the rules come from engine.registry.Plan) --
 
@@ -294,23 +295,24 @@ cdef class CoreComm:
     # -- one call: record, run without the GIL, finish --
 
     cdef int invoke(self, Call *c, const Rule *rule, size_t recorded, object keep, Reduction red=None) except -1:
-        """Runs call c with rule's implementation as one recorded operation of this group (a composite
-        entry: through its hierarchy). keep: the call's buffers, kept alive for good if it fails. red:
-        c's op, whose raise (a user op's) every rank then learns. A group's collectives run one at a
-        time (MPI's rule too): two threads in them at once would share its steps and scratch, and
-        corrupt both results, so the second is refused."""
+        """Runs call c with rule's implementation as one recorded operation of this group (a composite entry: through
+        its hierarchy). keep: the call's buffers, kept alive for good if it fails. red: c's op (a user op's raise: every
+        rank learns it). A group runs one collective at a time (MPI's rule too): two threads at once would share its
+        steps and scratch and corrupt both results, so the second is refused."""
         if self.collective_thread:
             raise RuntimeError(f"{OP_KIND_NAMES[c.op]}: a collective of this group is running in another thread "
                                f"(ident {self.collective_thread}): a group runs one collective at a time; call its "
                                "collectives from one thread, or behind a lock, or give each thread a group of its own")
-        cdef uint64_t raised = eng_user_op_raises() if red is not None and red.c.code < 0 else 0   # (a user op's)
+        cdef RaiseWatch raises   # (a user op's raises, counted for this call alone: user_ops.pxi)
+        raise_watch_begin(&raises, red is not None and red.c.code < 0)
         self.collective_thread = PyThread_get_thread_ident()
         try:
             self._invoke(c, rule, recorded, keep)
         finally:
             self.collective_thread = 0
-        if red is not None and red.c.code < 0:
-            user_op_agree(self, red, raised, OP_KIND_NAMES[c.op])
+            raise_watch_end(&raises)
+        if raises.on:
+            user_op_agree(self, red, raises.raised, OP_KIND_NAMES[c.op])
         return 0
 
     cdef int _invoke(self, Call *c, const Rule *rule, size_t recorded, object keep) except -1:

@@ -61,17 +61,21 @@ def reduce_into(dst, a, b, op, int threads=1):
         raise ValueError("AVG is SUM plus scale(); reduce_into takes SUM")
     cdef const void *srcs[2]
     cdef eng_team *tm
-    cdef uint64_t raised = eng_user_op_raises()
-    if threads == 1:
-        with nogil:
-            red.c.fn(md.ptr, ma.ptr, mb.ptr, md.count)
-    else:
-        srcs[0], srcs[1] = ma.ptr, mb.ptr
-        with _kernel_team_lock:
-            tm = _team_of(threads)
+    cdef RaiseWatch raises
+    raise_watch_begin(&raises, red.c.code < 0)
+    try:
+        if threads == 1:
             with nogil:
-                eng_team_reduce(tm, red.c.fn, md.ptr, NULL, srcs, 2, md.count, md.itemsize, md.dtype, 0.0)
-    user_op_check(red, raised, "reduce_into")
+                red.c.fn(md.ptr, ma.ptr, mb.ptr, md.count)
+        else:
+            srcs[0], srcs[1] = ma.ptr, mb.ptr
+            with _kernel_team_lock:
+                tm = _team_of(threads)
+                with nogil:
+                    eng_team_reduce(tm, red.c.fn, md.ptr, NULL, srcs, 2, md.count, md.itemsize, md.dtype, 0.0)
+    finally:
+        raise_watch_end(&raises)
+    user_op_check(red, raises.raised, "reduce_into")
 
 
 def scale(buf, double factor, bint divide=False):

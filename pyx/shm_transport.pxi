@@ -666,7 +666,7 @@ cdef class ShmTransport(Transport):
     cdef str who(self, int peer):
         return f"rank {peer} (pid {self.seg.peers.pids[peer]})" if 0 <= peer < self.size else "a peer"
 
-    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
+    cdef void group_broke(self, bint timed_out, int lost=-1, bint between=False) noexcept:
         if self.ch == 0 and not self.released:   # (the collectives': the segment says so at once)
             self.seg.give_up(timed_out, lost)
 

@@ -141,9 +141,13 @@ static eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int f
  * only what involves this rank, not everything (fail_any), as they would for a crash; unless `broken`
  * is TCP_LEFT_BROKEN - 1 (its header's a): the group failed here or was aborted, so no collective of it
  * can end well, and the peers' fail as for a crash (a rank waiting on a third one would wait for the
- * timeout). TCP_LEFT_TIMED_OUT - 1: its call timed out here, which tells the peers nothing of their
- * own calls: only what involves this rank fails, and a peer waiting on another comes to its own verdict. */
-static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank) {
+ * timeout). But where it broke between calls (`between`: a mismatch the ranks' signatures showed, an
+ * abort while no call ran), every call this rank began had ended here, having sent all it owed: the
+ * goodbye says how many (its b), and a peer still in one of those finishes it, failing from its next
+ * (tcp_ended_there). TCP_LEFT_TIMED_OUT - 1: its call timed out here, which tells the peers nothing of
+ * their own calls: only what involves this rank fails, and a peer waiting on another comes to its own
+ * verdict. */
+static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank, int between) {
   tcp_hdr bye;
   if (t == NULL || t->peers == NULL) return;
   pthread_mutex_lock(&t->lock);
@@ -171,7 +175,8 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank) {
   if (broken == TCP_LEFT_BROKEN - 1 && !lost && t->dead_peer >= 0 && t->dead_code == ENG_ERR_PEER_LEFT &&
       t->peers[t->dead_peer].departed == TCP_LEFT_BROKEN)
     first = t->peers[t->dead_peer].bye_first ? t->peers[t->dead_peer].bye_first : tcp_whole(t, t->dead_peer) + 1;
-  tcp_hdr_set(&bye, ENG_TCP_BYE, first, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0, 0);
+  tcp_hdr_set(&bye, ENG_TCP_BYE, first, lost, broken >= 0 && broken < TCP_LEFT_TIMED_OUT ? broken : 0,
+              broken == TCP_LEFT_BROKEN - 1 && between ? t->calls + 1 : 0);
   for (int q = 0; q < t->size; q++) {
     tcp_peer *p = &t->peers[q];
     if (q == t->rank || p->dead) continue;
@@ -192,7 +197,7 @@ static void eng_tcp_free(eng_tcp *t) {
   if (t == NULL) return;
   /* The goodbye fails every other peer, which empties its queues, and a failed peer's never fill
    * again (it takes no send, nothing of it is read); none are filled for this rank itself. */
-  eng_tcp_goodbye(t, 0, -1);
+  eng_tcp_goodbye(t, 0, -1, 0);
   tcp_live_remove(t);
   tcp_close_descriptors(t);
   if (t->peers != NULL) {
@@ -395,6 +400,7 @@ out:
 static void eng_tcp_set_call(eng_tcp *t, int base) {
   pthread_mutex_lock(&t->lock);
   t->call = base;
+  t->calls++;
   pthread_mutex_unlock(&t->lock);
 }
 
@@ -432,7 +438,7 @@ static int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp
 
 /* Progress, then whether r is done; a done request is freed and its status and error returned. */
 static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, size_t *nbytes, int *err_peer) {
-  int rc = 0;
+  int rc = 0, failing;
   pthread_mutex_lock(&t->lock);
   tcp_progress(t);
   *done = r->state == TCP_DONE;
@@ -445,9 +451,9 @@ static int eng_tcp_test(eng_tcp *t, tcp_req *r, int *done, int *src, int *tag, s
     rc = r->err;
     *err_peer = r->err_peer;
     free(r);
-  } else if (t->fail_any && t->dead_peer >= 0) {
-    rc = t->dead_code;
-    *err_peer = t->dead_peer;
+  } else if (t->fail_any && (failing = tcp_failing_peer(t)) >= 0) {
+    rc = t->peers[failing].dead;
+    *err_peer = failing;
   } else if (t->other_peer >= 0) {
     rc = ENG_ERR_OTHER_CALL;
     *err_peer = t->other_peer;

@@ -27,7 +27,7 @@ cdef extern from "tcp.h" nogil:
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
     void eng_tcp_set_call(eng_tcp *t, int base)
-    void eng_tcp_goodbye(eng_tcp *t, int broken, int lost)
+    void eng_tcp_goodbye(eng_tcp *t, int broken, int lost, int between)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
     int eng_tcp_interfaces(char *out, size_t cap)
@@ -102,6 +102,7 @@ cdef class TcpTransport(Transport):
     cdef int broken                 # its group failed or was aborted here (TCP_LEFT_BROKEN - 1), or a call timed
                                     # out here (TCP_LEFT_TIMED_OUT - 1): the goodbye says which
     cdef int broke_over             # the rank whose loss broke the group (group_broke()), or -1
+    cdef bint broke_between         # it broke while no call of it ran here (group_broke()'s between)
     cdef object abort_reason        # what abort_connect() was told
 
     def __cinit__(self, int rank, int size, int channel, int listen_fd, bytes token, list peers, int nstreams=1,
@@ -156,25 +157,27 @@ cdef class TcpTransport(Transport):
 
     cdef void say_goodbye(self) noexcept:
         cdef eng_tcp *t = self.t
-        cdef int broken = self.broken, lost = self.broke_over
+        cdef int broken = self.broken, lost = self.broke_over, between = self.broke_between
         if t == NULL:
             return
         self.leaving += 1
         with nogil:
-            eng_tcp_goodbye(t, broken, lost)
+            eng_tcp_goodbye(t, broken, lost, between)
         self.leaving -= 1
 
-    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
+    cdef void group_broke(self, bint timed_out, int lost=-1, bint between=False) noexcept:
         """Its group's collectives gave the group up here: this channel (the algorithms': CoreComm tells
         only that one) says its goodbye at once, saying why, so a peer's collective fails then, naming
         this rank, not at its timeout: every collective where the group broke, what involves this rank
         where a call only timed out (a peer waiting on another rank reaches its own verdict). The
         goodbye names the rank lost, where one broke the group: the user's channel may have seen it
         end before this one did. The user's channel goes on (point-to-point outlives a broken group's
-        collectives)."""
+        collectives). Where it broke between calls, a peer still in one this rank ended finishes it
+        (eng_tcp_goodbye)."""
         if not self.broken:
             self.broken = (TCP_LEFT_TIMED_OUT if timed_out else TCP_LEFT_BROKEN) - 1
             self.broke_over = lost if lost >= 0 else -1   # (eng_tcp_goodbye checks it)
+            self.broke_between = between
         self.say_goodbye()
 
     cdef int serve(self, tuple whole, int whole_size, str name) except -1:

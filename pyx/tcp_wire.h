@@ -21,7 +21,7 @@
 #define ENG_TCP_HDR 32
 #define ENG_TCP_HELLO 48
 #define ENG_TCP_MAGIC 0x54474e45u           /* "ENGT" */
-#define ENG_TCP_VERSION 1
+#define ENG_TCP_VERSION 2
 #define ENG_TCP_MAX_STREAMS 16
 #define ENG_TCP_STAGE (64u << 10)            /* staging buffer of each incoming stream */
 #define ENG_TCP_SINK (256u << 10)            /* where discarded bytes are read to */
@@ -50,12 +50,12 @@ typedef struct {
   int32_t tag;
   uint64_t seq;
   uint64_t a;     /* MSG: the message's bytes; PART: the offset */
-  uint64_t b;     /* payload bytes that follow this header */
+  uint64_t b;     /* payload bytes that follow this header; BYE: tcp_peer.bye_ended */
 } tcp_hdr;
 
-/* A goodbye header, of one of the three kinds. */
+/* A goodbye header, of one of the three kinds (only where the group broke, b counts calls). */
 static inline int tcp_bye_ok(const tcp_hdr *h) {
-  return h->kind == ENG_TCP_BYE && h->a <= TCP_LEFT_TIMED_OUT - 1 && !h->b;
+  return h->kind == ENG_TCP_BYE && h->a <= TCP_LEFT_TIMED_OUT - 1 && (!h->b || h->a == TCP_LEFT_BROKEN - 1);
 }
 
 typedef struct {
@@ -143,6 +143,8 @@ typedef struct {
                                group broke (TCP_LEFT_BROKEN), everything on a fail_any channel */
   int bye_lost;             /* the rank its goodbye said it lost (its process, or link, gone) + 1, or 0 */
   int bye_first;            /* the rank whose giving up its goodbye said it followed (an abort there) + 1, or 0 */
+  uint64_t bye_ended;       /* where it gave the group up between calls: the calls it had begun (all ended) + 1;
+                               0: within one, or not broken (tcp_ended_there) */
   int dead;                 /* an ENG_ERR_* code once it failed */
   int dead_errno;
   double heard;             /* when bytes last came from it (its hello included); 0: never */
@@ -178,6 +180,7 @@ typedef struct eng_tcp {
   char *sink;
   int dead_peer, dead_code; /* the first peer that failed */
   int call;                 /* ordered: the running call's tag base (call_tags.h), 0 for none */
+  uint64_t calls;           /* the calls begun here (eng_tcp_set_call): every rank numbers them alike */
   int other_peer;           /* ordered: the first peer seen in another collective, or -1 */
   int rejected;             /* connections closed before or at their hello */
   int said_bye;             /* eng_tcp_goodbye ran: every connection is closed */
@@ -195,6 +198,8 @@ static inline void tcp_bye_read(const eng_tcp *t, tcp_peer *p, const tcp_hdr *h)
   p->departed = 1 + (int)h->a;
   p->bye_lost = h->seq >= 1 && h->seq <= (uint64_t)t->whole_size ? (int)h->seq : 0;
   p->bye_first = h->tag >= 1 && h->tag <= t->whole_size ? h->tag : 0;
+  /* (at most the call running here: a goodbye can't spare a call not begun here, nor claim calls for good) */
+  p->bye_ended = h->a != TCP_LEFT_BROKEN - 1 ? 0 : h->b < t->calls + 1 ? h->b : t->calls + 1;
 }
 
 
@@ -224,6 +229,27 @@ static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq,
   h->seq = seq;
   h->a = a;
   h->b = b;
+}
+
+/* Whether peer q gave the group up between calls after the call running here had ended there (its
+ * goodbye's count): it sent all it owed that call, which still ends here; the next one fails. */
+static inline int tcp_ended_there(const eng_tcp *t, int q) {
+  const tcp_peer *p = &t->peers[q];
+  return p->dead == ENG_ERR_PEER_LEFT && p->departed == TCP_LEFT_BROKEN && p->bye_ended > t->calls;
+}
+
+/* The failed peer whose end fails every request on a fail_any channel (one lost, or one whose group
+ * broke there): the first that failed, where its end reaches the running call (tcp_ended_there); else
+ * another; -1: none. */
+static inline int tcp_failing_peer(const eng_tcp *t) {
+  if (t->dead_peer < 0 || !tcp_ended_there(t, t->dead_peer)) return t->dead_peer;
+  for (int q = 0; q < t->size; q++) {
+    const tcp_peer *p = &t->peers[q];
+    if (q != t->rank && p->dead && (p->dead != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN) &&
+        !tcp_ended_there(t, q))
+      return q;
+  }
+  return -1;
 }
 
 /* Whether anything is queued for a peer on its outgoing streams. */

@@ -23,8 +23,22 @@
 
 enum { ENG_JOB_REDUCE = 1, ENG_JOB_COPY = 2 };
 
+/* Where a user (Numba) kernel that raised counts it (user_ops.pxi): the counter of the call this thread runs
+ * for, NULL outside one. A helper takes its caller's with each job, so a raise in a helper's slice counts
+ * for the call whose slice it was, and never for a call another thread runs meanwhile. */
+static __thread uint64_t *eng_raise_counter;
+
+/* Makes c this thread's raise counter; returns the one it replaces, which the call puts back at its end
+ * (a reduce_into inside a user's callback, say, leaves the outer call's count whole). */
+static inline uint64_t *eng_raise_counter_swap(uint64_t *c) {
+  uint64_t *was = eng_raise_counter;
+  eng_raise_counter = c;
+  return was;
+}
+
 typedef struct {
   int kind;
+  uint64_t *raises;        /* the caller's raise counter, for the helpers' slices */
   int parts;               /* threads that take a slice (the rest only acknowledge) */
   double spin;             /* seconds a helper spins for the next job after this one (the team's spin) */
   /* ENG_JOB_REDUCE: dst1 (and dst2) = the reduction of srcs[0..nsrc), n elements (eng_reduce_many) */
@@ -106,7 +120,9 @@ static void *eng_team_main(void *arg) {
     }
     seen = g;
     if (eng_load32(&t->stop)) return NULL;
+    eng_raise_counter = t->job.raises;
     eng_job_slice(&t->job, h);
+    eng_raise_counter = NULL;
     spin = t->job.spin; /* read before done: the caller may then replace the job */
     eng_add32(&t->done);
   }
@@ -171,6 +187,7 @@ static void eng_team_run(eng_team *t, eng_job *job) {
   }
   job->parts = parts < (size_t)t->n ? (int)parts : t->n;
   job->spin = t->spin;
+  job->raises = eng_raise_counter;
   t->job = *job;
   eng_store32(&t->done, 0);
   eng_add32(&t->gen); /* seq_cst: the job above is visible to a helper that sees the new gen */

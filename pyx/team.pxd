@@ -1,5 +1,6 @@
 # C declarations of team.h: a rank's helper threads for the kernels of a blocking collective.
 
+from libc.stdint cimport uint64_t
 from kernels cimport eng_reduce_fn
 
 cdef extern from "team.h" nogil:
@@ -8,6 +9,7 @@ cdef extern from "team.h" nogil:
         int n
         size_t slice_min
         double spin
+    uint64_t *eng_raise_counter_swap(uint64_t *c)
     int eng_team_start(eng_team *t, int n, int maxsrc, double spin)
     void eng_team_stop(eng_team *t)
     void eng_team_reduce(eng_team *t, eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs,

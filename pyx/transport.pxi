@@ -85,13 +85,14 @@ cdef class Transport:
         just now). drive_transport's question."""
         return 0
 
-    cdef void group_broke(self, bint timed_out, int lost=-1) noexcept:
-        """Its group failed here (a call broke it, a timeout, a lost peer, a mismatch) or was aborted:
-        none of its collectives can end now (timed_out: a call timed out here, which says nothing of the
-        peers' calls; lost: the rank whose loss broke it, in the whole group's numbering (serve()), or
-        -1). CoreComm tells the algorithms' transport; one that can tell the peers (shared memory's
-        gave-up word, TCP's goodbye) does so at once, and a peer's collective that still needs this
-        rank fails then, naming it (and the rank lost), rather than at its timeout."""
+    cdef void group_broke(self, bint timed_out, int lost=-1, bint between=False) noexcept:
+        """Its group failed here (a call broke it, a timeout, a lost peer, a mismatch) or was aborted: none of
+        its collectives can end now (timed_out: a call timed out here, which says nothing of the peers' calls;
+        lost: the rank whose loss broke it, in the whole group's numbering (serve()), or -1; between: it broke
+        while no call of it ran here, so every one begun here had ended). CoreComm tells the algorithms'
+        transport; one that can tell the peers (shared memory's gave-up word, TCP's goodbye) does so at once,
+        and a peer's collective that still needs this rank fails then, naming it (and the rank lost), rather
+        than at its timeout."""
         pass
 
     cdef int lost_rank(self, int code) noexcept:

@@ -50,7 +50,7 @@ class Core:
     def records(self):
         return [self.rec] if self.rec else []
 
-    def set_broken(self, why, after=None, lost=-1):
+    def set_broken(self, why, after=None, lost=-1, between=False):
         self.broken, self.broken_after = why, after
 
     def waiting_on(self):

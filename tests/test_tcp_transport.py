@@ -22,7 +22,7 @@ from engine import _core
 from engine.watch import EngineError, EnginePeerLost
 from p2p_watch import Deadline, receive_until_it_ends
 
-MAGIC, VERSION, HDR = 0x54474E45, 1, 32
+MAGIC, VERSION, HDR = 0x54474E45, 2, 32
 MSG, PART, BYE = 0x2147534D, 0x54524150, 0x21455942
 HELLO = 48
 TOKEN = bytes(range(16))
@@ -124,7 +124,7 @@ def closed_by_peer(sock):
 
 
 # Each field of a hello, right (rank 1 to rank 0 of a group of 2, on the user's channel) or wrong.
-HELLO_FIELDS = {"magic": [MAGIC, MAGIC ^ 1], "version": [VERSION, 2], "hdr": [HDR, 16],
+HELLO_FIELDS = {"magic": [MAGIC, MAGIC ^ 1], "version": [VERSION, 1, 3], "hdr": [HDR, 16],
                 "token": [TOKEN, bytes(16)], "frm": [1, 0, 2, 1 << 31], "to": [0, 1, 7], "channel": [1, 0, 2],
                 "stream": [0, 1, 2, 16], "nstreams": [1, 0, 17], "size": [2, 1, 3]}
 

@@ -329,18 +329,23 @@ def test_threads_forking_at_once_while_ops_are_made_each_hold_and_release_their_
     assert proc.stdout == "forks done\n" and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
 
 
+def nonnegative_sum_op():
+    """A sum that raises at a negative first value (made after a test points ENGINE_CACHE_DIR at its own folder)."""
+    @engine.reduction
+    def nonnegative_sum(a, b):
+        if a < 0:
+            raise ValueError("a negative input")
+        return a + b
+    return nonnegative_sum
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_reduction_that_raises_is_reported_not_left_half_done(tmp_path, monkeypatch, threads):
     """The function raises at one element (of the second thread's slice with 2): reduce_into raises
     RuntimeError naming the op. Before, the kernel's loop ended there unreported and left the rest of
     the output as it was."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-
-    @engine.reduction
-    def nonnegative_sum(a, b):
-        if a < 0:
-            raise ValueError("a negative input")
-        return a + b
+    nonnegative_sum = nonnegative_sum_op()
 
     a, b = np.ones(1 << 16), np.ones(1 << 16)
     a[-3] = -1.0
@@ -351,3 +356,46 @@ def test_a_reduction_that_raises_is_reported_not_left_half_done(tmp_path, monkey
     out = np.zeros_like(a)
     reduce_into(out, a, b, nonnegative_sum, threads=threads)
     assert (out == 2.0).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_raise_in_one_threads_reduction_fails_only_that_threads_call(tmp_path, monkeypatch, threads):
+    """One thread's op raises on every call while another thread reduces clean data with it: only the first
+    thread's calls raise. Before, a process-wide count of raises told every call that overlapped a raise
+    that its own op had raised. With 2 threads the raise falls in a helper's slice and still counts for
+    the call whose slice it was."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    nonnegative_sum = nonnegative_sum_op()
+
+    n = 1 << 16
+    bad, good = np.ones(n), np.ones(n)
+    bad[-3] = -1.0
+    clean_done, raised, wrong = threading.Event(), [], []
+
+    def raising():
+        while not clean_done.is_set():
+            try:
+                reduce_into(np.zeros(n), bad, good, nonnegative_sum, threads=threads)
+            except RuntimeError:
+                raised.append(1)
+            else:
+                wrong.append("a call whose op raised returned")
+
+    def clean():
+        try:
+            for _ in range(300):
+                out = np.zeros(n)
+                reduce_into(out, good, good, nonnegative_sum, threads=threads)
+                if not (out == 2.0).all():
+                    wrong.append("a clean call gave a wrong result")
+        except RuntimeError as exc:
+            wrong.append(f"a clean call raised: {exc}")
+        finally:
+            clean_done.set()
+
+    workers = [threading.Thread(target=raising), threading.Thread(target=clean)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not wrong and raised, (wrong[:3], len(raised))

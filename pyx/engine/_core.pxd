@@ -157,7 +157,7 @@ cdef class Transport:
     cdef void begin_call(self, int base) noexcept nogil
     cdef int nudge(self) noexcept nogil
     cdef int in_flight(self) noexcept nogil
-    cdef void group_broke(self, bint timed_out, int lost=*) noexcept
+    cdef void group_broke(self, bint timed_out, int lost=*, bint between=*) noexcept
     cdef int lost_rank(self, int code) noexcept
     cdef tuple whole    # a stage of a hierarchy: each rank's rank in the group it serves (serve()), or None
     cdef int whole_size # that group's size
@@ -467,8 +467,16 @@ cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries th
 cdef str _engine_error_text(int code, int peer, str who=*)     # transport.pxi
 cdef int nudge_transport(void *tp) noexcept nogil   # transport.pxi: a WaitCtx's side (CoreComm.start)
 cdef int drive_transport(void *tp, double seconds) noexcept nogil   # transport.pxi: CoreComm.driver's
-cdef int user_op_check(Reduction red, uint64_t before, str what) except -1               # user_ops.pxi
-cdef int user_op_agree(CoreComm comm, Reduction red, uint64_t before, str what) except -1  # user_ops.pxi
+cdef struct RaiseWatch:       # a call's view of its user op's raises (user_ops.pxi)
+    bint on                   # the call runs a user op (else nothing is watched)
+    bint raised               # (raise_watch_end's verdict) one of its kernels raised
+    uint64_t own              # counted in this call's kernels, by its thread and its team's helpers
+    uint64_t unowned          # raises no call owned, counted when the call began
+    uint64_t *outer           # the thread's counter before this call's (put back at its end)
+cdef void raise_watch_begin(RaiseWatch *w, bint on) noexcept nogil                    # user_ops.pxi
+cdef void raise_watch_end(RaiseWatch *w) noexcept nogil                               # user_ops.pxi
+cdef int user_op_check(Reduction red, bint raised, str what) except -1                 # user_ops.pxi
+cdef int user_op_agree(CoreComm comm, Reduction red, bint raised, str what) except -1  # user_ops.pxi
 cdef tuple call_word_parts(uint64_t w)              # recorder.pxi
 cdef uint64_t call_key(const Call *c) noexcept nogil  # recorder.pxi
 cdef void forget_resolved_ops() noexcept            # dtypes.pxi

@@ -1,6 +1,7 @@
 """User-defined reductions compiled by Numba, run by every algorithm and by reduce / reduce_scatter."""
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -164,6 +165,45 @@ def test_a_user_op_that_raises_on_one_rank_fails_the_call_on_every_rank(collecti
         x = np.arange(1.0, 6 * P + 1, dtype=np.float64) + R
         WORLD.allreduce(x, op=nonnegative_max, algorithm=algo)
         np.testing.assert_array_equal(x, np.arange(1.0, 6 * P + 1) + P - 1)
+
+
+def test_a_raise_in_one_groups_call_fails_no_call_another_thread_runs_on_another_group():
+    """One thread's allreduces on WORLD raise (the last rank's data is negative) while another thread's on
+    TINY reduce clean data with the same op: only the first thread's calls raise, on every rank. Before,
+    a process-wide count of raises failed every TINY call that overlapped a raise, naming this rank."""
+    if P < 2:
+        pytest.skip("one rank reduces nothing")
+    calls, raised, wrong = 40, [], []
+
+    def raising():
+        for _ in range(calls):
+            mine = np.ones(1 << 16)
+            if R == P - 1:
+                mine[-2] = -1.0
+            try:
+                WORLD.allreduce(mine, op=nonnegative_max)
+            except RuntimeError:
+                raised.append(1)
+            else:
+                wrong.append("a call whose op raised returned")
+
+    def clean():
+        for _ in range(calls):
+            x = np.ones(64) + R
+            try:
+                TINY.allreduce(x, op=nonnegative_max)
+            except RuntimeError as exc:
+                wrong.append(f"a clean call raised: {exc}")
+            else:
+                if not (x == P).all():
+                    wrong.append(f"a clean call gave {x[:4]}")
+
+    workers = [threading.Thread(target=raising), threading.Thread(target=clean)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not wrong and len(raised) == calls, (wrong[:3], len(raised))
 
 
 def test_lambda_user_op_compiles_uncached():
