@@ -91,13 +91,13 @@ def test_debug_mode_mismatch_raises_on_every_rank(transport):
         assert "rank 1: allreduce #1 with 200 float32 elements" in msg
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_debug_mode_mismatch_at_4_ranks_raises_the_mismatch_on_every_rank_every_time(transport):
-    """tests/faults/debug_mismatch_rounds.py: 8 rounds of a mismatched allreduce at 4 ranks. Every rank
-    raises EngineMismatch in every round. Before, over TCP, a rank whose ring of signatures ended
-    first gave the group up, and a rank still waiting on the ring's last step failed at once with
-    EnginePeerLost naming it (most rounds)."""
-    proc, out = launch("debug_mismatch_rounds.py", 4, 120, ENGINE_TRANSPORT=transport)
+@pytest.mark.parametrize("transport,setting", [("tcp", "ENGINE_DEBUG=1"), ("shm", "TORCH_DISTRIBUTED_DEBUG=DETAIL")])
+def test_debug_mode_mismatch_at_4_ranks_raises_the_mismatch_on_every_rank_every_time(transport, setting):
+    """tests/faults/debug_mismatch_rounds.py: 8 rounds of a mismatched allreduce at 4 ranks, in debug mode
+    by the engine's variable or by torch's (DETAIL). Every rank raises EngineMismatch in every round.
+    Before, over TCP, a rank whose ring of signatures ended first gave the group up, and a rank still
+    waiting on the ring's last step failed at once with EnginePeerLost naming it (most rounds)."""
+    proc, out = launch("debug_mismatch_rounds.py", 4, 120, ENGINE_TRANSPORT=transport, DEBUG_SETTING=setting)
     said = re.findall(r"rank (\d): round (\d): (\w+): (.*)", out)
     assert len(said) == 4 * 8 and out.count(": done") == 4, out[-3000:]
     wrong = [line for line in said

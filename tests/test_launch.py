@@ -526,6 +526,16 @@ def test_registration_does_not_import_mpi_or_the_engine():
     assert out.stdout.split() == ["True", "False", "False", "False", "False"], out.stderr
 
 
+def test_with_torchs_autoload_off_the_backend_comes_with_import_torchbridge():
+    """TORCH_DEVICE_BACKEND_AUTOLOAD=0 (README's settings): torch loads no entry point, so `engine` is no
+    backend name until the script imports torchbridge, which registers it."""
+    code = ("import torch.distributed as dist; print('engine' in dist.Backend.backend_list); import torchbridge; "
+            "print('engine' in dist.Backend.backend_list)")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
 

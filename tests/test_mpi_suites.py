@@ -84,8 +84,9 @@ def test_matrix_with_threads():
 MOVED = {"shm": dict(ENGINE_SHM_ONESHOT_MAX_BYTES="4K", ENGINE_SHM_REDUCE_ONESHOT_MAX_BYTES="64K",
                      ENGINE_SHM_THREADS_MIN_BYTES="64K", ENGINE_SHM_CMA_MIN_BYTES="8K", ENGINE_SHM_CMA_MAX_BYTES="1M",
                      ENGINE_THREADS="2"),
-         "mpi": dict(ENGINE_RDOUBLE_MAX_BYTES="64K", ENGINE_RING_MIN_BYTES="8K"),
-         "tcp": dict(ENGINE_TCP_RDOUBLE_MAX_BYTES="16K", ENGINE_TCP_TREE_MAX_BYTES="16K")}
+         "mpi": dict(ENGINE_RDOUBLE_MAX_BYTES="64K", ENGINE_RING_MIN_BYTES="8K", ENGINE_RING_SEGMENT_BYTES="4K"),
+         "tcp": dict(ENGINE_TCP_RDOUBLE_MAX_BYTES="16K", ENGINE_TCP_TREE_MAX_BYTES="16K",
+                     ENGINE_RING_SEGMENT_BYTES="4K")}
 
 
 @pytest.mark.parametrize("transport", sorted(MOVED))

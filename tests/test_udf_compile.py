@@ -61,6 +61,21 @@ def test_default_arguments_keep_their_values(tmp_path, monkeypatch):
     assert [reduced(op, ones, ones).tolist() for op in ops] == [[2.0] * 3, [3.0] * 3]
 
 
+@pytest.mark.parametrize("xdg", [True, False])
+def test_without_engine_cache_dir_ops_are_cached_in_the_users_cache_folder(tmp_path, monkeypatch, xdg):
+    """ENGINE_CACHE_DIR unset (README's default): $XDG_CACHE_HOME/engine/udf, else ~/.cache/engine/udf."""
+    monkeypatch.delenv("ENGINE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if xdg:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    else:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    limit = 7.5 if xdg else 8.5   # (an op of its own: one compiled already in this process is reused)
+    np.testing.assert_array_equal(reduced(clipped(limit), np.ones(3), np.ones(3)), [2.0] * 3)
+    folder = tmp_path / "xdg" / "engine" / "udf" if xdg else tmp_path / "home" / ".cache" / "engine" / "udf"
+    assert len(generated(folder)) == 1
+
+
 def test_a_cache_folder_that_cant_be_made_compiles_uncached(tmp_path, monkeypatch):
     """ENGINE_CACHE_DIR under a plain file (no folder can be made there, even by root): the op still
     works, compiled as cache=False compiles it (the error ended the call)."""

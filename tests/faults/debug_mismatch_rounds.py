@@ -1,4 +1,5 @@
-"""Under ENGINE_DEBUG=1, under mpiexec at 4 ranks: ROUNDS times, a group of every rank all-reduces 2
+"""In debug mode (ENGINE_DEBUG=1, or the setting DEBUG_SETTING names: TORCH_DISTRIBUTED_DEBUG=DETAIL),
+under mpiexec at 4 ranks: ROUNDS times, a group of every rank all-reduces 2
 elements where the last rank passes 3. Every rank must raise EngineMismatch naming both calls, every
 round: a rank whose ring of signatures ended first gives the group up while the others still wait on
 the ring's last steps, and they must finish the check, not fail naming that rank as lost. Each rank
@@ -12,13 +13,14 @@ import engine
 from engine import failure
 
 ROUNDS = 8
+NAME, VALUE = os.environ.get("DEBUG_SETTING", "ENGINE_DEBUG=1").split("=")
 
 world = engine.world()
 rank, size = world.rank, world.size
 for k in range(ROUNDS):
-    os.environ["ENGINE_DEBUG"] = "1"   # (read when a group is made)
+    os.environ[NAME] = VALUE   # (read when a group is made)
     group = world.subgroup(list(range(size)))
-    del os.environ["ENGINE_DEBUG"]
+    del os.environ[NAME]
     try:
         group.allreduce(np.ones(3 if rank == size - 1 else 2, np.float32))
         print(f"rank {rank}: round {k}: passed (unexpected)", flush=True)
