@@ -300,6 +300,20 @@ def _open_parent(folder):
         path = os.path.dirname(path)
 
 
+def _make_private(folder):
+    """os.makedirs(folder) with each folder it makes 0700, not the last alone: under umask 002 the parents
+    it made (~/.cache/engine) would be group-writable, and the cache refused (_open_parent)."""
+    missing = []
+    while folder and not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:   # (another rank made it meanwhile)
+            pass
+
+
 def _refused(folder, why):
     """A cache folder another user's or others may write: user reductions compile uncached (said once a
     folder). The folder is left as it is: a shared one (/tmp's kind) is no one's to narrow."""
@@ -329,7 +343,7 @@ def _load_generated(source, modname):
             return loaded   # (the same source and dtype from another op object)
         folder = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine", "udf")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        _make_private(folder)
         st = os.stat(folder)   # (another user could swap the file between its check and its import)
         if st.st_uid != os.geteuid():
             _refused(folder, "belongs to another user")

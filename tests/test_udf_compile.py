@@ -63,7 +63,9 @@ def test_default_arguments_keep_their_values(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("xdg", [True, False])
 def test_without_engine_cache_dir_ops_are_cached_in_the_users_cache_folder(tmp_path, monkeypatch, xdg):
-    """ENGINE_CACHE_DIR unset (README's default): $XDG_CACHE_HOME/engine/udf, else ~/.cache/engine/udf."""
+    """ENGINE_CACHE_DIR unset (README's default): $XDG_CACHE_HOME/engine/udf, else ~/.cache/engine/udf,
+    under umask 002 too (a user private group's): before, the folders made above the cache's own were
+    group-writable, so the cache was refused and every op compiled uncached."""
     monkeypatch.delenv("ENGINE_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     if xdg:
@@ -71,7 +73,11 @@ def test_without_engine_cache_dir_ops_are_cached_in_the_users_cache_folder(tmp_p
     else:
         monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     limit = 7.5 if xdg else 8.5   # (an op of its own: one compiled already in this process is reused)
-    np.testing.assert_array_equal(reduced(clipped(limit), np.ones(3), np.ones(3)), [2.0] * 3)
+    umask = os.umask(0o002)
+    try:
+        np.testing.assert_array_equal(reduced(clipped(limit), np.ones(3), np.ones(3)), [2.0] * 3)
+    finally:
+        os.umask(umask)
     folder = tmp_path / "xdg" / "engine" / "udf" if xdg else tmp_path / "home" / ".cache" / "engine" / "udf"
     assert len(generated(folder)) == 1
 
@@ -413,4 +419,5 @@ def test_a_raise_in_one_threads_reduction_fails_only_that_threads_call(tmp_path,
         w.start()
     for w in workers:
         w.join(120)
+    assert not any(w.is_alive() for w in workers), "a thread still runs after 120 s"
     assert not wrong and raised, (wrong[:3], len(raised))

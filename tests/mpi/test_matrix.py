@@ -430,17 +430,27 @@ def test_automatic_choice_follows_the_registry(collective):
             assert got == want.name, f"{collective} of {nbytes} bytes ran {got}; the rules say {want.name}"
 
 
+def as_bytes(raw):
+    """A size as a user writes it in a variable: digits and a K or M."""
+    return int(raw.rstrip("KM")) << {"K": 10, "M": 20}.get(raw[-1], 0)
+
+
 def test_the_rules_lie_at_the_thresholds_values():
-    """Each threshold that bounds a rule of this group's transport is a bound of the rules at its value:
-    its default, or where the launch moved it (tests/test_mpi_suites.py's moved-thresholds case) the
-    moved one, so the automatic choice above is walked at the edges the variables set."""
+    """Each threshold that bounds a rule of this group's transport is a bound of its collective's rules at
+    its value: its default, or where the launch moved it (tests/test_mpi_suites.py's moved-thresholds
+    case, the hierarchy's in tests/test_launchers.py's 4-rank torchrun run) the moved one, so the
+    automatic choice above is walked at the edges the variables set. A moved ring segment is the group's."""
     with group() as (pg, comm):
-        rules = [r for coll in comm.plan.rules.values() for r in coll]
-    bounds = {b for _, lo, hi, _, _ in rules for b in (lo, hi)}
-    used = {v for e, _, _, _, _ in rules for v in (e.min_bytes, e.max_bytes) if isinstance(v, registry.Tunable)}
-    assert used, rules
-    for t in used:
-        raw = os.environ.get(t.env)   # (read here as a user writes it: digits and a K or M)
-        want = t.default if not raw else int(raw.rstrip("KM")) << {"K": 10, "M": 20}.get(raw[-1], 0)
-        assert want in bounds, (t.env, raw, want, sorted(bounds))
-        assert not raw or want != t.default, (t.env, raw)   # (a launch that moves one moves it off its default)
+        plan, segment = comm.plan.rules, comm.core.ring_segment_bytes
+    used = 0
+    for collective, rules in plan.items():
+        bounds = {b for _, lo, hi, _, _ in rules for b in (lo, hi)}
+        for t in {v for e, *_ in rules for v in (e.min_bytes, e.max_bytes) if isinstance(v, registry.Tunable)}:
+            raw = os.environ.get(t.env)
+            want = as_bytes(raw) if raw else t.default
+            assert want in bounds, (collective, t.env, raw, want, sorted(bounds))
+            assert not raw or want != t.default, (t.env, raw)   # (a launch that moves one moves it off its default)
+            used += 1
+    assert used, plan
+    raw = os.environ.get("ENGINE_RING_SEGMENT_BYTES")
+    assert segment == (as_bytes(raw) if raw else registry.RING_SEGMENT.default), (raw, segment)

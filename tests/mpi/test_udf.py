@@ -174,8 +174,10 @@ def test_a_raise_in_one_groups_call_fails_no_call_another_thread_runs_on_another
     if P < 2:
         pytest.skip("one rank reduces nothing")
     calls, raised, wrong = 40, [], []
+    start = threading.Barrier(2)   # (so that the two threads' calls overlap from the first)
 
     def raising():
+        start.wait()
         for _ in range(calls):
             mine = np.ones(1 << 16)
             if R == P - 1:
@@ -188,6 +190,7 @@ def test_a_raise_in_one_groups_call_fails_no_call_another_thread_runs_on_another
                 wrong.append("a call whose op raised returned")
 
     def clean():
+        start.wait()
         for _ in range(calls):
             x = np.ones(64) + R
             try:
