@@ -51,7 +51,7 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
   if (p->dead) return;
   p->dead = code;
   p->dead_errno = err;
-  if (t->dead_peer < 0 && (code != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN)) {
+  if (t->dead_peer < 0 && tcp_fails_all(p)) {
     t->dead_peer = peer;
     t->dead_code = code;
   }

@@ -231,6 +231,12 @@ static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq,
   h->b = b;
 }
 
+/* Whether a failed peer's end fails every request on a fail_any channel: it was lost (its process or link),
+ * or its group broke there; not one that only left in order. */
+static inline int tcp_fails_all(const tcp_peer *p) {
+  return p->dead && (p->dead != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN);
+}
+
 /* Whether peer q gave the group up between calls after the call running here had ended there (its
  * goodbye's count): it sent all it owed that call, which still ends here; the next one fails. */
 static inline int tcp_ended_there(const eng_tcp *t, int q) {
@@ -243,12 +249,8 @@ static inline int tcp_ended_there(const eng_tcp *t, int q) {
  * another; -1: none. */
 static inline int tcp_failing_peer(const eng_tcp *t) {
   if (t->dead_peer < 0 || !tcp_ended_there(t, t->dead_peer)) return t->dead_peer;
-  for (int q = 0; q < t->size; q++) {
-    const tcp_peer *p = &t->peers[q];
-    if (q != t->rank && p->dead && (p->dead != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN) &&
-        !tcp_ended_there(t, q))
-      return q;
-  }
+  for (int q = 0; q < t->size; q++)
+    if (q != t->rank && tcp_fails_all(&t->peers[q]) && !tcp_ended_there(t, q)) return q;
   return -1;
 }
 

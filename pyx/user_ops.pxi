@@ -46,7 +46,7 @@ def user_op_raised_address():
 cdef int user_op_check(Reduction red, bint raised, str what) except -1:
     """A local reduction (reduce_into): raises where its user op raised (RaiseWatch.raised), which left
     the rest of the output unreduced."""
-    if red.c.code < 0 and raised:
+    if raised:
         raise RuntimeError(_raised_text(red, what, None))
     return 0
 
@@ -55,8 +55,6 @@ cdef int user_op_agree(CoreComm comm, Reduction red, bint raised, str what) exce
     """After a collective with a user op: where its function raised on some rank, the result is
     incomplete wherever that rank's part flowed. So every rank learns which ranks saw a raise (an
     allreduce of one flag a rank, after each call with a user op) and raises alike, naming them."""
-    if red.c.code >= 0:
-        return 0
     cdef uint64_t seq = comm.log.seq   # (the call's number: the flags' allreduce takes the next)
     flags = array.array("i", bytes(4 * comm.size))
     flags[comm.rank] = raised
