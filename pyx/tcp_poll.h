@@ -188,7 +188,9 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   }
   ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
                      : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
-  if (got == 0) {
+  /* (a reset after its goodbye: it closed with data of ours unread, and left in order all the same) */
+  int reset_after_bye = got < 0 && full && p->departed && (errno == ECONNRESET || errno == EPIPE);
+  if (got == 0 || reset_after_bye) {
     /* It will read nothing more: what is queued for it can't go; what it sent is still read. */
     int queued = tcp_queued_for(p);
     p->closing = 1;
@@ -205,7 +207,6 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
     o->back_got += (size_t)got;
     if (o->back_got == ENG_TCP_HDR && !tcp_back_bye(t, p, o)) tcp_corrupt(t, peer);
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
-    /* (a reset after its goodbye: it closed with our data unread, in order) */
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
   }
 }
