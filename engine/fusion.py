@@ -11,6 +11,7 @@ of its data moves: a bucket refused half way would leave the buckets before it r
 """
 
 import functools
+import operator
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +41,24 @@ def bucket_sizes(bucket_bytes=None, direct_bytes=None):
 def _sizes(bucket_bytes, direct_bytes, *settings):
     # (settings: the variables' text, the cache's key: every fused call reads them, and parsing costs
     # more than the look-up)
-    return (bucket_bytes or env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1),
+    bucket_bytes, direct_bytes = (_given_size(*a) for a in (("bucket_bytes", bucket_bytes, 1),
+                                                            ("direct_bytes", direct_bytes, 0)))
+    return (env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1) if bucket_bytes is None
+            else bucket_bytes,
             env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=0) if direct_bytes is None
             else direct_bytes)
+
+
+def _given_size(name, given, least):
+    """A size given as an argument: a whole number (numpy's too) of at least `least` bytes, or None."""
+    try:
+        value = None if given is None or isinstance(given, bool) else operator.index(given)
+    except TypeError:
+        value = None
+    if given is not None and (value is None or value < least):
+        raise ValueError(f"{name}={given!r}: expected a whole number of bytes, at least {least} "
+                         f"(or None: the environment's, else the default)")
+    return value
 
 
 class SizedFusion:

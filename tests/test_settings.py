@@ -265,6 +265,14 @@ def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
     monkeypatch.setenv("ENGINE_BUCKET_BYTES", "-1")
     with pytest.raises(ValueError, match="ENGINE_BUCKET_BYTES='-1': expected at least 1"):
         FusedAllreduce(comm)
+    # sizes given as arguments: checked alike, never taken for "not given" (0 read the environment)
+    assert FusedAllreduce(comm, bucket_bytes=512, direct_bytes=0).sizes == (512, 0)
+    assert FusedAllreduce(comm, bucket_bytes=np.int64(2048)).sizes == (2048, 0)
+    for given, told in (({"bucket_bytes": 0}, "bucket_bytes=0"), ({"bucket_bytes": -5}, "bucket_bytes=-5"),
+                        ({"bucket_bytes": 1.5}, "bucket_bytes=1.5"), ({"direct_bytes": -1}, "direct_bytes=-1"),
+                        ({"bucket_bytes": True}, "bucket_bytes=True")):
+        with pytest.raises(ValueError, match=f"{told}: expected a whole number of bytes, at least"):
+            FusedAllreduce(comm, **given)
 
 
 def test_interhost_chooses_what_carries_a_group_between_hosts_under_mpi(monkeypatch):
