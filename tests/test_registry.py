@@ -3,6 +3,8 @@ makes, without running a collective (tests/mpi/test_matrix.py runs every entry).
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -308,6 +310,20 @@ def test_threads_share_the_hosts_cores_the_same_way_on_every_rank(monkeypatch):
         monkeypatch.delenv(var)
     assert threads([("h", r, frozenset({0, 1})) for r in range(4)], 1, forced_threads()) == (1, False)   # oversubscribed
     assert threads([("h", 1, frozenset({0})), ("h", 2, frozenset({1}))], 0, forced_threads()) == (1, False)  # bound to a core each
+    # at most torch's intra-op threads, which OMP_NUM_THREADS (or MKL_NUM_THREADS) sets where torch loads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert threads(two_ranks, 0, forced_threads()) == (3, True)
+    finally:
+        torch.set_num_threads(before)
+    code = ("import torch; from engine.transports import threads; "
+            "print(threads([('h', 1, frozenset(range(8))), ('h', 2, frozenset(range(8)))], 0, 0)[0])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):   # (torch caps either at the machine's cores)
+        got = subprocess.run([sys.executable, "-c", code], env={**env, var: "1"}, capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert got == ["1"], (var, got)
     monkeypatch.setenv("ENGINE_THREADS", "3")
     assert threads([("h", 1, frozenset({0}))], 0, forced_threads()) == (3, True)
     monkeypatch.setenv("ENGINE_THREADS", "-1")
