@@ -275,6 +275,49 @@ def test_a_rank_that_gives_up_in_one_stage_of_a_hierarchy_gives_up_its_other_sta
     assert "[a stage of group 'world': its ranks 0, 1 are ranks 2, 3 there]" in results[2][2], results[2]
 
 
+HIER_MODES = {"off": "twoshot", "slice": "hier", "leader": "leader"}   # (mode: its 1 MB allreduce)
+
+
+def _in_hier_modes(rank, size, port, out):
+    """4 ranks on two forced "sockets", a group in each ENGINE_HIER mode: its allreduce's entry (1 MB:
+    over the hierarchy's threshold), its count of stages, and a 1 MB and an odd-sized allreduce and
+    broadcast checked against what this rank computes."""
+    os.environ["ENGINE_SOCKETS"] = "2"
+    import torch.distributed as dist
+    import engine
+    try:
+        store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=__import__("datetime").timedelta(seconds=30))
+        for mode in HIER_MODES:
+            os.environ["ENGINE_HIER"] = mode
+            comm = engine.Communicator.from_store(store, rank, size, prefix=mode, timeout=60)
+            for n in (1 << 18, 100_003):
+                x = np.arange(n, dtype=np.float32) % 7 + rank
+                comm.allreduce(x)
+                assert np.array_equal(x, sum(np.arange(n, dtype=np.float32) % 7 + r for r in range(size))), (mode, n)
+                b = np.full(n, rank, np.int32)
+                comm.broadcast(b, root=1)
+                assert np.all(b == 1), (mode, n)
+            out.put((rank, mode, str(comm.algorithm_for(1 << 20)), len(comm._stages)))
+            comm.free()
+        out.put((rank, "ok", None, None))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}", None, None))
+
+
+def test_engine_hier_keeps_a_group_flat_or_picks_its_hierarchys_allreduce():
+    """ENGINE_HIER, run (tests/test_registry.py checks the plans it makes): off keeps a group of two
+    forced sockets flat; slice and leader build its stages and pick their own allreduce. The results are
+    right in each."""
+    procs, out = _run(_in_hier_modes, 4)
+    results = [out.get(timeout=120) for _ in range(4 * (len(HIER_MODES) + 1))]
+    for p in procs:
+        p.join(30)
+    assert sorted(r[1] for r in results if r[2] is None) == ["ok"] * 4, results
+    for mode, entry in HIER_MODES.items():
+        got = [r for r in results if r[1] == mode]
+        assert len(got) == 4 and all(r[2] == entry and (r[3] == 0) == (mode == "off") for r in got), got
+
+
 def _killed_before_a_broadcast(rank, size, port, out):
     """3 ranks; rank 1 dies (SIGKILL) before the second broadcast of 16 MB from rank 2 (by single copy,
     where the group may: the root writes each reader's tail, the readers copy the head)."""
