@@ -202,6 +202,8 @@ class Communicator:
             if shape is not None:
                 self._hier, self._stages = hierarchy.build(self, _boot, shape,
                                                            self._stage_maker(everyone, seg_bytes, timeout, store))
+            for stage in self._stages:
+                stage.watch.whole = self.watch
             if self._stages or self._ulfm:
                 self.watch.break_parts = weakref.WeakMethod(self._break_parts)
             self._configure()

@@ -248,6 +248,8 @@ class Watch:
         self._on_break_lock = threading.Lock()
         self.break_parts = None  # break_parts(), with on_break: the stages and MPI communicators of the group
                                  # told (Communicator._break_parts)
+        self.whole = None        # a stage's: the watch of the group it is a stage of, which its failures are
+                                 # the failures of (a recovery of that group retires them: engine.failure)
         core.set_recorder(env_int("ENGINE_FLIGHT_RECORDER_SIZE", 256, minimum=1, maximum=MAX_RECORDS),
                           tracer=(lambda rec: self.trace.add(self.group, rec)) if self.trace else None,
                           on_failure=self._failed)
@@ -366,7 +368,7 @@ class Watch:
     def _break(self, msg, error, between=False):
         msg += self.core.stage_note or ""   # (a stage's error names its own ranks: say which they are)
         self.core.set_broken(msg, BROKEN_AFTER[error], between=between)
-        failure.group_failed(msg, self)
+        failure.group_failed(msg, self.whole or self)
         self.dump(msg)
         self._reported = msg
         self._broke()
@@ -410,7 +412,7 @@ class Watch:
         """What a failed operation, collective or message, leaves: a lost peer or a mismatch ends the job
         at exit under MPI; where the group is broken (those, a corrupt frame), the abort hooks run."""
         if isinstance(exc, (EnginePeerLost, EngineMismatch)):
-            failure.group_failed(str(exc), self)
+            failure.group_failed(str(exc), self.whole or self)
         if self.core.broken is not None:
             self._broke()
 

@@ -510,13 +510,14 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, whe
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("when", ["making", "shrink"])
+@pytest.mark.parametrize("when", ["making", "shrink", "shrink_abort"])
 def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_naming_it(when, transport):
-    """tests/faults/lost_member.py making|shrink: a member dies (SIGKILL) inside the making of the world's
-    split_group([0, 1, 2]) (rank 2, after the members agreed on them) or of its shrink([2]) (rank 1;
-    rank 2, left out, stays alive). The others waited for it in the new group's first exchange until
-    the timeout (40 s) and said it never joined; the world's transport knows it lost the rank, and the
-    making, which looks between its waits in the store, now ends at once naming it."""
+    """tests/faults/lost_member.py making|shrink|shrink_abort: a member dies (SIGKILL) inside the making
+    of the world's split_group([0, 1, 2]) (rank 2, after the members agreed on them) or of its shrink([2])
+    (rank 1; rank 2, left out, stays alive), with SHRINK_ABORT too. The others waited for it in the new
+    group's first exchange until the timeout (40 s) and said it never joined; the world's transport
+    knows it lost the rank, and the making, which looks between its waits in the store, now ends at
+    once naming it. SHRINK_ABORT freed the world before the making, which then waited the timeout."""
     script = os.path.join(HERE, "lost_member.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
     dead = 2 if when == "making" else 1
@@ -565,15 +566,20 @@ def test_a_member_that_comes_after_the_others_gave_the_making_up_fails_at_once_a
         assert sorted(re.findall(rf"rank (\d): {what} made again and summed", out)) == ["0", "1", "2", "3"], out[-5000:]
 
 
-@TRANSPORTS
-@pytest.mark.parametrize("recover", ["shrink", "world"])
-def test_a_failed_subgroup_replaced_by_a_shrink_lets_the_job_end_normally(transport, recover):
+@pytest.mark.parametrize("transport, recover, nranks", [("shm", "shrink", 3), ("mpi", "shrink", 3), ("shm", "world", 3),
+                                                      ("mpi", "world", 3), ("shm", "abort", 3), ("shm", "shrink", 4)],
+                         ids=["shm-shrink", "mpi-shrink", "shm-world", "mpi-world", "shm-abort-then-shrink",
+                              "shm-shrink-of-a-hierarchy"])
+def test_a_failed_subgroup_replaced_by_a_shrink_lets_the_job_end_normally(transport, recover, nranks):
     """Under MPI a rank whose group failed aborts the job at exit, unless the group was replaced: a
     subgroup's shrink replaces it, as a reconfigure of the world does, and so does a world of every rank
-    made again after the old one was destroyed (tests/faults/recovered_subgroup.py)."""
-    proc, out = launch("recovered_subgroup.py", 3, 120, ENGINE_TRANSPORT=transport, RECOVER=recover)
+    made again after the old one was destroyed (tests/faults/recovered_subgroup.py); a shrink after the
+    subgroup's abort() too, and one of a subgroup whose timeout was a stage's of its hierarchy (4 ranks
+    on two forced sockets): each failure was still counted, and the job was aborted at exit."""
+    proc, out = launch("recovered_subgroup.py", nranks, 120, ENGINE_TRANSPORT=transport, RECOVER=recover,
+                       **({"ENGINE_SOCKETS": "2"} if nranks == 4 else {}))
     assert proc.returncode == 0 and "aborting the job" not in out, out[-3000:]
-    assert sorted(re.findall(r"rank (\d): recovered", out)) == ["0", "1", "2"], out[-3000:]
+    assert sorted(re.findall(r"rank (\d): recovered", out)) == [str(r) for r in range(nranks)], out[-3000:]
 
 
 def test_a_rank_that_fails_to_make_its_tcp_end_ends_the_others_at_once():

@@ -176,8 +176,8 @@ class FaultTolerance:
         barriers and shrinks apart."""
         self._membership = membership
         self._monitored_seq = self._shrink_calls = 0
-        if self._comm is not None:   # (its failures, and those of a call still running on it, are not the group's)
-            failure.recovered(self._comm.watch)
+        if self._last_watch is not None:   # (its failures, and a call's still running on it, are not the group's)
+            failure.recovered(self._last_watch)
         if self is dist.distributed_c10d._world.default_pg:
             self._members_changed = True
             failure.recovered()
@@ -206,14 +206,22 @@ class FaultTolerance:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
         self._check_torch_knows_members(what, "leave ranks out")
-        replaced = self._comm.watch if self._comm is not None else None   # (before SHRINK_ABORT takes it off)
+        replaced = self._last_watch   # (the communicator's in place, or taken off by an abort: SHRINK_ABORT's too)
         members = [r for r in range(self._size) if r not in excluded]
-        # (a member lost while the others make the new group ends their wait; not after SHRINK_ABORT: it frees
-        # this group)
+        # (a member lost while the others make the new group ends their wait: SHRINK_ABORT frees this group
+        # only after the making)
         lost = self._comm.lost_among(members) if self._comm is not None else None
+        aborted = None, [], None
         if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
-            self.abort()
+            aborted = self._abort_unreleased()
             aborts += 1
+        try:
+            return self._shrunk(what, aborts, excluded, members, lost, replaced)
+        finally:
+            self._release(*aborted)
+
+    def _shrunk(self, what, aborts, excluded, members, lost, replaced):
+        """shrink()'s new group, made once the arguments are checked (and SHRINK_ABORT ended this one)."""
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
         index, size = members.index(self._rank), len(members)
         world = self is dist.distributed_c10d._world.default_pg
@@ -329,13 +337,17 @@ class FaultTolerance:
         or a shrink in flight where it waits on its members (the meet, the new group's making), after
         running the abort hooks; frees the group as soon as no call is inside it. Recover with
         reconfigure() and a fresh uuid, or make a new group."""
+        self._release(*self._abort_unreleased())
+
+    def _abort_unreleased(self):
+        """abort() but the release: returns what _release frees (a shrink's SHRINK_ABORT frees it once
+        the new group is made, whose making watches the members through it)."""
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         with self._swapping:
             self._end_remaking(f"process group {self._name!r} was aborted (abort())")
             if self._swap_thread == threading.get_ident():   # (a signal handler inside this thread's swap: the
-                return                                        # swap ends the communicator it attached)
-            old = self._detach(self._aborted_error())
-        self._release(*old)
+                return None, [], None                         # swap ends the communicator it attached)
+            return self._detach(self._aborted_error())
 
     def _aborted_error(self):
         return EngineAborted(f"process group {self._name!r} was aborted (abort()): its calls were ended; reconfigure "

@@ -231,6 +231,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         self._cuda_transport = None
         self._init_fault_tolerance(listen)
         self._init_call_hooks()
+        self._last_watch = None
         if comm is None:
             self._detach(no_members_error(name))
         else:
@@ -239,6 +240,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _attach(self, comm):
         """Runs the group's calls on comm from now on."""
         self._comm = comm
+        self._last_watch = comm.watch   # (kept past an abort: a recovery then retires its failures)
         progress = Progress(name=f"engine-progress-{self._name}", stall_seconds=self._timeout_seconds())
         self._cpu = CpuDevice(comm, progress)
         self._fast = _fastpath.FastPath(comm, progress, self._cuda)

@@ -15,12 +15,14 @@
 - making: inside the making of the world's split_group([0, 1, 2]), at its first exchange, once the
   members agreed (the split is the one step);
 - shrink: rank DEAD (1) inside the making of the world's shrink([2]) (rank 2 is left out alive; the
-  shrink is rank 0's and rank 1's one step, and rank 0 is the one left to name it).
+  shrink is rank 0's and rank 1's one step, and rank 0 is the one left to name it); shrink_abort: the
+  same with SHRINK_ABORT, which ends the world's calls first (its transport still watches the members
+  while the new group is made).
 
 Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
 s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
 
-    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|shrink
+    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|shrink|shrink_abort
 """
 
 import os
@@ -63,8 +65,9 @@ def rank_main(rank, path, transport, dead, when):
         steps = [step for step in steps if step[0] != "split"]   # (torch splits no broken group)
     if when == "making":
         steps = [step for step in steps if step[0] == "split"]
-    if when == "shrink":
-        steps = [("shrink", lambda: world.shrink([2]))] if rank != 2 else []
+    if when.startswith("shrink"):
+        flags = dist.distributed_c10d.SHRINK_ABORT if when == "shrink_abort" else 0
+        steps = [("shrink", lambda: world.shrink([2], flags))] if rank != 2 else []
     for what, step in steps:
         if what == "barrier" and dead == 2 and rank == 1:
             store.wait(["rank 0 is through"])   # (rank 0 waits for this rank first: the dead one is behind it)
