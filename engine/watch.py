@@ -329,6 +329,13 @@ class Watch:
         if elapsed >= limit:
             raise self.timed_out(rec, elapsed, limit)
 
+    def _store_bound(self, limit=None, before=None):
+        """How long a query of the store may hold a wait: a quarter of its timeout, 1-5 s; one made
+        `before` s into the wait, no later than the timeout (whose report then waits its own bound)."""
+        limit = self.limit if limit is None else limit
+        most = min(STORE_QUERY_SECONDS, max(1.0, limit / 4))
+        return most if before is None else min(most, max(0.05, limit - before))
+
     def check(self, rec, elapsed):
         seq, level = self._noted
         if seq != rec[SEQ]:
@@ -340,12 +347,12 @@ class Watch:
         if level >= 1 and elapsed >= self._compare_at and self.store is not None:
             # at 2, 4, 8... s: a wait that lasts for good reason costs the store a few reads, not one a second
             self._compare_at = elapsed * 2
-            other = self.other_call(self.notes(rec), rec)
+            other = self.other_call(self.notes(rec, self._store_bound(before=elapsed)), rec)
             if other is not None:
                 raise self.mismatch(other)
         if level < 2 and elapsed >= self.stall:
             self._noted = (rec[SEQ], 2)
-            missing = self.missing(rec)
+            missing = self.missing(rec, self._store_bound(before=elapsed))
             print(f"engine: WARNING rank {self.rank} has waited {elapsed:.0f} s in {rec[OP]} #{rec[SEQ]} of group "
                   f"{self.group!r}; {self.describe_missing(missing)} (timeout in {self.limit - elapsed:.0f} s)"
                   f"{self.core.stage_note or ''}",
@@ -353,7 +360,7 @@ class Watch:
 
     def timed_out(self, rec, elapsed, limit):
         # (a store whose host is stopped holds the report past the timeout at most a quarter of it longer)
-        missing = self.missing(rec, min(STORE_QUERY_SECONDS, max(1.0, limit / 4)))
+        missing = self.missing(rec, self._store_bound(limit))
         waits = self.core.waiting_on()
         msg = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): Timed out after "
                f"{elapsed:.1f} s (timeout {limit:g} s): {self.describe_missing(missing)}"

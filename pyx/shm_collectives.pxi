@@ -88,7 +88,9 @@ cdef class ShmComm(CoreComm):
         free(self.ex)
 
     cdef object error(self, int ierr, str what, Transport tp=None):
-        cdef int q = self.seg.err_peer, lost = -1   # (lost: the rank whose loss broke the group, Transport.serve's)
+        cdef int lost = -1   # (the rank whose loss broke the group, Transport.serve's)
+        # (the segment's word names the rank a collective failed on; a message's channel names its own)
+        cdef int q = self.seg.err_peer if tp is None or tp is self.algo_tp else -1
         if q < 0 and (ierr == ENG_ERR_PEER_DEAD or ierr == ENG_ERR_PEER_LEFT):
             q = self.seg.peers.dead      # (a wait on the point-to-point queues)
         if ierr == ENG_ERR_PEER_LEFT and eng_load32(&self.aborted):   # (a peer that gave up since: aborted here)

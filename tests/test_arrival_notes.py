@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine._core import DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, describe_call
+from engine._core import DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, EngineTimeout, describe_call
 from engine.watch import Watch
 
 
@@ -309,6 +309,39 @@ def test_a_timeout_whose_store_host_is_stopped_reports_a_quarter_of_the_timeout_
             assert most - 0.1 < took < most + 2, took
             os.kill(host.pid, signal.SIGCONT)
             base.check(["x"])   # (the line drains before the next limit's query)
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
+def test_a_wait_whose_store_host_is_stopped_times_out_a_quarter_of_the_timeout_later_at_most(monkeypatch):
+    """The same store, stopped, through a whole wait (the watch called as the core's waits call it): the
+    arrival note at 0.5 s blocks the store's line, and the comparison of the notes at 1 s waited the
+    full 5 s for it, holding the wait: a 2 s timeout raised after 6 s. The comparison now waits no later
+    than the timeout, whose report then waits its own quarter (1 s)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])   # (this process is no MPI job to end at exit)
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        w, core = watch(0, 2, dist.PrefixStore("wait/", base), notes_id="wait")
+        w.set_timeout(2.0)
+        core.rec = record(1, ALLREDUCE_SUM)
+        stop(host.pid)
+        start = time.monotonic()
+        with pytest.raises(EngineTimeout, match=r"the store did not answer within 1 s") as err:
+            while True:
+                w(time.monotonic() - start)
+                time.sleep(0.01)
+        took = time.monotonic() - start
+        assert 2.9 < took < 4.5, (took, err.value)
     finally:
         os.kill(host.pid, signal.SIGCONT)
         host.kill()

@@ -318,6 +318,47 @@ def test_engine_hier_keeps_a_group_flat_or_picks_its_hierarchys_allreduce():
         assert len(got) == 4 and all(r[2] == entry and (r[3] == 0) == (mode == "off") for r in got), got
 
 
+def _lost_after_a_mismatch(rank, size, port, out):
+    """3 ranks: ranks 0 and 2 all-reduce where rank 1 broadcasts (a mismatch breaks the collectives);
+    then rank 0 receives from rank 2, which dies (SIGKILL) instead of sending, while rank 1 lives on."""
+    import engine
+    comm, store = _group(rank, size, port, timeout=30)
+    x = np.ones(1 << 14, np.float32)
+    try:
+        comm.broadcast(x, root=1) if rank == 1 else comm.allreduce(x)
+        first = "returned"
+    except engine.EngineError as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    store.set(f"broke {rank}", "")
+    store.wait([f"broke {r}" for r in range(size)])
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        try:
+            comm.recv(np.zeros(4, np.float32), 2, 7)
+            out.put((rank, first, "returned"))
+        except engine.EngineError as exc:
+            out.put((rank, first, f"{type(exc).__name__}: {exc}"))
+        store.set("received", "")
+    else:
+        store.wait(["received"])
+        out.put((rank, first, None))
+
+
+def test_a_peer_lost_to_a_message_is_named_not_the_one_a_collective_failed_on_before():
+    """The segment's word of the rank a collective failed on (here a mismatch with rank 1) named that
+    rank, alive, in a later message's error: `rank 1 (pid N) exited while rank 0 waited for it in
+    irecv`. A message's error names the peer its own channel lost: rank 2."""
+    procs, out = _run(_lost_after_a_mismatch, 3)
+    results = sorted(out.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(30)
+    (_, first, message), (_, _, none) = results
+    assert first.startswith("EngineMismatch") and "rank 1: broadcast" in first, results
+    assert re.match(r"EnginePeerLost: irecv failed: rank 2 \(pid \d+\) exited", message), results
+    assert none is None and procs[1].exitcode == 0 and procs[2].exitcode == -signal.SIGKILL, results
+
+
 def _killed_before_a_broadcast(rank, size, port, out):
     """3 ranks; rank 1 dies (SIGKILL) before the second broadcast of 16 MB from rank 2 (by single copy,
     where the group may: the root writes each reader's tail, the readers copy the head)."""
