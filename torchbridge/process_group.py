@@ -77,6 +77,11 @@ def _reduce_op(opts):
             raise RuntimeError(f"backend 'engine' reads PREMUL_SUM's factor from ReduceOp.factor, which torch "
                                f"{torch.__version__} does not expose: use torch 2.13 or newer, or multiply the "
                                f"tensor yourself and reduce with SUM")
+        # (the engine scales by a real factor: a complex one's imaginary part would be dropped)
+        if isinstance(factor, torch.Tensor) and torch.is_complex(factor) and bool(factor.imag.ne(0).any()):
+            raise ValueError(f"backend 'engine': PREMUL_SUM's factor {factor} is complex, and the engine scales by a "
+                             "real factor only (the imaginary part would be dropped): multiply the tensor by it "
+                             "yourself and reduce with SUM")
         return ReduceOp.SUM, factor
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 

@@ -476,6 +476,17 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
     dist.reduce_scatter(gout, list(value(R, n).chunk(P)), group=GLOO)
     dist.reduce_scatter(out, list(value(R, n).chunk(P)))
     assert torch.equal(out, gout)
+    # A complex PREMUL_SUM factor is refused (its imaginary part was dropped: a factor of 1j gave zeros);
+    # one whose imaginary part is 0 scales as its real part does
+    for factor in (torch.tensor([1j]), torch.tensor([0.5 + 1j], dtype=dtype)):
+        for call in (lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor)),
+                     lambda t: dist.reduce(t, dst=0, op=dist._make_nccl_premul_sum(factor)),
+                     lambda t: reduce_scatter_single(torch.empty(2, dtype=dtype), t,
+                                                     op=dist._make_nccl_premul_sum(factor))):
+            with pytest.raises(ValueError, match="PREMUL_SUM's factor .* is complex, and the engine scales by a real"):
+                call(value(R, n))
+    dist.all_reduce(t := value(R, n), op=dist._make_nccl_premul_sum(torch.tensor([0.5 + 0j], dtype=dtype)))
+    assert torch.allclose(t, sum(value(r, n) for r in range(P)) * 0.5, rtol=1e-6, atol=0), t
     # Inputs lazily conjugated (torch's internal view_as_real error before) are read as they show, as
     # Gloo reads them; an output so conjugated is refused on every rank (Gloo leaves reduce's root as it was).
     conjugated = sum(value(r, n) for r in range(P)).conj()
