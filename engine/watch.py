@@ -628,6 +628,9 @@ class _Registry:
         # (A frame of its own: a loop variable left in the thread's frame would keep the last group it saw,
         # its segment, sockets and store, alive after the group is destroyed.)
         for watch in self.snapshot():
+            if getattr(watch.core, "released", False):   # (freed while a call was inside: the last call out
+                watch.close()                            # freed its transports; free() could not close it)
+                continue
             rec = watch.core.current()
             if rec is None or not rec[NATIVE]:
                 continue

@@ -304,13 +304,17 @@ def test_a_send_a_free_withdrew_never_delivers_what_its_buffer_held_since():
 def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
     """Rank 0 frees its group while another of its threads waits in an allreduce the other ranks have
     not joined: the call ends at once with EngineAborted naming the destroyed group, and so does every
-    later call; the transports go as that call leaves (not when the object is collected)."""
+    later call; the transports go as that call leaves (not when the object is collected), and its watch
+    leaves the watchdog within a round of it (free() left it there: it stayed, with the group's store,
+    until the collector found it)."""
     if WORLD.mpi_comm is None or P < 2:
         pytest.skip("a subgroup over a chosen transport is made through MPI; a blocked call needs a peer")
     import threading
     import time
+
+    from engine.watch import _registry
     sub = WORLD.subgroup(range(P), transport=transport)
-    core, ended = sub.core, []
+    core, ended, watch = sub.core, [], sub.watch
     if R == 0:
         def blocked():
             try:
@@ -331,6 +335,10 @@ def test_free_from_another_thread_ends_a_call_blocked_in_the_group(transport):
         assert ended[0][1] - freed < 3.0, f"the call ended {ended[0][1] - freed:.3f} s after free()"
         with pytest.raises(engine.EngineAborted, match="the group was destroyed"):
             core.allreduce(np.ones(4, np.float32))
+        deadline = time.monotonic() + 3
+        while watch in _registry.snapshot() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch not in _registry.snapshot() and watch.store is None
     else:
         WORLD.barrier()
         sub.free()
