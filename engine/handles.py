@@ -231,10 +231,23 @@ class Listener:
             _reply(conn, REFUSED, f"uuid {their_uuid} was already used by this group's hub: pass a fresh uuid to "
                             "every reconfigure")
             conn.close()
-        elif sum(len(v) for v in self.parked.values()) < MAX_PARKED:
+        elif sum(len(v) for v in self.parked.values()) < MAX_PARKED or self._prune_parked():
             self.parked.setdefault(their_uuid, {})[index] = (conn, count, dig)
         else:
             conn.close()
+
+    def _prune_parked(self):
+        """With the parked table full: closes the parked members that gave up (their end closed: a member
+        of a reconfigure this hub never reached leaves at its deadline), which would otherwise stay until
+        the listener closes; returns whether that made room."""
+        for uuid, members in list(self.parked.items()):
+            for index, (conn, _, _) in list(members.items()):
+                if _closed(conn):
+                    conn.close()
+                    del members[index]
+            if not members:
+                del self.parked[uuid]
+        return sum(len(v) for v in self.parked.values()) < MAX_PARKED
 
     @staticmethod
     def _admit(mine, conn, index, count, dig, n, digest, meeting, hub):
@@ -348,6 +361,17 @@ def _refuses(handle):
         return False
     probe.close()
     return False
+
+
+def _closed(conn):
+    """Whether a parked member's connection was closed by its end (after its hello it sends nothing
+    until the hub answers: readable means its end, or a reset)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _reply(conn, status, text):
@@ -602,8 +626,12 @@ class MemberStore:
             raise ConnectionError(f"can't reach the hub's handle at {self.where} ({exc.strerror or exc}): "
                                   "is that process gone?") from None
         meeting.socks.append(self.sock)
-        meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
-        self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
+        try:
+            meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
+            self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
+        except BaseException:
+            self.sock.close()
+            raise
         # (past the deadline by a grace: the hub, which started about when this rank did, answers at its own
         # deadline why it gave up, naming the members that never came)
         self.sock.settimeout(max(0.1, deadline - time.monotonic()) + HELLO_ANSWER_GRACE_SECONDS)

@@ -14,6 +14,7 @@ from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.math cimport INFINITY
 from libc.errno cimport ECONNREFUSED, EHOSTUNREACH, EMFILE, ENFILE, ESRCH, ETIMEDOUT
 from cpython.pythread cimport PyThread_get_thread_ident
+from cpython.exc cimport PyErr_CheckSignals
 
 from kernels cimport *
 from pthread cimport *

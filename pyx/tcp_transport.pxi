@@ -268,7 +268,7 @@ cdef class TcpTransport(Transport):
         cdef int ierr
         w.deadline = eng_now() + timeout
         w.missing = -1
-        start_wait(&ctx, None, timeout)
+        start_wait(&ctx, _signal_handlers_run, 0.25)   # (an abort() from a signal handler on this thread)
         ctx.abort = &self.connect_aborted
         with nogil:
             ierr = eng_tcp_connect_all(self.t)

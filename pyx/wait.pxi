@@ -71,6 +71,12 @@ cdef void backoff_init(Backoff *b, double now, WaitCtx *ctx) noexcept nogil:
     b.side_busy = False
 
 
+def _signal_handlers_run(double elapsed):
+    """The hook of a wait without a watch on a thread that may be the main one (a group's connecting): a
+    signal's handler (an abort()) runs there only when that thread runs Python, or is asked to, here."""
+    PyErr_CheckSignals()
+
+
 cdef int call_hook(WaitCtx *ctx, double t) except -1 with gil:
     (<object>ctx.hook)(t - ctx.start)
     return 0

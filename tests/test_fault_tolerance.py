@@ -839,6 +839,54 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
         listener.close()
 
 
+def test_members_of_reconfigures_the_hub_never_reached_that_gave_up_make_room_for_a_later_one():
+    """MAX_PARKED members of other reconfigures (uuids the hub never reaches: each is parked for its own)
+    say their hello while the hub meets reconfigure 20, and give up (they close, as a member does at its
+    deadline). A member of reconfigure 22 then says its hello early, while the hub meets 21: it is parked
+    for 22, and taken there. The members that gave up stayed parked until the listener closed, so in a
+    long-lived process the hub closed every early member past MAX_PARKED ('the hub closed the
+    connection'), and reconfigure 22 timed out."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
+    got, gone = {}, []
+
+    def meet(uuid, seconds=20):
+        try:
+            got[uuid] = listener.accept_members(uuid, 2, b"d" * 32, time.monotonic() + seconds,
+                                                [listener.handle] * 2, handles.Meeting(listener))
+        except Exception as exc:
+            got[uuid] = exc
+
+    def hello(uuid):
+        conn = socket.create_connection((addr, port), timeout=10)
+        conn.sendall(handles._HELLO.pack(handles.MAGIC, secret, uuid, 1, 2, b"d" * 32))
+        return conn
+
+    try:
+        side = threading.Thread(target=meet, args=(20,))
+        side.start()
+        gone = [hello(1000 + k) for k in range(handles.MAX_PARKED)]
+        good = [hello(20)]
+        side.join(25)
+        assert list(got[20]) == [1], got
+        assert sum(len(v) for v in listener.parked.values()) == handles.MAX_PARKED
+        for conn in gone:
+            conn.close()
+        good += [hello(22), hello(21)]   # (22's first: read, and parked, while the hub meets 21)
+        for uuid in (21, 22):
+            meet(uuid, 5)
+            assert isinstance(got[uuid], dict) and list(got[uuid]) == [1], (uuid, got[uuid])
+        assert sum(len(v) for v in listener.parked.values()) == 0, "the parked members that gave up stayed"
+    finally:
+        for conn in gone + good + [c for v in got.values() if isinstance(v, dict) for c in v.values()]:
+            conn.close()
+        listener.close()
+
+
 def test_an_abort_from_a_signal_handler_inside_the_swap_leaves_the_group_aborted():
     """abort() from a signal handler that runs in the reconfiguring thread while it swaps communicators
     (between taking the old one off and attaching the new one; the swap's lock lets it in): the

@@ -935,3 +935,31 @@ def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
         core.send(np.zeros(1, np.uint8), 1, 0)
     made.close()
     accepted.close()
+
+
+def test_a_signal_handlers_abort_ends_the_connecting_on_the_main_thread():
+    """The main thread connects a group's mesh (a reconfigure's making) and its peer never answers; a
+    signal handler (SIGALRM here, SIGUSR1 in a torchft replica) aborts it. The connecting waited with
+    the GIL released and ran no Python, so the handler ran only at the connecting's timeout (5 s); the
+    wait now lets handlers run every 0.25 s, and the connecting ends with the abort."""
+    import signal
+
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen(4)   # (its connections wait in the backlog, unanswered)
+    fd, port = _core.tcp_listen("127.0.0.1")
+    end = _core.TcpTransport(0, 2, 0, fd, TOKEN, [("127.0.0.1", port, "rank0"), ("127.0.0.1", fake.getsockname()[1],
+                                                                                 "rank1")])
+    before = signal.signal(signal.SIGALRM, lambda *_: end.abort_connect("aborted by a signal handler"))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.monotonic()
+        with pytest.raises(_core.EngineAborted, match="aborted by a signal handler"):
+            end.connect_mesh(5.0)
+        assert time.monotonic() - start < 2.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        fake.close()
+        del end
+        gc.collect()
