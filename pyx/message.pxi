@@ -89,7 +89,11 @@ cdef Message as_message(object obj, bint writable, str role):
         if code < 0:
             raise TypeError(f"{role} has dtype {obj.dtype}, which the engine does not support; "
                             f"supported: {', '.join(DTYPE_NAMES)}")
-        if not obj.is_contiguous():
+        try:
+            dense = obj.is_contiguous()
+        except RuntimeError:   # (a sparse CSR tensor has no such property)
+            dense = False
+        if not dense:
             if str(obj.layout) != "torch.strided":   # (its .contiguous() is no dense buffer either)
                 raise NotDenseError(f"{role} is a {obj.layout} tensor: the engine moves dense tensors; pass "
                                 "tensor.to_dense() (dist.all_reduce on backend 'engine' sums sparse COO tensors)")

@@ -377,7 +377,10 @@ cdef class FastPath:
         b = _arg(m.args[1], t, u, op, root)
         c = _arg(m.args[2], t, u, op, root)
         if call & 1:
-            if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
+            try:
+                if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
+                    return None
+            except RuntimeError:   # (a sparse CSR tensor has no such property: the general form says so)
                 return None
             self.check_usable(m.name)
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))

@@ -36,14 +36,27 @@ def own_timeout(opts):
     return seconds if seconds > 0 else None
 
 
+def is_contiguous(t):
+    """t.is_contiguous(); a sparse tensor (which only all_reduce takes) gets an error saying so where it
+    has no such property (CSR, CSC, BSR)."""
+    try:
+        return t.is_contiguous()
+    except RuntimeError:
+        raise _not_dense(t) from None
+
+
+def _not_dense(t):
+    return RuntimeError(f"backend 'engine': a {t.layout} tensor was passed to a call that takes dense tensors; only "
+                        "all_reduce (ReduceOp.SUM) takes sparse (COO) tensors, as on Gloo: pass tensor.to_dense()")
+
+
 def contiguous(t):
     """t itself when contiguous, else a contiguous copy. Sparse tensors (which only all_reduce takes)
     get an error saying so."""
-    if t.is_contiguous():
+    if is_contiguous(t):
         return t
     if t.layout != torch.strided:
-        raise RuntimeError(f"backend 'engine': a {t.layout} tensor was passed to a call that takes dense tensors; "
-                           f"only all_reduce (ReduceOp.SUM) takes sparse tensors, as on Gloo: pass tensor.to_dense()")
+        raise _not_dense(t)
     return t.contiguous()
 
 
@@ -141,7 +154,7 @@ class CpuDevice:
         return PointToPointWork.of(self.comm.isend(contiguous(t), dst, tag), outputs, kick=self.kick)
 
     def recv(self, t, src, tag, outputs):
-        if t.is_contiguous():
+        if is_contiguous(t):
             return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.kick)
         tmp = contiguous(t)
         return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: write_back(t, tmp),
@@ -250,7 +263,7 @@ class CudaDevice:
 
     def _defer(self, kind, t, peer, outputs):
         self._check()
-        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        buf = t if is_contiguous(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
         # (what the message comes after on its caller's stream: the flush's stream, maybe another one,
         # waits for it)
         issued = torch.cuda.Event()

@@ -18,7 +18,7 @@ from engine.progress import Progress
 
 from . import _fastpath
 from ._fastpath import OTHER_FORMS, PREMUL, fill_options, op_of, rows
-from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, write_back
+from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, is_contiguous, write_back
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
@@ -126,7 +126,7 @@ def _source(t, factor):
 
 
 def _write(out, fn):
-    if out.is_contiguous():
+    if is_contiguous(out):
         fn(out)
     else:
         tmp = contiguous(out)
@@ -475,7 +475,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     @traced("all_reduce", first)
     def _allreduce(self, tensors, opts):
         t = _one(tensors, "allreduce")
-        if t.is_sparse:
+        if t.layout != torch.strided:
             return self._sparse_allreduce(t, tensors, opts)
         dev = self._device(t)
         op, factor = _reduce_op(opts)
@@ -490,6 +490,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
                           tensors, opts)
 
     def _sparse_allreduce(self, t, tensors, opts):
+        if not t.is_sparse:   # (CSR, CSC, BSR: their is_contiguous() raises, and sparse_sum sums COO)
+            raise RuntimeError(f"engine all_reduce of a {t.layout} tensor: only sparse COO tensors are summed "
+                               "(ReduceOp.SUM, as on Gloo); pass tensor.to_sparse_coo(), or tensor.to_dense()")
         op, factor = _reduce_op(opts)
         if op != ReduceOp.SUM or factor is not None:
             raise RuntimeError(f"engine all_reduce of a sparse tensor: only ReduceOp.SUM is supported (as Gloo), got "
@@ -577,7 +580,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     def _broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         dev = self._device(t)
-        if t.is_contiguous():
+        if is_contiguous(t):
             return dev.launch("broadcast", dev.comm.broadcast, t, opts.rootRank, None, 2, tensors, opts)
         comm, root = dev.comm, opts.rootRank
         return dev.launch("broadcast", _write, t, lambda buf: comm.broadcast(buf, root), None, 2, tensors, opts)

@@ -227,6 +227,15 @@ def test_sparse_all_reduce_refuses_other_ops_and_mismatched_tensors():
                  lambda s: dist.all_reduce_coalesced([s])):
         with pytest.raises(RuntimeError, match=only_all_reduce):  # refused locally, before any communication
             call(sparse_input(R, torch.float32))
+    # a compressed layout (CSR), which has no is_contiguous() (torch's own error, saying nothing to do, was
+    # raised), and which all_reduce does not sum either
+    csr = torch.eye(3).to_sparse_csr()
+    for call in (lambda s: dist.all_reduce(s), lambda s: dist.all_reduce(s, async_op=True).wait(),
+                 lambda s: dist.broadcast(s, 0), lambda s: dist.reduce(s, 0),
+                 lambda s: dist.all_gather_into_tensor(torch.empty(3 * P, 3), s),
+                 *([lambda s: dist.send(s, (R + 1) % P) if R % 2 == 0 else dist.recv(s, (R - 1) % P)] * (P > 1))):
+        with pytest.raises(RuntimeError, match="a torch.sparse_csr tensor.*(to_sparse_coo|to_dense)"):
+            call(csr)
     if P > 1:
         shape = (6, 3) if R != P - 1 else (7, 3)
         t = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), shape, check_invariants=True)
