@@ -33,16 +33,15 @@ def bucket_sizes(bucket_bytes=None, direct_bytes=None):
     """(bucket cap, direct size) in bytes: the arguments, else ENGINE_BUCKET_BYTES and
     ENGINE_FUSION_DIRECT_BYTES as they are now, else the defaults; the fusions (CPU, CUDA, at each call)
     and DistributedOptimizer read them here. A direct size of 0 sends every tensor alone (no packing)."""
-    return _sizes(bucket_bytes, direct_bytes, os.environ.get("ENGINE_BUCKET_BYTES"),
-                  os.environ.get("ENGINE_FUSION_DIRECT_BYTES"))
+    # (checked before the cache, whose keys take 2048.0 for 2048 and True for 1)
+    return _sizes(_given_size("bucket_bytes", bucket_bytes, 1), _given_size("direct_bytes", direct_bytes, 0),
+                  os.environ.get("ENGINE_BUCKET_BYTES"), os.environ.get("ENGINE_FUSION_DIRECT_BYTES"))
 
 
 @functools.lru_cache(maxsize=16)
 def _sizes(bucket_bytes, direct_bytes, *settings):
     # (settings: the variables' text, the cache's key: every fused call reads them, and parsing costs
     # more than the look-up)
-    bucket_bytes, direct_bytes = (_given_size(*a) for a in (("bucket_bytes", bucket_bytes, 1),
-                                                            ("direct_bytes", direct_bytes, 0)))
     return (env_int("ENGINE_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=1) if bucket_bytes is None
             else bucket_bytes,
             env_int("ENGINE_FUSION_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, minimum=0) if direct_bytes is None

@@ -92,6 +92,8 @@ cdef Message as_message(object obj, bint writable, str role):
         try:
             dense = obj.is_contiguous()
         except RuntimeError:   # (a sparse CSR tensor has no such property)
+            if str(obj.layout) == "torch.strided":
+                raise
             dense = False
         if not dense:
             if str(obj.layout) != "torch.strided":   # (its .contiguous() is no dense buffer either)

@@ -113,7 +113,8 @@ cdef class ShmComm(CoreComm):
                            ", but its per-rank counts (the sizes of an uneven call's pieces)"
                            + (" or its user op differ" if user else " differ"))
             kind, text = EngineMismatch, f"collective mismatch in this group: rank {self.rank}: {mine}; rank {q}: {theirs}"
-        elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed:   # (its part done: it is not what was late)
+        elif ierr == ENG_ERR_PEER_DEAD and self.seg.err_peer_passed and (tp is None or tp is self.algo_tp):
+            # (its part of the collective done: it is not what was late)
             lost, awaited = self.algo_tp.whole_rank(q), self.seg.err_awaited
             kind, text = EnginePeerLost, (
                 f"{self.algo_tp.who(q)} exited without leaving the group (killed, crashed, "

@@ -138,7 +138,7 @@ enum { TCP_READ_AGAIN, TCP_READ_NONE, TCP_READ_EOF, TCP_READ_DATA };
 static int tcp_read_outcome(eng_tcp *t, int peer, ssize_t got) {
   if (got < 0) {
     if (errno == EINTR) return TCP_READ_AGAIN;
-    /* (a reset after its goodbye: it closed with our data unread, in order) */
+    /* (a reset: only after this rank's own goodbye, which left that peer's data unread) */
     if (errno != EAGAIN && errno != EWOULDBLOCK) tcp_peer_failed(t, peer, tcp_end_code(&t->peers[peer]), errno);
     return TCP_READ_NONE;
   }

@@ -64,7 +64,9 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     if (w < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN) return;
-      tcp_peer_failed(t, peer, tcp_end_of(t, p, o), errno);
+      int err = errno, code = tcp_end_of(t, p, o);
+      if (p->departed && (err == ECONNRESET || err == EPIPE)) tcp_reads_no_more(t, peer);   /* (it left in order) */
+      else tcp_peer_failed(t, peer, code, err);
       return;
     }
     size_t left = (size_t)w;

@@ -45,18 +45,9 @@ static int tcp_none_left(eng_tcp *t, int *who) {
   return ENG_ERR_PEER_LEFT;
 }
 
-/* peer failed (code, errno): every request involving it ends with that error. */
-static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
+/* Every send queued for peer ends with error code (its connections are closed, or about to be). */
+static void tcp_fail_sends(eng_tcp *t, int peer, int code) {
   tcp_peer *p = &t->peers[peer];
-  if (p->dead) return;
-  p->dead = code;
-  p->dead_errno = err;
-  if (t->dead_peer < 0 && tcp_fails_all(p)) {
-    t->dead_peer = peer;
-    t->dead_code = code;
-  }
-  tcp_close_peer(t, p);
-  /* sends to it */
   for (int s = 0; s < ENG_TCP_MAX_STREAMS; s++) {
     tcp_out *o = &p->out[s];
     while (o->head != NULL) {
@@ -73,6 +64,29 @@ static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
     }
     o->tail = NULL;
   }
+}
+
+/* Peer left in order and reads nothing more (its end of a connection of this rank's came, or a reset:
+ * it closed with data of ours unread): what is queued for it fails, what it sent is still read. */
+static void tcp_reads_no_more(eng_tcp *t, int peer) {
+  tcp_peer *p = &t->peers[peer];
+  p->closing = 1;
+  tcp_fail_sends(t, peer, tcp_end_code(p));
+  tcp_close_outs(p);
+}
+
+/* peer failed (code, errno): every request involving it ends with that error. */
+static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err) {
+  tcp_peer *p = &t->peers[peer];
+  if (p->dead) return;
+  p->dead = code;
+  p->dead_errno = err;
+  if (t->dead_peer < 0 && tcp_fails_all(p)) {
+    t->dead_peer = peer;
+    t->dead_code = code;
+  }
+  tcp_close_peer(t, p);
+  tcp_fail_sends(t, peer, code);
   /* its messages still arriving */
   while (p->arriving != NULL) {
     tcp_in *m = p->arriving;
@@ -191,14 +205,15 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   /* (a reset after its goodbye: it closed with data of ours unread, and left in order all the same) */
   int reset_after_bye = got < 0 && full && p->departed && (errno == ECONNRESET || errno == EPIPE);
   if (got == 0 || reset_after_bye) {
-    /* It will read nothing more: what is queued for it can't go; what it sent is still read. */
+    /* It will read nothing more (one that ended without its goodbye, with something queued for it, fails
+     * at once; so does a goodbye cut short). */
     int queued = tcp_queued_for(p);
     p->closing = 1;
-    if (queued || (o->back_got && !full)) {
+    if ((queued && !p->departed) || (o->back_got && !full)) {
       tcp_peer_failed(t, peer, queued ? tcp_end_code(p) : ENG_ERR_PEER_DEAD, 0);
       return;
     }
-    tcp_close_outs(p);
+    tcp_reads_no_more(t, peer);
   } else if (got > 0) {
     if (full) {
       tcp_corrupt(t, peer);

@@ -210,6 +210,8 @@ static inline int tcp_whole(const eng_tcp *t, int q) { return t->whole != NULL &
 /* Functions one part calls in another (every part includes this file first, so any order works). */
 static int tcp_corrupt(eng_tcp *t, int peer);
 static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err);
+static void tcp_fail_sends(eng_tcp *t, int peer, int code);
+static void tcp_reads_no_more(eng_tcp *t, int peer);
 static int tcp_start_connect(eng_tcp *t, int peer);
 static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
 static void tcp_out_progress(eng_tcp *t, int peer, int s);

@@ -322,7 +322,7 @@ def test_threads_share_the_hosts_cores_the_same_way_on_every_rank(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):   # (torch caps either at the machine's cores)
         got = subprocess.run([sys.executable, "-c", code], env={**env, var: "1"}, capture_output=True, text=True,
-                             check=True).stdout.split()
+                             check=True, timeout=120).stdout.split()
         assert got == ["1"], (var, got)
     monkeypatch.setenv("ENGINE_THREADS", "3")
     assert threads([("h", 1, frozenset({0}))], 0, forced_threads()) == (3, True)

@@ -268,6 +268,8 @@ def test_bucket_and_direct_sizes_of_fused_allreduce(monkeypatch):
     # sizes given as arguments: checked alike, never taken for "not given" (0 read the environment)
     assert FusedAllreduce(comm, bucket_bytes=512, direct_bytes=0).sizes == (512, 0)
     assert FusedAllreduce(comm, bucket_bytes=np.int64(2048)).sizes == (2048, 0)
+    with pytest.raises(ValueError, match="bucket_bytes=2048.0: expected a whole number"):   # (2048 is cached)
+        FusedAllreduce(comm, bucket_bytes=2048.0)
     for given, told in (({"bucket_bytes": 0}, "bucket_bytes=0"), ({"bucket_bytes": -5}, "bucket_bytes=-5"),
                         ({"bucket_bytes": 1.5}, "bucket_bytes=1.5"), ({"direct_bytes": -1}, "direct_bytes=-1"),
                         ({"bucket_bytes": True}, "bucket_bytes=True")):

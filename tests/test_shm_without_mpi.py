@@ -282,7 +282,7 @@ def _in_hier_modes(rank, size, port, out):
     """4 ranks on two forced "sockets", a group in each ENGINE_HIER mode: its allreduce's entry (1 MB:
     over the hierarchy's threshold), its count of stages, and a 1 MB and an odd-sized allreduce and
     broadcast checked against what this rank computes."""
-    os.environ["ENGINE_SOCKETS"] = "2"
+    os.environ.update(ENGINE_SOCKETS="2", ENGINE_THREADS="1")   # (a host of 8+ cores takes twoshot_threads)
     import torch.distributed as dist
     import engine
     try:

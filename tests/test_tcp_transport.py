@@ -824,19 +824,23 @@ def test_a_peer_that_left_in_order_fails_only_what_involves_it(trio, direction):
     sender.close()
 
 
-def test_a_message_a_peer_sent_before_it_left_is_received_though_it_left_our_data_unread(rank0):
+@pytest.mark.parametrize("unread", ["sent", "still queued"])
+def test_a_message_a_peer_sent_before_it_left_is_received_though_it_left_our_data_unread(rank0, unread):
     """Rank 1 sends a message past the eager size, says goodbye and closes, leaving a message rank 0
-    sent it unread: its end of rank 0's connection is reset, not closed. The message's tail, sent before
-    the goodbye, comes after the reset (on another connection: another path through a network). Rank 1
-    left in order all the same: the message is read to its end, a receive rank 1 never sent to fails
-    naming the departure, and the receive posted then gets the message whole."""
+    sent it unread (whole in its socket, or so large that part of it is still queued here): its end of
+    rank 0's connection is reset, not closed. The message's tail, sent before the goodbye, comes after
+    the reset (on another connection: another path through a network). Rank 1 left in order all the
+    same: the message is read to its end, a receive rank 1 never sent to fails naming the departure,
+    and the receive posted then gets the message whole; a send still queued fails so."""
     core, fake, ports = rank0
     core.send(np.frombuffer(b"hi", np.uint8), 1, 0)           # rank 0 connects to rank 1 (both streams)
     made = [fake.accept()[0] for _ in range(2)]
     got = [recv_exact(sock, HELLO) for sock in made]
     stream0 = made[0] if struct.unpack_from("<I", got[0], 36)[0] == 0 else made[1]
     assert recv_exact(stream0, HDR + 2)[-2:] == b"hi"
-    core.send(np.frombuffer(b"unread", np.uint8), 1, 0)       # in rank 1's socket, never read
+    big = np.zeros(64 << 20 if unread == "still queued" else 6, np.uint8)
+    queued = core.isend(big, 1, 0)                             # in rank 1's socket (and queued), never read
+    assert unread == "sent" or keeps_waiting(queued, 0.1)
     payload = os.urandom(100_000)
     sender = connect(ports[1], hello() + header(MSG, 5, 0, len(payload), len(payload)) + payload[:50_000])
     r = core.irecv(np.zeros(2, np.uint8), 1, 9)
@@ -850,6 +854,11 @@ def test_a_message_a_peer_sent_before_it_left_is_received_though_it_left_our_dat
         r.wait()
     out = np.zeros(len(payload), np.uint8)
     assert core.recv(out, 1, 5) == (1, 5, len(payload)) and out.tobytes() == payload
+    if unread == "still queued":
+        with pytest.raises(EnginePeerLost, match=r"rank 1 \(rank1, .*\) left the group"):
+            queued.wait()
+    else:
+        queued.wait()
     for sock in made:
         sock.close()
 

@@ -57,6 +57,9 @@ def _nonnegative(tag):
     return tag
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _one(tensors, what):
     if len(tensors) != 1:
         raise RuntimeError(f"engine {what}: expected a list with one tensor (one device per process), got {len(tensors)}")
@@ -490,9 +493,10 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
                           tensors, opts)
 
     def _sparse_allreduce(self, t, tensors, opts):
-        if not t.is_sparse:   # (CSR, CSC, BSR: their is_contiguous() raises, and sparse_sum sums COO)
-            raise RuntimeError(f"engine all_reduce of a {t.layout} tensor: only sparse COO tensors are summed "
-                               "(ReduceOp.SUM, as on Gloo); pass tensor.to_sparse_coo(), or tensor.to_dense()")
+        if not t.is_sparse:   # (CSR, CSC, BSR, whose is_contiguous() raises; mkldnn: sparse_sum sums COO)
+            coo = "tensor.to_sparse_coo(), or " if t.layout in _COMPRESSED else ""
+            raise RuntimeError(f"engine all_reduce of a {t.layout} tensor: it takes dense tensors, and sums sparse COO "
+                               f"ones (ReduceOp.SUM, as on Gloo); pass {coo}tensor.to_dense()")
         op, factor = _reduce_op(opts)
         if op != ReduceOp.SUM or factor is not None:
             raise RuntimeError(f"engine all_reduce of a sparse tensor: only ReduceOp.SUM is supported (as Gloo), got "
