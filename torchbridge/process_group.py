@@ -81,7 +81,9 @@ def _reduce_op(opts):
                                f"{torch.__version__} does not expose: use torch 2.13 or newer, or multiply the "
                                f"tensor yourself and reduce with SUM")
         # (the engine scales by a real factor: a complex one's imaginary part would be dropped)
-        if isinstance(factor, torch.Tensor) and torch.is_complex(factor) and bool(factor.imag.ne(0).any()):
+        if isinstance(factor, torch.Tensor) and torch.is_complex(factor):
+            if not bool(factor.imag.ne(0).any()):
+                return ReduceOp.SUM, factor.real   # (cast as it is, it warned that it discards the imaginary part)
             raise ValueError(f"backend 'engine': PREMUL_SUM's factor {factor} is complex, and the engine scales by a "
                              "real factor only (the imaginary part would be dropped): multiply the tensor by it "
                              "yourself and reduce with SUM")
