@@ -64,8 +64,8 @@ static void tcp_out_progress(eng_tcp *t, int peer, int s) {
     if (w < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN) return;
-      int err = errno, code = tcp_end_of(t, p, o);
-      if (p->departed && (err == ECONNRESET || err == EPIPE)) tcp_reads_no_more(t, peer);   /* (it left in order) */
+      int err = errno, code = tcp_end_of(t, p, o);   /* (its goodbye, where it said one, read first) */
+      if (tcp_reset_after_bye(p, err)) tcp_reads_no_more(t, peer);
       else tcp_peer_failed(t, peer, code, err);
       return;
     }

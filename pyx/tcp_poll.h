@@ -202,13 +202,10 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   }
   ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
                      : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
-  /* (a reset after its goodbye: it closed with data of ours unread, and left in order all the same) */
-  int reset_after_bye = got < 0 && full && p->departed && (errno == ECONNRESET || errno == EPIPE);
-  if (got == 0 || reset_after_bye) {
+  if (got == 0 || (got < 0 && full && tcp_reset_after_bye(p, errno))) {
     /* It will read nothing more (one that ended without its goodbye, with something queued for it, fails
      * at once; so does a goodbye cut short). */
     int queued = tcp_queued_for(p);
-    p->closing = 1;
     if ((queued && !p->departed) || (o->back_got && !full)) {
       tcp_peer_failed(t, peer, queued ? tcp_end_code(p) : ENG_ERR_PEER_DEAD, 0);
       return;

@@ -210,7 +210,6 @@ static inline int tcp_whole(const eng_tcp *t, int q) { return t->whole != NULL &
 /* Functions one part calls in another (every part includes this file first, so any order works). */
 static int tcp_corrupt(eng_tcp *t, int peer);
 static void tcp_peer_failed(eng_tcp *t, int peer, int code, int err);
-static void tcp_fail_sends(eng_tcp *t, int peer, int code);
 static void tcp_reads_no_more(eng_tcp *t, int peer);
 static int tcp_start_connect(eng_tcp *t, int peer);
 static void tcp_in_progress(eng_tcp *t, int peer, tcp_instream *in);
@@ -237,6 +236,12 @@ static inline void tcp_hdr_set(tcp_hdr *h, uint32_t kind, int tag, uint64_t seq,
  * or its group broke there; not one that only left in order. */
 static inline int tcp_fails_all(const tcp_peer *p) {
   return p->dead && (p->dead != ENG_ERR_PEER_LEFT || p->departed == TCP_LEFT_BROKEN);
+}
+
+/* Whether error err of a connection to peer p is its end after its goodbye: a peer that left in order
+ * with data of ours unread resets its connections instead of closing them. */
+static inline int tcp_reset_after_bye(const tcp_peer *p, int err) {
+  return p->departed && (err == ECONNRESET || err == EPIPE);
 }
 
 /* Whether peer q gave the group up between calls after the call running here had ended there (its

@@ -74,6 +74,7 @@ class FaultTolerance:
         self._shrink_calls = 0
         self._making = None      # (a shrink or a split in flight: its kind and Cancel; abort() ends its waits)
         self._torch_knows_members = True   # (every member where torch's table of the group's ranks puts it)
+        self._last_watch = None  # (the watch of the communicator attached last, kept past an abort: _attach sets it)
         self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
         self._monitored_seq = 0  # (monitored barriers since then)
 
@@ -341,7 +342,7 @@ class FaultTolerance:
 
     def _abort_unreleased(self):
         """abort() but the release: returns what _release frees (a shrink's SHRINK_ABORT frees it once
-        the new group is made, whose making watches the members through it)."""
+        the new group's making ends, which watches the members through it)."""
         _run_abort_hooks(self._abort_hooks, self._name, "abort() was called")   # (one that raises ends nothing)
         with self._swapping:
             self._end_remaking(f"process group {self._name!r} was aborted (abort())")

@@ -241,7 +241,6 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         self._cuda_transport = None
         self._init_fault_tolerance(listen)
         self._init_call_hooks()
-        self._last_watch = None
         if comm is None:
             self._detach(no_members_error(name))
         else:
