@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from . import _core, failure, forks, hierarchy, registry
+from . import _core, failure, forks, fusion, hierarchy, registry
 from .bootstrap import (MissingRanks, MpiBootstrap, SelfBootstrap, StoreBootstrap, agree_on_members, choose_transport,
                         gather, host_identity, interhost, local_cores, possible_transports, requested_transport)
 from .config import cuda_transport, env_duration, env_flag
@@ -141,10 +141,11 @@ class Communicator:
         # decides how the group opens goes round in it and must agree before anything opens; with
         # rank 0's random id, under which its ranks leave their arrival notes.
         cfgs, mpi = {}, isinstance(_boot, MpiBootstrap)
-        debug = []
+        debug, fused = [], []
 
         def read_opening():
             debug.append(env_flag("ENGINE_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+            fused.extend(fusion.bucket_sizes())   # (each rank cuts its fused calls' buckets by them)
             cfgs.update((t, TRANSPORTS[t].settings()) for t in possible_transports(transport, mpi))
             opening = _opening(transport, ring_segment_bytes, _boot.size)
             return (host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout),
@@ -189,7 +190,8 @@ class Communicator:
                                       alone=self.size == 1)
             agreed = sorted({**registry.settings(self.transport), "ENGINE_DEBUG": int(self._debug),
                              "ENGINE_CUDA_TRANSPORT": cuda_transport(),
-                             "ENGINE_HIER": registry.hier_mode(), **opened.agreed}.items())
+                             "ENGINE_HIER": registry.hier_mode(), "ENGINE_BUCKET_BYTES": fused[0],
+                             "ENGINE_FUSION_DIRECT_BYTES": fused[1], **opened.agreed}.items())
             return agreed, self.plan.digest()[0]
         layouts = []   # (this rank's: hierarchy.layout())
         try:

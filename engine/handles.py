@@ -298,6 +298,8 @@ class _Hellos:
                 self._accept(now)
                 continue
             conn = key.fileobj
+            if conn not in self.waiting:   # (dropped by an accept earlier in this batch to make room)
+                continue
             said = self.waiting[conn][1]
             try:
                 data = conn.recv(_HELLO.size - len(said))
@@ -519,6 +521,8 @@ class HubStore:
                                "the making up (a failure, or its own deadline passed: its error says which) or died")
                     return
                 op, klen, vlen = _REQ.unpack(head)
+                if (op == OP_DONE and klen) or (op != OP_SET and vlen):   # (bytes that would be read as a request)
+                    raise ValueError(f"request {op} announces {klen} + {vlen} bytes it does not carry")
                 if op == OP_DONE:
                     with self.cv:
                         self.finished.append(conn)   # (close() alone writes to it from now on)
@@ -751,6 +755,8 @@ def meet(listener, uuid, handles, timeout, aborted=None):
     index among them, their count. The caller builds its communicator through the store, then calls
     store.close(deadline). aborted: why the caller was aborted since it began, else None, asked once
     the meeting can hear of an abort (listener.interrupt): one that came before found none to end."""
+    if not -(1 << 63) <= uuid < 1 << 63:   # (every member's hello carries it as an int64)
+        raise ValueError(f"reconfigure uuid {uuid} is outside int64's range: pass one from -2**63 to 2**63 - 1")
     members = order(handles)
     if listener.handle not in members:
         raise HandleError("this rank's own handle (get_reconfigure_handle()) is not among the handles passed to "

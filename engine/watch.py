@@ -18,6 +18,7 @@ failed to tell from their messages, a stalled mismatch is named within seconds, 
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -660,6 +661,20 @@ def _install_dump_signal():
         pass
 
 
+def _own_file(path):
+    """path opened for writing, emptied, and readable by this user only: a link there is not followed,
+    and a file another user made there (in a shared folder such as /tmp) is refused, not written into."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise PermissionError(13, "Permission denied: another user owns this file")
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "w")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _Trace:
     """ENGINE_TRACE=<file>: a Chrome-trace (Perfetto) timeline of every collective; one file per rank
     (`{rank}` in the name is replaced, else `.rank<r>` is added before the extension)."""
@@ -682,10 +697,11 @@ class _Trace:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{rank}{ext or '.json'}"
         try:   # (here, not at exit, where the whole run's timeline would be lost)
-            open(path, "w").close()
+            _own_file(path).close()
         except OSError as exc:
+            why = "a symbolic link, not followed" if exc.errno == errno.ELOOP else exc.strerror
             raise ValueError(f"ENGINE_TRACE={os.environ.get('ENGINE_TRACE')!r}: can't write this rank's trace "
-                             f"{path!r} ({exc.strerror})") from None
+                             f"{path!r} ({why})") from None
         self.path, self.rank = path, rank
         self.events = []
         self.epoch = time.monotonic()
@@ -700,5 +716,5 @@ class _Trace:
 
     def write(self):
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
-        with open(self.path, "w") as f:
+        with _own_file(self.path) as f:
             json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)

@@ -699,6 +699,8 @@ class FaultToleranceScenarios(ForkedRanks):
         stranger = mine[:-2] + ("11" if mine.endswith("00") else "00")   # well formed, but not this process's
         with self.assertRaisesRegex(ValueError, "not among the handles"):
             self._reconfigure(uuid + 20, [stranger])
+        with self.assertRaisesRegex(ValueError, "outside int64's range"):   # (was struct.error, the hub waiting)
+            self.backend.reconfigure(SimpleNamespace(uuid=1 << 64, handles=[self._handle()]))
         self._finish("refused_done")
 
 
@@ -825,6 +827,50 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
     try:
         for _ in range(handles.MAX_PARKED + 40):
             silent.append(socket.create_connection((addr, port), timeout=10))
+        good = socket.create_connection((addr, port))
+        silent.append(good)
+        good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        side.join(25)
+        conns = got.get("conns")
+        assert isinstance(conns, dict), conns
+        assert list(conns) == [1]
+        conns[1].close()
+    finally:
+        for conn in silent:
+            conn.close()
+        listener.close()
+
+
+def test_a_silent_connection_that_closes_as_another_takes_its_place_fails_nothing():
+    """MAX_PARKED silent connections wait; one more comes and the one waiting longest closes, both in one
+    select: the accept drops the oldest to make room, and its own event (its close) is not read as a
+    waiting connection's (KeyError out of accept_members: any client, with no secret, failed the
+    reconfigure on every member). A member's hello then is taken."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    addr, port, secret, _ = handles.parse_handle(listener.handle)
+    got, silent = {}, []
+
+    def accept():
+        try:
+            got["conns"] = listener.accept_members(9, 2, b"d" * 32, time.monotonic() + 20, [listener.handle] * 2,
+                                                   handles.Meeting(listener))
+        except Exception as exc:
+            got["conns"] = exc
+
+    side = threading.Thread(target=accept)
+    side.start()
+    try:
+        silent = [socket.create_connection((addr, port), timeout=10) for _ in range(handles.MAX_PARKED)]
+        deadline = time.monotonic() + 10
+        while len(listener.unsaid) < handles.MAX_PARKED and time.monotonic() < deadline:
+            time.sleep(0.01)   # (every silent one accepted: the next takes the oldest's place)
+        silent.append(socket.create_connection((addr, port), timeout=10))
+        silent[0].close()
+        time.sleep(0.3)   # (no event to wait on: the hub's next select sees both)
         good = socket.create_connection((addr, port))
         silent.append(good)
         good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
@@ -1142,6 +1188,35 @@ def test_an_abort_before_the_reconfigures_meeting_began_still_ends_it_at_once(mo
     finally:
         stranger.close()
         pg.shutdown()
+
+
+@pytest.mark.parametrize("request_", ["get", "check", "done"])
+def test_a_request_announcing_bytes_it_does_not_carry_fails_the_meeting(request_):
+    """A member's get, check or done that announces bytes of value (or done, of key) it does not
+    carry: those bytes were read as the next request (a get announcing 9 bytes that were a set of 'x'
+    stored 'x'). The meeting fails, naming the request, and nothing after it is read."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    ours, member = socket.socketpair()
+    try:
+        store = handles.HubStore({1: ours}, time.monotonic() + 5, handles.Meeting(listener, b"d" * 32),
+                                 [listener.handle, listener.handle])
+        store.set("k", b"v")
+        op, key = {"get": (handles.OP_GET, b"k"), "check": (handles.OP_CHECK, b"k"),
+                   "done": (handles.OP_DONE, b"")}[request_]
+        smuggled = handles._REQ.pack(handles.OP_SET, 1, 3) + b"x" + b"EVL"
+        member.sendall(handles._REQ.pack(op, len(key), len(smuggled) - (op == handles.OP_DONE)) + key + smuggled)
+        deadline = time.monotonic() + 5
+        while store.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "announces" in (store.error or ""), store.error
+        assert "x" not in store.data
+    finally:
+        member.close()
+        listener.close()
 
 
 def test_an_abort_landing_while_the_hub_is_made_is_heard_rather_than_raise(monkeypatch):

@@ -310,3 +310,17 @@ def test_a_trace_file_is_named_per_rank_in_either_form(tmp_path, monkeypatch):
     trace = _Trace(str(tmp_path / "w-{rank}.json"), 1)
     trace.write()
     assert json.loads((tmp_path / "w-1.json").read_text())["traceEvents"][0]["args"] == {"name": "rank 1"}
+    assert (tmp_path / "w-1.json").stat().st_mode & 0o777 == 0o600   # (a timeline of the job: its user's)
+    # A link in its place (a shared folder: another user's) is not followed; its target stays as it was.
+    (tmp_path / "target").write_text("theirs")
+    (tmp_path / "l.rank2.json").symlink_to(tmp_path / "target")
+    monkeypatch.setenv("ENGINE_TRACE", str(tmp_path / "l.json"))
+    with pytest.raises(ValueError, match=r"can't write this rank's trace .*l\.rank2\.json' \(a symbolic link"):
+        _Trace(str(tmp_path / "l.json"), 2)
+    assert (tmp_path / "target").read_text() == "theirs"
+    if os.geteuid() == 0:   # (a file another user made there: not written into)
+        (tmp_path / "o.rank2.json").write_text("theirs")
+        os.chown(tmp_path / "o.rank2.json", 65534, 65534)
+        with pytest.raises(ValueError, match=r"o\.rank2\.json' \(.*another user owns this file"):
+            _Trace(str(tmp_path / "o.json"), 2)
+        assert (tmp_path / "o.rank2.json").read_text() == "theirs"

@@ -268,13 +268,15 @@ def test_a_send_to_itself_is_matched_like_any_other(rank0):
 
 
 @pytest.mark.parametrize("frame", ["too long", "part longer than message", "part on stream 0", "unknown kind",
-                                   "negative tag", "numbers going back"])
+                                   "negative tag", "numbers going back", "number at its top"])
 def test_a_malformed_frame_fails_naming_the_peer(rank0, frame):
     core, _, ports = rank0
     bad = {"too long": header(MSG, 0, 0, 1 << 50, 8), "part longer than message": header(MSG, 0, 0, 8, 9),
            "part on stream 0": header(PART, 0, 0, 0, 8), "unknown kind": header(0x41414141, 0, 0, 8, 8),
            "negative tag": header(MSG, -5, 0, 8, 8),
-           "numbers going back": header(MSG, 0, 4, 0, 0) + header(MSG, 0, 2, 0, 0)}[frame]
+           "numbers going back": header(MSG, 0, 4, 0, 0) + header(MSG, 0, 2, 0, 0),
+           # (the next would wrap to 0: every number going back after it passed)
+           "number at its top": header(MSG, 0, (1 << 64) - 1, 0, 0) + header(MSG, 0, 0, 0, 0)}[frame]
     s = connect(ports[1], hello() + bad + b"\0" * 64)
     with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
         core.recv(np.zeros(8, np.uint8), 1, 0)

@@ -34,6 +34,10 @@ CASES = {"shm two-shot step": ("shm", "ENGINE_SHM_CHUNK_BYTES", "131072"),
          "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "32767"),
          "mpi any-source receives": ("mpi", "ENGINE_MPI_ANY_SOURCE", "probe"),
          "mpi native pieces": ("mpi", "ENGINE_MPI_CHUNK_ELEMENTS", "1000"),
+         # (a fused call's buckets: under mpi:native, ranks that cut them differently summed blocks of
+         # different counts, a wrong sum on one rank)
+         "fusion buckets": ("shm", "ENGINE_BUCKET_BYTES", "1024"),
+         "fusion's tensors alone": ("mpi", "ENGINE_FUSION_DIRECT_BYTES", "0"),
          # (not a variable: rank 0 runs as another release of the engine, its engine.__version__)
          "another engine release": (None, "engine.__version__", "0.0.1")}
 
@@ -53,6 +57,7 @@ UNUSABLE = {"tcp streams": ("tcp", "ENGINE_TCP_STREAMS", "99", 1, {}),
             "shm spin budget": ("shm", "ENGINE_SPIN_US", "fast", 1, {}),
             "shm flight recorder": ("shm", "ENGINE_FLIGHT_RECORDER_SIZE", "0", 1, {}),
             "shm trace file": ("shm", "ENGINE_TRACE", "/nonexistent/trace.json", 1, {}),
+            "fusion bucket cap": ("tcp", "ENGINE_BUCKET_BYTES", "lots", 1, {}),
             "mpi tags": ("mpi", "ENGINE_MPI_TAG_UB", "many", 1, {})}
 
 
