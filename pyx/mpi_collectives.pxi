@@ -121,6 +121,11 @@ cdef class MpiComm(CoreComm):
     def any_source_by_probe(self):
         return (<MpiTransport>self.user_tp).probe_any
 
+    @property
+    def max_tag(self):
+        """The largest tag its algorithms may use: MPI's, or ENGINE_MPI_TAG_UB below it (0: unknown)."""
+        return self.tp.max_tag
+
     def set_chunk(self, size_t elements):
         """Largest piece of an element-wise native collective (tests make it tiny to reach the loop)."""
         if elements == 0 or elements > <size_t>INT_MAX:

@@ -61,6 +61,7 @@ cdef class MpiTransport(Transport):
     cdef uint32_t posted          # messages posted and not yet seen complete or cancelled (in_flight)
     cdef int awaited_peer         # the peer of the message a wait is on (its source or destination), or -1
     cdef bint awaited_send        # (for a timeout's report: MpiComm.waiting_on)
+    cdef readonly int max_tag     # the largest tag it may use: MPI's, or ENGINE_MPI_TAG_UB below it (0: unknown)
 
     def __cinit__(self, Comm comm, bint algorithms=False, int max_tag=0):
         """algorithms: the engine's algorithms' channel (tags carry the call, pyx/call_tags.h). max_tag > 0:
@@ -80,6 +81,7 @@ cdef class MpiTransport(Transport):
         elif max_tag <= 0 or tag_ub[0] < max_tag:
             max_tag = tag_ub[0]
         # Room for the call's number: tags of 31 bits (Open MPI's ob1), where MPI promises only 15
+        self.max_tag = max_tag
         self.wide_tags = max_tag >= 0x7FFFFFFF
         self.probes = algorithms and self.wide_tags
 

@@ -50,7 +50,7 @@ cdef enum:   # what ShmComm runs itself (the rest: CoreComm.run, over the segmen
 cdef class ShmComm(CoreComm):
     """A group whose ranks share one host: every collective through one segment."""
     cdef readonly ShmSegment seg
-    cdef size_t chunk_bytes         # two-shot step size
+    cdef readonly size_t chunk_bytes  # two-shot step size
     cdef const void **srcs          # P source pointers of a reduction
     cdef char *scratch              # a fused one-shot's reduced chunk; the pieces a pull reduces
     cdef public size_t pull_piece   # bytes per peer and piece when a reduction pulls inputs by single copy
@@ -206,6 +206,11 @@ cdef class ShmComm(CoreComm):
     def threads_running(self):
         """Threads of the started team, the caller's included (0: none started yet)."""
         return self.team.n if self.team_started else 0
+
+    @property
+    def threads_shared(self):
+        """Jobs the started team split over its threads (slices of at least thread_slice bytes)."""
+        return self.team.shared if self.team_started else 0
 
     cdef eng_team *team_for(self, int impl, Mover *mv) noexcept nogil:
         """The team a reduction's kernels run on, or NULL (one thread)."""

@@ -601,6 +601,11 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 
 /* Whether peer said goodbye (it left the group in order). */
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
+static int eng_tcp_peers_connected(eng_tcp *t) { /* peers this rank made its streams to (lazily: once used) */
+  int n = 0;
+  for (int q = 0; q < t->size; q++) n += t->peers[q].nout > 0;
+  return n;
+}
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }
 static int eng_tcp_bye_first(eng_tcp *t, int peer) { return t->peers[peer].bye_first - 1; }
 static int eng_tcp_whole(eng_tcp *t, int q) { return tcp_whole(t, q); }

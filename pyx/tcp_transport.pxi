@@ -15,6 +15,8 @@ cdef extern from "tcp.h" nogil:
         int rejected
         int said_bye
         int ordered                 # the collectives' channel (the user's messages: not)
+        int nstreams
+        size_t split_min, eager_max
         int sys_errno
         uint32_t gen
     ctypedef struct tcp_req:
@@ -26,6 +28,7 @@ cdef extern from "tcp.h" nogil:
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
                          size_t eager_max, const unsigned char *token, int listen_fd, int *err)
     void eng_tcp_free(eng_tcp *t)
+    int eng_tcp_peers_connected(eng_tcp *t)
     void eng_tcp_set_call(eng_tcp *t, int base)
     void eng_tcp_goodbye(eng_tcp *t, int broken, int lost, int between)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
@@ -323,6 +326,15 @@ cdef class TcpTransport(Transport):
             return [lost[i] for i in range(n)]
         finally:
             free(lost)
+
+    @property
+    def streams(self):
+        """(streams per peer, the least message split over them, the most a receiver reads ahead unasked)
+        as this channel runs, and how many peers it has connected to (ENGINE_TCP_CONNECT=lazy: those it
+        sent to)."""
+        if self.t == NULL:
+            return None
+        return self.t.nstreams, self.t.split_min, self.t.eager_max, eng_tcp_peers_connected(self.t)
 
     @property
     def rejected(self):

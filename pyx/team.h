@@ -69,6 +69,7 @@ typedef struct eng_team {
   double spin;             /* seconds a helper (and the caller's join) spins before sleeping (yielding); the
                               caller's to set: a helper reads it from each job it acknowledges */
   pid_t pid;               /* the process that started the helpers (a forked child has none) */
+  uint64_t shared;         /* jobs split over the helpers (the caller's to read: whether they had work) */
   uint32_t gen, done, stop;
   eng_job job;
   pthread_t *tids;
@@ -186,6 +187,7 @@ static void eng_team_run(eng_team *t, eng_job *job) {
     return;
   }
   job->parts = parts < (size_t)t->n ? (int)parts : t->n;
+  t->shared++;
   job->spin = t->spin;
   job->raises = eng_raise_counter;
   t->job = *job;

@@ -9,6 +9,7 @@ cdef extern from "team.h" nogil:
         int n
         size_t slice_min
         double spin
+        uint64_t shared
     uint64_t *eng_raise_counter_swap(uint64_t *c)
     int eng_team_start(eng_team *t, int n, int maxsrc, double spin)
     void eng_team_stop(eng_team *t)

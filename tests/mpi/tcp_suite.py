@@ -106,7 +106,17 @@ def test_messages_to_self_are_matched_like_any_other():
                                       {"ENGINE_TCP_EAGER_BYTES": 0}],
                          ids=["3-streams", "lazy", "nothing-read-ahead"])
 def test_collectives_and_point_to_point_under_other_settings(settings):
+    from engine import tcp
     with torch_world.engine_group(**settings) as (pg, comm):
+        # The channels run as the settings say (the results alone are the defaults' too), and a lazy
+        # group's user channel has connected to no peer before its first message.
+        want = (settings.get("ENGINE_TCP_STREAMS", tcp.DEFAULT_STREAMS),
+                settings.get("ENGINE_TCP_STREAM_MIN_BYTES", tcp.DEFAULT_STREAM_MIN),
+                settings.get("ENGINE_TCP_EAGER_BYTES", tcp.DEFAULT_EAGER))
+        for tp in (comm.core.algo_transport, comm.core.user_transport):
+            assert tp.streams[:3] == want, (tp.streams, want)
+        lazy = settings.get("ENGINE_TCP_CONNECT", os.environ.get("ENGINE_TCP_CONNECT")) == "lazy"
+        assert comm.core.user_transport.streams[3] == (0 if lazy else P - 1), comm.core.user_transport.streams
         for n in (1, 1000, 3 << 20):
             t = torch.from_numpy(data(R, n).astype(np.float32))
             dist.all_reduce(t, group=pg)

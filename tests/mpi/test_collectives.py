@@ -20,6 +20,22 @@ COUNTS = [0, 1, P - 1 if P > 1 else 2, 5, 17, 1031]
 ALGOS = list(WORLD.core.algorithms)
 
 
+def test_the_settings_a_suite_runs_under_reach_the_group():
+    """The two-shot step, single copy, MPI's pieces and tags, as the suite's environment sets them (the
+    suites that set them checked results only, which the defaults give as well), else the defaults."""
+    from engine import registry
+    env, core = os.environ, WORLD.core
+    if WORLD.transport == "shm":
+        # (a step holds a line of each rank's and fits a slot)
+        assert core.chunk_bytes == max(64 * P, min(registry.SHM_CHUNK.value(), core.seg.cap)), core.chunk_bytes
+        assert ("single_copy" in WORLD.plan.caps) == core.seg.cma
+        assert not (core.seg.cma and env.get("ENGINE_SHM_CMA") == "0")
+    elif WORLD.transport == "mpi":
+        assert core.chunk == registry.MPI_CHUNK.value()
+        told = int(env.get("ENGINE_MPI_TAG_UB") or 0)
+        assert core.max_tag == told if told else core.max_tag >= 32767, (core.max_tag, told)
+
+
 def everyone(n, dtype, salt=0):
     return [rank_data(r, n, dtype, salt) for r in range(P)]
 
@@ -498,6 +514,7 @@ def test_messages_in_flight_go_on_while_their_rank_waits_in_a_collective(monkeyp
     monkeypatch.setenv("ENGINE_SHM_QUEUE_BYTES", "4096")
     comm = engine.Communicator()
     try:
+        assert "single_copy" not in comm.plan.caps   # (single copy on moved the message the receiver's way)
         n, right, left = 1 << 20, (R + 1) % P, (R - 1) % P
         inbox = np.zeros(n, np.float32)
         total = np.full(4, R + 1.0, np.float32)

@@ -390,6 +390,8 @@ def test_entry(entry):
             # the blocking calls ran on the rank's threads, not on its one (a team that never started
             # would still give right answers)
             assert comm.core.threads_running == comm.core.threads > 1, (comm.core.threads_running, comm.core.threads)
+            # and the helpers took slices of them (ENGINE_SHM_THREAD_SLICE_BYTES, a cache line here)
+            assert comm.core.threads_shared > 0, comm.core.thread_slice
             assert comm.core.team_spin == comm.core.spin_budget   # the helpers wait as the group's waits do
 
 
