@@ -37,13 +37,24 @@ def world():
         import os
         if detect_launcher() is not None or os.environ.get("ENGINE_TRANSPORT", "").strip().lower() == "mpi":
             _world = Communicator()
-        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        elif _world_size() > 1:
             raise RuntimeError("engine.world() needs an MPI launch to find its peers (WORLD_SIZE is set, but no MPI "
                                f"launcher started this process); {MPIRUN_HINT}, or use torch.distributed with "
                                "backend 'engine' (torchrun, mp.spawn), or engine.Communicator.from_store()")
         else:
             _world = Communicator.single()
     return _world
+
+
+def _world_size():
+    """WORLD_SIZE as a launcher sets it (unset or empty: 1)."""
+    import os
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    try:
+        return int(raw) if raw else 1
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={raw!r} is not a number of ranks: a launcher sets it (torchrun, mp.spawn); "
+                         "unset it to run alone") from None
 
 
 def __getattr__(name):

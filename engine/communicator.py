@@ -267,9 +267,12 @@ class Communicator:
             raise ValueError(f"from_store: rank {rank} of size {size}: size is the number of ranks (1 or more) and "
                              "rank this process's place among them, 0 to size - 1")
         prefix = f"engine/{name}" if prefix is None else prefix
+        if transport == "mpi":
+            raise ValueError("a group made through a store runs on shared memory and TCP; transport 'mpi' needs an "
+                             "MPI launch (mpirun)")
         if transport not in (None, "auto", "shm", "tcp"):
-            raise ValueError(f"a group made through a store runs on shared memory and TCP; transport {transport!r} "
-                             "needs an MPI launch (mpirun)")
+            raise ValueError(f"from_store: unknown transport {transport!r}: expected one of auto, shm, tcp (or None: "
+                             "ENGINE_TRANSPORT's)")
         requested_transport(transport)   # (a misspelt ENGINE_TRANSPORT is refused at one rank too, which runs on shm)
         boot = SelfBootstrap() if size == 1 else StoreBootstrap(store, rank, size, prefix, on_cancel,
                                                                      Watch.timeout_of(timeout), lost)

@@ -12,9 +12,10 @@ MAX_SETTING = 1 << 62
 def env_int(name, default, minimum=None, maximum=MAX_SETTING):
     """A count or a size (one K/M/G suffix), at least `minimum` where one is given, at most `maximum`."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    text = (raw or "").strip()   # (as env_choice reads its words: '1K ' was refused where '64 ' passed)
+    if not text:
         return default
-    body, unit = (raw[:-1], raw[-1].lower()) if raw[-1] in "kKmMgG" else (raw, "")
+    body, unit = (text[:-1], text[-1].lower()) if text[-1] in "kKmMgG" else (text, "")
     try:
         exact = float(body) * {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(unit, 1)
         value = int(exact)

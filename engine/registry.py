@@ -435,6 +435,7 @@ def forced_items(collective, environ=None):
         raw = env.get(var, "").strip().lower()
         if raw in ("", "auto"):
             continue
+        named = {}   # transport (None: every transport) -> the name this variable gives it
         for item in (i.strip() for i in raw.split(",")):
             if not item:
                 continue
@@ -450,6 +451,10 @@ def forced_items(collective, environ=None):
                 where = f" on the {transport} transport" if transport else ""
                 raise ValueError(f"{var}={raw!r}: {collective} has no algorithm {name!r}{where}; expected auto, or "
                                  f"one of {', '.join(names)} (optionally as transport:name)")
+            if named.setdefault(transport or None, name) != name:   # (the second was never run)
+                raise ValueError(f"{var}={raw!r} names two {collective} algorithms for "
+                                 f"{f'the {transport} transport' if transport else 'every transport'} "
+                                 f"({named[transport or None]}, {name}): name one")
             out.append((transport or None, name))
     return out
 

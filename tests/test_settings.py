@@ -75,6 +75,9 @@ def test_sizes_and_seconds_are_parsed_or_refused_by_name(monkeypatch):
         config.env_int("ENGINE_X", 7, minimum=(3 << 19) + 1)
     monkeypatch.setenv("ENGINE_X", "")
     assert config.env_int("ENGINE_X", 7) == 7 and config.env_duration("ENGINE_X", 2.0) == 2.0
+    for spaced, value in ((" 1K ", 1024), ("64 ", 64), ("  ", 7)):   # (as the words are read: '1K ' was refused)
+        monkeypatch.setenv("ENGINE_X", spaced)
+        assert config.env_int("ENGINE_X", 7) == value, spaced
     for bad in ("1Mk", "2kk"):   # (one suffix: the others were stripped too, and 1Mk read as 1024)
         monkeypatch.setenv("ENGINE_X", bad)
         with pytest.raises(ValueError, match=rf"ENGINE_X='{bad}' is not a number \(sizes"):
@@ -181,6 +184,31 @@ def test_a_single_rank_world_refuses_a_misspelt_transport(monkeypatch):
     monkeypatch.setenv("ENGINE_TRANSPORT", "tpc")
     with pytest.raises(ValueError, match="ENGINE_TRANSPORT='tpc': expected one of auto, shm, mpi, tcp"):
         engine.Communicator.single()
+
+
+def test_a_store_group_and_the_world_name_what_they_cant_use(monkeypatch):
+    """from_store names a misspelt transport as such (it was told 'tpc' needs an MPI launch); world()
+    started alone names a WORLD_SIZE that is no number (a bare int() error), runs alone where it is
+    empty, and wants a launcher where it is over 1."""
+    with pytest.raises(ValueError, match=r"from_store: unknown transport 'tpc': expected one of auto, shm, tcp"):
+        engine.Communicator.from_store(None, 0, 1, transport="tpc")
+    with pytest.raises(ValueError, match=r"transport 'mpi' needs an MPI launch"):
+        engine.Communicator.from_store(None, 0, 1, transport="mpi")
+    from engine import launcher
+    monkeypatch.setattr(launcher, "detect_launcher", lambda *args: None)
+    monkeypatch.setattr(engine, "_world", None)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='two' is not a number of ranks"):
+        engine.world()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"engine.world\(\) needs an MPI launch"):
+        engine.world()
+    monkeypatch.setenv("WORLD_SIZE", "")
+    alone = engine.world()
+    try:
+        assert alone.size == 1
+    finally:
+        alone.free()
 
 
 @pytest.mark.parametrize("value", ["-1", "100000"])

@@ -17,12 +17,13 @@ more before step() is refused (its gradients would be added to those being avera
 """
 
 import functools
+import numbers
 import time
 
 import torch
 import torch.distributed as dist
 
-from engine.fusion import bucket_sizes, plan_buckets
+from engine.fusion import COMPRESSIONS, bucket_sizes, plan_buckets
 from engine.ops import ReduceOp
 
 
@@ -40,8 +41,14 @@ class DistributedOptimizer:
             params = model.parameters() if model is not None else \
                 [p for g in optimizer.param_groups for p in g["params"]]
         self.params = [p for p in params if p.requires_grad]
+        if compression not in COMPRESSIONS:   # (here, not at the first step)
+            raise ValueError(f"DistributedOptimizer: compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, numbers.Integral) \
+                or backward_passes_per_step < 1:
+            raise ValueError("DistributedOptimizer: backward_passes_per_step must be a whole number of backward "
+                             f"passes, 1 or more, got {backward_passes_per_step!r}")
         self.compression = compression
-        self.passes = backward_passes_per_step
+        self.passes = int(backward_passes_per_step)
         self.overlap = overlap
         order = list(reversed(self.params))  # gradients of late layers are ready first
         specs = [(p.numel(), str(p.dtype), p.element_size(), str(p.device)) for p in order]

@@ -86,6 +86,17 @@ def test_first_buckets_launch_before_backward_ends():
     assert len(launched_during_backward) >= len(opt.buckets) - 1  # all but the last are in flight by then
 
 
+@pytest.mark.parametrize("bad", [dict(backward_passes_per_step=0), dict(backward_passes_per_step=-1),
+                                 dict(backward_passes_per_step=2.5), dict(backward_passes_per_step="2"),
+                                 dict(compression="fp16")])
+def test_the_optimizers_arguments_are_checked_when_it_is_made(bad):
+    """(0 passes said gradients were computed more than backward_passes_per_step times; -1 and 2.5
+    passed; "2" raised a bare TypeError; a misspelt compression was found at the first step.)"""
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=rf"DistributedOptimizer: {name} must be .*got {value!r}"):
+        torchbridge.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.01), **bad)
+
+
 def test_bucket_cap_follows_engine_bucket_bytes(monkeypatch):
     model = make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
