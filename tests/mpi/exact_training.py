@@ -45,7 +45,8 @@ def test_compiled_ddp_trains_like_one_process_on_the_full_batches():
     torch._dynamo.reset()
     # bucket_cap_mb 1 (torch's DDPOptimizer refuses less than its first bucket's 1 MiB): the gradients
     # fill several buckets, so the graph is split and each bucket's all_reduce is issued from compiled code
-    net = torch.compile(DDP(wide(), bucket_cap_mb=1), backend=os.environ.get("ENGINE_CLIENTS_COMPILE_BACKEND", "inductor"))
+    net = torch.compile(DDP(wide(), bucket_cap_mb=1),
+                        backend=os.environ.get("ENGINE_CLIENTS_COMPILE_BACKEND", "inductor"))
     params = ddp_exact.train(net, ddp_exact.batches(STEPS), shard=(R, P))
     assert worst_difference(params, wide) <= 1e-12
     if R == 0:
