@@ -10,9 +10,12 @@ its host (engine.bootstrap.host_identity). The hub is the first member of the li
 address is not a loopback one (the first member where all are): a host whose MASTER_ADDR is
 localhost or 127.0.0.1 (torchrun's default on the rendezvous host) hands out loopback handles, which
 other hosts can't reach. Every other member connects to the hub and sends a fixed-size hello whose
-first field after the magic is the hub's secret, compared in constant time before anything else the
-connection sends is read; then the uuid, its index, the member count and a digest of the whole list
-(so every member agrees on the membership and the order). The hub then serves a small key-value store
+first field after the magic proves the hub's secret (an HMAC of the hello's other fields; the secret
+itself never travels), compared in constant time before anything else the connection sends is read;
+then the uuid, its index, the member count and a digest of the whole list (so every member agrees on
+the membership and the order). The hub answers with its own proof of the secret over that hello,
+which the member checks before it reads anything else: whatever listens at the hub's address (a
+process that took its port) learns nothing, and is not believed. The hub then serves a small key-value store
 (set / get / check, every length bounds-checked) over those connections for as long as the members
 build their communicator through it (engine.bootstrap.StoreBootstrap), exactly as a group made
 through torch's store is built: shared memory on one host, the engine's TCP transport across hosts.
@@ -39,8 +42,9 @@ import time
 
 from . import forks, tcp
 
-MAGIC = b"ENGRCF2\0"                     # (2: members say when they are done, OP_DONE)
-_HELLO = struct.Struct("!8s16sqII32s")   # magic, hub secret, uuid, member index, member count, list digest
+MAGIC = b"ENGRCF3\0"                     # (2: members say when they are done, OP_DONE; 3: proofs, not the secret)
+_HELLO = struct.Struct("!8s16sqII32s")   # magic, proof of the secret, uuid, member index, member count, list digest
+_PROOF = 16
 _REPLY = struct.Struct("!BI")            # status (OK, REFUSED, FAILED), length of the text that follows
 _REQ = struct.Struct("!BII")             # op, key length, value length
 MAX_KEY = 4096
@@ -92,6 +96,19 @@ def hub_of(members):
         if not tcp.is_loopback(parse_handle(h)[0]):
             return i
     return 0
+
+
+def _proof(secret, side, data):
+    """What proves the hub's secret over data, from one side (b"member": a hello; b"hub": its answer)."""
+    return hmac.new(secret, side + data, hashlib.sha256).digest()[:_PROOF]
+
+
+def member_hello(secret, uuid, index, n, digest):
+    """A member's hello to the hub: where the secret would go, the proof of the other fields by it (the
+    secret never travels: whatever listens at the hub's address, a process that took its port, learns
+    nothing it can use)."""
+    bare = _HELLO.pack(MAGIC, bytes(_PROOF), uuid, index, n, digest)
+    return bare[:8] + _proof(secret, b"member", bare[8 + _PROOF:]) + bare[8 + _PROOF:]
 
 
 def _recv_exact(sock, n, what):
@@ -219,9 +236,10 @@ class Listener:
         return mine
 
     def _hello(self, conn, hello, uuid, n, digest, mine, meeting, hub):
-        magic, secret, their_uuid, index, count, dig = _HELLO.unpack(hello)
-        if magic != MAGIC or not hmac.compare_digest(secret, self.secret):
+        magic, proof, their_uuid, index, count, dig = _HELLO.unpack(hello)
+        if magic != MAGIC or not hmac.compare_digest(proof, _proof(self.secret, b"member", hello[8 + _PROOF:])):
             raise ValueError("not a member: wrong magic or secret")
+        conn.sendall(_proof(self.secret, b"hub", hello))   # (this hub's, before anything it answers)
         if their_uuid == uuid:
             self._admit(mine, conn, index, count, dig, n, digest, meeting, hub)
         elif their_uuid in self.failed:
@@ -632,7 +650,8 @@ class MemberStore:
         meeting.socks.append(self.sock)
         try:
             meeting.check()   # (cancelled while connecting: its shutdown missed this socket)
-            self.sock.sendall(_HELLO.pack(MAGIC, secret, uuid, index, n, digest))
+            hello = member_hello(secret, uuid, index, n, digest)
+            self.sock.sendall(hello)
         except BaseException:
             self.sock.close()
             raise
@@ -640,7 +659,11 @@ class MemberStore:
         # deadline why it gave up, naming the members that never came)
         self.sock.settimeout(max(0.1, deadline - time.monotonic()) + HELLO_ANSWER_GRACE_SECONDS)
         try:
-            left = self._answer("the hub's answer to this rank's hello", refused=RuntimeError)
+            what = "the hub's answer to this rank's hello"
+            if not hmac.compare_digest(self._read(_PROOF, what), _proof(secret, b"hub", hello)):
+                raise ConnectionError(f"the process at the hub's handle ({self.where}) did not prove the handle's "
+                                      "secret: it is not the hub (another process took its port after it ended?)")
+            left = self._answer(what, refused=RuntimeError)
             self.verdict_by = max(deadline, time.monotonic() + _seconds(left))   # (the hub's deadline, if later)
         except TimeoutError as exc:
             self.sock.close()
@@ -658,10 +681,13 @@ class MemberStore:
         return text
 
     def _reply(self, what):
+        status, length = _REPLY.unpack(self._read(_REPLY.size, what))
+        _check_sizes(0, length)
+        return status, self._read(length, what)
+
+    def _read(self, n, what):
         try:
-            status, length = _REPLY.unpack(_recv_exact(self.sock, _REPLY.size, what))
-            _check_sizes(0, length)
-            return status, _recv_exact(self.sock, length, what)
+            return _recv_exact(self.sock, n, what)
         except socket.timeout:
             raise TimeoutError(f"{what}: the hub ({self.where}) did not answer in time") from None
         except ConnectionError:

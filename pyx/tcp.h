@@ -184,7 +184,13 @@ static void eng_tcp_goodbye(eng_tcp *t, int broken, int lost_rank, int between) 
       tcp_out *o = &p->out[s];
       if (o->fd >= 0 && !o->connecting && o->hello_done == ENG_TCP_HELLO && o->head == NULL)
         (void)!send(o->fd, &bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (p->in[s].fd >= 0) (void)!send(p->in[s].fd, &bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (p->in[s].fd >= 0) {   /* (back on a connection the peer made: with its proof) */
+        unsigned char back[ENG_TCP_BACK];
+        memcpy(back, &bye, ENG_TCP_HDR);
+        tcp_back_proof(t->token, &bye, (uint32_t)t->rank, (uint32_t)q, (uint32_t)t->channel, (uint32_t)s,
+                       back + ENG_TCP_HDR);
+        (void)!send(p->in[s].fd, back, sizeof back, MSG_DONTWAIT | MSG_NOSIGNAL);
+      }
     }
     tcp_peer_failed(t, q, ENG_ERR_PEER_LEFT, 0);
   }

@@ -108,13 +108,13 @@ static int tcp_connect_stream(eng_tcp *t, int peer, int s) {
   o->hello.magic = ENG_TCP_MAGIC;
   o->hello.version = ENG_TCP_VERSION;
   o->hello.hdr = ENG_TCP_HDR;
-  memcpy(o->hello.token, t->token, 16);
   o->hello.from = (uint32_t)t->rank;
   o->hello.to = (uint32_t)peer;
   o->hello.channel = (uint32_t)t->channel;
   o->hello.stream = (uint32_t)s;
   o->hello.nstreams = (uint32_t)t->nstreams;
   o->hello.size = (uint32_t)t->size;
+  tcp_hello_proof(t->token, &o->hello, o->hello.token);   /* (the token itself never goes) */
   o->hello_done = 0;
   if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
     if (errno != EINPROGRESS && errno != EINTR) return errno;

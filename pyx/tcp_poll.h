@@ -194,14 +194,14 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
   tcp_peer *p = &t->peers[peer];
   tcp_out *o = &p->out[s];
   char extra;
-  int full = o->back_got == ENG_TCP_HDR;
+  int full = o->back_got == ENG_TCP_BACK;
   if (o->fd < 0) return;   /* closed earlier in this round, with the peer's other streams */
   if (tcp_dropped_unproven(t, p, o)) {
     tcp_redial(t, peer, s);
     return;
   }
   ssize_t got = full ? recv(o->fd, &extra, 1, MSG_DONTWAIT)
-                     : recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
+                     : recv(o->fd, o->back + o->back_got, ENG_TCP_BACK - o->back_got, MSG_DONTWAIT);
   if (got == 0 || (got < 0 && full && tcp_reset_after_bye(p, errno))) {
     /* It will read nothing more (one that ended without its goodbye, with something queued for it, fails
      * at once; so does a goodbye cut short). */
@@ -217,18 +217,21 @@ static void tcp_out_closed(eng_tcp *t, int peer, int s) {
       return;
     }
     o->back_got += (size_t)got;
-    if (o->back_got == ENG_TCP_HDR && !tcp_back_bye(t, p, o)) tcp_corrupt(t, peer);
+    if (o->back_got == ENG_TCP_BACK && !tcp_back_bye(t, p, o)) tcp_corrupt(t, peer);
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOTCONN) {
     tcp_peer_failed(t, peer, o->connecting ? ENG_ERR_CONNECT : tcp_end_code(p), errno);
   }
 }
 
-/* The whole header a sending socket carried back: where it is a goodbye, the peer's departure is
- * recorded and 1 returned; else 0 (nothing else ever comes back). */
+/* The whole goodbye a sending socket carried back: where it is one, proved by the token, the peer's
+ * departure is recorded and 1 returned; else 0 (nothing else ever comes back). */
 static int tcp_back_bye(eng_tcp *t, tcp_peer *p, const tcp_out *o) {
   tcp_hdr h;
+  unsigned char proof[16];
   memcpy(&h, o->back, sizeof h);
-  if (!tcp_bye_ok(&h)) return 0;
+  tcp_back_proof(t->token, &h, (uint32_t)(p - t->peers), (uint32_t)t->rank, (uint32_t)t->channel,
+                 (uint32_t)(o - p->out), proof);
+  if (!tcp_cmp_token(o->back + ENG_TCP_HDR, proof) || !tcp_bye_ok(&h)) return 0;
   tcp_bye_read(t, p, &h);
   return 1;
 }
@@ -237,12 +240,12 @@ static int tcp_back_bye(eng_tcp *t, tcp_peer *p, const tcp_out *o) {
  * closed is read first (a peer that gave the group up closes at once, and the send here may fail before
  * a poll saw the goodbye), so a departure is not named a crash. */
 static int tcp_end_of(eng_tcp *t, tcp_peer *p, tcp_out *o) {
-  while (!p->departed && o->fd >= 0 && o->back_got < ENG_TCP_HDR) {
-    ssize_t got = recv(o->fd, o->back + o->back_got, ENG_TCP_HDR - o->back_got, MSG_DONTWAIT);
+  while (!p->departed && o->fd >= 0 && o->back_got < ENG_TCP_BACK) {
+    ssize_t got = recv(o->fd, o->back + o->back_got, ENG_TCP_BACK - o->back_got, MSG_DONTWAIT);
     if (got <= 0) break;
     o->back_got += (size_t)got;
   }
-  if (!p->departed && o->back_got == ENG_TCP_HDR) (void)tcp_back_bye(t, p, o);
+  if (!p->departed && o->back_got == ENG_TCP_BACK) (void)tcp_back_bye(t, p, o);
   return tcp_end_code(p);
 }
 

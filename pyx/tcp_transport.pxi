@@ -33,6 +33,7 @@ cdef extern from "tcp.h" nogil:
     void eng_tcp_goodbye(eng_tcp *t, int broken, int lost, int between)
     int eng_tcp_set_peer(eng_tcp *t, int peer, const char *host, int port)
     int eng_tcp_listen(const char *host, int *fd_out, int *port_out)
+    void tcp_siphash128(const unsigned char *key, const void *data, size_t len, unsigned char *out)
     int eng_tcp_interfaces(char *out, size_t cap)
     int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer)
     int eng_tcp_irecv(eng_tcp *t, void *buf, size_t n, int peer, int tag, tcp_req **out, int *err_peer)
@@ -53,6 +54,16 @@ cdef extern from "tcp.h" nogil:
 
 cdef extern from "<netdb.h>" nogil:
     const char *gai_strerror(int code)
+
+
+def tcp_proof(bytes token, bytes data):
+    """The wire's proof of data by the group's 16-byte token (SipHash-2-4, 128 bits): a hello carries
+    that of its other fields, a goodbye written back that of itself and its connection (pyx/tcp_wire.h)."""
+    cdef unsigned char out[16]
+    if len(token) != 16:
+        raise ValueError("the group's token must be 16 bytes")
+    tcp_siphash128(token, <const char*>data, len(data), out)
+    return out[:16]
 
 
 def tcp_listen(str host):

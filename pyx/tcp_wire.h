@@ -21,7 +21,8 @@
 #define ENG_TCP_HDR 32
 #define ENG_TCP_HELLO 48
 #define ENG_TCP_MAGIC 0x54474e45u           /* "ENGT" */
-#define ENG_TCP_VERSION 2
+#define ENG_TCP_VERSION 3
+#define ENG_TCP_BACK (ENG_TCP_HDR + 16)     /* a goodbye written back on a connection the peer made, and its proof */
 #define ENG_TCP_MAX_STREAMS 16
 #define ENG_TCP_STAGE (64u << 10)            /* staging buffer of each incoming stream */
 #define ENG_TCP_SINK (256u << 10)            /* where discarded bytes are read to */
@@ -112,7 +113,7 @@ typedef struct {
   size_t hello_done;        /* bytes of the hello written */
   tcp_hello hello;
   tcp_item *head, *tail;
-  unsigned char back[ENG_TCP_HDR];  /* what the peer wrote back: its goodbye, or nothing */
+  unsigned char back[ENG_TCP_BACK]; /* what the peer wrote back: its goodbye and proof, or nothing */
   size_t back_got;
   int redials;              /* connections made again after the peer dropped one before its hello */
 } tcp_out;
@@ -295,6 +296,71 @@ static inline int tcp_cmp_token(const unsigned char *a, const unsigned char *b) 
   unsigned char d = 0;
   for (int i = 0; i < 16; i++) d |= a[i] ^ b[i];
   return d == 0;
+}
+
+/* ---- proofs of the group's token: neither side of a connection sends the token itself, so whatever
+ * listens at a peer's address (a process that took a departed rank's port) learns nothing it can use,
+ * and a connection's bytes are parsed only once they proved it. ---- */
+
+#define TCP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define TCP_SIPROUND                                                                      \
+  do {                                                                                    \
+    v0 += v1; v1 = TCP_ROTL(v1, 13); v1 ^= v0; v0 = TCP_ROTL(v0, 32);                     \
+    v2 += v3; v3 = TCP_ROTL(v3, 16); v3 ^= v2;                                            \
+    v0 += v3; v3 = TCP_ROTL(v3, 21); v3 ^= v0;                                            \
+    v2 += v1; v1 = TCP_ROTL(v1, 17); v1 ^= v2; v2 = TCP_ROTL(v2, 32);                     \
+  } while (0)
+
+static inline uint64_t tcp_le64(const unsigned char *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+
+/* SipHash-2-4 with its 128-bit output (Aumasson and Bernstein's reference), keyed by the token. */
+static void tcp_siphash128(const unsigned char key[16], const void *data, size_t len, unsigned char out[16]) {
+  const unsigned char *m = (const unsigned char *)data;
+  const uint64_t k0 = tcp_le64(key), k1 = tcp_le64(key + 8);
+  uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1 ^ 0xee;
+  uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+  size_t off = 0;
+  for (; off + 8 <= len; off += 8) {
+    const uint64_t w = tcp_le64(m + off);
+    v3 ^= w;
+    TCP_SIPROUND; TCP_SIPROUND;
+    v0 ^= w;
+  }
+  uint64_t last = (uint64_t)len << 56;
+  for (size_t i = 0; off + i < len; i++) last |= (uint64_t)m[off + i] << (8 * i);
+  v3 ^= last;
+  TCP_SIPROUND; TCP_SIPROUND;
+  v0 ^= last;
+  v2 ^= 0xee;
+  TCP_SIPROUND; TCP_SIPROUND; TCP_SIPROUND; TCP_SIPROUND;
+  uint64_t half = v0 ^ v1 ^ v2 ^ v3;
+  for (int i = 0; i < 8; i++) out[i] = (unsigned char)(half >> (8 * i));
+  v1 ^= 0xdd;
+  TCP_SIPROUND; TCP_SIPROUND; TCP_SIPROUND; TCP_SIPROUND;
+  half = v0 ^ v1 ^ v2 ^ v3;
+  for (int i = 0; i < 8; i++) out[8 + i] = (unsigned char)(half >> (8 * i));
+}
+
+/* A hello's proof: its other fields, keyed by the token (it goes where the hello's token field is). */
+static inline void tcp_hello_proof(const unsigned char token[16], const tcp_hello *h, unsigned char out[16]) {
+  tcp_hello bare = *h;
+  memset(bare.token, 0, sizeof bare.token);
+  tcp_siphash128(token, &bare, sizeof bare, out);
+}
+
+/* A goodbye written back on stream `stream` of channel `channel` that rank `from` accepted from rank
+ * `to`: its proof, which follows it (the hello proved the connecting side; this, the accepting one). */
+static inline void tcp_back_proof(const unsigned char token[16], const tcp_hdr *bye, uint32_t from, uint32_t to,
+                                  uint32_t channel, uint32_t stream, unsigned char out[16]) {
+  unsigned char msg[ENG_TCP_HDR + 16];
+  const uint32_t who[4] = {from, to, channel, stream};
+  memcpy(msg, bye, ENG_TCP_HDR);
+  memcpy(msg + ENG_TCP_HDR, who, sizeof who);
+  tcp_siphash128(token, msg, sizeof msg, out);
 }
 
 static void tcp_sockopts(int fd) {

@@ -783,7 +783,7 @@ def test_a_handle_that_does_not_prove_its_secret_is_closed_unread():
         bad = socket.create_connection((addr, port))
         bad.sendall(handles._HELLO.pack(handles.MAGIC, b"x" * 16, 7, 1, 2, b"d" * 32) + b"junk" * 100)
         good = socket.create_connection((addr, port))
-        good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 8, 1, 2, b"d" * 32))
+        good.sendall(handles.member_hello(secret, 8, 1, 2, b"d" * 32))
         with pytest.raises(TimeoutError, match=r"members \[1\]"):
             listener.accept_members(7, 2, b"d" * 32, time.monotonic() + 1.5, [listener.handle, listener.handle],
                                     handles.Meeting(listener))
@@ -829,7 +829,7 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
             silent.append(socket.create_connection((addr, port), timeout=10))
         good = socket.create_connection((addr, port))
         silent.append(good)
-        good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        good.sendall(handles.member_hello(secret, 9, 1, 2, b"d" * 32))
         side.join(25)
         conns = got.get("conns")
         assert isinstance(conns, dict), conns
@@ -838,6 +838,41 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
     finally:
         for conn in silent:
             conn.close()
+        listener.close()
+
+
+def test_whatever_listens_at_the_hubs_address_learns_no_secret_and_is_not_believed():
+    """A member connects to the hub's handle, where another process listens (one that took the port of
+    a hub that ended): its hello carried the hub's secret, and whatever answered was believed (the
+    store's values a group is made of). Now the hello proves the secret without it, and the member
+    checks the hub's own proof before it reads an answer."""
+    import socket
+
+    from engine import handles
+
+    listener = handles.Listener()
+    stranger = socket.create_server(("127.0.0.1", 0))
+    secret = os.urandom(16)
+    hub = f"engine2/127.0.0.1/{stranger.getsockname()[1]}/{secret.hex()}/{handles.this_host()}"
+    heard = {}
+
+    def answer():
+        conn, _ = stranger.accept()
+        heard["hello"] = handles._recv_exact(conn, handles._HELLO.size, "hello")
+        conn.sendall(bytes(16) + handles._REPLY.pack(handles.OK, 5) + b"30.00")   # (a forged proof, then "OK")
+        heard["conn"] = conn
+
+    side = threading.Thread(target=answer)
+    side.start()
+    try:
+        with pytest.raises(ConnectionError, match=r"did not prove the handle's secret: it is not the hub"):
+            handles.MemberStore(hub, 5, 1, 2, b"d" * 32, time.monotonic() + 5, handles.Meeting(listener))
+        side.join(5)
+        assert secret not in heard["hello"]
+    finally:
+        if "conn" in heard:
+            heard["conn"].close()
+        stranger.close()
         listener.close()
 
 
@@ -873,7 +908,7 @@ def test_a_silent_connection_that_closes_as_another_takes_its_place_fails_nothin
         time.sleep(0.3)   # (no event to wait on: the hub's next select sees both)
         good = socket.create_connection((addr, port))
         silent.append(good)
-        good.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        good.sendall(handles.member_hello(secret, 9, 1, 2, b"d" * 32))
         side.join(25)
         conns = got.get("conns")
         assert isinstance(conns, dict), conns
@@ -909,7 +944,7 @@ def test_members_of_reconfigures_the_hub_never_reached_that_gave_up_make_room_fo
 
     def hello(uuid):
         conn = socket.create_connection((addr, port), timeout=10)
-        conn.sendall(handles._HELLO.pack(handles.MAGIC, secret, uuid, 1, 2, b"d" * 32))
+        conn.sendall(handles.member_hello(secret, uuid, 1, 2, b"d" * 32))
         return conn
 
     try:
@@ -1011,12 +1046,12 @@ def test_a_member_of_the_next_reconfigure_connecting_while_the_last_one_ends_is_
 
     listener = handles.Listener()
     addr, port, secret, _ = handles.parse_handle(listener.handle)
-    early_hello = handles._HELLO.pack(handles.MAGIC, secret, 42, 1, 2, b"e" * 32)
+    early_hello = handles.member_hello(secret, 42, 1, 2, b"e" * 32)
     try:
         early = socket.create_connection((addr, port))        # (first in the backlog: accepted first)
         early.sendall(early_hello[:10])
         member = socket.create_connection((addr, port))
-        member.sendall(handles._HELLO.pack(handles.MAGIC, secret, 41, 1, 2, b"d" * 32))
+        member.sendall(handles.member_hello(secret, 41, 1, 2, b"d" * 32))
         conns = listener.accept_members(41, 2, b"d" * 32, time.monotonic() + 5, [listener.handle] * 2,
                                         handles.Meeting(listener))
         assert list(conns) == [1]
@@ -1044,7 +1079,7 @@ def test_a_silent_connection_holds_up_neither_the_members_nor_abort():
     try:
         strangers[1].sendall(b"E")   # (a trickle: the first byte of a hello)
         member = socket.create_connection((addr, port))
-        member.sendall(handles._HELLO.pack(handles.MAGIC, secret, 9, 1, 2, b"d" * 32))
+        member.sendall(handles.member_hello(secret, 9, 1, 2, b"d" * 32))
         started = time.monotonic()
         conns = listener.accept_members(9, 2, b"d" * 32, started + 30, [listener.handle] * 2, handles.Meeting(listener))
         assert list(conns) == [1] and time.monotonic() - started < 5.0

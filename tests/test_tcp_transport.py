@@ -22,14 +22,23 @@ from engine import _core
 from engine.watch import EngineError, EnginePeerLost
 from p2p_watch import Deadline, receive_until_it_ends
 
-MAGIC, VERSION, HDR = 0x54474E45, 2, 32
+MAGIC, VERSION, HDR = 0x54474E45, 3, 32
 MSG, PART, BYE = 0x2147534D, 0x54524150, 0x21455942
 HELLO = 48
 TOKEN = bytes(range(16))
 
 
 def hello(token=TOKEN, frm=1, to=0, channel=1, stream=0, nstreams=1, size=2):
-    return struct.pack("<IHH16sIIIIII", MAGIC, VERSION, HDR, token, frm, to, channel, stream, nstreams, size)
+    """A hello proving `token`: where its token field is, the proof of its other fields."""
+    fields = (frm, to, channel, stream, nstreams, size)
+    bare = struct.pack("<IHH16sIIIIII", MAGIC, VERSION, HDR, bytes(16), *fields)
+    return struct.pack("<IHH16sIIIIII", MAGIC, VERSION, HDR, _core.tcp_proof(token, bare), *fields)
+
+
+def back_bye(frm, stream, to=0, channel=1, token=TOKEN):
+    """A goodbye written back on stream `stream` of a connection rank `to` made to rank `frm`, proved."""
+    bye = header(BYE, 0, 0, 0, 0)
+    return bye + _core.tcp_proof(token, bye + struct.pack("<IIII", frm, to, channel, stream))
 
 
 def header(kind, tag, seq, a, b):
@@ -123,10 +132,27 @@ def closed_by_peer(sock):
         return True
 
 
-# Each field of a hello, right (rank 1 to rank 0 of a group of 2, on the user's channel) or wrong.
-HELLO_FIELDS = {"magic": [MAGIC, MAGIC ^ 1], "version": [VERSION, 1, 3], "hdr": [HDR, 16],
+# Each field of a hello, right (rank 1 to rank 0 of a group of 2, on the user's channel) or wrong (the
+# token: the one its proof is made with; "proof": one made before a field changed, the one given here).
+HELLO_FIELDS = {"magic": [MAGIC, MAGIC ^ 1], "version": [VERSION, 2, 4], "hdr": [HDR, 16],
                 "token": [TOKEN, bytes(16)], "frm": [1, 0, 2, 1 << 31], "to": [0, 1, 7], "channel": [1, 0, 2],
-                "stream": [0, 1, 2, 16], "nstreams": [1, 0, 17], "size": [2, 1, 3]}
+                "stream": [0, 1, 2, 16], "nstreams": [1, 0, 17], "size": [2, 1, 3],
+                "proof": [None, ("size", 3), ("frm", 0), ("channel", 0)]}
+
+
+def hello_of(fields):
+    """The hello of HELLO_FIELDS-like fields: its token field the proof of the others by fields["token"]
+    (made before fields["proof"]'s change, where one is named)."""
+    values = {k: v for k, v in fields.items() if k not in ("token", "proof")}
+    bare = dict(values)
+    if fields["proof"] is not None:
+        name, value = fields["proof"]
+        bare[name] = values[name] ^ 1 if value == values[name] else value
+
+    def pack(f, token):
+        return struct.pack("<IHH16sIIIIII", f["magic"], f["version"], f["hdr"], token, f["frm"], f["to"], f["channel"],
+                           f["stream"], f["nstreams"], f["size"])
+    return pack(values, _core.tcp_proof(fields["token"], pack(bare, bytes(16))))
 
 
 @settings(max_examples=100, deadline=None)
@@ -140,7 +166,7 @@ def test_a_hello_is_taken_only_whole_and_right_in_every_field(wrong, pick, cut):
         fields = {k: v[0] for k, v in HELLO_FIELDS.items()}
         if wrong is not None:
             fields[wrong] = HELLO_FIELDS[wrong][1 + (pick - 1) % (len(HELLO_FIELDS[wrong]) - 1)]
-        data = struct.pack("<IHH16sIIIIII", *fields.values())[:cut]
+        data = hello_of(fields)[:cut]
         sock = connect(ports[1], data + (header(MSG, 3, 0, 4, 4) + b"evil" if cut is None else b""))
         if cut is not None:
             sock.close()
@@ -428,8 +454,9 @@ def test_a_connection_its_peer_dropped_before_its_hello_is_made_again(rank0):
     while len(conns) < 2:
         c, _ = listener.accept()
         got = recv_exact(c, HELLO)
-        assert got[:8] == hello()[:8] and got[8:24] == TOKEN
-        conns[struct.unpack_from("<I", got, 36)[0]] = c   # (by its stream)
+        stream = struct.unpack_from("<I", got, 36)[0]
+        assert got == hello(frm=0, to=1, stream=stream, nstreams=2) and TOKEN not in got   # (its proof, not the token)
+        conns[stream] = c
     assert recv_exact(conns[0], HDR + 4) == header(MSG, 7, 0, 4, 4) + b"late"
     back = connect(ports[1], hello() + header(MSG, 5, 0, 4, 4) + b"back")
     r.wait()
@@ -807,7 +834,7 @@ def test_a_peer_that_left_in_order_fails_only_what_involves_it(trio, direction):
         stream0 = leaver if struct.unpack_from("<I", got, 36)[0] == 0 else second
         assert recv_exact(stream0, HDR + 2)[-2:] == b"hi"
         for sock in (leaver, second):                        # both ends readable in one poll
-            sock.sendall(header(BYE, 0, 0, 0, 0))
+            sock.sendall(back_bye(2, 0 if sock is stream0 else 1))
     r = core.irecv(out, 1, 0)
     if direction != "on its own connection":
         second.close()
@@ -847,7 +874,7 @@ def test_a_message_a_peer_sent_before_it_left_is_received_though_it_left_our_dat
     sender = connect(ports[1], hello() + header(MSG, 5, 0, len(payload), len(payload)) + payload[:50_000])
     r = core.irecv(np.zeros(2, np.uint8), 1, 9)
     assert keeps_waiting(r, 0.2)                              # the message's header read; held for a receive
-    stream0.sendall(header(BYE, 0, 0, 0, 0))
+    stream0.sendall(back_bye(1, 0))
     stream0.close()                                          # unread data: a reset
     assert keeps_waiting(r, 0.2)                              # (the goodbye and the reset read)
     sender.sendall(payload[50_000:] + header(BYE, 0, 0, 0, 0))
@@ -928,6 +955,43 @@ def test_a_receive_from_any_rank_fails_once_no_other_rank_is_left_to_send(how):
         f.close()
 
 
+def test_the_proof_is_sipHash_2_4_with_its_128_bit_output():
+    """The reference's vectors (key 00..0f, messages 00..n-1)."""
+    key = bytes(range(16))
+    assert _core.tcp_proof(key, b"").hex() == "a3817f04ba25a8e66df67214c7550293"
+    assert _core.tcp_proof(key, bytes(1)).hex() == "da87c1d86b99af44347659119b22fc45"
+    assert _core.tcp_proof(key, bytes(range(15))).hex() == "5493e99933b0a8117e08ec0f97cfc3d9"
+
+
+@pytest.mark.parametrize("answer", ["a goodbye with a wrong proof", "a goodbye without its proof",
+                                    "another stream's goodbye"])
+def test_whatever_listens_at_a_peers_address_learns_no_token_and_cant_say_it_left(rank0, answer):
+    """A process listening where rank 1 did (one that took a departed rank's port: ENGINE_TCP_CONNECT=lazy
+    connects at the first message) gets rank 0's hello, which carried the token: it could then claim any
+    rank to the others. It answered with a goodbye, which rank 0 took as rank 1 leaving in order. Now
+    the hello carries a proof of its fields, not the token, and a goodbye written back must prove the
+    token for that connection: rank 1 is failed, not departed."""
+    core, stranger, ports = rank0
+    stranger.settimeout(5)
+    core.send(np.frombuffer(b"hi", np.uint8), 1, 0)             # rank 0 connects (both streams) to send
+    made = [stranger.accept()[0] for _ in range(2)]
+    got = [recv_exact(sock, HELLO) for sock in made]
+    assert not any(TOKEN in g for g in got)
+    stream0 = made[0] if struct.unpack_from("<I", got[0], 36)[0] == 0 else made[1]
+    back = {"a goodbye with a wrong proof": back_bye(1, 0, token=bytes(16)),
+            "a goodbye without its proof": header(BYE, 0, 0, 0, 0),
+            "another stream's goodbye": back_bye(1, 1)}[answer]
+    stream0.sendall(back)
+    if answer == "a goodbye without its proof":
+        stream0.close()
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) (sent a malformed frame|"
+                                          r"closed its connection.* without leaving)"):
+        core.recv(np.zeros(2, np.uint8), 1, 0)
+    assert core.user_transport.departed == []
+    for sock in made:
+        sock.close()
+
+
 def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
     core, fakes, ports = trio
     core.send(np.frombuffer(b"hi", np.uint8), 2, 0)
@@ -937,8 +1001,9 @@ def test_goodbye_is_said_on_every_connection_and_ends_what_was_under_way(trio):
     r = core.irecv(np.zeros(2, np.uint8), 1, 0)
     assert keeps_waiting(r)
     core.user_transport.goodbye()
+    assert recv_exact(made, HDR) == header(BYE, 0, 0, 0, 0)
+    assert recv_exact(accepted, HDR + 16) == back_bye(0, 0, to=1)   # (back on a connection rank 1 made: proved)
     for sock in (made, accepted):
-        assert recv_exact(sock, HDR) == header(BYE, 0, 0, 0, 0)
         assert closed_by_peer(sock) or sock.recv(1) == b""
     with pytest.raises(EnginePeerLost, match="rank 0 left this group"):
         r.wait()
