@@ -430,12 +430,11 @@ def forced_items(collective, environ=None):
     sources = [(force_variable(collective), "")]
     if collective == "allreduce":
         sources.append(("ENGINE_CUDA_ALLREDUCE_ALGO", "nccl:"))
-    out = []
+    out, named = [], {}   # named: transport (None: every transport) -> the name given it
     for var, prefix in sources:
         raw = env.get(var, "").strip().lower()
         if raw in ("", "auto"):
             continue
-        named = {}   # transport (None: every transport) -> the name this variable gives it
         for item in (i.strip() for i in raw.split(",")):
             if not item:
                 continue
@@ -451,10 +450,15 @@ def forced_items(collective, environ=None):
                 where = f" on the {transport} transport" if transport else ""
                 raise ValueError(f"{var}={raw!r}: {collective} has no algorithm {name!r}{where}; expected auto, or "
                                  f"one of {', '.join(names)} (optionally as transport:name)")
-            if named.setdefault(transport or None, name) != name:   # (the second was never run)
+            # (the second named for a transport was never run; nor one after a bare name that runs there)
+            first = named.setdefault(transport or None, name)
+            if first == name and transport and None in named and \
+                    named[None] in {e.name for e in entries(collective, transport)}:
+                first = named[None]
+            if first != name:
                 raise ValueError(f"{var}={raw!r} names two {collective} algorithms for "
                                  f"{f'the {transport} transport' if transport else 'every transport'} "
-                                 f"({named[transport or None]}, {name}): name one")
+                                 f"({first}, {name}): name one")
             out.append((transport or None, name))
     return out
 

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -663,12 +664,18 @@ def _install_dump_signal():
 
 def _own_file(path):
     """path opened for writing, emptied, and readable by this user only: a link there is not followed,
-    and a file another user made there (in a shared folder such as /tmp) is refused, not written into."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    and a file another user made there (in a shared folder such as /tmp), or anything but a plain file
+    (a FIFO would block the open), is refused, not written into."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
-        if os.fstat(fd).st_uid != os.geteuid():
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(13, "Permission denied: not a plain file")
+        if st.st_uid != os.geteuid():
             raise PermissionError(13, "Permission denied: another user owns this file")
+        os.fchmod(fd, 0o600)   # (one made before keeps its mode otherwise)
         os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "w")
     except BaseException:
         os.close(fd)
@@ -699,7 +706,8 @@ class _Trace:
         try:   # (here, not at exit, where the whole run's timeline would be lost)
             _own_file(path).close()
         except OSError as exc:
-            why = "a symbolic link, not followed" if exc.errno == errno.ELOOP else exc.strerror
+            why = {errno.ELOOP: "a symbolic link, not followed",   # (ENXIO: a FIFO no process reads)
+                   errno.ENXIO: "not a plain file"}.get(exc.errno, exc.strerror)
             raise ValueError(f"ENGINE_TRACE={os.environ.get('ENGINE_TRACE')!r}: can't write this rank's trace "
                              f"{path!r} ({why})") from None
         self.path, self.rank = path, rank

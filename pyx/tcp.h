@@ -609,7 +609,9 @@ static int eng_tcp_peer_errno(eng_tcp *t, int peer) { return t->peers[peer].dead
 static int eng_tcp_departed(eng_tcp *t, int peer) { return t->peers[peer].departed; }
 static int eng_tcp_peers_connected(eng_tcp *t) { /* peers this rank made its streams to (lazily: once used) */
   int n = 0;
+  pthread_mutex_lock(&t->lock);
   for (int q = 0; q < t->size; q++) n += t->peers[q].nout > 0;
+  pthread_mutex_unlock(&t->lock);
   return n;
 }
 static int eng_tcp_bye_lost(eng_tcp *t, int peer) { return t->peers[peer].bye_lost - 1; }

@@ -345,6 +345,9 @@ static void tcp_siphash128(const unsigned char key[16], const void *data, size_t
   for (int i = 0; i < 8; i++) out[8 + i] = (unsigned char)(half >> (8 * i));
 }
 
+/* (the proofs hash these structs' bytes: no padding may be among them) */
+_Static_assert(sizeof(tcp_hello) == ENG_TCP_HELLO && sizeof(tcp_hdr) == ENG_TCP_HDR, "wire structs are packed");
+
 /* A hello's proof: its other fields, keyed by the token (it goes where the hello's token field is). */
 static inline void tcp_hello_proof(const unsigned char token[16], const tcp_hello *h, unsigned char out[16]) {
   tcp_hello bare = *h;

@@ -131,6 +131,7 @@ def test_a_forced_entry_keeps_the_automatic_choice_for_calls_it_does_not_take():
     ({"ENGINE_ALLREDUCE_ALGO": "mpi:ring, mpi:rdouble"},
      r"two allreduce algorithms for the mpi transport \(ring, rdouble\)"),
     ({"ENGINE_ALLREDUCE_ALGO": "ring,rdouble"}, r"two allreduce algorithms for every transport \(ring, rdouble\)"),
+    ({"ENGINE_ALLREDUCE_ALGO": "ring, mpi:rdouble"}, r"two allreduce algorithms for the mpi transport \(ring, rdouble\)"),
 ])
 def test_forcing_what_a_group_cannot_run_is_refused_by_name(env, message):
     with pytest.raises(ValueError, match=message):
@@ -222,10 +223,10 @@ def test_the_settings_ranks_compare_are_their_transports_thresholds_forced_names
     assert "ENGINE_SHM_CHUNK_BYTES" not in registry.settings("tcp")
     monkeypatch.setenv("ENGINE_SHM_CHUNK_BYTES", "131072")
     monkeypatch.setenv("ENGINE_SHM_THREAD_SLICE_BYTES", "4096")     # a rank's own
-    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:ring, rdouble, tcp:ring")
+    monkeypatch.setenv("ENGINE_ALLREDUCE_ALGO", "shm:ring, tcp:ring, rdouble")
     assert registry.settings("shm") == {**base, "ENGINE_SHM_CHUNK_BYTES": 131072,
                                         "ENGINE_ALLREDUCE_ALGO": "shm:ring,rdouble"}
-    assert registry.settings("tcp")["ENGINE_ALLREDUCE_ALGO"] == "rdouble,tcp:ring"
+    assert registry.settings("tcp")["ENGINE_ALLREDUCE_ALGO"] == "tcp:ring,rdouble"
     for var in ("ENGINE_SHM_CHUNK_BYTES", "ENGINE_SHM_THREAD_SLICE_BYTES", "ENGINE_ALLREDUCE_ALGO"):
         monkeypatch.delenv(var)
     hashes = []

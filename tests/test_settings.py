@@ -339,6 +339,13 @@ def test_a_trace_file_is_named_per_rank_in_either_form(tmp_path, monkeypatch):
     trace.write()
     assert json.loads((tmp_path / "w-1.json").read_text())["traceEvents"][0]["args"] == {"name": "rank 1"}
     assert (tmp_path / "w-1.json").stat().st_mode & 0o777 == 0o600   # (a timeline of the job: its user's)
+    (tmp_path / "m.rank2.json").write_text("old")   # (one made before, readable by all: its mode was kept)
+    os.chmod(tmp_path / "m.rank2.json", 0o644)
+    _Trace(str(tmp_path / "m.json"), 2)
+    assert (tmp_path / "m.rank2.json").stat().st_mode & 0o777 == 0o600
+    os.mkfifo(tmp_path / "f.rank2.json")   # (a FIFO with no reader blocked the open for ever)
+    with pytest.raises(ValueError, match=r"f\.rank2\.json' \(.*not a plain file"):
+        _Trace(str(tmp_path / "f.json"), 2)
     # A link in its place (a shared folder: another user's) is not followed; its target stays as it was.
     (tmp_path / "target").write_text("theirs")
     (tmp_path / "l.rank2.json").symlink_to(tmp_path / "target")

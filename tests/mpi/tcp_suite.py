@@ -115,7 +115,7 @@ def test_collectives_and_point_to_point_under_other_settings(settings):
                 settings.get("ENGINE_TCP_EAGER_BYTES", tcp.DEFAULT_EAGER))
         for tp in (comm.core.algo_transport, comm.core.user_transport):
             assert tp.streams[:3] == want, (tp.streams, want)
-        lazy = settings.get("ENGINE_TCP_CONNECT", os.environ.get("ENGINE_TCP_CONNECT")) == "lazy"
+        lazy = settings.get("ENGINE_TCP_CONNECT", tcp.connect_mode()) == "lazy"   # (the engine's reading of it)
         assert comm.core.user_transport.streams[3] == (0 if lazy else P - 1), comm.core.user_transport.streams
         for n in (1, 1000, 3 << 20):
             t = torch.from_numpy(data(R, n).astype(np.float32))
