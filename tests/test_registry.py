@@ -131,7 +131,8 @@ def test_a_forced_entry_keeps_the_automatic_choice_for_calls_it_does_not_take():
     ({"ENGINE_ALLREDUCE_ALGO": "mpi:ring, mpi:rdouble"},
      r"two allreduce algorithms for the mpi transport \(ring, rdouble\)"),
     ({"ENGINE_ALLREDUCE_ALGO": "ring,rdouble"}, r"two allreduce algorithms for every transport \(ring, rdouble\)"),
-    ({"ENGINE_ALLREDUCE_ALGO": "ring, mpi:rdouble"}, r"two allreduce algorithms for the mpi transport \(ring, rdouble\)"),
+    ({"ENGINE_ALLREDUCE_ALGO": "ring, mpi:rdouble"},
+     r"two allreduce algorithms for the mpi transport \(ring, rdouble\)"),
 ])
 def test_forcing_what_a_group_cannot_run_is_refused_by_name(env, message):
     with pytest.raises(ValueError, match=message):
