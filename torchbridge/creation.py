@@ -34,18 +34,28 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
+    base = None
     changed = reconfigured()
     world_size = dist.get_world_size() if ranks and dist.is_initialized() else opts.group_size
     over_mpi = launcher_of_world(world_size) is not None and not changed   # (after a reconfigure or a shrink: never)
     # (in a forked child: not through the store or the MPI it inherited, before anything reaches them)
     forks.check_can_make(f"group {name!r}", store, mpi=over_mpi)
-    shrinks = world_shrinks()
-    if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
-        store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
-    if ranks and store is not None:
-        # (torch names a new world's groups from 1 again, in a store that may be the last world's: torchrun's
-        # agent's. Its group "1" of other members would count its makings from the last one's keys.)
-        store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
+    world = dist.distributed_c10d._world.default_pg if ranks and dist.is_initialized() else None
+    agreed = getattr(world, "_store_shared", None)   # (None: the world was not reconfigured)
+    if agreed is not None and store is not None:
+        # (its members' own counts of worlds, makings and shrinks differ where one joined through the
+        # reconfigure: they meet under its membership, which each names alike, where they share the store)
+        if agreed is not True:
+            raise RuntimeError(f"engine new_group {name!r}: the world's reconfigure found that {agreed}")
+        store = dist.PrefixStore(f"engine/world-{world._membership}", store)
+    else:
+        shrinks = world_shrinks()
+        if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
+            store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
+        if ranks and store is not None:
+            # (torch names a new world's groups from 1 again, in a store that may be the last world's:
+            # torchrun's agent's. Its group "1" of other members would count its makings from the last one's.)
+            store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
     if store is not None:
         # (counted by the rank in the world: ranks given different lists for one group would share
         # their positions' counts, land in different makings and wait there until the timeout)
@@ -53,9 +63,11 @@ def create_process_group(opts, backend_options=None):
                             f"engine: group {name!r}")
         if not ranks:   # (the worlds this rank made in this store: its ranks' count alike, whatever other
             _worlds[0] = making   # stores a rank made worlds in before, as a rank's world of its own)
-        store = dist.PrefixStore(f"engine/made-{making}", store)
+        base, store = store, dist.PrefixStore(f"engine/made-{making}", store)
     if getattr(opts, "enable_reconfigure", False):
-        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
+        group = EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
+        group._base_store = base
+        return group
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group", parent=_world_comm())
@@ -65,7 +77,9 @@ def create_process_group(opts, backend_options=None):
     else:
         mpi_comm = _mpi_group(opts, ranks, name, seconds)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
-    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
+    group = EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
+    group._base_store = base
+    return group
 
 
 def _world_comm():

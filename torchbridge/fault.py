@@ -6,6 +6,7 @@ a Python ProcessGroup answers for itself as its own backend (see process_group.p
 
 import contextlib
 import functools
+import secrets
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from engine import Communicator, failure
 from engine.bootstrap import Cancel, StoreBootstrap, agree_on_members
 from engine._core import BROKEN_AFTER, EngineAborted, EngineMismatch, EnginePeerLost, EngineTimeout
 from engine.tcp import store_host
-from engine.watch import Watch
+from engine.watch import StoreWithin, Watch
 from engine import handles as _handles
 
 from .work import CompletedWork, in_seconds
@@ -77,6 +78,12 @@ class FaultTolerance:
         self._last_watch = None  # (the watch of the communicator attached last, kept past an abort: _attach sets it)
         self._membership = ""    # (the store's keys of the members since the last reconfigure: see reconfigure)
         self._monitored_seq = 0  # (monitored barriers since then)
+        # (after a reconfigure: True where every member reaches the group's store under the keys the
+        # others use, which the members' groups' makings numbered apart; else why not, in words. None:
+        # never reconfigured, the group's own store holds)
+        self._store_shared = None
+        if not hasattr(self, "_base_store"):
+            self._base_store = self._store   # (the store under the making's count: creation sets it)
 
     # -- what torch asks --
 
@@ -124,6 +131,7 @@ class FaultTolerance:
         late.daemon = True
         late.start()
         comm = None
+        membership = f"reconfigure-{uuid}-{store.meeting.digest.hex()[:16]}/"
         try:
             comm = Communicator.from_store(store, index, n, prefix=f"engine/reconfigure/{uuid}",
                                           transport=own_transport(), timeout=self._timeout_seconds(),
@@ -131,9 +139,21 @@ class FaultTolerance:
             # Whether torch's table of the group's ranks still holds (every member in its place): every
             # member learns it alike, so that a group made later through torch's store from that table
             # (shrink_group, split_group) is refused on all of them or none.
-            torch_ranks = StoreBootstrap(store, index, n, f"engine/reconfigure/{uuid}/torch", timeout=seconds,
-                                         on_cancel=store.meeting.on_cancel).allgather(
-                (dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self)))
+            boot = StoreBootstrap(store, index, n, f"engine/reconfigure/{uuid}/torch", timeout=seconds,
+                                  on_cancel=store.meeting.on_cancel)
+            # Whether the members share the group's store: member 0 leaves a word there, under keys of
+            # this membership (not of the members' makings, which each process counts apart); every
+            # member looks for it, and all learn who did not find it (refused alike, at once, later).
+            probe, nonce = f"engine/{membership}store-probe", secrets.token_hex(16)
+            wrote = index == 0 and self._store_probe(probe, nonce, deadline)
+            parts = boot.allgather((dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self),
+                                    nonce if wrote else None))
+            torch_ranks = [(r, s) for r, s, _ in parts]
+            seen = boot.allgather(self._store_probe(probe, parts[0][2], deadline, read=True))
+            store_shared = True if all(seen) else (
+                f"its members do not share one store: member(s) {[i for i, ok in enumerate(seen) if not ok]} "
+                f"of reconfigure {uuid} did not find in their group's store what member 0 left in its own "
+                "(their groups were made over other stores, as torchft's replicas' are, or a store did not answer)")
         except BaseException as exc:
             if comm is not None:
                 comm.free()
@@ -158,7 +178,7 @@ class FaultTolerance:
             self._uuids.add(uuid)
             self._swap_thread = threading.get_ident()
             try:
-                old = self._swap(comm, f"reconfigure-{uuid}-{store.meeting.digest.hex()[:16]}/", index, n, torch_ranks)
+                old = self._swap(comm, membership, index, n, torch_ranks, store_shared)
             finally:
                 self._swap_thread = None
             aborted = self._aborts != aborts   # (abort() from a signal handler of this thread, in the swap)
@@ -170,13 +190,42 @@ class FaultTolerance:
             raise RuntimeError(overtaken.format(self._ended))
         return CompletedWork.of()
 
-    def _swap(self, comm, membership, index, n, torch_ranks):
+    def _store_probe(self, key, nonce, deadline, read=False):
+        """Sets (or, read, looks for) key = nonce in the group's base store, under the reconfigure's
+        deadline: False where the store is gone, does not answer, or (read) holds another value."""
+        if nonce is None or self._base_store is None:
+            return False
+        try:
+            with StoreWithin.bounded(self._base_store, max(0.0, min(deadline - time.monotonic(), 5.0)),
+                                     "store probe") as store:
+                if not read:
+                    store.set(key, nonce)
+                    return True
+                return bool(store.check([key])) and store.get(key).decode() == nonce
+        except Exception:
+            return False
+
+    def _meeting_store(self, what):
+        """The store a group made from this one (shrink, split) and a monitored barrier meet in: the
+        group's own until a reconfigure; after one, the base store under the membership's keys, which
+        every member names alike; refused at once where the members don't share it."""
+        if self._store is None:
+            raise RuntimeError(f"{what}: the group was destroyed (its store is gone): use a live group")
+        if self._store_shared is None:
+            return self._store
+        if self._store_shared is not True:
+            raise RuntimeError(f"{what}: the group's last reconfigure found that {self._store_shared}, where this "
+                               "meets: reconfigure the members you want instead (dist._reconfigure)")
+        return dist.PrefixStore(f"engine/{self._membership}", self._base_store)
+
+    def _swap(self, comm, membership, index, n, torch_ranks, store_shared=None):
         """Puts comm in the group's place (under the swap lock); returns what _release frees of the old.
         membership: the store's keys of the new members (uuid and their list's digest): members of an
         earlier membership, or of another made under the same uuid beside it, count their monitored
         barriers and shrinks apart."""
         self._membership = membership
-        self._monitored_seq = self._shrink_calls = 0
+        self._monitored_seq = self._shrink_calls = self._splits = self._shrinks = 0
+        self._store_shared = store_shared
         if self._last_watch is not None:   # (its failures, and a call's still running on it, are not the group's)
             failure.recovered(self._last_watch)
         if self is dist.distributed_c10d._world.default_pg:
@@ -207,6 +256,7 @@ class FaultTolerance:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
                              f"but not this one ({self._rank}); got {list(ranks_to_exclude)}")
         self._check_torch_knows_members(what, "leave ranks out")
+        meeting = self._meeting_store(what)
         replaced = self._last_watch   # (the communicator's in place, or taken off by an abort: SHRINK_ABORT's too)
         members = [r for r in range(self._size) if r not in excluded]
         # (a member lost while the others make the new group ends their wait: SHRINK_ABORT frees this group
@@ -217,11 +267,11 @@ class FaultTolerance:
             aborted = self._abort_unreleased()
             aborts += 1
         try:
-            return self._shrunk(what, aborts, excluded, members, lost, replaced)
+            return self._shrunk(what, aborts, excluded, members, lost, replaced, meeting)
         finally:
             self._release(*aborted)
 
-    def _shrunk(self, what, aborts, excluded, members, lost, replaced):
+    def _shrunk(self, what, aborts, excluded, members, lost, replaced, meeting):
         """shrink()'s new group, made once the arguments are checked (and SHRINK_ABORT ended this one)."""
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
         index, size = members.index(self._rank), len(members)
@@ -230,7 +280,7 @@ class FaultTolerance:
         # The members meet under their count of shrink calls, which a retry after a failed one advances on
         # every member alike: under the failed attempt's keys, a retry would read what that attempt left.
         store = dist.PrefixStore(f"engine/shrink/{self._name}/{self._membership}{self._shrink_calls}/without-" +
-                                 "-".join(map(str, excluded)), self._store)
+                                 "-".join(map(str, excluded)), meeting)
         with self._making_new_group("shrink", aborts, f"{what} without ranks {excluded}") as cancel:
             try:
                 comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
@@ -302,16 +352,17 @@ class FaultTolerance:
         if self._rank not in members:
             return None
         self._check_torch_knows_members(what, "split it")
+        meeting = self._meeting_store(what)
         comm = self._comm
         if comm is None:
             raise self._cpu.error   # (aborted, or no members before its first reconfigure)
         name = f"{self._name}:split-{count}"   # (the engine's, as its ranks agree on it; torch's is set below)
         seconds = in_seconds(timeout) if timeout is not None else self._timeout_seconds()
-        store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", self._store)
+        store = dist.PrefixStore(f"engine/split-{count}/{'-'.join(map(str, members))}", meeting)
         index, size = members.index(self._rank), len(members)
         with self._making_new_group("split", aborts, f"{what} into ranks {members}") as cancel:
             try:
-                agree_on_members(self._store, f"engine/split-{count}", self._rank, members, seconds, what,
+                agree_on_members(meeting, f"engine/split-{count}", self._rank, members, seconds, what,
                                  "split into", "split_ranks", cancelled=lambda: cancel.why, parent=comm)
             except ConnectionError as exc:   # (aborted, or the store is gone)
                 raise RuntimeError(f"{what} into ranks {members}: {exc}") from exc

@@ -385,8 +385,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             return
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store (a group torch created)")
+        store = self._meeting_store(f"monitored barrier #{seq} of group {self._name!r}")
         comm = self._comm
-        monitored_barrier(self._store, f"engine/monitored-barrier/{self._membership}{seq}/", self.rank(), self.size(),
+        monitored_barrier(store, f"engine/monitored-barrier/{self._membership}{seq}/", self.rank(), self.size(),
                           in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}",
                           aborted=lambda: None if self._comm is comm else self._cpu.error, lost=comm.lost_ranks)
