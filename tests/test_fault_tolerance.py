@@ -854,7 +854,8 @@ def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_stor
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
-    calls = ("monitored_barrier", "new_group", "split_group", "shrink_group")
+    splits = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15)   # (torch 2.14 splits no CPU group)
+    calls = ("monitored_barrier", "new_group", "shrink_group") + (("split_group",) if splits else ())
     assert sorted(done) == sorted((str(r), call) for r in range(3) for call in calls), out[-5000:]
 
 
