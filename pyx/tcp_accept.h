@@ -86,7 +86,7 @@ static int tcp_hello_progress(eng_tcp *t, int i) {
   memcpy(&h, q->buf, sizeof h);
   tcp_hello_proof(t->token, &h, proof);
   int ok = h.magic == ENG_TCP_MAGIC && h.version == ENG_TCP_VERSION && h.hdr == ENG_TCP_HDR &&
-           tcp_cmp_token(h.token, proof) && h.to == (uint32_t)t->rank && h.from < (uint32_t)t->size &&
+           tcp_same_proof(h.token, proof) && h.to == (uint32_t)t->rank && h.from < (uint32_t)t->size &&
            h.from != (uint32_t)t->rank && h.channel == (uint32_t)t->channel && h.size == (uint32_t)t->size &&
            h.nstreams >= 1 && h.nstreams <= ENG_TCP_MAX_STREAMS && h.stream < h.nstreams;
   if (ok) {

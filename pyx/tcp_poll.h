@@ -231,7 +231,7 @@ static int tcp_back_bye(eng_tcp *t, tcp_peer *p, const tcp_out *o) {
   memcpy(&h, o->back, sizeof h);
   tcp_back_proof(t->token, &h, (uint32_t)(p - t->peers), (uint32_t)t->rank, (uint32_t)t->channel,
                  (uint32_t)(o - p->out), proof);
-  if (!tcp_cmp_token(o->back + ENG_TCP_HDR, proof) || !tcp_bye_ok(&h)) return 0;
+  if (!tcp_same_proof(o->back + ENG_TCP_HDR, proof) || !tcp_bye_ok(&h)) return 0;
   tcp_bye_read(t, p, &h);
   return 1;
 }

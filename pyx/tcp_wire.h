@@ -292,15 +292,16 @@ static inline void tcp_close_outs(tcp_peer *p) {
     (x)->next = NULL; \
   } while (0)
 
-static inline int tcp_cmp_token(const unsigned char *a, const unsigned char *b) {
+/* ---- proofs of the group's token: neither side of a connection sends the token itself, so whatever
+ * listens at a peer's address (a process that took a departed rank's port) learns nothing it can use,
+ * and a connection's bytes are parsed only once they proved it. ---- */
+
+/* Whether two proofs are equal, in a time that does not depend on where they differ. */
+static inline int tcp_same_proof(const unsigned char *a, const unsigned char *b) {
   unsigned char d = 0;
   for (int i = 0; i < 16; i++) d |= a[i] ^ b[i];
   return d == 0;
 }
-
-/* ---- proofs of the group's token: neither side of a connection sends the token itself, so whatever
- * listens at a peer's address (a process that took a departed rank's port) learns nothing it can use,
- * and a connection's bytes are parsed only once they proved it. ---- */
 
 #define TCP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
 #define TCP_SIPROUND                                                                      \

@@ -840,22 +840,25 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
 
 
 @pytest.mark.skipif(not HAS_RECONFIGURE, reason="a process joins a group through reconfigure from torch 2.14")
-def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_store():
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_store(transport):
     """tests/faults/replaced_rank.py: rank 2 dies and a new process takes its place through reconfigure;
-    then monitored_barrier, new_group, split_group and shrink_group on the three. The newcomer's making
-    counted ahead of the others' (the dead rank counted too), and each call met under keys of each
-    member's own making: every one ended at the timeout (10 s; split_group and new_group, torch's 30
-    minutes). The reconfigure checks that its members share the group's store, and those calls meet
-    under its membership, which every member names alike: each is done within seconds."""
+    then monitored_barrier, new_group, split_group and shrink_group on the three, and new_group in the
+    shrunk world. The newcomer's making counted ahead of the others' (the dead rank counted too), and
+    each call met under keys of each member's own making, or of its own count of worlds: every one
+    ended at the timeout (10 s; split_group and new_group, torch's 30 minutes). The reconfigure checks
+    that its members share the group's store, and those calls meet under its membership, and the
+    world's shrinks since, which every member names alike: each is done within seconds."""
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "faults", "replaced_rank.py")
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
     splits = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15)   # (torch 2.14 splits no CPU group)
-    calls = ("monitored_barrier", "new_group", "shrink_group") + (("split_group",) if splits else ())
+    calls = ("monitored_barrier", "new_group", "shrink_group", "new_group_after_shrink") + (
+        ("split_group",) if splits else ())
     assert sorted(done) == sorted((str(r), call) for r in range(3) for call in calls), out[-5000:]
 
 

@@ -12,13 +12,11 @@ from engine.launcher import MPIRUN_HINT, launcher_of_world
 from engine.watch import StoreWithin
 
 from . import functional
-from .fault import own_transport, reconfigured, world_shrinks
+from .fault import own_transport, reconfigured
 from .process_group import EngineProcessGroup
 from .work import in_seconds
 
 _GROUP_TAG = 31337  # MPI_Comm_create_group tag for torch sub-groups
-_worlds = [0]       # the count of the last world this rank made (init_process_group) in its store, whose
-                    # groups' keys the store keeps apart
 
 
 def create_process_group(opts, backend_options=None):
@@ -34,40 +32,34 @@ def create_process_group(opts, backend_options=None):
     name = opts.group_id or "default"
     ranks = list(opts.global_ranks_in_group)
     store = attempt_store(opts.store)
-    base = None
+    base, making = None, 0
     changed = reconfigured()
     world_size = dist.get_world_size() if ranks and dist.is_initialized() else opts.group_size
     over_mpi = launcher_of_world(world_size) is not None and not changed   # (after a reconfigure or a shrink: never)
     # (in a forked child: not through the store or the MPI it inherited, before anything reaches them)
     forks.check_can_make(f"group {name!r}", store, mpi=over_mpi)
     world = dist.distributed_c10d._world.default_pg if ranks and dist.is_initialized() else None
-    agreed = getattr(world, "_store_shared", None)   # (None: the world was not reconfigured)
-    if agreed is not None and store is not None:
-        # (its members' own counts of worlds, makings and shrinks differ where one joined through the
-        # reconfigure: they meet under its membership, which each names alike, where they share the store)
-        if agreed is not True:
+    if ranks and store is not None:
+        # A group's keys go under its world's: torch names a new world's groups from 1 again, in a store
+        # that may be the last world's (torchrun's agent's), and a shrunk world's from 0 again; where one
+        # member joined the world through a reconfigure, the members' counts of worlds, makings and
+        # shrinks differ, and the world's key follows its reconfigures and shrinks, which each names alike.
+        agreed = getattr(world, "_store_shared", None)   # (None: the world was not reconfigured)
+        if agreed not in (None, True):
             raise RuntimeError(f"engine new_group {name!r}: the world's reconfigure found that {agreed}")
-        store = dist.PrefixStore(f"engine/world-{world._membership}", store)
-    else:
-        shrinks = world_shrinks()
-        if shrinks:   # (torch names the groups made after a shrink of the world from 0 again)
-            store = dist.PrefixStore(f"engine/world-shrink-{shrinks}", store)
-        if ranks and store is not None:
-            # (torch names a new world's groups from 1 again, in a store that may be the last world's:
-            # torchrun's agent's. Its group "1" of other members would count its makings from the last one's.)
-            store = dist.PrefixStore(f"engine/world-{_worlds[0]}", store)
+        store = dist.PrefixStore(f"engine/world-{getattr(world, '_world_key', '0')}", store)
     if store is not None:
         # (counted by the rank in the world: ranks given different lists for one group would share
         # their positions' counts, land in different makings and wait there until the timeout)
         making = makings_of(store, ranks[opts.group_rank] if ranks else opts.group_rank, seconds,
                             f"engine: group {name!r}")
-        if not ranks:   # (the worlds this rank made in this store: its ranks' count alike, whatever other
-            _worlds[0] = making   # stores a rank made worlds in before, as a rank's world of its own)
         base, store = store, dist.PrefixStore(f"engine/made-{making}", store)
+    # (a world's groups' keys go under the worlds this rank made in this store, which its ranks count
+    # alike, whatever other stores a rank made worlds in before)
+    made = dict(base_store=base, world_key=None if ranks else str(making))
     if getattr(opts, "enable_reconfigure", False):
-        group = EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True)
-        group._base_store = base
-        return group
+        return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True,
+                                  **made)
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group", parent=_world_comm())
@@ -77,9 +69,7 @@ def create_process_group(opts, backend_options=None):
     else:
         mpi_comm = _mpi_group(opts, ranks, name, seconds)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
-    group = EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name)
-    group._base_store = base
-    return group
+    return EngineProcessGroup(comm, opts.group_rank, opts.group_size, opts.timeout, store, name, **made)
 
 
 def _world_comm():

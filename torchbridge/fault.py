@@ -31,12 +31,6 @@ def reconfigured():
     return getattr(dist.distributed_c10d._world.default_pg, "_members_changed", False)
 
 
-def world_shrinks():
-    """How often this process's world was shrunk: torch names new groups from 0 again after each, in
-    the same store, so the engine's keys of a group made afterwards go under this count."""
-    return getattr(dist.distributed_c10d._world.default_pg, "_world_shrinks", 0)
-
-
 class Unavailable:
     """What a group without a communicator calls: every collective, message and progress call raises
     the reason (no members before the first reconfigure, or aborted). It stands where the
@@ -60,7 +54,10 @@ class FaultTolerance:
     """The fault-tolerance half of EngineProcessGroup: the group's state is `_comm` (None: see
     `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
 
-    def _init_fault_tolerance(self, listen):
+    def _init_fault_tolerance(self, listen, base_store, world_key):
+        """listen: listen for reconfigures from the start. base_store: the store under the count of the
+        group's makings, where its reconfigures meet. world_key: a world's (else None) part of the store
+        its groups' keys go under, which its reconfigures and shrinks change alike on every member."""
         self._listener = self._new_listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
@@ -82,8 +79,7 @@ class FaultTolerance:
         # others use, which the members' groups' makings numbered apart; else why not, in words. None:
         # never reconfigured, the group's own store holds)
         self._store_shared = None
-        if not hasattr(self, "_base_store"):
-            self._base_store = self._store   # (the store under the making's count: creation sets it)
+        self._base_store, self._world_key = base_store, world_key
 
     # -- what torch asks --
 
@@ -229,7 +225,7 @@ class FaultTolerance:
         if self._last_watch is not None:   # (its failures, and a call's still running on it, are not the group's)
             failure.recovered(self._last_watch)
         if self is dist.distributed_c10d._world.default_pg:
-            self._members_changed = True
+            self._members_changed, self._world_key = True, membership.rstrip("/")
             failure.recovered()
         old = self._detach(None)
         self._rank, self._size = index, n
@@ -292,14 +288,15 @@ class FaultTolerance:
                                    f"{members}[i] of this one; every member that stays passes the same ranks)"
                                    ) from exc
         self._shrinks = count
-        group = type(self)(comm, index, size, self._timeout, store, name)
+        world_key = f"{self._world_key}/shrink-{count}" if world else None   # (torch names its groups from 0 again)
+        group = type(self)(comm, index, size, self._timeout, store, name, world_key=world_key)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
         # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
         group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]
         if replaced is not None:   # (torch puts the new group in this one's place)
             failure.recovered(replaced)
         if world:
-            group._members_changed, group._world_shrinks = True, world_shrinks() + 1
+            group._members_changed = True
             failure.recovered()
         return group
 

@@ -1,11 +1,13 @@
 """A process that replaces a dead rank and joins its group through reconfigure, then every call that
-meets in the group's store: monitored_barrier, new_group, split_group, shrink_group. 3 ranks over a
-TCPStore this script hosts (it outlives the dead rank), enable_reconfigure=True, group timeout 10 s.
-Rank 2 takes part in one reconfigure and all_reduce, then exits; a new process takes rank 2 on the same
-store (its init_process_group counts its making ahead of the others': the dead one counted too), and
-the three reconfigure under a fresh uuid. Before, each of those calls met under keys of each member's
-own making and ended at the timeout (split_group and new_group without one: torch's 30 minutes); now
-they meet under the reconfigure's membership, which every member names alike.
+meets in the group's store: monitored_barrier, new_group, split_group, shrink_group, and a new group of
+the shrunk world. 3 ranks over a TCPStore this script hosts (it outlives the dead rank),
+enable_reconfigure=True, group timeout 10 s, ENGINE_TRANSPORT=argv[1]. Rank 2 takes part in one
+reconfigure and all_reduce, then exits; a new process takes rank 2 on the same store (its
+init_process_group counts its making ahead of the others': the dead one counted too), and the three
+reconfigure under a fresh uuid. Before, each of those calls met under keys of each member's own making
+(or count of worlds) and ended at the timeout (split_group and new_group without one:
+torch's 30 minutes); now they meet under the reconfigure's membership, and the world's shrinks after
+it, which every member names alike.
 
 Prints `rank <r> <call>: ok <seconds>` or `rank <r> <call>: FAILED ...` (tests/test_fault_tolerance.py)."""
 
@@ -18,8 +20,8 @@ from datetime import timedelta
 TIMEOUT = 10
 
 
-def worker(port, rank, replacement):
-    os.environ["ENGINE_TRANSPORT"] = "shm"
+def worker(port, rank, replacement, transport):
+    os.environ["ENGINE_TRANSPORT"] = transport
     import torch
     import torch.distributed as dist
     import torchbridge  # noqa: F401
@@ -68,11 +70,17 @@ def worker(port, rank, replacement):
             group = dist.shrink_group([1])
             assert summed(group) == 1.0 + 2.0
 
+    def new_group_of_the_shrunk_world():
+        if rank != 1:   # (the world is the shrunk group now, of ranks 0 and 1)
+            group = dist.new_group([0, 1])
+            assert summed(group) == 1.0 + 2.0
+
     call("monitored_barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=TIMEOUT)))
     call("new_group", new_group)
     if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15):   # (torch 2.14 splits no CPU group)
         call("split_group", split)
     call("shrink_group", shrink)
+    call("new_group_after_shrink", new_group_of_the_shrunk_world)
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(3)], timedelta(seconds=60))
     os._exit(0)   # (the shrunk-out rank's world: no collective destroy to meet in)
@@ -82,11 +90,11 @@ def main():
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(store.port, r, False)) for r in range(3)]
+    procs = [ctx.Process(target=worker, args=(store.port, r, False, sys.argv[1])) for r in range(3)]
     for p in procs:
         p.start()
     procs[2].join(120)
-    procs[2] = ctx.Process(target=worker, args=(store.port, 2, True))
+    procs[2] = ctx.Process(target=worker, args=(store.port, 2, True, sys.argv[1]))
     procs[2].start()
     for p in procs:
         p.join(120)
