@@ -31,7 +31,12 @@ LOST_LOOK_PAUSE_SECONDS = 0.2
 
 
 class MissingRanks(RuntimeError):
-    """Ranks never came to an exchange of the group's making, within its timeout."""
+    """Ranks never came to an exchange of the group's making, within its timeout: `missing`, the
+    group's ranks."""
+
+    def __init__(self, message, missing=()):
+        super().__init__(message)
+        self.missing = list(missing)
 
 
 class Cancel:
@@ -147,7 +152,7 @@ class StoreBootstrap:
         if missing:
             self._give_up(store, key, f"it waited for ranks {missing} in exchange #{self._round} of the making")
             raise MissingRanks(f"engine: ranks {missing} of {self.size} never joined the bootstrap of {self._whose()} "
-                               f"({self.prefix}): {why}")
+                               f"({self.prefix}): {why}", missing)
         if GAVE_UP.encode() in values:   # (a member that gave up stays named in its part, not missing)
             raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})",
                                 *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),

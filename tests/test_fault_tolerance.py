@@ -843,12 +843,13 @@ def test_a_member_behind_more_silent_connections_than_the_hub_keeps_is_heard():
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_store(transport):
     """tests/faults/replaced_rank.py: rank 2 dies and a new process takes its place through reconfigure;
-    then monitored_barrier, new_group, split_group and shrink_group on the three, and new_group in the
-    shrunk world. The newcomer's making counted ahead of the others' (the dead rank counted too), and
-    each call met under keys of each member's own making, or of its own count of worlds: every one
-    ended at the timeout (10 s; split_group and new_group, torch's 30 minutes). The reconfigure checks
-    that its members share the group's store, and those calls meet under its membership, and the
-    world's shrinks since, which every member names alike: each is done within seconds."""
+    then monitored_barrier, new_group, split_group and shrink_group on the three, new_group in the
+    shrunk world, and the world made again. The newcomer's making counted ahead of the others' (the
+    dead rank counted too), and each call met under keys of each member's own making, or of its own
+    count of worlds: every one ended at the timeout (10 s; split_group and new_group, torch's 30
+    minutes). The reconfigure checks that its members share the group's store, and those calls meet
+    under its membership, and the world's shrinks since, which every member names alike; it counts
+    the members' makings of the world alike: each is done within seconds."""
     import subprocess
     import sys
 
@@ -857,7 +858,7 @@ def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_stor
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
     splits = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15)   # (torch 2.14 splits no CPU group)
-    calls = ("monitored_barrier", "new_group", "shrink_group", "new_group_after_shrink") + (
+    calls = ("monitored_barrier", "new_group", "shrink_group", "new_group_after_shrink", "world_made_again") + (
         ("split_group",) if splits else ())
     assert sorted(done) == sorted((str(r), call) for r in range(3) for call in calls), out[-5000:]
 

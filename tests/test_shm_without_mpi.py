@@ -1163,6 +1163,44 @@ def test_a_rank_that_made_a_world_in_another_store_before_meets_the_others_in_ne
         assert p.returncode == 0 and "sum [3.0, 3.0]" in out, out[-3000:]
 
 
+_COUNTED_AHEAD = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30))
+if rank == 1:   # (counted twice: as a process that took the place of one that made the world on this store)
+    from torchbridge import creation
+    counted = creation.makings_of
+    creation.makings_of = lambda *args, **kwargs: (counted(*args, **kwargs), counted(*args, **kwargs))[1]
+store.set(f"ready/{rank}", "1")
+store.wait(["ready/0", "ready/1"])
+try:
+    dist.init_process_group("engine", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=3))
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+store.set(f"done/{rank}", "1")
+store.wait(["done/0", "done/1"])
+"""
+
+
+def test_ranks_that_counted_their_makings_apart_are_told_so_where_they_miss_each_other():
+    """Rank 1's count of its makings of the world in the store is one ahead (a process that took the
+    place of one that made it there: the dead one counted too), so the two meet in different makings
+    and each misses the other at the timeout. The error said only that the other never joined; it
+    says now that the other counted its makings apart, and what to do."""
+    import subprocess
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _COUNTED_AHEAD, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    for rank, out in enumerate(outs):
+        other, counts = 1 - rank, ((2, 1), (1, 2))[rank]
+        assert (f"MissingRanks: engine: ranks [{other}] of 2 never joined the bootstrap of group '0'" in out and
+                f"ranks [{other}] made this group {counts[0]} times in this store, this rank {counts[1]} times, so "
+                "they met in another making" in out and "join the others through dist._reconfigure" in out), out
+
+
 def test_a_new_group_waiting_for_its_members_ends_when_the_group_it_is_made_from_is_aborted():
     """Ranks 0 and 1 made a new group whose rank 2 never came; another thread aborted the world it was
     made from: the making waited on, its timeout (torch's default for new_group: 30 minutes). It ends

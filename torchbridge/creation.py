@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Communicator, forks
-from engine.bootstrap import agree_on_members
+from engine.bootstrap import MissingRanks, agree_on_members
 from engine.launcher import MPIRUN_HINT, launcher_of_world
 from engine.watch import StoreWithin
 
@@ -64,8 +64,11 @@ def create_process_group(opts, backend_options=None):
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
                          f"engine new_group {name!r}", "was given", "ranks to new_group", parent=_world_comm())
     if not over_mpi:
-        comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
-                                       timeout=seconds, name=name, transport=own_transport() if changed else None)
+        try:
+            comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
+                                           timeout=seconds, name=name, transport=own_transport() if changed else None)
+        except MissingRanks as exc:
+            raise MissingRanks(f"{exc}{counted_apart(base, ranks, exc.missing, making)}", exc.missing) from None
     else:
         mpi_comm = _mpi_group(opts, ranks, name, seconds)
         comm = Communicator(mpi_comm, timeout=seconds, store=store, name=name, _owned=mpi_comm)
@@ -106,6 +109,27 @@ def makings_of(store, rank, seconds=None, what=None):
     error naming the store where the store is out of reach."""
     with StoreWithin.bounded(store, seconds, what) as counting:
         return counting.add(f"engine/makings-of-rank-{rank}", 1)
+
+
+def counted_apart(store, ranks, missing, making):
+    """What the missing ranks' counts of their makings of the group in its store say (a sentence to add
+    to the error), where one differs from this rank's (`making`): the others met in another making.
+    A process that took a dead one's rank on the same store counts the dead one's makings too."""
+    if store is None or not missing:
+        return ""
+    try:
+        with StoreWithin.bounded(store, 5.0, "engine: the makings' counts") as counting:
+            counts = {r: counting.add(f"engine/makings-of-rank-{ranks[r] if ranks else r}", 0) for r in missing}
+    except Exception:   # (the store is gone: the error says enough)
+        return ""
+    apart = {r: n for r, n in counts.items() if n != making}
+    if not apart:
+        return ""
+    times = " or ".join(map(str, sorted(set(apart.values()))))
+    return (f"; ranks {sorted(apart)} made this group {times} times in this store, this rank {making} times, so "
+            "they met in another making (a process that took the place of a dead one on the same store counts the "
+            "dead one's makings too; so does a rank that made the group once more after the others gave up): make "
+            "the group on a fresh store, or join the others through dist._reconfigure")
 
 
 def _mpi_group(opts, ranks, name, seconds):

@@ -145,11 +145,14 @@ class FaultTolerance:
             parts = boot.allgather((dist.ProcessGroup.rank(self), dist.ProcessGroup.size(self),
                                     nonce if wrote else None))
             torch_ranks = [(r, s) for r, s, _ in parts]
-            seen = boot.allgather(self._store_probe(probe, parts[0][2], deadline, read=True))
-            store_shared = True if all(seen) else (
-                f"its members do not share one store: member(s) {[i for i, ok in enumerate(seen) if not ok]} "
+            found = self._store_probe(probe, parts[0][2], deadline, read=True)
+            seen = boot.allgather((found, self._world_makings(deadline) if found else None))
+            store_shared = True if all(ok for ok, _ in seen) else (
+                f"its members do not share one store: member(s) {[i for i, (ok, _) in enumerate(seen) if not ok]} "
                 f"of reconfigure {uuid} did not find in their group's store what member 0 left in its own "
                 "(their groups were made over other stores, as torchft's replicas' are, or a store did not answer)")
+            if store_shared is True:   # (the world made again on this store meets in one making on every member)
+                self._world_makings(deadline, up_to=max(made for _, made in seen))
         except BaseException as exc:
             if comm is not None:
                 comm.free()
@@ -200,6 +203,23 @@ class FaultTolerance:
                 return bool(store.check([key])) and store.get(key).decode() == nonce
         except Exception:
             return False
+
+    def _world_makings(self, deadline, up_to=None):
+        """A world's: this process's count of its rank's makings of the world in the base store (a
+        process that took a dead one's rank counts the dead one's makings too, ahead of the others), or,
+        with up_to, counts it up to that (every member of a reconfigure to the most among them: the
+        world made again on the store meets in one making). 0 for another group, or where the store
+        does not answer (the making names the ranks that counted apart, if they meet there)."""
+        if self._world_key is None or self._base_store is None:
+            return 0
+        key = f"engine/makings-of-rank-{dist.ProcessGroup.rank(self)}"
+        try:
+            with StoreWithin.bounded(self._base_store, max(0.0, min(deadline - time.monotonic(), 5.0)),
+                                     "the world's makings") as store:
+                made = store.add(key, 0)
+                return made if up_to is None or up_to <= made else store.add(key, up_to - made)
+        except Exception:
+            return 0
 
     def _meeting_store(self, what):
         """The store a group made from this one (shrink, split) and a monitored barrier meet in: the

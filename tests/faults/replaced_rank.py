@@ -1,13 +1,13 @@
-"""A process that replaces a dead rank and joins its group through reconfigure, then every call that
-meets in the group's store: monitored_barrier, new_group, split_group, shrink_group, and a new group of
-the shrunk world. 3 ranks over a TCPStore this script hosts (it outlives the dead rank),
-enable_reconfigure=True, group timeout 10 s, ENGINE_TRANSPORT=argv[1]. Rank 2 takes part in one
-reconfigure and all_reduce, then exits; a new process takes rank 2 on the same store (its
+"""A process that replaces a dead rank and joins its group through reconfigure, then every call that meets
+in the group's store: monitored_barrier, new_group, split_group, shrink_group, a new group of the shrunk
+world, and the world made again on the store. 3 ranks over a TCPStore this script hosts (it outlives the
+dead rank), enable_reconfigure=True, group timeout 10 s, ENGINE_TRANSPORT=argv[1]. Rank 2 takes part in
+one reconfigure and all_reduce, then exits; a new process takes rank 2 on the same store (its
 init_process_group counts its making ahead of the others': the dead one counted too), and the three
 reconfigure under a fresh uuid. Before, each of those calls met under keys of each member's own making
-(or count of worlds) and ended at the timeout (split_group and new_group without one:
-torch's 30 minutes); now they meet under the reconfigure's membership, and the world's shrinks after
-it, which every member names alike.
+(or count of worlds) and ended at the timeout (split_group and new_group without one: torch's 30
+minutes); now they meet under the reconfigure's membership, and the world's shrinks after it, which
+every member names alike.
 
 Prints `rank <r> <call>: ok <seconds>` or `rank <r> <call>: FAILED ...` (tests/test_fault_tolerance.py)."""
 
@@ -81,6 +81,13 @@ def worker(port, rank, replacement, transport):
         call("split_group", split)
     call("shrink_group", shrink)
     call("new_group_after_shrink", new_group_of_the_shrunk_world)
+
+    def world_made_again():
+        dist.destroy_process_group()
+        dist.init_process_group("engine", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=TIMEOUT))
+        assert summed() == 6.0
+
+    call("world_made_again", world_made_again)
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(3)], timedelta(seconds=60))
     os._exit(0)   # (the shrunk-out rank's world: no collective destroy to meet in)
