@@ -363,6 +363,34 @@ def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
         dog.watch(Stuck(), "reduce", Comm())
 
 
+def test_the_watchdog_keeps_a_calls_own_timeout():
+    """A call with a timeout of its own (opts.timeout): the watchdog ends it then, not at the group's
+    (it watched every call against the group's timeout, so a call's own was dropped on CUDA)."""
+    import threading
+    from engine.cuda.watchdog import Watchdog
+
+    aborted = threading.Event()
+    why = []
+
+    class Stuck:
+        def query(self):
+            return False
+
+    class Comm:
+        def check_async_error(self):
+            pass
+
+        def abort(self, error):
+            why.append(str(error))
+            aborted.set()
+
+    dog = Watchdog("g", 0, 2, 3600)
+    dog.watch(Stuck(), "allreduce", Comm(), seconds=0.2)
+    assert aborted.wait(60)
+    dog.close()
+    assert "allreduce of group 'g' (rank 0 of 2): Timed out: it did not complete on the GPU within 0.2 s" in why[0]
+
+
 def test_the_watchdog_fails_the_group_on_a_gpu_error_and_never_waits_on_a_busy_communicator():
     """A CUDA event whose query raises (a sticky error: a kernel's illegal access) fails the group naming
     it, runs on_fail once and aborts (the watchdog's thread died, and later calls were never refused).

@@ -332,6 +332,25 @@ def test_bad_inputs_get_clear_errors(tmp_path, transport):
     assert "twice" in cases["second init"]
     assert "initialized" in cases["use after destroy"] or "init_process_group" in cases["use after destroy"]
     assert cases["default group still works"] == "[2.0, 2.0, 2.0, 2.0]"
+    # Options the engine can't honour are refused (they were read as the ones it can); a call's own
+    # timeout is kept by allreduce_coalesced too; complex tensors handed to the group's own allreduce
+    # and its coalesced form are summed (refused, as torch had not made them real).
+    for what, n in (("reduce", 1), ("broadcast", 3)):
+        assert f"engine {what}: rootTensor is {n}, but the engine takes one tensor" in cases[f"{what} root tensor"]
+    for what, kind in (("gather", "output"), ("scatter", "input")):
+        assert f"the root takes one list of {kind} tensors (one per rank), in a list of one; got 2 lists" \
+            in cases[f"{what} lists rank 0"], cases
+        assert f"only the root (rank 0) passes {kind} tensors; this rank (1) passed 2" in cases[f"{what} lists rank 1"]
+    for seconds in (0, -2):
+        for what, case in (("allreduce", "timeout"), ("barrier", "barrier timeout"),
+                           ("allreduce_coalesced", "coalesced timeout")):
+            assert (f"ValueError: engine {what}: a call's own timeout must be above 0, got {seconds} s"
+                    in cases[f"{case} {seconds}"]), cases
+    assert re.match(r"EngineTimeout: .*Timed out after [\d.]+ s \(timeout 0.5 s\): (rank 1 did not arrive|some rank "
+                    r"never reached this call)",
+                    cases["coalesced own timeout"]), cases["coalesced own timeout"]
+    assert cases["complex sums"] == "[(3+6j), (9-3j)] [[(3+6j), (9-3j)], [(3+6j)]]", cases
+    assert "does not support RedOpType.MAX on complex tensors" in cases["complex max"]
     assert "flight recorder of group '0', rank 0 of 2: SIGUSR1" in out
     for r in (0, 1):
         events = json.load(open(tmp_path / f"t.rank{r}.json"))["traceEvents"]

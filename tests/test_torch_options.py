@@ -1,4 +1,4 @@
-"""torchbridge._fastpath reads torch's options structs (reduce op, rootRank, asyncOp, timeout) from
+"""torchbridge._fastpath reads torch's options structs (reduce op, rootRank, rootTensor, asyncOp, timeout) from
 C++: it must agree with pybind's own getters for every op, root and asyncOp, whatever the other fields
 hold, and leave everything else (a call's own timeout among it) to the general path."""
 
@@ -60,15 +60,15 @@ def _options(kind, rng):
     if LAYOUTS[kind].has_root:
         root = rng.choice([0, 1, 2, 7, rng.randrange(2 ** 40)])
         o.rootRank = root
-        o.rootTensor = rng.randrange(1000)
-    own = rng.random() < 0.3    # a call's own timeout: the general path takes it
-    o.timeout = datetime.timedelta(milliseconds=rng.randrange(0, 10 ** 9) if own else -1)
+        o.rootTensor = rng.choice([0, 0, rng.randrange(1, 1000)])   # (not 0: the general path refuses it)
+    own = rng.random() < 0.3    # a call's own timeout, or one not above 0: the general path takes it
+    o.timeout = datetime.timedelta(milliseconds=rng.choice([rng.randrange(0, 10 ** 9), 0, -2]) if own else -1)
     if kind == "barrier":
         o.device_ids = rng.choice([[], [0], [1, 2, 3]])
         if rng.random() < 0.5:
             o.device = torch.device("cpu")
     o.asyncOp = rng.random() < 0.5
-    return o, None if own else (op, root or 0, o.asyncOp)
+    return o, None if own or (root is not None and o.rootTensor) else (op, root or 0, o.asyncOp)
 
 
 @pytest.mark.parametrize("kind", list(TYPES))

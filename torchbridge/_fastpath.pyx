@@ -38,7 +38,7 @@ from torch.autograd import profiler as _profiler
 from engine import ReduceOp
 from engine._core import NotContiguousError, NotDenseError, NotDivisibleError
 
-from torchbridge.work import _INFLIGHT, CollectiveWork, CompletedWork, PointToPointWork
+from torchbridge.work import _INFLIGHT, UNSET_TIMEOUT, CollectiveWork, CompletedWork, PointToPointWork
 
 cdef extern from *:
     """
@@ -86,7 +86,6 @@ def _hash_is_code():
 
 
 cdef bint _HASH_IS_CODE = _hash_is_code()
-UNSET_TIMEOUT = datetime.timedelta(milliseconds=-1)   # (torch's kUnsetTimeout: the group's own then)
 
 
 def op_of(red):
@@ -102,13 +101,13 @@ cdef class _Layout:
     C++ object), or that it is read through pybind (direct False)."""
     cdef readonly object type           # None: this torch's options lack a field; always the general path
     cdef readonly bint has_op, has_root, direct
-    cdef readonly Py_ssize_t op_at, root_at, async_at, timeout_at
+    cdef readonly Py_ssize_t op_at, root_at, tensor_at, async_at, timeout_at
 
 
 cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
     """engine op * 2 + asyncOp (op 0 for options without one), the root in *root; -1 for the general
     path: options of another type (None, a subclass), an op the fast path leaves to it (PREMUL_SUM),
-    or a call's own timeout (torch's unset one is -1 ms)."""
+    a call's own timeout (torch's unset one is -1 ms), or a rootTensor other than 0 (refused there)."""
     cdef const unsigned char *p
     cdef int op = 0
     cdef Py_ssize_t code
@@ -116,16 +115,18 @@ cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
         return -1
     if lay.direct:
         p = eng_pybind_value(<PyObject *>opts)
-        if (<const int64_t *>(p + lay.timeout_at))[0] >= 0:
+        if (<const int64_t *>(p + lay.timeout_at))[0] != -1:
             return -1
         if lay.has_op:
             op = _engine_op[p[lay.op_at]]
             if op < 0:
                 return -1
         if lay.has_root:
+            if (<const int64_t *>(p + lay.tensor_at))[0] != 0:
+                return -1
             root[0] = (<const int64_t *>(p + lay.root_at))[0]
         return op * 2 + (p[lay.async_at] != 0)
-    if opts.timeout.total_seconds() >= 0:
+    if opts.timeout != UNSET_TIMEOUT:
         return -1
     if lay.has_op:
         red = opts.reduceOp
@@ -134,13 +135,15 @@ cdef int _read(_Layout lay, object opts, int64_t *root) except -2:
         if op < 0:
             return -1
     if lay.has_root:
+        if opts.rootTensor != 0:
+            return -1
         root[0] = opts.rootRank
     return op * 2 + (1 if opts.asyncOp else 0)
 
 
 def _samples(opts_type, bint has_op, bint has_root):
-    """Options objects with every engine op, both asyncOp values, several roots and timeouts:
-    [(object, torch code or -1, asyncOp, root)]."""
+    """Options objects with every engine op, both asyncOp values, several roots, root tensors and
+    timeouts: [(object, torch code or -1, asyncOp, root)]."""
     out = []
     codes = [code for code, op in enumerate(BY_CODE) if op is not None] if has_op else [-1]
     roots = (0, 1, 5, 300, 70000, 2 ** 40 + 3) if has_root else (0,)
@@ -164,7 +167,7 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
     than the struct: torch 2.13's sizes) against pybind's getters; read through pybind where any is
     missing or ambiguous."""
     cdef _Layout lay = _Layout.__new__(_Layout)
-    cdef Py_ssize_t op_at = -1, root_at = -1, async_at = -1
+    cdef Py_ssize_t op_at = -1, root_at = -1, tensor_at = -1, async_at = -1
     lay.has_op, lay.has_root = has_op, has_root
     try:
         samples = _samples(opts_type, has_op, has_root)
@@ -188,6 +191,10 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
         if len(found) != 1:
             return lay
         root_at = found[0]
+        found = [i for i in range(0, size - 7, 8) if all(int64(o, i) == o.rootTensor for o, _, _, _ in samples)]
+        if len(found) != 1:
+            return lay
+        tensor_at = found[0]
     def follows_async(Py_ssize_t i):
         """Byte i is asyncOp: it follows the flag when pybind's setter flips it. (A padding byte left
         over from freed objects of the same pattern can match the samples, but no setter moves it.)"""
@@ -199,7 +206,8 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
                 return False
         return True
 
-    found = [i for i in range(size) if i != op_at and not (0 <= root_at <= i < root_at + 8) and follows_async(i)]
+    found = [i for i in range(size) if i != op_at and not (0 <= root_at <= i < root_at + 8) and
+             not (0 <= tensor_at <= i < tensor_at + 8) and follows_async(i)]
     if len(found) != 1:
         return lay
     async_at = found[0]
@@ -207,7 +215,8 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
              if all(int64(o, i) == round(o.timeout.total_seconds() * 1000) for o, _, _, _ in samples)]
     if len(found) != 1:
         return lay
-    lay.op_at, lay.root_at, lay.async_at, lay.timeout_at, lay.direct = op_at, root_at, async_at, found[0], True
+    lay.op_at, lay.root_at, lay.tensor_at, lay.async_at = op_at, root_at, tensor_at, async_at
+    lay.timeout_at, lay.direct = found[0], True
     for o, _, _, _ in samples:   # (unset, as torch leaves it: a set one sends every call to the general path)
         o.timeout = UNSET_TIMEOUT
     # Every sample once more through the reader, against pybind's getters.
@@ -276,7 +285,8 @@ cdef class Method:
     cdef int args[3]
     cdef bint even_split                # all_to_all_single: a queued call checks divisibility first
     cdef bint reals_only                # reduces, and torch hands it complex tensors as they are (reduce,
-                                        # reduce_scatter): the general form reduces their real view
+                                        # reduce_scatter, a group's own allreduce): the general form reduces
+                                        # their real view
 
     def __init__(self, Py_ssize_t index, str call, str arguments, str options, str name, str general):
         words = arguments.split()
@@ -285,7 +295,7 @@ cdef class Method:
         self.nargs = len(words)
         self.args = [ARGUMENTS[w] for w in words] + [ARG_NONE] * (3 - len(words))
         self.even_split = call == "alltoall"
-        self.reals_only = call in ("reduce_to_root", "reduce_scatter")
+        self.reals_only = call in ("allreduce", "reduce_to_root", "reduce_scatter")
 
 
 cdef inline object _arg(int which, t, u, int op, int64_t root):

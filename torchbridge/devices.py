@@ -25,15 +25,7 @@ from engine._core import NotContiguousError, NotDenseError
 from engine.fusion import FusedAllreduce
 from engine.ops import ReduceOp
 
-from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork, registered
-
-
-def own_timeout(opts):
-    """A call's own timeout in seconds from torch's options (dist.barrier(timeout=...)), or None: unset
-    (torch's -1 ms), or none given."""
-    timeout = getattr(opts, "timeout", None)
-    seconds = timeout.total_seconds() if timeout is not None else -1
-    return seconds if seconds > 0 else None
+from .work import CollectiveWork, CompletedWork, CudaWork, PointToPointWork, own_timeout, registered
 
 
 def is_contiguous(t):
@@ -118,7 +110,7 @@ class CpuDevice:
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
         # raise here on failure; the returned Work is already complete.
-        seconds = own_timeout(opts)
+        seconds = own_timeout(opts, name)
         if seconds is not None:   # (the call's own timeout, where it runs: dist.barrier(timeout=...))
             fn, a, b, c, nargs = self._within, fn, (a, b, c)[:nargs], seconds, 3
         if opts is not None and not opts.asyncOp:
@@ -131,16 +123,21 @@ class CpuDevice:
         with self.comm.call_timeout(seconds):
             fn(*args)
 
-    def fused(self, tensors, op, compression, prescale, name, sync=False):
+    def fused(self, tensors, op, compression, prescale, name, sync=False, seconds=None):
+        """seconds: the call's own timeout (None: the group's)."""
         if sync:
-            self.progress.run(self._fused, tensors, op, (compression, prescale), 3, name)
+            self.progress.run(self._fused, tensors, op, (compression, prescale, seconds), 3, name)
             return CompletedWork.of(tensors)
         self.comm.check_usable(name)
-        return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale)), name,
-                                                      tensors))
+        return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale, seconds)),
+                                                      name, tensors))
 
     def _fused(self, tensors, op, options):
-        compression, prescale = options
+        compression, prescale, seconds = options
+        if seconds is not None:
+            with self.comm.call_timeout(seconds):
+                self._fused(tensors, op, (compression, prescale, None))
+            return
         try:  # the fusion reads every tensor before it moves any: one that is not contiguous stops it first
             self._fusion.run(tensors, op, compression=compression, prescale=prescale)
             return
@@ -228,20 +225,21 @@ class CudaDevice:
         if collective is not None and self.cpu_comm is not None:
             self.cpu_comm.check_usable(collective)
 
-    def _work(self, name, outputs):
+    def _work(self, name, outputs, seconds=None):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self.watchdog.watch(event, name, self.cc)
+        self.watchdog.watch(event, name, self.cc, seconds)
         return registered(CudaWork(event, outputs, self.device, self.watchdog), outputs)
 
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
+        seconds = own_timeout(opts, name)   # (the watchdog's deadline for this call)
         self._check(name)
         self.flush()  # point-to-point issued earlier goes first
         used_on(torch.cuda.current_stream(self.device), (a, b, c)[:nargs], outputs)
         (fn(a, b, c) if nargs == 3 else fn(a, b) if nargs == 2 else fn(a) if nargs == 1 else fn())
-        return self._work(name, outputs)
+        return self._work(name, outputs, seconds)
 
-    def fused(self, tensors, op, compression, prescale, name, sync=False):
+    def fused(self, tensors, op, compression, prescale, name, sync=False, seconds=None):
         from engine.cuda.fusion import CudaFusedAllreduce
         self._check(name)
         self.flush()
@@ -250,7 +248,7 @@ class CudaDevice:
             self._fusion = CudaFusedAllreduce(self.cc)
         _through_contiguous(self._fusion.run, tensors, op, stream=self.comm._stream(), compression=compression,
                             prescale=prescale)
-        return self._work(name, tensors)
+        return self._work(name, tensors, seconds)
 
     def send(self, t, dst, tag, outputs):
         return self._defer("send", t.contiguous(), dst, outputs)
@@ -356,15 +354,18 @@ class StagedDevice:
         # The call's device copies (its outputs written back) go on the caller's stream wherever it runs
         # (in place, or on the progress thread behind queued calls, whose stream is another), and are
         # done before it returns: its Work is complete, for a reader on any stream.
+        seconds = own_timeout(opts, name)
+        if seconds is not None:
+            fn, a, b, c, nargs = self.cpu._within, fn, (a, b, c)[:nargs], seconds, 3
         stream = torch.cuda.current_stream()
         stream.synchronize()   # (its inputs are written)
         self.cpu.progress.run(_on_stream, fn, (a, b, c)[:nargs], stream, 3, name)
         stream.synchronize()
         return CompletedWork.of(outputs)
 
-    def fused(self, tensors, op, compression, prescale, name, sync=False):
+    def fused(self, tensors, op, compression, prescale, name, sync=False, seconds=None):
         hosts = [_pinned(t).copy_(t) for t in tensors]
-        self.cpu.fused(hosts, op, compression, prescale, name, sync=True)
+        self.cpu.fused(hosts, op, compression, prescale, name, sync=True, seconds=seconds)
         for t, h in zip(tensors, hosts):
             write_back(t, h)
         return CompletedWork.of(tensors)

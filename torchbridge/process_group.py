@@ -22,7 +22,7 @@ from .devices import CpuDevice, CudaDevice, StagedDevice, contiguous, is_contigu
 from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
-from .work import all_of, in_seconds
+from .work import all_of, in_seconds, own_timeout
 
 
 def _end_cuda_side(name, comm, devices, watchdog, error, swap):
@@ -91,22 +91,40 @@ def _reduce_op(opts):
     raise RuntimeError(f"backend 'engine' does not support reduce op {red.op}")
 
 
-def _real(tensors, opts, what):
+def _real(tensors, opts, what, written=1):
     """Complex tensors as their real views ((re, im) pairs: the last dimension doubled), on which SUM,
     AVG and PREMUL_SUM are the complex ones, and the others refused as torch refuses them. torch does
-    this before all_reduce and its coalesced form, not before reduce and reduce_scatter (Gloo reduces
-    complex tensors); a mix of complex and real tensors is left to the dtype checks. The first tensor
-    is written: one lazily conjugated is refused, as the buffer layer refuses it (Gloo leaves such a
+    this before dist.all_reduce, not before reduce and reduce_scatter, nor before a group's own
+    allreduce or its coalesced form (funcol's, which compiled graphs call) (Gloo reduces complex
+    tensors); a mix of complex and real tensors is left to the dtype checks. The first `written` are
+    written: one lazily conjugated is refused, as the buffer layer refuses it (Gloo leaves such a
     reduce's root unreduced); the others are read, resolved where conjugated (as Gloo reads them)."""
     if not all(t.is_complex() for t in tensors):
         return tensors
     op = (opts.reduceOp if opts is not None else dist.ReduceOp(dist.ReduceOp.SUM)).op
     if not dist.distributed_c10d.supports_complex(op):
         raise ValueError(f"engine {what} does not support {op} on complex tensors: SUM, AVG and PREMUL_SUM reduce them")
-    if tensors[0].is_conj():
+    if any(t.is_conj() for t in tensors[:written]):
         raise ValueError(f"engine {what}: its output is a lazily conjugated view (its memory holds the values before "
                          "that); pass tensor.resolve_conj() and copy the result back")
     return [torch.view_as_real(t.resolve_conj()) for t in tensors]
+
+
+def _check_root_tensor(opts, what):
+    if opts.rootTensor != 0:   # (torch's list form's index of the root's tensor: the engine takes one)
+        raise ValueError(f"engine {what}: rootTensor is {opts.rootTensor}, but the engine takes one tensor per "
+                         "process, so the root's is tensors[0]: pass rootTensor=0")
+
+
+def _one_list(lists, what, kind, root, rank):
+    """The root's one list of gather's outputs or scatter's inputs; [] on the others, which pass none."""
+    if rank == root and len(lists) != 1:
+        raise ValueError(f"engine {what}: the root takes one list of {kind} tensors (one per rank), in a list of "
+                         f"one; got {len(lists)} lists")
+    if rank != root and any(len(tensors) for tensors in lists):
+        raise ValueError(f"engine {what}: only the root (rank {root}) passes {kind} tensors; this rank ({rank}) "
+                         f"passed {sum(len(tensors) for tensors in lists)}: pass none here")
+    return lists[0] if rank == root else []
 
 
 def _check_premul(t):
@@ -485,6 +503,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
             return self._sparse_allreduce(t, tensors, opts)
         dev = self._device(t)
         op, factor = _reduce_op(opts)
+        t, = _real([t], opts, "allreduce")
         if factor is None:
             if t.is_contiguous():  # the latency path: no closure
                 return dev.launch("allreduce", dev.comm.allreduce, t, None, op, 3, tensors, opts)
@@ -516,11 +535,16 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         if factor is not None:
             for t in tensors:
                 _check_premul(t)
-        if not tensors:
-            return self._barrier()
+        seconds = own_timeout(opts, "allreduce_coalesced")
+        if not tensors:   # (its options, as a barrier's)
+            barrier = None if opts is None else dist.BarrierOptions()
+            if barrier is not None:
+                barrier.timeout, barrier.asyncOp = opts.timeout, opts.asyncOp
+            return self._barrier(barrier)
         sync = opts is not None and not opts.asyncOp
-        return self._device(tensors[0]).fused(tensors, op, None, 1.0 if factor is None else factor,
-                                              "allreduce_coalesced", sync)
+        reals = _real(tensors, opts, "allreduce_coalesced", written=len(tensors))
+        return self._device(tensors[0]).fused(reals, op, None, 1.0 if factor is None else factor,
+                                              "allreduce_coalesced", sync, seconds)
 
     @traced("fused_allreduce", first)
     def fused_allreduce_async(self, tensors, op=ReduceOp.SUM, *, compression=None, name="fused_allreduce"):
@@ -533,6 +557,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     @traced("reduce", first)
     def _reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
+        _check_root_tensor(opts, "reduce")
         dev = self._device(t)
         op, factor = _reduce_op(opts)
         t, = _real([t], opts, "reduce")
@@ -586,6 +611,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     @traced("broadcast", first)
     def _broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
+        _check_root_tensor(opts, "broadcast")
         dev = self._device(t)
         if is_contiguous(t):
             return dev.launch("broadcast", dev.comm.broadcast, t, opts.rootRank, None, 2, tensors, opts)
@@ -646,7 +672,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         inp = _one(input_tensors, "gather")
         dev = self._device(inp)
         root, comm = opts.rootRank, dev.comm
-        outs = output_lists[0] if output_lists else []
+        outs = _one_list(output_lists, "gather", "output", root, self.rank())
         if self.rank() == root:
             _check_per_rank(outs, self.size(), inp.dtype, "gather", "output", " on the root")
 
@@ -683,7 +709,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         out = _one(output_tensors, "scatter")
         dev = self._device(out)
         root, comm = opts.rootRank, dev.comm
-        inputs = input_lists[0] if input_lists else []
+        inputs = _one_list(input_lists, "scatter", "input", root, self.rank())
         if self.rank() == root:
             _check_per_rank(inputs, self.size(), out.dtype, "scatter", "input", " on the root")
 

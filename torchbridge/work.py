@@ -12,6 +12,23 @@ from engine.progress import DONE
 from engine.watch import EngineTimeout
 
 
+UNSET_TIMEOUT = timedelta(milliseconds=-1)   # (torch's kUnsetTimeout: the group's own then)
+
+
+def own_timeout(opts, what):
+    """A call's own timeout in seconds from torch's options (dist.barrier(timeout=...)), or None: unset
+    (torch's -1 ms), or none given. Any other value not above 0 is refused: Gloo ends such a call at
+    once, and the engine's group timeout of 0 is refused alike."""
+    timeout = getattr(opts, "timeout", None)
+    if timeout is None or timeout == UNSET_TIMEOUT:
+        return None
+    seconds = timeout.total_seconds()
+    if not seconds > 0:
+        raise ValueError(f"engine {what}: a call's own timeout must be above 0, got {seconds:g} s (it would end "
+                         "the call before it began): pass a positive timeout, or none for the group's")
+    return seconds
+
+
 def in_seconds(timeout, default=None):
     if timeout is None:
         return default

@@ -19,7 +19,7 @@ class Watchdog:
     def __init__(self, name, rank, size, timeout, on_fail=None):
         self.name, self.rank, self.size, self.timeout = name, rank, size, timeout
         self.on_fail = on_fail
-        self._pending = []  # (event with .query(), deadline, what, communicator)
+        self._pending = []  # (event with .query(), deadline, its seconds, what, communicator)
         self._cond = threading.Condition()
         self._thread = None
         self._closed = False
@@ -31,12 +31,14 @@ class Watchdog:
         held; nothing is watched there."""
         self._cond, self._thread, self._pending, self._closed = threading.Condition(), None, [], True
 
-    def watch(self, event, what, comm):
-        """Called after enqueueing `what` on comm and recording `event` after it."""
+    def watch(self, event, what, comm, seconds=None):
+        """Called after enqueueing `what` on comm and recording `event` after it. seconds: the call's own
+        timeout (None: the group's)."""
         if self.error is not None:
             raise self.error
+        seconds = self.timeout if seconds is None else seconds
         with self._cond:
-            self._pending.append((event, time.monotonic() + self.timeout, what, comm))
+            self._pending.append((event, time.monotonic() + seconds, seconds, what, comm))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"engine-cuda-watchdog-{self.name}",
                                                 daemon=True)
@@ -55,7 +57,7 @@ class Watchdog:
             checked = set()  # NCCL's error state is asked once per communicator per poll
             now = time.monotonic()
             for item in pending:
-                event, deadline, what, comm = item
+                event, deadline, seconds, what, comm = item
                 try:
                     complete = event.query()
                 except Exception as exc:   # a sticky CUDA error (a kernel's illegal access): every later
@@ -76,7 +78,7 @@ class Watchdog:
                 if now > deadline:
                     self._fail(comm, EngineTimeout(
                         f"{what} of group '{self.name}' (rank {self.rank} of {self.size}): Timed out: it did not "
-                        f"complete on the GPU within {self.timeout:g} s: a rank did not join it, or joined a different "
+                        f"complete on the GPU within {seconds:g} s: a rank did not join it, or joined a different "
                         f"collective; the NCCL communicator was aborted"))
                     return
             with self._cond:
