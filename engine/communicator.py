@@ -644,9 +644,10 @@ class Communicator:
         """Returns a Request: .wait(), .test()."""
         return self._core.isend(buf, dest, tag)
 
-    def irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
-        """Returns a Request whose .wait() gives (source, tag, count)."""
-        return self._core.irecv(buf, source, tag)
+    def irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG, whole=False):
+        """Returns a Request whose .wait() gives (source, tag, count); whole: a message shorter than buf
+        fails it."""
+        return self._core.irecv(buf, source, tag, whole)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source=ANY_SOURCE, sendtag=0, recvtag=ANY_TAG):
         """Sends to dest and receives from source at once (MPI_Sendrecv); returns (source, tag, count)."""

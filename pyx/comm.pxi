@@ -606,8 +606,7 @@ cdef class CoreComm:
         check_even_split(self.size, count, side)
 
     def barrier(self):
-        cdef Call c
-        c = new_call(OP_BARRIER, NULL, NULL, 0, -1)
+        cdef Call c = new_call(OP_BARRIER, NULL, NULL, 0, -1)
         self.invoke(&c, self.select(OP_BARRIER, 0, -1, OPBIT_NONE, False, None), 0, None)
 
     # -- point to point (not numbered: they need not match across all ranks) --
@@ -616,9 +615,10 @@ cdef class CoreComm:
         """Returns a Request: .wait(), .test()."""
         return _post_user(self, buf, dest, tag, False, "isend", "isend")
 
-    def irecv(self, buf, source=-1, tag=-1):
-        """Returns a Request whose .wait() gives (source, tag, count); source / tag None or -1: any."""
-        return _post_user(self, buf, _any(source), _any(tag), True, "irecv", "irecv")
+    def irecv(self, buf, source=-1, tag=-1, bint whole=False):
+        """Returns a Request whose .wait() gives (source, tag, count); source / tag None or -1: any; whole: a
+        message shorter than buf fails it (torch's recv, which has no count to say what it left unwritten)."""
+        return whole_message(_post_user(self, buf, _any(source), _any(tag), True, "irecv", "irecv"), whole)
 
     def send(self, buf, dest, tag=0):
         _post_user(self, buf, dest, tag, False, "send", "send").wait()

@@ -77,6 +77,10 @@ cdef class Request:
             raise ValueError(f"{self.what} from rank {self.st.source}: {self.st.nbytes} bytes arrived, not a whole "
                              f"number of the receive buffer's {self.msg.itemsize}-byte elements: the sender sent "
                              "another dtype; send and receive the same dtype")
+        if self.whole and self.st.nbytes != self.msg.count * self.msg.itemsize:
+            raise ValueError(f"{self.what} from rank {self.st.source}: {self.st.nbytes} bytes arrived, but the receive "
+                             f"buffer holds {self.msg.count * self.msg.itemsize}, and the rest would be left as it "
+                             "was: send a tensor of the receive's size, or receive into one of the sent size")
         return (self.st.source, self.st.tag, self.st.nbytes // self.msg.itemsize)
 
 
@@ -121,6 +125,11 @@ cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int
         ierr = tp.isend(r.msg.ptr, r.msg.count * r.msg.itemsize, peer, tag, &r.req)
     if ierr:
         raise _message_error(comm, ierr, what, tp)
+    return r
+
+
+cdef Request whole_message(Request r, bint whole):
+    r.whole = whole
     return r
 
 

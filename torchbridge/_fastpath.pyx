@@ -28,6 +28,7 @@ from cpython.object cimport PyObject
 from libc.stdint cimport int64_t
 
 import datetime
+import functools
 import numbers
 
 import torch
@@ -356,7 +357,9 @@ cdef class FastPath:
         self.cuda = cuda   # True: CUDA exists; every call takes the general path, which routes by device
         self.run, self.submit, self.kick = progress.run, progress.submit, progress.kick
         self.check_usable = comm.check_usable
-        self.calls = [self._reduce_to_root if call == "reduce_to_root" else getattr(comm, call)
+        # (torch's recv fills its whole tensor: a shorter message fails it)
+        self.calls = [self._reduce_to_root if call == "reduce_to_root" else
+                      functools.partial(comm.irecv, whole=True) if call == "irecv" else getattr(comm, call)
                       for _, _, call, _, _, _, _ in METHODS]
         self.reduce = comm.reduce
         self.size = comm.size

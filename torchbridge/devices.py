@@ -152,9 +152,9 @@ class CpuDevice:
 
     def recv(self, t, src, tag, outputs):
         if is_contiguous(t):
-            return PointToPointWork.of(self.comm.irecv(t, src, tag), outputs, kick=self.kick)
+            return PointToPointWork.of(self.comm.irecv(t, src, tag, True), outputs, kick=self.kick)
         tmp = contiguous(t)
-        return PointToPointWork.of(self.comm.irecv(tmp, src, tag), outputs, finish=lambda: write_back(t, tmp),
+        return PointToPointWork.of(self.comm.irecv(tmp, src, tag, True), outputs, finish=lambda: write_back(t, tmp),
                                    kick=self.kick)
 
     def shutdown(self):
@@ -375,8 +375,8 @@ class StagedDevice:
 
     def recv(self, t, src, tag, outputs):
         host = _pinned(t)
-        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag), outputs, finish=lambda: write_back(t, host),
-                                   kick=self.cpu.kick)
+        return PointToPointWork.of(self.cpu.comm.irecv(host, src, tag, True), outputs,
+                                   finish=lambda: write_back(t, host), kick=self.cpu.kick)
 
     def abort(self, error):
         pass   # (its calls run on the group's CPU communicator, which the abort ends)

@@ -503,6 +503,7 @@ cdef class Request:      # request.pxi; comm.pxi posts them
     cdef CoreComm comm
     cdef Status st
     cdef bint done, is_recv
+    cdef bint whole         # a receive its message must fill (torch's recv: no count says what a shorter one left)
     cdef int peer, tag
     cdef str what
     cdef WaitCtx ctx

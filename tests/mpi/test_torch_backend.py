@@ -1429,6 +1429,28 @@ def test_a_synchronous_calls_work_gives_its_outputs_as_an_asynchronous_calls_doe
     assert first.result()[0] is a and second.result()[0] is b
 
 
+def test_a_receive_into_a_larger_tensor_than_the_message_is_refused():
+    """torch's recv fills its whole tensor and has no count to say how much came: a message shorter than
+    the receive's tensor was taken, the rest left as it was ([1, 2, -7, -7]). It fails now, naming
+    both sizes, on the fast path (contiguous) and the general one (a strided view), from a known source
+    and from any; the group goes on."""
+    if P < 2:
+        pytest.skip("needs a peer")
+    if R == 0:
+        for _ in range(3):
+            dist.send(torch.tensor([1.0, 2.0]), 1)
+        dist.send(torch.tensor([3.0, 4.0]), 1)
+    elif R == 1:
+        into = [torch.full((4,), -7.0), torch.full((4, 2), -7.0)[:, 0], torch.full((4,), -7.0)]
+        for i, t in enumerate(into):
+            with pytest.raises(ValueError, match="from rank 0: 8 bytes arrived, but the receive buffer holds 16"):
+                dist.recv(t, None if i == 2 else 0)
+        t = torch.zeros(2)
+        dist.recv(t, 0)
+        assert t.tolist() == [3.0, 4.0]
+    dist.barrier()
+
+
 def test_a_receive_with_a_negative_tag_is_refused_as_a_send_is():
     """torch's tags are nonnegative (Gloo refuses others): a receive with tag -1, the engine's own any
     tag, took a message of any tag, from one peer or any."""
