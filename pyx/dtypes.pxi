@@ -23,8 +23,9 @@ cdef double avg_before(Call *c, int rank, int size, void **spare, size_t *spare_
     reduction (eng_reduce_many does the same there), divides its input before the sum by the power of
     two at or over the group's size, and the sum by what is left after it (avg_after), so a mean that
     fits its dtype never comes back as an overflowed sum (inf: float16 overflows at 65504; NCCL
-    premultiplies too). A power of two divides exactly: wherever the plain sum fits and no input falls
-    below the dtype's normal range, the bits are those of summing, then dividing by the size. The
+    premultiplies too). A power of two divides exactly: wherever the plain sum fits and no input
+    divided by it falls below the dtype's normal range (float16: 6.1e-5; such an input keeps fewer
+    bits, down to 0 for one under that times 2**-11), the bits are those of summing, then dividing. The
     divided input goes where this rank's result will (an allreduce, a reduce's root) and the call runs
     in place; an input the call must leave as it was (a reduce's elsewhere, a reduce_scatter's) is
     divided into *spare, grown to fit (spare_cap: its bytes), and read from there. Returns the power of

@@ -238,6 +238,24 @@ static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
   }
 }
 
+/* Each of n floats of dtype that is inf or NaN takes alt's element in its place. */
+#define ENG_TAKE_NONFINITE(T, MASK)                                                      \
+  {                                                                                      \
+    T *x = (T *)data; const T *y = (const T *)alt;                                       \
+    for (size_t i = 0; i < n; i++)                                                       \
+      if ((x[i] & (MASK)) == (MASK)) x[i] = y[i];                                        \
+    return;                                                                              \
+  }
+static void eng_take_nonfinite(void *data, const void *alt, size_t n, int dtype) {
+  switch (dtype) {
+  case ENG_FLOAT16: ENG_TAKE_NONFINITE(uint16_t, 0x7c00u)
+  case ENG_BFLOAT16: ENG_TAKE_NONFINITE(uint16_t, 0x7f80u)
+  case ENG_FLOAT32: ENG_TAKE_NONFINITE(uint32_t, 0x7f800000u)
+  case ENG_FLOAT64: ENG_TAKE_NONFINITE(uint64_t, 0x7ff0000000000000ull)
+  default: return;
+  }
+}
+
 /* AVG's first divisor: the power of two at or over the group size (1 for a group of one), which divides
  * any float exactly (in its normal range), so a sum of inputs divided by it is the plain sum divided,
  * wherever that fits. */
@@ -249,15 +267,17 @@ static inline double eng_avg_spread(double size) {
 
 /* dst1 (and dst2 unless NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc - 1], in that order (so every
  * rank that reduces the same inputs gets the same bits), divided by `divisor` when it is not 0 (AVG).
- * AVG's sum of a block that comes out inf or NaN is made again from the inputs divided first by the
- * power of two at or over the divisor (exact), then divided by what is left, as CoreComm's avg_before
- * does for the other algorithms: a mean that fits the dtype never comes back as an overflowed sum.
- * (Where the plain sum fits, its bits are the same either way; inputs already inf or NaN give what
- * they gave.) Works through L1-resident blocks, so a destination may alias any source. */
+ * AVG's elements whose sum comes out inf or NaN are made again from the inputs divided first by the
+ * power of two at or over the divisor, then divided by what is left, as CoreComm's avg_before does
+ * for the other algorithms: a mean that fits the dtype never comes back as an overflowed sum. The
+ * others keep the plain sum's bits, divided once (a whole block made again lost the bits of its tiny
+ * elements, which the first division takes below the dtype's normal range); inputs already inf or
+ * NaN give what they gave. Works through L1-resident blocks, so a destination may alias any source. */
 static void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void *const *srcs, int nsrc,
                             size_t n, size_t itemsize, int dtype, double divisor) {
   _Alignas(64) char tmp[ENG_REDUCE_BLOCK];
   _Alignas(64) char part[ENG_REDUCE_BLOCK];
+  _Alignas(64) char alt[ENG_REDUCE_BLOCK];
   const size_t per = ENG_REDUCE_BLOCK / itemsize;
   const double spread = eng_avg_spread(divisor);
   if (nsrc == 2 && dst2 == NULL && divisor == 0.0) { /* one element-wise pass: dst may alias either source */
@@ -274,14 +294,17 @@ static void eng_reduce_many(eng_reduce_fn fn, void *dst1, void *dst2, const void
       fn(tmp, (const char *)srcs[0] + b, (const char *)srcs[1] + b, m);
       for (int k = 2; k < nsrc; k++) fn(tmp, tmp, (const char *)srcs[k] + b, m);
       if (divisor != 0.0 && eng_any_nonfinite(tmp, m, dtype)) {
-        memcpy(tmp, (const char *)srcs[0] + b, m * itemsize);
-        eng_scale(tmp, m, dtype, 1.0 / spread, 0);
+        memcpy(alt, (const char *)srcs[0] + b, m * itemsize);
+        eng_scale(alt, m, dtype, 1.0 / spread, 0);
         for (int k = 1; k < nsrc; k++) {
           memcpy(part, (const char *)srcs[k] + b, m * itemsize);
           eng_scale(part, m, dtype, 1.0 / spread, 0);
-          fn(tmp, tmp, part, m);
+          fn(alt, alt, part, m);
         }
-        left = divisor / spread;
+        if (divisor != spread) eng_scale(alt, m, dtype, divisor / spread, 1);
+        eng_scale(tmp, m, dtype, divisor, 1);
+        eng_take_nonfinite(tmp, alt, m, dtype);
+        left = 0.0;
       }
     }
     if (left != 0.0 && left != 1.0) eng_scale(tmp, m, dtype, left, 1);

@@ -169,6 +169,19 @@ def avg_near_the_largest_value(pg, comm, entry):
                 equal(out, whole[R * n:(R + 1) * n], what)
                 equal(whole, near_the_largest(dt, big, n * P), f"{what}: its input")
             ran(comm, entry, what)
+    segment = {engine._core.Impl.ONESHOT, engine._core.Impl.TWOSHOT, engine._core.Impl.THREADED,
+               engine._core.Impl.SEGMENT, engine._core.Impl.SINGLE_COPY}
+    if entry.collective == "allreduce" and entry.impl in segment and entry.takes_call("float16", "avg"):
+        # (the segment's own reductions divide inside: a block with an element whose sum overflows was
+        # made again wholly from inputs divided first, which took its tiny elements below float16's
+        # normal range, 2**-24 / 2 to 0; only the elements that overflowed are made again now)
+        n = 2 * P + 1
+        t = torch.full((n,), 2.0 ** -24, dtype=torch.float16)
+        t[::2] = 60000.0
+        want = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+        equal(t, want, f"allreduce AVG of 60000 and 2**-24 float16 n={n}")
+        ran(comm, entry, "allreduce AVG of 60000 and 2**-24 float16")
     if entry.collective == "allreduce" and entry.takes_call("float16", "avg"):
         n = 2 * P + 1
         src, out = np.full(n, 40000.0, dtype=np.float16), np.zeros(n, dtype=np.float16)
