@@ -285,6 +285,8 @@ cdef class Method:
     cdef int nargs
     cdef int args[3]
     cdef bint even_split                # all_to_all_single: a queued call checks divisibility first
+    cdef int blocks                     # 1: the output holds the group's inputs (all_gather_into_tensor); -1: the
+                                        # input holds its outputs (reduce_scatter_tensor); else 0
     cdef bint reals_only                # reduces, and torch hands it complex tensors as they are (reduce,
                                         # reduce_scatter, a group's own allreduce): the general form reduces
                                         # their real view
@@ -296,6 +298,7 @@ cdef class Method:
         self.nargs = len(words)
         self.args = [ARGUMENTS[w] for w in words] + [ARG_NONE] * (3 - len(words))
         self.even_split = call == "alltoall"
+        self.blocks = 1 if call == "allgather" else -1 if call == "reduce_scatter" else 0
         self.reals_only = call in ("allreduce", "reduce_to_root", "reduce_scatter")
 
 
@@ -381,6 +384,8 @@ cdef class FastPath:
             return None
         if m.even_split and (rows(t) % self.size or rows(u) % self.size):
             return None   # (split by rows, as torch's backends do: the general form says what is wrong)
+        if m.blocks and (u.numel() != t.numel() * self.size if m.blocks > 0 else t.numel() != u.numel() * self.size):
+            return None   # (the general form says what is wrong, in torch's words)
         call = _read(m.layout, opts, &root)
         if call < 0:
             return None

@@ -178,6 +178,26 @@ def _scatter_back(flat, outputs):
         write_back(out, piece.view(out.shape))
 
 
+def _check_pair(name, out, inp, gathers, size, where=""):
+    """One output and one input of a collective over a tensor that holds size() blocks (gathers: the
+    output, all_gather_into_tensor's; else the input, reduce_scatter_tensor's), in torch's words."""
+    if out.dtype != inp.dtype:
+        raise TypeError(f"{name}: output tensor{where} is {out.dtype} but the input tensor is {inp.dtype}; they "
+                        "must have the same dtype")
+    whole, block = (out, inp) if gathers else (inp, out)
+    if whole.numel() != block.numel() * size:
+        raise ValueError(f"{name}: invalid size of {'output' if gathers else 'input'} tensor{where}: it has "
+                         f"{whole.numel()} elements; it needs {block.numel()} x {size} ranks = {block.numel() * size} "
+                         f"(the {'input' if gathers else 'output'} tensor's elements, once per rank)")
+
+
+def _check_block(name, tensors, rank, kind, one, one_kind):
+    """A list of one tensor per rank beside one tensor (`one`): this rank's entry is as large as it."""
+    if tensors[rank].numel() != one.numel():
+        raise ValueError(f"{name}: {kind} tensor {rank} (this rank's) has {tensors[rank].numel()} elements but the "
+                         f"{one_kind} tensor has {one.numel()}; this rank's entry is as large as it")
+
+
 def _coalesced(single, name, gathers):
     """The coalesced form of pair method `single`, traced as `name`: every pair checked before any is
     queued (a bad one raises naming its index, nothing runs), then one Work for them all (a barrier's
@@ -187,15 +207,8 @@ def _coalesced(single, name, gathers):
         if len(outputs) != len(inputs):
             raise ValueError(f"{name}: {len(outputs)} output tensors for {len(inputs)} inputs; it takes one "
                              "output per input")
-        size = self.size()
         for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            if out.dtype != inp.dtype:
-                raise TypeError(f"{name}: output tensor at index {i} is {out.dtype} but input tensor {i} is "
-                                f"{inp.dtype}; they must have the same dtype")
-            whole, block, side = (out, inp, "output") if gathers else (inp, out, "input")
-            if whole.numel() != block.numel() * size:
-                raise ValueError(f"{name}: invalid size of {side} tensor at index {i}: it has {whole.numel()} "
-                                 f"elements; it needs {block.numel()} x {size} ranks = {block.numel() * size}")
+            _check_pair(name, out, inp, gathers, self.size(), f" at index {i}")
         works = [single(self, o, i, opts) for o, i in zip(outputs, inputs)]
         return all_of(works, outputs) if works else self._barrier()
     return coalesced
@@ -580,6 +593,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         dev = self._device(out)
         op, factor = _reduce_op(opts)
         _check_per_rank(inputs, self.size(), out.dtype, "reduce_scatter", "input")
+        _check_block("reduce_scatter", inputs, self.rank(), "input", out, "output")
         out, *inputs = _real([out, *inputs], opts, "reduce_scatter")
         comm = dev.comm
 
@@ -590,6 +604,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         return dev.launch("reduce_scatter", run, None, None, None, 0, output_tensors, opts)
 
     def _reduce_scatter_single(self, output, input, opts=None):
+        _check_pair("reduce_scatter_tensor", output, input, False, self.size())
         dev = self._device(output)
         op, factor = _reduce_op(opts)
         out, real_input = _real([output, input], opts, "reduce_scatter_tensor")
@@ -622,6 +637,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         outs = _one(output_lists, "allgather")
         inp = _one(input_tensors, "allgather")
         _check_per_rank(outs, self.size(), inp.dtype, "all_gather", "output")
+        _check_block("all_gather", outs, self.rank(), "output", inp, "input")
         dev = self._device(inp)
         comm = dev.comm
 
@@ -636,6 +652,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     allgather = other_forms("allgather")(traced("all_gather", second)(_allgather))
 
     def _all_gather_single(self, output, input, opts=None):
+        _check_pair("all_gather_into_tensor", output, input, True, self.size())
         dev = self._device(input)
         comm = dev.comm
         return dev.launch("all_gather_into_tensor", _write, output,
@@ -675,6 +692,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         outs = _one_list(output_lists, "gather", "output", root, self.rank())
         if self.rank() == root:
             _check_per_rank(outs, self.size(), inp.dtype, "gather", "output", " on the root")
+            _check_block("gather", outs, root, "output", inp, "input")
 
         def run():
             if self.rank() != root:
@@ -712,6 +730,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         inputs = _one_list(input_lists, "scatter", "input", root, self.rank())
         if self.rank() == root:
             _check_per_rank(inputs, self.size(), out.dtype, "scatter", "input", " on the root")
+            _check_block("scatter", inputs, root, "input", out, "output")
 
         def run():
             if self.rank() == root:

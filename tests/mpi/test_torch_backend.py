@@ -1429,6 +1429,38 @@ def test_a_synchronous_calls_work_gives_its_outputs_as_an_asynchronous_calls_doe
     assert first.result()[0] is a and second.result()[0] is b
 
 
+def test_a_wrong_size_is_named_in_torchs_words():
+    """An output or input of the wrong size, through torch's functions (sync and async): the error named
+    the core's buffers and an argument torch has not ("recvbuf has 7 elements; it needs sendbuf's 2 x 3
+    ranks = 6 (pass counts= for uneven sizes)"). It names torch's tensors now, and nothing moves."""
+    calls = {
+        "all_gather": (lambda a: dist.all_gather([torch.zeros(3) for _ in range(P)], torch.ones(2), async_op=a),
+                       rf"all_gather: output tensor {R} \(this rank's\) has 3 elements but the input tensor has 2"),
+        "all_gather_into_tensor": (lambda a: dist.all_gather_into_tensor(torch.zeros(2 * P + 1), torch.ones(2),
+                                                                         async_op=a),
+                                   rf"all_gather_into_tensor: invalid size of output tensor: it has {2 * P + 1} "
+                                   rf"elements; it needs 2 x {P} ranks = {2 * P} \(the input tensor's elements"),
+        "reduce_scatter_tensor": (lambda a: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * P + 1),
+                                                                       async_op=a),
+                                  rf"reduce_scatter_tensor: invalid size of input tensor: it has {2 * P + 1} "
+                                  rf"elements; it needs 2 x {P} ranks = {2 * P} \(the output tensor's elements"),
+        "reduce_scatter": (lambda a: dist.reduce_scatter(torch.zeros(3), [torch.ones(2) for _ in range(P)],
+                                                         async_op=a),
+                           rf"reduce_scatter: input tensor {R} \(this rank's\) has 2 elements but the output tensor "
+                           "has 3"),
+    }
+    if P == 1:   # (a root alone raises: the others would wait in the call)
+        calls["gather"] = (lambda a: dist.gather(torch.ones(2), [torch.zeros(3)], async_op=a),
+                           r"gather: output tensor 0 \(this rank's\) has 3 elements but the input tensor has 2")
+        calls["scatter"] = (lambda a: dist.scatter(torch.zeros(3), [torch.ones(2)], async_op=a),
+                            r"scatter: input tensor 0 \(this rank's\) has 2 elements but the output tensor has 3")
+    for name, (call, message) in calls.items():
+        for asynchronous in (False, True):
+            with pytest.raises(ValueError, match=message):
+                call(asynchronous)
+    dist.barrier()
+
+
 def test_a_receive_into_a_larger_tensor_than_the_message_is_refused():
     """torch's recv fills its whole tensor and has no count to say how much came: a message shorter than
     the receive's tensor was taken, the rest left as it was ([1, 2, -7, -7]). It fails now, naming
