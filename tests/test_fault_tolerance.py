@@ -629,7 +629,20 @@ class FaultToleranceScenarios(ForkedRanks):
         self._reconfigured("shrinkg", 1700)
         sub = dist.new_group([1, 2])
         if self.rank == 2:                            # sub without its rank 0 (world rank 1, idle)
-            shrunk = dist.shrink_group([0], group=sub)
+            # (flags it does not know, and another backend's options, are refused; a Backend.Options'
+            # timeout is the new group's: they were not read)
+            from torch._C._distributed_c10d import Backend
+
+            class Other(Backend.Options):
+                pass
+            with self.assertRaisesRegex(ValueError, "shrink_flags 2 has bits the engine does not know"):
+                sub.shrink([0], 2)
+            with self.assertRaisesRegex(ValueError, r"pg_options is a .*Other, another backend's options"):
+                dist.shrink_group([0], group=sub, pg_options=Other("engine"))
+            options = Backend.Options("engine")
+            options._timeout = timedelta(seconds=7)
+            shrunk = dist.shrink_group([0], group=sub, pg_options=options)
+            self.assertEqual(shrunk._timeout_seconds(), 7.0)
             self.assertEqual((shrunk.rank(), shrunk.size(), dist.get_rank(shrunk)), (0, 1, 0))
             self.assertEqual(dist.get_process_group_ranks(shrunk), [2])
             self.assertEqual(dist.get_backend(shrunk), "engine")

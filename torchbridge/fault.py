@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from engine import Communicator, failure
 from engine.bootstrap import Cancel, StoreBootstrap, agree_on_members
@@ -263,10 +264,16 @@ class FaultTolerance:
         which the member left out may have broken by dying; the rank order is kept. SHRINK_ABORT (flag
         1) first ends this group's calls in flight, as abort(). Every remaining member passes the same
         ranks: where one doesn't, or doesn't call, the others fail at the group's timeout, naming it.
-        The group's options are kept (opts_override is not read)."""
+        opts_override (shrink_group's pg_options): a Backend.Options whose timeout the new group takes;
+        none: the group's."""
         what = f"engine shrink of process group {self._name!r}"
         aborts = self._aborts   # (an abort() from another thread from here on ends this shrink)
         self._shrink_calls += 1   # (every call, as every member calls: where the arguments are wrong too)
+        flags = int(shrink_flags)
+        if flags & ~dist.distributed_c10d.SHRINK_ABORT:
+            raise ValueError(f"{what}: shrink_flags {flags} has bits the engine does not know: pass SHRINK_DEFAULT (0) "
+                             "or SHRINK_ABORT (1)")
+        timeout = _shrink_timeout(what, opts_override, self._timeout)
         excluded = sorted({int(r) for r in ranks_to_exclude})
         if not excluded or excluded[0] < 0 or excluded[-1] >= self._size or self._rank in excluded:
             raise ValueError(f"{what}: ranks_to_exclude must name other ranks of the group, 0-{self._size - 1} "
@@ -279,16 +286,17 @@ class FaultTolerance:
         # only after the making)
         lost = self._comm.lost_among(members) if self._comm is not None else None
         aborted = None, [], None
-        if int(shrink_flags) & dist.distributed_c10d.SHRINK_ABORT:
+        if flags & dist.distributed_c10d.SHRINK_ABORT:
             aborted = self._abort_unreleased()
             aborts += 1
         try:
-            return self._shrunk(what, aborts, excluded, members, lost, replaced, meeting)
+            return self._shrunk(what, aborts, excluded, members, lost, replaced, meeting, timeout)
         finally:
             self._release(*aborted)
 
-    def _shrunk(self, what, aborts, excluded, members, lost, replaced, meeting):
-        """shrink()'s new group, made once the arguments are checked (and SHRINK_ABORT ended this one)."""
+    def _shrunk(self, what, aborts, excluded, members, lost, replaced, meeting, timeout):
+        """shrink()'s new group, made once the arguments are checked (and SHRINK_ABORT ended this one),
+        within `timeout` (a timedelta), which it keeps."""
         count = getattr(self, "_shrinks", 0) + 1    # (the shrinks that worked: the new group's name)
         index, size = members.index(self._rank), len(members)
         world = self is dist.distributed_c10d._world.default_pg
@@ -300,7 +308,8 @@ class FaultTolerance:
         with self._making_new_group("shrink", aborts, f"{what} without ranks {excluded}") as cancel:
             try:
                 comm = Communicator.from_store(store, index, size, transport=own_transport(), name=name,
-                                               timeout=self._timeout_seconds(), on_cancel=cancel.on_cancel, lost=lost)
+                                               timeout=Watch.timeout_of(_seconds_of(timeout)),
+                                               on_cancel=cancel.on_cancel, lost=lost)
             except EnginePeerLost as exc:   # (it names the member lost, in this group's ranks too)
                 raise EnginePeerLost(f"{what} without ranks {excluded}: {exc}") from exc
             except Exception as exc:
@@ -309,7 +318,7 @@ class FaultTolerance:
                                    ) from exc
         self._shrinks = count
         world_key = f"{self._world_key}/shrink-{count}" if world else None   # (torch names its groups from 0 again)
-        group = type(self)(comm, index, size, self._timeout, store, name, world_key=world_key)
+        group = type(self)(comm, index, size, timeout, store, name, world_key=world_key)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
         # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
         group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]
@@ -561,6 +570,19 @@ def own_transport():
     from engine.bootstrap import requested_transport
     wanted = requested_transport()
     return "auto" if wanted == "mpi" else wanted
+
+
+def _shrink_timeout(what, opts, timeout):
+    """The timeout of a group shrink_group makes: its pg_options' where given (torch's Backend.Options,
+    whose only field the engine has a use for; another backend's options, NCCL's, are refused by name),
+    else the group's (`timeout`)."""
+    if opts is None:
+        return timeout
+    if type(opts) is not _C10dBackend.Options:
+        raise ValueError(f"{what}: pg_options is a {type(opts).__qualname__}, another backend's options, of which "
+                         "the engine reads nothing: pass torch._C._distributed_c10d.Backend.Options('engine') with its "
+                         "_timeout set, or none")
+    return opts._timeout
 
 
 def _seconds_of(timeout):
