@@ -513,6 +513,7 @@ cdef class Request:      # request.pxi; comm.pxi posts them
     cdef object error       # how it failed, once spent by the failure: every later test() and wait() raises it
 
 cdef Request post_request(CoreComm comm, Transport tp, object buf, int peer, int tag, bint recv, str what)
+cdef Request whole_message(Request r, bint whole)
 
 
 cdef class _PartList:    # kernels_api.pxi; the fused path of shm_collectives.pxi parses its parts with it
