@@ -876,6 +876,25 @@ def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_stor
     assert sorted(done) == sorted((str(r), call) for r in range(3) for call in calls), out[-5000:]
 
 
+@pytest.mark.skipif(not HAS_RECONFIGURE, reason="a process joins a group through reconfigure from torch 2.14")
+def test_a_world_shrunk_then_joined_by_a_newcomer_is_made_again_in_one_making():
+    """tests/faults/shrunk_then_replaced.py: ranks 0 and 1 shrink the world past dead rank 2, a new
+    process joins them through reconfigure, then each makes the world again with its rank from the
+    reconfigure. The shrunk world's reconfigure looked for its members' word, and counted their makings,
+    in the shrink's part of the store: the newcomer's store looked unshared and the world made again
+    met in two makings, each side waiting for the other until the timeout."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "faults", "shrunk_then_replaced.py")
+    proc = subprocess.run([sys.executable, script, "shm"], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    done = re.findall(r"rank (\d) (\w+): ok", out)
+    steps = [(str(r), "shrink") for r in (0, 1)] + [(str(r), s) for r in range(3) for s in ("reconfigure",
+                                                                                          "world_made_again")]
+    assert sorted(done) == sorted(steps), out[-5000:]
+
+
 def test_a_silent_connection_closing_as_another_takes_its_place_is_not_read():
     """MAX_PARKED silent connections wait; one more comes as the one waiting longest closes, both seen in
     one select: the accept drops the oldest to make room, and its own event (its close) is not read as a

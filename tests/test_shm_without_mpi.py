@@ -1195,10 +1195,32 @@ def test_ranks_that_counted_their_makings_apart_are_told_so_where_they_miss_each
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=90)[0] for p in procs]
     for rank, out in enumerate(outs):
-        other, counts = 1 - rank, ((2, 1), (1, 2))[rank]
+        other, counts, how = 1 - rank, ((2, 1), (1, 2))[rank], ("they met in a later making", (
+            "they have not come to this making, or this rank counted ahead of them"))[rank]
         assert (f"MissingRanks: engine: ranks [{other}] of 2 never joined the bootstrap of group '0'" in out and
                 f"ranks [{other}] made this group {counts[0]} times in this store, this rank {counts[1]} times, so "
-                "they met in another making" in out and "join the others through dist._reconfigure" in out), out
+                f"{how}" in out and "join the others through dist._reconfigure" in out), out
+
+
+def test_a_rank_that_never_came_is_not_said_to_have_counted_apart():
+    """counted_apart's sentence, from the missing ranks' counts in the store: none for a rank that never
+    made the group there (it said such a rank met in another making); certain for one ahead; for one
+    behind, that it has not come yet or this rank counted ahead."""
+    import torch.distributed as dist
+
+    from torchbridge.creation import counted_apart
+
+    store = dist.HashStore()
+    for rank, count in ((1, 3), (2, 1)):
+        store.add(f"engine/makings-of-rank-{rank}", count)
+    assert counted_apart(store, [], [3], 2) == ""
+    assert "ranks [1] made this group 3 times in this store, this rank 2 times, so they met in a later making" \
+        in counted_apart(store, [], [1, 3], 2)
+    assert "ranks [2] made this group 1 times in this store, this rank 2 times, so they have not come to this " \
+        "making, or this rank counted ahead of them" in counted_apart(store, [], [2, 3], 2)
+    # (a group of some of the world's ranks: its rank i's count is under world rank ranks[i])
+    assert "ranks [1] made this group 3 times" in counted_apart(store, [7, 1], [1], 2)
+    assert counted_apart(store, [1, 7], [1], 2) == ""
 
 
 def test_a_new_group_waiting_for_its_members_ends_when_the_group_it_is_made_from_is_aborted():

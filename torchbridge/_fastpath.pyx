@@ -218,8 +218,10 @@ def _layout(opts_type, bint has_op, bint has_root, Py_ssize_t size):
         return lay
     lay.op_at, lay.root_at, lay.tensor_at, lay.async_at = op_at, root_at, tensor_at, async_at
     lay.timeout_at, lay.direct = found[0], True
-    for o, _, _, _ in samples:   # (unset, as torch leaves it: a set one sends every call to the general path)
+    for o, _, _, _ in samples:   # (unset, as torch leaves them: a set one sends every call to the general path)
         o.timeout = UNSET_TIMEOUT
+        if has_root:
+            o.rootTensor = 0
     # Every sample once more through the reader, against pybind's getters.
     if [read_options(lay, o) for o, _, _, _ in samples] != [read_options(lay, o, True) for o, _, _, _ in samples]:
         lay.direct = False

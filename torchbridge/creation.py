@@ -56,7 +56,8 @@ def create_process_group(opts, backend_options=None):
         base, store = store, dist.PrefixStore(f"engine/made-{making}", store)
     # (a world's groups' keys go under the worlds this rank made in this store, which its ranks count
     # alike, whatever other stores a rank made worlds in before)
-    made = dict(base_store=base, world_key=None if ranks else str(making))
+    made = dict(base_store=base, world_key=None if ranks else str(making),
+                makings=None if ranks or store is None else (base, opts.group_rank))
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True,
                                   **made)
@@ -113,8 +114,9 @@ def makings_of(store, rank, seconds=None, what=None):
 
 def counted_apart(store, ranks, missing, making):
     """What the missing ranks' counts of their makings of the group in its store say (a sentence to add
-    to the error), where one differs from this rank's (`making`): the others met in another making.
-    A process that took a dead one's rank on the same store counts the dead one's makings too."""
+    to the error), where one differs from this rank's (`making`): a rank ahead met in a later making;
+    one behind (not none) has not come to this one, or this rank counted ahead of it. A process that
+    took a dead one's rank on the same store counts the dead one's makings too."""
     if store is None or not missing:
         return ""
     try:
@@ -122,14 +124,17 @@ def counted_apart(store, ranks, missing, making):
             counts = {r: counting.add(f"engine/makings-of-rank-{ranks[r] if ranks else r}", 0) for r in missing}
     except Exception:   # (the store is gone: the error says enough)
         return ""
-    apart = {r: n for r, n in counts.items() if n != making}
-    if not apart:
+    ahead = {r: n for r, n in counts.items() if n > making}
+    behind = {r: n for r, n in counts.items() if 0 < n < making}
+    if not ahead and not behind:
         return ""
+    apart, how = (ahead, "so they met in a later making") if ahead else (
+        behind, "so they have not come to this making, or this rank counted ahead of them")
     times = " or ".join(map(str, sorted(set(apart.values()))))
-    return (f"; ranks {sorted(apart)} made this group {times} times in this store, this rank {making} times, so "
-            "they met in another making (a process that took the place of a dead one on the same store counts the "
-            "dead one's makings too; so does a rank that made the group once more after the others gave up): make "
-            "the group on a fresh store, or join the others through dist._reconfigure")
+    return (f"; ranks {sorted(apart)} made this group {times} times in this store, this rank {making} times, {how} (a "
+            "process that took the place of a dead one on the same store counts the dead one's makings too; so does "
+            "a rank that made the group once more after the others gave up): make the group on a fresh store, or "
+            "join the others through dist._reconfigure")
 
 
 def _mpi_group(opts, ranks, name, seconds):

@@ -55,10 +55,11 @@ class FaultTolerance:
     """The fault-tolerance half of EngineProcessGroup: the group's state is `_comm` (None: see
     `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
 
-    def _init_fault_tolerance(self, listen, base_store, world_key):
+    def _init_fault_tolerance(self, listen, base_store, world_key, makings):
         """listen: listen for reconfigures from the start. base_store: the store under the count of the
         group's makings, where its reconfigures meet. world_key: a world's (else None) part of the store
-        its groups' keys go under, which its reconfigures and shrinks change alike on every member."""
+        its groups' keys go under, which its reconfigures and shrinks change alike on every member.
+        makings: a world's (else None) store and rank its makings were counted under (_world_makings)."""
         self._listener = self._new_listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
@@ -80,7 +81,7 @@ class FaultTolerance:
         # others use, which the members' groups' makings numbered apart; else why not, in words. None:
         # never reconfigured, the group's own store holds)
         self._store_shared = None
-        self._base_store, self._world_key = base_store, world_key
+        self._base_store, self._world_key, self._makings = base_store, world_key, makings
 
     # -- what torch asks --
 
@@ -147,13 +148,13 @@ class FaultTolerance:
                                     nonce if wrote else None))
             torch_ranks = [(r, s) for r, s, _ in parts]
             found = self._store_probe(probe, parts[0][2], deadline, read=True)
-            seen = boot.allgather((found, self._world_makings(deadline) if found else None))
+            seen = boot.allgather((found, self._world_makings(deadline, index) if found else None))
             store_shared = True if all(ok for ok, _ in seen) else (
                 f"its members do not share one store: member(s) {[i for i, (ok, _) in enumerate(seen) if not ok]} "
                 f"of reconfigure {uuid} did not find in their group's store what member 0 left in its own "
                 "(their groups were made over other stores, as torchft's replicas' are, or a store did not answer)")
             if store_shared is True:   # (the world made again on this store meets in one making on every member)
-                self._world_makings(deadline, up_to=max(made for _, made in seen))
+                self._world_makings(deadline, index, up_to=max(made for _, made in seen))
         except BaseException as exc:
             if comm is not None:
                 comm.free()
@@ -205,20 +206,24 @@ class FaultTolerance:
         except Exception:
             return False
 
-    def _world_makings(self, deadline, up_to=None):
-        """A world's: this process's count of its rank's makings of the world in the base store (a
-        process that took a dead one's rank counts the dead one's makings too, ahead of the others), or,
-        with up_to, counts it up to that (every member of a reconfigure to the most among them: the
-        world made again on the store meets in one making). 0 for another group, or where the store
-        does not answer (the making names the ranks that counted apart, if they meet there)."""
-        if self._world_key is None or self._base_store is None:
+    def _world_makings(self, deadline, index, up_to=None):
+        """A world's count of its makings in the store they were counted in, the larger under the rank
+        the world was made with and under `index`, its rank in the reconfigure (a process that took a
+        dead one's rank counts the dead one's makings too, ahead of the others); or, with up_to, counts
+        it up to that under `index`, which no other member writes (every member of a reconfigure to the
+        most among them: the world made again on the store, each member its rank from the reconfigure,
+        meets in one making). 0 for another group, or where the store does not answer (the making then
+        names the ranks that counted apart)."""
+        if self._makings is None:
             return 0
-        key = f"engine/makings-of-rank-{dist.ProcessGroup.rank(self)}"
+        store, rank = self._makings
         try:
-            with StoreWithin.bounded(self._base_store, max(0.0, min(deadline - time.monotonic(), 5.0)),
-                                     "the world's makings") as store:
-                made = store.add(key, 0)
-                return made if up_to is None or up_to <= made else store.add(key, up_to - made)
+            with StoreWithin.bounded(store, max(0.0, min(deadline - time.monotonic(), 5.0)),
+                                     "the world's makings") as counts:
+                mine = counts.add(f"engine/makings-of-rank-{index}", 0)
+                if up_to is not None:
+                    return counts.add(f"engine/makings-of-rank-{index}", up_to - mine) if mine < up_to else mine
+                return max(mine, counts.add(f"engine/makings-of-rank-{rank}", 0))
         except Exception:
             return 0
 
@@ -318,7 +323,9 @@ class FaultTolerance:
                                    ) from exc
         self._shrinks = count
         world_key = f"{self._world_key}/shrink-{count}" if world else None   # (torch names its groups from 0 again)
-        group = type(self)(comm, index, size, timeout, store, name, world_key=world_key)
+        # (its reconfigures meet where this group's do: in the store every member's world shares)
+        group = type(self)(comm, index, size, timeout, store, name, base_store=self._base_store, world_key=world_key,
+                           makings=self._makings if world else None)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
         # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
         group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]
