@@ -469,6 +469,24 @@ def test_ranks_waiting_in_a_barrier_for_a_late_rank_leave_their_cores():
         assert cpu < 0.4, f"rank {R} took {cpu:.2f} s of CPU waiting 1 s in a barrier ({WORLD.transport})"
 
 
+def test_a_shorter_message_gives_its_count_or_is_refused_where_the_receive_wants_it_whole():
+    """A receive takes a message shorter than its buffer, as MPI's does, and its wait gives the count;
+    irecv(whole=True), torch's recv, refuses it naming both sizes; the group goes on."""
+    right, left = (R + 1) % P, (R - 1) % P
+    for whole in (False, True):
+        buf = np.full(4, -7.0)
+        rr = WORLD.irecv(buf, source=left, tag=3, whole=whole)
+        WORLD.isend(np.full(2, float(R)), right, tag=3).wait()
+        if whole:
+            with pytest.raises(ValueError, match=rf"irecv from rank {left}: 16 bytes arrived, but the receive "
+                                                 "buffer holds 32"):
+                rr.wait()
+        else:
+            assert rr.wait() == (left, 3, 2)
+        assert buf.tolist() == [float(left), float(left), -7.0, -7.0]
+    WORLD.barrier()
+
+
 def test_send_recv_tags_and_any_source():
     if P == 1:
         req = WORLD.isend(np.arange(3, dtype=np.int32), 0, tag=5)
