@@ -151,6 +151,9 @@ class Communicator:
             return (host_identity(), secrets.token_hex(8), sorted(opening.items()), Watch.timeout_of(timeout),
                     None if _parent is None else _parent[0])
         everyone = gather(_boot, read_opening, "read its settings")
+        if mpi and _parent is None and not _stage:   # (the job's MPI files, once every rank here maps them)
+            from .mpi import release_segments
+            release_segments(_boot)
         opening = _agreed(name, [o for _, _, o, _, _ in everyone])
         notes_id, timeout = everyone[0][1], everyone[_boot.rank][3]
         whole = [w for _, _, _, _, w in everyone]   # (a stage's: each rank's rank in the group it serves)

@@ -8,6 +8,7 @@ import re
 import sys
 
 from . import failure
+from .config import env_flag
 from .launcher import cpu_quota, detect_launcher
 
 _YIELD = "OMPI_MCA_mpi_yield_when_idle"
@@ -15,14 +16,31 @@ _YIELD = "OMPI_MCA_mpi_yield_when_idle"
 
 def singleton_env(environ=None):
     """A process no MPI launcher started is an MPI singleton: it has no peers, and Open MPI's shared-
-    memory BTL would leave a 16 MiB segment in /dev/shm that no launcher cleans up. Use only `self`.
-    Returns whether it set the variable: MPI reads it as it starts, and a job this process launches
-    later (mpiexec in a subprocess) must not inherit it."""
+    memory BTL would leave a 16 MiB segment in /dev/shm that no launcher cleans up. Its BTLs are made
+    to leave `sm` out (only `self` where none are set; a user's list keeps the rest: `^ofi` becomes
+    `^ofi,sm`). Returns what to put back once MPI started (the user's value, '' for none), or None
+    where nothing changed: MPI reads it as it starts, and a job this process launches later (mpiexec
+    in a subprocess) must not inherit it."""
     env = os.environ if environ is None else environ
-    if detect_launcher(env) is None and "OMPI_MCA_btl" not in env:
-        env["OMPI_MCA_btl"] = "self"
-        return True
-    return False
+    if detect_launcher(env) is not None:
+        return None
+    user = env.get("OMPI_MCA_btl")
+    wanted = _without_sm(user)
+    if wanted == user:
+        return None
+    env["OMPI_MCA_btl"] = wanted
+    return "" if user is None else user
+
+
+def _without_sm(btl):
+    """Open MPI's BTL list `btl` (None: unset) without its shared-memory BTL (`sm`, once `vader`)."""
+    if btl is None or not btl.strip():
+        return "self"
+    names = [n.strip() for n in btl.strip().lstrip("^").split(",") if n.strip()]
+    if btl.strip().startswith("^"):   # (Open MPI 5 names it sm, and takes vader for it)
+        return btl if {"sm", "vader"} & set(names) else "^" + ",".join(names + ["sm"])
+    kept = [n for n in names if n not in ("sm", "vader")]
+    return btl if kept == names else ",".join(kept or ["self"])
 
 
 def polite_env(environ=None, cores=None):
@@ -110,7 +128,7 @@ def load(deadline=True):
         return _loaded[0]
     failure.configure()
     started = "mpi4py.MPI" in sys.modules
-    singleton = not started and singleton_env()
+    restore = None if started else singleton_env()
     launched = detect_launcher()
     for note in (survivable_finalize_env(started=started), None if started else polite_env()):
         if note and (launched or (None, 0))[1] == 0:
@@ -129,11 +147,48 @@ def load(deadline=True):
     finally:
         if exit_at is not None:
             exit_at.cancel()
-        if singleton:
+        if restore == "":
             os.environ.pop("OMPI_MCA_btl", None)
+        elif restore is not None:
+            os.environ["OMPI_MCA_btl"] = restore
     failure.arm(MPI)  # a rank leaving after a failure aborts the job instead of hanging in MPI_Finalize
     _loaded.append(MPI)
     return MPI
+
+
+_released = []
+
+
+def release_segments(boot):
+    """Unlinks MPI's shared-memory files in /dev/shm (Open MPI's sm_segment.*, MPICH's mpich_shm_*) once
+    every rank of this host maps every one of them, as the engine's own segment is a memfd with no
+    name: the launcher unlinks them at the job's end, and where it is killed (SIGKILL, a harness's
+    timeout) they stayed. Each rank first sends a message to every other rank of its host (MPI maps a
+    peer's segment when it first talks to it); a rank that maps another set leaves them all as they are.
+    Done once per process, by the first group made over the whole of MPI_COMM_WORLD (boot: its
+    MpiBootstrap; a collective over its ranks, within the making's timeout). A process MPI_Comm_spawn
+    starts later could not map these: ENGINE_MPI_KEEP_SEGMENTS=1 keeps them."""
+    MPI = load()
+    if _released or boot.comm.Get_size() != MPI.COMM_WORLD.Get_size() or env_flag("ENGINE_MPI_KEEP_SEGMENTS"):
+        return
+    _released.append(True)
+    with boot._blocking("MPI_Comm_split_type"):
+        local = boot.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        n, rank = local.Get_size(), local.Get_rank()
+        with boot._blocking("a message to each rank of its host"):
+            for d in range(1, n):
+                local.sendrecv(None, dest=(rank + d) % n, source=(rank - d) % n)
+            mapped = local.allgather(failure._mpi_segments())
+    finally:
+        local.Free()
+    if rank == 0 and all(m == mapped[0] for m in mapped):
+        for path in mapped[0]:
+            if path.startswith("/dev/shm/"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
 def core():

@@ -3,6 +3,7 @@
 writes), and a timeout is judged by the wait's length the engine reports; mpirun's own time is checked
 only where the point is how soon the whole job ends (a killed rank)."""
 
+import ast
 import json
 import os
 import re
@@ -47,6 +48,52 @@ def shm_files():
         return set(os.listdir("/dev/shm"))
     except OSError:
         return set()
+
+
+KILLED_LAUNCHER = """
+import os, sys, time
+import torch, torch.distributed as dist
+from engine import failure
+dist.init_process_group("engine")
+t = torch.ones(1 << 20)
+for _ in range(5):
+    dist.all_reduce(t)
+print(f"rank {dist.get_rank()} mapped {failure._mpi_segments()}", flush=True)
+open(os.path.join(sys.argv[1], f"ready.{dist.get_rank()}"), "w").close()
+time.sleep(3)   # (the launcher is killed meanwhile: the ranks go on, and end alone)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("case", ["shm", "mpi", "shm-kept"])
+def test_a_launcher_killed_leaves_no_mpi_segment_in_dev_shm(tmp_path, case):
+    """mpiexec killed with SIGKILL (a harness's timeout) while its ranks run: Open MPI's shared-memory
+    files (16 MiB each) stayed in /dev/shm, as the launcher unlinks them at the job's end. The first
+    group made over the whole job unlinks them once every rank of the host maps them all; with
+    ENGINE_MPI_KEEP_SEGMENTS=1 they stay until the launcher unlinks them (here, the job's end)."""
+    transport, kept = case.split("-")[0], case.endswith("kept")
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_LAUNCHER)
+    before = shm_files()
+    proc = subprocess.Popen(mpiexec_command(2) + [sys.executable, str(script), str(tmp_path)],
+                            env={**mpi_env(), "ENGINE_TRANSPORT": transport,
+                                 "ENGINE_MPI_KEEP_SEGMENTS": str(int(kept))},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready.{r}").exists() for r in range(2)) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the job never got ready"
+        time.sleep(0.1)
+    if not kept:
+        os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.communicate(timeout=60)[0]
+    deadline = time.monotonic() + 60   # (the ranks, orphaned, end after their sleep)
+    while subprocess.run(["pgrep", "-f", str(script)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the ranks did not end"
+        time.sleep(0.2)
+    mapped = [ast.literal_eval(m) for m in re.findall(r"rank \d mapped (\[.*\])", out)]
+    assert len(mapped) == 2 and all(len(m) == 2 and all(path.endswith(" (deleted)") != kept for path in m)
+                                    for m in mapped), out[-3000:]
+    assert shm_files() <= before
 
 
 @TRANSPORTS

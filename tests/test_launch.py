@@ -518,6 +518,22 @@ def test_mpi_started_alone_leaves_no_singleton_setting_behind():
     assert "left None" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("btl", ["^ofi", "self,sm,tcp"])
+def test_mpi_started_alone_maps_no_shared_memory_segment_under_the_users_btl_list(btl):
+    """A user's OMPI_MCA_btl (docs/tuning.md's ^ofi) made the engine leave Open MPI's BTLs as they were
+    in a process no launcher started: its shared-memory BTL made a 16 MiB segment in /dev/shm that no
+    launcher removes (on every run). The list now leaves sm out while MPI starts, and is the user's
+    again after."""
+    code = ("import os, engine; from engine import failure; engine.MPI.COMM_WORLD.Get_size(); "
+            "print('left', os.environ.get('OMPI_MCA_btl'), 'mapped', failure._mpi_segments(), "
+            "'Open MPI' in engine.MPI.Get_library_version())")
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean_env(), "OMPI_MCA_btl": btl}, capture_output=True,
+                          text=True, timeout=60)
+    if "True" not in proc.stdout:
+        pytest.skip("Open MPI's setting: another MPI reads none of it")
+    assert f"left {btl} mapped [] True" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_registration_does_not_import_mpi_or_the_engine():
     code = ("import sys, torch, torch.distributed as dist; "
             "print('engine' in dist.Backend.backend_list, 'mpi4py' in sys.modules, 'engine' in sys.modules, "
