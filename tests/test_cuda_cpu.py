@@ -333,7 +333,8 @@ def test_a_cuda_collectives_output_of_another_dtype_is_refused_before_anything_i
 
 def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
     """A collective whose event never completes: past the timeout the watchdog runs on_fail (the
-    group's abort hooks) once, then aborts the communicator, and every later call raises the timeout."""
+    group's abort hooks) once, then aborts the communicator, and every later call raises the timeout;
+    past a call's own timeout where it has one."""
     import threading
     from engine.cuda.watchdog import Watchdog
     from engine.watch import EngineTimeout
@@ -361,34 +362,16 @@ def test_the_watchdog_runs_on_fail_once_then_aborts_and_refuses():
     assert "allreduce of group 'g' (rank 1 of 3): Timed out" in order[0][1]
     with pytest.raises(EngineTimeout, match="Timed out"):
         dog.watch(Stuck(), "reduce", Comm())
-
-
-def test_the_watchdog_keeps_a_calls_own_timeout():
-    """A call with a timeout of its own (opts.timeout): the watchdog ends it then, not at the group's
-    (it watched every call against the group's timeout, so a call's own was dropped on CUDA)."""
-    import threading
-    from engine.cuda.watchdog import Watchdog
-
-    aborted = threading.Event()
-    why = []
-
-    class Stuck:
-        def query(self):
-            return False
-
-    class Comm:
-        def check_async_error(self):
-            pass
-
-        def abort(self, error):
-            why.append(str(error))
-            aborted.set()
-
-    dog = Watchdog("g", 0, 2, 3600)
+    # A call with a timeout of its own (opts.timeout) ends then, not at the group's (every call was
+    # watched against the group's timeout: a call's own was dropped on CUDA).
+    order.clear()
+    aborted.clear()
+    dog = Watchdog("g", 0, 2, 3600, on_fail=lambda why: order.append(("hooks", why)))
     dog.watch(Stuck(), "allreduce", Comm(), seconds=0.2)
     assert aborted.wait(60)
     dog.close()
-    assert "allreduce of group 'g' (rank 0 of 2): Timed out: it did not complete on the GPU within 0.2 s" in why[0]
+    assert "allreduce of group 'g' (rank 0 of 2): Timed out: it did not complete on the GPU within 0.2 s" \
+        in order[0][1], order
 
 
 def test_the_watchdog_fails_the_group_on_a_gpu_error_and_never_waits_on_a_busy_communicator():

@@ -93,7 +93,9 @@ def worker(port, rank, replacement, transport):
     os._exit(0)   # (the shrunk-out rank's world: no collective destroy to meet in)
 
 
-def main():
+def run(worker):
+    """Ranks 0-2 run worker(port, rank, False, argv[1]) over a TCPStore hosted here; once rank 2 has
+    exited, a new process takes its place: worker(port, 2, True, argv[1])."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -112,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(worker)

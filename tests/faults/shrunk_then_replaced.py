@@ -9,9 +9,7 @@ part of the store, where the world is never made again, and the world made again
 
 Prints `rank <r> <step>: ok` or `rank <r> <step>: FAILED ...` (tests/test_fault_tolerance.py)."""
 
-import multiprocessing as mp
 import os
-import sys
 from datetime import timedelta
 
 TIMEOUT = 10
@@ -41,7 +39,6 @@ def worker(port, rank, replacement, transport):
             os._exit(1)
 
     if not replacement:
-        handles = [None] * 3
         store.set(f"h/1/{rank}", dist._get_reconfigure_handle())
         handles = [store.get(f"h/1/{r}").decode() for r in range(3)]
         dist._reconfigure(1, handles, timeout=timedelta(seconds=30)).wait()
@@ -68,23 +65,6 @@ def worker(port, rank, replacement, transport):
     dist.destroy_process_group()
 
 
-def main():
-    import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(store.port, r, False, sys.argv[1])) for r in range(3)]
-    for p in procs:
-        p.start()
-    procs[2].join(120)
-    procs[2] = ctx.Process(target=worker, args=(store.port, 2, True, sys.argv[1]))
-    procs[2].start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-            print(f"a rank still ran after 120 s: killed (pid {p.pid})", flush=True)
-    sys.exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    from replaced_rank import run
+    run(worker)
