@@ -20,15 +20,22 @@ from datetime import timedelta
 TIMEOUT = 10
 
 
-def worker(port, rank, replacement, transport):
+def start(port, rank, transport):
+    """This process's rank of the world of 3 over the script's store (enable_reconfigure=True): the store."""
     os.environ["ENGINE_TRANSPORT"] = transport
-    import torch
     import torch.distributed as dist
     import torchbridge  # noqa: F401
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("engine", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=TIMEOUT),
                             enable_reconfigure=True)
+    return store
+
+
+def worker(port, rank, replacement, transport):
+    store = start(port, rank, transport)
+    import torch
+    import torch.distributed as dist
 
     def handles(gen):
         store.set(f"h/{gen}/{rank}", dist._get_reconfigure_handle())

@@ -12,18 +12,13 @@ Prints `rank <r> <step>: ok` or `rank <r> <step>: FAILED ...` (tests/test_fault_
 import os
 from datetime import timedelta
 
-TIMEOUT = 10
+from replaced_rank import TIMEOUT, start
 
 
 def worker(port, rank, replacement, transport):
-    os.environ["ENGINE_TRANSPORT"] = transport
+    store = start(port, rank, transport)
     import torch
     import torch.distributed as dist
-    import torchbridge  # noqa: F401
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("engine", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=TIMEOUT),
-                            enable_reconfigure=True)
 
     def summed(want):
         t = torch.full((4,), dist.get_rank() + 1.0)
