@@ -221,7 +221,18 @@ static int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_i
 
 #define ENG_REDUCE_BLOCK 8192 /* bytes: an L1-resident staging block */
 
-/* Whether any of n floats of dtype (16-, 32- or 64-bit) is inf or NaN: its exponent all ones. */
+/* BODY(T, MASK) for a float dtype (16-, 32- or 64-bit): its bits' type and exponent mask, all ones in
+ * an inf or a NaN; OTHER for any other dtype. */
+#define ENG_BY_FLOAT_MASK(BODY, OTHER)                                                   \
+  switch (dtype) {                                                                       \
+  case ENG_FLOAT16: BODY(uint16_t, 0x7c00u)                                              \
+  case ENG_BFLOAT16: BODY(uint16_t, 0x7f80u)                                             \
+  case ENG_FLOAT32: BODY(uint32_t, 0x7f800000u)                                          \
+  case ENG_FLOAT64: BODY(uint64_t, 0x7ff0000000000000ull)                                \
+  default: OTHER;                                                                        \
+  }
+
+/* Whether any of n floats of dtype is inf or NaN. */
 #define ENG_ANY_NONFINITE(T, MASK)                                                       \
   {                                                                                      \
     const T *x = (const T *)data; T hit = 0;                                             \
@@ -229,13 +240,7 @@ static int eng_move_range(int to_flat, void *flat, int flat_dtype, size_t flat_i
     return hit != 0;                                                                     \
   }
 static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
-  switch (dtype) {
-  case ENG_FLOAT16: ENG_ANY_NONFINITE(uint16_t, 0x7c00u)
-  case ENG_BFLOAT16: ENG_ANY_NONFINITE(uint16_t, 0x7f80u)
-  case ENG_FLOAT32: ENG_ANY_NONFINITE(uint32_t, 0x7f800000u)
-  case ENG_FLOAT64: ENG_ANY_NONFINITE(uint64_t, 0x7ff0000000000000ull)
-  default: return 0;
-  }
+  ENG_BY_FLOAT_MASK(ENG_ANY_NONFINITE, return 0)
 }
 
 /* Each of n floats of dtype that is inf or NaN takes alt's element in its place. */
@@ -247,13 +252,7 @@ static int eng_any_nonfinite(const void *data, size_t n, int dtype) {
     return;                                                                              \
   }
 static void eng_take_nonfinite(void *data, const void *alt, size_t n, int dtype) {
-  switch (dtype) {
-  case ENG_FLOAT16: ENG_TAKE_NONFINITE(uint16_t, 0x7c00u)
-  case ENG_BFLOAT16: ENG_TAKE_NONFINITE(uint16_t, 0x7f80u)
-  case ENG_FLOAT32: ENG_TAKE_NONFINITE(uint32_t, 0x7f800000u)
-  case ENG_FLOAT64: ENG_TAKE_NONFINITE(uint64_t, 0x7ff0000000000000ull)
-  default: return;
-  }
+  ENG_BY_FLOAT_MASK(ENG_TAKE_NONFINITE, return)
 }
 
 /* AVG's first divisor: the power of two at or over the group size (1 for a group of one), which divides

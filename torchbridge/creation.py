@@ -57,7 +57,7 @@ def create_process_group(opts, backend_options=None):
     # (a world's groups' keys go under the worlds this rank made in this store, which its ranks count
     # alike, whatever other stores a rank made worlds in before)
     made = dict(base_store=base, world_key=None if ranks else str(making),
-                makings=None if ranks or store is None else (base, opts.group_rank))
+                world_rank=None if ranks else opts.group_rank)
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True,
                                   **made)

@@ -110,14 +110,19 @@ class CpuDevice:
     def launch(self, name, fn, a, b, c, nargs, outputs, opts):
         # torch says async_op=False when it will wait at once: run in place (no thread hand-off) and
         # raise here on failure; the returned Work is already complete.
-        seconds = own_timeout(opts, name)
-        if seconds is not None:   # (the call's own timeout, where it runs: dist.barrier(timeout=...))
-            fn, a, b, c, nargs = self._within, fn, (a, b, c)[:nargs], seconds, 3
+        fn, a, b, c, nargs = self.timed(own_timeout(opts, name), fn, a, b, c, nargs)
         if opts is not None and not opts.asyncOp:
             self.progress.run(fn, a, b, c, nargs, name)
             return CompletedWork.of(outputs)
         self.comm.check_usable(name)   # (a broken group refuses a queued call now, not when it runs)
         return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, outputs))
+
+    def timed(self, seconds, fn, a, b, c, nargs):
+        """fn and its arguments as the progress engine runs them, within the call's own timeout where
+        it has one (seconds; None: the group's): dist.barrier(timeout=...), opts.timeout."""
+        if seconds is None:
+            return fn, a, b, c, nargs
+        return self._within, fn, (a, b, c)[:nargs], seconds, 3
 
     def _within(self, fn, args, seconds):
         with self.comm.call_timeout(seconds):
@@ -125,19 +130,15 @@ class CpuDevice:
 
     def fused(self, tensors, op, compression, prescale, name, sync=False, seconds=None):
         """seconds: the call's own timeout (None: the group's)."""
+        fn, a, b, c, nargs = self.timed(seconds, self._fused, tensors, op, (compression, prescale), 3)
         if sync:
-            self.progress.run(self._fused, tensors, op, (compression, prescale, seconds), 3, name)
+            self.progress.run(fn, a, b, c, nargs, name)
             return CompletedWork.of(tensors)
         self.comm.check_usable(name)
-        return CollectiveWork.of(self.progress.submit(self._fused, (tensors, op, (compression, prescale, seconds)),
-                                                      name, tensors))
+        return CollectiveWork.of(self.progress.submit(fn, (a, b, c)[:nargs], name, tensors))
 
     def _fused(self, tensors, op, options):
-        compression, prescale, seconds = options
-        if seconds is not None:
-            with self.comm.call_timeout(seconds):
-                self._fused(tensors, op, (compression, prescale, None))
-            return
+        compression, prescale = options
         try:  # the fusion reads every tensor before it moves any: one that is not contiguous stops it first
             self._fusion.run(tensors, op, compression=compression, prescale=prescale)
             return
@@ -356,7 +357,7 @@ class StagedDevice:
         # done before it returns: its Work is complete, for a reader on any stream.
         seconds = own_timeout(opts, name)
         if seconds is not None:
-            fn, a, b, c, nargs = self.cpu._within, fn, (a, b, c)[:nargs], seconds, 3
+            fn, a, b, c, nargs = self.cpu.timed(seconds, fn, a, b, c, nargs)
         stream = torch.cuda.current_stream()
         stream.synchronize()   # (its inputs are written)
         self.cpu.progress.run(_on_stream, fn, (a, b, c)[:nargs], stream, 3, name)

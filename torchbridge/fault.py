@@ -55,11 +55,12 @@ class FaultTolerance:
     """The fault-tolerance half of EngineProcessGroup: the group's state is `_comm` (None: see
     `_refusal`), `_rank` and `_size`; `_attach(comm)` and `_detach(error)` swap what its calls run on."""
 
-    def _init_fault_tolerance(self, listen, base_store, world_key, makings):
+    def _init_fault_tolerance(self, listen, base_store, world_key, world_rank):
         """listen: listen for reconfigures from the start. base_store: the store under the count of the
         group's makings, where its reconfigures meet. world_key: a world's (else None) part of the store
         its groups' keys go under, which its reconfigures and shrinks change alike on every member.
-        makings: a world's (else None) store and rank its makings were counted under (_world_makings)."""
+        world_rank: a world's (else None) rank it was made with, under which base_store counts its
+        makings (_world_makings)."""
         self._listener = self._new_listener() if listen else None
         self._uuids = set()
         self._abort_hooks = {}
@@ -81,7 +82,7 @@ class FaultTolerance:
         # others use, which the members' groups' makings numbered apart; else why not, in words. None:
         # never reconfigured, the group's own store holds)
         self._store_shared = None
-        self._base_store, self._world_key, self._makings = base_store, world_key, makings
+        self._base_store, self._world_key, self._world_rank = base_store, world_key, world_rank
 
     # -- what torch asks --
 
@@ -197,8 +198,7 @@ class FaultTolerance:
         if nonce is None or self._base_store is None:
             return False
         try:
-            with StoreWithin.bounded(self._base_store, max(0.0, min(deadline - time.monotonic(), 5.0)),
-                                     "store probe") as store:
+            with self._base_store_within(deadline, "store probe") as store:
                 if not read:
                     store.set(key, nonce)
                     return True
@@ -207,25 +207,27 @@ class FaultTolerance:
             return False
 
     def _world_makings(self, deadline, index, up_to=None):
-        """A world's count of its makings in the store they were counted in, the larger under the rank
-        the world was made with and under `index`, its rank in the reconfigure (a process that took a
-        dead one's rank counts the dead one's makings too, ahead of the others); or, with up_to, counts
-        it up to that under `index`, which no other member writes (every member of a reconfigure to the
-        most among them: the world made again on the store, each member its rank from the reconfigure,
-        meets in one making). 0 for another group, or where the store does not answer (the making then
-        names the ranks that counted apart)."""
-        if self._makings is None:
+        """A world's count of its makings in the base store, where they were counted, the larger under
+        the rank the world was made with and under `index`, its rank in the reconfigure (a process that
+        took a dead one's rank counts the dead one's makings too, ahead of the others); or, with up_to,
+        counts it up to that under `index`, which no other member writes (every member of a reconfigure
+        to the most among them: the world made again on the store, each member its rank from the
+        reconfigure, meets in one making). 0 for another group, or where the store does not answer (the
+        making then names the ranks that counted apart)."""
+        if self._world_rank is None or self._base_store is None:
             return 0
-        store, rank = self._makings
         try:
-            with StoreWithin.bounded(store, max(0.0, min(deadline - time.monotonic(), 5.0)),
-                                     "the world's makings") as counts:
+            with self._base_store_within(deadline, "the world's makings") as counts:
                 mine = counts.add(f"engine/makings-of-rank-{index}", 0)
                 if up_to is not None:
                     return counts.add(f"engine/makings-of-rank-{index}", up_to - mine) if mine < up_to else mine
-                return max(mine, counts.add(f"engine/makings-of-rank-{rank}", 0))
+                return max(mine, counts.add(f"engine/makings-of-rank-{self._world_rank}", 0))
         except Exception:
             return 0
+
+    def _base_store_within(self, deadline, what):
+        """The base store, each call bounded by the reconfigure's deadline (5 s at most)."""
+        return StoreWithin.bounded(self._base_store, max(0.0, min(deadline - time.monotonic(), 5.0)), what)
 
     def _meeting_store(self, what):
         """The store a group made from this one (shrink, split) and a monitored barrier meet in: the
@@ -325,7 +327,7 @@ class FaultTolerance:
         world_key = f"{self._world_key}/shrink-{count}" if world else None   # (torch names its groups from 0 again)
         # (its reconfigures meet where this group's do: in the store every member's world shares)
         group = type(self)(comm, index, size, timeout, store, name, base_store=self._base_store, world_key=world_key,
-                           makings=self._makings if world else None)
+                           world_rank=self._world_rank if world else None)
         # torch's table of the new group's ranks in the world (_shrunk_group puts it in place of torch's,
         # which takes the left-out group ranks for world ranks): a shrunk world numbers its ranks anew
         group._world_ranks = list(range(size)) if world else [dist.get_process_group_ranks(self)[r] for r in members]

@@ -265,13 +265,13 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     members until the first reconfigure."""
 
     def __init__(self, comm, rank, size, timeout=None, store=None, name="default", listen=False, base_store=None,
-                 world_key=None, makings=None):
+                 world_key=None, world_rank=None):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._cuda = torch.cuda.is_available()  # False: no CUDA routing at all
         self._store, self._name, self._timeout = store, name, timeout
         self._cuda_transport = None
-        self._init_fault_tolerance(listen, store if base_store is None else base_store, world_key, makings)
+        self._init_fault_tolerance(listen, store if base_store is None else base_store, world_key, world_rank)
         self._init_call_hooks()
         if comm is None:
             self._detach(no_members_error(name))
