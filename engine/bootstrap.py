@@ -73,9 +73,22 @@ class MpiBootstrap:
     def _blocking(self, call):
         return failure.blocked_in("MPI", f"making group {self.group!r} over MPI ({call})", self.rank, self.timeout)
 
+    MAX_BYTES = 1 << 24   # (a rank's part of a group's making: its host, ports, settings)
+
     def allgather(self, obj):
+        """Every rank's obj, read as the store's values are (plain data, its length bounded): two
+        MPI_Allgather(v)s of raw bytes, where mpi4py's pickling allgather would unpickle anything."""
+        import numpy as np
+        mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = np.zeros(self.size, np.int64)
         with self._blocking("MPI_Allgather"):
-            return self.comm.allgather(obj)
+            self.comm.Allgather(np.array([mine.size], np.int64), lengths)
+        check_lengths(lengths, self.MAX_BYTES, "making the group over MPI")
+        rows = np.empty(int(lengths.sum()), np.uint8)
+        with self._blocking("MPI_Allgatherv"):
+            self.comm.Allgatherv(mine, [rows, lengths])
+        ends = np.cumsum(lengths)
+        return [plain_loads(rows[e - n:e].tobytes()) for e, n in zip(ends, lengths)]
 
     tell = allgather   # (a collective: every rank takes part in it, this one too)
 
@@ -378,7 +391,10 @@ def _given_up(store, key):
     """(rank, why) of the member of the making under key that gave it up first, else None."""
     if not store.check([f"{key}/given-up"]):
         return None
-    r, why = store.get(f"{key}/given-up").decode().split(" ", 1)
+    said = store.get(f"{key}/given-up").decode(errors="replace")
+    r, _, why = said.partition(" ")
+    if not r.isdigit():   # (no rank of this engine wrote it: said whole, with no rank named)
+        return -1, f"(the store's word, unread: {said[:200]!r})"
     return int(r), why
 
 
@@ -447,6 +463,15 @@ def gather(boot, make, what):
     return [v for v, _ in everyone]
 
 
+def check_lengths(lengths, most, where):
+    """Refuses a rank's pickle length outside 1..most (every rank sees the same lengths: all raise, none
+    waits in the exchange of the pickles)."""
+    bad = [r for r in range(len(lengths)) if not 0 < lengths[r] <= most]
+    if bad:
+        raise RuntimeError(f"engine: rank {bad[0]} sent a length of {int(lengths[bad[0]])} bytes in {where} (1 to "
+                           f"{most} are read): a value too large for it, a rank of another engine, or corrupt data")
+
+
 class CommBootstrap:
     """allgather over a group's own communicator (an engine.Communicator, made already): for what its
     members agree on afterwards (its CUDA side's setup) among whoever they are now, store or none.
@@ -463,11 +488,7 @@ class CommBootstrap:
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
         lengths = np.zeros(self.size, np.int64)
         self.comm.allgather(np.array([mine.size], np.int64), lengths)
-        bad = [r for r in range(self.size) if not 0 < lengths[r] <= self.MAX_BYTES]
-        if bad:   # (every rank sees the same lengths: all raise here, none waits in the second exchange)
-            raise RuntimeError(f"engine: rank {bad[0]} sent a length of {int(lengths[bad[0]])} bytes in the group's "
-                               f"setup exchange (1 to {self.MAX_BYTES} are read): a value too large for it, a rank "
-                               "of another engine, or corrupt data")
+        check_lengths(lengths, self.MAX_BYTES, "the group's setup exchange")
         rows = np.zeros((self.size, int(lengths.max())), np.uint8)
         row = np.zeros(rows.shape[1], np.uint8)
         row[:mine.size] = mine

@@ -250,7 +250,10 @@ class Listener:
                             "every reconfigure")
             conn.close()
         elif sum(len(v) for v in self.parked.values()) < MAX_PARKED or self._prune_parked():
-            self.parked.setdefault(their_uuid, {})[index] = (conn, count, dig)
+            before = self.parked.setdefault(their_uuid, {}).get(index)
+            if before is not None:   # (the member's hello again, on a new connection: the last one is it)
+                before[0].close()
+            self.parked[their_uuid][index] = (conn, count, dig)
         else:
             conn.close()
 

@@ -168,6 +168,7 @@ def release_segments(boot):
     Done once per process, by the first group made over the whole of MPI_COMM_WORLD (boot: its
     MpiBootstrap; a collective over its ranks, within the making's timeout). A process MPI_Comm_spawn
     starts later could not map these: ENGINE_MPI_KEEP_SEGMENTS=1 keeps them."""
+    from .bootstrap import MpiBootstrap
     MPI = load()
     if _released or boot.comm.Get_size() != MPI.COMM_WORLD.Get_size() or env_flag("ENGINE_MPI_KEEP_SEGMENTS"):
         return
@@ -179,7 +180,7 @@ def release_segments(boot):
         with boot._blocking("a message to each rank of its host"):
             for d in range(1, n):
                 local.sendrecv(None, dest=(rank + d) % n, source=(rank - d) % n)
-            mapped = local.allgather(failure._mpi_segments())
+        mapped = MpiBootstrap(local, boot.timeout).allgather(failure._mpi_segments())   # (read as plain data)
     finally:
         local.Free()
     if rank == 0 and all(m == mapped[0] for m in mapped):

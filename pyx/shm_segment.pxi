@@ -8,7 +8,7 @@
 #   header (4 KiB)            magic, token, the layout (checked by every attaching rank)
 #   control, per rank         line 0: the step flag; lines 1-2: the step's signature (two parities);
 #                             line 3: the rank's doorbell (a futex word), whether it sleeps on it,
-#                             whether it left the group and whether it gave its collectives up
+#                             whether it left the group, whether it gave its collectives up, its pid
 #   queue index, per rank     one cache line per (channel, peer): the head of each queue it writes,
 #                             the tail of each queue it reads
 #   slots, per rank           two halves (step parity); each: a table of 2P + 1 words (piece lengths,
@@ -38,6 +38,11 @@ cdef inline uint32_t *_left_word(char *ctrl, int r) noexcept nogil:
 cdef inline uint32_t *_gave_up_word(char *ctrl, int r) noexcept nogil:
     """Rank r's word that says it gave the group's collectives up (ShmSegment.give_up): set, never cleared."""
     return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 20)
+
+
+cdef inline uint32_t *_pid_word(char *ctrl, int r) noexcept nogil:
+    """Rank r's process id, as its process wrote it (ShmSegment.populate)."""
+    return <uint32_t*>(ctrl + <size_t>r * CTRL_BYTES + 3 * LINE + 24)
 
 
 cdef inline bint _has_left(Peers *p, int q) noexcept nogil:
@@ -172,6 +177,7 @@ cdef class ShmSegment:
         """Faults in this rank's own slots (every rank at once, once rank 0 made the segment and the
         others attached, before any collective)."""
         if not self.private:
+            eng_store32(_pid_word(self.ctrl, self.rank), <uint32_t>os.getpid())
             with nogil:
                 eng_seg_populate(self.slots + <size_t>self.rank * self.slot_stride, self.slot_stride)
 
@@ -244,8 +250,15 @@ cdef class ShmSegment:
         self.fd = -1
 
     def watch_peers(self, pids):
-        """Starts watching the group's processes (pidfds): a wait on a dead peer fails at once."""
+        """Starts watching the group's processes (pidfds): a wait on a dead peer fails at once. pids
+        (from the group's store) must be those the ranks' processes wrote in the segment (populate(),
+        by every rank before): single copy writes into the process a pid names."""
         cdef int q
+        for q in range(self.size):
+            if not self.private and q != self.rank and eng_load32(_pid_word(self.ctrl, q)) != <uint32_t>pids[q]:
+                raise RuntimeError(f"engine shm: rank {q}'s process id in the group's store ({pids[q]}) is not the one "
+                                   f"its process wrote in the group's segment ({eng_load32(_pid_word(self.ctrl, q))}): "
+                                   "the store holds a value no rank of this group wrote; refusing the group")
         for q in range(self.size):
             self.peers.pids[q] = pids[q]
             if q != self.rank and self.peers.pidfds[q] < 0:

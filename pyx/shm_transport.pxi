@@ -244,6 +244,7 @@ cdef class ShmTransport(Transport):
                 if self.room(peer, &head, 0) == SIZE_MAX:
                     return
                 self.put(peer, &head, FRAME_RTS, m.tag, m.len, NULL, 0, <uint64_t>m.buf, m.id)
+                self.seg.single_copy_sends += 1
                 _unlink(&ps.sendq, m)
                 m.state = PS_ACTIVE
                 _push(&ps.awaiting, m)
@@ -311,7 +312,7 @@ cdef class ShmTransport(Transport):
         cdef char *buf
         cdef PeerState *ps = &self.pr[peer]
         if f.kind == FRAME_FIRST:
-            if ps.incoming != NULL or ps.discarding or f.total < f.len or f.total > MAX_MESSAGE:
+            if ps.incoming != NULL or ps.discarding or f.total < f.len or f.total > MAX_MESSAGE or f.tag < 0:
                 return self._corrupt(peer)
             m = self._match_posted(peer, f.tag)
             if m == NULL:               # unexpected: into a buffer of its own until a receive takes it
@@ -353,7 +354,7 @@ cdef class ShmTransport(Transport):
 
     cdef int _rts(self, int peer, Frame *f) noexcept nogil:
         cdef PMsg *m
-        if self.pr[peer].incoming != NULL or self.pr[peer].discarding or f.total > MAX_MESSAGE or f.len:
+        if self.pr[peer].incoming != NULL or self.pr[peer].discarding or f.total > MAX_MESSAGE or f.len or f.tag < 0:
             return self._corrupt(peer)
         m = self._match_posted(peer, f.tag)
         if m != NULL:

@@ -360,7 +360,7 @@ static int eng_tcp_isend(eng_tcp *t, const void *buf, size_t n, int peer, int ta
   }
   {
     int parts = (n >= t->split_min && t->nstreams > 1) ? t->nstreams : 1;
-    size_t step = parts > 1 ? (n / (size_t)parts + ENG_TCP_PART_ALIGN - 1) / ENG_TCP_PART_ALIGN * ENG_TCP_PART_ALIGN : n;
+    size_t step = (size_t)tcp_part_step(n, parts);
     if (step == 0) {   /* (fewer bytes than streams: one frame, as an empty part reads as a malformed stream) */
       parts = 1;
       step = n;

@@ -23,6 +23,7 @@ cdef extern from "tcp.h" nogil:
         pass
     enum:
         ENG_TCP_MAX_STREAMS
+        ENG_TCP_MAX_RANKS
         TCP_LEFT_BROKEN
         TCP_LEFT_TIMED_OUT
     eng_tcp *eng_tcp_new(int rank, int size, int channel, int nstreams, int fail_any, int ordered, size_t split_min,
@@ -126,6 +127,8 @@ cdef class TcpTransport(Transport):
             raise ValueError("the group's token must be 16 bytes")
         if len(peers) != size:
             raise ValueError(f"{len(peers)} peer addresses for a group of {size}")
+        if not 1 <= size <= ENG_TCP_MAX_RANKS:   # (the poll table keeps a rank in 20 bits)
+            raise ValueError(f"a TCP group has 1..{ENG_TCP_MAX_RANKS} ranks, got {size}")
         if not 1 <= nstreams <= ENG_TCP_MAX_STREAMS:
             raise ValueError(f"streams per peer must be in 1..{ENG_TCP_MAX_STREAMS}, got {nstreams}")
         self.rank, self.size = rank, size

@@ -24,6 +24,7 @@
 #define ENG_TCP_VERSION 3
 #define ENG_TCP_BACK (ENG_TCP_HDR + 16)     /* a goodbye written back on a connection the peer made, and its proof */
 #define ENG_TCP_MAX_STREAMS 16
+#define ENG_TCP_MAX_RANKS ((1 << 20) - 1)  /* the poll table's events name a rank in 20 bits */
 #define ENG_TCP_STAGE (64u << 10)            /* staging buffer of each incoming stream */
 #define ENG_TCP_SINK (256u << 10)            /* where discarded bytes are read to */
 #define ENG_TCP_MAX_MESSAGE (1ULL << 48)
@@ -33,6 +34,14 @@
 #define ENG_TCP_MAX_REDIALS 8               /* a stream's connections dropped before its hello, made again */
 #define ENG_TCP_IOV 64
 #define ENG_TCP_PART_ALIGN 4096
+
+/* The bytes of each part of an n-byte message split over `parts` streams, the last taking the rest (0: too
+ * few bytes to split, one frame carries them). The sender splits by it and the receiver checks the
+ * first frame against it: a first part of any other length would have the receiver buffer the whole
+ * message for a few bytes sent. */
+static inline uint64_t tcp_part_step(uint64_t n, int parts) {
+  return parts > 1 ? (n / (uint64_t)parts + ENG_TCP_PART_ALIGN - 1) / ENG_TCP_PART_ALIGN * ENG_TCP_PART_ALIGN : n;
+}
 
 
 

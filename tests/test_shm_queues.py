@@ -33,9 +33,10 @@ class Peer:
             self.mem = mmap.mmap(fd, desc["total"])
         finally:
             os.close(fd)
-        (_, _, _, size, _, self.q, nch, _, _, index, _, queues) = struct.unpack_from("<12Q", self.mem, 0)
+        (_, _, _, size, _, self.q, nch, _, ctrl, index, _, queues) = struct.unpack_from("<12Q", self.mem, 0)
         assert (size, nch, self.q) == (2, NCHANNELS, QUEUE)
         src, dst = 1, 0
+        struct.pack_into("<I", self.mem, ctrl + src * 4 * LINE + 3 * LINE + 24, os.getpid())   # (its pid, as populate)
         self.head_at = index + ((src * 2 * NCHANNELS + USER) * size + dst) * LINE
         self.ring_at = queues + ((USER * size + src) * size + dst) * self.q
         self.head = 0
@@ -102,6 +103,8 @@ def test_a_whole_message_written_by_hand_is_received(pair):
     ((CONT, 0, 0, 8, 0, 0), b"x" * 8, None),                 # more of a message never opened
     ((ACK, 0, 0, 0, 0, 99), b"", None),                      # an answer to no message
     ((0x41414141, 0, 0, 0, 0, 0), b"", None),                # an unknown kind
+    ((FIRST, -1, 8, 8, 0, 0), b"x" * 8, None),               # a tag no send has (any-tag's)
+    ((RTS, -7, 8, 0, 4096, 1), b"", None),                   # the same, offered by single copy
     ((FIRST, 0, 8, QUEUE, 0, 0), b"", None),                 # a payload past the ring's end
     ((FIRST, 0, 8, 8, 0, 0), b"x" * 8, 72),                  # a head off the line grid
     ((FIRST, 0, 8, 8, 0, 0), b"x" * 8, QUEUE + LINE),        # a head past the ring's size
@@ -327,4 +330,25 @@ def test_a_descriptor_naming_no_shared_memory_file_is_refused(tmp_path):
             _core.ShmSegment.attach(1, 2, desc)
     finally:
         os.close(fifo)
+        seg.close_fd()
+
+
+def test_a_process_id_the_store_gives_is_refused_unless_its_process_wrote_it_in_the_segment():
+    """Single copy reads and writes the memory of the process a rank's pid names, and the pids come
+    from the group's store, which anyone who reaches it may write: each rank's process writes its pid
+    in the owner-only segment, and a store's pid that differs refuses the group, naming the rank."""
+    seg = _core.ShmSegment.create(2, 8192, QUEUE)
+    other = _core.ShmSegment.attach(1, 2, seg.descriptor())
+    try:
+        seg.populate()
+        with pytest.raises(RuntimeError, match=rf"rank 1's process id in the group's store \({os.getpid()}\) is not "
+                                               r"the one its process wrote in the group's segment \(0\)"):
+            seg.watch_peers([os.getpid(), os.getpid()])   # (rank 1 has not written it)
+        other.populate()
+        with pytest.raises(RuntimeError, match=rf"rank 1's process id in the group's store \(1\) .* "
+                                               rf"\({os.getpid()}\): the store holds a value no rank of this group"):
+            seg.watch_peers([os.getpid(), 1])
+        seg.watch_peers([os.getpid(), os.getpid()])
+        other.watch_peers([os.getpid(), os.getpid()])
+    finally:
         seg.close_fd()

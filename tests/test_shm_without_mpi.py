@@ -694,6 +694,22 @@ def test_a_rank_missing_from_an_exchange_of_the_making_is_waited_for_once():
     assert store.rounds == ["g/boot/0/0", "g/boot/1/0"], store.rounds
 
 
+def test_a_given_up_word_no_rank_wrote_is_said_whole_naming_no_rank():
+    """A making's given-up word (rank, why) that no rank of this engine wrote is said as it is, where
+    its parse failed and the wait around it read that as ranks that never joined."""
+    import torch.distributed as dist
+    from engine.bootstrap import _given_up
+
+    store = dist.HashStore()
+    assert _given_up(store, "g") is None
+    store.set("g/given-up", "3 it waited for ranks [1] in exchange #2")
+    assert _given_up(store, "g") == (3, "it waited for ranks [1] in exchange #2")
+    for word in (b"\xffnonsense", b"", b"-1 why"):
+        store.set("g/given-up", word)
+        rank, why = _given_up(store, "g")
+        assert rank == -1 and why.startswith("(the store's word, unread: "), (word, why)
+
+
 def test_a_bootstrap_value_naming_code_is_refused_unrun():
     """Whoever can write to the store could leave a pickle that runs code where it is read: the ranks
     exchange plain data only, and a value naming a function is refused, unrun."""

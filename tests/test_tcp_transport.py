@@ -77,6 +77,17 @@ def test_a_peer_port_outside_the_port_range_is_refused_naming_the_rank(port):
         _core.close_fd(fd)
 
 
+def test_a_group_larger_than_the_poll_table_can_name_is_refused():
+    """The poll table's events name a rank in 20 bits: a group of 2**20 ranks would have its last
+    rank's events read as rank 0's."""
+    fd, own = _core.tcp_listen("127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=r"a TCP group has 1\.\.1048575 ranks, got 1048576"):
+            _core.TcpTransport(0, 1 << 20, 0, fd, TOKEN, [("127.0.0.1", own, "rank0")] * (1 << 20))
+    finally:
+        _core.close_fd(fd)
+
+
 @pytest.fixture
 def rank0():
     """Rank 0 of a group of 2 whose rank 1 is this test: (core, rank 1's listener, rank 0's ports)."""
@@ -317,6 +328,17 @@ def test_a_message_whose_rest_would_come_on_a_stream_its_peer_has_not_fails_nami
     s = connect(ports[1], hello() + header(MSG, 0, 0, 8, 4) + b"abcd")
     with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
         core.recv(np.zeros(8, np.uint8), 1, 0)
+    s.close()
+
+
+def test_a_message_split_otherwise_than_the_senders_split_fails_naming_the_peer(rank0):
+    """A peer of two streams whose message's first frame carries 1 byte of 70,000 (the sender's split
+    gives the first stream 36,864): it would have the receiver buffer the whole message for a byte, as
+    often as the peer liked."""
+    core, _, ports = rank0
+    s = connect(ports[1], hello(stream=0, nstreams=2) + header(MSG, 0, 0, 70_000, 1) + b"a")
+    with pytest.raises(EngineError, match=r"rank 1 \(rank1, 127\.0\.0\.1 port \d+\) sent a malformed frame"):
+        core.recv(np.zeros(70_000, np.uint8), 1, 0)
     s.close()
 
 
@@ -587,7 +609,7 @@ def test_a_message_too_large_to_hold_fails_naming_its_sender(rank0):
     """An unexpected message is held whole, the size its header says: 2**48 bytes can't be."""
     core, _, ports = rank0
     other = core.irecv(np.zeros(4, np.uint8), 1, 9)    # a receive for another tag: the stream is read on
-    s = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 1 << 48, 8) + b"x" * 8)   # (the rest: other streams)
+    s = connect(ports[1], hello(nstreams=2) + header(MSG, 3, 0, 1 << 48, 1 << 47) + b"x" * 8)   # (half on another stream)
     with pytest.raises(EngineError, match=r"out of memory for a message from rank 1 \(rank1, 127\.0\.0\.1 port"):
         other.wait()
     s.close()

@@ -609,6 +609,7 @@ cdef class ShmSegment:     # shm_segment.pxi; its step protocol serves shm_trans
     cdef readonly bytes token
     cdef readonly bint cma          # process_vm_readv works between every pair of the group
     cdef readonly size_t cma_min, cma_max
+    cdef readonly uint64_t single_copy_sends   # point-to-point messages this rank offered by single copy
     cdef Doorbell door              # this rank's: its waits sleep on it, publishers ring it
     cdef int _setup(self, const SegHeader *h, int rank, int size) except -1
     cdef void release(self) noexcept

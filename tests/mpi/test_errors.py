@@ -689,3 +689,39 @@ def test_a_gather_whose_root_expects_another_piece_size_names_both_sizes():
     WORLD.barrier()
     sub.free()
     failure.recovered()
+
+
+def test_the_mpi_bootstrap_reads_plain_data_of_a_bounded_length_only():
+    """A group's making over MPI reads each rank's part as the store's values are read: plain data
+    (mpi4py's pickling allgather would run a pickle that names a function), and a length outside
+    1..MAX_BYTES is refused by every rank alike. The last rank speaks the exchange by hand."""
+    if WORLD.mpi_comm is None or P < 2:
+        pytest.skip("an MPI bootstrap needs an MPI launch; another rank's part needs a peer")
+    import os
+    import pickle
+
+    from engine.bootstrap import MpiBootstrap
+
+    class Runs:
+        def __reduce__(self):
+            return (os.system, ("touch /nonexistent/ran",))
+
+    comm = WORLD.mpi_comm.Dup()
+    try:
+        boot = MpiBootstrap(comm, timeout=20)
+        assert boot.allgather(("rank", R, {R}, b"x" * R)) == [("rank", q, {q}, b"x" * q) for q in range(P)]
+        for part, error in ((pickle.dumps(Runs()), r"names posix.system: only plain data"),
+                            (b"", rf"rank {P - 1} sent a length of 0 bytes in making the group over MPI "
+                                  rf"\(1 to {MpiBootstrap.MAX_BYTES} are read\)")):
+            if R < P - 1:
+                with pytest.raises(Exception, match=error):
+                    boot.allgather(("rank", R))
+            else:
+                lengths = np.zeros(P, np.int64)
+                comm.Allgather(np.array([len(part)], np.int64), lengths)
+                if part:
+                    mine = np.frombuffer(part, np.uint8)
+                    comm.Allgatherv(mine, [np.empty(int(lengths.sum()), np.uint8), lengths])
+    finally:
+        comm.Free()
+    check_still_usable()
