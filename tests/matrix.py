@@ -5,7 +5,8 @@ on every configuration the engine runs in (tests/mpi/test_matrix.py is what each
                torchrun (no MPI), 1-4 ranks: shared memory, ENGINE_TRANSPORT=tcp
                mpiexec on shared memory: 2 ranks x 4 threads (ENGINE_THREADS), 4 ranks on two
                forced sockets (ENGINE_SOCKETS), 16 ranks
-    hosts      namespace hosts (tests/hosts.py), 2x1 and 2x2, in every ENGINE_HIER mode (mpiexec)
+    hosts      namespace hosts (tests/hosts.py), 2x1 and 2x2, in every ENGINE_HIER mode (mpiexec); 2x2
+               under a torchrun on each host (no MPI: the engine's TCP transport between them)
 
     python tests/matrix.py                       # every configuration; the table on stdout
     python tests/matrix.py --table docs/matrix.md
@@ -50,6 +51,7 @@ def configurations():
     for per_host in (1, 2):
         for mode in HIER_MODES:
             out.append((f"hosts-2x{per_host}-{mode}", _hosts(per_host, mode)))
+    out.append(("hosts-2x2-torchrun", _hosts(2, "auto", torchrun=True)))
     return out
 
 
@@ -60,16 +62,21 @@ def _launch(run_pytest, n, **env):
     return run
 
 
-def _hosts(per_host, mode):
+def _hosts(per_host, mode, torchrun=False):
     def run(extra):
-        from hosts import Hosts, mpirun_across
+        from hosts import Hosts, mpirun_across, torchrun_across
         why = Hosts.unavailable()
         if why:
             return None, why
+        pytest = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "--color=no", *extra,
+                  RANK_FILE]
         with Hosts(2) as hosts:
-            proc = mpirun_across(hosts, per_host, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                                   "-o", "addopts=", "--color=no", *extra, RANK_FILE],
-                                 timeout=900, ENGINE_MPI_SUITE="1", ENGINE_HIER=mode, **SUITE_ENV)
+            if torchrun:   # (rank 0's output: the first host's torchrun, its lines marked [default0]:)
+                (rc, out), *others = torchrun_across(hosts, per_host, pytest, timeout=900, ENGINE_HIER=mode,
+                                                     **SUITE_ENV)
+                return max([rc if rc is not None else 1] + [r if r is not None else 1 for r, _ in others]), out
+            proc = mpirun_across(hosts, per_host, [sys.executable, *pytest], timeout=900, ENGINE_MPI_SUITE="1",
+                                 ENGINE_HIER=mode, **SUITE_ENV)
         return proc.returncode, proc.stdout + proc.stderr
     return run
 

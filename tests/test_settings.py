@@ -324,6 +324,27 @@ def test_interhost_chooses_what_carries_a_group_between_hosts_under_mpi(monkeypa
         choose_transport(None, ["a", "b"], mpi=True)
 
 
+def test_a_transport_the_group_cannot_use_is_refused_by_name(monkeypatch):
+    """ENGINE_TRANSPORT=shm on a group spanning hosts names the hosts; =mpi on a group made without an
+    MPI launch says so; both name the values that work. Asked for where it can run, each is used."""
+    from engine.bootstrap import choose_transport
+    monkeypatch.delenv("ENGINE_INTERHOST", raising=False)
+    hosts = ["node-a/boot/ns", "node-b/boot/ns", "node-a/boot/ns"]
+    with pytest.raises(ValueError, match=r"ENGINE_TRANSPORT=shm needs every rank of the group on one host, "
+                                         r"but it spans node-a, node-b: use ENGINE_TRANSPORT=auto, tcp or mpi"):
+        choose_transport("shm", hosts)
+    for where in (hosts, hosts[:1]):
+        with pytest.raises(ValueError, match=r"ENGINE_TRANSPORT=mpi needs an MPI launch \(mpirun\); this group "
+                                             r"was made without one .* use ENGINE_TRANSPORT=auto"):
+            choose_transport("mpi", where, mpi=False)
+        assert choose_transport("mpi", where, mpi=True) == "mpi"
+        assert choose_transport("tcp", where, mpi=False) == "tcp"
+    assert choose_transport("shm", hosts[:1], mpi=False) == "shm"
+    monkeypatch.setenv("ENGINE_TRANSPORT", "shm")   # the variable, where the group's call names none
+    with pytest.raises(ValueError, match="ENGINE_TRANSPORT=shm needs every rank"):
+        choose_transport(None, hosts)
+
+
 def test_a_trace_file_is_named_per_rank_in_either_form(tmp_path, monkeypatch):
     """ENGINE_TRACE: `{rank}` in the name is replaced by the rank; else `.rank<r>` goes before the
     extension (`.json` where the name has none). The file is made when the group is (its folder can be

@@ -331,6 +331,7 @@ def check_sendrecv(pg, comm, entry):
     if P == 1:
         pytest.skip("point-to-point needs a peer")
     right, left = (R + 1) % P, (R - 1) % P
+    offered = comm.core.seg.single_copy_sends if entry.transport == "shm" else 0
     for dt, n in movement_cases():
         out = torch.empty(n, dtype=dt)
         ops = [dist.P2POp(dist.isend, torch_data(R, n, dt), dist.get_global_rank(pg, right), group=pg),
@@ -349,6 +350,12 @@ def check_sendrecv(pg, comm, entry):
         source, _, count = comm.sendrecv(torch_data(R, n, dt), right, got, None, sendtag=7, recvtag=7)
         equal(got, torch_data(left, n, dt), f"comm.sendrecv {dt} n={n}")
         assert source == left and count == n
+    if entry.transport == "shm":   # (3 messages a case: those in the single-copy sizes moved so, and only those)
+        seg = comm.core.seg
+        want = sum(3 for dt, n in movement_cases() if seg.cma_min <= n * dt.itemsize <= seg.cma_max)
+        assert (want > 0) == (entry.name == "single_copy"), (entry.name, seg.cma_min, seg.cma_max)
+        assert seg.single_copy_sends - offered == want, \
+            f"{seg.single_copy_sends - offered} messages offered by single copy of {want}, forced {entry.name}"
     # One buffer both ways sends what it held (as MPI_Sendrecv_replace), however long the exchange lasts
     # (the larger sizes: a message still leaving while its peer's arrives).
     for dt, n in movement_cases() + [(torch.float32, 1 << 20), (torch.float32, 3 << 20)] * 2:
