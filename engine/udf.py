@@ -10,8 +10,8 @@ The kernel has the engine's signature dst[i] = f(a[i], b[i]) and is called throu
 by the compiled ring, recursive doubling and MPI's own collectives (an MPI user op), without the GIL.
 f must be commutative and associative, as MPI requires of user ops. Numba compiles once per dtype and
 caches the machine code on disk (in ENGINE_CACHE_DIR, default $XDG_CACHE_HOME/engine/udf, else
-~/.cache/engine/udf), so later runs
-and other ranks load it instead of compiling. Numba is imported only when a user op is first used.
+~/.cache/engine/udf), so later runs and other ranks load it instead of compiling. Numba is imported
+only when a user op is first used.
 """
 
 import builtins

@@ -109,8 +109,8 @@ static int tcp_parse_header(eng_tcp *t, int peer, tcp_instream *in) {
   if (h->kind == ENG_TCP_MSG) {
     /* (a peer of one stream carries every byte on it: a message saying the rest comes elsewhere never ends;
      * nor does one of several whose first frame is empty, as no part can follow it; a first frame split
-     * otherwise than the sender's split would have a message buffered whole for a few bytes sent; a number at uint64's top would make the next one expected 0, and every number after it
-     * pass) */
+     * otherwise than the sender's split would have a message buffered whole for a few bytes sent; a
+     * number at uint64's top would make the next one expected 0, and every number after it pass) */
     if (h->a > ENG_TCP_MAX_MESSAGE || h->b > h->a || h->seq < t->peers[peer].recv_seq || h->seq == UINT64_MAX ||
         in != &t->peers[peer].in[0] || (h->b == 0 && h->a != 0) ||
         (h->b != h->a && h->b != tcp_part_step(h->a, t->peers[peer].nin)))

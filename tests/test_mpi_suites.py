@@ -49,9 +49,11 @@ def test_suites_under_mpiexec(transport, nranks):
     """The suites of SUITES_AT (every suite where it names none); at 3 ranks on shared memory, on the
     baseline kernels (ENGINE_ISA), which a CPU with AVX2 never runs otherwise (tests/mpi/conftest.py
     checks that every rank runs them; tests/test_kernels.py compares every kernel across ISAs bit for
-    bit); at 3 ranks over MPI, with receives from any rank probing for their message
-    (ENGINE_MPI_ANY_SOURCE=probe, MPICH's UCX module's default), the conformance matrix's among them."""
-    forced = {("shm", 3): {"ENGINE_ISA": "baseline"}, ("mpi", 3): {"ENGINE_MPI_ANY_SOURCE": "probe"}}
+    bit), with single copy required (ENGINE_SHM_CMA=1: every group has it, or is refused); at 3 ranks
+    over MPI, with receives from any rank probing for their message (ENGINE_MPI_ANY_SOURCE=probe,
+    MPICH's UCX module's default), the conformance matrix's among them."""
+    forced = {("shm", 3): {"ENGINE_ISA": "baseline", "ENGINE_SHM_CMA": "1"},
+              ("mpi", 3): {"ENGINE_MPI_ANY_SOURCE": "probe"}}
     proc = run(nranks, SUITES_AT.get((transport, nranks), SUITES), ENGINE_TRANSPORT=transport,
                **forced.get((transport, nranks), {}))
     assert_every_rank_passed(proc.stdout, nranks)

@@ -347,7 +347,7 @@ def test_forcing_a_threaded_entry_without_threads_says_how_to_get_them():
 
 
 def test_sockets_come_from_the_numa_nodes_of_the_ranks_cores_or_engine_sockets(tmp_path, monkeypatch):
-    from engine.hierarchy import numa_nodes, sockets_of
+    from engine.hierarchy import numa_nodes, sockets_of, topology
     for node, cpus in ((0, "0-1,4\n"), (1, "2-3,5-6\n")):
         (tmp_path / f"node{node}").mkdir()
         (tmp_path / f"node{node}" / "cpulist").write_text(cpus)
@@ -362,6 +362,10 @@ def test_sockets_come_from_the_numa_nodes_of_the_ranks_cores_or_engine_sockets(t
     unbound = [("h", r, set(range(8))) for r in range(4)] + [("g", 9, {0}), ("g", 8, {0})]
     assert sockets_of(unbound, {0: set(range(8))}) == ["h/socket0", "h/socket0", "h/socket1", "h/socket1",
                                                        "g/socket0", "g/socket1"]
+    # N that does not split a host's ranks evenly: sockets of unequal sizes, where layout() stays flat
+    three = sockets_of(unbound[:3], {0: set(range(8))})
+    assert three == ["h/socket0", "h/socket0", "h/socket1"] and topology(three)[2] is None
+    assert topology(sockets_of(unbound[:4], {0: set(range(8))}))[2] == 2
 
 
 def test_the_shm_core_implements_every_shm_entry():

@@ -30,6 +30,7 @@ def test_the_settings_a_suite_runs_under_reach_the_group():
         assert core.chunk_bytes == max(64 * P, min(registry.SHM_CHUNK.value(), core.seg.cap)), core.chunk_bytes
         assert ("single_copy" in WORLD.plan.caps) == core.seg.cma
         assert not (core.seg.cma and env.get("ENGINE_SHM_CMA") == "0")
+        assert core.seg.cma or P == 1 or env.get("ENGINE_SHM_CMA") != "1"   # (required: the group has it)
     elif WORLD.transport == "mpi":
         assert core.chunk == registry.MPI_CHUNK.value()
         told = int(env.get("ENGINE_MPI_TAG_UB") or 0)
