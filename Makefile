@@ -14,16 +14,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The suites that face torch, with the bench's own torch groups, run on the newest torch tested (2.15). The
 # release before it (2.14) runs their part that changes with torch's version: the options' layouts,
-# torch's own suite subset (every c10d call it makes through the adapter), reconfigure and torchft,
+# torch's own suite subset (every c10d call it makes through the adapter), torchft (and reconfigure:
+# fault tolerance runs on every torch, in the waiting stream),
 # torch.compile (with aot_eager: the same graphs without inductor's C++ build, 27 s; 2.15 runs inductor).
 # (The adapter's own suites and the bench's groups run on the first and the last torch; debug mode's run of
 # them, on the first only.)
 TORCH_FACING := tests/test_torch_options.py tests/test_launchers.py tests/test_clients.py \
-	tests/test_fault_tolerance.py tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
+	tests/test_torch_hooks.py tests/test_recovery.py tests/test_torchft.py \
 	tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot \
 	tests/test_bench.py::test_init_times_a_reconfigure_where_torch_has_one
 TORCH_PREVIOUS := tests/test_torch_options.py \
-	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open tests/test_fault_tolerance.py \
+	tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open \
 	tests/test_torch_hooks.py tests/test_torchft.py tests/test_clients.py::test_torch_compile_functional_collectives_and_compiled_ddp
 # The adapter's suites under torchrun run at 3 ranks on the last torch, at 1, 2 and 4 on the first (which
 # also runs them at 2 ranks under mpiexec over MPI; the last, at 3 and 4: CORE_LAST): CI's 25 minutes. The c10d
@@ -57,8 +58,8 @@ FAULTS_LAST := tests/test_faults.py::test_mismatched_calls_raise_without_debug_m
 	tests/test_faults.py::test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_came
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
 # same method, and tests/test_fault_tolerance.py calls it on the later ones). Fault tolerance runs whole on
-# the later torches (whose c10d defines reconfigure); the first keeps the aborts of ABORTS_FIRST, the c10d
-# restart and the shm cycles. The clients, torch's own
+# every torch (WAITING; the first's c10d defines no reconfigure: what calls it skips there); the first
+# keeps the aborts of ABORTS_FIRST, the c10d restart and the shm cycles. The clients, torch's own
 # suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
 # runs it under mpirun, tests/test_faults.py), DDP over mp.spawn and every collective under torchrun without
 # MPI (the first runs the same collectives under torchrun in the torch suites) run on 2.15 only (TORCH_FACING;
@@ -89,7 +90,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # module a run imports is compiled once, on its first import, so the runs here may write bytecode.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup setup-torch2.14 setup-torch2.15 check test later-stages test-torch2.13 test-torch2.13-waiting test-torch2.14 test-torch2.15 test-mpich \
+.PHONY: setup setup-torch2.14 setup-torch2.15 check test later-stages waiting-stages test-torch2.13 test-torch2.13-waiting test-torch2.14-waiting test-torch2.15-waiting test-torch2.14 test-torch2.15 test-mpich \
 	clients-full demo ddp torch-suite asan clean
 setup: $(VENV)/.installed
 setup-torch2.14 setup-torch2.15: setup-torch%: .venv-torch%/.installed
@@ -166,26 +167,33 @@ check: setup
 # mostly waiting on the network) install at the lowest priority while .venv's engine builds and its
 # suite starts; the engine then goes into each. Where no mount namespace can be made (not root) the
 # streams run one after the other. The later stream's output is in .later-stages.log, printed at the end.
-# The first torch's suites that mostly wait (on timeouts, a member that never comes: WAITING, a sixth
-# of their time on a core) run beside both streams, as a third, from the first's environment (their
-# output in .waiting-stage.log, printed at the end): in the first stream their minutes left a core idle.
+# The suites that mostly wait (on timeouts, a member that never comes, a reconfigure's deadline: a
+# sixth of their time on a core) run beside both streams, as a third, on each torch (WAITING on the
+# first, fault tolerance on the later ones; their output in .waiting-stage.log, printed at the end):
+# inside the streams their minutes left a core idle.
 OWN_SHM := $(shell tests/own_shm.sh --probe && echo tests/own_shm.sh)
 LATER_INSTALLED := .venv-torch2.14/.installed .venv-torch2.15/.installed .mpich/.installed
 WAITING := tests/test_fault_tolerance.py tests/test_arrival_notes.py
 test: $(VENV)/.packages
-	$(MAKE) -k -j6 test-torch2.13 test-torch2.13-waiting later-stages; rc=$$?; \
+	$(MAKE) -k -j6 test-torch2.13 waiting-stages later-stages; rc=$$?; \
 	cat .waiting-stage.log .later-stages.log 2>/dev/null; exit $$rc
 
-later-stages: $(LATER_INSTALLED) | $(if $(OWN_SHM),,test-torch2.13 test-torch2.13-waiting)
+later-stages: $(LATER_INSTALLED) | $(if $(OWN_SHM),,test-torch2.13 waiting-stages)
 	@echo "the later torches' and MPICH's suites: their output follows the first torch's (.later-stages.log)"
 	$(MAKE) -k -j1 test-torch2.14 test-torch2.15 test-mpich > .later-stages.log 2>&1
+
+waiting-stages: setup setup-torch2.14 setup-torch2.15 | $(if $(OWN_SHM),,test-torch2.13)
+	@echo "the suites that mostly wait: their output follows the first torch's (.waiting-stage.log)"
+	$(MAKE) -k -j1 test-torch2.13-waiting test-torch2.14-waiting test-torch2.15-waiting > .waiting-stage.log 2>&1
 
 test-torch2.13: setup
 	$(OWN_SHM) $(PY) -m pytest tests $(WHOLE_SKIP) $(foreach f,$(WAITING),--ignore=$(f)) --durations=400
 
-test-torch2.13-waiting: setup | $(if $(OWN_SHM),,test-torch2.13)
-	@echo "the first torch's waiting suites: their output follows its other suites' (.waiting-stage.log)"
-	$(OWN_SHM) $(PY) -m pytest $(WAITING) --durations=10 > .waiting-stage.log 2>&1
+test-torch2.13-waiting: setup
+	$(OWN_SHM) $(PY) -m pytest $(WAITING) --durations=10
+
+test-torch2.14-waiting test-torch2.15-waiting: test-torch%-waiting: setup-torch%
+	$(OWN_SHM) .venv-torch$*/bin/python -m pytest tests/test_fault_tolerance.py --durations=5
 
 test-torch2.14: setup-torch2.14
 	ENGINE_CLIENTS_COMPILE_BACKEND=aot_eager $(OWN_SHM) .venv-torch2.14/bin/python -m pytest $(TORCH_PREVIOUS) --durations=10
