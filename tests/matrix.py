@@ -72,9 +72,9 @@ def _hosts(per_host, mode, torchrun=False):
                   RANK_FILE]
         with Hosts(2) as hosts:
             if torchrun:   # (rank 0's output: the first host's torchrun, its lines marked [default0]:)
-                (rc, out), *others = torchrun_across(hosts, per_host, pytest, timeout=900, ENGINE_HIER=mode,
-                                                     **SUITE_ENV)
-                return max([rc if rc is not None else 1] + [r if r is not None else 1 for r, _ in others]), out
+                results = torchrun_across(hosts, per_host, pytest, timeout=900, ENGINE_HIER=mode, **SUITE_ENV)
+                # (a torchrun killed past the timeout has None; one a signal ended, a negative code)
+                return (0 if all(rc == 0 for rc, _ in results) else 1), results[0][1]
             proc = mpirun_across(hosts, per_host, [sys.executable, *pytest], timeout=900, ENGINE_MPI_SUITE="1",
                                  ENGINE_HIER=mode, **SUITE_ENV)
         return proc.returncode, proc.stdout + proc.stderr
