@@ -485,8 +485,8 @@ class FaultTolerance:
         return kinds.COMM_ERROR
 
     def set_timeout(self, timeout):
-        """dist.set_timeout (torch 2.15; before, dist.distributed_c10d._set_pg_timeout): the group's
-        timeout from now on, its hierarchy's stages and its CUDA watchdog included."""
+        """dist.set_timeout (torch 2.14+): the group's timeout from now on, its hierarchy's stages and
+        its CUDA watchdog included. torch 2.13's _set_pg_timeout reaches Gloo's and NCCL's only (README)."""
         self._timeout = timeout
         if self._comm is not None:
             self._comm.set_timeout(self._timeout_seconds())

@@ -680,7 +680,8 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
                 raise ValueError(f"all_gather_coalesced: invalid size of output tensor at index {j}: this rank's "
                                  f"has {output_lists[rank][j].numel()} elements; its input has {inp.numel()}")
         works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
-        return all_of(works, [t for outs in output_lists for t in outs]) if works else self._barrier()
+        # (its future's value: the output lists, nested as Gloo's)
+        return all_of(works, [t for outs in output_lists for t in outs], output_lists) if works else self._barrier()
 
     @other_forms("gather")
     @traced("gather", second)

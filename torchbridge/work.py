@@ -203,20 +203,23 @@ class CompletedWork(_OutputsWork):
         return fut
 
 
-def all_of(works, outputs):
-    """One Work for the Works of a coalesced call's parts (Gloo's coalesced calls return one)."""
-    return works[0] if len(works) == 1 else CoalescedWork(works, outputs)
+def all_of(works, outputs, value=None):
+    """One Work for the Works of a coalesced call's parts (Gloo's coalesced calls return one); value,
+    where given, is its future's value in place of the outputs' list."""
+    return works[0] if len(works) == 1 and value is None else CoalescedWork(works, outputs, value)
 
 
 class CoalescedWork(_OutputsWork):
     """The parts of a coalesced call as one Work: complete when every part is, failed with the first
     part's failure, raised once every part is done (none still writes its output then); its future
-    completes likewise, with every part's outputs as value."""
+    completes likewise, with every part's outputs as value (or the value given: all_gather_coalesced's
+    is its output lists, nested as Gloo's)."""
 
-    def __init__(self, works, outputs):
+    def __init__(self, works, outputs, value=None):
         super().__init__()
         self._works = works
         self._outputs = list(outputs)
+        self._value = value
         self._future = None
 
     def wait(self, timeout=None):
@@ -254,7 +257,7 @@ class CoalescedWork(_OutputsWork):
             # every part complete (run in place), or ordered on a CUDA stream: as each part's future
             cuda = {t.device for t in self._outputs if isinstance(t, torch.Tensor) and t.is_cuda}
             fut = torch.futures.Future(devices=sorted(cuda, key=str) or None)
-            fut.set_result(list(self._outputs))
+            fut.set_result(self._result_value())
         else:
             completer, fut = future_pair()
             left, lock = [len(futures)], threading.Lock()
@@ -268,11 +271,14 @@ class CoalescedWork(_OutputsWork):
                 if error is not None:
                     completer.set_exception(future_error(error, "a part of a coalesced call"))
                 else:
-                    completer.set_result(list(self._outputs))
+                    completer.set_result(self._result_value())
 
             for part in futures:
                 part.add_done_callback(part_done)
         return fut
+
+    def _result_value(self):
+        return list(self._outputs) if self._value is None else [list(outs) for outs in self._value]
 
 
 class PointToPointWork(_OutputsWork):
