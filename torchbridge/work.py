@@ -438,8 +438,9 @@ class PointToPointWork(_OutputsWork):
 
     def source_rank(self):
         self.wait()
-        if not self._status:
-            raise ValueError("source_rank() is defined for receives only")
+        if not self._status:   # (torch's own words and type, as Gloo's send Work raises them)
+            raise RuntimeError("sourceRank() may only be called on work objects that correspond to a recv or "
+                               "recv-from-any call.")
         return self._status[0]
 
     _source_rank = source_rank
