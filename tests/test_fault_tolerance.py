@@ -702,6 +702,10 @@ class FaultToleranceScenarios(ForkedRanks):
 
     def test_reused_uuid_and_foreign_handles_are_refused(self):
         self._init()
+        if HAS_RECONFIGURE:   # (made with enable_reconfigure=True: members come with the first reconfigure)
+            with self.assertRaisesRegex(RuntimeError, "was made with enable_reconfigure=True and has no members "
+                                                      r"until its first reconfigure: call dist._reconfigure"):
+                dist.all_reduce(torch.ones(2))
         uuid = 1100 + self.rank
         self._reconfigure(uuid, [self._handle()])
         with self.assertRaisesRegex(RuntimeError, "already used"):
@@ -714,6 +718,20 @@ class FaultToleranceScenarios(ForkedRanks):
             self._reconfigure(uuid + 20, [stranger])
         with self.assertRaisesRegex(ValueError, "outside int64's range"):   # (was struct.error, the hub waiting)
             self.backend.reconfigure(SimpleNamespace(uuid=1 << 64, handles=[self._handle()]))
+        # members passing different lists: the hub (the first handle's) refuses the member whose list is
+        # not its own, and that member fails at once naming both; the hub waits its timeout for a member 1
+        # with its list, and names it
+        handles = self._handles("lists")
+        if self.rank < 2:
+            mine = handles[:2] if self.rank == 0 else handles
+            expected = (r"engine reconfigure 1300 of group '0': members \[1\] \(.*\) never connected to this rank, "
+                        "the hub" if self.rank == 0 else
+                        r"this reconfigure's hub was given 2 handles, and another list than member 1's \(3 handles\): "
+                        "every member must pass the same handles in the same order")
+            start = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, expected):
+                self.backend.reconfigure(SimpleNamespace(uuid=1300, handles=mine, timeout=timedelta(seconds=2)))
+            self.assertLess(time.monotonic() - start, 1.5 if self.rank == 1 else 10)
         self._finish("refused_done")
 
 

@@ -1512,3 +1512,18 @@ def test_a_receive_with_a_negative_tag_is_refused_as_a_send_is():
         with pytest.raises(ValueError, match="tag -1 is out of range"):
             call()
     dist.barrier()
+
+
+def test_a_destroyed_groups_backend_refuses_its_calls_naming_why():
+    """A caller holding a group's backend object after destroy_process_group(group) (torch's functions
+    refuse the group itself): its calls fail at once naming the destroy, not waiting or crashing."""
+    pg = dist.new_group(list(range(P)))
+    backend = pg._get_backend(torch.device("cpu"))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    dist.destroy_process_group(pg)
+    for call in (lambda: backend.allreduce([t]), lambda: backend.broadcast([t]), lambda: backend.barrier()):
+        with pytest.raises(RuntimeError, match=rf"^process group '{pg.group_name}' was shut down "
+                                               r"\(destroy_process_group\); create a new one$"):
+            call().wait()
+    assert torch.equal(t, torch.full((3,), float(P)))
