@@ -119,6 +119,21 @@ def test_skipped_all_reduce_warns_then_raises_within_timeout_naming_the_missing_
     assert proc.returncode != 0
 
 
+def test_a_skipped_allreduce_in_a_group_without_a_store_names_the_rank_it_waits_on():
+    """engine.world() under mpirun has no store to ask which ranks did not arrive: its timeout says so,
+    and names the rank whose step its own wait is on."""
+    proc, out = launch("skip_allreduce.py", 3, 90, SKIP_RANK="1", SKIP_API="engine", ENGINE_TIMEOUT="5",
+                       ENGINE_TRANSPORT="shm")
+    raised = re.findall(r"rank (\d): raised after [\d.]+ s: EngineTimeout: (.*)", out)
+    assert sorted(r for r, _ in raised) == ["0", "2"], out[-3000:]
+    for _, msg in raised:
+        assert 5 <= timed_out_after(msg) < 10, msg
+        assert re.search(r"^allreduce #2 of group '.*' \(rank [02] of 3\): Timed out after [\d.]+ s \(timeout 5 s\): "
+                         r"which ranks did not arrive is unknown \(this communicator has no store to compare notes\); "
+                         r"this rank waits on rank 1 \(pid \d+\)", msg), msg
+    assert proc.returncode != 0
+
+
 @pytest.mark.parametrize("transport", ["shm", "mpi", "tcp"])
 def test_debug_mode_mismatch_raises_on_every_rank(transport):
     """The signatures go round first (the point-to-point ring, on every transport): EngineMismatch, not
