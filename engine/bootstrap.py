@@ -111,9 +111,8 @@ class StoreBootstrap:
     timeout: seconds a round waits for the other ranks (the group's; None: the store's own).
     on_cancel: where the store's meeting can be cancelled (a reconfigure's: engine.handles.Meeting), its
     on_cancel, through which the group's making registers the waits the store's failing doesn't end.
-    lost: where the group is made while its members' waits can be ended (on_cancel given), returns
-    {rank of this group: how} of the members the group it is made from knows to be lost
-    (Communicator.lost_among): a round waiting for one of them ends at once (EnginePeerLost)."""
+    lost: where given, returns {rank of this group: how} of the members the group it is made from knows
+    to be lost (Communicator.lost_among): a round waiting for one of them ends at once (EnginePeerLost)."""
     group = None
 
     def __init__(self, store, rank, size, prefix="engine", on_cancel=None, timeout=None, lost=None):
@@ -157,7 +156,7 @@ class StoreBootstrap:
             return self._stop(keys, store)
         try:
             values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                             None if self.on_cancel is None else stop)
+                                             None if self.on_cancel is None and self.lost is None else stop)
         except ConnectionError:   # (cancelled, as its group was aborted: said, as a timeout is)
             if self._cancelled is not None:
                 self._give_up(store, key, f"its making was cancelled ({self._cancelled})")

@@ -260,8 +260,8 @@ class Communicator:
         store; one made again under the same name on the same store needs a prefix of its own, or it
         reads the keys the last one left). on_cancel: where the making may be cancelled from another
         thread (a reconfigure's abort()), on_cancel(fn) registers fn(why), which ends the waits that
-        don't wait on the store. lost: with on_cancel, the members known lost (Communicator.lost_among
-        of the group it is made from) end its store waits at once."""
+        don't wait on the store. lost: the members known lost (Communicator.lost_among of the group it
+        is made from) end its store waits at once."""
         try:
             rank, size = operator.index(rank), operator.index(size)
         except TypeError:
@@ -343,8 +343,9 @@ class Communicator:
             if store is not None:   # (none: a group of one, Communicator.single()'s)
                 agree_on_members(store, prefix, self.rank, ranks, kwargs["timeout"], f"engine subgroup {name!r}",
                                  "was given", "ranks to subgroup()", parent=self)
+            # (a member lost once they agreed, inside the making: named at once, not at the timeout)
             return Communicator.from_store(store, ranks.index(self.rank), len(ranks), prefix=prefix, transport=transport,
-                                           **kwargs)
+                                           lost=self.lost_among(ranks), **kwargs)
         coll = self.mpi_comm
         group = coll.Get_group().Incl(ranks)
         try:

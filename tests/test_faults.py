@@ -591,6 +591,32 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, whe
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("first", ["new_group", "subgroup"])
+def test_a_member_lost_while_a_new_group_or_subgroup_is_made_fails_the_others_at_once_naming_it(first, transport):
+    """tests/faults/lost_member.py making_new_group|making_subgroup: rank 2 dies (SIGKILL) inside the
+    making of new_group([0, 1, 2]) or of the world's engine subgroup of the three, once the members
+    agreed on them. The others waited for it in the new group's first exchange until the group's
+    timeout (40 s; a new_group's default is torch's 30 minutes); they now end at once naming it, as a
+    split's making does. The other making then fails at once too: the world knew it lost the rank."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "lost_member.py"), transport, "2", f"making_{first}"],
+                          capture_output=True, text=True, timeout=400,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))})
+    out = proc.stdout + proc.stderr
+    assert "exit codes [0, 0, -9]" in out, out[-5000:]
+    group = {"new_group": "'1'", "subgroup": "'all-three'"}
+    made = {"new_group": r"engine new_group '1'", "subgroup": r"engine subgroup 'all-three'"}
+    second = "subgroup" if first == "new_group" else "new_group"
+    for rank in (0, 1):
+        said = {what: (float(after), msg) for what, after, msg in re.findall(rf"rank {rank}: (\w+) after ([\d.]+) s: (.*)", out)}
+        assert sorted(said) == sorted([first, second]), out[-5000:]
+        assert said[first][0] < 10 and re.match(rf"EnginePeerLost: engine: rank 2 of 3 is lost while group "
+                                                rf"{group[first]} is made \(rank 2 of group '0': its ", said[first][1]), said
+        assert re.match(rf"EnginePeerLost: {made[second]}: rank 2 of \[0, 1, 2\] is lost to group '0', the group this "
+                        r"one is made from \(its ", said[second][1]), said
+        assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("when", ["making", "shrink", "shrink_abort"])
 def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_naming_it(when, transport):
     """tests/faults/lost_member.py making|shrink|shrink_abort: a member dies (SIGKILL) inside the making

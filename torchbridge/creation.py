@@ -61,13 +61,17 @@ def create_process_group(opts, backend_options=None):
     if getattr(opts, "enable_reconfigure", False):
         return EngineProcessGroup(None, opts.group_rank, opts.group_size, opts.timeout, store, name, listen=True,
                                   **made)
+    parent = _world_comm() if ranks else None
     if ranks and store is not None:   # (a group of some of the world's ranks: do they agree on which?)
         agree_on_members(store, "engine/new-group", ranks[opts.group_rank], ranks, seconds,
-                         f"engine new_group {name!r}", "was given", "ranks to new_group", parent=_world_comm())
+                         f"engine new_group {name!r}", "was given", "ranks to new_group", parent=parent)
     if not over_mpi:
+        # (a member the world loses once they agreed, inside the making: named at once, not at the timeout)
+        lost = parent.lost_among(ranks) if parent is not None else None
         try:
             comm = Communicator.from_store(store, opts.group_rank, opts.group_size, prefix="engine/boot",
-                                           timeout=seconds, name=name, transport=own_transport() if changed else None)
+                                           timeout=seconds, name=name, transport=own_transport() if changed else None,
+                                           lost=lost)
         except MissingRanks as exc:
             raise MissingRanks(f"{exc}{counted_apart(base, ranks, exc.missing, making)}", exc.missing) from None
     else:

@@ -13,7 +13,9 @@
 - broken: as before, once the world broke: the three called different collectives (a mismatch), and
   the collectives' channel of the world (over TCP) said its goodbye to every peer;
 - making: inside the making of the world's split_group([0, 1, 2]), at its first exchange, once the
-  members agreed (the split is the one step);
+  members agreed (the split is the one step); making_new_group, making_subgroup: the same inside the
+  making of new_group([0, 1, 2]) (then the subgroup, its loss known before) or of the engine subgroup
+  (then new_group);
 - shrink: rank DEAD (1) inside the making of the world's shrink([2]) (rank 2 is left out alive; the
   shrink is rank 0's and rank 1's one step, and rank 0 is the one left to name it); shrink_abort: the
   same with SHRINK_ABORT, which ends the world's calls first (its transport still watches the members
@@ -22,7 +24,7 @@
 Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
 s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
 
-    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|shrink|shrink_abort
+    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|making_new_group|making_subgroup|shrink|shrink_abort
 """
 
 import os
@@ -63,8 +65,10 @@ def rank_main(rank, path, transport, dead, when):
              ("subgroup", lambda: world.communicator.subgroup([0, 1, 2], name="all-three"))]
     if when == "broken":
         steps = [step for step in steps if step[0] != "split"]   # (torch splits no broken group)
-    if when == "making":
-        steps = [step for step in steps if step[0] == "split"]
+    if when.startswith("making"):   # (the one it dies in first)
+        order = {"making": ["split"], "making_new_group": ["new_group", "subgroup"],
+                 "making_subgroup": ["subgroup", "new_group"]}[when]
+        steps = sorted((step for step in steps if step[0] in order), key=lambda step: order.index(step[0]))
     if when.startswith("shrink"):
         flags = dist.distributed_c10d.SHRINK_ABORT if when == "shrink_abort" else 0
         steps = [("shrink", lambda: world.shrink([2], flags))] if rank != 2 else []
