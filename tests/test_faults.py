@@ -225,6 +225,27 @@ def test_mismatched_calls_raise_without_debug_mode(transport):
         if transport == "mpi":
             assert all(w.startswith("raised EngineMismatch") for w in ranks.values()), (case, ranks)
         assert any(w.startswith("raised EngineMismatch") for w in ranks.values()), (case, ranks)
+        # each mismatch says what differed, in its finder's words: the segment's (both calls, the one that
+        # differs among them), a point-to-point message's, or the store's notes (both calls)
+        for what in (w for w in ranks.values() if w.startswith("raised EngineMismatch")):
+            said = MISMATCH_WORDS.search(what)
+            assert said, (case, what)
+            assert said.group("p2p") or re.search(MISMATCH_DETAIL[case], what), (case, what)
+    if transport != "shm":   # (over point-to-point, both of its messages' words were seen)
+        seen = " ".join(w for ranks in got.values() for w in ranks.values())
+        assert P2P_OTHER_SIZE in seen and P2P_OTHER_COLLECTIVE in seen, got
+
+
+P2P_OTHER_SIZE = ("sent a message of another size than this rank expects: the ranks are in different collectives, or "
+                  "passed different counts")
+P2P_OTHER_COLLECTIVE = ("sent a message of another collective while this rank waited for its part of this one: the "
+                        "ranks called different collectives, or the same one with another dtype, reduce op or root")
+MISMATCH_WORDS = re.compile(r"collective mismatch in this group: rank \d: \w+ #1 .*; rank \d: \w+ #1 |"
+                            r"collective mismatch: rank \d called \w+ of .*; rank \d called \w+ of |"
+                            rf"(?P<p2p>rank \d .*({re.escape(P2P_OTHER_SIZE)}|{re.escape(P2P_OTHER_COLLECTIVE)}))")
+MISMATCH_DETAIL = {"kind": "broadcast", "reduce_op": "MAX", "avg": "AVG", "dtype": "float64", "broadcast_root": "root 2",
+                   "broadcast_root_large": "root 2", "count": "16 float32", "alltoall_splits": r"elements (from|to) rank",
+                   "allgather_vs_reduce_scatter": "reduce_scatter", "every_rank_root": r"root [12]"}
 
 
 @pytest.mark.parametrize("skip", ["broadcast", "reduce"])
