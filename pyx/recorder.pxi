@@ -92,6 +92,12 @@ cdef uint64_t call_key(const Call *c) noexcept nogil:
     return call_word(c.op, c.dtype, op_mark(c.red) if c.red != NULL else OPBIT_NONE, -1, c.root if rooted else -1)
 
 
+def call_tag_base(int op, int dtype, int opmark, int root, uint64_t seq=0, bint wide=True):
+    """The tags' base of call number seq whose call_key() is call_word(op, dtype, opmark, -1, root)
+    (pyx/call_tags.h), for the tests that check which calls it tells apart."""
+    return eng_call_tag_base(call_word(op, dtype, opmark, -1, root), seq, wide)
+
+
 cdef tuple call_word_parts(uint64_t w):
     """(collective, dtype or None, reduce op or None, root or -1) of a call_word()."""
     cdef int op = w & 0xff, dtype = <int>((w >> 8) & 0xff) - 1, mark = <int>((w >> 16) & 0xff)

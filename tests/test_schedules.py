@@ -239,3 +239,38 @@ def test_p2p_schedules_refuse_what_they_do_not_know():
         _core.ring_pass_schedule("broadcast", 4, 0)
     with pytest.raises(ValueError, match="expected pairwise or dissemination"):
         _core.shift_schedule("ring", 4, 0)
+
+
+def test_calls_that_differ_in_one_thing_get_different_tags():
+    """pyx/call_tags.h: on a wide transport (TCP, shared memory's queues, Open MPI) the tags of calls
+    that differ in one thing only (the collective, the dtype, the built-in reduce op or AVG, the root:
+    here up to 64) have different bases, so a rank that receives a message of the other call says so
+    (EngineMismatch) instead of reducing it. A hash into 2047 bases gave reduce_scatter's BOR of int16
+    and of int64 one base (a mismatch of them passed, the result wrong), and some roots of a gather or
+    a reduce alike. The base never leaves bits 4-14, nor is it 0; the call's number fills bits 15-30."""
+    from collections import defaultdict
+    kinds = range(9)   # OP_ALLREDUCE .. OP_BARRIER (pyx/engine/_core.pxd)
+    reducing, rooted = {0, 2, 6}, {1, 2, 4, 5}
+    dtypes = range(len(_core.DTYPE_NAMES))
+    bases = {}
+    for kind in kinds:
+        for dtype in ([-1] if kind == 8 else dtypes):
+            for mark in (range(8) if kind in reducing else [9]):
+                for root in (range(64) if kind in rooted else [-1]):
+                    base = _core.call_tag_base(kind, dtype, mark, root)
+                    assert base % 16 == 0 and 16 <= base < 1 << 15, (kind, dtype, mark, root, base)
+                    bases[kind, dtype, mark, root] = base
+    for vary in range(4):   # each of the four things in turn, the other three alike
+        groups = defaultdict(dict)
+        for call, base in bases.items():
+            groups[call[:vary] + call[vary + 1:]].setdefault(base, []).append(call)
+        alike = [calls for group in groups.values() for calls in group.values() if len(calls) > 1]
+        assert not alike, (("collective", "dtype", "op", "root")[vary], alike[:5])
+    # the call's number, modulo 2**16, above the base (a peer's later call is no mismatch)
+    assert _core.call_tag_base(0, 11, 0, -1, seq=5) == bases[0, 11, 0, -1] | 5 << 15
+    assert _core.call_tag_base(0, 11, 0, -1, seq=(1 << 16) + 5) == bases[0, 11, 0, -1] | 5 << 15
+    # a user op's mark (16 + its fingerprint modulo 240) is hashed: two marks, two bases here
+    assert _core.call_tag_base(0, 11, 16, -1) != _core.call_tag_base(0, 11, 17, -1)
+    # a narrow transport (15 bits of tag) folds the number into a hash of the call, within bits 4-14
+    narrow = {_core.call_tag_base(0, 11, 0, -1, seq=s, wide=False) for s in range(64)}
+    assert all(b % 16 == 0 and 16 <= b < 1 << 15 for b in narrow) and len(narrow) > 32

@@ -52,6 +52,15 @@ def dtype(g):
     return [t]
 
 
+def bitwise_dtype(g):
+    # a reduce_scatter's BOR of int16 against one of int64, of the same bytes: over point-to-point the
+    # tags' hash gave the two one base, and the ranks returned blocks or'd from both readings
+    t = mine(6, torch.int64) if ODD else mine(24, torch.int16)
+    out = torch.zeros(t.numel() // P, dtype=t.dtype)
+    dist.reduce_scatter_tensor(out, t, op=Op.BOR, group=g)
+    return [out]
+
+
 def broadcast_root(g):
     # the odd rank believes it is the root. Over the segment every root checks its readers; over
     # point-to-point a root hears from nobody, so the group's next call (the barrier) is where the
@@ -107,7 +116,7 @@ def alltoall_splits(g):
     return [out]
 
 
-CASES = [kind, reduce_op, avg, dtype, broadcast_root, broadcast_root_large, every_rank_root, count, alltoall_splits,
+CASES = [kind, reduce_op, avg, dtype, bitwise_dtype, broadcast_root, broadcast_root_large, every_rank_root, count, alltoall_splits,
          allgather_vs_reduce_scatter]   # (last: over MPI it blocks inside MPI, and the watchdog ends the job)
 only = sys.argv[1:] or os.environ.get("MISMATCH_CASES", "").split()
 for case in CASES:
