@@ -615,6 +615,25 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, whe
         assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
 
 
+@pytest.mark.parametrize("dead", [0, 2])
+def test_a_rank_that_dies_while_the_ranks_connect_over_tcp_ends_the_others_at_once(dead):
+    """tests/faults/lost_member.py connect: a rank of a TCP world dies (SIGKILL) once its end is made,
+    before it connects. The others fail within seconds, not at the world's 40 s: a rank that waited on
+    it names it, its connection closed or refused (or its end not made); a rank that waited on one of
+    those names that one, which left (the connecting's first failure closes its sockets)."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "lost_member.py"), "tcp", str(dead), "connect"],
+                          capture_output=True, text=True, timeout=400,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))})
+    out = proc.stdout + proc.stderr
+    assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
+    said = dict((int(r), (float(s), msg)) for r, s, msg in re.findall(r"rank (\d): connect after ([\d.]+) s: (.*)", out))
+    assert sorted(said) == sorted(set(range(3)) - {dead}), out[-5000:]
+    assert all(s < 10 and re.match(r"RuntimeError: engine: connecting the group's ranks over TCP failed: (could not "
+                                   r"connect to )?rank \d \(", msg) for s, msg in said.values()), said
+    assert any(re.search(rf"rank {dead} \(.*\) .*\(or it failed to make its end of the group, "
+                         r"and closed its sockets: its own error says why\)", msg) for _, msg in said.values()), said
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("first", ["new_group", "subgroup"])
 def test_a_member_lost_while_a_new_group_or_subgroup_is_made_fails_the_others_at_once_naming_it(first, transport):

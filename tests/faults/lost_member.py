@@ -16,6 +16,7 @@
   members agreed (the split is the one step); making_new_group, making_subgroup: the same inside the
   making of new_group([0, 1, 2]) (then the subgroup, its loss known before) or of the engine subgroup
   (then new_group);
+- connect (TCP): inside the world's making, once its end is made, before it connects to the others;
 - shrink: rank DEAD (1) inside the making of the world's shrink([2]) (rank 2 is left out alive; the
   shrink is rank 0's and rank 1's one step, and rank 0 is the one left to name it); shrink_abort: the
   same with SHRINK_ABORT, which ends the world's calls first (its transport still watches the members
@@ -24,7 +25,7 @@
 Each must end at once, naming rank DEAD as lost, not at its timeout. Each prints `rank R: WHAT after S
 s: TYPE: MESSAGE`; then the two make a group of their own and check an all_reduce on it.
 
-    python tests/faults/lost_member.py shm|tcp DEAD before|broken|making|making_new_group|making_subgroup|shrink|shrink_abort
+    python tests/faults/lost_member.py shm|tcp DEAD before|broken|connect|making|making_new_group|making_subgroup|shrink|shrink_abort
 """
 
 import os
@@ -42,6 +43,18 @@ TIMEOUT = timedelta(seconds=40)
 
 
 def rank_main(rank, path, transport, dead, when):
+    if when == "connect":   # (over TCP: it dies once its end of the world is made, before it connects)
+        if rank == dead:
+            import engine._core   # (engine/tcp.py looks TcpComm up at each group)
+            engine._core.TcpComm = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            engine_world(rank, 3, path, transport, TIMEOUT)
+            say(f"rank {rank}: connect passed without rank {dead}")
+        except Exception as exc:
+            say(f"rank {rank}: connect after {time.monotonic() - start:.2f} s: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0]}")
+        os._exit(0)
     world, store = engine_world(rank, 3, path, transport, TIMEOUT)
     dist.barrier()
     if when == "broken":
