@@ -50,12 +50,15 @@ CORE_LAST := $(foreach c,shm-3 mpi-3 shm-4 mpi-4,"tests/test_mpi_suites.py::test
 	tests/test_mpi_suites.py::test_every_collective_at_16_ranks tests/test_mpi_suites.py::test_matrix_with_threads \
 	tests/test_mpi_suites.py::test_matrix_over_tcp_on_one_host tests/test_mpi_suites.py::test_collectives_with_tiny_mpi_chunks \
 	tests/test_mpi_suites.py::test_collectives_through_a_tiny_segment
-# Three of the fault suite's launch tests (mismatched calls, forked children, a rank gone after its part)
+# Five of the fault suite's launch tests (mismatched calls, forked children, a rank gone after its part, a
+# rank skipped in a group without a store, a rank dead while a TCP world connects)
 # run on the last torch, beside its suites, so that the two streams end together (the first ended about
 # 3.5 minutes after the other). Their launches go through the adapter, which both torches run.
 FAULTS_LAST := tests/test_faults.py::test_mismatched_calls_raise_without_debug_mode \
 	tests/test_faults.py::test_processes_forked_from_a_rank_leave_its_groups_alone \
-	tests/test_faults.py::test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_came
+	tests/test_faults.py::test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_came \
+	tests/test_faults.py::test_a_skipped_allreduce_in_a_group_without_a_store_names_the_rank_it_waits_on \
+	tests/test_faults.py::test_a_rank_that_dies_while_the_ranks_connect_over_tcp_ends_the_others_at_once
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
 # same method, and tests/test_fault_tolerance.py calls it on the later ones). Fault tolerance runs whole on
 # every torch (WAITING; the first's c10d defines no reconfigure: what calls it skips there); the first

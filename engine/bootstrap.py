@@ -129,15 +129,16 @@ class StoreBootstrap:
     def _stop(self, keys, store):
         if self._cancelled is not None:
             return ConnectionError(self._cancelled)
+        # (a loss this rank sees itself first: named so, not as the word of a member that saw it before)
+        gone = lost_before_arriving(self.lost, store, keys.__getitem__)
+        if gone:
+            r = min(gone)
+            return EnginePeerLost(f"engine: rank {r} of {self.size} is lost while group {self.group!r} is made "
+                                  f"({gone[r]}): make it of the ranks still alive")
         given_up = _given_up(store, self.prefix)   # (a member that gave up never comes to this round)
         if given_up is not None:
             return MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})", *given_up, came_late=False)
-        gone = lost_before_arriving(self.lost, store, keys.__getitem__)
-        if not gone:
-            return None
-        r = min(gone)
-        return EnginePeerLost(f"engine: rank {r} of {self.size} is lost while group {self.group!r} is made "
-                              f"({gone[r]}): make it of the ranks still alive")
+        return None
 
     def allgather(self, obj):
         key = f"{self.prefix}/boot/{self._round}/"
@@ -154,12 +155,17 @@ class StoreBootstrap:
         def stop():
             looked.append(True)
             return self._stop(keys, store)
+        watched = self.on_cancel is not None or self.lost is not None
         try:
             values, missing, why = read_keys(store, keys, self.timeout, f"the group's bootstrap ({self.prefix})",
-                                             None if self.on_cancel is None and self.lost is None else stop)
+                                             stop if watched else None,
+                                             LOOK_PAUSE_SECONDS if self.on_cancel is not None else LOST_LOOK_PAUSE_SECONDS)
         except ConnectionError:   # (cancelled, as its group was aborted: said, as a timeout is)
             if self._cancelled is not None:
                 self._give_up(store, key, f"its making was cancelled ({self._cancelled})")
+            raise
+        except EnginePeerLost as exc:   # (said: a member whose own transport does not see the loss fails too)
+            self._give_up(store, key, str(exc).removeprefix("engine: "))
             raise
         if missing:
             self._give_up(store, key, f"it waited for ranks {missing} in exchange #{self._round} of the making")
@@ -168,7 +174,7 @@ class StoreBootstrap:
         if GAVE_UP.encode() in values:   # (a member that gave up stays named in its part, not missing)
             raise MakingGivenUp(f"engine: group {self.group!r} ({self.prefix})",
                                 *(_given_up(store, self.prefix) or (values.index(GAVE_UP.encode()), "")),
-                                came_late=self.on_cancel is not None and not looked)
+                                came_late=watched and not looked)
         return [plain_loads(v) for v in values]
 
     def tell(self, obj):

@@ -234,9 +234,10 @@ def test_mismatched_calls_raise_without_debug_mode(transport):
             said = MISMATCH_WORDS.search(what)
             assert said, (case, what)
             assert said.group("p2p") or re.search(MISMATCH_DETAIL[case], what), (case, what)
-    if transport != "shm":   # (over point-to-point, both of its messages' words were seen)
+    if transport != "shm":   # (over point-to-point, its messages' words were seen: over MPI, where the store's
+        # notes may find a count first, another collective's)
         seen = " ".join(w for ranks in got.values() for w in ranks.values())
-        assert P2P_OTHER_SIZE in seen and P2P_OTHER_COLLECTIVE in seen, got
+        assert P2P_OTHER_COLLECTIVE in seen and (transport == "mpi" or P2P_OTHER_SIZE in seen), got
 
 
 P2P_OTHER_SIZE = ("sent a message of another size than this rank expects: the ranks are in different collectives, or "
@@ -653,8 +654,10 @@ def test_a_member_lost_while_a_new_group_or_subgroup_is_made_fails_the_others_at
     for rank in (0, 1):
         said = {what: (float(after), msg) for what, after, msg in re.findall(rf"rank {rank}: (\w+) after ([\d.]+) s: (.*)", out)}
         assert sorted(said) == sorted([first, second]), out[-5000:]
-        assert said[first][0] < 10 and re.match(rf"EnginePeerLost: engine: rank 2 of 3 is lost while group "
-                                                rf"{group[first]} is made \(rank 2 of group '0': its ", said[first][1]), said
+        # (its own transport's word, or, where it had not seen the loss yet, that of the member that saw it)
+        assert said[first][0] < 10 and re.match(rf"(EnginePeerLost: engine: |\w+: .*rank [01] gave this making up while "
+                                                rf"this rank waited \()rank 2 of 3 is lost while group {group[first]} is "
+                                                r"made \(rank 2 of group '0': its ", said[first][1]), said
         assert re.match(rf"EnginePeerLost: {made[second]}: rank 2 of \[0, 1, 2\] is lost to group '0', the group this "
                         r"one is made from \(its ", said[second][1]), said
         assert f"rank {rank}: the two made a group and summed" in out, out[-5000:]
@@ -676,7 +679,9 @@ def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_
                           timeout=400, env=env)
     out = proc.stdout + proc.stderr
     assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
-    expected = (r"EnginePeerLost: engine split of process group '0' into ranks \[0, 1, 2\]: engine: rank 2 of 3 is "
+    # (its own transport's word, or, where it had not seen the loss yet, that of the member that saw it)
+    told = r"(engine: |.*rank [01] gave this making up while this rank waited \()"
+    expected = (r"\w+: engine split of process group '0' into ranks \[0, 1, 2\]: " + told + "rank 2 of 3 is "
                 r"lost while group '0:split-1' is made \(rank 2 of group '0': its " if when == "making" else
                 r"EnginePeerLost: engine shrink of process group '0' without ranks \[2\]: engine: rank 1 of 2 is lost "
                 r"while group '0:shrunk-1' is made \(rank 1 of group '0': its ")

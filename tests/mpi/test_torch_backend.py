@@ -1313,7 +1313,8 @@ def test_a_member_that_never_makes_its_new_group_is_named_at_the_groups_timeout(
 
 
 def test_set_timeout_ends_a_call_in_any_stage_of_the_group():
-    """The group's set_timeout (dist.set_timeout, torch 2.15; torch's _set_pg_timeout before): the new
+    """The group's set_timeout (dist.set_timeout, torch 2.14+; on 2.13 the group's backend's own, as torch's
+    _set_pg_timeout reaches Gloo and NCCL only): the new
     timeout ends a call waiting in any stage of a hierarchical group (at 4 ranks under ENGINE_SOCKETS=2:
     the ranks beside the absent one wait in their socket's stage, the others in the stage across), not
     the timeout the group was made with (the suites' ENGINE_TIMEOUT). A rank waiting in the stage across
