@@ -680,8 +680,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
                 raise ValueError(f"all_gather_coalesced: invalid size of output tensor at index {j}: this rank's "
                                  f"has {output_lists[rank][j].numel()} elements; its input has {inp.numel()}")
         works = [self._allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
-        # (its future's value: the output lists, nested as Gloo's)
-        return all_of(works, [t for outs in output_lists for t in outs], output_lists) if works else self._barrier()
+        # (its future's value as Gloo's: the output lists, nested; a group of one's one list)
+        return all_of(works, [t for outs in output_lists for t in outs],
+                      output_lists if size > 1 else None) if works else self._barrier()
 
     @other_forms("gather")
     @traced("gather", second)

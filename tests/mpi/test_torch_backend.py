@@ -367,14 +367,14 @@ def test_all_gather_variants():
         assert torch.equal(outputs[r][0], data(r, 3, torch.float32, salt=1))
         assert torch.equal(outputs[r][1], data(r, 5, torch.float32, salt=2))
     # asynchronous, torch returns the Work's future: its value is the output lists, nested as Gloo's (with
-    # one input too); it was one flat list of every rank's tensors
+    # one input too; a group of one's one list); it was one flat list of every rank's tensors
     for count in (2, 1):
         for group in (None, GLOO):
             mine = [[torch.empty(3), torch.empty(5)][:count] for _ in range(P)]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # (all_gather_coalesced is deprecated)
                 fut = dist.all_gather_coalesced(mine, inputs[:count], group=group, async_op=True)
-            value = fut.wait()
+            value = fut.wait() if P > 1 else [fut.wait()]
             assert len(value) == P and all(len(outs) == count for outs in value), (group, value)
             assert all(value[r][j] is mine[r][j] or torch.equal(value[r][j], mine[r][j])
                        for r in range(P) for j in range(count))
