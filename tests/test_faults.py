@@ -29,6 +29,15 @@ def launch(script, nranks, timeout, **env):
     return proc, launcher_output(proc.stdout + proc.stderr)
 
 
+def spawned(script, *args, timeout):
+    """The output of a fault script that starts its own ranks (tests/faults/spawned.py), run without the
+    MPI launcher's variables this test may run under."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    return proc.stdout + proc.stderr
+
+
 def timed_out_after(text):
     """The wait's length as the engine reports it ("Timed out after 5.1 s"), not a wall clock around mpirun."""
     return float(re.search(r"Timed out after ([\d.]+) s", text).group(1))
@@ -351,10 +360,7 @@ def test_a_peer_lost_in_debug_modes_check_names_the_users_call(transport):
     """tests/faults/debug_lost.py: in debug mode a rank dies before an all_reduce, and the survivors see
     it in the check of the ranks' calls (an allgather). Their error said `allgather failed: ...`, a call
     they never made; it now names their all_reduce and the check, then why."""
-    script = os.path.join(HERE, "debug_lost.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300, env=env)
-    out = proc.stdout + proc.stderr
+    out = spawned("debug_lost.py", transport, timeout=300)
     assert "exit codes [0, 0, -9]" in out, out[-5000:]
     for rank in (0, 1):
         said = re.findall(rf"rank {rank}: (.*)", out)
@@ -554,11 +560,7 @@ def test_a_member_that_dies_in_a_reconfigure_is_named_at_once(when, transport):
     connection to the hub closes before it said it was done). The hub and the other member fail within
     seconds, not at the reconfigure's 40 s, naming member 2; then the two reconfigure alone and sum.
     (Here, not in test_fault_tolerance.py: the meeting is the engine's own, the same on every torch.)"""
-    script = os.path.join(HERE, "reconfigure_member_dies.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, script, when, transport], capture_output=True, text=True, timeout=150,
-                          env=env)
-    out = proc.stdout + proc.stderr
+    out = spawned("reconfigure_member_dies.py", when, transport, timeout=150)
     assert "exit codes [0, 0, -9]" in out, out[-5000:]
     failed = dict(re.findall(r"rank (\d): failed after ([\d.]+) s: RuntimeError: engine reconfigure 1 of group "
                              r"'0': .*member 2 \(", out))
@@ -586,11 +588,7 @@ def test_a_group_made_with_a_member_known_lost_fails_at_once_naming_it(dead, whe
     world's collectives' channel had said its goodbye to every peer and saw no loss after it: its
     user's channel, connected with the group's mesh and going on, sees it (split_group left out:
     torch splits no broken group)."""
-    script = os.path.join(HERE, "lost_member.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, script, transport, str(dead), when], capture_output=True, text=True,
-                          timeout=400, env=env)
-    out = proc.stdout + proc.stderr
+    out = spawned("lost_member.py", transport, dead, when, timeout=400)
     assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
     how = re.escape("(its process exited)" if transport == "shm" else
                     "(its connection to this rank ended without a goodbye: its process exited, or the link to it is "
@@ -622,10 +620,7 @@ def test_a_rank_that_dies_while_the_ranks_connect_over_tcp_ends_the_others_at_on
     before it connects. The others fail within seconds, not at the world's 40 s: a rank that waited on
     it names it, its connection closed or refused (or its end not made); a rank that waited on one of
     those names that one, which left (the connecting's first failure closes its sockets)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "lost_member.py"), "tcp", str(dead), "connect"],
-                          capture_output=True, text=True, timeout=400,
-                          env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))})
-    out = proc.stdout + proc.stderr
+    out = spawned("lost_member.py", "tcp", dead, "connect", timeout=400)
     assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
     said = dict((int(r), (float(s), msg)) for r, s, msg in re.findall(r"rank (\d): connect after ([\d.]+) s: (.*)", out))
     assert sorted(said) == sorted(set(range(3)) - {dead}), out[-5000:]
@@ -643,10 +638,7 @@ def test_a_member_lost_while_a_new_group_or_subgroup_is_made_fails_the_others_at
     agreed on them. The others waited for it in the new group's first exchange until the group's
     timeout (40 s; a new_group's default is torch's 30 minutes); they now end at once naming it, as a
     split's making does. The other making then fails at once too: the world knew it lost the rank."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "lost_member.py"), transport, "2", f"making_{first}"],
-                          capture_output=True, text=True, timeout=400,
-                          env={k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))})
-    out = proc.stdout + proc.stderr
+    out = spawned("lost_member.py", transport, 2, f"making_{first}", timeout=400)
     assert "exit codes [0, 0, -9]" in out, out[-5000:]
     group = {"new_group": "'1'", "subgroup": "'all-three'"}
     made = {"new_group": r"engine new_group '1'", "subgroup": r"engine subgroup 'all-three'"}
@@ -672,12 +664,8 @@ def test_a_member_lost_while_a_split_or_shrink_is_made_fails_the_others_at_once_
     group's first exchange until the timeout (40 s) and said it never joined; the world's transport
     knows it lost the rank, and the making, which looks between its waits in the store, now ends at
     once naming it. SHRINK_ABORT freed the world before the making, which then waited the timeout."""
-    script = os.path.join(HERE, "lost_member.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
     dead = 2 if when == "making" else 1
-    proc = subprocess.run([sys.executable, script, transport, str(dead), when], capture_output=True, text=True,
-                          timeout=400, env=env)
-    out = proc.stdout + proc.stderr
+    out = spawned("lost_member.py", transport, dead, when, timeout=400)
     assert f"exit codes {[-9 if r == dead else 0 for r in range(3)]}" in out, out[-5000:]
     # (its own transport's word, or, where it had not seen the loss yet, that of the member that saw it)
     told = r"(engine: |.*rank [01] gave this making up while this rank waited \()"
@@ -702,10 +690,7 @@ def test_a_member_that_comes_after_the_others_gave_the_making_up_fails_at_once_a
     the others gave the making up. Then all four make the group again, and it meets: for an engine
     subgroup and for torch's new_group. Ranks that came in time but wait longer than a member that
     gave up (timeout 40 s against rank 0's 1 s) fail once it gave up, saying so ("waited")."""
-    script = os.path.join(HERE, "late_member.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300, env=env)
-    out = proc.stdout + proc.stderr
+    out = spawned("late_member.py", transport, timeout=300)
     assert "exit codes [0, 0, 0, 0]" in out, out[-5000:]
     subgroup, new_group = "engine subgroup 'late'", r"engine new_group '\d+'"
     # (the making, the rank, its group's name, when the others gave up, which rank gave up, for which ranks)
