@@ -244,6 +244,7 @@ class Watch:
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
         self._step = None       # the traced step waiting now (traced()), which no record names
+        self._failure = None    # "seq error" of the last call that failed here in a mismatch or was refused
         self.call_limit = None  # the running collective's own timeout (call_timeout()), else the group's
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
@@ -401,18 +402,25 @@ class Watch:
             self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)], getattr(exc, "lost", -1))
         elif self.core.broken is None and not isinstance(exc, (ValueError, TypeError, EngineAborted)):
             # Anything else out of a running collective (a KeyboardInterrupt, a hook's error) left its steps
-            # half done here: the peers' steps, still in it, would pair with this rank's next call's.
-            self.core.set_broken(f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}) "
-                                 f"ended midway: {failure.describe(exc)}", "a call that ended midway")
+            # half done here: the peers' steps, still in it, would pair with this rank's next call's. It
+            # is the group's failure: under MPI, where no word of it reaches the peers, the job ends at
+            # this rank's exit (they would wait their timeout, this rank in MPI_Finalize).
+            midway = (f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}) ended midway: "
+                      f"{failure.describe(exc)}")
+            self.core.set_broken(midway, "a call that ended midway")
+            failure.group_failed(midway, self.whole or self)
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return
-        if isinstance(exc, EngineMismatch) and self.store is not None:
-            # peers still waiting in this call compare this rank's note with theirs. It is written before
-            # the error leaves: torch's store client serves one request at a time, and the rank's next
-            # blocking one (the next group's opening, waiting on a rank still in this call) would hold
-            # the note back until that rank's timeout.
-            self.note_arrival(rec, wait=STORE_QUERY_SECONDS, failed=str(exc))
+        if isinstance(exc, (EngineMismatch, ValueError, TypeError)) and self.store is not None:
+            # peers still waiting in this call (a refused call's peers went ahead: _refused, counts.pxi) compare
+            # this rank's note with theirs. It is written before the error leaves: torch's store client
+            # serves one request at a time, and the rank's next blocking one (the next group's opening,
+            # waiting on a rank still in this call) would hold the note back until that rank's timeout.
+            # Later notes carry it (_failure), for peers that look after this rank went on.
+            self._failure = f"{rec[SEQ]} {type(exc).__name__}: {exc}" if isinstance(exc, (ValueError, TypeError)) \
+                else f"{rec[SEQ]} {exc}"
+            self.note_arrival(rec, wait=STORE_QUERY_SECONDS)
         if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
@@ -462,20 +470,20 @@ class Watch:
     def _key(self, rank):
         return f"engine/{self.group}/{self.notes_id}/waiting-at/{rank}"
 
-    def note_arrival(self, rec, wait=0.0, failed=None):
+    def note_arrival(self, rec, wait=0.0):
         """Notes in the store that this rank reached operation rec's seq, and what it called there
-        (written only once a wait stalls, or the call failed in a mismatch: `failed`, its error), on the
-        store's line: the caller waits for it at most `wait` s."""
+        (written only once a wait stalls, or a call failed in a mismatch or was refused), on the store's
+        line: the caller waits for it at most `wait` s."""
         store = self.store
         if store is not None:
-            note = self._note(rec, failed)
+            note = self._note(rec)
             _StoreLine.ask(store, lambda: self._set_note(store, note), wait)
 
-    @staticmethod
-    def _note(rec, failed=None):
-        """'seq key count words', and on a line of its own the error of a call that failed here."""
+    def _note(self, rec):
+        """'seq key count words', and on a line of its own the last call that failed here in a mismatch,
+        or was refused: 'its seq, its error'."""
         return f"{rec[SEQ]} {rec[KEY]} {rec[COUNT]} {describe_call(rec[KEY], rec[COUNT])}" + \
-            (f"\n{failed}" if failed else "")
+            (f"\n{self._failure}" if self._failure else "")
 
     def _set_note(self, store, note):
         try:
@@ -503,6 +511,7 @@ class Watch:
                     try:
                         seq, call, count, words = (text.decode() if isinstance(text, bytes) else text).split(" ", 3)
                         words, _, failed = words.partition("\n")
+                        failed = (int(failed.partition(" ")[0]), failed.partition(" ")[2]) if failed else (0, "")
                         got[r] = (int(seq), int(call), int(count), words, failed)
                     except ValueError:   # not a note this engine writes: as good as none
                         pass
@@ -534,13 +543,13 @@ class Watch:
         if not isinstance(notes, dict):
             return None
         head = f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): "
+        for r, (seq, call, count, theirs, (failed_seq, failed)) in sorted(notes.items()):
+            if failed_seq == rec[SEQ]:
+                return f"{head}rank {r} failed this call: {failed} (seen from its note in the store)"
         for r, (seq, call, count, theirs, failed) in sorted(notes.items()):
             if seq == rec[SEQ] and (call != rec[KEY] or (rec[OP] in SAME_COUNT and count != rec[COUNT])):
                 return (f"{head}collective mismatch: rank {self.rank} called {describe_call(rec[KEY], rec[COUNT])}; "
                         f"rank {r} called {theirs} (both waited, seen from their notes in the store)")
-        for r, (seq, call, count, theirs, failed) in sorted(notes.items()):
-            if seq == rec[SEQ] and failed:
-                return f"{head}rank {r} failed this call: {failed} (seen from its note in the store)"
         return None
 
     @staticmethod

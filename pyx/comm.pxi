@@ -485,120 +485,159 @@ cdef class CoreComm:
         """The largest element count a transport takes in one call of op (MPI: int counts)."""
         return SIZE_MAX
 
+    def refuse(self, str collective, exc):
+        """A check above the core (torch's adapter) refused a call of `collective` here (exc): it counts as
+        the group's next call, as a refusal of the core's own checks does (_refused)."""
+        return _refused(self, OP_KIND_NAMES.index(collective), self.log.seq, exc)
+
     # -- collectives --
 
     def allreduce(self, sendbuf, recvbuf=None, op=0, algorithm=None):
         """recvbuf = reduce(op, sendbuf of every rank); recvbuf None: in place on sendbuf.
         algorithm: None (the rules), or the name of one of this group's allreduce entries."""
-        cdef Message ms = as_message(sendbuf, recvbuf is None, "buffer" if recvbuf is None else "sendbuf")
-        cdef Message mr = ms if recvbuf is None else as_message(recvbuf, True, "recvbuf")
-        cdef Reduction red = resolve_op(op, ms.dtype)
+        cdef uint64_t seq = self.log.seq
+        cdef Message ms, mr
+        cdef Reduction red
         cdef Call c
-        if mr is not ms:
-            same_dtype(ms, mr, "allreduce")
-            if mr.count != ms.count:
-                raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
-            ms = apart(ms, mr, <char*>mr.ptr)
-        c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        c.red = &red.c
-        self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
-                    ms.count, (ms, mr), red)
+        try:
+            ms = as_message(sendbuf, recvbuf is None, "buffer" if recvbuf is None else "sendbuf")
+            mr = ms if recvbuf is None else as_message(recvbuf, True, "recvbuf")
+            red = resolve_op(op, ms.dtype)
+            if mr is not ms:
+                same_dtype(ms, mr, "allreduce")
+                if mr.count != ms.count:
+                    raise ValueError(f"allreduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; "
+                                     "they must match")
+                ms = apart(ms, mr, <char*>mr.ptr)
+            c = new_call(OP_ALLREDUCE, ms.ptr, mr.ptr, ms.count, ms.dtype)
+            c.red = &red.c
+            self.invoke(&c, self.select(OP_ALLREDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, algorithm),
+                        ms.count, (ms, mr), red)
+        except REFUSALS as exc:
+            raise _refused(self, OP_ALLREDUCE, seq, exc)
         return recvbuf if recvbuf is not None else sendbuf
 
     def broadcast(self, buf, root=0):
-        cdef int r = _check_root(self, root)
-        cdef Message m = as_message(buf, True, "buffer")
+        cdef uint64_t seq = self.log.seq
+        cdef Message m
         cdef Call c
-        c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
-        c.root = r
-        self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, m)
+        try:
+            r = _check_root(self, root)
+            m = as_message(buf, True, "buffer")
+            c = new_call(OP_BROADCAST, NULL, m.ptr, m.count, m.dtype)
+            c.root = r
+            self.invoke(&c, self.select(OP_BROADCAST, _nbytes(m), m.dtype, OPBIT_NONE, False, None), m.count, m)
+        except REFUSALS as exc:
+            raise _refused(self, OP_BROADCAST, seq, exc)
         return buf
 
     def reduce(self, sendbuf, recvbuf=None, op=0, root=0):
         """On root recvbuf = reduce(op, sendbuf of every rank) (recvbuf None: in place on sendbuf)."""
-        cdef int r = _check_root(self, root)
-        cdef bint is_root = self.rank == r, inplace = recvbuf is None
-        cdef Message ms = as_message(sendbuf, is_root and inplace, "sendbuf")
-        cdef Message mr = ms
-        cdef Reduction red = resolve_op(op, ms.dtype)
+        cdef uint64_t seq = self.log.seq
+        cdef int r
+        cdef bint is_root, inplace = recvbuf is None
+        cdef Message ms, mr
+        cdef Reduction red
         cdef Call c
-        if is_root and not inplace:
-            mr = as_message(recvbuf, True, "recvbuf")
-            same_dtype(ms, mr, "reduce")
-            if mr.count != ms.count:
-                raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
-            ms = apart(ms, mr, <char*>mr.ptr)
-        c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
-        c.red, c.root = &red.c, r
-        self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
-                    (ms, mr), red)
+        try:
+            r = _check_root(self, root)
+            is_root = self.rank == r
+            ms = mr = as_message(sendbuf, is_root and inplace, "sendbuf")
+            red = resolve_op(op, ms.dtype)
+            if is_root and not inplace:
+                mr = as_message(recvbuf, True, "recvbuf")
+                same_dtype(ms, mr, "reduce")
+                if mr.count != ms.count:
+                    raise ValueError(f"reduce: sendbuf has {ms.count} elements but recvbuf {mr.count}; they must match")
+                ms = apart(ms, mr, <char*>mr.ptr)
+            c = new_call(OP_REDUCE, ms.ptr, mr.ptr if is_root else NULL, ms.count, ms.dtype)
+            c.red, c.root = &red.c, r
+            self.invoke(&c, self.select(OP_REDUCE, _nbytes(ms), ms.dtype, opbit_of(&red.c), False, None), ms.count,
+                        (ms, mr), red)
+        except REFUSALS as exc:
+            raise _refused(self, OP_REDUCE, seq, exc)
         return recvbuf if recvbuf is not None else sendbuf
 
     def allgather(self, sendbuf, recvbuf, counts=None):
         """recvbuf = concat(sendbuf of rank 0, 1, ...); counts: per-rank element counts when uneven."""
-        cdef Message ms = as_message(sendbuf, False, "sendbuf")
-        cdef Message mr = as_message(recvbuf, True, "recvbuf")
+        cdef uint64_t seq = self.log.seq
+        cdef Message ms, mr
         cdef Call c
-        same_dtype(ms, mr, "allgather")
-        c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
-        ms = apart(ms, mr, <char*>mr.ptr + c.displs[self.rank] * ms.itemsize)   # (in place: its part of recvbuf)
-        c.src = <char*>ms.ptr
-        self.invoke(&c, self.select(OP_ALLGATHER, largest, ms.dtype, OPBIT_NONE, counts is not None, None),
-                    mr.count, (ms, mr))
+        try:
+            ms = as_message(sendbuf, False, "sendbuf")
+            mr = as_message(recvbuf, True, "recvbuf")
+            same_dtype(ms, mr, "allgather")
+            c = new_call(OP_ALLGATHER, ms.ptr, mr.ptr, ms.count, ms.dtype)
+            largest = _call_sizes(self, &c, counts, ms, "sendbuf", mr, "recvbuf", "allgather")
+            ms = apart(ms, mr, <char*>mr.ptr + c.displs[self.rank] * ms.itemsize)   # (in place: its part of recvbuf)
+            c.src = <char*>ms.ptr
+            self.invoke(&c, self.select(OP_ALLGATHER, largest, ms.dtype, OPBIT_NONE, counts is not None, None),
+                        mr.count, (ms, mr))
+        except REFUSALS as exc:
+            raise _refused(self, OP_ALLGATHER, seq, exc)
         return recvbuf
 
     def gather(self, sendbuf, recvbuf=None, root=0, counts=None):
         """On root recvbuf = concat(sendbuf of every rank); recvbuf is ignored elsewhere."""
-        _rooted(self, OP_GATHER, sendbuf, recvbuf, _check_root(self, root), counts)
+        _rooted(self, OP_GATHER, sendbuf, recvbuf, root, counts)
         return recvbuf
 
     def scatter(self, sendbuf, recvbuf, root=0, counts=None):
         """recvbuf = this rank's slice of root's sendbuf; sendbuf is ignored off the root."""
-        _rooted(self, OP_SCATTER, sendbuf, recvbuf, _check_root(self, root), counts)
+        _rooted(self, OP_SCATTER, sendbuf, recvbuf, root, counts)
         return recvbuf
 
     def reduce_scatter(self, sendbuf, recvbuf, op=0, counts=None):
         """recvbuf = this rank's block of reduce(op, sendbuf of every rank); counts: block sizes when uneven."""
-        cdef Message ms = as_message(sendbuf, False, "sendbuf")
-        cdef Message mr = as_message(recvbuf, True, "recvbuf")
+        cdef uint64_t seq = self.log.seq
+        cdef Message ms, mr
         cdef Reduction red
         cdef Call c
-        same_dtype(ms, mr, "reduce_scatter")
-        red = resolve_op(op, ms.dtype)
-        c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
-        c.red = &red.c
-        largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
-        ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize if self.reduce_scatters_in_place
-                   else NULL)   # (in place: recvbuf is its block)
-        c.src = <char*>ms.ptr
-        self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None, None),
-                    ms.count, (ms, mr), red)
+        try:
+            ms = as_message(sendbuf, False, "sendbuf")
+            mr = as_message(recvbuf, True, "recvbuf")
+            same_dtype(ms, mr, "reduce_scatter")
+            red = resolve_op(op, ms.dtype)
+            c = new_call(OP_REDUCE_SCATTER, ms.ptr, mr.ptr, mr.count, ms.dtype)
+            c.red = &red.c
+            largest = _call_sizes(self, &c, counts, mr, "recvbuf", ms, "sendbuf", "reduce_scatter")
+            ms = apart(ms, mr, <char*>mr.ptr - c.displs[self.rank] * ms.itemsize if self.reduce_scatters_in_place
+                       else NULL)   # (in place: recvbuf is its block)
+            c.src = <char*>ms.ptr
+            self.invoke(&c, self.select(OP_REDUCE_SCATTER, largest, ms.dtype, opbit_of(&red.c), counts is not None,
+                                        None), ms.count, (ms, mr), red)
+        except REFUSALS as exc:
+            raise _refused(self, OP_REDUCE_SCATTER, seq, exc)
         return recvbuf
 
     def alltoall(self, sendbuf, recvbuf, send_counts=None, recv_counts=None):
         """Block i of sendbuf goes to rank i; block j of recvbuf comes from rank j."""
-        cdef Message ms = as_message(sendbuf, False, "sendbuf")
-        cdef Message mr = as_message(recvbuf, True, "recvbuf")
+        cdef uint64_t seq = self.log.seq
+        cdef Message ms, mr
         cdef size_t *sc = self.cnt
         cdef size_t *sd = self.cnt + self.size
         cdef size_t *rc = self.cnt + 2 * self.size
         cdef size_t *rd = self.cnt + 3 * self.size
-        cdef size_t block, largest = 0
+        cdef size_t largest = 0
         cdef int i
         cdef Call c
-        same_dtype(ms, mr, "alltoall")
-        ms = apart(ms, mr, NULL)
         cdef bint even = send_counts is None and recv_counts is None
-        alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
-        for i in range(self.size):
-            largest = max(largest, sc[i], rc[i])
-        _check_fits(self, OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")
-        c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
-        c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
-        # (uneven: no size is known to every rank, so each runs the rule for the largest calls, engine.registry.EVERY)
-        self.invoke(&c, self.select(OP_ALLTOALL, sc[0] * ms.itemsize if even else <size_t>1 << 62, ms.dtype,
-                                    OPBIT_NONE, not even, None), ms.count, (ms, mr))
+        try:
+            ms = as_message(sendbuf, False, "sendbuf")
+            mr = as_message(recvbuf, True, "recvbuf")
+            same_dtype(ms, mr, "alltoall")
+            ms = apart(ms, mr, NULL)
+            alltoall_sizes(self.size, self.rank, send_counts, ms.count, recv_counts, mr.count, sc, sd, rc, rd)
+            for i in range(self.size):
+                largest = max(largest, sc[i], rc[i])
+            _check_fits(self, OP_ALLTOALL, largest if even else max(ms.count, mr.count), "alltoall")
+            c = new_call(OP_ALLTOALL, ms.ptr, mr.ptr, ms.count, ms.dtype)
+            c.counts, c.displs, c.rcounts, c.rdispls, c.even = sc, sd, rc, rd, even
+            # (uneven: no size is known to every rank: each runs the rule for the largest calls, registry.EVERY)
+            self.invoke(&c, self.select(OP_ALLTOALL, sc[0] * ms.itemsize if even else <size_t>1 << 62, ms.dtype,
+                                        OPBIT_NONE, not even, None), ms.count, (ms, mr))
+        except REFUSALS as exc:
+            raise _refused(self, OP_ALLTOALL, seq, exc)
         return recvbuf
 
     def check_even_split(self, size_t count, str side):
@@ -637,54 +676,6 @@ cdef class CoreComm:
 
 
 # ---- the checks and the pieces of CoreComm's entry points (this file's only) ----
-
-cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
-    cdef Rule *out
-    cdef int i
-    if not rules:
-        return NULL
-    out = <Rule*>calloc(len(rules), sizeof(Rule))
-    if out == NULL:
-        raise MemoryError()
-    for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
-        if not (self.impls & (1u << impl)):
-            free(out)
-            raise ValueError(f"entry {self.log.entry_name(entry)}: the {self.transport} transport has no implementation "
-                             f"{impl}")
-        out[i].entry, out[i].impl, out[i].lo, out[i].hi = entry, impl, lo, min(hi, SIZE_MAX)
-        out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
-        out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
-    return out
-
-
-cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, int root, counts):
-    """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's
-    recvbuf) and the root's whole (gather's recvbuf, scatter's sendbuf), needed on the root only."""
-    cdef bint gather = op == OP_GATHER
-    cdef str what = OP_KIND_NAMES[op], mine_role = "sendbuf" if gather else "recvbuf"
-    cdef str whole_role = "recvbuf" if gather else "sendbuf"
-    cdef Message mine, whole = None, ms, mr
-    cdef Call c
-    cdef size_t at
-    mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
-    if self.rank == root:
-        wbuf = recvbuf if gather else sendbuf
-        if wbuf is None:
-            raise ValueError(f"{what}: the root needs a {whole_role}")
-        whole = as_message(wbuf, gather, whole_role)
-    ms, mr = (mine, whole) if gather else (whole, mine)
-    if whole is not None:
-        same_dtype(ms, mr, what)
-    c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
-                 mine.dtype)
-    c.root = root
-    largest = _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
-    if whole is not None:   # (in place: the root's own part of the whole)
-        at = c.displs[root] * mine.itemsize
-        ms = apart(ms, mr, <char*>mr.ptr + at if gather else <char*>mr.ptr - at)
-        c.src = <char*>ms.ptr
-    self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count, (ms, mr))
-
 
 cdef Request _post_user(CoreComm self, object buf, object peer_, object tag_, bint recv, str call, str what):
     """The user's isend / irecv on the group's user channel, peer and tag checked (`call` names the entry

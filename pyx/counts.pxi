@@ -133,6 +133,8 @@ def alltoall_table(int size, int rank, send_counts, size_t scount, recv_counts, 
 
 # ---- a CoreComm call's checks (comm.pxi) ----
 
+REFUSALS = (ValueError, TypeError, OverflowError)   # what they raise (_refused)
+
 cdef object _index(object value, str call, str what):
     """A rank or tag argument as a Python int, before any range check or C conversion (a float would
     be truncated: root=1.5 run as root 1; a huge int would fail as an OverflowError naming nothing).
@@ -174,3 +176,74 @@ cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str
     for i in range(self.size):
         largest = max(largest, c.counts[i])
     return largest * mine.itemsize
+
+
+cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
+    cdef Rule *out
+    cdef int i
+    if not rules:
+        return NULL
+    out = <Rule*>calloc(len(rules), sizeof(Rule))
+    if out == NULL:
+        raise MemoryError()
+    for i, (entry, impl, lo, hi, minr, maxr, dtypes, ops, uneven) in enumerate(rules):
+        if not (self.impls & (1u << impl)):
+            free(out)
+            raise ValueError(f"entry {self.log.entry_name(entry)}: the {self.transport} transport has no "
+                             f"implementation {impl}")
+        out[i].entry, out[i].impl, out[i].lo, out[i].hi = entry, impl, lo, min(hi, SIZE_MAX)
+        out[i].min_ranks, out[i].max_ranks = minr, min(maxr, 1 << 30)
+        out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
+    return out
+
+
+cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, object root_, counts):
+    """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's
+    recvbuf) and the root's whole (gather's recvbuf, scatter's sendbuf), needed on the root only.
+    A refusal counts as the call (_refused)."""
+    cdef uint64_t seq = self.log.seq
+    cdef bint gather = op == OP_GATHER
+    cdef str what = OP_KIND_NAMES[op], mine_role = "sendbuf" if gather else "recvbuf"
+    cdef str whole_role = "recvbuf" if gather else "sendbuf"
+    cdef Message mine, whole = None, ms, mr
+    cdef Call c
+    cdef size_t at
+    cdef int root
+    try:
+        root = _check_root(self, root_)
+        mine = as_message(sendbuf if gather else recvbuf, not gather, mine_role)
+        if self.rank == root:
+            wbuf = recvbuf if gather else sendbuf
+            if wbuf is None:
+                raise ValueError(f"{what}: the root needs a {whole_role}")
+            whole = as_message(wbuf, gather, whole_role)
+        ms, mr = (mine, whole) if gather else (whole, mine)
+        if whole is not None:
+            same_dtype(ms, mr, what)
+        c = new_call(op, ms.ptr if ms is not None else NULL, mr.ptr if mr is not None else NULL, mine.count,
+                     mine.dtype)
+        c.root = root
+        largest = _call_sizes(self, &c, counts, mine, mine_role, whole, whole_role, what)
+        if whole is not None:   # (in place: the root's own part of the whole)
+            at = c.displs[root] * mine.itemsize
+            ms = apart(ms, mr, <char*>mr.ptr + at if gather else <char*>mr.ptr - at)
+            c.src = <char*>ms.ptr
+        self.invoke(&c, self.select(op, largest, mine.dtype, OPBIT_NONE, counts is not None, None), mine.count,
+                    (ms, mr))
+    except REFUSALS as exc:
+        raise _refused(self, op, seq, exc)
+
+
+cdef object _refused(CoreComm self, int op, uint64_t seq, object exc):
+    """Each collective entry's: exc (REFUSALS: a check of its arguments refused the call here), once the
+    call is counted as the group's call seq + 1, as a rank whose checks passed counts it: a peer that
+    went ahead sent its part, which this rank's next call would take as its own (the tags and the
+    segment's steps carry the call's number). Recorded as failed: the watch notes it in the store, and
+    a peer waiting in the call ends naming it. Nothing where the call had begun (its own failure), the
+    group is unusable, or another thread's call runs."""
+    cdef OpRec *rec
+    if (self.log.seq == seq and self.log.broken is None and not eng_load32(&self.aborted)
+            and self.orphaned is None and not self.collective_thread):
+        rec = self.log.begin(op, 0, -1, -1, False, call_word(op, -1, OPBIT_NONE, -1, -1))
+        self.log.end(rec, exc)
+    return exc

@@ -110,10 +110,12 @@ ENG_INT_KERNELS(u32, uint32_t)
 ENG_INT_KERNELS(i64, int64_t)
 ENG_INT_KERNELS(u64, uint64_t)
 
-/* bool as bytes holding 0/1: SUM and MAX are OR, PRODUCT and MIN are AND (torch's bool arithmetic). */
-ENG_LOOP(eng_or_bool, uint8_t, x | y)
-ENG_LOOP(eng_and_bool, uint8_t, x & y)
-ENG_LOOP(eng_xor_bool, uint8_t, x ^ y)
+/* bool: SUM and MAX are OR, PRODUCT and MIN are AND (torch's bool arithmetic), on what the bytes mean:
+ * any nonzero byte is True (a uint8 mask viewed as bool holds 2s), and each result is a 0/1 byte, as
+ * MPI's logical ops and torch's give (2 & 1 would be 0: False). */
+ENG_LOOP(eng_or_bool, uint8_t, (x | y) != 0)
+ENG_LOOP(eng_and_bool, uint8_t, (x != 0) & (y != 0))
+ENG_LOOP(eng_xor_bool, uint8_t, (x != 0) ^ (y != 0))
 
 #define ENG_FLOAT_KERNELS(SUFFIX, T)               \
   ENG_LOOP(eng_sum_##SUFFIX, T, x + y)             \

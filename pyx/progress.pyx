@@ -38,6 +38,16 @@ import traceback
 import weakref
 
 from engine import failure, forks
+
+
+def _ran(error):
+    """error, marked as raised by a run of the call (not by a check before it): torch's adapter counts
+    the refusals of its own checks as the group's calls (torchbridge.process_group), not these."""
+    try:
+        error.__dict__["_engine_ran"] = True
+    except (AttributeError, TypeError):
+        pass
+    return error
 from engine._core import EngineError, EngineTimeout
 from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
@@ -179,13 +189,15 @@ cdef class Progress:
                     fn(a)
                 else:
                     fn()
+            except BaseException as exc:
+                raise _ran(exc)
             finally:
                 self._finished()
             return
         task = self.submit(fn, (a, b, c)[:nargs], name)
         self.wait(task)
         if task.error is not None:
-            raise failure.again(task.error)
+            raise failure.again(_ran(task.error))
 
     def submit(self, fn, tuple args=(), str name="op", outputs=None):
         """Queues fn(*args); returns its Task at once."""

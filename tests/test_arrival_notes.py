@@ -136,6 +136,31 @@ def test_a_peer_whose_call_failed_in_a_mismatch_ends_the_wait_with_its_error(mon
         w0.check(core0.rec, 2.1)
 
 
+@pytest.mark.parametrize("moved_on", [False, True])
+def test_a_peer_that_refused_the_call_ends_the_wait_with_its_error_even_once_it_went_on(monkeypatch, moved_on):
+    """Rank 1's checks refused alltoall #3 (its own counts did not fill its buffer: CoreComm.refused
+    counts and records it, with no dtype in its key); rank 0, which went ahead, ends at its next read
+    of the notes naming rank 1 and its error, not a mismatch of calls, and not at its timeout; still
+    so once rank 1 went on and noted its wait in call #4 (the note carries its last failure)."""
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])
+    store = Store()
+    w0, core0 = watch(0, 2, store)
+    w1, core1 = watch(1, 2, store)
+    refused = record(3, OP_KIND_NAMES.index("alltoall") | 9 << 16, count=0)
+    w1._failed(refused, ValueError("alltoall: recv_counts add up to 25 but recvbuf has 24 elements"))
+    assert core1.broken is None    # (bad arguments leave the group usable)
+    if moved_on:
+        core1.rec = record(4, key("alltoall"))
+        w1.check(core1.rec, 1.2)
+    core0.rec = record(3, key("alltoall"))
+    w0.check(core0.rec, 1.5)
+    with pytest.raises(EngineMismatch, match=r"alltoall #3 of group 'g' \(rank 0 of 2\): rank 1 failed this call: "
+                                             r"ValueError: alltoall: recv_counts add up to 25 but recvbuf has 24 "
+                                             r"elements \(seen from its note in the store\)"):
+        w0.check(core0.rec, 2.1)
+
+
 @pytest.mark.parametrize("theirs", ["same call", "earlier call", "later call", "other group", "garbage"])
 def test_notes_that_show_no_other_call_leave_the_wait_alone(theirs):
     store = Store()

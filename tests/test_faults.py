@@ -472,6 +472,19 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_under_mpirun():
     assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]
 
 
+def test_a_rank_that_leaves_after_an_interrupted_call_ends_the_mpi_job():
+    """tests/faults/interrupted_exit.py: rank 0 catches a ^C inside its allreduce, destroys the group
+    and leaves; over MPI nothing tells rank 1, which waited its whole timeout (60 s, past this test's
+    bound) while rank 0 hung in MPI_Finalize. The call that ended midway is the group's failure:
+    rank 0's exit aborts the job, naming it."""
+    proc, out = launch("interrupted_exit.py", 2, 45,
+                       ENGINE_TRANSPORT="mpi", ENGINE_ABORT_GRACE_SECONDS="0.5")
+    assert proc.returncode != 0 and "rank 0: destroyed its group, leaving" in out, out[-5000:]
+    assert re.search(r"rank 0 exits after a group failed \(allreduce #2 of group .* ended midway: KeyboardInterrupt\)",
+                     out), out[-5000:]
+    assert "Timed out" not in out, out[-5000:]
+
+
 @pytest.mark.parametrize("launch_with", ["spawn-shm", "spawn-tcp", "mpiexec-mpi"])
 def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
     """tests/faults/forked_child.py: DDP fed by forked DataLoader workers trains like one process; a

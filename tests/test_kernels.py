@@ -67,6 +67,21 @@ def test_bool_kernels_follow_torch_bool_arithmetic(ops, op):
     np.testing.assert_array_equal(out, expected.numpy())
 
 
+@pytest.mark.parametrize("op", list(NUMPY_OPS))
+def test_bool_kernels_read_any_nonzero_byte_as_true_and_write_0_or_1(op):
+    """A bool tensor may hold bytes other than 0 and 1 (a uint8 mask viewed as bool holds 2s): every
+    nonzero byte is True, as torch and MPI's logical ops read it, and each result byte is 0 or 1. The
+    bytes were combined as they were: 2 AND 1 gave 0 (False) where torch and Gloo give True."""
+    raw_a = np.array([2, 1, 0, 255, 0, 4], np.uint8)
+    raw_b = np.array([1, 2, 0, 0, 7, 4], np.uint8)
+    out = np.empty(6, np.uint8)
+    engine.reduce_into(out.view(np.bool_), raw_a.view(np.bool_), raw_b.view(np.bool_), op)
+    a, b = raw_a != 0, raw_b != 0
+    expected = {"sum": a | b, "max": a | b, "bor": a | b, "product": a & b, "min": a & b, "band": a & b,
+                "bxor": a ^ b}[op]
+    np.testing.assert_array_equal(out, expected.astype(np.uint8))
+
+
 @SETTINGS
 @given(operands(["float32"]), st.sampled_from(["sum", "product", "min", "max"]),
        st.sampled_from([torch.float16, torch.bfloat16]))

@@ -37,7 +37,7 @@ from torch._C import _distributed_c10d as _c10d
 from torch.autograd import profiler as _profiler
 
 from engine import ReduceOp
-from engine._core import NotContiguousError, NotDenseError, NotDivisibleError
+from engine._core import NotContiguousError, NotDenseError
 
 from torchbridge.work import _INFLIGHT, UNSET_TIMEOUT, CollectiveWork, CompletedWork, PointToPointWork
 
@@ -377,9 +377,9 @@ cdef class FastPath:
 
     cdef object collective(self, Method m, t, u, opts, outputs):
         """m's call on t (input) and u (output): run now (a CompletedWork), or queued where torch asked for
-        async_op (a CollectiveWork); None: the general form takes it. A run meets a tensor that isn't
-        contiguous, or an even split's count the group size doesn't divide, before anything moves, and
-        falls back; a queued call can't fall back once queued, so it checks both first."""
+        async_op (a CollectiveWork); None: the general form takes it: a tensor that isn't contiguous, an
+        even split's count the group size doesn't divide, checked first (the communicator's refusal of
+        a call counts as the group's call: the general form could not run it again)."""
         cdef int64_t root = 0
         cdef int call, op
         if self.cuda or self.hooked or _profiling() or (m.reals_only and t.is_complex()):
@@ -396,19 +396,16 @@ cdef class FastPath:
         a = _arg(m.args[0], t, u, op, root)
         b = _arg(m.args[1], t, u, op, root)
         c = _arg(m.args[2], t, u, op, root)
-        if call & 1:
-            try:
-                if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
-                    return None
-            except RuntimeError:   # (a sparse CSR tensor has no such property: the general form says so)
+        try:   # (first: a refusal of the communicator's counts as the group's call, not as a fallback)
+            if t is not None and not (t.is_contiguous() and (u is None or u.is_contiguous())):
                 return None
+        except RuntimeError:   # (a sparse CSR tensor has no such property: the general form says so)
+            return None
+        if call & 1:
             self.check_usable(m.name)
             return CollectiveWork.of(self.submit(fn, (a, b, c)[:m.nargs], m.name, outputs))
-        try:
-            self.run(fn, a, b, c, m.nargs, m.name)
-            return self._completed(outputs)
-        except (NotContiguousError, NotDenseError, NotDivisibleError):
-            return None
+        self.run(fn, a, b, c, m.nargs, m.name)
+        return self._completed(outputs)
 
     cdef object message(self, Method m, tensors, peer, tag):
         """m's point-to-point call, posted at once (never queued behind collectives, as the general

@@ -55,8 +55,9 @@ def contiguous(t):
 def write_back(out, result):
     """out.copy_(result) as the backend's own write, outside autograd: a tensor that requires grad (a
     channels_last or transposed Parameter, staged or not contiguous) is written as Gloo writes its
-    memory, where autograd refuses an in-place copy into a leaf that requires grad."""
-    with torch.no_grad():
+    memory, where autograd refuses an in-place copy into a leaf that requires grad. An output made
+    under torch.inference_mode is written under it too (outside it torch refuses to update one)."""
+    with torch.inference_mode() if out.is_inference() else torch.no_grad():
         try:
             out.copy_(result)
         except RuntimeError:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine import ReduceOp, failure
-from engine._core import NotDivisibleError
+from engine._core import OP_KIND_NAMES, NotDivisibleError
 from engine.monitored_barrier import monitored_barrier
 from engine.progress import Progress
 
@@ -23,6 +23,9 @@ from .fault import FaultTolerance, Unavailable, no_members_error
 from .sparse import sparse_sum, uneven
 from .tracing import CollectiveHooks, first, root_inputs, second, second_one, traced
 from .work import all_of, in_seconds, own_timeout
+
+# The engine's collectives, longest name first: the one a c10d call's hook name begins with ("REDUCE_SCATTER_BASE").
+_KINDS = sorted(OP_KIND_NAMES, key=len, reverse=True)
 
 
 def _end_cuda_side(name, comm, devices, watchdog, error, swap):
@@ -423,6 +426,29 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
                           in_seconds(timeout, self._timeout_seconds()), self._timeout_seconds(), wait_all_ranks,
                           f"monitored barrier #{seq} of group {self._name!r}",
                           aborted=lambda: None if self._comm is comm else self._cpu.error, lost=comm.lost_ranks)
+
+    def _refused(self, kind, exc, args, kwargs, view):
+        """A check of this adapter's refused a collective here (exc; kind: its name in torch's hooks,
+        "ALLGATHER_BASE") before the communicator ran it: the refusal counts as the group's next call,
+        as the core's own refusals do (CoreComm.refuse), for a peer whose checks passed went ahead and
+        sent its part, which this rank's next call would take as its own. Not for a call on CUDA
+        tensors (NCCL's calls are not numbered), nor one the communicator ran or refused itself (the
+        progress engine's mark), nor twice."""
+        if exc.__dict__.get("_engine_ran") or not isinstance(self._cpu, CpuDevice):
+            return
+        exc.__dict__["_engine_ran"] = True
+        try:
+            inputs, outputs, _, _ = view(*args, **kwargs)
+            if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (*inputs, *outputs)):
+                return
+        except Exception:   # (arguments too wrong to read: the call is refused on the CPU side)
+            pass
+        core = self._cpu.comm.core
+        collective = next(k for k in _KINDS if kind.lower().startswith(k))
+        try:   # (in order: after the calls queued before it)
+            self._cpu.progress.run(core.refuse, collective, exc, None, 2, collective)
+        except Exception:   # (a group broken or shut down meanwhile: nothing to count)
+            pass
 
     # -- which device communicator --
 

@@ -20,6 +20,8 @@ import os
 import torch
 from torch.autograd import profiler as _autograd_profiler
 
+from engine._core import REFUSALS
+
 from .work import CollectiveWork, PointToPointWork
 
 _RecordFunction = torch._C._profiler._RecordFunctionFast  # records the inputs' shapes when asked to
@@ -93,12 +95,22 @@ def traced(name, inputs=None):
     of inputs(*args): the tensors torch's own backends record) from the call until its work completes,
     and fires the group's collective hooks around the call."""
     title = "engine:" + name
-    hook, view = CALLS[name]
-    hook = _hook_name(hook) if hook is not None else None
+    kind, view = CALLS[name]
+    hook = _hook_name(kind) if kind is not None else None
+    # (a collective's refusal by the adapter's checks counts as the group's call: the group's _refused)
+    refusable = kind is not None and kind not in ("SEND", "RECV")
 
     def wrap(method):
         @functools.wraps(method)
         def traced(self, *args, **kwargs):
+            try:
+                return run(self, args, kwargs)
+            except REFUSALS as exc:
+                if refusable:
+                    self._refused(kind, exc, args, kwargs, view)
+                raise
+
+        def run(self, args, kwargs):
             hooks = self._call_hooks if hook is not None else None
             if not _autograd_profiler._is_profiler_enabled and hooks is None:
                 return method(self, *args, **kwargs)

@@ -442,6 +442,9 @@ cdef int _check_root(CoreComm self, object root) except -1
 cdef int _check_fits(CoreComm self, int op, size_t n, str what) except -1
 cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str mine_role, Message whole,
                         str whole_role, str what) except? 0
+cdef Rule *_rule_array(CoreComm self, list rules) except? NULL
+cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, object root_, counts)
+cdef object _refused(CoreComm self, int op, uint64_t seq, object exc)
 
 
 cdef class Hierarchy:    # hierarchy.pxi; comm.pxi runs the composite entries through it

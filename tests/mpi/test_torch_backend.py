@@ -529,6 +529,20 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
             dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
 
 
+def test_an_inference_tensor_that_is_not_contiguous_is_written_outside_inference_mode():
+    """A transposed tensor made under torch.inference_mode, reduced outside it, as Gloo does: its result
+    is written back into it (torch refused the copy, 'Inplace update to inference tensor outside
+    InferenceMode is not allowed', after the data moved); a gather's list of them too."""
+    with torch.inference_mode():
+        t = (torch.arange(6.).reshape(2, 3) + R).t()
+        outs = [torch.zeros(3, 2).t() for _ in range(P)]
+    assert t.is_inference() and not t.is_contiguous()
+    dist.all_reduce(t)
+    assert t.tolist() == (torch.arange(6.).reshape(2, 3) * P + P * (P - 1) / 2).t().tolist()
+    dist.all_gather(outs, torch.full((2, 3), float(R)))
+    assert [o.tolist() for o in outs] == [[[float(r)] * 3] * 2 for r in range(P)]
+
+
 def test_a_parameter_that_is_not_contiguous_is_written_as_gloo_writes_it():
     """A Parameter (requires grad) that is channels_last or transposed, outside no_grad: the result is
     written back into it as Gloo writes it (autograd refused the copy from the contiguous result,
