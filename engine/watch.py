@@ -29,8 +29,8 @@ import time
 import weakref
 
 from . import failure, forks
-from ._core import (BROKEN_AFTER, EngineAborted, EngineError, EngineMismatch, EnginePeerLost, EngineTimeout,
-                    describe_call)
+from ._core import (BROKEN_AFTER, REFUSALS, EngineAborted, EngineError, EngineMismatch, EnginePeerLost,
+                    EngineTimeout, describe_call)
 from .config import env_duration, env_int, seconds_given
 
 __all__ = ["DEFAULT_TIMEOUT", "EngineAborted", "EngineError", "EngineMismatch", "EnginePeerLost", "EngineTimeout", "Watch"]
@@ -400,7 +400,7 @@ class Watch:
         if isinstance(exc, (EngineTimeout, EnginePeerLost, EngineMismatch)) and self.core.broken is None:
             # (where a stage of a hierarchy failed, the stage is broken: so is the group it serves)
             self.core.set_broken(str(exc), BROKEN_AFTER[type(exc)], getattr(exc, "lost", -1))
-        elif self.core.broken is None and not isinstance(exc, (ValueError, TypeError, EngineAborted)):
+        elif self.core.broken is None and not isinstance(exc, (*REFUSALS, EngineAborted)):
             # Anything else out of a running collective (a KeyboardInterrupt, a hook's error) left its steps
             # half done here: the peers' steps, still in it, would pair with this rank's next call's. It
             # is the group's failure: under MPI, where no word of it reaches the peers, the job ends at
@@ -412,16 +412,15 @@ class Watch:
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return
-        if isinstance(exc, (EngineMismatch, ValueError, TypeError)) and self.store is not None:
+        if isinstance(exc, (EngineMismatch, *REFUSALS)) and self.store is not None:
             # peers still waiting in this call (a refused call's peers went ahead: _refused, counts.pxi) compare
             # this rank's note with theirs. It is written before the error leaves: torch's store client
             # serves one request at a time, and the rank's next blocking one (the next group's opening,
             # waiting on a rank still in this call) would hold the note back until that rank's timeout.
             # Later notes carry it (_failure), for peers that look after this rank went on.
-            self._failure = f"{rec[SEQ]} {type(exc).__name__}: {exc}" if isinstance(exc, (ValueError, TypeError)) \
-                else f"{rec[SEQ]} {exc}"
+            self._failure = f"{rec[SEQ]} {type(exc).__name__}: {exc}" if isinstance(exc, REFUSALS) else f"{rec[SEQ]} {exc}"
             self.note_arrival(rec, wait=STORE_QUERY_SECONDS)
-        if not isinstance(exc, (ValueError, TypeError, EngineTimeout, EngineAborted)):
+        if not isinstance(exc, (*REFUSALS, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
 

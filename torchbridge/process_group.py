@@ -432,21 +432,23 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         "ALLGATHER_BASE") before the communicator ran it: the refusal counts as the group's next call,
         as the core's own refusals do (CoreComm.refuse), for a peer whose checks passed went ahead and
         sent its part, which this rank's next call would take as its own. Not for a call on CUDA
-        tensors (NCCL's calls are not numbered), nor one the communicator ran or refused itself (the
-        progress engine's mark), nor twice."""
+        tensors over NCCL (its calls are not numbered; staged ones are the CPU core's), nor one the
+        communicator ran or refused itself (the progress engine's mark), nor twice. Queued, in order
+        after the calls queued before it, not waited for: the error is raised at once, as before."""
         if exc.__dict__.get("_engine_ran") or not isinstance(self._cpu, CpuDevice):
             return
         exc.__dict__["_engine_ran"] = True
         try:
             inputs, outputs, _, _ = view(*args, **kwargs)
-            if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (*inputs, *outputs)):
+            if any(isinstance(t, torch.Tensor) and t.is_cuda and not isinstance(self._devices.get(t.device.index),
+                                                                                StagedDevice)
+                   for t in (*inputs, *outputs)):
                 return
         except Exception:   # (arguments too wrong to read: the call is refused on the CPU side)
             pass
-        core = self._cpu.comm.core
         collective = next(k for k in _KINDS if kind.lower().startswith(k))
-        try:   # (in order: after the calls queued before it)
-            self._cpu.progress.run(core.refuse, collective, exc, None, 2, collective)
+        try:
+            self._cpu.progress.submit(self._cpu.comm.core.refuse, (collective, exc), collective)
         except Exception:   # (a group broken or shut down meanwhile: nothing to count)
             pass
 

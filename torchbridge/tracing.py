@@ -124,7 +124,11 @@ def traced(name, inputs=None):
                 else:
                     op_id, async_op = hooks.before(self, hook, *view(*args, **kwargs))
                     work = method(self, *args, **kwargs)
-                    hooks.after(hook, async_op, op_id, work)
+                    try:
+                        hooks.after(hook, async_op, op_id, work)
+                    except BaseException as exc:   # (after the call: no refusal of it)
+                        exc.__dict__["_engine_ran"] = True
+                        raise
             except BaseException:
                 if event is not None:
                     _end(event)

@@ -244,6 +244,21 @@ def test_a_groups_arguments_of_the_wrong_kind_or_out_of_range_are_named():
     check_still_usable()
 
 
+def test_a_refused_call_counts_once_and_leaves_the_group_usable_whatever_its_check_raised():
+    """A refusal counts as the group's call (every rank refuses it here), once: a ValueError, a
+    TypeError, and an OverflowError (a reduce op's code past a C int), which was taken for a call
+    that ended midway and broke the group."""
+    x = np.ones(2, np.float32)
+    for call, error in ((lambda: WORLD.broadcast(x, root=P), ValueError),
+                        (lambda: WORLD.reduce(x, root=0.5), TypeError),
+                        (lambda: WORLD.allreduce(x, op=2**40), OverflowError)):
+        seq = WORLD.core.seq
+        with pytest.raises(error):
+            call()
+        assert WORLD.core.seq == seq + 1 and WORLD.core.broken is None, (error, WORLD.core.broken)
+    check_still_usable()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("call", ["alltoall", "gather", "scatter"])
 def test_a_call_one_rank_refuses_never_pairs_with_the_others_next_call(call, transport):

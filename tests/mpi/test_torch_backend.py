@@ -6,6 +6,7 @@ import copy
 import datetime
 import inspect
 import os
+import re
 import socket
 import time
 import warnings
@@ -527,6 +528,62 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
             reduce_scatter_single(torch.empty(2, dtype=dtype), value(R, n), op=red)
         with pytest.raises(ValueError, match="does not support .* on complex tensors"):
             dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("call", ["all_to_all_single", "gather", "scatter"])
+def test_a_call_the_adapter_refuses_on_one_rank_never_pairs_with_the_others_next_call(monkeypatch, call, transport):
+    """One rank's arguments fail the adapter's checks (the last rank's output splits don't add up to
+    its output's rows; the root's gather or scatter list has a tensor too many) while the others' pass
+    and they go ahead. That rank's next call took their parts as its own, and theirs its next call's,
+    and returned them with no error. The refusal counts as the group's call there too (the core's
+    refuse()): every rank raises, or returns what its own call asks for. (MPI's own collectives carry
+    no call number: docs/errors.md.)"""
+    from engine import failure
+    if P < 2:
+        pytest.skip("needs two ranks")
+    if transport == "shm":
+        hosts = [None] * P
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) > 1:
+            pytest.skip("shared memory needs one host")
+    monkeypatch.setenv("ENGINE_TRANSPORT", transport)
+    g = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=30))
+    odd = R == (P - 1 if call == "all_to_all_single" else 0)
+
+    def run(value, refuse):
+        extra = 1 if refuse else 0
+        if call == "all_to_all_single":
+            out = torch.zeros(2 * P + extra)
+            dist.all_to_all_single(out, torch.full((2 * P,), float(value + R)), output_split_sizes=[2] * P,
+                                   input_split_sizes=[2] * P, group=g)
+            return out, torch.arange(P).repeat_interleave(2).float() + value
+        if call == "gather":
+            outs = [torch.zeros(2) for _ in range(P + extra)] if R == 0 else None
+            dist.gather(torch.full((2,), float(value + R)), outs, dst=0, group=g)
+            return (torch.cat(outs) if R == 0 else None), torch.arange(P).repeat_interleave(2).float() + value
+        ins = [torch.full((2,), float(value + r)) for r in range(P + extra)] if R == 0 else None
+        out = torch.zeros(2)
+        dist.scatter(out, ins, src=0, group=g)
+        return out, torch.full((2,), float(value + R))
+
+    said = []
+    for value, refuse in ((100, odd), (200, False)):
+        try:
+            got, want = run(value, refuse)
+            assert got is None or torch.equal(got, want), (value, got.tolist())
+            said.append("returned")
+        except ValueError as exc:
+            assert refuse, exc
+            said.append("refused")
+        except RuntimeError as exc:   # (the engine's errors, or torch's wrapping of them)
+            assert re.search(r"EngineMismatch|EnginePeerLost|EngineError|mismatch|gave the group up|left the group|"
+                             r"unusable", f"{type(exc).__name__}: {exc}"), exc
+            said.append(type(exc).__name__)
+    assert said[0] == "refused" if odd else said[0] != "refused", said
+    dist.destroy_process_group(g)
+    failure.recovered()
+    dist.barrier()
 
 
 def test_an_inference_tensor_that_is_not_contiguous_is_written_outside_inference_mode():
