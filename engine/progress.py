@@ -2,6 +2,6 @@
 calls only enqueue, and a caller that waits at once runs the operation itself); pyx/progress.pyx says how.
 """
 
-from ._progress import DONE, PENDING, RUNNING, Progress, Task
+from ._progress import DONE, PENDING, RUNNING, Progress, Task, ran, was_run
 
-__all__ = ["DONE", "PENDING", "Progress", "RUNNING", "Task"]
+__all__ = ["DONE", "PENDING", "Progress", "RUNNING", "Task", "ran", "was_run"]

@@ -519,6 +519,7 @@ cdef class CoreComm:
 
     def broadcast(self, buf, root=0):
         cdef uint64_t seq = self.log.seq
+        cdef int r
         cdef Message m
         cdef Call c
         try:

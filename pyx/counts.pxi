@@ -178,6 +178,8 @@ cdef size_t _call_sizes(CoreComm self, Call *c, object counts, Message mine, str
     return largest * mine.itemsize
 
 
+# ---- the rules as C reads them (CoreComm.set_rules) ----
+
 cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
     cdef Rule *out
     cdef int i
@@ -196,6 +198,8 @@ cdef Rule *_rule_array(CoreComm self, list rules) except? NULL:
         out[i].dtypes, out[i].ops, out[i].uneven = dtypes, ops, uneven
     return out
 
+
+# ---- the pieces of CoreComm's entry points ----
 
 cdef _rooted(CoreComm self, int op, sendbuf, recvbuf, object root_, counts):
     """gather and scatter, mirror images: every rank's side (gather's sendbuf, scatter's

@@ -38,18 +38,24 @@ import traceback
 import weakref
 
 from engine import failure, forks
+from engine._core import EngineError, EngineTimeout
+from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
 
 
-def _ran(error):
-    """error, marked as raised by a run of the call (not by a check before it): torch's adapter counts
-    the refusals of its own checks as the group's calls (torchbridge.process_group), not these."""
+def ran(error):
+    """error, marked as raised by a run of the call, or after it (not by a check before it): torch's
+    adapter counts the refusals of its own checks as the group's calls (torchbridge.process_group),
+    not these (was_run)."""
     try:
         error.__dict__["_engine_ran"] = True
     except (AttributeError, TypeError):
         pass
     return error
-from engine._core import EngineError, EngineTimeout
-from engine._core import set_thread_polite   # the core's waits read it (a thread-local of engine._core)
+
+
+def was_run(error):
+    """Whether ran() marked error."""
+    return getattr(error, "__dict__", {}).get("_engine_ran", False)
 
 cdef enum:
     TASK_PENDING = 0
@@ -190,14 +196,14 @@ cdef class Progress:
                 else:
                     fn()
             except BaseException as exc:
-                raise _ran(exc)
+                raise ran(exc)
             finally:
                 self._finished()
             return
         task = self.submit(fn, (a, b, c)[:nargs], name)
         self.wait(task)
         if task.error is not None:
-            raise failure.again(_ran(task.error))
+            raise failure.again(ran(task.error))
 
     def submit(self, fn, tuple args=(), str name="op", outputs=None):
         """Queues fn(*args); returns its Task at once."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from engine import ReduceOp, failure
 from engine._core import OP_KIND_NAMES, NotDivisibleError
 from engine.monitored_barrier import monitored_barrier
-from engine.progress import Progress
+from engine.progress import Progress, ran, was_run
 
 from . import _fastpath
 from ._fastpath import OTHER_FORMS, PREMUL, fill_options, op_of, rows
@@ -435,9 +435,9 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         tensors over NCCL (its calls are not numbered; staged ones are the CPU core's), nor one the
         communicator ran or refused itself (the progress engine's mark), nor twice. Queued, in order
         after the calls queued before it, not waited for: the error is raised at once, as before."""
-        if exc.__dict__.get("_engine_ran") or not isinstance(self._cpu, CpuDevice):
+        if was_run(exc) or not isinstance(self._cpu, CpuDevice):
             return
-        exc.__dict__["_engine_ran"] = True
+        ran(exc)   # (counted once: an outer traced method meets it again)
         try:
             inputs, outputs, _, _ = view(*args, **kwargs)
             if any(isinstance(t, torch.Tensor) and t.is_cuda and not isinstance(self._devices.get(t.device.index),

@@ -21,6 +21,7 @@ import torch
 from torch.autograd import profiler as _autograd_profiler
 
 from engine._core import REFUSALS
+from engine.progress import ran
 
 from .work import CollectiveWork, PointToPointWork
 
@@ -127,8 +128,7 @@ def traced(name, inputs=None):
                     try:
                         hooks.after(hook, async_op, op_id, work)
                     except BaseException as exc:   # (after the call: no refusal of it)
-                        exc.__dict__["_engine_ran"] = True
-                        raise
+                        raise ran(exc)
             except BaseException:
                 if event is not None:
                     _end(event)

@@ -530,6 +530,17 @@ def test_reduce_and_reduce_scatter_of_complex_tensors_vs_gloo(dtype):
             dist.reduce_scatter(torch.empty(2, dtype=dtype), list(value(R, n).chunk(P)), op=red)
 
 
+def use_transport(monkeypatch, transport):
+    """The groups made next run over transport (ENGINE_TRANSPORT); shared memory only where every rank
+    is on this host, else the test skips."""
+    if transport == "shm":
+        hosts = [None] * P
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) > 1:
+            pytest.skip("shared memory needs one host")
+    monkeypatch.setenv("ENGINE_TRANSPORT", transport)
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("call", ["all_to_all_single", "gather", "scatter"])
 def test_a_call_the_adapter_refuses_on_one_rank_never_pairs_with_the_others_next_call(monkeypatch, call, transport):
@@ -542,12 +553,7 @@ def test_a_call_the_adapter_refuses_on_one_rank_never_pairs_with_the_others_next
     from engine import failure
     if P < 2:
         pytest.skip("needs two ranks")
-    if transport == "shm":
-        hosts = [None] * P
-        dist.all_gather_object(hosts, socket.gethostname())
-        if len(set(hosts)) > 1:
-            pytest.skip("shared memory needs one host")
-    monkeypatch.setenv("ENGINE_TRANSPORT", transport)
+    use_transport(monkeypatch, transport)
     g = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=30))
     odd = R == (P - 1 if call == "all_to_all_single" else 0)
 
@@ -888,12 +894,7 @@ def test_a_message_left_in_flight_moves_while_its_rank_is_outside_the_engine(mon
     that left fails only messages to or from it."""
     if P == 1:
         pytest.skip("point-to-point needs two ranks")
-    if transport == "shm":
-        hosts = [None] * P
-        dist.all_gather_object(hosts, socket.gethostname())
-        if len(set(hosts)) > 1:
-            pytest.skip("shared memory needs one host")
-    monkeypatch.setenv("ENGINE_TRANSPORT", transport)
+    use_transport(monkeypatch, transport)
     monkeypatch.setenv("ENGINE_SHM_CMA", "0")
     monkeypatch.setenv("ENGINE_SHM_QUEUE_BYTES", "4096")
     group = dist.new_group()
