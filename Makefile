@@ -50,15 +50,6 @@ CORE_LAST := $(foreach c,shm-3 mpi-3 shm-4 mpi-4,"tests/test_mpi_suites.py::test
 	tests/test_mpi_suites.py::test_every_collective_at_16_ranks tests/test_mpi_suites.py::test_matrix_with_threads \
 	tests/test_mpi_suites.py::test_matrix_over_tcp_on_one_host tests/test_mpi_suites.py::test_collectives_with_tiny_mpi_chunks \
 	tests/test_mpi_suites.py::test_collectives_through_a_tiny_segment
-# Five of the fault suite's launch tests (mismatched calls, forked children, a rank gone after its part, a
-# rank skipped in a group without a store, a rank dead while a TCP world connects)
-# run on the last torch, beside its suites, so that the two streams end together (the first ended about
-# 3.5 minutes after the other). Their launches go through the adapter, which both torches run.
-FAULTS_LAST := tests/test_faults.py::test_mismatched_calls_raise_without_debug_mode \
-	tests/test_faults.py::test_processes_forked_from_a_rank_leave_its_groups_alone \
-	tests/test_faults.py::test_a_rank_that_did_its_part_and_went_is_not_named_for_the_one_that_never_came \
-	tests/test_faults.py::test_a_skipped_allreduce_in_a_group_without_a_store_names_the_rank_it_waits_on \
-	tests/test_faults.py::test_a_rank_that_dies_while_the_ranks_connect_over_tcp_ends_the_others_at_once
 # The fault soak runs on the first torch only (the group's own reconfigure; dist._reconfigure reaches the
 # same method, and tests/test_fault_tolerance.py calls it on the later ones). Fault tolerance runs whole on
 # every torch (WAITING; the first's c10d defines no reconfigure: what calls it skips there); the first
@@ -79,7 +70,7 @@ WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torch
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp-held]" \
 	$(foreach c,$(ABORTS_LAST),--deselect "tests/test_recovery.py::test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives[$(c)]") \
-	$(foreach t,$(CORE_LAST) $(FAULTS_LAST),--deselect $(t))
+	$(foreach t,$(CORE_LAST),--deselect $(t))
 NRANKS ?= 2
 # torch's store resolves the name of every address it accepts or connects to (reverse DNS: 127.0.0.1,
 # seen as ::ffff:127.0.0.1, misses /etc/hosts), and where the DNS server drops a query the resolver
@@ -170,13 +161,14 @@ check: setup
 # mostly waiting on the network) install at the lowest priority while .venv's engine builds and its
 # suite starts; the engine then goes into each. Where no mount namespace can be made (not root) the
 # streams run one after the other. The later stream's output is in .later-stages.log, printed at the end.
-# The suites that mostly wait (on timeouts, a member that never comes, a reconfigure's deadline: a
-# sixth of their time on a core) run beside both streams, as a third, on each torch (WAITING on the
-# first, fault tolerance on the later ones; their output in .waiting-stage.log, printed at the end):
-# inside the streams their minutes left a core idle.
+# The suites that mostly wait (on timeouts, a member that never comes, a reconfigure's deadline, a
+# launch: the fault suite keeps a core about two-thirds busy, fault tolerance a sixth) run beside both
+# streams, as a third, on each torch (WAITING on the first, fault tolerance on the later ones; their
+# output in .waiting-stage.log, printed at the end): inside the streams their minutes left a core idle,
+# and the first torch's stream ended minutes after the others.
 OWN_SHM := $(shell tests/own_shm.sh --probe && echo tests/own_shm.sh)
 LATER_INSTALLED := .venv-torch2.14/.installed .venv-torch2.15/.installed .mpich/.installed
-WAITING := tests/test_fault_tolerance.py tests/test_arrival_notes.py
+WAITING := tests/test_fault_tolerance.py tests/test_arrival_notes.py tests/test_faults.py
 test: $(VENV)/.packages
 	$(MAKE) -k -j6 test-torch2.13 waiting-stages later-stages; rc=$$?; \
 	cat .waiting-stage.log .later-stages.log 2>/dev/null; exit $$rc
@@ -214,7 +206,7 @@ test-mpich: .mpich/.installed
 		$(foreach c,torchrun-under-srun spawn-under-srun,--deselect "tests/test_launch.py::test_worlds_beside_an_mpi_launchers_job_and_made_again[$(c)]")
 
 test-torch2.15: setup-torch2.15
-	$(OWN_SHM) .venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(CORE_LAST) $(FAULTS_LAST) $(TORCH_FACING_SKIP) \
+	$(OWN_SHM) .venv-torch2.15/bin/python -m pytest $(TORCH_FACING) $(CORE_LAST) $(TORCH_FACING_SKIP) \
 		--durations=20
 
 # The training libraries with Ray Train too (tests/test_clients.py; docs/clients.md). About 3 minutes.

@@ -111,9 +111,9 @@ cdef Reduction resolve_op(object op, int dtype):
         if type(op) is bool:    # (True is int 1, PRODUCT: a flag passed for op, as engine.ops.op_code refuses it)
             raise TypeError(f"op must be an engine.ReduceOp, its name, or a user op made with engine.reduction; "
                             f"got {op!r}")
-        code = op
-        if code < 0 or code > OP_AVG:
+        if op < 0 or op > OP_AVG:   # (before the C int: a code past one would raise an OverflowError)
             raise ValueError(f"unknown reduce op code {op}; expected one of {OP_NAMES}")
+        code = op
         red = _BUILTIN[code * ENG_NDTYPES + dtype]
         if red is None:
             red = _BUILTIN[code * ENG_NDTYPES + dtype] = _builtin(code, dtype)
