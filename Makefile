@@ -56,8 +56,9 @@ CORE_LAST := $(foreach c,shm-3 mpi-3 shm-4 mpi-4,"tests/test_mpi_suites.py::test
 # keeps the aborts of ABORTS_FIRST, the c10d restart and the shm cycles. The clients, torch's own
 # suite subset, the parallelism suite, the matrix under torchrun, the torchrun exit in flight (the first torch
 # runs it under mpirun, tests/test_faults.py), DDP over mp.spawn and every collective under torchrun without
-# MPI (the first runs the same collectives under torchrun in the torch suites) run on 2.15 only (TORCH_FACING;
-# TORCH_PREVIOUS names what 2.14 runs too).
+# MPI (the first runs the same collectives under torchrun in the torch suites), the TCP suite over lazy
+# connections and the bench's end-to-end run run on 2.15 only (TORCH_FACING; TORCH_PREVIOUS names what
+# 2.14 runs too).
 WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torchrun[3]" \
 	--ignore=tests/test_clients.py \
 	--deselect "tests/test_launchers.py::test_torch_distributed_suite_subset_with_gates_open" \
@@ -66,6 +67,8 @@ WHOLE_SKIP := --deselect "tests/test_launchers.py::test_torch_suites_under_torch
 	--deselect "tests/test_launchers.py::test_script_ending_with_collectives_in_flight_exits_cleanly_on_every_rank" \
 	--deselect "tests/test_launchers.py::test_ddp_over_mp_spawn_trains_like_one_process" \
 	--deselect "tests/test_launchers.py::test_every_collective_under_torchrun_without_mpi" \
+	--deselect "tests/test_launchers.py::test_tcp_suite_over_lazy_connections_under_torchrun" \
+	--deselect "tests/test_bench.py::test_end_to_end_under_mpiexec_and_plot" \
 	--deselect "tests/test_recovery.py::test_torchrun_restart_after_a_killed_rank_trains_like_one_process[static]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp]" \
 	--deselect "tests/test_recovery.py::test_init_destroy_and_reconfigure_cycles_keep_nothing[tcp-held]" \
