@@ -244,7 +244,8 @@ class Watch:
         self._compare_at = 0.0  # when (seconds into the wait) to compare the notes next: doubling
         self._reported = None   # the last failure the watch raised itself (reported and dumped there)
         self._step = None       # the traced step waiting now (traced()), which no record names
-        self._failure = None    # "seq error" of the last call that failed here in a mismatch or was refused
+        self._failure = None    # "seq error" of the last call that failed here in a mismatch, a lost peer or
+                                # a refusal
         self.call_limit = None  # the running collective's own timeout (call_timeout()), else the group's
         self.on_break = None    # on_break(why), once, when a failure leaves the group unusable (the adapter's
                                 # callback: torch's abort hooks run then, as torch's backends run them)
@@ -352,7 +353,7 @@ class Watch:
             self._compare_at = elapsed * 2
             other = self.other_call(self.notes(rec, self._store_bound(before=elapsed)), rec)
             if other is not None:
-                raise self.mismatch(other)
+                raise self._break(*other)
         if level < 2 and elapsed >= self.stall:
             self._noted = (rec[SEQ], 2)
             missing = self.missing(rec, self._store_bound(before=elapsed))
@@ -412,14 +413,18 @@ class Watch:
         # Timeouts and debug-mode mismatches were dumped where they were raised; bad arguments need none.
         if str(exc) == self._reported:
             return
-        if isinstance(exc, (EngineMismatch, *REFUSALS)) and self.store is not None:
+        if isinstance(exc, (EngineMismatch, EnginePeerLost, *REFUSALS)) and self.store is not None:
             # peers still waiting in this call (a refused call's peers went ahead: _refused, counts.pxi) compare
             # this rank's note with theirs. It is written before the error leaves: torch's store client
             # serves one request at a time, and the rank's next blocking one (the next group's opening,
             # waiting on a rank still in this call) would hold the note back until that rank's timeout.
-            # Later notes carry it (_failure), for peers that look after this rank went on.
-            self._failure = f"{rec[SEQ]} {type(exc).__name__}: {exc}" if isinstance(exc, REFUSALS) else f"{rec[SEQ]} {exc}"
-            self.note_arrival(rec, wait=STORE_QUERY_SECONDS)
+            # Later notes carry it (_failure), for peers that look after this rank went on. A lost peer's
+            # note ends the wait of a peer whose own wait was on a live rank that gave up (inside MPI, a
+            # revoke may leave a posted send pending); the store may be across the loss, so it waits less.
+            lost = isinstance(exc, EnginePeerLost)
+            self._failure = f"{rec[SEQ]} {exc}" if isinstance(exc, EngineMismatch) else \
+                f"{rec[SEQ]} {'EnginePeerLost' if lost else type(exc).__name__}: {exc}"
+            self.note_arrival(rec, wait=1.0 if lost else STORE_QUERY_SECONDS)
         if not isinstance(exc, (*REFUSALS, EngineTimeout, EngineAborted)):
             self.dump(f"{rec[OP]} #{rec[SEQ]} failed: {exc}")
         self._broken_by(exc)
@@ -537,18 +542,19 @@ class Watch:
                 and (r not in notes or notes[r][0] < rec[SEQ])]
 
     def other_call(self, notes, rec):
-        """The error's text if a rank's note shows it in call rec's seq with another call, or failed there
-        in a mismatch, else None."""
+        """(the error's text, its class) if a rank's note shows it in call rec's seq with another call, or
+        failed there (EnginePeerLost where a peer was lost there, else EngineMismatch), else None."""
         if not isinstance(notes, dict):
             return None
         head = f"{rec[OP]} #{rec[SEQ]} of group {self.group!r} (rank {self.rank} of {self.size}): "
         for r, (seq, call, count, theirs, (failed_seq, failed)) in sorted(notes.items()):
             if failed_seq == rec[SEQ]:
-                return f"{head}rank {r} failed this call: {failed} (seen from its note in the store)"
+                return (f"{head}rank {r} failed this call: {failed} (seen from its note in the store)",
+                        EnginePeerLost if failed.startswith("EnginePeerLost: ") else EngineMismatch)
         for r, (seq, call, count, theirs, failed) in sorted(notes.items()):
             if seq == rec[SEQ] and (call != rec[KEY] or (rec[OP] in SAME_COUNT and count != rec[COUNT])):
                 return (f"{head}collective mismatch: rank {self.rank} called {describe_call(rec[KEY], rec[COUNT])}; "
-                        f"rank {r} called {theirs} (both waited, seen from their notes in the store)")
+                        f"rank {r} called {theirs} (both waited, seen from their notes in the store)", EngineMismatch)
         return None
 
     @staticmethod

@@ -1,5 +1,7 @@
 """Deterministic per-rank data and the reductions every rank computes locally as references."""
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -10,11 +12,33 @@ FLOAT_DTYPES = ["float16", "float32", "float64"]
 OPS = ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]
 
 
+# Each rank makes the same arrays again and again (its own, and every peer's for a reference): the most
+# recent are kept, up to this many bytes, and copied out (a copy costs a thirtieth of making one; the
+# caller writes into its own).
+KEPT_BYTES = 256 << 20
+_kept = OrderedDict()
+
+
 def rank_data(rank, n, dtype, salt=0):
     """Small integers (-3..3, 0..6 unsigned), so float sums, products and averages stay exact. They
     vary along the array with no short period, and each rank and salt has its own sequence: a block
     moved, repeated or taken from another rank shows (splitmix64 of the position, rank and salt,
-    scaled to 0..6 without a division)."""
+    scaled to 0..6 without a division). A new array each call."""
+    key = (rank, n, str(dtype), salt)
+    made = _kept.get(key)
+    if made is None:
+        made = _make(rank, n, dtype, salt)
+        made.flags.writeable = False
+        _kept[key] = made
+        held = sum(a.nbytes for a in _kept.values())
+        while held > KEPT_BYTES and len(_kept) > 1:
+            held -= _kept.popitem(last=False)[1].nbytes
+    else:
+        _kept.move_to_end(key)
+    return made.copy()
+
+
+def _make(rank, n, dtype, salt):
     u = np.uint64
     z = np.arange(n, dtype=u)
     z += u((rank * 1_000_003 + salt * 7_919 + 1) * 0x9E3779B97F4A7C15 % 2**64)

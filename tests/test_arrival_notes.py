@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from engine._core import DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, EngineTimeout, describe_call
+from engine._core import (DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, EnginePeerLost, EngineTimeout,
+                          describe_call)
 from engine.watch import Watch
 
 
@@ -134,6 +135,27 @@ def test_a_peer_whose_call_failed_in_a_mismatch_ends_the_wait_with_its_error(mon
                                              r"allreduce failed: rank 2 sent a message of another size \(seen from "
                                              r"its note in the store\)"):
         w0.check(core0.rec, 2.1)
+
+
+def test_a_peer_that_lost_a_rank_in_the_call_ends_the_wait_in_peer_lost(monkeypatch):
+    """Rank 2 waits on rank 3, alive, in allreduce #3; rank 3 lost rank 1 there (its process exited) and
+    gave the call up. Inside MPI the revoke that should end rank 2's wait may leave its posted send
+    pending: rank 3's note ends it at rank 2's next read, as EnginePeerLost naming the dead rank, not
+    as a mismatch and not at the timeout."""
+    from engine import failure
+    monkeypatch.setattr(failure, "_group_failure", [])
+    store = Store()
+    w2, core2 = watch(2, 4, store)
+    w3, core3 = watch(3, 4, store)
+    core3.rec = record(3, ALLREDUCE_SUM)
+    w3._failed(core3.rec, EnginePeerLost("allreduce failed: rank 1 (pid 77) exited"))
+    core2.rec = record(3, ALLREDUCE_SUM)
+    w2.check(core2.rec, 1.5)
+    with pytest.raises(EnginePeerLost, match=r"allreduce #3 of group 'g' \(rank 2 of 4\): rank 3 failed this call: "
+                                             r"EnginePeerLost: allreduce failed: rank 1 \(pid 77\) exited \(seen "
+                                             r"from its note in the store\)"):
+        w2.check(core2.rec, 2.1)
+    assert core2.broken_after == "a peer was lost"
 
 
 @pytest.mark.parametrize("moved_on", [False, True])

@@ -145,7 +145,8 @@ def _named(msg, size):
 def test_a_rank_killed_under_ulfm_mpirun_across_hosts_is_shrunk_away(hosts):
     """tests/faults/ulfm_survivors.py, 2 hosts x 2 ranks under `mpirun --with-ft ulfm` (MPI between
     the hosts): rank 1 is SIGKILLed; ranks 0, 2 and 3 raise EnginePeerLost (rank 2, whose wait inside
-    MPI was on live ranks only, through the revoke of the broken group's communicators), shrink it
+    MPI was on live ranks only, through the revoke of the broken group's communicators, or, where the
+    revoke left its posted send pending, through a peer's note of the loss in the store), shrink it
     away, go on across the hosts over TCP and exit 0."""
     proc = mpirun_across(hosts, 2, ["--with-ft", "ulfm", sys.executable,
                                     os.path.join(ROOT, "tests", "faults", "ulfm_survivors.py")], timeout=180)

@@ -628,8 +628,9 @@ def test_a_rank_killed_under_ulfm_is_shrunk_away_and_the_job_goes_on(transport, 
     """tests/faults/ulfm_survivors.py under `mpiexec --with-ft ulfm`: rank 1 is SIGKILLed; the others'
     next all_reduce fails naming it (EnginePeerLost), they shrink it away, run collectives and a new
     group, and exit 0 (without ULFM the launcher ends them). Over MPI at 4 ranks, rank 2's wait inside
-    MPI is on live ranks only: it ends because the engine revokes a broken group's communicators;
-    without the revoke it waited until the timeout."""
+    MPI is on live ranks only: it ends because the engine revokes a broken group's communicators, at
+    once; without the revoke it waited until a peer's note of the loss in the store ended it, 2 s in
+    (before the notes, until the timeout)."""
     proc = subprocess.run(mpiexec_command(n)[:1] + ["--with-ft", "ulfm"] + mpiexec_command(n)[1:] +
                           [sys.executable, os.path.join(FAULTS, "ulfm_survivors.py")],
                           env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
@@ -637,6 +638,7 @@ def test_a_rank_killed_under_ulfm_is_shrunk_away_and_the_job_goes_on(transport, 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert_rank_1_shrunk_away(out, n)
+    assert "seen from its note in the store" not in out, out[-4000:]
 
 
 def test_a_local_rank_numbered_by_another_layer_is_accepted_under_mpirun():

@@ -663,14 +663,18 @@ def test_a_calls_large_tensors_are_not_kept_once_the_caller_drops_them():
              "isend/irecv": lambda t: (dist.isend(t, 1) if R == 0 else dist.irecv(t, 0)).wait() if R < 2 else None,
              "all_reduce async": lambda t: dist.all_reduce(t, async_op=True).wait()}
     kept = []
-    for name, call in calls.items():
-        t = torch.ones(P << 18)   # (P MiB)
-        call(t)
-        ref = weakref.ref(t)
-        del t
-        gc.collect()
-        if ref() is not None:
-            kept.append(name)
+    gc.freeze()   # (each collection then walks what the calls made, not all of torch: 0.2 s a rank each)
+    try:
+        for name, call in calls.items():
+            t = torch.ones(P << 18)   # (P MiB)
+            call(t)
+            ref = weakref.ref(t)
+            del t
+            gc.collect()
+            if ref() is not None:
+                kept.append(name)
+    finally:
+        gc.unfreeze()
     assert kept == [], f"rank {R}: the tensors of {kept} outlived the call"
     dist.barrier()
 
