@@ -591,7 +591,7 @@ class _Registry:
         self.watches = weakref.WeakSet()
         self.lock = threading.Lock()
         self.thread = None
-        self.gone = threading.Event()   # set when a watch is collected: the thread may be the last one's
+        self.gone = threading.Event()   # set when a watch is discarded: the thread may be the last one's
         forks.track(self)
 
     def orphan(self, why):
@@ -601,8 +601,10 @@ class _Registry:
 
     def add(self, watch):
         with self.lock:
+            # (A watch collected without close() leaves the WeakSet by itself; the thread sees that within
+            # its 0.25 s. A finalizer that woke it by gone.set() deadlocked: the collector can run it on
+            # the thread inside gone.wait(), which holds the lock set() takes, and close() then waited on it.)
             self.watches.add(watch)
-            weakref.finalize(watch, self.gone.set)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
                 self.thread.start()

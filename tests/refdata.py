@@ -17,6 +17,7 @@ OPS = ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]
 # caller writes into its own).
 KEPT_BYTES = 256 << 20
 _kept = OrderedDict()
+_kept_bytes = 0
 
 
 def rank_data(rank, n, dtype, salt=0):
@@ -24,15 +25,16 @@ def rank_data(rank, n, dtype, salt=0):
     vary along the array with no short period, and each rank and salt has its own sequence: a block
     moved, repeated or taken from another rank shows (splitmix64 of the position, rank and salt,
     scaled to 0..6 without a division). A new array each call."""
+    global _kept_bytes
     key = (rank, n, str(dtype), salt)
     made = _kept.get(key)
     if made is None:
         made = _make(rank, n, dtype, salt)
         made.flags.writeable = False
         _kept[key] = made
-        held = sum(a.nbytes for a in _kept.values())
-        while held > KEPT_BYTES and len(_kept) > 1:
-            held -= _kept.popitem(last=False)[1].nbytes
+        _kept_bytes += made.nbytes
+        while _kept_bytes > KEPT_BYTES and len(_kept) > 1:
+            _kept_bytes -= _kept.popitem(last=False)[1].nbytes
     else:
         _kept.move_to_end(key)
     return made.copy()

@@ -701,3 +701,29 @@ def test_the_watchdogs_list_of_watches_survives_groups_made_meanwhile():
     done.set()
     reader.join()
     assert not failed, failed
+
+
+def test_a_watch_collected_while_the_watchdog_waits_deadlocks_nothing():
+    """A finalizer on each watch woke the watchdog (gone.set()) when the collector took it. The collector
+    ran it on the watchdog's own thread inside gone.wait(), which holds the lock set() takes: the thread
+    hung there, and so did the main thread's next destroy_process_group (close(), its own gone.set()),
+    for good (a 3-rank suite under mpiexec, CI). Collected under that lock now, a watch takes none."""
+    import threading
+    from engine.watch import _Registry
+
+    class Held:   # (a stand-in for a Watch)
+        pass
+
+    registry, held = _Registry(), [Held()]
+    registry.thread = threading.current_thread()   # (no watchdog of its own: add() starts none)
+    registry.add(held[0])
+
+    def drop():
+        with registry.gone._cond:   # (where the watchdog holds it, inside gone.wait())
+            held.clear()            # (the last reference: the watch goes now, on this thread)
+
+    dropper = threading.Thread(target=drop, daemon=True)
+    dropper.start()
+    dropper.join(10)
+    assert not dropper.is_alive(), "dropping a watch under the watchdog's wait lock hung"
+    assert len(registry.watches) == 0
