@@ -181,7 +181,7 @@ def _session(sid):
 
 
 def kill_session(sid):
-    """SIGKILL every process of session `sid`: a launcher started with start_new_session=True and its
+    """SIGKILL every process of session `sid`: a launcher started in a session of its own and its
     ranks (each rank has a process group of its own, so killing the launcher's would leave them running)."""
     for pid, _ in _session(sid):
         try:
@@ -190,54 +190,64 @@ def kill_session(sid):
             pass
 
 
-def run_mpiexec(cmd, timeout, env=None, **kwargs):
-    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command,
-    except that a launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and
-    its run returns what its ranks wrote, with returncode -9 and a note at the end of stderr: the
-    test judges the ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long
-    before the kill the last rank went (0 for a launcher that exited itself), so a test that times the
-    job can time its ranks. The timeout still fails a job that hangs with a rank alive; with
-    start_new_session=True it kills the whole session, ranks included, not the launcher alone, and so
-    does a job still running LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort (returned as above)."""
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
-        deadline, seen, childless_since, aborted_since = time.monotonic() + timeout, False, None, None
-        while True:
+def run_launcher(cmd, timeout, env=None):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command
+    (mpiexec, torchrun), started in a session of its own: at the timeout, or when the test ends by an
+    exception (KeyboardInterrupt included), the whole session is killed, ranks included, not the launcher
+    alone (a killed launcher's ranks, each in a process group of its own, ran on and held their memory).
+    A launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and its run
+    returns what its ranks wrote, with returncode -9 and a note at the end of stderr: the test judges the
+    ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long before the kill
+    the last rank went (0 for a launcher that exited itself), so a test that times the job can time its
+    ranks. So does a job still running LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort (killed whole)."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            return _judged(proc, cmd, timeout)
+        except BaseException:
+            # (not after a job that ended: what its ranks left running is for the test to see)
+            kill_session(proc.pid)
+            raise
+
+
+def _judged(proc, cmd, timeout):
+    """run_launcher's wait on its launcher `proc` (the leader of its session)."""
+    deadline, seen, childless_since, aborted_since = time.monotonic() + timeout, False, None, None
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.5)
+            done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            done.ranks_gone_s, done.abort_stalled = 0.0, None
+            return done
+        except subprocess.TimeoutExpired as partial:
+            so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
+        now = time.monotonic()
+        if _children(proc.pid):
+            seen, childless_since = True, None
+        elif seen and childless_since is None:
+            childless_since = now
+        if aborted_since is None and ABORTED.search("".join(_decoded(so_far))):
+            aborted_since = now
+        if now > deadline:
+            kill_session(proc.pid)
+            proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
+        orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
+        if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
+            stayed = "" if orphaned else "; still running: " + "; ".join(session_processes(proc.pid))
+            kill_session(proc.pid)
             try:
-                out, err = proc.communicate(timeout=0.5)
-                done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-                done.ranks_gone_s, done.abort_stalled = 0.0, None
-                return done
+                written = list(proc.communicate(timeout=5))
             except subprocess.TimeoutExpired as partial:
-                so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
-            now = time.monotonic()
-            if _children(proc.pid):
-                seen, childless_since = True, None
-            elif seen and childless_since is None:
-                childless_since = now
-            if aborted_since is None and kwargs.get("start_new_session") and ABORTED.search("".join(_decoded(so_far))):
-                aborted_since = now
-            if now > deadline:
-                # (as subprocess.run: the launcher, not what may still hold its pipes, unless the caller
-                # gave it a session of its own to end)
-                kill_session(proc.pid) if kwargs.get("start_new_session") else proc.kill()
                 proc.wait()
-                raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
-            orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
-            if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
-                stayed = "" if orphaned else "; still running: " + "; ".join(session_processes(proc.pid))
-                kill_session(proc.pid) if not orphaned else proc.kill()
-                try:
-                    written = list(proc.communicate(timeout=5))
-                except subprocess.TimeoutExpired as partial:
-                    proc.wait()
-                    written = _decoded(partial)
-                note = (f"the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank exited" if orphaned else
-                        f"the job was killed, ranks included, {LAUNCHER_ABORT_STALL_S:g} s after a rank's MPI_Abort")
-                done = subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
-                    f"\n(tests/mpirun.py: {note}: the launcher's deadlock after MPI_Abort{stayed})\n"))
-                done.ranks_gone_s = now - childless_since if orphaned else 0.0
-                done.abort_stalled = stayed or None
-                return done
+                written = _decoded(partial)
+            note = (f"the launcher was killed {LAUNCHER_ORPHANED_S:g} s after its last rank exited" if orphaned else
+                    f"the job was killed, ranks included, {LAUNCHER_ABORT_STALL_S:g} s after a rank's MPI_Abort")
+            done = subprocess.CompletedProcess(cmd, proc.returncode, written[0], written[1] + (
+                f"\n(tests/mpirun.py: {note}: the launcher's deadlock after MPI_Abort{stayed})\n"))
+            done.ranks_gone_s = now - childless_since if orphaned else 0.0
+            done.abort_stalled = stayed or None
+            return done
 
 
 def session_processes(sid):
@@ -256,11 +266,11 @@ def session_processes(sid):
 
 
 def run_job(cmd, timeout, env, what):
-    """run_mpiexec in a session of its own, for a test: a job still running at the timeout is killed
-    whole, ranks included, and fails the test (named by `what`) with what its ranks wrote. A job that
-    outlived a rank's MPI_Abort (killed, judged by what its ranks wrote) warns, naming what stayed."""
+    """run_launcher for a test: a job still running at the timeout is killed whole, ranks included, and
+    fails the test (named by `what`) with what its ranks wrote. A job that outlived a rank's MPI_Abort
+    (killed, judged by what its ranks wrote) warns, naming what stayed."""
     try:
-        done = run_mpiexec(cmd, timeout, env=env, start_new_session=True)
+        done = run_launcher(cmd, timeout, env=env)
         if done.abort_stalled:
             warnings.warn(f"{what}: the job outlived a rank's MPI_Abort by {LAUNCHER_ABORT_STALL_S:g} s and was "
                           f"killed{done.abort_stalled}")
@@ -276,7 +286,7 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, *paths]
-    return run_mpiexec(cmd, timeout, env={**mpi_env(), **(env or {})})
+    return run_launcher(cmd, timeout, env={**mpi_env(), **(env or {})})
 
 
 def assert_every_rank_passed(text, nranks, skips=True):

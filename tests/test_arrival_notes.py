@@ -1,6 +1,9 @@
 """The watch's arrival notes (engine/watch.py), in one process: what a waiting rank notes in the
-group's store, when it reads its peers' notes, and which of them end its wait in EngineMismatch.
-tests/test_faults.py runs the same across processes (test_mismatched_calls_raise_without_debug_mode)."""
+group's store, when it reads its peers' notes, and which of them end its wait: in EngineMismatch (another
+call, or a peer's call that failed in one), in EnginePeerLost (a peer's call that lost a rank). The rest of
+this file: the watchdog that times the waits, and monitored barriers and makings whose store stops
+answering. tests/test_faults.py runs the notes across processes
+(test_mismatched_calls_raise_without_debug_mode)."""
 
 import os
 import re

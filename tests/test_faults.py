@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mpirun import launcher_output, mpi_env, mpiexec_command, run_job, run_mpiexec, running
+from mpirun import launcher_output, mpi_env, mpiexec_command, run_job, run_launcher, running
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
@@ -779,30 +779,43 @@ def gone_soon(pid, seconds=5.0):
     return not running(pid)
 
 
-def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch):
-    """tests/mpirun.run_mpiexec against Open MPI's deadlock after MPI_Abort (prterun staying once its
+def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch, tmp_path):
+    """tests/mpirun.run_launcher against Open MPI's deadlock after MPI_Abort (prterun staying once its
     ranks are gone): a stand-in launcher whose one child wrote and exited, while it stays, is killed
     LAUNCHER_ORPHANED_S later, its child's output kept; one whose child still runs meets the timeout,
-    unless a rank's MPI_Abort was seen LAUNCHER_ABORT_STALL_S before (the deadlock before the ranks went)."""
+    unless a rank's MPI_Abort was seen LAUNCHER_ABORT_STALL_S before (the deadlock before the ranks went).
+    The timeout, or the test ending by an exception, kills the launcher's "ranks" too."""
     import mpirun
     monkeypatch.setattr(mpirun, "LAUNCHER_ORPHANED_S", 1.0)
-    proc = run_mpiexec(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
+    proc = run_launcher(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
     assert proc.returncode == -signal.SIGKILL and proc.stdout == "rank output\n", proc
     assert "the launcher was killed 1 s after its last rank exited" in proc.stderr, proc.stderr
     assert 1.0 < proc.ranks_gone_s < 2.0, proc.ranks_gone_s   # (half-second polls)
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
-        run_mpiexec(["bash", "-c", "echo so far; sleep 60; true"], timeout=3)
-    assert timed_out.value.output == "so far\n", timed_out.value.output
-    # In a session of its own, the timeout ends the "ranks" too, not the launcher alone.
-    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
-        run_mpiexec(["bash", "-c", "sleep 60 & echo $!; wait"], timeout=3, start_new_session=True)
-    rank = int(timed_out.value.output)
-    assert gone_soon(rank), f"the launcher's child {rank} outlived the timeout"
+        run_launcher(["bash", "-c", "echo so far; sleep 60 & echo $!; wait"], timeout=3)
+    said, rank = timed_out.value.output.splitlines()
+    assert said == "so far", timed_out.value.output
+    assert gone_soon(int(rank)), f"the launcher's child {rank} outlived the timeout"
+    # An interrupted test (Ctrl-C, pytest's own timeout) ends the job whole too.
+    pid_file = tmp_path / "rank.pid"
+
+    def interrupted(pid):
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text().strip():
+                raise KeyboardInterrupt
+            time.sleep(0.05)
+        raise AssertionError("the stand-in launcher never started its child")
+    with monkeypatch.context() as patched:
+        patched.setattr(mpirun, "_children", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_launcher(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=30)
+    rank = int(pid_file.read_text())
+    assert gone_soon(rank), f"the launcher's child {rank} outlived the interrupted test"
     # The deadlock before the ranks were ended: a job in its own session still running
     # LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort banner is killed whole, its output kept.
     monkeypatch.setattr(mpirun, "LAUNCHER_ABORT_STALL_S", 1.0)
-    proc = run_mpiexec(["bash", "-c", "sleep 60 & echo $!; echo 'MPI_ABORT was invoked on rank 0 in' >&2; wait"],
-                       timeout=30, start_new_session=True)
+    proc = run_launcher(["bash", "-c", "sleep 60 & echo $!; echo 'MPI_ABORT was invoked on rank 0 in' >&2; wait"],
+                        timeout=30)
     rank = int(proc.stdout)
     assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
     assert re.search(rf"still running: .*\b{rank} S \w+: sleep 60", proc.abort_stalled), proc.abort_stalled

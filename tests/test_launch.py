@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_job, run_mpiexec,
+from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_job, run_launcher,
                     ulfm_unavailable, under_open_mpi)
 from ports import free_port
 from torchbridge.launch import detect_launcher, prepare_env
@@ -445,7 +445,7 @@ def run_ended_in_mpi_init(cmd, env):
     there): the test removes the ones the job left."""
     before = set(os.listdir("/dev/shm"))
     try:
-        return run_mpiexec(cmd, 120, env=env)
+        return run_launcher(cmd, 120, env=env)
     finally:
         for name in set(os.listdir("/dev/shm")) - before:
             if name.startswith("mpich_shm_"):

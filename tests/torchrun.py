@@ -4,10 +4,9 @@ torch's store and runs over shared memory). Used by tests/test_launchers.py and 
     python tests/torchrun.py 3 tests/mpi/test_torch_backend.py
 """
 
-import subprocess
 import sys
 
-from mpirun import mpi_env
+from mpirun import mpi_env, run_launcher
 from ports import free_port
 
 
@@ -29,7 +28,7 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = torchrun_command(nranks) + ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "--color=no",
                                       *extra, *paths]
-    return subprocess.run(cmd, env=clean_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    return run_launcher(cmd, timeout, env=clean_env(**(env or {})))
 
 
 if __name__ == "__main__":
