@@ -180,33 +180,63 @@ def _session(sid):
             pass
 
 
-def kill_session(sid):
-    """SIGKILL every process of session `sid`: a launcher started in a session of its own and its
-    ranks (each rank has a process group of its own, so killing the launcher's would leave them running)."""
-    for pid, _ in _session(sid):
+def _descendants(pid):
+    """The pids of process `pid`'s children, their children, and so on."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            children.setdefault(int(proc_stat(entry)[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_job(leader):
+    """SIGKILL a launcher started in a session of its own (`leader`), every process of its session and
+    every process below it: a rank has a process group of its own (killing the launcher's would leave it
+    running), and torchrun starts each worker in a session of its own. Each is stopped first, so none
+    forks past the search or, its parent gone, leaves the launcher's tree before it is found."""
+    stopped = set()
+    while True:
+        found = ({pid for pid, _ in _session(leader)} | _descendants(leader) | {leader}) - stopped
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+        stopped |= found
+    for pid in stopped:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
 
-def run_launcher(cmd, timeout, env=None):
+def run_launcher(cmd, timeout, env=None, cwd=None):
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command
     (mpiexec, torchrun), started in a session of its own: at the timeout, or when the test ends by an
-    exception (KeyboardInterrupt included), the whole session is killed, ranks included, not the launcher
-    alone (a killed launcher's ranks, each in a process group of its own, ran on and held their memory).
+    exception (KeyboardInterrupt included), the whole job is killed (kill_job), ranks included, not the
+    launcher alone (a killed launcher's ranks ran on and held their memory).
     A launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and its run
     returns what its ranks wrote, with returncode -9 and a note at the end of stderr: the test judges the
     ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long before the kill
     the last rank went (0 for a launcher that exited itself), so a test that times the job can time its
     ranks. So does a job still running LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort (killed whole)."""
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
             return _judged(proc, cmd, timeout)
         except BaseException:
             # (not after a job that ended: what its ranks left running is for the test to see)
-            kill_session(proc.pid)
+            kill_job(proc.pid)
             raise
 
 
@@ -229,13 +259,14 @@ def _judged(proc, cmd, timeout):
         if aborted_since is None and ABORTED.search("".join(_decoded(so_far))):
             aborted_since = now
         if now > deadline:
-            kill_session(proc.pid)
+            kill_job(proc.pid)
             proc.wait()
             raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
         orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
         if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
             stayed = "" if orphaned else "; still running: " + "; ".join(session_processes(proc.pid))
-            kill_session(proc.pid)
+            # (the launcher alone once its ranks are gone: what they left running is for the test to see)
+            proc.kill() if orphaned else kill_job(proc.pid)
             try:
                 written = list(proc.communicate(timeout=5))
             except subprocess.TimeoutExpired as partial:

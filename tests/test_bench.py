@@ -12,7 +12,7 @@ import pytest
 from bench.busbw import bandwidths, busbw_factor, bytes_moved, parse_size, per_rank_count, size_sweep
 from bench.report import (ROW_KEYS, backend_table, cpu_of, markdown_table, print_report, read_json, torch_layer_table,
                           validate)
-from mpirun import mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,7 +225,7 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
                                 "--backends", "engine,engine-direct,gloo,mpi4py,engine-group,nop,nop+direct,direct-group",
                                 "-c", "1", "-n", "20", "-w", "2",
                                 "--rounds", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    proc = run_launcher(cmd, 240, env=mpi_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "# Out of bounds values : 0 OK" in proc.stdout
     assert "FAILED" not in proc.stdout
@@ -261,8 +261,7 @@ def test_end_to_end_under_mpiexec_and_plot(tmp_path):
 
 
 def _bench(nranks, *argv):
-    return subprocess.run(mpiexec_command(nranks) + [sys.executable, "-m", "bench", *argv], cwd=ROOT, env=mpi_env(),
-                          capture_output=True, text=True, timeout=240)
+    return run_launcher(mpiexec_command(nranks) + [sys.executable, "-m", "bench", *argv], 240, env=mpi_env(), cwd=ROOT)
 
 
 def test_refusals_at_run_time_are_recorded_and_the_sweep_goes_on(tmp_path):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from mpirun import kill_session, mpi_env, mpiexec_command
+from mpirun import kill_job, mpi_env, mpiexec_command
 from torchrun import clean_env, free_port, torchrun_command
 
 CLIENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clients")
@@ -45,7 +45,7 @@ def run(cmd, cwd, env, timeout=300):
     try:
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
+        kill_job(proc.pid)
         pytest.fail(f"{' '.join(cmd)} still ran after {timeout} s (killed)\n{proc.communicate()[0][-5000:]}")
     assert proc.returncode == 0, out[-8000:]
     return out

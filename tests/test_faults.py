@@ -784,7 +784,8 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     ranks are gone): a stand-in launcher whose one child wrote and exited, while it stays, is killed
     LAUNCHER_ORPHANED_S later, its child's output kept; one whose child still runs meets the timeout,
     unless a rank's MPI_Abort was seen LAUNCHER_ABORT_STALL_S before (the deadlock before the ranks went).
-    The timeout, or the test ending by an exception, kills the launcher's "ranks" too."""
+    The timeout, or the test ending by an exception, kills the launcher's "ranks" too, in a session of
+    their own or not."""
     import mpirun
     monkeypatch.setattr(mpirun, "LAUNCHER_ORPHANED_S", 1.0)
     proc = run_launcher(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
@@ -792,10 +793,11 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     assert "the launcher was killed 1 s after its last rank exited" in proc.stderr, proc.stderr
     assert 1.0 < proc.ranks_gone_s < 2.0, proc.ranks_gone_s   # (half-second polls)
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
-        run_launcher(["bash", "-c", "echo so far; sleep 60 & echo $!; wait"], timeout=3)
-    said, rank = timed_out.value.output.splitlines()
-    assert said == "so far", timed_out.value.output
-    assert gone_soon(int(rank)), f"the launcher's child {rank} outlived the timeout"
+        run_launcher(["bash", "-c", "echo so far; sleep 60 & echo $!; setsid sleep 60 & echo $!; wait"], timeout=3)
+    said, *ranks = timed_out.value.output.splitlines()
+    assert said == "so far" and len(ranks) == 2, timed_out.value.output
+    for rank in ranks:   # (the second in a session of its own, as torchrun starts its workers)
+        assert gone_soon(int(rank)), f"the launcher's child {rank} outlived the timeout"
     # An interrupted test (Ctrl-C, pytest's own timeout) ends the job whole too.
     pid_file = tmp_path / "rank.pid"
 

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_job, run_launcher,
-                    ulfm_unavailable, under_open_mpi)
+from mpirun import (assert_rank_1_shrunk_away, launcher_output, mpi_aborted, mpi_env, mpiexec_command, run_job,
+                    run_launcher, ulfm_unavailable, under_open_mpi)
 from ports import free_port
 from torchbridge.launch import detect_launcher, prepare_env
 
@@ -404,7 +404,7 @@ def test_worlds_beside_an_mpi_launchers_job_and_made_again(case, tmp_path):
         cmd, env = mpiexec_command(2) + [sys.executable, str(script), how, "1", str(outs)], mpi_env()
         expect = ["round 0 rank 0 of 1 [1.0, 1.0, 1.0]"] * 2 if how == "store" else \
             [f"round 0 rank {r} of 2 [3.0, 3.0, 3.0]" for r in range(2)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_launcher(cmd, 120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     got = [line for f in outs.iterdir() for line in f.read_text().splitlines()]
     assert sorted(got) == sorted(expect), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -613,8 +613,7 @@ def test_worlds_made_again_under_mpirun_meet_in_a_new_store_each():
     """tests/faults/reinit.py, 3 ranks: three init/destroy cycles, rank 0 destroying each world a second
     after the others. With the port of the first world kept, a rank reached rank 0's old store, still
     up, and rank 0's next store waited for it until the timeout; each world now has a port of its own."""
-    proc = subprocess.run(mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "reinit.py")], env=mpi_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_launcher(mpiexec_command(3) + [sys.executable, os.path.join(FAULTS, "reinit.py")], 120, env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     worlds = re.findall(r"world (\d) rank (\d) port (\d+) sum \[3.0, 3.0\]", proc.stdout)
     assert len(worlds) == 9, proc.stdout[-3000:]
@@ -631,10 +630,9 @@ def test_a_rank_killed_under_ulfm_is_shrunk_away_and_the_job_goes_on(transport, 
     MPI is on live ranks only: it ends because the engine revokes a broken group's communicators, at
     once; without the revoke it waited until a peer's note of the loss in the store ended it, 2 s in
     (before the notes, until the timeout)."""
-    proc = subprocess.run(mpiexec_command(n)[:1] + ["--with-ft", "ulfm"] + mpiexec_command(n)[1:] +
-                          [sys.executable, os.path.join(FAULTS, "ulfm_survivors.py")],
-                          env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_launcher(mpiexec_command(n)[:1] + ["--with-ft", "ulfm"] + mpiexec_command(n)[1:] +
+                        [sys.executable, os.path.join(FAULTS, "ulfm_survivors.py")],
+                        120, env={**mpi_env(), "ENGINE_TRANSPORT": transport})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert_rank_1_shrunk_away(out, n)

@@ -10,7 +10,7 @@ from importlib.metadata import version
 import pytest
 
 import mpirun
-from mpirun import assert_every_rank_passed, suite_report
+from mpirun import assert_every_rank_passed, run_launcher, suite_report
 from torchrun import clean_env, run_pytest, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,16 +101,16 @@ def test_ranks_with_different_settings_refuse_a_torch_group_naming_the_setting()
     (or the rank that can't use its own), as under mpiexec (tests/test_faults.py)."""
     from faults.mismatched_settings import check
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.run(torchrun_command(4) + [os.path.join(HERE, "faults", "mismatched_settings.py")],
-                          env=clean_env(ENGINE_SOCKETS="2"), capture_output=True, text=True, timeout=300)
+    proc = run_launcher(torchrun_command(4) + [os.path.join(HERE, "faults", "mismatched_settings.py")],
+                        300, env=clean_env(ENGINE_SOCKETS="2"))
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     check(proc.stdout, mpi=False)
     assert set(os.listdir("/dev/shm")) <= before
 
 
 def test_every_collective_under_torchrun_without_mpi():
-    proc = subprocess.run(torchrun_command(3) + [os.path.join(ROOT, "examples", "check_collectives.py")],
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launcher(torchrun_command(3) + [os.path.join(ROOT, "examples", "check_collectives.py")],
+                        300, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     assert "ALL PASS: 16 collectives on 3 ranks, transport shm, MPI imported: False" in proc.stdout, proc.stdout
 
@@ -120,7 +120,7 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_on_every_rank():
     future callback each) never waited. Unless the engine drains its progress threads at exit, a rank
     aborts as Python finalizes (SIGABRT, "terminate called without an active exception")."""
     script = os.path.join(HERE, "faults", "exit_in_flight.py")
-    proc = subprocess.run(torchrun_command(3) + [script], env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launcher(torchrun_command(3) + [script], 300, env=clean_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in out, out[-5000:]
     assert len(re.findall(r"rank \d: leaving with \d+ of 16 collectives in flight", out)) == 3, out[-5000:]

@@ -5,14 +5,13 @@ engine timeout makes a rank that falls out of step fail within seconds, showing 
 import glob
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from engine import registry
-from mpirun import (assert_every_rank_passed, launcher_output, mpi_env, mpiexec_command, run_pytest, suite_report,
-                    under_open_mpi)
+from mpirun import (assert_every_rank_passed, launcher_output, mpi_env, mpiexec_command, run_launcher, run_pytest,
+                    suite_report, under_open_mpi)
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.abspath(HERE))
@@ -105,9 +104,8 @@ def test_the_automatic_choice_at_thresholds_moved_by_their_variables(transport):
 def test_every_collective_at_16_ranks():
     """16 ranks on one host (8 a core here, oversubscribed): every c10d collective against what each
     rank computes (examples/check_collectives.py), the waits yielding (more ranks than cores)."""
-    proc = subprocess.run(mpiexec_command(16) + [sys.executable, os.path.join(ROOT, "examples", "check_collectives.py")],
-                          env={**mpi_env(), "ENGINE_TIMEOUT": "60", "ENGINE_TRANSPORT": "shm"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_launcher(mpiexec_command(16) + [sys.executable, os.path.join(ROOT, "examples", "check_collectives.py")],
+                        300, env={**mpi_env(), "ENGINE_TIMEOUT": "60", "ENGINE_TRANSPORT": "shm"})
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     assert "ALL PASS" in proc.stdout and "on 16 ranks" in proc.stdout, proc.stdout[-3000:]
 
@@ -139,9 +137,8 @@ def test_receives_from_any_rank_over_mpi(mode):
             pytest.skip("MPICH's UCX module misses messages to posted any-source receives across its network module")
         env = {"MPIR_CVAR_NOLOCAL": "1", "ENGINE_MPI_ANY_SOURCE": ""}   # (unset: the engine's own choice)
     for part, says in (([], "any-source"), (["collectives"], "any-source across collectives")):
-        proc = subprocess.run(mpiexec_command(4) + [sys.executable, os.path.join(HERE, "mpi", "any_source.py"), *part],
-                              env={**mpi_env(), "ENGINE_TIMEOUT": SUITE_TIMEOUT, **env}, capture_output=True, text=True,
-                              timeout=240)
+        proc = run_launcher(mpiexec_command(4) + [sys.executable, os.path.join(HERE, "mpi", "any_source.py"), *part],
+                            240, env={**mpi_env(), "ENGINE_TIMEOUT": SUITE_TIMEOUT, **env})
         out = launcher_output(proc.stdout + proc.stderr)
         assert proc.returncode == 0, out[-5000:]
         assert sorted(re.findall(rf"{says}: ok (\w+) rank (\d)", out)) == [(mode, str(r)) for r in range(4)], \

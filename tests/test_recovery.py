@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mpirun import mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, run_launcher
 from ports import free_ports
 from torchrun import clean_env, free_port
 
@@ -65,7 +65,7 @@ def test_abort_ends_a_call_blocked_on_a_rank_that_never_arrives(launcher, transp
     else:
         cmd = mpiexec_command(3) + [sys.executable, script]
         env = {**mpi_env(), **extra}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = run_launcher(cmd, 180, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     lines = _abort_lines(out)

@@ -3,12 +3,11 @@ The long one (20,000) is scripts/soak.py; its result is in docs/robustness.md.""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from mpirun import mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,8 +17,7 @@ def test_short_soak(transport, nranks):
     """On 2 ranks the second group (the even ranks) is a group of one."""
     cmd = mpiexec_command(nranks) + [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "soak.py"),
                                 "--ops", "3000", "--seed", "7"]
-    proc = subprocess.run(cmd, env={**mpi_env(), "ENGINE_TRANSPORT": transport}, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_launcher(cmd, 300, env={**mpi_env(), "ENGINE_TRANSPORT": transport})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if "SOAK " in l)
     summary = json.loads(line.split("SOAK ", 1)[1])

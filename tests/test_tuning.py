@@ -2,14 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from bench.tune import rules_from
 from engine import registry
-from mpirun import mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, run_launcher
 from torchrun import clean_env, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,8 +83,8 @@ for n in (256, 1 << 18):
 
 def traced_algorithms(tmp_path, nranks, **env):
     trace = tmp_path / "trace.json"
-    proc = subprocess.run(mpiexec_command(nranks) + [sys.executable, "-c", TRACED], capture_output=True, text=True,
-                          env={**mpi_env(), "ENGINE_TRACE": str(trace), **env}, timeout=120, cwd=ROOT)
+    proc = run_launcher(mpiexec_command(nranks) + [sys.executable, "-c", TRACED],
+                        120, env={**mpi_env(), "ENGINE_TRACE": str(trace), **env}, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
     return [(e["args"]["count"], e["args"]["algorithm"]) for e in events if e["name"] == "allreduce"]
@@ -93,9 +92,9 @@ def traced_algorithms(tmp_path, nranks, **env):
 
 def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
     out = tmp_path / "tuned.json"
-    proc = subprocess.run(mpiexec_command(2) + [sys.executable, "-m", "bench", "tune", "-o", str(out), "-b", "1K",
-                                                "-e", "1M", "-f", "32", "--rounds", "1", "--budget", "0.02"],
-                          capture_output=True, text=True, env=mpi_env(), timeout=180, cwd=ROOT)
+    proc = run_launcher(mpiexec_command(2) + [sys.executable, "-m", "bench", "tune", "-o", str(out), "-b", "1K",
+                                              "-e", "1M", "-f", "32", "--rounds", "1", "--budget", "0.02"],
+                        180, env=mpi_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert set(doc["timings_us"]) == {"1024", "32768", "1048576"}
@@ -117,9 +116,9 @@ def test_the_tuners_file_changes_the_algorithm_in_the_trace(tmp_path):
 def test_the_tuner_runs_under_torchrun_without_mpi(tmp_path):
     """Without an MPI launch the tuner's group meets through torch's store and times shared memory."""
     out = tmp_path / "tuned.json"
-    proc = subprocess.run(torchrun_command(2) + ["-m", "bench", "tune", "-o", str(out), "-b", "1K", "-e", "64K", "-f",
-                                                 "64", "--rounds", "1", "--budget", "0.02"],
-                          capture_output=True, text=True, env=clean_env(), timeout=180, cwd=ROOT)
+    proc = run_launcher(torchrun_command(2) + ["-m", "bench", "tune", "-o", str(out), "-b", "1K", "-e", "64K", "-f",
+                                               "64", "--rounds", "1", "--budget", "0.02"],
+                        180, env=clean_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["measured_on"]["transport"] == "shm" and doc["measured_on"]["ranks"] == 2
