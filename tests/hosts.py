@@ -131,7 +131,7 @@ class Hosts:
 
 def mpirun_across(hosts, per_host, argv, timeout=300, capture=True, **env):
     """mpirun started on host 0, ranks on every host (per_host each), through the namespace agent."""
-    from mpirun import NO_LIBFABRIC, mpi_env
+    from mpirun import NO_LIBFABRIC, mpi_env, run_launcher
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     cmd = [mpirun, "--host", ",".join(f"{n}:{per_host}" for n in hosts.names), "--prtemca", "plm_ssh_agent",
            hosts.agent, "--mca", "btl_tcp_if_include", "10.77.0.0/24", "--prtemca", "oob_tcp_if_include",
@@ -141,7 +141,9 @@ def mpirun_across(hosts, per_host, argv, timeout=300, capture=True, **env):
     # Gloo (the reference in the benchmarks) would bind to the address the hostname resolves to (the decoy)
     env = {"GLOO_SOCKET_IFNAME": "eth0", **env}
     cmd[1:1] = _forward(env)
-    return hosts.run(0, cmd, env={**mpi_env(), **env}, capture_output=capture, text=True, timeout=timeout)
+    if not capture:
+        return hosts.run(0, cmd, env={**mpi_env(), **env}, text=True, timeout=timeout)
+    return run_launcher(hosts.command(0, cmd), timeout, env={**mpi_env(), **env})   # (killed whole at the timeout)
 
 
 def _forward(env):
@@ -200,9 +202,10 @@ def env_launch_across(hosts, per_host, argv, timeout=300, master=None, port=None
 
 
 def collect(procs, timeout):
-    """[(returncode or None when killed at the timeout, output)] of processes started together."""
-    import signal
+    """[(returncode or None when killed at the timeout, output)] of processes started together: past the
+    timeout each is killed with every process below it (torchrun's workers, each in a session of its own)."""
     import time
+    from mpirun import kill_job
     deadline = time.monotonic() + timeout
     results = []
     for p in procs:
@@ -212,7 +215,7 @@ def collect(procs, timeout):
         except subprocess.TimeoutExpired:
             for q in procs:
                 if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
+                    kill_job(q.pid)
             text, _ = p.communicate()
             results.append((None, text or ""))
     return results
