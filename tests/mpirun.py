@@ -220,27 +220,31 @@ def kill_job(leader):
             pass
 
 
-def run_launcher(cmd, timeout, env=None, cwd=None):
+def run_launcher(cmd, timeout, env=None, cwd=None, mpi=None):
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...) for a launcher's command
     (mpiexec, torchrun), started in a session of its own: at the timeout, or when the test ends by an
     exception (KeyboardInterrupt included), the whole job is killed (kill_job), ranks included, not the
     launcher alone (a killed launcher's ranks ran on and held their memory).
-    A launcher whose ranks (or daemons) have all exited LAUNCHER_ORPHANED_S ago is killed, and its run
-    returns what its ranks wrote, with returncode -9 and a note at the end of stderr: the test judges the
-    ranks, not the launcher's deadlock (above). Such a run's `ranks_gone_s` says how long before the kill
-    the last rank went (0 for a launcher that exited itself), so a test that times the job can time its
-    ranks. So does a job still running LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort (killed whole)."""
+    An MPI launcher (mpi: cmd runs mpiexec or mpirun, unless told) whose ranks (or daemons) have all exited
+    LAUNCHER_ORPHANED_S ago is killed, and its run returns what its ranks wrote, with returncode -9 and a
+    note at the end of stderr: the test judges the ranks, not the launcher's deadlock (above). Such a run's
+    `ranks_gone_s` says how long before the kill the last rank went (0 for a launcher that exited itself),
+    so a test that times the job can time its ranks. So does a job still running LAUNCHER_ABORT_STALL_S
+    after a rank's MPI_Abort (killed whole). (torchrun is left its own pauses: between a restart's worker
+    groups it has no child while the next attempt meets.)"""
+    if mpi is None:
+        mpi = any(os.path.basename(str(arg)) in ("mpiexec", "mpirun") for arg in cmd)
     with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
-            return _judged(proc, cmd, timeout)
+            return _judged(proc, cmd, timeout, mpi)
         except BaseException:
             # (not after a job that ended: what its ranks left running is for the test to see)
             kill_job(proc.pid)
             raise
 
 
-def _judged(proc, cmd, timeout):
+def _judged(proc, cmd, timeout, mpi):
     """run_launcher's wait on its launcher `proc` (the leader of its session)."""
     deadline, seen, childless_since, aborted_since = time.monotonic() + timeout, False, None, None
     while True:
@@ -252,12 +256,13 @@ def _judged(proc, cmd, timeout):
         except subprocess.TimeoutExpired as partial:
             so_far = partial   # (what was read so far, as bytes: decoded only where it is returned)
         now = time.monotonic()
-        if _children(proc.pid):
-            seen, childless_since = True, None
-        elif seen and childless_since is None:
-            childless_since = now
-        if aborted_since is None and ABORTED.search("".join(_decoded(so_far))):
-            aborted_since = now
+        if mpi:
+            if _children(proc.pid):
+                seen, childless_since = True, None
+            elif seen and childless_since is None:
+                childless_since = now
+            if aborted_since is None and ABORTED.search("".join(_decoded(so_far))):
+                aborted_since = now
         if now > deadline:
             kill_job(proc.pid)
             proc.wait()

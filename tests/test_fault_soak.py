@@ -6,19 +6,20 @@ group, /dev/shm as before the job. The long run and its numbers: docs/fault-tole
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from mpirun import run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_fault_soak(transport):
-    proc = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "fault_soak.py"),
-                           "--ranks", "3", "--generations", "24", "--seed", "5", "--transport", transport,
-                           "--timeout", "2", "--hang", "60"], capture_output=True, text=True, timeout=300)
+    proc = run_launcher([sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "fault_soak.py"),
+                         "--ranks", "3", "--generations", "24", "--seed", "5", "--transport", transport,
+                         "--timeout", "2", "--hang", "60"], 300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("FAULT SOAK ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(line[len("FAULT SOAK "):])

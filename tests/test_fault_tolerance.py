@@ -27,6 +27,7 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 import torchbridge.hooks
 from forked_ranks import ForkedRanks
+from mpirun import run_launcher
 
 HAS_RECONFIGURE = hasattr(dist, "_reconfigure")
 WORLD = 3
@@ -881,11 +882,10 @@ def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_stor
     minutes). The reconfigure checks that its members share the group's store, and those calls meet
     under its membership, and the world's shrinks since, which every member names alike; it counts
     the members' makings of the world alike: each is done within seconds."""
-    import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "faults", "replaced_rank.py")
-    proc = subprocess.run([sys.executable, script, transport], capture_output=True, text=True, timeout=300)
+    proc = run_launcher([sys.executable, script, transport], 300)
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
     splits = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15)   # (torch 2.14 splits no CPU group)
@@ -901,11 +901,10 @@ def test_a_world_shrunk_then_joined_by_a_newcomer_is_made_again_in_one_making():
     reconfigure. The shrunk world's reconfigure looked for its members' word, and counted their makings,
     in the shrink's part of the store: the newcomer's store looked unshared and the world made again
     met in two makings, each side waiting for the other until the timeout."""
-    import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "faults", "shrunk_then_replaced.py")
-    proc = subprocess.run([sys.executable, script, "shm"], capture_output=True, text=True, timeout=300)
+    proc = run_launcher([sys.executable, script, "shm"], 300)
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
     steps = [(str(r), "shrink") for r in (0, 1)] + [(str(r), s) for r in range(3) for s in ("reconfigure",

@@ -33,8 +33,7 @@ def spawned(script, *args, timeout):
     """The output of a fault script that starts its own ranks (tests/faults/spawned.py), run without the
     MPI launcher's variables this test may run under."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = run_launcher([sys.executable, os.path.join(HERE, script), *map(str, args)], timeout, env=env)
     return proc.stdout + proc.stderr
 
 
@@ -457,8 +456,8 @@ def test_ddp_bucket_failing_in_flight_raises_naming_the_rank_instead_of_crashing
     """A failed Work's future must fail in C++ too: torch.futures.Future.set_exception alone completed it
     with the exception as its value, which DDP's reducer read as the bucket's tensors (SIGSEGV)."""
     env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ddp_dead_peer.py")], capture_output=True, text=True,
-                          timeout=180, env={**env, "ENGINE_TRANSPORT": transport})
+    proc = run_launcher([sys.executable, os.path.join(HERE, "ddp_dead_peer.py")],
+                        180, env={**env, "ENGINE_TRANSPORT": transport})
     out = proc.stdout + proc.stderr
     assert "exit codes [0, 0]" in out, out[-3000:]
     assert re.search(r"rank 0 raised: \w+: .*allreduce failed: rank 1\b", out), out[-3000:]
@@ -500,8 +499,7 @@ def test_processes_forked_from_a_rank_leave_its_groups_alone(launch_with):
         assert proc.returncode == 0, out[-5000:]
     else:
         env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=180,
-                              env={**env, "ENGINE_TRANSPORT": transport})
+        proc = run_launcher([sys.executable, script], 180, env={**env, "ENGINE_TRANSPORT": transport})
         out = proc.stdout + proc.stderr
         assert "exit codes [0, -9]" in out, out[-5000:]
         lost = re.search(r"rank 0 raised after ([\d.]+) s: EnginePeerLost: allreduce failed: rank 1 \((.*)", out)
@@ -788,17 +786,20 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     their own or not."""
     import mpirun
     monkeypatch.setattr(mpirun, "LAUNCHER_ORPHANED_S", 1.0)
-    proc = run_launcher(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30)
+    proc = run_launcher(["bash", "-c", "sh -c 'echo rank output; sleep 2'; exec sleep 60"], timeout=30, mpi=True)
     assert proc.returncode == -signal.SIGKILL and proc.stdout == "rank output\n", proc
     assert "the launcher was killed 1 s after its last rank exited" in proc.stderr, proc.stderr
     assert 1.0 < proc.ranks_gone_s < 2.0, proc.ranks_gone_s   # (half-second polls)
+    # Not so another launcher (torchrun), which may have no child for a while: a restart's next attempt.
+    proc = run_launcher(["bash", "-c", "sh -c 'echo attempt 1'; sleep 2; echo attempt 2"], timeout=30)
+    assert proc.returncode == 0 and proc.stdout == "attempt 1\nattempt 2\n", proc
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         run_launcher(["bash", "-c", "echo so far; sleep 60 & echo $!; setsid sleep 60 & echo $!; wait"], timeout=3)
     said, *ranks = timed_out.value.output.splitlines()
     assert said == "so far" and len(ranks) == 2, timed_out.value.output
     for rank in ranks:   # (the second in a session of its own, as torchrun starts its workers)
         assert gone_soon(int(rank)), f"the launcher's child {rank} outlived the timeout"
-    # An interrupted test (Ctrl-C, pytest's own timeout) ends the job whole too.
+    # An interrupted test (Ctrl-C, SIGTERM: tests/conftest.py) ends the job whole too.
     pid_file = tmp_path / "rank.pid"
 
     def interrupted(pid):
@@ -810,14 +811,14 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     with monkeypatch.context() as patched:
         patched.setattr(mpirun, "_children", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            run_launcher(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=30)
+            run_launcher(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=30, mpi=True)
     rank = int(pid_file.read_text())
     assert gone_soon(rank), f"the launcher's child {rank} outlived the interrupted test"
     # The deadlock before the ranks were ended: a job in its own session still running
     # LAUNCHER_ABORT_STALL_S after a rank's MPI_Abort banner is killed whole, its output kept.
     monkeypatch.setattr(mpirun, "LAUNCHER_ABORT_STALL_S", 1.0)
     proc = run_launcher(["bash", "-c", "sleep 60 & echo $!; echo 'MPI_ABORT was invoked on rank 0 in' >&2; wait"],
-                        timeout=30)
+                        timeout=30, mpi=True)
     rank = int(proc.stdout)
     assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
     assert re.search(rf"still running: .*\b{rank} S \w+: sleep 60", proc.abort_stalled), proc.abort_stalled

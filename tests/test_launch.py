@@ -432,7 +432,7 @@ def test_a_worlds_groups_made_again_under_torchrun_read_nothing_the_last_world_l
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(tmp_path / "remade.py")]
     (tmp_path / "remade.py").write_text(REMADE_GROUPS)
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    proc = run_launcher(cmd, 120, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     got = sorted(re.findall(r"world \d rank \d \d\.\d", proc.stdout))   # (the ranks' lines may interleave)
     assert got == sorted([f"world 0 rank {r} {2.0 if r < 2 else 1.0}" for r in range(3)] +

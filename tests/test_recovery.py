@@ -26,9 +26,8 @@ def test_torchrun_restart_after_a_killed_rank_trains_like_one_process(rendezvous
     port = free_port()
     where = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if rendezvous == "c10d"
              else ["--master-addr", "127.0.0.1", "--master-port", str(port)])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
-                           "1", *where, os.path.join(FAULTS, "restarted_ddp.py")],
-                          env=clean_env(), capture_output=True, text=True, timeout=240)
+    proc = run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                         "1", *where, os.path.join(FAULTS, "restarted_ddp.py")], 240, env=clean_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     found = re.findall(r"attempt (\d+): largest difference from one process (\S+) \(2 ranks", out)

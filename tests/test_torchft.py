@@ -18,6 +18,7 @@ torchft = pytest.importorskip("torchft")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from mpirun import run_launcher  # noqa: E402
 from torchrun import clean_env  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,7 +36,7 @@ if __name__ == "__main__":
 def test_torchft_resize_and_recover_over_the_engine():
     """torchft.reconfigure_test's worker with backend "engine": generations [0,1,2], [2,0], [1,2,0] through
     torchft's reconfigure_with_store (the group object and its name kept), then abort and recovery."""
-    proc = subprocess.run([sys.executable, "-c", RESIZE], env=clean_env(), capture_output=True, text=True, timeout=180)
+    proc = run_launcher([sys.executable, "-c", RESIZE], 180, env=clean_env())
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-6000:]
 
 
