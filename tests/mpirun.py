@@ -169,26 +169,28 @@ def running(pid):
         return False
 
 
-def _session(sid):
-    """(pid, its proc_stat fields) of each process of session `sid`."""
-    for pid in os.listdir("/proc"):
-        try:
-            stat = proc_stat(pid)
-            if int(stat[3]) == sid:
-                yield int(pid), stat
-        except (OSError, ValueError, IndexError):
-            pass
-
-
-def _descendants(pid):
-    """The pids of process `pid`'s children, their children, and so on."""
-    children = {}
+def _processes():
+    """(pid, its proc_stat fields) of every process (read from /proc once)."""
     for entry in os.listdir("/proc"):
         try:
-            children.setdefault(int(proc_stat(entry)[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
+            yield int(entry), proc_stat(entry)
+        except (OSError, ValueError, IndexError):   # (not a process, or gone meanwhile)
             pass
-    found, todo = set(), [pid]
+
+
+def _session(sid):
+    """(pid, its proc_stat fields) of each process of session `sid`."""
+    return [(pid, stat) for pid, stat in _processes() if int(stat[3]) == sid]
+
+
+def _job(leader):
+    """The pids of `leader`, of every process of its session, and of every process below any of them."""
+    children, found = {}, {leader}
+    for pid, stat in _processes():
+        children.setdefault(int(stat[1]), []).append(pid)
+        if int(stat[3]) == leader:
+            found.add(pid)
+    todo = list(found)
     while todo:
         for child in children.get(todo.pop(), ()):
             if child not in found:
@@ -204,7 +206,7 @@ def kill_job(leader):
     forks past the search or, its parent gone, leaves the launcher's tree before it is found."""
     stopped = set()
     while True:
-        found = ({pid for pid, _ in _session(leader)} | _descendants(leader) | {leader}) - stopped
+        found = _job(leader) - stopped
         if not found:
             break
         for pid in found:
