@@ -62,6 +62,9 @@ def launcher_output(text):
 
 # A line of a flight recorder's dump (engine.watch): 256 of them a rank would bury a report's errors.
 _RECORDER_LINE = re.compile(r"^.*engine:   #\d+ .*$\n?", re.M)
+# faulthandler's lines (a thread's header, then its frames), from ranks asked for their stacks.
+_STACK_LINE = re.compile(r'^.*(?:(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):|  File ".*", line \d+ in ).*$', re.M)
+_RUNNER_FRAME = re.compile(r'  File ".*(?:/_pytest/|/pluggy/|/pytest/__main__.py|<frozen runpy>)')
 _ERROR_LINE = re.compile(r"^.*(?:\bE {2,}\S|\bFAILED\b|\bERROR\b|Timed out after|Traceback).*$", re.M)
 
 
@@ -74,6 +77,17 @@ def suite_report(stdout, stderr="", tail=12000):
     out, err = _RECORDER_LINE.sub("", stdout), _RECORDER_LINE.sub("", stderr)
     return ("errors:\n" + "\n".join(errors) + f"\n(flight recorder lines left out: {dumped})\n--- stdout, its end:\n"
             + out[-tail:] + "\n--- stderr, its end:\n" + err[-tail // 3:])
+
+
+def timed_out_report(hung):
+    """A TimeoutExpired from run_launcher as an assertion's text: suite_report, then the threads' stacks
+    the ranks printed when asked (ask_for_stacks; at most 40,000 characters)."""
+    out, err = _decoded(hung)
+    # (each rank's lines together, in the order it wrote them; pytest's, pluggy's and runpy's frames left out)
+    lines = [m.group(0) for m in _STACK_LINE.finditer(out + "\n" + err) if not _RUNNER_FRAME.search(m.group(0))]
+    stacks = "\n".join(sorted(lines, key=lambda line: re.match(r"\[[^\]]*\]|", line).group(0)))
+    return (f"the job still ran after {hung.timeout} s (killed)\n" + suite_report(out, err)
+            + "\n--- the ranks' threads' stacks at the timeout:\n" + (stacks[:40000] or "(none came)"))
 
 
 def mpi_aborted(out, rank):
@@ -136,6 +150,10 @@ LAUNCHER_ORPHANED_S = 10.0
 # abort, so a job in its own session is killed whole and judged by what its ranks wrote.
 LAUNCHER_ABORT_STALL_S = 30.0
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank|called MPI_Abort\(")
+# A job past its timeout is asked for its ranks' stacks (ask_for_stacks) before it is killed, and read on
+# this long while they come through the launcher: a hang that shows only in CI is shown where it waits.
+STACKS_SIGNAL = signal.SIGUSR2   # (SIGUSR1 is the engine's: it dumps the flight recorders, engine/watch.py)
+STACKS_WAIT_S = 3.0
 
 
 def _children(pid):
@@ -178,11 +196,6 @@ def _processes():
             pass
 
 
-def _session(sid):
-    """(pid, its proc_stat fields) of each process of session `sid`."""
-    return [(pid, stat) for pid, stat in _processes() if int(stat[3]) == sid]
-
-
 def _job(leader):
     """The pids of `leader`, of every process of its session, and of every process below any of them."""
     children, found = {}, {leader}
@@ -197,6 +210,31 @@ def _job(leader):
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def _catches(pid, signum):
+    """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def ask_for_stacks(leader):
+    """Send STACKS_SIGNAL to each Python process of the job `leader` leads that catches it (the suites'
+    ranks: tests/mpi/conftest.py has faulthandler print every thread's stack on it), none else: it ends
+    a process that doesn't catch it, and Open MPI's launcher and daemons catch it to pass it on to the
+    ranks. Returns their pids."""
+    python, asked = os.path.realpath(sys.executable), []
+    for pid in sorted(_job(leader)):
+        try:
+            if os.path.realpath(f"/proc/{pid}/exe") == python and _catches(pid, STACKS_SIGNAL):
+                os.kill(pid, STACKS_SIGNAL)
+                asked.append(pid)
+        except OSError:
+            pass
+    return asked
 
 
 def kill_job(leader):
@@ -266,12 +304,23 @@ def _judged(proc, cmd, timeout, mpi):
             if aborted_since is None and ABORTED.search("".join(_decoded(so_far))):
                 aborted_since = now
         if now > deadline:
+            asked = ask_for_stacks(proc.pid)
+            if asked:   # (their stacks come through the launcher: read on while they do)
+                try:
+                    so_far = subprocess.TimeoutExpired(cmd, timeout, *proc.communicate(timeout=STACKS_WAIT_S))
+                except subprocess.TimeoutExpired as partial:
+                    so_far = partial
+            stayed = job_processes(proc.pid)
             kill_job(proc.pid)
             proc.wait()
-            raise subprocess.TimeoutExpired(cmd, timeout, *_decoded(so_far))
+            out, err = _decoded(so_far)
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err + (
+                f"\n(tests/mpirun.py: the job still ran after {timeout} s and was killed, ranks included; "
+                f"{len(asked)} of its processes were asked for their threads' stacks (above); still running: "
+                + "; ".join(stayed) + ")\n"))
         orphaned = childless_since is not None and now - childless_since > LAUNCHER_ORPHANED_S
         if orphaned or (aborted_since is not None and now - aborted_since > LAUNCHER_ABORT_STALL_S):
-            stayed = "" if orphaned else "; still running: " + "; ".join(session_processes(proc.pid))
+            stayed = "" if orphaned else "; still running: " + "; ".join(job_processes(proc.pid))
             # (the launcher alone once its ranks are gone: what they left running is for the test to see)
             proc.kill() if orphaned else kill_job(proc.pid)
             try:
@@ -288,11 +337,12 @@ def _judged(proc, cmd, timeout, mpi):
             return done
 
 
-def session_processes(sid):
-    """'pid state wchan: command' of each process of session `sid`: what a stalled job left."""
+def job_processes(leader):
+    """'pid state wchan: command' of each process of the job `leader` leads (_job): what a stalled job left."""
     found = []
-    for pid, stat in _session(sid):
+    for pid in sorted(_job(leader)):
         try:
+            stat = proc_stat(pid)
             with open(f"/proc/{pid}/wchan") as f:
                 wchan = f.read()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -314,8 +364,7 @@ def run_job(cmd, timeout, env, what):
                           f"killed{done.abort_stalled}")
         return done
     except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{what}: the job still ran after {timeout} s (killed)\n"
-                    f"{launcher_output(hung.output + hung.stderr)[-5000:]}")
+        pytest.fail(f"{what}: {launcher_output(timed_out_report(hung))}")
 
 
 def run_pytest(nranks, paths, timeout, extra=(), env=None):
@@ -324,7 +373,10 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, *paths]
-    return run_launcher(cmd, timeout, env={**mpi_env(), **(env or {})})
+    try:
+        return run_launcher(cmd, timeout, env={**mpi_env(), **(env or {})})
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{nranks} ranks, {' '.join(paths)}: {launcher_output(timed_out_report(hung))}", pytrace=False)
 
 
 def assert_every_rank_passed(text, nranks, skips=True):

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from mpirun import launcher_output, mpi_env, mpiexec_command, run_job, run_launcher, running
+from mpirun import (launcher_output, mpi_env, mpiexec_command, run_job, run_launcher, run_pytest, running,
+                    under_open_mpi)
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
@@ -823,3 +824,24 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     assert proc.returncode == -signal.SIGKILL and "killed, ranks included, 1 s after a rank's MPI_Abort" in proc.stderr
     assert re.search(rf"still running: .*\b{rank} S \w+: sleep 60", proc.abort_stalled), proc.abort_stalled
     assert gone_soon(rank), f"the launcher's child {rank} outlived the stalled abort"
+
+
+def test_a_suite_past_its_timeout_shows_where_each_rank_waited():
+    """A suite's launch past its timeout (tests/mpirun.py: run_pytest) fails with every rank's threads'
+    stacks, each rank's once: only the ranks are asked for them (tests/mpi/conftest.py has faulthandler
+    print them, to the stderr pytest captures around its tests), not Open MPI's launcher and daemons,
+    which would pass the signal on to the ranks again. Then no rank is left."""
+    suite = os.path.join(os.path.dirname(HERE), "mpi", "hang_suite.py")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_pytest(2, suite, timeout=12)
+    said = launcher_output(str(failed.value))
+    assert "the job still ran after 12 s (killed)" in said and "2 of its processes were asked" in said, said
+    stacks = said.split("--- the ranks' threads' stacks at the timeout:")[1]
+    assert len(re.findall(r"Current thread 0x", stacks)) == 2, stacks
+    assert len(re.findall(r'hang_suite.py", line \d+ in test_waits_for_ever', stacks)) == 2, stacks
+    assert len(re.findall(r'threading.py", line \d+ in wait', stacks)) >= 2, stacks
+    if under_open_mpi():
+        for rank in (0, 1):
+            assert f"[1,{rank}]<stderr>: Current thread" in stacks, stacks
+    assert not subprocess.run(["pgrep", "-f", suite], capture_output=True).stdout, "a rank outlived the timeout"
+
