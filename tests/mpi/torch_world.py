@@ -10,6 +10,11 @@ import torch.distributed as dist
 # The suites' short timeout (ENGINE_TIMEOUT): a torch group takes torch's own (30 min) otherwise, and a
 # rank out of step would hold the whole run until then.
 TIMEOUT = timedelta(seconds=float(os.environ.get("ENGINE_TIMEOUT", "1800")))
+# The Gloo group's, which the suites' ranks meet on between steps: long enough for ranks whose peers wait
+# out a test's own timeouts (30 s at most), short enough that the ranks left waiting on one that stopped
+# (pytest -x, at a failure: under MPI it then waits in MPI_Finalize, its sockets open) fail, naming the
+# barrier, well within their launch's timeout, instead of holding it for Gloo's 30 minutes.
+GLOO_TIMEOUT = min(timedelta(seconds=120), TIMEOUT * 12)
 
 _gloo = []
 
@@ -19,7 +24,7 @@ def init():
     if not dist.is_initialized():
         dist.init_process_group(backend="engine")
     if not _gloo:
-        _gloo.append(dist.new_group(backend="gloo"))
+        _gloo.append(dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT))
     return dist.get_rank(), dist.get_world_size(), _gloo[0]
 
 
