@@ -369,7 +369,9 @@ def run_job(cmd, timeout, env, what):
 
 def run_pytest(nranks, paths, timeout, extra=(), env=None):
     """-x: a rank stops at its first failure; the others, then out of step, fail at their next wait
-    (a lost peer over shared memory, the suites' short ENGINE_TIMEOUT over MPI)."""
+    (a lost peer over shared memory, the suites' short ENGINE_TIMEOUT over MPI, their Gloo group's
+    timeout: tests/mpi/torch_world.py). A launch past its timeout fails the test with what each rank
+    wrote and where each rank's threads waited (timed_out_report)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, *paths]
