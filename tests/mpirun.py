@@ -63,7 +63,8 @@ def launcher_output(text):
 # A line of a flight recorder's dump (engine.watch): 256 of them a rank would bury a report's errors.
 _RECORDER_LINE = re.compile(r"^.*engine:   #\d+ .*$\n?", re.M)
 # faulthandler's lines (a thread's header, then its frames), from ranks asked for their stacks.
-_STACK_LINE = re.compile(r'^.*(?:(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):|  File ".*", line \d+ in ).*$', re.M)
+_STACK_LINE = re.compile(r'^.*(?:(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):'
+                         r'|  File ".*", line \d+ in ).*$', re.M)
 _RUNNER_FRAME = re.compile(r'  File ".*(?:/_pytest/|/pluggy/|/pytest/__main__.py|<frozen runpy>)')
 _ERROR_LINE = re.compile(r"^.*(?:\bE {2,}\S|\bFAILED\b|\bERROR\b|Timed out after|Traceback).*$", re.M)
 

@@ -844,4 +844,3 @@ def test_a_suite_past_its_timeout_shows_where_each_rank_waited():
         for rank in (0, 1):
             assert f"[1,{rank}]<stderr>: Current thread" in stacks, stacks
     assert not subprocess.run(["pgrep", "-f", suite], capture_output=True).stdout, "a rank outlived the timeout"
-

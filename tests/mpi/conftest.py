@@ -9,7 +9,6 @@ import pytest  # noqa: E402
 from mpirun import STACKS_SIGNAL  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_of_engine_isa():
     """Under ENGINE_ISA (tests/test_mpi_suites.py) every rank runs those kernels, in engine._core and

@@ -1375,9 +1375,9 @@ def test_a_member_that_never_makes_its_new_group_is_named_at_the_groups_timeout(
     timeout (the store's own wait says 2000 ms), naming it, where they waited for the world's store
     until its own timeout (30 minutes by default) and raised the store's 'wait timeout'. A rank whose
     clock started later (it came last of them, on a busy machine) may hear first that another gave the
-    making up, naming the absent rank (and this one, if it came over 2 s late). (Before the set_timeout test: over MPI, the messages its ranks
-    sent to the absent rank stay unmatched and would reach a communicator that rank makes alone with the
-    freed group's id, which Open MPI aborts on.)"""
+    making up, naming the absent rank (and this one, if it came over 2 s late). (Before the set_timeout
+    test: over MPI, the messages its ranks sent to the absent rank stay unmatched and would reach a
+    communicator that rank makes alone with the freed group's id, which Open MPI aborts on.)"""
     if P < 2:
         pytest.skip("needs two ranks")
     dist.barrier(group=GLOO)   # (the members that come arrive together: a slow one would be named too)
