@@ -80,6 +80,14 @@ def suite_report(stdout, stderr="", tail=12000):
             + out[-tail:] + "\n--- stderr, its end:\n" + err[-tail // 3:])
 
 
+class LaunchTimedOut(subprocess.TimeoutExpired):
+    """run_launcher's timeout: its text is timed_out_report's, so a test that lets it go up shows what
+    the ranks wrote and where they waited, as one that fails through run_job does."""
+
+    def __str__(self):
+        return launcher_output(timed_out_report(self))
+
+
 def timed_out_report(hung):
     """A TimeoutExpired from run_launcher as an assertion's text: suite_report, then the threads' stacks
     the ranks printed when asked (ask_for_stacks; at most 40,000 characters)."""
@@ -315,7 +323,7 @@ def _judged(proc, cmd, timeout, mpi):
             kill_job(proc.pid)
             proc.wait()
             out, err = _decoded(so_far)
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err + (
+            raise LaunchTimedOut(cmd, timeout, out, err + (
                 f"\n(tests/mpirun.py: the job still ran after {timeout} s and was killed, ranks included; "
                 f"{len(asked)} of its processes were asked for their threads' stacks (above); still running: "
                 + "; ".join(stayed) + ")\n"))
@@ -364,8 +372,8 @@ def run_job(cmd, timeout, env, what):
             warnings.warn(f"{what}: the job outlived a rank's MPI_Abort by {LAUNCHER_ABORT_STALL_S:g} s and was "
                           f"killed{done.abort_stalled}")
         return done
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{what}: {launcher_output(timed_out_report(hung))}")
+    except LaunchTimedOut as hung:
+        pytest.fail(f"{what}: {hung}")
 
 
 def run_pytest(nranks, paths, timeout, extra=(), env=None):
@@ -376,10 +384,7 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                      "-o", "addopts=", "--color=no", *extra, *paths]
-    try:
-        return run_launcher(cmd, timeout, env={**mpi_env(), **(env or {})})
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{nranks} ranks, {' '.join(paths)}: {launcher_output(timed_out_report(hung))}", pytrace=False)
+    return run_job(cmd, timeout, {**mpi_env(), **(env or {})}, f"{nranks} ranks, {' '.join(paths)}")
 
 
 def assert_every_rank_passed(text, nranks, skips=True):

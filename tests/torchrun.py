@@ -4,12 +4,9 @@ torch's store and runs over shared memory). Used by tests/test_launchers.py and 
     python tests/torchrun.py 3 tests/mpi/test_torch_backend.py
 """
 
-import subprocess
 import sys
 
-import pytest
-
-from mpirun import mpi_env, run_launcher, timed_out_report
+from mpirun import mpi_env, run_job
 from ports import free_port
 
 
@@ -31,10 +28,7 @@ def run_pytest(nranks, paths, timeout, extra=(), env=None):
     paths = [paths] if isinstance(paths, str) else list(paths)
     cmd = torchrun_command(nranks) + ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "--color=no",
                                       *extra, *paths]
-    try:
-        return run_launcher(cmd, timeout, env=clean_env(**(env or {})))
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"{nranks} ranks under torchrun, {' '.join(paths)}: {timed_out_report(hung)}", pytrace=False)
+    return run_job(cmd, timeout, clean_env(**(env or {})), f"{nranks} ranks under torchrun, {' '.join(paths)}")
 
 
 if __name__ == "__main__":
