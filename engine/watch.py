@@ -19,6 +19,7 @@ failed to tell from their messages, a stalled mismatch is named within seconds, 
 import atexit
 import contextlib
 import errno
+import faulthandler
 import json
 import os
 import signal
@@ -667,14 +668,18 @@ _registry = _Registry()
 
 
 def _install_dump_signal():
-    """SIGUSR1 dumps every flight recorder to stderr (only if the program has not claimed SIGUSR1)."""
+    """SIGUSR1 prints every thread's stack and dumps every flight recorder to stderr (only if the program
+    has not claimed SIGUSR1). The stacks come from faulthandler's C handler, at once, even while a thread
+    waits where Python's handlers can't run (another library's wait, MPI_Finalize); it then passes the
+    signal on to Python's handler, which dumps the recorders once the main thread runs Python again."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or threading.current_thread() is not threading.main_thread():
         return
     try:
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in _registry.snapshot()])
-    except (ValueError, OSError):
+            faulthandler.register(sig, file=2, all_threads=True, chain=True)
+    except (ValueError, OSError, RuntimeError):
         pass
 
 

@@ -60,8 +60,9 @@ def launcher_output(text):
     return text if under_open_mpi() else re.sub(r"\[\d+\] ", "", text)
 
 
-# A line of a flight recorder's dump (engine.watch): 256 of them a rank would bury a report's errors.
-_RECORDER_LINE = re.compile(r"^.*engine:   #\d+ .*$\n?", re.M)
+# A line of a flight recorder's dump (engine.watch) but for an operation still running: 256 of them a
+# rank would bury a report's errors.
+_RECORDER_LINE = re.compile(r"^.*engine:   #\d+ (?!.* running$).*$\n?", re.M)
 # faulthandler's lines (a thread's header, then its frames), from ranks asked for their stacks.
 _STACK_LINE = re.compile(r'^.*(?:(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):'
                          r'|  File ".*", line \d+ in ).*$', re.M)
@@ -72,7 +73,7 @@ _ERROR_LINE = re.compile(r"^.*(?:\bE {2,}\S|\bFAILED\b|\bERROR\b|Timed out after
 def suite_report(stdout, stderr="", tail=12000):
     """A failed launch's output for an assertion: its error lines first (pytest's `E` lines, FAILED,
     timeouts; at most 40, each once), then the tail of stdout and of stderr without the flight
-    recorders' operation lines, which a timed-out rank prints by the hundred."""
+    recorders' lines of finished operations, which a timed-out rank prints by the hundred."""
     errors = list(dict.fromkeys(m.group(0)[:400] for m in _ERROR_LINE.finditer(stdout + "\n" + stderr)))[:40]
     dumped = len(_RECORDER_LINE.findall(stdout)) + len(_RECORDER_LINE.findall(stderr))
     out, err = _RECORDER_LINE.sub("", stdout), _RECORDER_LINE.sub("", stderr)
@@ -161,7 +162,7 @@ LAUNCHER_ABORT_STALL_S = 30.0
 ABORTED = re.compile(r"MPI_ABORT was invoked on rank|called MPI_Abort\(")
 # A job past its timeout is asked for its ranks' stacks (ask_for_stacks) before it is killed, and read on
 # this long while they come through the launcher: a hang that shows only in CI is shown where it waits.
-STACKS_SIGNAL = signal.SIGUSR2   # (SIGUSR1 is the engine's: it dumps the flight recorders, engine/watch.py)
+STACKS_SIGNAL = signal.SIGUSR2   # (SIGUSR1 is the engine's: its stacks and flight recorders, engine/watch.py)
 STACKS_WAIT_S = 3.0
 
 
@@ -231,16 +232,22 @@ def _catches(pid, signum):
 
 
 def ask_for_stacks(leader):
-    """Send STACKS_SIGNAL to each Python process of the job `leader` leads that catches it (the suites'
-    ranks: tests/mpi/conftest.py has faulthandler print every thread's stack on it), none else: it ends
-    a process that doesn't catch it, and Open MPI's launcher and daemons catch it to pass it on to the
-    ranks. Returns their pids."""
+    """Send each Python process of the job `leader` leads that catches STACKS_SIGNAL that signal (the
+    suites' ranks: tests/mpi/conftest.py has faulthandler print every thread's stack on it), and each
+    other one that catches SIGUSR1 that one (the engine's dump, once a group is made: every thread's
+    stack and the flight recorders; a script of tests/faults/ that catches it to abort its group aborts,
+    as the job is about to be killed anyway). None else: a signal not caught ends the process, and Open
+    MPI's launcher and daemons catch both to pass them on to the ranks. Returns their pids."""
     python, asked = os.path.realpath(sys.executable), []
     for pid in sorted(_job(leader)):
         try:
-            if os.path.realpath(f"/proc/{pid}/exe") == python and _catches(pid, STACKS_SIGNAL):
-                os.kill(pid, STACKS_SIGNAL)
-                asked.append(pid)
+            if os.path.realpath(f"/proc/{pid}/exe") != python:
+                continue
+            for signum in (STACKS_SIGNAL, signal.SIGUSR1):
+                if _catches(pid, signum):
+                    os.kill(pid, signum)
+                    asked.append(pid)
+                    break
         except OSError:
             pass
     return asked

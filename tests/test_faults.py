@@ -4,6 +4,7 @@ writes), and a timeout is judged by the wait's length the engine reports; mpirun
 only where the point is how soon the whole job ends (a killed rank)."""
 
 import ast
+import concurrent.futures
 import json
 import os
 import re
@@ -446,6 +447,9 @@ def test_bad_inputs_get_clear_errors(tmp_path, transport):
     assert cases["complex sums"] == "[(3+6j), (9-3j)] [[(3+6j), (9-3j)], [(3+6j)]]", cases
     assert "does not support RedOpType.MAX on complex tensors" in cases["complex max"]
     assert "flight recorder of group '0', rank 0 of 2: SIGUSR1" in out
+    # (and, before it, the stacks of every thread of the rank that got the signal: the engine's watchdog's too)
+    assert "Current thread 0x" in out and re.search(r'  File ".*bad_input.py", line \d+ in <module>', out), out
+    assert re.search(r'File ".*engine/watch.py", line \d+ in _watchdog', out), out
     for r in (0, 1):
         events = json.load(open(tmp_path / f"t.rank{r}.json"))["traceEvents"]
         names = {e["name"] for e in events if e.get("ph") == "X"}
@@ -826,21 +830,37 @@ def test_a_launcher_left_without_ranks_is_ended_with_what_they_wrote(monkeypatch
     assert gone_soon(rank), f"the launcher's child {rank} outlived the stalled abort"
 
 
-def test_a_suite_past_its_timeout_shows_where_each_rank_waited():
-    """A suite's launch past its timeout (tests/mpirun.py: run_pytest) fails with every rank's threads'
-    stacks, each rank's once: only the ranks are asked for them (tests/mpi/conftest.py has faulthandler
-    print them, to the stderr pytest captures around its tests), not Open MPI's launcher and daemons,
-    which would pass the signal on to the ranks again. Then no rank is left."""
-    suite = os.path.join(os.path.dirname(HERE), "mpi", "hang_suite.py")
+def _failure_of(launch):
+    """The text a launch expected to fail its test (pytest.fail) fails it with."""
     with pytest.raises(pytest.fail.Exception) as failed:
-        run_pytest(2, suite, timeout=12)
-    said = launcher_output(str(failed.value))
-    assert "the job still ran after 12 s (killed)" in said and "2 of its processes were asked" in said, said
-    stacks = said.split("--- the ranks' threads' stacks at the timeout:")[1]
-    assert len(re.findall(r"Current thread 0x", stacks)) == 2, stacks
-    assert len(re.findall(r'hang_suite.py", line \d+ in test_waits_for_ever', stacks)) == 2, stacks
-    assert len(re.findall(r'threading.py", line \d+ in wait', stacks)) >= 2, stacks
-    if under_open_mpi():
-        for rank in (0, 1):
-            assert f"[1,{rank}]<stderr>: Current thread" in stacks, stacks
-    assert not subprocess.run(["pgrep", "-f", suite], capture_output=True).stdout, "a rank outlived the timeout"
+        launch()
+    return launcher_output(str(failed.value))
+
+
+def test_a_launch_past_its_timeout_shows_where_each_rank_waited():
+    """A suite's launch past its timeout (tests/mpirun.py: run_pytest), and a fault script's (run_job),
+    fail with every rank's threads' stacks, each rank's once: only the ranks are asked for them, not Open
+    MPI's launcher and daemons, which would pass the signal on to the ranks again. A suite's ranks print
+    them by faulthandler (tests/mpi/conftest.py, to the stderr pytest captures around its tests); a
+    script's by the engine's own SIGUSR1 dump, its flight recorders after them. Then no rank is left.
+    (The two launches run side by side: they only wait.)"""
+    suite = os.path.join(os.path.dirname(HERE), "mpi", "hang_suite.py")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        suite_failed = pool.submit(_failure_of, lambda: run_pytest(2, suite, timeout=12))
+        script_failed = pool.submit(_failure_of, lambda: launch("stalled.py", 2, 12, ENGINE_TIMEOUT="600"))
+        for said, frame in ((suite_failed.result(), r'hang_suite.py", line \d+ in test_waits_for_ever'),
+                            (script_failed.result(), r'stalled.py", line \d+ in <module>')):
+            assert "the job still ran after 12 s (killed)" in said and "2 of its processes were asked" in said, said
+            stacks = said.split("--- the ranks' threads' stacks at the timeout:")[1]
+            assert len(re.findall(r"Current thread 0x", stacks)) == 2, stacks
+            assert len(re.findall(frame, stacks)) == 2, stacks
+            assert len(re.findall(r'threading.py", line \d+ in wait', stacks)) >= 2, stacks
+            if under_open_mpi():
+                for rank in (0, 1):
+                    assert f"[1,{rank}]<stderr>: Current thread" in stacks, stacks
+    said = script_failed.result()
+    assert "rank 0: made" in said and "rank 1: made" in said, said
+    assert re.search(r"flight recorder of group '[^']*', rank 0 of 2: SIGUSR1", said), said
+    assert re.search(r"engine:   #1 +allreduce +4 float32 .* running$", said, re.M), said
+    for path in (suite, os.path.join(HERE, "stalled.py")):
+        assert not subprocess.run(["pgrep", "-f", path], capture_output=True).stdout, "a rank outlived the timeout"
