@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import torchrun
 from mpirun import (launcher_output, mpi_env, mpiexec_command, run_job, run_launcher, run_pytest, running,
                     under_open_mpi)
 
@@ -838,27 +839,32 @@ def _failure_of(launch):
 
 
 def test_a_launch_past_its_timeout_shows_where_each_rank_waited():
-    """A suite's launch past its timeout (tests/mpirun.py: run_pytest), and a fault script's (run_job),
-    fail with every rank's threads' stacks, each rank's once: only the ranks are asked for them, not Open
-    MPI's launcher and daemons, which would pass the signal on to the ranks again. A suite's ranks print
-    them by faulthandler (tests/mpi/conftest.py, to the stderr pytest captures around its tests); a
-    script's by the engine's own SIGUSR1 dump, its flight recorders after them. Then no rank is left.
-    (The two launches run side by side: they only wait.)"""
+    """A suite's launch past its timeout (tests/mpirun.py: run_pytest; under torchrun too), and a fault
+    script's (run_job), fail with every rank's threads' stacks, each rank's once: only the ranks are
+    asked for them, not Open MPI's launcher and daemons, which would pass the signal on to the ranks
+    again, nor torchrun's agent. A suite's ranks print them by faulthandler (tests/mpi/conftest.py, to
+    the stderr pytest captures around its tests); a script's by the engine's own SIGUSR1 dump, its
+    flight recorders after them. Then no rank is left. (The three launches run side by side: they only
+    wait.)"""
     suite = os.path.join(os.path.dirname(HERE), "mpi", "hang_suite.py")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        suite_failed = pool.submit(_failure_of, lambda: run_pytest(2, suite, timeout=12))
-        script_failed = pool.submit(_failure_of, lambda: launch("stalled.py", 2, 12, ENGINE_TIMEOUT="600"))
-        for said, frame in ((suite_failed.result(), r'hang_suite.py", line \d+ in test_waits_for_ever'),
-                            (script_failed.result(), r'stalled.py", line \d+ in <module>')):
+    in_suite, in_script = r'hang_suite.py", line \d+ in test_waits_for_ever', r'stalled.py", line \d+ in <module>'
+    mpi_tag = "[1,{rank}]<stderr>: " if under_open_mpi() else ""
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        launches = [(pool.submit(_failure_of, lambda: run_pytest(2, suite, timeout=12)), in_suite, mpi_tag),
+                    (pool.submit(_failure_of, lambda: torchrun.run_pytest(2, suite, timeout=12)), in_suite,
+                     "[default{rank}]:"),
+                    (pool.submit(_failure_of, lambda: launch("stalled.py", 2, 12, ENGINE_TIMEOUT="600")),
+                     in_script, mpi_tag)]
+        for failed, frame, tag in launches:
+            said = failed.result()
             assert "the job still ran after 12 s (killed)" in said and "2 of its processes were asked" in said, said
             stacks = said.split("--- the ranks' threads' stacks at the timeout:")[1]
             assert len(re.findall(r"Current thread 0x", stacks)) == 2, stacks
             assert len(re.findall(frame, stacks)) == 2, stacks
             assert len(re.findall(r'threading.py", line \d+ in wait', stacks)) >= 2, stacks
-            if under_open_mpi():
-                for rank in (0, 1):
-                    assert f"[1,{rank}]<stderr>: Current thread" in stacks, stacks
-    said = script_failed.result()
+            for rank in (0, 1):
+                assert tag.format(rank=rank) + "Current thread" in stacks, stacks
+    said = launches[2][0].result()
     assert "rank 0: made" in said and "rank 1: made" in said, said
     assert re.search(r"flight recorder of group '[^']*', rank 0 of 2: SIGUSR1", said), said
     assert re.search(r"engine:   #1 +allreduce +4 float32 .* running$", said, re.M), said

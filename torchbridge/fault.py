@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
