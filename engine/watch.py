@@ -667,16 +667,30 @@ class _Registry:
 _registry = _Registry()
 
 
+def _caught_below_python(signum):
+    """Whether the process catches `signum` by a handler Python's signal module doesn't know of (one of
+    faulthandler's, or a C library's): its SigCgt mask in /proc (False where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
 def _install_dump_signal():
     """SIGUSR1 prints every thread's stack and dumps every flight recorder to stderr (only if the program
-    has not claimed SIGUSR1). The stacks come from faulthandler's C handler, at once, even while a thread
-    waits where Python's handlers can't run (another library's wait, MPI_Finalize); it then passes the
-    signal on to Python's handler, which dumps the recorders once the main thread runs Python again."""
+    has not claimed SIGUSR1, in Python or below it). The stacks come from faulthandler's C handler, at
+    once, even while a thread waits where Python's handlers can't run (another library's wait,
+    MPI_Finalize); it then passes the signal on to Python's handler, which dumps the recorders once the
+    main thread runs Python again."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or threading.current_thread() is not threading.main_thread():
         return
     try:
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None) and not _caught_below_python(sig):
             signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in _registry.snapshot()])
             faulthandler.register(sig, file=2, all_threads=True, chain=True)
     except (ValueError, OSError, RuntimeError):
