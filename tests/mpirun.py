@@ -66,7 +66,8 @@ _RECORDER_LINE = re.compile(r"^.*engine:   #\d+ (?!.* running$).*$\n?", re.M)
 # faulthandler's lines (a thread's header, then its frames), from ranks asked for their stacks.
 _STACK_LINE = re.compile(r'^.*(?:(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):'
                          r'|  File ".*", line \d+ in ).*$', re.M)
-_RUNNER_FRAME = re.compile(r'  File ".*(?:/_pytest/|/pluggy/|/pytest/__main__.py|<frozen runpy>)')
+_RUNNER_FRAME = re.compile(r'  File ".*(?:/_pytest/|/pluggy/|/pytest/__main__.py|<frozen runpy>'
+                           r'|<frozen importlib\._bootstrap)')
 _ERROR_LINE = re.compile(r"^.*(?:\bE {2,}\S|\bFAILED\b|\bERROR\b|Timed out after|Traceback).*$", re.M)
 
 
@@ -93,7 +94,8 @@ def timed_out_report(hung):
     """A TimeoutExpired from run_launcher as an assertion's text: suite_report, then the threads' stacks
     the ranks printed when asked (ask_for_stacks; at most 40,000 characters)."""
     out, err = _decoded(hung)
-    # (each rank's lines together, in the order it wrote them; pytest's, pluggy's and runpy's frames left out)
+    # (each rank's lines together, in the order it wrote them; pytest's, pluggy's, runpy's and the import
+    # machinery's frames left out)
     lines = [m.group(0) for m in _STACK_LINE.finditer(out + "\n" + err) if not _RUNNER_FRAME.search(m.group(0))]
     stacks = "\n".join(sorted(lines, key=lambda line: re.match(r"\[[^\]]*\]|", line).group(0)))
     return (f"the job still ran after {hung.timeout} s (killed)\n" + suite_report(out, err)
@@ -369,12 +371,12 @@ def job_processes(leader):
     return found
 
 
-def run_job(cmd, timeout, env, what):
+def run_job(cmd, timeout, env, what, cwd=None):
     """run_launcher for a test: a job still running at the timeout is killed whole, ranks included, and
     fails the test (named by `what`) with what its ranks wrote. A job that outlived a rank's MPI_Abort
     (killed, judged by what its ranks wrote) warns, naming what stayed."""
     try:
-        done = run_launcher(cmd, timeout, env=env)
+        done = run_launcher(cmd, timeout, env=env, cwd=cwd)
         if done.abort_stalled:
             warnings.warn(f"{what}: the job outlived a rank's MPI_Abort by {LAUNCHER_ABORT_STALL_S:g} s and was "
                           f"killed{done.abort_stalled}")

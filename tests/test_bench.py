@@ -313,8 +313,8 @@ def test_two_shot_floor_builds_runs_and_checks_its_result():
 def test_init_times_each_backends_world_making_with_its_result_checked():
     """python -m bench init: 3 spawned ranks make a world over tcp:// on each backend in turn, each
     round's all_reduce checked; one row a backend."""
-    out = subprocess.run([sys.executable, "-m", "bench", "init", "--ranks", "3", "--rounds", "2", "--late-ms", "5", "--backends",
-                          "engine,gloo"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_launcher([sys.executable, "-m", "bench", "init", "--ranks", "3", "--rounds", "2", "--late-ms", "5",
+                        "--backends", "engine,gloo"], 300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
     assert [r[0] for r in rows] == ["engine", "gloo"], out.stdout
@@ -327,8 +327,8 @@ def test_init_times_a_reconfigure_where_torch_has_one():
     reconfigure each backend's world onto the same members, the round's all_reduce checked; on an
     older torch it refuses, naming the need."""
     import torch.distributed as dist
-    out = subprocess.run([sys.executable, "-m", "bench", "init", "--ranks", "2", "--rounds", "1", "--reconfigure"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_launcher([sys.executable, "-m", "bench", "init", "--ranks", "2", "--rounds", "1", "--reconfigure"], 300,
+                       cwd=ROOT)
     if hasattr(dist, "_reconfigure"):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert out.stdout.startswith("# dist._reconfigure onto the same members, 2 ranks"), out.stdout
@@ -343,7 +343,7 @@ def test_init_times_a_reconfigure_where_torch_has_one():
 def test_init_names_a_rank_that_exits():
     """A rank that exits (here: a backend torch doesn't know) ends python -m bench init at once, naming
     it, where the others' results were awaited for minutes."""
-    out = subprocess.run([sys.executable, "-m", "bench", "init", "--ranks", "2", "--rounds", "1", "--backends",
-                          "engine,nosuch"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_launcher([sys.executable, "-m", "bench", "init", "--ranks", "2", "--rounds", "1", "--backends",
+                        "engine,nosuch"], 120, cwd=ROOT)
     assert out.returncode == 1 and re.search(r"python -m bench init: rank [01] exited with 1 before its results were "
                                              r"in \(its error is above\)", out.stderr), out.stderr[-3000:]

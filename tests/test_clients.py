@@ -11,12 +11,11 @@ missing one fails its test, naming the install command."""
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from mpirun import kill_job, mpi_env, mpiexec_command
+from mpirun import mpi_env, mpiexec_command, run_job
 from torchrun import clean_env, free_port, torchrun_command
 
 CLIENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clients")
@@ -39,15 +38,12 @@ def needs(*modules, requirements="requirements-clients.txt", make="make setup"):
 
 
 def run(cmd, cwd, env, timeout=300):
-    """The command's output; it must exit 0. Killed whole (launcher and ranks) at the timeout."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONWARNINGS": "ignore::FutureWarning"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        kill_job(proc.pid)
-        pytest.fail(f"{' '.join(cmd)} still ran after {timeout} s (killed)\n{proc.communicate()[0][-5000:]}")
-    assert proc.returncode == 0, out[-8000:]
+    """The command's output, its stdout then its stderr; it must exit 0. A job past its timeout is killed
+    whole (launcher and ranks) and fails the test with what its ranks wrote and where they waited
+    (tests/mpirun.py: run_job)."""
+    done = run_job(cmd, timeout, {**env, "PYTHONWARNINGS": "ignore::FutureWarning"}, " ".join(map(str, cmd)), cwd=cwd)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-8000:]
     return out
 
 

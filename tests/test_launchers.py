@@ -3,7 +3,6 @@ store and talk through shared memory; MPI is never imported), and torch's own te
 
 import os
 import re
-import subprocess
 import sys
 from importlib.metadata import version
 
@@ -127,8 +126,8 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly_on_every_rank():
 
 
 def test_ddp_over_mp_spawn_trains_like_one_process():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ddp_exact.py"), "--ranks", "3"],
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launcher([sys.executable, os.path.join(ROOT, "examples", "ddp_exact.py"), "--ranks", "3"], 300,
+                        env=clean_env())
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     assert "DDP over 3 spawned processes (shm), 20 steps" in proc.stdout, proc.stdout
 
@@ -153,8 +152,7 @@ TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_broadcast", "test_reduce_sum"
 
 def test_torch_distributed_suite_subset_with_gates_open():
     ids = [f"{os.path.join(HERE, 'torch_suite.py')}::TestDistBackendWithFork::{name}" for name in TORCH_SUITE_SUBSET]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ids],
-                          env=clean_env(TORCH_SUITE_GATES="open", WORLD_SIZE="3"), capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+    proc = run_launcher([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ids], 900,
+                        env=clean_env(TORCH_SUITE_GATES="open", WORLD_SIZE="3"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     assert f"{len(TORCH_SUITE_SUBSET)} passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]

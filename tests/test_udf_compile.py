@@ -16,6 +16,7 @@ pytest.importorskip("numba")
 
 import engine
 from engine.kernels import reduce_into
+from mpirun import run_launcher
 
 
 def reduced(op, a, b):
@@ -346,7 +347,7 @@ def test_threads_forking_at_once_while_ops_are_made_each_hold_and_release_their_
     held locks for every thread: one thread's release loop popped a lock another had just taken
     ("cannot release un-acquired lock", leaving it held), and a set of ops changed by another thread
     could break the hook's walk over it."""
-    proc = subprocess.run([sys.executable, "-c", FORKING_THREADS], capture_output=True, text=True, timeout=120)
+    proc = run_launcher([sys.executable, "-c", FORKING_THREADS], 120)   # (a fork that hung is killed with it)
     assert proc.stdout == "forks done\n" and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
 
 
