@@ -42,9 +42,8 @@ def run(cmd, cwd, env, timeout=300):
     whole (launcher and ranks) and fails the test with what its ranks wrote and where they waited
     (tests/mpirun.py: run_job)."""
     done = run_job(cmd, timeout, {**env, "PYTHONWARNINGS": "ignore::FutureWarning"}, " ".join(map(str, cmd)), cwd=cwd)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-8000:]
-    return out
+    assert done.returncode == 0, done.stdout[-4000:] + "\n" + done.stderr[-4000:]
+    return done.stdout + "\n" + done.stderr
 
 
 def differences(out):
