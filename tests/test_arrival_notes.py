@@ -723,6 +723,8 @@ DUMP_ON_SIGNAL = """
 import faulthandler, os, signal, sys
 if sys.argv[1] == "theirs":   # (the program's own faulthandler on SIGUSR1, which Python's signal module can't see)
     faulthandler.register(signal.SIGUSR1, file=open(sys.argv[2], "w"), all_threads=False)
+elif sys.argv[1] == "ignored":
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 import engine
 world = engine.world()   # (alone)
 os.kill(os.getpid(), signal.SIGUSR1)
@@ -732,21 +734,23 @@ world.free()
 """
 
 
-@pytest.mark.parametrize("claimed", [False, True])
+@pytest.mark.parametrize("claimed", ["engine's", "theirs", "ignored"])
 def test_sigusr1_prints_the_stacks_and_the_recorders_unless_the_program_claimed_it(tmp_path, claimed):
     """SIGUSR1 prints every thread's stack (the watchdog's too), then the flight recorders, to stderr
     (engine/watch.py: _install_dump_signal). A program that catches SIGUSR1 itself keeps it, even where
-    Python's signal module does not know of its handler (faulthandler's own, here): the engine's dump
-    stays out of its way."""
+    Python's signal module does not know of its handler (faulthandler's own, here), and one that ignores
+    it keeps that: the engine's dump stays out of its way."""
     theirs = tmp_path / "theirs.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
-    proc = subprocess.run([sys.executable, "-c", DUMP_ON_SIGNAL, "theirs" if claimed else "engine's", str(theirs)],
+    proc = subprocess.run([sys.executable, "-c", DUMP_ON_SIGNAL, claimed, str(theirs)],
                           capture_output=True, text=True, timeout=60, env={**env, "WORLD_SIZE": ""})
     assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
-    if claimed:
-        assert 'File "<string>", line 7 in <module>' in theirs.read_text() and not proc.stderr, proc.stderr
+    if claimed == "theirs":
+        assert 'File "<string>", line 9 in <module>' in theirs.read_text() and not proc.stderr, proc.stderr
+    elif claimed == "ignored":
+        assert not proc.stderr, proc.stderr
     else:
-        assert re.search(r'Current thread 0x[0-9a-f]+ \(most recent call first\):\n  File "<string>", line 7 in '
+        assert re.search(r'Current thread 0x[0-9a-f]+ \(most recent call first\):\n  File "<string>", line 9 in '
                          r"<module>", proc.stderr), proc.stderr
         assert re.search(r'File ".*engine/watch.py", line \d+ in _watchdog', proc.stderr), proc.stderr
         assert proc.stderr.index("Current thread") < proc.stderr.index("engine: flight recorder of group"), proc.stderr
