@@ -667,11 +667,12 @@ class _Registry:
 _registry = _Registry()
 
 
-def _caught_below_python(signum):
-    """Whether the process catches `signum` by a handler Python's signal module doesn't know of (one of
-    faulthandler's, or a C library's): its SigCgt mask in /proc (False where there is none)."""
+def catches(signum, pid="self"):
+    """Whether process `pid` catches `signum` by a handler of its own, its SigCgt mask in /proc (False
+    where there is none, or the process is gone). For this process it sees handlers Python's signal
+    module doesn't know of too: faulthandler's, a C library's. (tests/mpirun.py asks it of the ranks.)"""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("SigCgt:"):
                     return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
@@ -690,7 +691,7 @@ def _install_dump_signal():
     if sig is None or threading.current_thread() is not threading.main_thread():
         return
     try:
-        if signal.getsignal(sig) in (signal.SIG_DFL, None) and not _caught_below_python(sig):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None) and not catches(sig):
             signal.signal(sig, lambda *_: [watch.dump("SIGUSR1") for watch in _registry.snapshot()])
             faulthandler.register(sig, file=2, all_threads=True, chain=True)
     except (ValueError, OSError, RuntimeError):

@@ -224,15 +224,6 @@ def _job(leader):
     return found
 
 
-def _catches(pid, signum):
-    """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    return False
-
-
 def ask_for_stacks(leader):
     """Send each Python process of the job `leader` leads that catches STACKS_SIGNAL that signal (the
     suites' ranks: tests/mpi/conftest.py has faulthandler print every thread's stack on it), and each
@@ -240,13 +231,14 @@ def ask_for_stacks(leader):
     stack and the flight recorders; a script of tests/faults/ that catches it to abort its group aborts,
     as the job is about to be killed anyway). None else: a signal not caught ends the process, and Open
     MPI's launcher and daemons catch both to pass them on to the ranks. Returns their pids."""
+    from engine.watch import catches   # (here: the harness imports no engine until a job is past its time)
     python, asked = os.path.realpath(sys.executable), []
     for pid in sorted(_job(leader)):
         try:
             if os.path.realpath(f"/proc/{pid}/exe") != python:
                 continue
             for signum in (STACKS_SIGNAL, signal.SIGUSR1):
-                if _catches(pid, signum):
+                if catches(signum, pid):
                     os.kill(pid, signum)
                     asked.append(pid)
                     break

@@ -16,6 +16,7 @@ import pytest
 from engine._core import (DTYPE_NAMES, OP_KIND_NAMES, OP_NAMES, EngineMismatch, EnginePeerLost, EngineTimeout,
                           describe_call)
 from engine.watch import Watch
+from torchrun import clean_env
 
 
 class Store:
@@ -741,9 +742,8 @@ def test_sigusr1_prints_the_stacks_and_the_recorders_unless_the_program_claimed_
     Python's signal module does not know of its handler (faulthandler's own, here), and one that ignores
     it keeps that: the engine's dump stays out of its way."""
     theirs = tmp_path / "theirs.txt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
     proc = subprocess.run([sys.executable, "-c", DUMP_ON_SIGNAL, claimed, str(theirs)],
-                          capture_output=True, text=True, timeout=60, env={**env, "WORLD_SIZE": ""})
+                          capture_output=True, text=True, timeout=60, env=clean_env(WORLD_SIZE=""))
     assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
     if claimed == "theirs":
         assert 'File "<string>", line 9 in <module>' in theirs.read_text() and not proc.stderr, proc.stderr
