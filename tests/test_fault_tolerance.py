@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import time
+import unittest
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -30,6 +31,7 @@ from forked_ranks import ForkedRanks
 from mpirun import run_launcher
 
 HAS_RECONFIGURE = hasattr(dist, "_reconfigure")
+TORCH = tuple(map(int, torch.__version__.split(".")[:2]))
 WORLD = 3
 
 
@@ -39,10 +41,11 @@ class FaultToleranceScenarios(ForkedRanks):
 
     # -- helpers (each runs in every spawned rank) --
 
-    def _init(self):
+    def _init(self, reconfigurable=True, **kwargs):
         os.environ["ENGINE_TRANSPORT"] = self.transport
         self.store = dist.FileStore(self.file_name, self.world_size)
-        kwargs = {"enable_reconfigure": True} if HAS_RECONFIGURE else {}
+        if HAS_RECONFIGURE and reconfigurable:
+            kwargs["enable_reconfigure"] = True
         dist.init_process_group("engine", world_size=self.world_size, rank=self.rank, store=self.store,
                                 timeout=timedelta(seconds=30), **kwargs)
         self.pg = dist.distributed_c10d._get_default_group()
@@ -212,6 +215,26 @@ class FaultToleranceScenarios(ForkedRanks):
         self._sum_is(sum(range(1, 3)), pg=sub)
         dist.destroy_process_group(sub)
         dist.destroy_process_group()
+
+    @unittest.skipIf(TORCH < (2, 15), "torch binds a world to an accelerator only, which this machine lacks")
+    def test_new_groups_of_a_world_bound_to_a_device(self):
+        """init_process_group(..., device_id=...): torch then offers new_group the world's backend to split
+        from, and from torch 2.14 on puts it in the new group's backend options, which take only a C++
+        Backend: every member failed (TypeError), while the rank outside went on. (torch 2.13 and 2.14
+        take only an accelerator there; torch 2.15 a CPU too.)"""
+        self._init(reconfigurable=False, device_id=torch.device("cpu", 0))
+        self.assertEqual(self.pg.bound_device_id, torch.device("cpu", 0))
+        pair = dist.new_group([0, 2])
+        if self.rank == 1:
+            self.assertIs(pair, dist.GroupMember.NON_GROUP_MEMBER)
+        else:
+            self._sum_is(1 + 2, pg=pair)
+            dist.destroy_process_group(pair)
+        everyone = dist.new_group(use_local_synchronization=True)
+        self._sum_is(sum(range(1, WORLD + 1)), pg=everyone)
+        split = dist.split_group(split_ranks=[[0, 1], [2]])
+        self._sum_is(1 + 2 if self.rank < 2 else 1, pg=split)
+        self._finish("bound_done")
 
     def test_abort_ends_a_blocked_call_within_a_second_then_reconfigure_recovers(self):
         self._reconfigured("abort", 1200)
@@ -888,7 +911,7 @@ def test_a_process_that_replaced_a_dead_rank_meets_the_others_in_the_groups_stor
     proc = run_launcher([sys.executable, script, transport], 300)
     out = proc.stdout + proc.stderr
     done = re.findall(r"rank (\d) (\w+): ok", out)
-    splits = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15)   # (torch 2.14 splits no CPU group)
+    splits = TORCH >= (2, 15)   # (torch 2.14 splits no CPU group)
     calls = ("monitored_barrier", "new_group", "shrink_group", "new_group_after_shrink", "world_made_again") + (
         ("split_group",) if splits else ())
     assert sorted(done) == sorted((str(r), call) for r in range(3) for call in calls), out[-5000:]
@@ -1427,11 +1450,11 @@ def test_the_hub_is_the_first_member_other_hosts_reach_and_another_hosts_loopbac
 
 
 def test_a_group_made_with_a_device_id_is_bound_to_it():
-    """init_process_group("engine", device_id=torch.device("cuda", i)) (torch refuses a CPU one): torch
-    calls eager_connect_single_device on a backend that splits (this one: AttributeError, the group
-    not made) and binds the device on a ProcessGroup it then drops for this one (bound_device_id stayed
-    None: split_group said "No device associated with the default pg"), after which new_group asks a
-    rank outside the new group to join the split (perform_nocolor_split)."""
+    """init_process_group("engine", device_id=torch.device("cuda", i)): torch calls
+    eager_connect_single_device on a backend that splits (this one: AttributeError, the group not made)
+    and binds the device on a ProcessGroup it then drops for this one (bound_device_id stayed None:
+    split_group said "No device associated with the default pg"). The new groups of such a world:
+    FaultToleranceScenarios.test_new_groups_of_a_world_bound_to_a_device."""
     from engine.communicator import Communicator
     from torchbridge.process_group import EngineProcessGroup
 
@@ -1441,7 +1464,6 @@ def test_a_group_made_with_a_device_id_is_bound_to_it():
         assert pg.supports_splitting and pg.bound_device_id is None
         pg.eager_connect_single_device(torch.device("cuda", 0))
         assert pg.bound_device_id == torch.device("cuda", 0)
-        pg.perform_nocolor_split(pg.bound_device_id)   # (new_group on a rank outside it, the world bound)
     finally:
         pg.shutdown()
 

@@ -119,6 +119,9 @@ class TorchHooks(ForkedRanks):
             self.assertFalse(dist._supports_window(engine))      # (asked of the group, not raised by torch)
             with self.assertRaisesRegex(RuntimeError, "backend 'engine' has no one-sided"):
                 dist._new_window(torch.zeros(2), group=engine)
+        with self.assertRaisesRegex(NotImplementedError, "time estimator is not supported"):
+            with dist.distributed_c10d._time_estimator(group=engine):
+                pass
         dist.destroy_process_group()
 
     def test_the_nan_check_refuses_a_nan_input_as_torch_does(self):

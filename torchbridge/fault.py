@@ -559,6 +559,23 @@ if _make_shrunk is not None:
     dist.distributed_c10d._create_shrunk_process_group = _shrunk_group
 
 
+_split_source = dist.distributed_c10d._get_split_source
+
+
+@functools.wraps(_split_source)
+def _no_engine_split_source(*args, **kwargs):
+    """torch's _get_split_source, which new_group asks once the world is bound to a device
+    (init_process_group(..., device_id=...)): never an engine group. torch would hand it to the new
+    group's backend options, whose split_from takes only a C++ Backend (torch 2.14 on: TypeError on
+    every member), and ask the ranks outside the new group to join a split. The engine makes the new
+    group among its members alone, through the store, as without device_id; split_group still splits."""
+    source = _split_source(*args, **kwargs)
+    return None if isinstance(source, FaultTolerance) else source
+
+
+dist.distributed_c10d._get_split_source = _no_engine_split_source
+
+
 def _run_abort_hooks(hooks, name, why):
     """The group's abort hooks, on abort() and when a failure (a timeout, a lost peer, a mismatch)
     leaves it unusable: torch's contract runs them "when a collective times out or fails", for a capture

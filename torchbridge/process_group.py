@@ -351,7 +351,7 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
     # next (monitored_barrier, supports_*) are here.
 
     supports_coalescing = False
-    supports_time_estimate = False
+    supports_time_estimate = _supports_time_estimate = False   # (torch 2.15 reads the second name)
     supports_window = False   # (torch 2.15's one-sided windows: NCCL's symmetric memory)
 
     def new_window(self, tensor=None):
@@ -401,11 +401,6 @@ class EngineProcessGroup(FaultTolerance, CollectiveHooks, dist.ProcessGroup):
         for this one, and asks a backend that splits to connect on it now. The binding is kept here; the
         CUDA side is made at the group's first CUDA call, as without device_id."""
         self.bound_device_id = torch.device(device)
-
-    def perform_nocolor_split(self, device):
-        """new_group on a rank outside it, where the world is bound to a device: torch asks a backend that
-        splits to join the split it makes (NCCL's ncclCommSplit takes every rank of the parent). The
-        engine makes a new group among its members alone: nothing to join."""
 
     @traced("monitored_barrier")
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
