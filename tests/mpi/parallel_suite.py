@@ -1,7 +1,8 @@
 """torch's parallelism on backend engine, each checked against the same model run whole in every
-process: DeviceMesh (1-D and 2-D), FSDP2 (fully_shard), tensor parallelism (parallelize_module),
-pipeline parallelism (torch.distributed.pipelining) and distributed checkpointing (DCP) of a sharded
-model.
+process: DeviceMesh (1-D and 2-D), FSDP2 (fully_shard, on a 1-D mesh and HSDP's 2-D one), FSDP1
+(FullyShardedDataParallel), ZeroRedundancyOptimizer under DDP, tensor parallelism (parallelize_module),
+pipeline parallelism (torch.distributed.pipelining: GPipe, interleaved 1F1B) and distributed
+checkpointing (DCP) of a sharded model.
 
 Not in the per-file glob of tests/test_mpi_suites.py (each case costs ~3 s of torch's own setup): that
 file and tests/test_launchers.py run it under mpiexec (shm at 3 ranks, MPI at 2) and torchrun (4 ranks,
@@ -81,6 +82,77 @@ def test_fsdp2_trains_like_one_process_on_the_full_batch():
         torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def train_on_my_rows(model, batches, opt):
+    for x, y in batches:
+        mine = slice(R * len(x) // P, (R + 1) * len(x) // P)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def trained_whole_with_adam(batches):
+    """The reference: the model (width 20, which 3 ranks don't divide) trained whole on every batch."""
+    whole = mlp(width=20)
+    opt = adam(whole)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(whole(x), y).backward()
+        opt.step()
+    return whole
+
+
+def test_hsdp_on_a_two_dimensional_mesh_trains_like_one_process_on_the_full_batch():
+    """FSDP2 replicated over the mesh's first dimension and sharded over its second (HSDP): 2x2 at 4
+    ranks, 2x1 at 2, 1x3 at 3; the widths (20) don't divide by 3, so the shards are padded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    batches = data(4)
+    whole = trained_whole_with_adam(batches)
+    replicas = 2 if P % 2 == 0 else 1
+    mesh = init_device_mesh("cpu", (replicas, P // replicas), mesh_dim_names=("replicate", "shard"))
+    model = mlp(width=20)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train_on_my_rows(model, batches, adam(model))
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp1_full_shard_trains_like_one_process_on_the_full_batch():
+    """FullyShardedDataParallel (FSDP1), each Linear wrapped, flat parameters padded to the ranks."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    batches = data(4)
+    whole = trained_whole_with_adam(batches)
+    model = FSDP(mlp(width=20), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    train_on_my_rows(model, batches, adam(model))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        state = model.state_dict()
+    for name, q in whole.state_dict().items():
+        torch.testing.assert_close(state[name], q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zero_redundancy_optimizer_under_ddp_trains_like_one_process_on_the_full_batch():
+    """ZeroRedundancyOptimizer: each rank steps its share of the parameters, then broadcasts them."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    batches = data(4)
+    whole = trained_whole_with_adam(batches)
+    model = torch.nn.parallel.DistributedDataParallel(mlp(width=20))
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    train_on_my_rows(model, batches, zero)
+    for (name, p), q in zip(model.module.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    zero.consolidate_state_dict(to=0)
+    if R == 0:
+        assert len(zero.state_dict()["state"]) == len(list(whole.parameters()))
+
+
 def test_tensor_parallel_mlp_matches_the_whole_one():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -116,6 +188,37 @@ def test_pipeline_stages_compute_the_whole_model():
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     else:
         schedule.step()
+    dist.barrier()
+
+
+@pytest.mark.skipif(P < 2, reason="a pipeline needs two or more ranks")
+def test_interleaved_1f1b_stages_give_the_whole_models_loss_and_gradients():
+    """Two stages a rank (rank r holds stages r and r + P), micro-batches sent both ways by
+    batch_isend_irecv: the loss, the output and every stage's gradients, against the whole model."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    stages = 2 * P
+
+    def layers():
+        torch.manual_seed(5)
+        return [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(stages)]
+
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(24, 8, generator=gen), torch.randn(24, 8, generator=gen)
+    whole = nn.Sequential(*layers())
+    want = nn.functional.mse_loss(whole(x), y)
+    want.backward()
+    mine = [R, R + P]
+    parts = layers()
+    schedule = ScheduleInterleaved1F1B([PipelineStage(parts[i], i, stages, torch.device("cpu")) for i in mine],
+                                       n_microbatches=2 * P, loss_fn=nn.functional.mse_loss)
+    losses = []
+    out = schedule.step(*((x,) if R == 0 else ()), **(dict(target=y, losses=losses) if R == P - 1 else {}))
+    if R == P - 1:
+        torch.testing.assert_close(torch.stack(losses).mean(), want.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, whole(x).detach(), rtol=1e-5, atol=1e-6)
+    for i in mine:
+        for (name, p), q in zip(parts[i].named_parameters(), whole[i].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"stage {i} {name}")
     dist.barrier()
 
 
