@@ -559,10 +559,9 @@ if _make_shrunk is not None:
     dist.distributed_c10d._create_shrunk_process_group = _shrunk_group
 
 
-_split_source = dist.distributed_c10d._get_split_source
+_split_source = getattr(dist.distributed_c10d, "_get_split_source", None)
 
 
-@functools.wraps(_split_source)
 def _no_engine_split_source(*args, **kwargs):
     """torch's _get_split_source, which new_group asks once the world is bound to a device
     (init_process_group(..., device_id=...)): never an engine group. torch would hand it to the new
@@ -573,7 +572,8 @@ def _no_engine_split_source(*args, **kwargs):
     return None if isinstance(source, FaultTolerance) else source
 
 
-dist.distributed_c10d._get_split_source = _no_engine_split_source
+if _split_source is not None:
+    dist.distributed_c10d._get_split_source = _no_engine_split_source
 
 
 def _run_abort_hooks(hooks, name, why):
