@@ -70,15 +70,21 @@ def check_compiled_batch_isend_irecv(rank, size):
 
 
 def train_compiled_ddp(rank, size):
-    net = DDP(common.model())
-    step = torch.compile(net, backend=BACKEND)
+    """DDP over the compiled model, which Dynamo's DDPOptimizer splits at DDP's buckets. (The other
+    form, torch.compile(DDP(model)), compiles nothing in torch 2.13-2.15: Dynamo breaks the graph at
+    DDP's logger and skips DDP's forward, so that model runs eagerly.)"""
+    from torch._dynamo.utils import counters
+    model = common.model()
+    net = DDP(torch.compile(model, backend=BACKEND))
     opt = torch.optim.SGD(net.parameters(), lr=common.LR)
+    counters.clear()
     for batch in common.batches():
         x, y = common.shard(batch, rank, size)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(step(x), y).backward()
+        torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
-    return [p.detach().clone() for p in net.module.parameters()]
+    assert counters["stats"]["unique_graphs"] >= 1, f"nothing was compiled: {dict(counters['graph_break'])}"
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def main():

@@ -42,12 +42,17 @@ def test_ddp_trains_like_one_process_on_the_full_batches():
 
 def test_compiled_ddp_trains_like_one_process_on_the_full_batches():
     import torch._dynamo
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
+    counters.clear()
     # bucket_cap_mb 1 (torch's DDPOptimizer refuses less than its first bucket's 1 MiB): the gradients
-    # fill several buckets, so the graph is split and each bucket's all_reduce is issued from compiled code
-    net = torch.compile(DDP(wide(), bucket_cap_mb=1),
-                        backend=os.environ.get("ENGINE_CLIENTS_COMPILE_BACKEND", "inductor"))
+    # fill several buckets, so the graph is split and each bucket's all_reduce is issued as its part of
+    # the backward is done. DDP over the compiled model: torch.compile(DDP(model)) compiles nothing in
+    # torch 2.13-2.15 (Dynamo breaks the graph at DDP's logger and skips DDP's forward).
+    net = DDP(torch.compile(wide(), backend=os.environ.get("ENGINE_CLIENTS_COMPILE_BACKEND", "inductor")),
+              bucket_cap_mb=1)
     params = ddp_exact.train(net, ddp_exact.batches(STEPS), shard=(R, P))
+    assert counters["stats"]["unique_graphs"] >= 1, f"nothing was compiled: {dict(counters['graph_break'])}"
     assert worst_difference(params, wide) <= 1e-12
     if R == 0:
         print(f"compiled DDP over {P} ranks ({dist.distributed_c10d._get_default_group().communicator.transport}) "
