@@ -48,46 +48,18 @@ def test_device_mesh_groups_reduce_over_their_ranks():
         assert torch.equal(t, torch.full((3,), float(col + (col + P // 2))))
 
 
-def train_whole(model, batches, lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def train(model, batches, opt=None, whole=True):
+    """opt's steps (SGD's by default) on each batch whole, or on this rank's equal share of its rows
+    (48 rows, P in 1..4), whose gradients DDP and FSDP average into the whole batch's."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in batches:
+        if not whole:
+            mine = slice(R * len(x) // P, (R + 1) * len(x) // P)
+            x, y = x[mine], y[mine]
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return model
-
-
-def test_fsdp2_trains_like_one_process_on_the_full_batch():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    batches = data(4)
-    ref = train_whole(mlp(), batches)
-    model = mlp()
-    mesh = init_device_mesh("cpu", (P,))
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    # FSDP2 then asks the group's backend whether it allocates the staging buffers
-    # (backend.supports_tensor_alloc(device)); the DCP test below keeps FSDP2's default
-    for module in (model[0], model[2], model[4]):
-        module.set_allocate_memory_from_process_group_for_comm(True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x, y in batches:
-        mine = slice(R * len(x) // P, (R + 1) * len(x) // P)  # equal shares: 48 rows, P in 1..4
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()  # FSDP averages the gradients
-        opt.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        full = p.full_tensor()
-        torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def train_on_my_rows(model, batches, opt):
-    for x, y in batches:
-        mine = slice(R * len(x) // P, (R + 1) * len(x) // P)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
 
 
 def adam(model):
@@ -97,12 +69,27 @@ def adam(model):
 def trained_whole_with_adam(batches):
     """The reference: the model (width 20, which 3 ranks don't divide) trained whole on every batch."""
     whole = mlp(width=20)
-    opt = adam(whole)
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(whole(x), y).backward()
-        opt.step()
-    return whole
+    return train(whole, batches, adam(whole))
+
+
+def test_fsdp2_trains_like_one_process_on_the_full_batch():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    batches = data(4)
+    ref = train(mlp(), batches)
+    model = mlp()
+    mesh = init_device_mesh("cpu", (P,))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # FSDP2 then asks the group's backend whether it allocates the staging buffers
+    # (backend.supports_tensor_alloc(device)); the DCP test below keeps FSDP2's default
+    for module in (model[0], model[2], model[4]):
+        module.set_allocate_memory_from_process_group_for_comm(True)
+    train(model, batches, whole=False)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = p.full_tensor()
+        torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_hsdp_on_a_two_dimensional_mesh_trains_like_one_process_on_the_full_batch():
@@ -118,7 +105,7 @@ def test_hsdp_on_a_two_dimensional_mesh_trains_like_one_process_on_the_full_batc
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    train_on_my_rows(model, batches, adam(model))
+    train(model, batches, adam(model), whole=False)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -130,7 +117,7 @@ def test_fsdp1_full_shard_trains_like_one_process_on_the_full_batch():
     batches = data(4)
     whole = trained_whole_with_adam(batches)
     model = FSDP(mlp(width=20), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
-    train_on_my_rows(model, batches, adam(model))
+    train(model, batches, adam(model), whole=False)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                               FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
         state = model.state_dict()
@@ -145,7 +132,7 @@ def test_zero_redundancy_optimizer_under_ddp_trains_like_one_process_on_the_full
     whole = trained_whole_with_adam(batches)
     model = torch.nn.parallel.DistributedDataParallel(mlp(width=20))
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
-    train_on_my_rows(model, batches, zero)
+    train(model, batches, zero, whole=False)
     for (name, p), q in zip(model.module.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     zero.consolidate_state_dict(to=0)
