@@ -216,7 +216,7 @@ class FaultToleranceScenarios(ForkedRanks):
         dist.destroy_process_group(sub)
         dist.destroy_process_group()
 
-    @unittest.skipIf(TORCH < (2, 15), "torch binds a world to an accelerator only, which this machine lacks")
+    @unittest.skipIf(TORCH < (2, 15), "torch < 2.15 binds a world to an accelerator only")
     def test_new_groups_of_a_world_bound_to_a_device(self):
         """init_process_group(..., device_id=...): torch then offers new_group the world's backend to split
         from, and from torch 2.14 on puts it in the new group's backend options, which take only a C++
@@ -1453,8 +1453,10 @@ def test_a_group_made_with_a_device_id_is_bound_to_it():
     """init_process_group("engine", device_id=torch.device("cuda", i)): torch calls
     eager_connect_single_device on a backend that splits (this one: AttributeError, the group not made)
     and binds the device on a ProcessGroup it then drops for this one (bound_device_id stayed None:
-    split_group said "No device associated with the default pg"). The new groups of such a world:
-    FaultToleranceScenarios.test_new_groups_of_a_world_bound_to_a_device."""
+    split_group said "No device associated with the default pg"). Such a world's new_group never splits
+    the engine group (torch 2.14 on put it in options that take only a C++ Backend, torch 2.13 asked the
+    ranks outside to join the split): this, on every torch; torch 2.15, which binds a world to the CPU
+    too, makes the groups in FaultToleranceScenarios.test_new_groups_of_a_world_bound_to_a_device."""
     from engine.communicator import Communicator
     from torchbridge.process_group import EngineProcessGroup
 
@@ -1464,6 +1466,9 @@ def test_a_group_made_with_a_device_id_is_bound_to_it():
         assert pg.supports_splitting and pg.bound_device_id is None
         pg.eager_connect_single_device(torch.device("cuda", 0))
         assert pg.bound_device_id == torch.device("cuda", 0)
+        pg.eager_connect_single_device(torch.device("cpu", 0))   # (torch asks the bound device's backend)
+        split_source = dist.distributed_c10d._get_split_source
+        assert split_source(*((pg, "engine") if TORCH >= (2, 15) else (pg,))) is None
     finally:
         pg.shutdown()
 

@@ -60,7 +60,8 @@ def test_suites_under_mpiexec(transport, nranks):
 
 @pytest.mark.parametrize("transport,nranks", [("shm", 3), ("mpi", 2)])
 def test_torch_parallelism_under_mpiexec(transport, nranks):
-    """DeviceMesh, FSDP2, tensor and pipeline parallelism, DCP (tests/mpi/parallel_suite.py)."""
+    """DeviceMesh, FSDP2 (HSDP too), FSDP1, ZeRO, tensor and pipeline parallelism, DCP
+    (tests/mpi/parallel_suite.py)."""
     proc = run(nranks, [os.path.join(HERE, "mpi", "parallel_suite.py")], ENGINE_TRANSPORT=transport)
     assert_every_rank_passed(proc.stdout, nranks, skips=False)
 

@@ -559,7 +559,7 @@ if _make_shrunk is not None:
     dist.distributed_c10d._create_shrunk_process_group = _shrunk_group
 
 
-_split_source = getattr(dist.distributed_c10d, "_get_split_source", None)
+_torch_split_source = getattr(dist.distributed_c10d, "_get_split_source", None)
 
 
 def _no_engine_split_source(*args, **kwargs):
@@ -567,12 +567,13 @@ def _no_engine_split_source(*args, **kwargs):
     (init_process_group(..., device_id=...)): never an engine group. torch would hand it to the new
     group's backend options, whose split_from takes only a C++ Backend (torch 2.14 on: TypeError on
     every member), and ask the ranks outside the new group to join a split. The engine makes the new
-    group among its members alone, through the store, as without device_id; split_group still splits."""
-    source = _split_source(*args, **kwargs)
+    group among its members alone, as without device_id (through MPI under mpirun, else through the
+    store); split_group still splits."""
+    source = _torch_split_source(*args, **kwargs)
     return None if isinstance(source, FaultTolerance) else source
 
 
-if _split_source is not None:
+if _torch_split_source is not None:
     dist.distributed_c10d._get_split_source = _no_engine_split_source
 
 

@@ -1,6 +1,6 @@
 """Training across ranks ends exactly where one process on the full batches does (float64; the only
-difference allowed is the rounding of the gradient average's order): DDP, and DDP compiled with
-torch.compile (its graph broken at the buckets, each bucket's all_reduce issued from compiled code).
+difference allowed is the rounding of the gradient average's order): DDP, and DDP over a model
+compiled with torch.compile (its graph broken at the buckets by Dynamo's DDPOptimizer).
 FSDP2's check is tests/mpi/parallel_suite.py's. Runs under any launcher (tests/test_hosts.py: torchrun
 on each of two namespace hosts)."""
 

@@ -48,28 +48,19 @@ def test_device_mesh_groups_reduce_over_their_ranks():
         assert torch.equal(t, torch.full((3,), float(col + (col + P // 2))))
 
 
-def train(model, batches, opt=None, whole=True):
+def train(model, batches, opt=None, my_rows=False):
     """opt's steps (SGD's by default) on each batch whole, or on this rank's equal share of its rows
     (48 rows, P in 1..4), whose gradients DDP and FSDP average into the whole batch's."""
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+    if opt is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in batches:
-        if not whole:
+        if my_rows:
             mine = slice(R * len(x) // P, (R + 1) * len(x) // P)
             x, y = x[mine], y[mine]
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return model
-
-
-def adam(model):
-    return torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def trained_whole_with_adam(batches):
-    """The reference: the model (width 20, which 3 ranks don't divide) trained whole on every batch."""
-    whole = mlp(width=20)
-    return train(whole, batches, adam(whole))
 
 
 def test_fsdp2_trains_like_one_process_on_the_full_batch():
@@ -86,7 +77,7 @@ def test_fsdp2_trains_like_one_process_on_the_full_batch():
     # (backend.supports_tensor_alloc(device)); the DCP test below keeps FSDP2's default
     for module in (model[0], model[2], model[4]):
         module.set_allocate_memory_from_process_group_for_comm(True)
-    train(model, batches, whole=False)
+    train(model, batches, my_rows=True)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         full = p.full_tensor()
         torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -98,14 +89,14 @@ def test_hsdp_on_a_two_dimensional_mesh_trains_like_one_process_on_the_full_batc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     batches = data(4)
-    whole = trained_whole_with_adam(batches)
+    whole = train(mlp(width=20), batches)
     replicas = 2 if P % 2 == 0 else 1
     mesh = init_device_mesh("cpu", (replicas, P // replicas), mesh_dim_names=("replicate", "shard"))
     model = mlp(width=20)
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    train(model, batches, adam(model), whole=False)
+    train(model, batches, my_rows=True)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -115,9 +106,9 @@ def test_fsdp1_full_shard_trains_like_one_process_on_the_full_batch():
     from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     batches = data(4)
-    whole = trained_whole_with_adam(batches)
+    whole = train(mlp(width=20), batches)
     model = FSDP(mlp(width=20), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
-    train(model, batches, adam(model), whole=False)
+    train(model, batches, my_rows=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                               FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
         state = model.state_dict()
@@ -129,10 +120,11 @@ def test_zero_redundancy_optimizer_under_ddp_trains_like_one_process_on_the_full
     """ZeroRedundancyOptimizer: each rank steps its share of the parameters, then broadcasts them."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     batches = data(4)
-    whole = trained_whole_with_adam(batches)
+    whole = mlp(width=20)
+    train(whole, batches, torch.optim.Adam(whole.parameters(), lr=0.01))
     model = torch.nn.parallel.DistributedDataParallel(mlp(width=20))
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
-    train(model, batches, zero, whole=False)
+    train(model, batches, zero, my_rows=True)
     for (name, p), q in zip(model.module.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     zero.consolidate_state_dict(to=0)
