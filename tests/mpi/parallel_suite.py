@@ -63,13 +63,21 @@ def train(model, batches, opt=None, my_rows=False):
     return model
 
 
-def test_fsdp2_trains_like_one_process_on_the_full_batch():
+@pytest.mark.parametrize("mesh_dims", [1, 2])
+def test_fsdp2_trains_like_one_process_on_the_full_batch(mesh_dims):
+    """FSDP2 on a 1-D mesh of every rank, and on HSDP's 2-D one: replicated over its first dimension and
+    sharded over its second (2x2 at 4 ranks, 2x1 at 2, 1x3 at 3). The widths (16) don't divide by 3:
+    the shards are padded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     batches = data(4)
     ref = train(mlp(), batches)
     model = mlp()
-    mesh = init_device_mesh("cpu", (P,))
+    if mesh_dims == 1:
+        mesh = init_device_mesh("cpu", (P,))
+    else:
+        replicas = 2 if P % 2 == 0 else 1
+        mesh = init_device_mesh("cpu", (replicas, P // replicas), mesh_dim_names=("replicate", "shard"))
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -79,25 +87,6 @@ def test_fsdp2_trains_like_one_process_on_the_full_batch():
         module.set_allocate_memory_from_process_group_for_comm(True)
     train(model, batches, my_rows=True)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        full = p.full_tensor()
-        torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_hsdp_on_a_two_dimensional_mesh_trains_like_one_process_on_the_full_batch():
-    """FSDP2 replicated over the mesh's first dimension and sharded over its second (HSDP): 2x2 at 4
-    ranks, 2x1 at 2, 1x3 at 3; the widths (20) don't divide by 3, so the shards are padded."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    batches = data(4)
-    whole = train(mlp(width=20), batches)
-    replicas = 2 if P % 2 == 0 else 1
-    mesh = init_device_mesh("cpu", (replicas, P // replicas), mesh_dim_names=("replicate", "shard"))
-    model = mlp(width=20)
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    train(model, batches, my_rows=True)
-    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -148,34 +137,13 @@ def test_tensor_parallel_mlp_matches_the_whole_one():
     torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(P < 2, reason="a pipeline needs two or more stages (ranks)")
-def test_pipeline_stages_compute_the_whole_model():
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-    torch.manual_seed(5)
-    layers = [nn.Linear(8, 8) for _ in range(P)]  # stage r holds layer r
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
-    want = x
-    for layer in layers:
-        want = torch.tanh(layer(want))
-    stage_module = nn.Sequential(layers[R], nn.Tanh())
-    stage = PipelineStage(stage_module, R, P, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=4)
-    if R == 0:
-        schedule.step(x)
-    elif R == P - 1:
-        out = schedule.step()
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
-    else:
-        schedule.step()
-    dist.barrier()
-
-
 @pytest.mark.skipif(P < 2, reason="a pipeline needs two or more ranks")
-def test_interleaved_1f1b_stages_give_the_whole_models_loss_and_gradients():
-    """Two stages a rank (rank r holds stages r and r + P), micro-batches sent both ways by
+@pytest.mark.parametrize("schedule,per_rank", [("ScheduleGPipe", 1), ("ScheduleInterleaved1F1B", 2)])
+def test_pipeline_stages_give_the_whole_models_loss_and_gradients(schedule, per_rank):
+    """per_rank stages a rank (rank r holds stages r, r + P, ...), micro-batches sent both ways by
     batch_isend_irecv: the loss, the output and every stage's gradients, against the whole model."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-    stages = 2 * P
+    import torch.distributed.pipelining as pipelining
+    stages = per_rank * P
 
     def layers():
         torch.manual_seed(5)
@@ -186,12 +154,13 @@ def test_interleaved_1f1b_stages_give_the_whole_models_loss_and_gradients():
     whole = nn.Sequential(*layers())
     want = nn.functional.mse_loss(whole(x), y)
     want.backward()
-    mine = [R, R + P]
+    mine = list(range(R, stages, P))
     parts = layers()
-    schedule = ScheduleInterleaved1F1B([PipelineStage(parts[i], i, stages, torch.device("cpu")) for i in mine],
-                                       n_microbatches=2 * P, loss_fn=nn.functional.mse_loss)
+    made = [pipelining.PipelineStage(parts[i], i, stages, torch.device("cpu")) for i in mine]
+    run = getattr(pipelining, schedule)(made if per_rank > 1 else made[0], n_microbatches=2 * P,
+                                        loss_fn=nn.functional.mse_loss)
     losses = []
-    out = schedule.step(*((x,) if R == 0 else ()), **(dict(target=y, losses=losses) if R == P - 1 else {}))
+    out = run.step(*((x,) if R == 0 else ()), **(dict(target=y, losses=losses) if R == P - 1 else {}))
     if R == P - 1:
         torch.testing.assert_close(torch.stack(losses).mean(), want.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out, whole(x).detach(), rtol=1e-5, atol=1e-6)
